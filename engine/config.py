@@ -1,0 +1,78 @@
+"""Engine configuration: one frozen dataclass, validated once where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["colocated", "prefill", "decode"]
+
+MODES: tuple[str, ...] = ("colocated", "prefill", "decode")
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an ``LLMEngine`` needs, fixed for its lifetime.
+
+    Attributes:
+        model: model name understood by ``engine.model.load_model`` (``"smollm2"``).
+        mode: ``"colocated"`` (prefill + decode), ``"prefill"`` (prompt only, KV kept for transfer) or
+            ``"decode"`` (continues requests whose prompt KV arrived from a prefill engine).
+        page_size: tokens per KV page.
+        num_pages: KV pool size in pages; exclusive with ``kv_cache_bytes``.
+        kv_cache_bytes: KV pool size in bytes (rounded down to whole pages); used when ``num_pages`` is None,
+            default 512 MiB.
+        chunk_size: most prompt tokens of one request in one step (chunked prefill).
+        max_num_batched_tokens: per-step token budget over all requests (decode tokens + prefill chunks).
+        max_running_requests: most requests admitted (holding pages and scheduled) at once.
+        max_model_len: longest prompt + max_tokens accepted; None = the model's context length.
+        num_threads: ``torch.set_num_threads`` at engine start.
+        device: torch device string (``"cpu"``, ``"cuda:0"``).
+        dtype: weights and KV dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``).
+        seed: seeds the engine's generator used by requests that give no seed of their own.
+        cache_dir: where the model loader keeps its converted weights; None = its default.
+
+    Raises:
+        ValueError: at construction, naming the field, when a value is out of range.
+    """
+
+    model: str = "smollm2"
+    mode: Mode = "colocated"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None
+    chunk_size: int = 512
+    max_num_batched_tokens: int = 512
+    max_running_requests: int = 64
+    max_model_len: int | None = None
+    num_threads: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests", "num_threads"):
+            _require_positive(name, getattr(self, name))
+        if self.num_pages is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_pages or kv_cache_bytes, not both")
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_positive(name, value)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Byte budget of the KV pool when sized by bytes (``num_pages`` is None)."""
+        return self.kv_cache_bytes if self.kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+
+
+def _require_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

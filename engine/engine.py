@@ -1,0 +1,257 @@
+"""``LLMEngine``: the synchronous engine API of docs/architecture.md (one caller thread, no threads inside).
+
+A step schedules work (decode tokens first, then prefill chunks), runs one forward over it, samples, applies
+stop conditions and returns one ``RequestOutput`` per request that progressed. Roles (``EngineConfig.mode``):
+
+- colocated: prefill then decode in one engine.
+- prefill: prompt only; each chunk's output names the pages it completed (``PrefillChunk``); after the last
+  chunk the pages stay held until ``release_request`` (their KV is being sent).
+- decode: ``reserve_request`` takes pages for a request whose prompt KV a prefill engine writes;
+  ``add_prebuilt_request`` then continues it from the first token with no prefill forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import EngineError, OutOfPages, RequestRejected
+from engine.kv_pool import KVPool, KVShape
+from engine.model_runner import ModelRunner, SampledToken
+from engine.output_processor import OutputProcessor
+from engine.outputs import FinishReason, PrefillChunk, RequestOutput
+from engine.page_allocator import PageAllocator, PageId
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import RequestId, Sequence, pages_for_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV pool.
+
+    Args:
+        config: the engine's configuration.
+        loaded: an already loaded model (``engine.model.LoadedModel``: ``.model``, ``.config``,
+            ``.tokenizer``); None loads ``config.model`` with ``engine.model.load_model``.
+    Attributes:
+        tokenizer: the model's tokenizer.
+        model_config: the model's ``ModelConfig``.
+        kv_pool: the ``KVPool``; ``kv_cache`` is its tensor
+            ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: Any | None = None) -> None:
+        torch.set_num_threads(config.num_threads)
+        self.config = config
+        loaded = loaded if loaded is not None else _load_model(config)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        mc = self.model_config
+        dtype = getattr(torch, config.dtype)
+        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.page_size)
+        num_pages = config.num_pages or shape.pages_for_bytes(config.pool_bytes, dtype)
+        self.kv_pool = KVPool(shape, num_pages, dtype, config.device)
+        self.kv_cache = self.kv_pool.kv_cache
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.scheduler = Scheduler(PageAllocator(num_pages), config.page_size, config.chunk_size,
+                                   config.max_num_batched_tokens, config.max_running_requests)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device)
+        eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
+        self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer))
+        self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self._requests: dict[RequestId, Sequence] = {}
+        self._finish_next: list[tuple[Sequence, FinishReason]] = []
+        logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d", config.mode, num_pages,
+                    config.page_size, self.kv_pool.nbytes)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.scheduler.allocator.num_free
+
+    @property
+    def num_total_pages(self) -> int:
+        return self.scheduler.allocator.num_pages
+
+    def has_unfinished(self) -> bool:
+        """True while a step has work: queued, running, or a prebuilt request about to finish."""
+        return self.scheduler.has_work() or bool(self._finish_next)
+
+    def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; it starts when its pages (prompt + max_tokens) are free.
+
+        Raises:
+            RequestRejected: duplicate id, empty prompt, token out of vocabulary, longer than
+                ``max_model_len``, or more pages than the whole pool.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self.scheduler.add(seq)
+        self._track(seq)
+
+    def reserve_request(self, request_id: RequestId, prompt_token_ids: list[int],
+                        params: SamplingParams) -> list[PageId]:
+        """Decode mode: take the pages for prompt + max_tokens now.
+
+        Returns:
+            The first ``ceil(len(prompt_token_ids) / page_size)`` pages of the request, in order: where the
+            prefill side writes the prompt's KV.
+        Raises:
+            EngineError: not in decode mode.
+            OutOfPages: the pool is short now (retry later); nothing is taken.
+            RequestRejected: as ``add_request``.
+        """
+        self._require_mode("decode", "reserve_request")
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve(seq):
+            raise OutOfPages(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
+                                         f"{self.num_free_pages} free")
+        self._track(seq)
+        return seq.page_table[:pages_for_tokens(seq.num_prompt_tokens, self.config.page_size)]
+
+    def add_prebuilt_request(self, request_id: RequestId, first_token_id: int, first_logprob: float) -> None:
+        """Decode mode: the prompt KV is in the reserved pages; continue from ``first_token_id``.
+
+        The first token is reported in the request's next output. If it already finishes the request
+        (EOS, a stop token or string, ``max_tokens == 1``) the request finishes at the next step, no forward.
+
+        Raises:
+            EngineError: not in decode mode, or ``request_id`` is not reserved.
+        """
+        self._require_mode("decode", "add_prebuilt_request")
+        seq = self.scheduler.reserved.get(request_id)
+        if seq is None:
+            raise EngineError(f"request {request_id!r} is not reserved")
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        reason = self.output_processor.append_token(seq, int(first_token_id), float(first_logprob))
+        if reason is not None:
+            self._finish_next.append((seq, reason))
+        else:
+            self.scheduler.start_reserved(request_id)
+
+    def abort_request(self, request_id: RequestId) -> None:
+        """Drop a request wherever it is and free its pages now; unknown or finished ids are ignored."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            logger.debug("aborted request %s", request_id)
+        self._untrack(request_id)
+
+    def release_request(self, request_id: RequestId) -> None:
+        """Prefill mode: free the pages of a request whose prefill finished (its KV was sent).
+
+        Unknown or already released ids are ignored.
+
+        Raises:
+            EngineError: the request is still prefilling (abort it instead).
+        """
+        if self.scheduler.release(request_id):
+            self._untrack(request_id)
+        elif request_id in self._requests:
+            raise EngineError(f"request {request_id!r} is still prefilling; use abort_request")
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward over the continuous batch; [] when there is nothing to do."""
+        outputs = self._finish_prebuilt()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        sampled = {id(s.seq): s for s in self.runner.run(scheduled)}
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            out = self._postprocess(item, sampled.get(id(item.seq)))
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _postprocess(self, item: ScheduledSeq, sampled: SampledToken | None) -> RequestOutput | None:
+        seq = item.seq
+        reason = None
+        if sampled is not None:
+            reason = self.output_processor.append_token(seq, sampled.token_id, sampled.logprob)
+        if self.config.mode == "prefill":
+            return self._prefill_output(seq, sampled, reason)
+        if sampled is None:
+            return None
+        out = self.output_processor.make_output(seq, reason)
+        if reason is not None:
+            self.scheduler.finish(seq)
+            self._untrack(seq.request_id)
+        return out
+
+    def _prefill_output(self, seq: Sequence, sampled: SampledToken | None,
+                        reason: FinishReason | None) -> RequestOutput:
+        ps = self.config.page_size
+        is_last = sampled is not None
+        done_pages = pages_for_tokens(seq.num_prompt_tokens, ps) if is_last else seq.num_computed_tokens // ps
+        chunk = PrefillChunk(seq.page_table[seq.num_sent_pages:done_pages], is_last,
+                             sampled.token_id if sampled else None, sampled.logprob if sampled else None)
+        seq.num_sent_pages = done_pages
+        if is_last:
+            reason = reason or "length"
+            self.scheduler.finish(seq, hold=True)
+        return self.output_processor.make_output(seq, reason if is_last else None, chunk)
+
+    def _finish_prebuilt(self) -> list[RequestOutput]:
+        outputs = []
+        for seq, reason in self._finish_next:
+            if self.scheduler.abort(seq.request_id) is not None:  # None: aborted meanwhile
+                outputs.append(self.output_processor.make_output(seq, reason))
+                self._untrack(seq.request_id)
+        self._finish_next.clear()
+        return outputs
+
+    def _new_sequence(self, request_id: RequestId, prompt_token_ids: list[int],
+                      params: SamplingParams) -> Sequence:
+        self._check_request(request_id, prompt_token_ids, params)
+        prompt_len = len(prompt_token_ids)
+        # the last sampled token's KV is never written; prefill mode keeps only the prompt's KV
+        reserved = prompt_len if self.config.mode == "prefill" else prompt_len + params.max_tokens - 1
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params, reserved, generator)
+        if self.scheduler.pages_needed(seq) > self.num_total_pages:
+            raise RequestRejected(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
+                                              f"the pool has {self.num_total_pages}")
+        return seq
+
+    def _check_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(request_id, f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise RequestRejected(request_id, "a request with this id is already live")
+        if not prompt_token_ids:
+            raise RequestRejected(request_id, "empty prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= int(t) < vocab for t in prompt_token_ids):
+            raise RequestRejected(request_id, f"prompt has token ids outside [0, {vocab})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestRejected(request_id, f"prompt ({len(prompt_token_ids)}) + max_tokens "
+                                              f"({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
+
+    def _require_mode(self, mode: str, method: str) -> None:
+        if self.config.mode != mode:
+            raise EngineError(f"{method} needs mode={mode!r}, engine runs mode={self.config.mode!r}")
+
+    def _track(self, seq: Sequence) -> None:
+        self._requests[seq.request_id] = seq
+        self.output_processor.start(seq)
+
+    def _untrack(self, request_id: RequestId) -> None:
+        self._requests.pop(request_id, None)
+        self.output_processor.drop(request_id)
+
+
+def _load_model(config: EngineConfig) -> Any:
+    from engine.model import load_model
+
+    return load_model(config.model, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir)
+
+
+def _make_detokenizer(tokenizer: Any) -> Any:
+    from engine.model.tokenizer import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(tokenizer)

@@ -1,0 +1,96 @@
+"""Turns a scheduled step into a ``ForwardBatch``, runs the model on it and samples the next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.sampling import Sampler
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence, pages_for_tokens
+
+
+class CausalLM(Protocol):
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Write the batch's K/V into ``kv_cache`` and return ``[num_logits, vocab_size]`` float32 logits."""
+        ...
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token a sequence sampled this step and its raw-distribution logprob."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float
+
+
+class ModelRunner:
+    """Runs one forward per step over the engine's KV cache; stateless between steps.
+
+    Args:
+        model: the causal LM (``engine.model``'s ``LlamaForCausalLM`` or any ``CausalLM``).
+        kv_cache: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``, written by the model.
+        device: where the batch's index tensors go (the model's device).
+    """
+
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, device: torch.device | str) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = int(kv_cache.shape[3])
+        self.device = torch.device(device)
+        self.sampler = Sampler()
+
+    def run(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
+        """Compute the scheduled tokens' KV; sample for every sequence whose known tokens are all computed.
+
+        Does not advance ``num_computed_tokens`` (the engine does, after the step).
+
+        Returns:
+            One ``SampledToken`` per sampling sequence, in scheduling order (a non-final prefill chunk samples
+            nothing).
+        """
+        batch, samplers = self.build_batch(scheduled)
+        with torch.inference_mode():
+            logits = self.model.forward(batch, self.kv_cache)
+            if not samplers:
+                return []
+            result = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        return [SampledToken(s, t, lp) for s, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+
+    def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[Sequence]]:
+        """The ``ForwardBatch`` of a step, and the sequences that sample (one logits row each, in order)."""
+        ps = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        page_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        samplers: list[Sequence] = []
+        for item in scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            pages = seq.page_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend([pages[t // ps] * ps + t % ps for t in range(start, end)])
+            query_lens.append(n)
+            seq_lens.append(end)
+            page_tables.append(pages[:pages_for_tokens(end, ps)])
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                samplers.append(seq)
+        batch = ForwardBatch(
+            input_ids=self._tensor(input_ids), positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots), query_lens=query_lens, seq_lens=seq_lens,
+            page_tables=page_tables, logits_indices=self._tensor(logits_indices),
+        )
+        return batch, samplers
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,0 +1,59 @@
+"""What ``LLMEngine.step`` returns: one ``RequestOutput`` per request that progressed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.page_allocator import PageId
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prefill-mode progress of one request after one chunk.
+
+    Attributes:
+        page_ids: pages whose KV this chunk completed, in sequence order. A non-final chunk lists whole pages
+            only; the final chunk adds the prompt's partial last page. Over all chunks: the request's first
+            ``ceil(num_prompt_tokens / page_size)`` pages, each once.
+        is_last: the prompt is fully prefilled; ``first_token_id`` / ``first_logprob`` are set.
+        first_token_id: the token sampled after the prompt (final chunk only).
+        first_logprob: its logprob under the raw model distribution (final chunk only).
+    """
+
+    page_ids: list[PageId]
+    is_last: bool
+    first_token_id: int | None = None
+    first_logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Progress of one request in one step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens produced since the previous output (a decode-mode request's first output also
+            carries the prefill side's first token).
+        new_logprobs: raw-distribution logprob of each new token.
+        new_text: text delta since the previous output; a stop string is never part of it, and text that could
+            still become a stop string is held back until it cannot.
+        finished: no more outputs will come for this request.
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` when finished, else None. A prefill-mode
+            request finishes with its final chunk (``"stop"`` when the first token already stops it).
+        num_prompt_tokens: prompt length in tokens.
+        num_output_tokens: tokens generated so far, all outputs together.
+        prefill_chunk: prefill mode only: the chunk just computed.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    prefill_chunk: PrefillChunk | None = None

@@ -1,0 +1,139 @@
+"""Continuous batching with chunked prefill under a per-step token budget; no preemption.
+
+Each step: every decoding request in ``running`` gets one token first (oldest first); the remaining budget goes
+to prefill chunks, first of admitted requests mid-prompt, then of ``waiting`` requests admitted in FIFO order.
+Admission takes all the pages a request may ever need at once (``Sequence.num_reserved_tokens``), so a running
+request never runs short and nothing is preempted. A waiting head that does not fit blocks the queue (no
+overtaking, hence no starvation of long prompts).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.page_allocator import PageAllocator
+from engine.sequence import RequestId, Sequence, SequenceStatus, pages_for_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: its next ``num_new_tokens`` uncomputed tokens."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+class Scheduler:
+    """Owns the request queues and the page allocator.
+
+    Queues: ``waiting`` (no pages), ``running`` (pages held, being computed), ``reserved`` (decode mode, pages
+    held, KV arriving), ``held`` (prefill mode, pages held, KV being sent).
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, chunk_size: int,
+                 max_num_batched_tokens: int, max_running_requests: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.chunk_size = chunk_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_running_requests = max_running_requests
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.reserved: dict[RequestId, Sequence] = {}
+        self.held: dict[RequestId, Sequence] = {}
+
+    def pages_needed(self, seq: Sequence) -> int:
+        return pages_for_tokens(seq.num_reserved_tokens, self.page_size)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (status ``WAITING``)."""
+        self.waiting.append(seq)
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Take the request's pages now and park it in ``reserved``; False (nothing taken) if short."""
+        if not self.allocator.can_allocate(self.pages_needed(seq)):
+            return False
+        seq.page_table = self.allocator.allocate(self.pages_needed(seq))
+        seq.set_status(SequenceStatus.RESERVED)
+        self.reserved[seq.request_id] = seq
+        return True
+
+    def start_reserved(self, request_id: RequestId) -> Sequence:
+        """Move a reserved request to ``running``. Raises KeyError if it is not reserved."""
+        seq = self.reserved.pop(request_id)
+        seq.set_status(SequenceStatus.RUNNING)
+        self.running.append(seq)
+        return seq
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's work: decode tokens, then prefill chunks, within ``max_num_batched_tokens``."""
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        for seq in self.running:
+            if budget > 0 and not seq.is_prefilling and seq.num_uncomputed_tokens > 0:
+                batch.append(ScheduledSeq(seq, 1))
+                budget -= 1
+        for seq in self.running:
+            if budget > 0 and seq.is_prefilling:
+                budget -= self._add_chunk(batch, seq, budget)
+        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+            budget -= self._add_chunk(batch, self.waiting.popleft(), budget)
+        return batch
+
+    def _admit(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.max_running_requests:
+            return False
+        if not self.allocator.can_allocate(self.pages_needed(seq)):
+            return False
+        seq.page_table = self.allocator.allocate(self.pages_needed(seq))
+        seq.set_status(SequenceStatus.RUNNING)
+        self.running.append(seq)
+        return True
+
+    def _add_chunk(self, batch: list[ScheduledSeq], seq: Sequence, budget: int) -> int:
+        n = min(self.chunk_size, budget, seq.num_prompt_tokens - seq.num_computed_tokens)
+        batch.append(ScheduledSeq(seq, n))
+        return n
+
+    def finish(self, seq: Sequence, hold: bool = False) -> None:
+        """Take a running request out of ``running``; free its pages, or keep them in ``held``."""
+        self.running.remove(seq)
+        if hold:
+            seq.set_status(SequenceStatus.HELD)
+            self.held[seq.request_id] = seq
+        else:
+            self._free(seq)
+
+    def release(self, request_id: RequestId) -> bool:
+        """Free a held request's pages; False if it is not held."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self._free(seq)
+        return True
+
+    def abort(self, request_id: RequestId) -> Sequence | None:
+        """Remove the request from whichever queue holds it and free its pages; None if unknown."""
+        seq = self.held.pop(request_id, None) or self.reserved.pop(request_id, None)
+        if seq is None:
+            seq = self._pop_queued(request_id)
+        if seq is not None:
+            self._free(seq)
+        return seq
+
+    def _pop_queued(self, request_id: RequestId) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    return seq
+        return None
+
+    def _free(self, seq: Sequence) -> None:
+        self.allocator.free(seq.page_table)
+        seq.page_table = []
+        seq.set_status(SequenceStatus.FINISHED)

@@ -1,0 +1,101 @@
+"""One request's state inside the engine.
+
+Lifecycle (forward-only; ``FINISHED`` is terminal):
+
+1. ``WAITING``: queued by ``add_request``; holds no pages.
+   (decode mode) ``RESERVED``: ``reserve_request`` took its pages; the prompt KV is being written by a peer.
+2. ``RUNNING``: admitted; holds pages for its whole life; computes prefill chunks, then one token per step.
+   (decode mode: ``add_prebuilt_request`` moves it here with the prompt already computed.)
+3. (prefill mode) ``HELD``: prompt done, first token sampled; pages kept until ``release_request``.
+4. ``FINISHED``: pages returned to the pool.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from engine.outputs import FinishReason
+from engine.page_allocator import PageId
+from engine.sampling import SamplingParams
+
+RequestId = str
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RESERVED = 1
+    RUNNING = 2
+    HELD = 3
+    FINISHED = 4
+
+
+def pages_for_tokens(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold the KV of ``num_tokens`` tokens."""
+    return -(-num_tokens // page_size)
+
+
+class Sequence:
+    """A request's tokens, progress, pages and output state.
+
+    Attributes:
+        token_ids: prompt followed by the generated tokens.
+        num_computed_tokens: tokens whose KV is in the pool.
+        page_table: every page the request holds, in sequence order (allocated at admission, all at once).
+        num_reserved_tokens: KV tokens the request may ever need; sizes ``page_table``.
+        num_sent_pages: prefill mode: pages already reported in a ``PrefillChunk``.
+        num_emitted_tokens: generated tokens already reported in a ``RequestOutput``.
+        generator: draws this request's samples (its own when ``params.seed`` is set).
+    """
+
+    def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
+                 num_reserved_tokens: int, generator: torch.Generator) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_reserved_tokens = num_reserved_tokens
+        self.num_computed_tokens = 0
+        self.page_table: list[PageId] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.output_logprobs: list[float] = []
+        self.num_sent_pages = 0
+        self.num_emitted_tokens = 0
+        self.generator = generator
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until the whole prompt's KV is computed."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def set_status(self, status: SequenceStatus) -> None:
+        """Move forward in the lifecycle.
+
+        Raises:
+            ValueError: a backward move, or leaving ``FINISHED``.
+        """
+        if status < self.status or self.status == SequenceStatus.FINISHED:
+            raise ValueError(f"request {self.request_id!r}: illegal move {self.status.name} -> {status.name}")
+        self.status = status
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)

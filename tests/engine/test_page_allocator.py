@@ -1,0 +1,80 @@
+"""PageAllocator: exact accounting, refusals leave state unchanged, and KVPool layout math."""
+
+import pytest
+import torch
+
+from engine.kv_pool import KVPool, KVShape
+from engine.page_allocator import PageAllocator
+
+
+def test_allocate_and_free_restore_the_count():
+    a = PageAllocator(8)
+    pages = a.allocate(5)
+    assert len(set(pages)) == 5 and a.num_free == 3
+    a.free(pages)
+    assert a.num_free == 8
+
+
+def test_fresh_allocations_are_contiguous():
+    assert PageAllocator(8).allocate(4) == [0, 1, 2, 3]
+
+
+def test_allocate_more_than_free_raises_and_takes_nothing():
+    a = PageAllocator(4)
+    a.allocate(3)
+    with pytest.raises(ValueError):
+        a.allocate(2)
+    assert a.num_free == 1
+
+
+def test_double_free_raises_and_frees_nothing():
+    a = PageAllocator(4)
+    pages = a.allocate(2)
+    a.free(pages[:1])
+    with pytest.raises(ValueError, match="double free"):
+        a.free(pages)
+    assert a.num_free == 3
+
+
+def test_page_listed_twice_is_a_double_free():
+    a = PageAllocator(4)
+    p = a.allocate(1)
+    with pytest.raises(ValueError):
+        a.free(p + p)
+    assert a.num_free == 3
+
+
+@pytest.mark.parametrize("page", [-1, 4, 100, "0"])
+def test_foreign_page_raises(page):
+    a = PageAllocator(4)
+    a.allocate(4)
+    with pytest.raises(ValueError):
+        a.free([page])
+    assert a.num_free == 0
+
+
+def test_freed_pages_are_reused():
+    a = PageAllocator(2)
+    p = a.allocate(2)
+    a.free(p)
+    assert sorted(a.allocate(2)) == sorted(p)
+
+
+def test_kv_pool_block_offset_matches_tensor_addresses():
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=4, page_size=16)
+    pool = KVPool(shape, num_pages=5, dtype=torch.float32, device="cpu")
+    assert pool.nbytes == 3 * 2 * 5 * 16 * 2 * 4 * 4
+    assert pool.block_bytes == 16 * 2 * 4 * 4
+    for layer, kv, page in [(0, 0, 0), (1, 1, 3), (2, 0, 4)]:
+        addr = pool.kv_cache[layer, kv, page].data_ptr()
+        assert pool.block_offset(layer, kv, page) == addr - pool.base_ptr
+    assert torch.count_nonzero(pool.kv_cache) == 0
+    with pytest.raises(IndexError):
+        pool.block_offset(0, 2, 0)
+
+
+def test_pages_for_bytes_rounds_down():
+    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4)
+    page_bytes = shape.page_bytes(torch.float32)
+    assert page_bytes == 2 * 2 * 4 * 1 * 2 * 4
+    assert shape.pages_for_bytes(3 * page_bytes + 1, torch.float32) == 3
