@@ -1,0 +1,59 @@
+"""The attention seam: the model calls an ``AttentionBackend`` once per step (``prepare``) and once per layer.
+
+Contract
+- Caller: ``LlamaForCausalLM.forward``, on the engine thread.
+- ``prepare(batch, page_size)`` runs once per step, before the first layer; it turns the batch's page tables,
+  query/KV lengths and slot mapping into whatever index tensors the kernels need (kept in the returned
+  metadata, reused by every layer). No side effects on the KV cache.
+- ``forward(q, k, v, layer_kv, metadata, scale)`` runs once per layer: it first writes this step's ``k`` and
+  ``v`` rows into ``layer_kv`` at ``batch.slot_mapping`` (side effect on the caller-owned KV pool), then
+  attends every query token causally to its sequence's cached tokens plus the chunk's earlier tokens.
+- Shapes: ``q`` ``[num_tokens, num_heads, head_dim]``; ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]``;
+  ``layer_kv`` ``[2, num_pages, page_size, num_kv_heads, head_dim]`` (``kv_cache[layer]``, dim 0: 0 = K, 1 = V);
+  output ``[num_tokens, num_heads * head_dim]``. dtype: that of ``q`` (fp32 on CPU; fp16/bf16 on CUDA), ``k``,
+  ``v`` and ``layer_kv`` share it. ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Paged causal attention over a continuous batch (prefill chunks and decode tokens mixed)."""
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch, page_size: int) -> Any:
+        """Build per-step metadata from ``batch``; called once per step before any layer.
+
+        Args:
+            batch: this step's inputs (``slot_mapping``, ``query_lens``, ``seq_lens``, ``page_tables``).
+            page_size: tokens per KV page (``kv_cache.shape[3]``).
+
+        Returns:
+            Backend-specific metadata, passed unchanged to every ``forward`` of this step.
+
+        Raises:
+            ValueError: a page table too short for its ``seq_len``.
+        """
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
+                metadata: Any, scale: float) -> torch.Tensor:
+        """Write ``k``/``v`` into ``layer_kv`` at the step's slots, then return the attention output.
+
+        Args:
+            q: ``[num_tokens, num_heads, head_dim]`` queries (RoPE applied).
+            k, v: ``[num_tokens, num_kv_heads, head_dim]`` this step's keys (RoPE applied) and values.
+            layer_kv: ``[2, num_pages, page_size, num_kv_heads, head_dim]``, written in place.
+            metadata: what ``prepare`` returned for this step.
+            scale: softmax scale, usually ``head_dim ** -0.5``.
+
+        Returns:
+            ``[num_tokens, num_heads * head_dim]``, dtype of ``q``.
+        """

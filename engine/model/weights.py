@@ -1,0 +1,85 @@
+"""Map Hugging Face tensor names onto ``LlamaForCausalLM``'s fused parameters, with shape checks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.safetensors_io import adjacent_view
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightMapper:
+    """Takes tensors out of an HF state dict by name, checking each shape against the config.
+
+    Every name taken is recorded; names left over at the end are reported as unexpected.
+    """
+
+    def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.tensors = state_dict
+        self.source = source
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name``; raises ModelLoadError when absent or not of ``shape``."""
+        if name not in self.tensors:
+            raise ModelLoadError(self.source, f"missing tensor {name!r}")
+        t = self.tensors[name]
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(self.source, f"shape mismatch for {name!r}: expected {shape}, got {tuple(t.shape)}")
+        self.used.add(name)
+        return t
+
+    def _set(self, module: torch.nn.Module, attr: str, parts: list[torch.Tensor]) -> None:
+        """Make ``module.attr`` the concatenation of ``parts`` in the model's dtype/device (no copy if possible)."""
+        joined = adjacent_view(parts) if len(parts) > 1 else parts[0]
+        if joined is None:
+            joined = torch.cat(parts, dim=0)
+        setattr(module, attr, torch.nn.Parameter(joined.to(device=self.device, dtype=self.dtype),
+                                                 requires_grad=False))
+
+    def _layer(self, model: "LlamaForCausalLM", i: int) -> None:
+        c = self.cfg
+        h, p = c.hidden_size, f"model.layers.{i}."
+        layer = model.layers[i]
+        self._set(layer, "input_norm", [self.take(p + "input_layernorm.weight", (h,))])
+        self._set(layer, "post_norm", [self.take(p + "post_attention_layernorm.weight", (h,))])
+        self._set(layer, "qkv_proj", [self.take(p + "self_attn.q_proj.weight", (c.q_size, h)),
+                                      self.take(p + "self_attn.k_proj.weight", (c.kv_size, h)),
+                                      self.take(p + "self_attn.v_proj.weight", (c.kv_size, h))])
+        if layer.qkv_bias is not None:
+            self._set(layer, "qkv_bias", [self.take(p + "self_attn.q_proj.bias", (c.q_size,)),
+                                          self.take(p + "self_attn.k_proj.bias", (c.kv_size,)),
+                                          self.take(p + "self_attn.v_proj.bias", (c.kv_size,))])
+        self._set(layer, "o_proj", [self.take(p + "self_attn.o_proj.weight", (h, c.q_size))])
+        self._set(layer, "gate_up_proj", [self.take(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                                          self.take(p + "mlp.up_proj.weight", (c.intermediate_size, h))])
+        self._set(layer, "down_proj", [self.take(p + "mlp.down_proj.weight", (h, c.intermediate_size))])
+
+    def load_into(self, model: "LlamaForCausalLM") -> None:
+        """Set every parameter of ``model`` (views of the given tensors when dtype/device allow); raises ModelLoadError on a missing, misshapen or unknown tensor."""
+        c = self.cfg
+        self._set(model, "embed_tokens", [self.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))])
+        for i in range(c.num_layers):
+            self._layer(model, i)
+        self._set(model, "norm", [self.take("model.norm.weight", (c.hidden_size,))])
+        if c.tie_word_embeddings:
+            model.lm_head = model.embed_tokens
+            self.used.add("lm_head.weight")  # some checkpoints store the tied copy; it is not needed
+        else:
+            self._set(model, "lm_head", [self.take("lm_head.weight", (c.vocab_size, c.hidden_size))])
+        extra = sorted(n for n in self.tensors if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
+        if extra:
+            raise ModelLoadError(self.source, f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all) "
+                                              f"for architecture {c.architecture!r}")
