@@ -1,0 +1,73 @@
+"""HTTP client of the bootstrap service; every call has a timeout and raises ``BootstrapError`` on failure.
+
+Not thread-safe: one client per thread (a KV manager uses its own from its background thread).
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import requests
+
+from bootstrap.errors import BootstrapError
+from bootstrap.messages import (Destination, DestinationBatch, Heartbeat, PostResult, Registration, Room,
+                                RoomRelease, RoomReleased, decode, encode)
+
+M = TypeVar("M")
+
+
+class BootstrapClient:
+    def __init__(self, base_url: str, timeout_s: float = 2.0) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._timeout_s = timeout_s
+        self._session = requests.Session()
+
+    def register(self, registration: Registration) -> None:
+        self._call("POST", "/v1/instances", registration, Registration)
+
+    def heartbeat(self, instance_id: str, epoch: int) -> bool:
+        """False when the service no longer knows this instance (it must register again)."""
+        return self._call("POST", "/v1/heartbeat", Heartbeat(instance_id, epoch), Heartbeat,
+                          missing_ok=True) is not None
+
+    def deregister(self, instance_id: str, epoch: int) -> None:
+        self._request("DELETE", f"/v1/instances/{instance_id}", params={"epoch": str(epoch)})
+
+    def get_instance(self, instance_id: str) -> Registration | None:
+        """The instance's current registration, or None when it is not (or no longer) registered."""
+        return self._call("GET", f"/v1/instances/{instance_id}", None, Registration, missing_ok=True)
+
+    def post_destination(self, destination: Destination) -> PostResult:
+        response = self._request("POST", "/v1/rooms", data=encode(destination))
+        if response.status_code not in (200, 404, 409):
+            raise BootstrapError(f"POST /v1/rooms: HTTP {response.status_code} {response.text[:200]}")
+        return decode(response.content, PostResult)
+
+    def take_destinations(self, prefill_instance_id: str) -> list[Destination]:
+        batch = self._call("GET", f"/v1/instances/{prefill_instance_id}/destinations", None, DestinationBatch)
+        assert batch is not None
+        return batch.destinations
+
+    def release_room(self, room: Room, decode_instance_id: str) -> RoomReleased:
+        released = self._call("POST", "/v1/rooms/release", RoomRelease(room, decode_instance_id), RoomReleased)
+        assert released is not None
+        return released
+
+    def close(self) -> None:
+        self._session.close()
+
+    def _call(self, method: str, path: str, body: object | None, expected: type[M],
+              missing_ok: bool = False) -> M | None:
+        response = self._request(method, path, data=encode(body) if body is not None else None)
+        if missing_ok and response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise BootstrapError(f"{method} {path}: HTTP {response.status_code} {response.text[:200]}")
+        return decode(response.content, expected)
+
+    def _request(self, method: str, path: str, **kwargs: object) -> requests.Response:
+        try:
+            return self._session.request(method, self._base_url + path, timeout=self._timeout_s,
+                                         **kwargs)  # type: ignore[arg-type]
+        except requests.RequestException as exc:
+            raise BootstrapError(f"{method} {path}: {exc}") from exc

@@ -1,0 +1,123 @@
+"""Registry state of the bootstrap service: pure bookkeeping, no I/O, time passed in by the caller.
+
+Lifecycle of a room in the registry:
+1. decode posts a ``Destination`` for room R to prefill instance P (rejected if R is in use, or P unknown);
+2. P fetches its batch of new destinations; R is marked delivered;
+3. decode releases R when its receiver is done (or has failed); R may then be used again.
+A room also disappears when either instance's registration expires or the instance re-registers with a new
+epoch (a restart), and after ``room_ttl_s`` in any case, so a crashed decode cannot leak it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bootstrap.messages import Destination, PostResult, Registration, Room, RoomReleased
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    registration_ttl_s: float = 10.0   # an instance that has not heartbeated for this long is dropped
+    room_ttl_s: float = 600.0          # a room record older than this is dropped
+
+    def __post_init__(self) -> None:
+        if self.registration_ttl_s <= 0 or self.room_ttl_s <= 0:
+            raise ValueError("RegistryConfig TTLs must be positive")
+
+
+@dataclass
+class _Instance:
+    registration: Registration
+    last_seen_s: float
+
+
+@dataclass
+class _RoomRecord:
+    destination: Destination
+    created_s: float
+    delivered: bool = False
+
+
+class Registry:
+    """Instances and rooms. Not thread-safe: the server calls it from its one event loop."""
+
+    def __init__(self, config: RegistryConfig) -> None:
+        self._config = config
+        self._instances: dict[str, _Instance] = {}
+        self._rooms: dict[Room, _RoomRecord] = {}
+
+    def register(self, registration: Registration, now_s: float) -> None:
+        old = self._instances.get(registration.instance_id)
+        if old is not None and old.registration.epoch != registration.epoch:
+            self._drop_rooms_of(registration.instance_id)
+        self._instances[registration.instance_id] = _Instance(registration, now_s)
+
+    def heartbeat(self, instance_id: str, epoch: int, now_s: float) -> bool:
+        """False when the instance (this epoch) is unknown: it must register again."""
+        entry = self._instances.get(instance_id)
+        if entry is None or entry.registration.epoch != epoch:
+            return False
+        entry.last_seen_s = now_s
+        return True
+
+    def deregister(self, instance_id: str, epoch: int) -> bool:
+        entry = self._instances.get(instance_id)
+        if entry is None or entry.registration.epoch != epoch:
+            return False
+        del self._instances[instance_id]
+        self._drop_rooms_of(instance_id)
+        return True
+
+    def get(self, instance_id: str) -> Registration | None:
+        entry = self._instances.get(instance_id)
+        return entry.registration if entry else None
+
+    def post_destination(self, destination: Destination, now_s: float) -> PostResult:
+        prefill = self._instances.get(destination.prefill_instance_id)
+        if prefill is None or prefill.registration.role != "prefill":
+            return PostResult(destination.room, False, f"unknown prefill instance {destination.prefill_instance_id}")
+        if destination.decode_instance_id not in self._instances:
+            return PostResult(destination.room, False, f"unknown decode instance {destination.decode_instance_id}")
+        if destination.room in self._rooms:
+            return PostResult(destination.room, False, f"room {destination.room} is already in use")
+        self._rooms[destination.room] = _RoomRecord(destination, now_s)
+        return PostResult(destination.room, True, "", prefill.registration.agent_name)
+
+    def take_destinations(self, prefill_instance_id: str) -> list[Destination]:
+        """Every not-yet-delivered destination for this prefill instance; each is delivered exactly once."""
+        batch = []
+        for record in self._rooms.values():
+            if not record.delivered and record.destination.prefill_instance_id == prefill_instance_id:
+                record.delivered = True
+                batch.append(record.destination)
+        return batch
+
+    def release_room(self, room: Room, decode_instance_id: str) -> RoomReleased:
+        record = self._rooms.get(room)
+        if record is None or record.destination.decode_instance_id != decode_instance_id:
+            return RoomReleased(room, known=False, delivered=False)
+        del self._rooms[room]
+        return RoomReleased(room, known=True, delivered=record.delivered)
+
+    def expire(self, now_s: float) -> list[str]:
+        """Drop silent instances (and their rooms) and stale rooms; returns the dropped instance ids."""
+        dead = [i for i, e in self._instances.items() if now_s - e.last_seen_s > self._config.registration_ttl_s]
+        for instance_id in dead:
+            del self._instances[instance_id]
+            self._drop_rooms_of(instance_id)
+        for room in [r for r, rec in self._rooms.items() if now_s - rec.created_s > self._config.room_ttl_s]:
+            del self._rooms[room]
+        return dead
+
+    @property
+    def num_instances(self) -> int:
+        return len(self._instances)
+
+    @property
+    def num_rooms(self) -> int:
+        return len(self._rooms)
+
+    def _drop_rooms_of(self, instance_id: str) -> None:
+        for room in [r for r, rec in self._rooms.items()
+                     if instance_id in (rec.destination.prefill_instance_id, rec.destination.decode_instance_id)]:
+            del self._rooms[room]

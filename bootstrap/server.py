@@ -1,0 +1,176 @@
+"""The bootstrap HTTP service (aiohttp): a thin shell around ``Registry``.
+
+Routes (every body is a ``bootstrap.messages`` envelope):
+  POST   /v1/instances                       Registration            → Registration
+  POST   /v1/heartbeat                       Heartbeat               → Heartbeat (404: register again)
+  DELETE /v1/instances/{id}?epoch=E                                  → 200 / 404
+  GET    /v1/instances/{id}                                          → Registration (404: unknown)
+  POST   /v1/rooms                           Destination             → PostResult (409 in use, 404 no peer)
+  GET    /v1/instances/{id}/destinations                             → DestinationBatch
+  POST   /v1/rooms/release                   RoomRelease             → RoomReleased
+  GET    /health                                                     → "ok"
+Expiry runs on every request and on an idle timer, so silent instances drop out without new traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from bootstrap.errors import BootstrapError
+from bootstrap.messages import (Destination, DestinationBatch, Heartbeat, Registration, RoomRelease, decode,
+                                encode)
+from bootstrap.registry import Registry, RegistryConfig
+
+logger = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8998                  # 0: pick a free port (tests)
+    expire_interval_s: float = 0.5
+    registry: RegistryConfig = RegistryConfig()
+
+
+def _reply(message: object, status: int = 200) -> web.Response:
+    return web.Response(body=encode(message), status=status, content_type="application/json")
+
+
+def build_app(registry: Registry, config: ServerConfig) -> web.Application:
+    """The aiohttp application serving ``registry``; expiry also runs on an idle timer task."""
+    routes = web.RouteTableDef()
+
+    @web.middleware
+    async def expire_and_map_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        registry.expire(time.monotonic())
+        try:
+            return await handler(request)
+        except BootstrapError as exc:
+            return web.Response(status=400, text=str(exc))
+
+    @routes.post("/v1/instances")
+    async def register(request: web.Request) -> web.Response:
+        registration = decode(await request.read(), Registration)
+        registry.register(registration, time.monotonic())
+        logger.info("registered %s %s epoch %d", registration.role, registration.instance_id, registration.epoch)
+        return _reply(registration)
+
+    @routes.post("/v1/heartbeat")
+    async def heartbeat(request: web.Request) -> web.Response:
+        beat = decode(await request.read(), Heartbeat)
+        ok = registry.heartbeat(beat.instance_id, beat.epoch, time.monotonic())
+        return _reply(beat, 200 if ok else 404)
+
+    @routes.delete("/v1/instances/{instance_id}")
+    async def deregister(request: web.Request) -> web.Response:
+        ok = registry.deregister(request.match_info["instance_id"], int(request.query.get("epoch", "-1")))
+        return web.Response(status=200 if ok else 404)
+
+    @routes.get("/v1/instances/{instance_id}")
+    async def get_instance(request: web.Request) -> web.Response:
+        registration = registry.get(request.match_info["instance_id"])
+        return _reply(registration) if registration else web.Response(status=404)
+
+    @routes.post("/v1/rooms")
+    async def post_room(request: web.Request) -> web.Response:
+        result = registry.post_destination(decode(await request.read(), Destination), time.monotonic())
+        status = 200 if result.accepted else (409 if "in use" in result.reason else 404)
+        return _reply(result, status)
+
+    @routes.get("/v1/instances/{instance_id}/destinations")
+    async def destinations(request: web.Request) -> web.Response:
+        return _reply(DestinationBatch(registry.take_destinations(request.match_info["instance_id"])))
+
+    @routes.post("/v1/rooms/release")
+    async def release(request: web.Request) -> web.Response:
+        release = decode(await request.read(), RoomRelease)
+        return _reply(registry.release_room(release.room, release.decode_instance_id))
+
+    @routes.get("/health")
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def expire_on_idle(app: web.Application) -> object:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(config.expire_interval_s)
+                for instance_id in registry.expire(time.monotonic()):
+                    logger.warning("registration of %s expired (no heartbeat)", instance_id)
+        task = asyncio.get_running_loop().create_task(loop())
+        yield
+        task.cancel()
+
+    app = web.Application(middlewares=[expire_and_map_errors])
+    app.add_routes(routes)
+    app.cleanup_ctx.append(expire_on_idle)
+    return app
+
+
+class BootstrapServer:
+    """Runs the service on its own thread and event loop, for tests and for embedding in a process.
+
+    ``start()`` returns the bound port (useful with port 0); ``stop()`` shuts the loop down; neither is
+    called from a constructor. The standalone process (``python -m bootstrap``) uses ``run_forever``.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self._config = config
+        self.registry = Registry(config.registry)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), name="bootstrap-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s) or not self.port:
+            raise BootstrapError(f"bootstrap server did not start within {timeout_s}s")
+        return self.port
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._loop is None or self._thread is None:
+            return
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+        self._loop = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._config.host}:{self.port}"
+
+    def _serve(self, ready: threading.Event) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner = self._loop.run_until_complete(_start_site(self.registry, self._config))
+            self.port = self._runner.addresses[0][1]
+        finally:
+            ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+
+async def _start_site(registry: Registry, config: ServerConfig) -> web.AppRunner:
+    runner = web.AppRunner(build_app(registry, config), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    return runner
+
+
+def run_forever(config: ServerConfig) -> None:
+    """Serve in the calling thread until interrupted (the standalone process)."""
+    web.run_app(build_app(Registry(config.registry), config), host=config.host, port=config.port,
+                access_log=None, print=lambda msg: logger.info("%s", msg))

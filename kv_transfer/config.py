@@ -1,0 +1,56 @@
+"""Configuration of one KV manager, built once at the edge and passed down (frozen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer.layout import KVLayout
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class KVArgs:
+    """Everything a manager needs: its identity, its KV region and layout, the bootstrap, its timeouts.
+
+    ``kv_base_ptr``/``kv_nbytes`` describe the engine's pool ``[num_layers, 2, num_pages, page_size,
+    num_kv_heads, head_dim]``; the caller owns that memory and keeps it alive until ``shutdown()``.
+    """
+
+    instance_id: str
+    role: str
+    kv_base_ptr: int
+    kv_nbytes: int
+    layout: KVLayout
+    model_id: str
+    bootstrap_url: str
+    bootstrap_timeout_s: float = 30.0      # prefill: decode never posted a destination; decode: no prefill
+    waiting_timeout_s: float = 30.0        # decode: no chunk arrived for this long after the destination went out
+    mem_type: str = "DRAM"                 # "VRAM" for a CUDA pool
+    device_id: int = 0
+    address: str = ""                      # informational (host:port of the serving endpoint)
+    aux_slots: int = 1024                  # concurrent rooms per instance
+    heartbeat_interval_s: float = 1.0
+    peer_check_interval_s: float = 1.0     # how often peers with open rooms are checked at the bootstrap
+    bootstrap_poll_interval_s: float = 0.005   # prefill: destination polling while a sender waits
+    idle_poll_interval_s: float = 0.1          # prefill: destination polling with no sender waiting
+    active_tick_s: float = 0.0002          # thread wait while transfers are open
+    idle_tick_s: float = 0.02              # thread wait with nothing open
+    http_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"KVArgs.role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_nbytes != self.layout.pool_bytes:
+            raise ValueError(f"KVArgs.kv_nbytes {self.kv_nbytes} != layout pool bytes {self.layout.pool_bytes}")
+        if self.kv_base_ptr <= 0:
+            raise ValueError("KVArgs.kv_base_ptr must be a valid address")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "peer_check_interval_s",
+                     "bootstrap_poll_interval_s", "idle_poll_interval_s", "active_tick_s", "idle_tick_s",
+                     "http_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVArgs.{name} must be positive")
+        if self.aux_slots <= 0:
+            raise ValueError("KVArgs.aux_slots must be positive")
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"KVArgs.mem_type must be DRAM or VRAM, got {self.mem_type!r}")

@@ -1,0 +1,248 @@
+"""The decode manager thread's work: handshake with prefill peers, publish destinations, collect chunks,
+time rooms out, cancel and release.
+
+All transport and bootstrap calls happen on the manager thread; receivers are touched under the manager lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from bootstrap.client import BootstrapClient
+from bootstrap.errors import BootstrapError
+from bootstrap.messages import Destination
+from kv_transfer.auxbuf import AuxBuffer
+from kv_transfer.config import KVArgs
+from kv_transfer.errors import CompatibilityError
+from kv_transfer.metrics import Metrics
+from kv_transfer.peers import PeerTable
+from kv_transfer.poll import KVPoll, advance
+from kv_transfer.receiver import KVReceiver, Room
+from kv_transfer.tags import Tag, TagKind
+from kv_transfer.transport import Transport, TransportError
+
+logger = logging.getLogger(__name__)
+RETRY_S = 0.05
+
+
+class DecodeSide:
+    def __init__(self, args: KVArgs, transport: Transport, client: BootstrapClient, peers: PeerTable,
+                 aux: AuxBuffer, lock: threading.RLock) -> None:
+        self._args, self._transport, self._client, self._peers = args, transport, client, peers
+        self._aux, self._lock = aux, lock
+        self.metrics = Metrics()
+        self.receivers: dict[Room, KVReceiver] = {}
+        self._retry_at_s: dict[str, float] = {}   # prefill instance id → next handshake attempt
+        self._next_peer_check_s = 0.0
+
+    def create_receiver(self, room: Room, prefill_instance_id: str, wake: threading.Event,
+                        now_s: float) -> KVReceiver:
+        with self._lock:
+            receiver = KVReceiver(room, prefill_instance_id, self._lock, wake, now_s)
+            if room in self.receivers:
+                receiver.fail("room already in use on this decode instance")
+                self.metrics.failed_rooms_total += 1
+            else:
+                self.receivers[room] = receiver
+        return receiver
+
+    def tick(self, now_s: float) -> float:
+        """One round of work; returns how long the thread may wait before the next one."""
+        self._drain_notifs(now_s)
+        self._handshake(now_s)
+        self._publish(now_s)
+        with self._lock:
+            self._timeouts(now_s)
+        self._cancel_and_release()
+        self._check_peers(now_s)
+        with self._lock:
+            self._close()
+            busy = any(r.published and not r.closed for r in self.receivers.values())
+            waiting = any(r.state == KVPoll.Bootstrapping for r in self.receivers.values())
+        return self._args.active_tick_s if busy else (RETRY_S / 5 if waiting else self._args.idle_tick_s)
+
+    def shutdown(self, deadline_s: float, now_fn: Callable[[], float]) -> None:
+        """Fails every open room and cancels it at the prefill side, waiting for answers until ``deadline_s``."""
+        with self._lock:
+            for receiver in self.receivers.values():
+                receiver.fail("decode manager shut down")
+        while now_fn() < deadline_s:
+            self._drain_notifs(now_fn())
+            self._cancel_and_release()
+            with self._lock:
+                self._close()
+                if not self.receivers:
+                    return
+            threading.Event().wait(0.001)
+
+    # --- handshake and publication --------------------------------------------------------------------
+    def _handshake(self, now_s: float) -> None:
+        with self._lock:
+            wanted = {r.prefill_instance_id for r in self.receivers.values()
+                      if r.state == KVPoll.Bootstrapping and r.peer is None}
+        for instance_id in wanted:
+            if now_s < self._retry_at_s.get(instance_id, 0.0):
+                continue
+            try:
+                peer = self._peers.ensure(instance_id)
+            except CompatibilityError as exc:
+                self._fail_bootstrapping(instance_id, f"incompatible prefill instance: {exc}")
+                continue
+            except (LookupError, TransportError, BootstrapError) as exc:
+                logger.info("handshake with prefill %s not possible yet: %s", instance_id, exc)
+                self._retry_at_s[instance_id] = now_s + RETRY_S
+                continue
+            with self._lock:
+                for receiver in self.receivers.values():
+                    if receiver.prefill_instance_id == instance_id and receiver.peer is None:
+                        receiver.peer = peer
+
+    def _publish(self, now_s: float) -> None:
+        with self._lock:
+            ready = [r for r in self.receivers.values() if r.state == KVPoll.Bootstrapping and r.peer is not None
+                     and r.dst_page_ids is not None and not r.published
+                     and now_s >= self._retry_at_s.get(f"room:{r.room}", 0.0)]
+            for receiver in ready:
+                if receiver.aux_slot is None:
+                    receiver.aux_slot = self._aux.alloc()
+            destinations = [(r, Destination(r.room, r.prefill_instance_id, self._args.instance_id,
+                                            self._transport.agent_name, r.xfer_id, list(r.dst_page_ids or []),
+                                            r.aux_slot)) for r in ready if r.aux_slot is not None]
+            for receiver in ready:
+                receiver.publishing = receiver.aux_slot is not None
+                if receiver.aux_slot is None:
+                    self._fail(receiver, "no free aux slot")
+        for receiver, destination in destinations:
+            try:
+                result = self._client.post_destination(destination)
+            except BootstrapError as exc:
+                logger.warning("room %d: cannot post destination: %s", receiver.room, exc)
+                self._retry_at_s[f"room:{receiver.room}"] = now_s + RETRY_S
+                with self._lock:
+                    receiver.publishing = False
+                continue
+            with self._lock:
+                receiver.publishing = False
+                if result.accepted:
+                    receiver.published, receiver.progress_s = True, now_s
+                    receiver.state = advance(receiver.state, KVPoll.WaitingForInput)
+                    if receiver.peer and result.prefill_agent_name != receiver.peer.agent_name:
+                        self._retry_at_s.pop(receiver.prefill_instance_id, None)
+                        self._next_peer_check_s = 0.0   # the prefill restarted since our handshake
+                elif "in use" in result.reason:
+                    self._fail(receiver, result.reason)
+                else:
+                    self._retry_at_s[f"room:{receiver.room}"] = now_s + RETRY_S
+
+    # --- notifications, timeouts, cancel, release ------------------------------------------------------
+    def _drain_notifs(self, now_s: float) -> None:
+        for _agent, message in self._transport.get_notifs():
+            tag = Tag.decode(message)
+            if tag is None:
+                continue
+            with self._lock:
+                receiver = self.receivers.get(tag.room)
+                if receiver is None or receiver.xfer_id != tag.xfer_id:
+                    continue
+                self._on_tag(receiver, tag, now_s)
+
+    def _on_tag(self, receiver: KVReceiver, tag: Tag, now_s: float) -> None:
+        if tag.kind == TagKind.CHUNK and not receiver.state.is_terminal:
+            self.metrics.chunks_total += 1
+            if receiver.on_chunk(tag.index, tag.total_chunks, now_s):
+                assert receiver.aux_slot is not None
+                receiver.complete(self._aux.read(receiver.aux_slot))
+                if receiver.state == KVPoll.Success:
+                    self.metrics.transfers_total += 1
+                else:
+                    self._fail(receiver, "aux data check failed")
+        elif tag.kind == TagKind.ABORT:
+            self._fail(receiver, f"aborted by prefill: {tag.text}")
+            receiver.writer_done = True
+        elif tag.kind == TagKind.DONE:
+            receiver.writer_done = True
+
+    def _timeouts(self, now_s: float) -> None:
+        for receiver in self.receivers.values():
+            if receiver.state == KVPoll.Bootstrapping and now_s - receiver.created_s > self._args.bootstrap_timeout_s:
+                self._fail(receiver, f"bootstrap timeout: not published within {self._args.bootstrap_timeout_s}s",
+                           timed_out=True)
+            elif (receiver.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                  and now_s - receiver.progress_s > self._args.waiting_timeout_s):
+                self._fail(receiver, f"waiting timeout: no KV for {self._args.waiting_timeout_s}s", timed_out=True)
+
+    def _cancel_and_release(self) -> None:
+        with self._lock:
+            todo = [r for r in self.receivers.values()
+                    if r.published and not r.room_released and r.state.is_terminal]
+        for receiver in todo:
+            try:
+                released = self._client.release_room(receiver.room, self._args.instance_id)
+            except BootstrapError as exc:
+                logger.warning("room %d: cannot release at the bootstrap: %s", receiver.room, exc)
+                continue
+            with self._lock:
+                receiver.room_released = True
+                if receiver.state == KVPoll.Failed and released.known and not released.delivered:
+                    receiver.writer_done = True   # the prefill side never learned where to write
+                if receiver.state == KVPoll.Failed and not receiver.writer_done and receiver.peer is not None:
+                    self._send_cancel(receiver)
+
+    def _send_cancel(self, receiver: KVReceiver) -> None:
+        reason = receiver.failure.reason if receiver.failure else ""
+        try:
+            self._transport.send_notif(receiver.peer.agent_name,  # type: ignore[union-attr]
+                                       Tag(TagKind.CANCEL, receiver.room, receiver.xfer_id, 0, reason).encode())
+            receiver.cancel_sent = True
+        except TransportError as exc:
+            logger.warning("room %d: cannot send cancel: %s", receiver.room, exc)
+
+    def _check_peers(self, now_s: float) -> None:
+        if now_s < self._next_peer_check_s:
+            return
+        self._next_peer_check_s = now_s + self._args.peer_check_interval_s
+        with self._lock:
+            in_use = {r.peer.instance_id: r.peer for r in self.receivers.values()
+                      if r.peer is not None and not r.writer_done and not r.closed}
+        for instance_id, peer in in_use.items():
+            try:
+                alive = self._peers.check_alive(instance_id)
+            except BootstrapError as exc:
+                logger.warning("cannot check prefill %s: %s", instance_id, exc)
+                continue
+            if alive:
+                continue
+            with self._lock:
+                for receiver in self.receivers.values():
+                    if receiver.peer is not None and receiver.peer.agent_name == peer.agent_name:
+                        self._fail(receiver, "prefill instance lost (registration expired or restarted)")
+                        receiver.writer_done = True
+
+    def _close(self) -> None:
+        for room, receiver in list(self.receivers.items()):
+            if not receiver.state.is_terminal or (receiver.published and not receiver.room_released):
+                continue
+            if receiver.state == KVPoll.Failed and receiver.published and not receiver.writer_done:
+                continue
+            if receiver.publishing:
+                continue
+            if receiver.aux_slot is not None:
+                self._aux.free(receiver.aux_slot)
+            self.metrics.failed_rooms_total += int(receiver.state == KVPoll.Failed)
+            receiver.closed = True
+            del self.receivers[room]
+
+    def _fail_bootstrapping(self, instance_id: str, reason: str) -> None:
+        with self._lock:
+            for receiver in self.receivers.values():
+                if receiver.prefill_instance_id == instance_id and receiver.state == KVPoll.Bootstrapping:
+                    self._fail(receiver, reason)
+
+    def _fail(self, receiver: KVReceiver, reason: str, timed_out: bool = False) -> None:
+        if receiver.state.is_terminal:
+            return
+        receiver.fail(reason)
+        self.metrics.timed_out_rooms_total += int(timed_out)
+        logger.warning("room %d: failed: %s", receiver.room, reason)

@@ -1,0 +1,132 @@
+"""KV pool layout math (the contract in docs/architecture.md) and the handshake compatibility check.
+
+The pool of one engine instance is one contiguous region:
+``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` (dim 1: 0 = K, 1 = V).
+The block of page ``p`` of layer ``l``, K or V (``kv``), starts at
+``((l * 2 + kv) * num_pages + p) * block_bytes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from kv_transfer.errors import CompatibilityError
+
+LAYOUT_VERSION = 1
+PageId = int
+
+_ITEMSIZE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one instance's KV pool. ``num_pages`` may differ between peers; nothing else may."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+    version: int = LAYOUT_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in _ITEMSIZE_BYTES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} not one of {sorted(_ITEMSIZE_BYTES)}")
+
+    @property
+    def itemsize_bytes(self) -> int:
+        return _ITEMSIZE_BYTES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one (layer, kv, page) block."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.itemsize_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page summed over all layers, K and V."""
+        return self.num_layers * 2 * self.block_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def block_offset_bytes(self, layer: int, kv: int, page: PageId) -> int:
+        return ((layer * 2 + kv) * self.num_pages + page) * self.block_bytes
+
+    def slot_index(self, pages: Sequence[PageId], position: int) -> int:
+        """Flat slot index of token ``position`` of a sequence whose page table is ``pages``."""
+        return pages[position // self.page_size] * self.page_size + position % self.page_size
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "KVLayout":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+COMPAT_FIELDS = ("version", "dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+def compat_hash(model_id: str, layout: KVLayout) -> str:
+    """Hash over every field two peers must share; equal hashes mean compatible instances."""
+    fields = {"model_id": model_id, **{f: getattr(layout, f) for f in COMPAT_FIELDS}}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_compatible(model_id: str, ours: KVLayout, their_model_id: str, theirs: KVLayout) -> None:
+    """Raise ``CompatibilityError`` naming the first field that differs (model id first)."""
+    if model_id != their_model_id:
+        raise CompatibilityError("model_id", model_id, their_model_id)
+    for field in COMPAT_FIELDS:
+        if getattr(ours, field) != getattr(theirs, field):
+            raise CompatibilityError(field, getattr(ours, field), getattr(theirs, field))
+
+
+class PageRun(NamedTuple):
+    """``num_pages`` pages contiguous on both sides: ``src_page..`` maps to ``dst_page..``."""
+
+    src_page: PageId
+    dst_page: PageId
+    num_pages: int
+
+
+def page_runs(src_pages: Sequence[PageId], dst_pages: Sequence[PageId]) -> list[PageRun]:
+    """Merge a page mapping into maximal runs contiguous on both sides (order preserved)."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    runs: list[PageRun] = []
+    for src, dst in zip(src_pages, dst_pages):
+        last = runs[-1] if runs else None
+        if last and src == last.src_page + last.num_pages and dst == last.dst_page + last.num_pages:
+            runs[-1] = PageRun(last.src_page, last.dst_page, last.num_pages + 1)
+        else:
+            runs.append(PageRun(src, dst, 1))
+    return runs
+
+
+def copy_spans(src: KVLayout, dst: KVLayout, runs: Sequence[PageRun]) -> np.ndarray:
+    """Byte spans moving ``runs`` from a pool shaped ``src`` into one shaped ``dst``, all layers, K and V.
+
+    Returns an int64 array ``[num_layers * 2 * len(runs), 3]`` of (src_offset_bytes, dst_offset_bytes, nbytes),
+    ordered by (layer, kv, run).
+    """
+    run_arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)  # [num_runs, (src_page, dst_page, num_pages)]
+    planes = np.arange(src.num_layers * 2, dtype=np.int64)[:, None]  # layer * 2 + kv
+    src_off = (planes * src.num_pages + run_arr[None, :, 0]) * src.block_bytes
+    dst_off = (planes * dst.num_pages + run_arr[None, :, 1]) * dst.block_bytes
+    nbytes = np.broadcast_to(run_arr[None, :, 2] * src.block_bytes, src_off.shape)
+    return np.stack([src_off.ravel(), dst_off.ravel(), nbytes.ravel()], axis=1)

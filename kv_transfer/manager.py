@@ -1,0 +1,142 @@
+"""One KV manager per engine instance: owns the transport agent, the registered regions, the bootstrap
+registration and the one background thread that does all transfer work.
+
+Threads: ``start()`` starts the thread ``kv-<role>-<instance>``; it loops until ``shutdown()`` sets the stop
+event, each round: heartbeat (every ``heartbeat_interval_s``), the role's tick (bootstrap polling, notification
+draining, transfer polling, timeouts, cleanup), then a wait on the wake event (set by sender/receiver calls)
+with a timeout, so timeouts and cleanup also run when no new work arrives.
+Shutdown order: stop the thread, fail open rooms and tell the peers, deregister at the bootstrap, close the
+agent. The caller keeps the KV memory alive until ``shutdown()`` returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from bootstrap.client import BootstrapClient
+from bootstrap.errors import BootstrapError
+from bootstrap.messages import Registration
+from kv_transfer.auxbuf import AuxBuffer
+from kv_transfer.config import KVArgs
+from kv_transfer.decode_side import DecodeSide
+from kv_transfer.layout import compat_hash
+from kv_transfer.peers import PeerTable, kv_info
+from kv_transfer.prefill_side import PrefillSide
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender, Room
+from kv_transfer.transport import Region, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class KVManager:
+    """Constructed cheaply (no threads, no I/O); ``start`` does the work. Thread-safe public methods."""
+
+    def __init__(self, args: KVArgs, transport: Transport) -> None:
+        self.args = args
+        self._transport = transport
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._aux = AuxBuffer(args.aux_slots)
+        self._client = BootstrapClient(args.bootstrap_url, args.http_timeout_s)
+        self._peers = PeerTable(self._client, transport, args.model_id, args.layout)
+        side_cls = PrefillSide if args.role == "prefill" else DecodeSide
+        self._side: PrefillSide | DecodeSide = side_cls(args, transport, self._client, self._peers, self._aux,
+                                                        self._lock)
+        self.epoch = 0
+        self._next_heartbeat_s = 0.0
+
+    @property
+    def agent_name(self) -> str:
+        return self._transport.agent_name
+
+    def start(self) -> None:
+        """Registers the KV and aux regions, registers at the bootstrap, starts the thread.
+
+        Raises ``BootstrapError`` when the bootstrap cannot be reached."""
+        if self._thread is not None:
+            raise RuntimeError("KVManager.start called twice")
+        self._transport.register([Region(self.args.kv_base_ptr, self.args.kv_nbytes),
+                                  Region(self._aux.base_ptr, self._aux.nbytes)])
+        self.epoch = time.time_ns()
+        self._client.register(self._registration())
+        self._next_heartbeat_s = time.monotonic() + self.args.heartbeat_interval_s
+        self._thread = threading.Thread(target=self._run, name=f"kv-{self.args.role}-{self.args.instance_id}",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("kv manager %s (%s) started, agent %s", self.args.instance_id, self.args.role, self.agent_name)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Idempotent. Stops the thread, fails open rooms (peers are told), deregisters, closes the agent."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._side.shutdown(time.monotonic() + timeout_s / 2, time.monotonic)
+        try:
+            self._client.deregister(self.args.instance_id, self.epoch)
+        except BootstrapError as exc:
+            logger.warning("deregister failed: %s", exc)
+        self._transport.close()
+        self._client.close()
+        self._thread = None
+
+    def create_sender(self, room: Room) -> KVSender:
+        """Prefill role only: the sender of room ``room`` (Failed at once if the room is open here already)."""
+        if not isinstance(self._side, PrefillSide):
+            raise RuntimeError("create_sender on a decode manager")
+        sender = self._side.create_sender(room, self._wake, time.monotonic())
+        self._wake.set()
+        return sender
+
+    def create_receiver(self, room: Room, prefill_instance_id: str) -> KVReceiver:
+        """Decode role only: the receiver of room ``room``, fed by ``prefill_instance_id``."""
+        if not isinstance(self._side, DecodeSide):
+            raise RuntimeError("create_receiver on a prefill manager")
+        receiver = self._side.create_receiver(room, prefill_instance_id, self._wake, time.monotonic())
+        self._wake.set()
+        return receiver
+
+    def metrics(self) -> dict[str, int]:
+        with self._lock:
+            out = self._side.metrics.as_dict()
+            out["open_rooms"] = len(getattr(self._side, "senders", getattr(self._side, "receivers", {})))
+            out["free_aux_slots"] = self._aux.num_free
+            return out
+
+    def _registration(self) -> Registration:
+        return Registration(
+            instance_id=self.args.instance_id, role=self.args.role, epoch=self.epoch,
+            agent_name=self._transport.agent_name,
+            agent_metadata_b64=Registration.encode_metadata(self._transport.metadata()),
+            compat_hash=compat_hash(self.args.model_id, self.args.layout), address=self.args.address,
+            kv_info=kv_info(self.args.model_id, self.args.layout, self.args.kv_base_ptr, self._aux.base_ptr,
+                            self.args.aux_slots))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now_s = time.monotonic()
+            wait_s = self.args.idle_tick_s
+            try:
+                self._heartbeat(now_s)
+                wait_s = self._side.tick(now_s)
+            except Exception:  # noqa: BLE001 — one bad round must not end the thread serving every room
+                logger.exception("kv manager %s: tick failed", self.args.instance_id)
+            self._wake.wait(wait_s)
+            self._wake.clear()
+
+    def _heartbeat(self, now_s: float) -> None:
+        if now_s < self._next_heartbeat_s:
+            return
+        self._next_heartbeat_s = now_s + self.args.heartbeat_interval_s
+        try:
+            if not self._client.heartbeat(self.args.instance_id, self.epoch):
+                logger.warning("bootstrap forgot %s; registering again", self.args.instance_id)
+                self._client.register(self._registration())
+        except BootstrapError as exc:
+            logger.warning("heartbeat failed: %s", exc)

@@ -1,0 +1,18 @@
+"""Counters of one manager (names carry units); updated under the manager lock."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Metrics:
+    kv_bytes_total: int = 0          # bytes posted (prefill) — KV pages plus aux
+    chunks_total: int = 0            # chunks posted (prefill) or received (decode)
+    transfers_total: int = 0         # rooms that reached Success
+    failed_rooms_total: int = 0      # rooms that ended Failed (timeouts included)
+    timed_out_rooms_total: int = 0   # rooms failed by the bootstrap or waiting timeout
+    open_rooms: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

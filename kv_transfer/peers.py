@@ -1,0 +1,97 @@
+"""Peers of a manager: handshake once per peer (fetch registration, check compatibility, load the agent).
+
+A peer is cached by instance id and re-handshaked only when its registration shows a new agent (a restart).
+Called from the manager thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from bootstrap.client import BootstrapClient
+from bootstrap.messages import Registration
+from kv_transfer.aux import AUX_SLOT_BYTES
+from kv_transfer.layout import KVLayout, check_compatible
+from kv_transfer.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+def kv_info(model_id: str, layout: KVLayout, kv_base_ptr: int, aux_base_ptr: int, aux_slots: int) -> dict[str, Any]:
+    """The KV part of a registration (what a peer needs to check us and address our memory)."""
+    return {"model_id": model_id, "layout": layout.to_json(), "kv_base_ptr": kv_base_ptr,
+            "aux_base_ptr": aux_base_ptr, "aux_slots": aux_slots, "aux_slot_bytes": AUX_SLOT_BYTES}
+
+
+@dataclass(frozen=True)
+class Peer:
+    instance_id: str
+    agent_name: str
+    epoch: int
+    layout: KVLayout
+    kv_base_ptr: int
+    aux_base_ptr: int
+    aux_slots: int
+
+    def aux_slot_ptr(self, slot: int) -> int:
+        if not 0 <= slot < self.aux_slots:
+            raise ValueError(f"aux slot {slot} out of range [0, {self.aux_slots})")
+        return self.aux_base_ptr + slot * AUX_SLOT_BYTES
+
+
+class PeerTable:
+    def __init__(self, client: BootstrapClient, transport: Transport, model_id: str, layout: KVLayout) -> None:
+        self._client = client
+        self._transport = transport
+        self._model_id = model_id
+        self._layout = layout
+        self._peers: dict[str, Peer] = {}
+
+    def get(self, instance_id: str) -> Peer | None:
+        return self._peers.get(instance_id)
+
+    def ensure(self, instance_id: str, expected_agent: str | None = None) -> Peer:
+        """The handshaked peer; handshakes on first use or when ``expected_agent`` differs from the cached one.
+
+        Raises ``LookupError`` (not registered), ``CompatibilityError``, ``TransportError``, ``BootstrapError``.
+        """
+        peer = self._peers.get(instance_id)
+        if peer is not None and (expected_agent is None or peer.agent_name == expected_agent):
+            return peer
+        registration = self._client.get_instance(instance_id)
+        if registration is None:
+            raise LookupError(f"instance {instance_id} is not registered")
+        if expected_agent is not None and registration.agent_name != expected_agent:
+            raise LookupError(f"instance {instance_id} now runs agent {registration.agent_name}, not {expected_agent}")
+        return self._handshake(registration)
+
+    def check_alive(self, instance_id: str) -> bool:
+        """False (and the peer forgotten) when the instance is gone or restarted since the handshake."""
+        peer = self._peers.get(instance_id)
+        if peer is None:
+            return False
+        registration = self._client.get_instance(instance_id)
+        if registration is not None and registration.agent_name == peer.agent_name:
+            return True
+        self.forget(instance_id)
+        return False
+
+    def forget(self, instance_id: str) -> None:
+        peer = self._peers.pop(instance_id, None)
+        if peer is not None:
+            self._transport.remove_peer(peer.agent_name)
+            logger.info("forgot peer %s (agent %s)", instance_id, peer.agent_name)
+
+    def _handshake(self, registration: Registration) -> Peer:
+        info = registration.kv_info
+        layout = KVLayout.from_json(info["layout"])
+        check_compatible(self._model_id, self._layout, str(info["model_id"]), layout)
+        self.forget(registration.instance_id)
+        agent_name = self._transport.add_peer(registration.agent_metadata)
+        peer = Peer(registration.instance_id, agent_name, registration.epoch, layout,
+                    int(info["kv_base_ptr"]), int(info["aux_base_ptr"]), int(info["aux_slots"]))
+        self._peers[registration.instance_id] = peer
+        logger.info("handshake with %s done (agent %s, epoch %d)", peer.instance_id, agent_name, peer.epoch)
+        return peer

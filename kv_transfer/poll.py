@@ -1,0 +1,42 @@
+"""Per-room poll state shared by senders and receivers.
+
+Lifecycle of a room's state (forward-only; ``Failed`` is sticky and ends only that room):
+
+1. ``Bootstrapping``   — the peer for this room is not yet known (prefill: no destination yet;
+                          decode: handshake with the prefill instance or destination not yet published).
+2. ``WaitingForInput`` — both sides know each other; prefill may run and call ``send``.
+3. ``Transferring``    — at least one chunk has been posted (prefill) or has arrived (decode).
+4. ``Success``         — every chunk and the aux data have been written and confirmed.
+0. ``Failed``          — reachable from any non-terminal state; never left again.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class KVPoll(IntEnum):
+    """Ordered poll state of one room; compare with ``<``/``>=`` to ask "at least"."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (KVPoll.Failed, KVPoll.Success)
+
+
+def advance(current: KVPoll, target: KVPoll) -> KVPoll:
+    """The one transition function: returns the state after asking to move from ``current`` to ``target``.
+
+    Moves only forward; ``Failed`` and ``Success`` are terminal (a request to fail a finished room, or to
+    move a failed room on, is ignored). Any non-terminal state may fail.
+    """
+    if current.is_terminal:
+        return current
+    if target == KVPoll.Failed:
+        return KVPoll.Failed
+    return target if target > current else current

@@ -1,0 +1,273 @@
+"""The prefill manager thread's work: fetch destinations, post chunk WRITEs, track them, answer cancels.
+
+All transport and bootstrap calls happen on the manager thread; senders are touched under the manager lock.
+Rooms aborted before their destination arrived are remembered (``_tombstones``) so that the decode side is
+told as soon as its destination shows up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from bootstrap.client import BootstrapClient
+from bootstrap.errors import BootstrapError
+from bootstrap.messages import Destination
+from kv_transfer.auxbuf import AuxBuffer
+from kv_transfer.aux import AUX_SLOT_BYTES
+from kv_transfer.config import KVArgs
+from kv_transfer.errors import CompatibilityError
+from kv_transfer.layout import copy_spans, page_runs
+from kv_transfer.metrics import Metrics
+from kv_transfer.peers import Peer, PeerTable
+from kv_transfer.poll import KVPoll, advance
+from kv_transfer.sender import Chunk, KVSender, Room
+from kv_transfer.tags import Tag, TagKind, chunk_tag
+from kv_transfer.transport import Transport, TransportError, XferState
+
+logger = logging.getLogger(__name__)
+_Post = tuple[KVSender, Chunk, Peer, np.ndarray, Tag]
+
+
+class PrefillSide:
+    def __init__(self, args: KVArgs, transport: Transport, client: BootstrapClient, peers: PeerTable,
+                 aux: AuxBuffer, lock: threading.RLock) -> None:
+        self._args, self._transport, self._client, self._peers = args, transport, client, peers
+        self._aux, self._lock = aux, lock
+        self.metrics = Metrics()
+        self.senders: dict[Room, KVSender] = {}
+        self._pending: dict[Room, tuple[Destination, Peer, float]] = {}
+        self._tombstones: dict[Room, float] = {}
+        self._next_poll_s = 0.0
+        self._next_peer_check_s = 0.0
+
+    def create_sender(self, room: Room, wake: threading.Event, now_s: float) -> KVSender:
+        with self._lock:
+            sender = KVSender(room, self._lock, wake, now_s)
+            if room in self.senders:
+                sender.fail("room already in use on this prefill instance")
+                return sender
+            self._tombstones.pop(room, None)
+            self.senders[room] = sender
+        return sender
+
+    def tick(self, now_s: float) -> float:
+        """One round of work; returns how long the thread may wait before the next one."""
+        self._poll_destinations(now_s)
+        with self._lock:
+            posts = self._collect(now_s)
+        for post in posts:
+            self._post(*post)
+        self._drain_notifs()
+        with self._lock:
+            self._progress()
+        self._check_peers(now_s)
+        with self._lock:
+            return self._next_wait_s()
+
+    def shutdown(self, deadline_s: float, now_fn: "callable[[], float]") -> None:  # type: ignore[valid-type]
+        """Fails every open room, tells the decode sides, waits for WRITEs in flight until ``deadline_s``."""
+        with self._lock:
+            for sender in self.senders.values():
+                sender.fail("prefill manager shut down", notify_peer=True)
+        while now_fn() < deadline_s:
+            with self._lock:
+                self._progress()
+                if not self.senders:
+                    return
+            threading.Event().wait(0.001)
+
+    # --- destinations -------------------------------------------------------------------------------------
+    def _poll_destinations(self, now_s: float) -> None:
+        if now_s < self._next_poll_s:
+            return
+        with self._lock:
+            waiting = any(s.state == KVPoll.Bootstrapping for s in self.senders.values())
+        interval_s = self._args.bootstrap_poll_interval_s if waiting else self._args.idle_poll_interval_s
+        self._next_poll_s = now_s + interval_s
+        try:
+            destinations = self._client.take_destinations(self._args.instance_id)
+        except BootstrapError as exc:
+            logger.warning("cannot fetch destinations: %s", exc)
+            return
+        for destination in destinations:
+            self._accept(destination, now_s)
+
+    def _accept(self, dest: Destination, now_s: float) -> None:
+        room = dest.room
+        try:
+            old = self._peers.get(dest.decode_instance_id)
+            peer = self._peers.ensure(dest.decode_instance_id, dest.decode_agent_name)
+        except (CompatibilityError, LookupError, TransportError, BootstrapError) as exc:
+            logger.error("room %d: handshake with decode %s failed: %s", room, dest.decode_instance_id, exc)
+            with self._lock:
+                if room in self.senders:
+                    self._fail(self.senders[room], f"handshake with decode failed: {exc}")
+            return
+        with self._lock:
+            if old is not None and old.agent_name != peer.agent_name:
+                self._fail_peer(old, "decode instance restarted")
+            sender = self.senders.get(room)
+            if room in self._tombstones:
+                del self._tombstones[room]
+                self._notify(peer, Tag(TagKind.ABORT, room, dest.xfer_id, 0, "prefill aborted the room"))
+            elif sender is not None and sender.destination is None and not sender.state.is_terminal:
+                sender.attach(dest, peer)
+            elif sender is not None:
+                self._notify(peer, Tag(TagKind.ABORT, room, dest.xfer_id, 0, "room already has a destination"))
+            else:
+                self._pending[room] = (dest, peer, now_s)
+
+    # --- posting ------------------------------------------------------------------------------------------
+    def _collect(self, now_s: float) -> list[_Post]:
+        posts: list[_Post] = []
+        for room, sender in self.senders.items():
+            if sender.destination is None and room in self._pending and not sender.state.is_terminal:
+                dest, peer, _ = self._pending.pop(room)
+                sender.attach(dest, peer)
+            if sender.state == KVPoll.Bootstrapping and now_s - sender.created_s > self._args.bootstrap_timeout_s:
+                self._fail(sender, f"bootstrap timeout: no destination from decode within "
+                                   f"{self._args.bootstrap_timeout_s}s", timed_out=True)
+            while sender.destination is not None and sender.queued and sender.state != KVPoll.Failed:
+                posts.append(self._prepare(sender, sender.queued.popleft()))
+        for room, (dest, peer, since_s) in list(self._pending.items()):
+            if now_s - since_s > self._args.bootstrap_timeout_s:
+                del self._pending[room]
+                self._notify(peer, Tag(TagKind.ABORT, room, dest.xfer_id, 0, "no prefill request for this room"))
+        for room in [r for r, until_s in self._tombstones.items() if until_s < now_s]:
+            del self._tombstones[room]
+        return posts
+
+    def _prepare(self, sender: KVSender, chunk: Chunk) -> _Post:
+        dest, peer = sender.destination, sender.peer
+        assert dest is not None and peer is not None
+        dst_pages = dest.dst_page_ids[chunk.dst_start:chunk.dst_start + len(chunk.src_pages)]
+        spans = copy_spans(self._args.layout, peer.layout, page_runs(chunk.src_pages, dst_pages))
+        spans[:, 0] += self._args.kv_base_ptr
+        spans[:, 1] += peer.kv_base_ptr
+        if chunk.is_last and chunk.aux is not None:
+            slot = self._aux.alloc()
+            if slot is None:
+                raise RuntimeError("no free aux slot")  # aux_slots bounds the rooms in flight
+            self._aux.write(slot, chunk.aux)
+            sender.local_aux_slot = slot
+            aux_row = np.array([[self._aux.slot_ptr(slot), peer.aux_slot_ptr(dest.aux_slot), AUX_SLOT_BYTES]])
+            spans = np.vstack([spans, aux_row])
+        tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1 if chunk.is_last else 0)
+        return sender, chunk, peer, spans, tag
+
+    def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, spans: np.ndarray, tag: Tag) -> None:
+        try:
+            handle = self._transport.post_write(peer.agent_name, spans, tag.encode()) if len(spans) else None
+            if handle is None:
+                self._transport.send_notif(peer.agent_name, tag.encode())
+        except TransportError as exc:
+            with self._lock:
+                self._fail(sender, f"write of chunk {chunk.index} failed: {exc}")
+            return
+        with self._lock:
+            if handle is not None:
+                sender.inflight.append(handle)
+            sender.state = advance(sender.state, KVPoll.Transferring)
+            sender.last_posted = sender.last_posted or chunk.is_last
+            self.metrics.kv_bytes_total += int(spans[:, 2].sum()) if len(spans) else 0
+            self.metrics.chunks_total += 1
+
+    # --- progress, notifications, peers ------------------------------------------------------------------
+    def _progress(self) -> None:
+        for room, sender in list(self.senders.items()):
+            self._check_inflight(sender)
+            if sender.inflight:
+                continue
+            if sender.local_aux_slot is not None:
+                self._aux.free(sender.local_aux_slot)
+                sender.local_aux_slot = None
+            if sender.last_posted and not sender.state.is_terminal:
+                sender.state = advance(sender.state, KVPoll.Success)
+                self.metrics.transfers_total += 1
+                logger.debug("room %d: sent", room)
+            if sender.state.is_terminal:
+                if sender.pending_notif is not None and sender.peer is not None:
+                    self._notify(sender.peer, sender.pending_notif)
+                    sender.pending_notif = None
+                if sender.destination is None and sender.state == KVPoll.Failed:
+                    self._tombstones[room] = sender.created_s + 2 * self._args.bootstrap_timeout_s + 60.0
+                self.metrics.failed_rooms_total += int(sender.state == KVPoll.Failed)
+                sender.closed = True
+                del self.senders[room]
+
+    def _check_inflight(self, sender: KVSender) -> None:
+        still = []
+        for handle in sender.inflight:
+            state = self._transport.check(handle)
+            if state == XferState.PROC:
+                still.append(handle)
+                continue
+            self._transport.release(handle)
+            if state == XferState.ERR:
+                self._fail(sender, "a WRITE to decode failed (decode lost?)")
+        sender.inflight = still
+
+    def _drain_notifs(self) -> None:
+        for agent, message in self._transport.get_notifs():
+            tag = Tag.decode(message)
+            if tag is None or tag.kind != TagKind.CANCEL:
+                continue
+            with self._lock:
+                sender = self.senders.get(tag.room)
+                done = Tag(TagKind.DONE, tag.room, tag.xfer_id)
+                if sender is not None and sender.destination is not None and sender.destination.xfer_id == tag.xfer_id:
+                    self._fail(sender, f"cancelled by decode: {tag.text}")
+                    sender.pending_notif = done
+                    continue
+                pending = self._pending.get(tag.room)
+                if pending is not None and pending[0].xfer_id == tag.xfer_id:
+                    del self._pending[tag.room]
+                try:
+                    self._transport.send_notif(agent, done.encode())
+                except TransportError as exc:
+                    logger.warning("room %d: cannot answer cancel: %s", tag.room, exc)
+
+    def _check_peers(self, now_s: float) -> None:
+        if now_s < self._next_peer_check_s:
+            return
+        self._next_peer_check_s = now_s + self._args.peer_check_interval_s
+        with self._lock:
+            in_use = {s.peer.instance_id: s.peer for s in self.senders.values()
+                      if s.peer is not None and not s.state.is_terminal}
+        for instance_id, peer in in_use.items():
+            try:
+                alive = self._peers.check_alive(instance_id)
+            except BootstrapError as exc:
+                logger.warning("cannot check decode %s: %s", instance_id, exc)
+                continue
+            if not alive:
+                with self._lock:
+                    self._fail_peer(peer, "decode instance lost (registration expired or restarted)")
+
+    def _fail_peer(self, peer: Peer, reason: str) -> None:
+        for sender in self.senders.values():
+            if sender.peer is not None and sender.peer.agent_name == peer.agent_name:
+                self._fail(sender, reason)
+
+    def _fail(self, sender: KVSender, reason: str, timed_out: bool = False) -> None:
+        if sender.state.is_terminal:
+            return
+        sender.fail(reason, notify_peer=True)
+        self.metrics.timed_out_rooms_total += int(timed_out)
+        logger.warning("room %d: failed: %s", sender.room, reason)
+
+    def _notify(self, peer: Peer, tag: Tag) -> None:
+        try:
+            self._transport.send_notif(peer.agent_name, tag.encode())
+        except TransportError as exc:
+            logger.warning("room %d: cannot notify %s: %s", tag.room, peer.instance_id, exc)
+
+    def _next_wait_s(self) -> float:
+        if any(s.inflight or s.queued or s.state.is_terminal for s in self.senders.values()):
+            return self._args.active_tick_s
+        if any(s.state == KVPoll.Bootstrapping for s in self.senders.values()):
+            return self._args.bootstrap_poll_interval_s
+        return self._args.idle_tick_s

@@ -1,0 +1,122 @@
+"""Decode side, one ``KVReceiver`` per request (room).
+
+Lifecycle of a room on the decode side:
+1. ``manager.create_receiver(room, prefill_instance_id)``  → Bootstrapping; the thread handshakes with the
+   prefill instance once per peer (compatibility checked before any byte moves)
+2. ``init(dst_page_ids)``: the pages the decode engine reserved; an aux slot is taken; the thread posts the
+   destination to the bootstrap (a room already in use fails this receiver only)   → WaitingForInput
+3. the prefill instance WRITEs chunks; each arrives with a ``chunk`` notification  → Transferring
+4. every chunk (the last one names the count) and valid aux data for this room  → Success
+Failure (handshake, room in use, bootstrap/waiting timeout, prefill aborted or lost, ``abort``) → Failed.
+Pages: free the destination pages only once ``pages_releasable()``: Success, or Failed and the writer is known
+done (it answered our cancel, or never learned the destination) or dead.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Sequence
+
+from kv_transfer.aux import AuxData
+from kv_transfer.errors import TransferError
+from kv_transfer.layout import PageId
+from kv_transfer.peers import Peer
+from kv_transfer.poll import KVPoll, advance
+
+Room = int
+
+
+class KVReceiver:
+    """Handle of one room on the decode side. Every public method is cheap and thread-safe (one manager lock).
+
+    The attributes below the public methods are owned by the manager thread (read/written under the lock).
+    """
+
+    def __init__(self, room: Room, prefill_instance_id: str, lock: threading.RLock, wake: threading.Event,
+                 created_s: float) -> None:
+        self.room = room
+        self.prefill_instance_id = prefill_instance_id
+        self._lock = lock
+        self._wake = wake
+        self.created_s = created_s
+        self.state = KVPoll.Bootstrapping
+        self._failure: TransferError | None = None
+        self._aux: AuxData | None = None
+        self.dst_page_ids: list[PageId] | None = None
+        self.aux_slot: int | None = None
+        self.xfer_id = uuid.uuid4().hex[:12]
+        self.peer: Peer | None = None
+        self.publishing = False         # a POST of our destination is under way
+        self.published = False          # the bootstrap holds our destination
+        self.room_released = False      # ...and no longer does
+        self.writer_done = False        # the prefill side will never write for this room again
+        self.cancel_sent = False
+        self.progress_s = created_s     # last time a chunk arrived (or the destination went out)
+        self.chunks_seen: set[int] = set()
+        self.total_chunks = 0
+        self.closed = False
+
+    # --- caller API (serving layer) ---------------------------------------------------------------------
+    def poll(self) -> KVPoll:
+        with self._lock:
+            return self.state
+
+    @property
+    def failure(self) -> TransferError | None:
+        with self._lock:
+            return self._failure
+
+    @property
+    def aux(self) -> AuxData | None:
+        """First token id, its logprob and the room; set at Success."""
+        with self._lock:
+            return self._aux
+
+    def init(self, dst_page_ids: Sequence[PageId]) -> None:
+        """Gives the pages reserved for the prompt's KV (owned by the caller until ``pages_releasable``)."""
+        with self._lock:
+            if self.dst_page_ids is not None:
+                raise TransferError(self.room, "init called twice")
+            if not dst_page_ids:
+                self.fail("init with no pages")
+                raise TransferError(self.room, "init with no pages")
+            self.dst_page_ids = list(dst_page_ids)
+        self._wake.set()
+
+    def abort(self, reason: str) -> None:
+        """Gives the room up; the prefill side is told to stop. Idempotent."""
+        with self._lock:
+            self.fail(f"aborted by decode: {reason}")
+        self._wake.set()
+
+    def pages_releasable(self) -> bool:
+        """True when no WRITE can land in the destination pages any more."""
+        with self._lock:
+            if self.state == KVPoll.Success:
+                return True
+            return self.state == KVPoll.Failed and (self.writer_done or not (self.published or self.publishing))
+
+    # --- manager thread ---------------------------------------------------------------------------------
+    def fail(self, reason: str) -> None:
+        if self.state.is_terminal:
+            return
+        self.state = advance(self.state, KVPoll.Failed)
+        self._failure = TransferError(self.room, reason)
+
+    def on_chunk(self, index: int, total_chunks: int, now_s: float) -> bool:
+        """A chunk landed; True when it completes the set (the caller then checks the aux data)."""
+        self.chunks_seen.add(index)
+        self.total_chunks = total_chunks or self.total_chunks
+        self.progress_s = now_s
+        self.state = advance(self.state, KVPoll.Transferring)
+        return self.total_chunks > 0 and len(self.chunks_seen) >= self.total_chunks
+
+    def complete(self, aux: AuxData | None) -> None:
+        """Every chunk arrived; Success if the aux slot holds this room's record."""
+        self.writer_done = True
+        if aux is None or aux.room != self.room:
+            self.fail(f"aux data missing or for another room ({aux})")
+            return
+        self._aux = aux
+        self.state = advance(self.state, KVPoll.Success)

@@ -1,0 +1,143 @@
+"""Prefill side, one ``KVSender`` per request (room).
+
+Lifecycle of a room on the prefill side:
+1. ``manager.create_sender(room)``                  → Bootstrapping (waiting for decode's destination)
+2. the manager thread fetches the destination from the bootstrap, handshakes with the decode instance
+   (compatibility checked before any byte moves)    → WaitingForInput
+3. ``init(num_pages)`` (any time after 1); then one ``send(page_ids, is_last, aux)`` per prefill chunk;
+   the thread posts each chunk as one WRITE tagged ``chunk|room|xfer_id|index|total``  → Transferring
+4. every WRITE confirmed done, the last one carrying the aux data  → Success
+Failure at any step (bootstrap timeout, decode cancelled, decode lost, a WRITE failed, ``abort``) → Failed;
+the source pages may be freed once ``pages_releasable()`` (no WRITE still reads them).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from bootstrap.messages import Destination
+from kv_transfer.aux import AuxData
+from kv_transfer.errors import TransferError
+from kv_transfer.layout import PageId
+from kv_transfer.peers import Peer
+from kv_transfer.poll import KVPoll, advance
+from kv_transfer.tags import Tag, TagKind
+
+Room = int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One ``send`` call: ``src_pages`` go to destination pages ``[dst_start, dst_start + len)``."""
+
+    index: int
+    src_pages: list[PageId]
+    dst_start: int
+    is_last: bool
+    aux: AuxData | None
+
+
+class KVSender:
+    """Handle of one room on the prefill side. Every method is cheap and thread-safe (one manager lock).
+
+    The attributes below the public methods are owned by the manager thread (read/written under the lock).
+    """
+
+    def __init__(self, room: Room, lock: threading.RLock, wake: threading.Event, created_s: float) -> None:
+        self.room = room
+        self._lock = lock
+        self._wake = wake
+        self.created_s = created_s
+        self.state = KVPoll.Bootstrapping
+        self._failure: TransferError | None = None
+        self.num_pages: int | None = None
+        self.destination: Destination | None = None
+        self.peer: Peer | None = None
+        self.queued: deque[Chunk] = deque()
+        self.inflight: list[object] = []
+        self.pages_assigned = 0
+        self.next_chunk = 0
+        self.last_queued = False
+        self.last_posted = False
+        self.pending_notif: Tag | None = None   # sent to decode once no WRITE is in flight
+        self.local_aux_slot: int | None = None   # staging slot of the aux bytes while the last WRITE runs
+        self.closed = False                     # the manager dropped this room
+
+    # --- caller API (serving layer) ---------------------------------------------------------------------
+    def poll(self) -> KVPoll:
+        with self._lock:
+            return self.state
+
+    @property
+    def failure(self) -> TransferError | None:
+        with self._lock:
+            return self._failure
+
+    def init(self, num_pages: int) -> None:
+        """Declares how many pages the prompt's KV spans. Raises ``TransferError`` if the destination is shorter."""
+        with self._lock:
+            if num_pages <= 0:
+                raise self._fail_and_raise(f"init with {num_pages} pages")
+            self.num_pages = num_pages
+            if self.destination is not None and len(self.destination.dst_page_ids) < num_pages:
+                raise self._fail_and_raise(
+                    f"destination has {len(self.destination.dst_page_ids)} pages, prompt needs {num_pages}")
+
+    def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:
+        """Queues one chunk; returns at once (the manager thread posts it). ``aux`` is required with ``is_last``.
+
+        Non-final chunks carry whole pages only; the final chunk adds the partial last page. A no-op on a
+        Failed room. Raises ``TransferError`` (and fails the room) on a call that breaks these rules.
+        """
+        with self._lock:
+            if self.state == KVPoll.Failed:
+                return
+            total = self.pages_assigned + len(page_ids)
+            if self.num_pages is None or self.last_queued:
+                raise self._fail_and_raise("send before init" if self.num_pages is None else "send after last")
+            if total > self.num_pages or (is_last and total != self.num_pages):
+                raise self._fail_and_raise(f"chunk brings the page count to {total} of {self.num_pages}")
+            if is_last and aux is None:
+                raise self._fail_and_raise("the last chunk needs aux data")
+            self.queued.append(Chunk(self.next_chunk, list(page_ids), self.pages_assigned, is_last, aux))
+            self.pages_assigned, self.next_chunk, self.last_queued = total, self.next_chunk + 1, is_last
+        self._wake.set()
+
+    def abort(self, reason: str) -> None:
+        """Gives the room up; the decode side learns it and ends Failed too. Idempotent."""
+        with self._lock:
+            self.fail(f"aborted by prefill: {reason}", notify_peer=True)
+        self._wake.set()
+
+    def pages_releasable(self) -> bool:
+        """True when the room is terminal and no WRITE still reads the source pages."""
+        with self._lock:
+            return self.state.is_terminal and not self.inflight and not self.queued
+
+    # --- manager thread ---------------------------------------------------------------------------------
+    def fail(self, reason: str, notify_peer: bool = False) -> None:
+        """Moves to Failed (sticky) and drops queued chunks; lock held by the caller."""
+        if self.state.is_terminal:
+            return
+        self.state = advance(self.state, KVPoll.Failed)
+        self._failure = TransferError(self.room, reason)
+        self.queued.clear()
+        if notify_peer and self.destination is not None:
+            self.pending_notif = Tag(TagKind.ABORT, self.room, self.destination.xfer_id, 0, reason)
+
+    def attach(self, destination: Destination, peer: Peer) -> None:
+        """The decode side's destination arrived; lock held by the caller."""
+        self.destination, self.peer = destination, peer
+        if self.num_pages is not None and len(destination.dst_page_ids) < self.num_pages:
+            self.fail(f"destination has {len(destination.dst_page_ids)} pages, prompt needs {self.num_pages}",
+                      notify_peer=True)
+            return
+        self.state = advance(self.state, KVPoll.WaitingForInput)
+
+    def _fail_and_raise(self, reason: str) -> TransferError:
+        self.fail(reason, notify_peer=True)
+        self._wake.set()
+        return TransferError(self.room, reason)

@@ -1,0 +1,58 @@
+"""Notification messages exchanged between managers (over the backend's notification channel).
+
+Every message is ASCII ``kind|room|xfer_id|a|b``; ``xfer_id`` is chosen by the decode side per destination
+so that a late message of an earlier use of the same room is never mistaken for the current one.
+
+- ``chunk|room|xfer_id|chunk_index|total``: chunk ``chunk_index`` has landed (total = chunk count on the
+  last chunk, 0 otherwise).
+- ``abort|room|xfer_id|0|reason``: the sender gave up; it will write nothing more for this room.
+- ``cancel|room|xfer_id|0|reason``: the receiver gave up; the sender must stop and answer ``done``.
+- ``done|room|xfer_id|0|``: the sender has no write in flight for this room and will post none.
+- ``hello|0|0|0|instance``: connection warm-up at handshake; ignored by the receiver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+Room = int
+
+
+class TagKind(str, Enum):
+    CHUNK = "chunk"
+    ABORT = "abort"
+    CANCEL = "cancel"
+    DONE = "done"
+    HELLO = "hello"
+
+
+@dataclass(frozen=True)
+class Tag:
+    kind: TagKind
+    room: Room
+    xfer_id: str
+    index: int = 0
+    text: str = ""
+
+    def encode(self) -> bytes:
+        text = self.text.replace("|", "/")[:200]
+        return f"{self.kind.value}|{self.room}|{self.xfer_id}|{self.index}|{text}".encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Tag | None":
+        """The tag in ``data``, or None for a message this protocol does not know (it is then ignored)."""
+        try:
+            kind, room, xfer_id, index, text = data.decode().split("|", 4)
+            return cls(TagKind(kind), int(room), xfer_id, int(index), text)
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    @property
+    def total_chunks(self) -> int:
+        """Chunk count carried by the last chunk's tag (0 on the others)."""
+        return int(self.text) if self.kind == TagKind.CHUNK and self.text else 0
+
+
+def chunk_tag(room: Room, xfer_id: str, chunk_index: int, total_chunks: int) -> Tag:
+    return Tag(TagKind.CHUNK, room, xfer_id, chunk_index, str(total_chunks) if total_chunks else "")
