@@ -1,0 +1,136 @@
+"""Worker configuration: one frozen dataclass built from a Triton model config's ``parameters``.
+
+This module is the only place in ``serving/`` that reads environment variables:
+
+* ``PD_BOOTSTRAP_URL`` overrides the ``bootstrap_url`` parameter (``scripts/serve.sh`` sets it from
+  ``BOOTSTRAP_PORT``), so one model repository serves on any port.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from engine.config import EngineConfig
+
+KV_BACKENDS: tuple[str, ...] = ("nixl", "inprocess")
+BOOTSTRAP_URL_ENV = "PD_BOOTSTRAP_URL"
+
+
+class ConfigError(ValueError):
+    """A worker parameter is missing its constraint.
+
+    Attributes:
+        param: the parameter's name as written in ``config.pbtxt``.
+        reason: what is wrong with its value.
+    """
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"model parameter {param!r}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Knobs of one serving worker (one Triton model instance), fixed for its lifetime.
+
+    Attributes:
+        model: model name understood by the engine's loader (``"smollm2"``).
+        page_size: tokens per KV page.
+        num_pages: KV pool size in pages (``bytes = num_pages * page_size * bytes_per_token``).
+        chunk_size: most prompt tokens of one request per engine step (chunked prefill).
+        max_num_batched_tokens: per-step token budget over the whole batch.
+        num_threads: torch intra-op threads of the engine.
+        bootstrap_url: rendezvous service of the PD workers (``http://host:port``).
+        kv_backend: ``"nixl"`` or ``"inprocess"`` (PD workers only).
+        bootstrap_timeout_s: how long a PD request may wait for its peer to show up at the rendezvous.
+        waiting_timeout_s: how long a PD request may wait for its KV once the transfer was set up.
+        idle_wait_s: longest block of the engine loop on its input queue when there is nothing to do.
+
+    Raises:
+        ConfigError: at construction, naming the parameter, when a value is out of range.
+    """
+
+    model: str = "smollm2"
+    page_size: int = 16
+    num_pages: int = 1024
+    chunk_size: int = 512
+    max_num_batched_tokens: int = 512
+    num_threads: int = 1
+    bootstrap_url: str = "http://127.0.0.1:8998"
+    kv_backend: str = "nixl"
+    bootstrap_timeout_s: float = 30.0
+    waiting_timeout_s: float = 30.0
+    idle_wait_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        if not self.model:
+            raise ConfigError("model", "must not be empty")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        if not self.bootstrap_url.startswith(("http://", "https://")):
+            raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
+        if self.max_num_batched_tokens < self.chunk_size:
+            raise ConfigError("max_num_batched_tokens",
+                              f"must be >= chunk_size ({self.chunk_size}), got {self.max_num_batched_tokens}")
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Capacity of the KV pool in tokens."""
+        return self.num_pages * self.page_size
+
+    def engine_config(self, mode: str) -> EngineConfig:
+        """The engine configuration of this worker in ``mode`` (``"colocated"``, ``"prefill"``, ``"decode"``)."""
+        return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,  # type: ignore[arg-type]
+                            num_pages=self.num_pages, chunk_size=self.chunk_size,
+                            max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads)
+
+
+def build_worker_config(parameters: Mapping[str, Any],
+                        environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Build the worker config from a model config's ``parameters`` section.
+
+    Args:
+        parameters: ``model_config["parameters"]`` as Triton passes it to ``initialize``:
+            ``{"page_size": {"string_value": "16"}, ...}``; plain ``{"page_size": "16"}`` is accepted too.
+            Missing keys keep their defaults.
+        environ: environment to read overrides from; ``os.environ`` when None.
+    Returns:
+        The validated, frozen ``WorkerConfig``.
+    Raises:
+        ConfigError: an unknown parameter, a value that does not parse, or one out of range.
+    """
+    types = {f.name: f.type for f in fields(WorkerConfig)}
+    values: dict[str, Any] = {}
+    for name, raw in parameters.items():
+        if name not in types:
+            raise ConfigError(name, f"unknown parameter (known: {sorted(types)})")
+        text = raw.get("string_value", "") if isinstance(raw, Mapping) else str(raw)
+        values[name] = _parse(name, types[name], text.strip())
+    config = WorkerConfig(**values)
+    env = os.environ if environ is None else environ
+    if env.get(BOOTSTRAP_URL_ENV):
+        config = replace(config, bootstrap_url=env[BOOTSTRAP_URL_ENV])
+    return config
+
+
+def _parse(name: str, type_name: Any, text: str) -> Any:
+    """Convert one ``string_value`` to the field's type (annotations are strings under postponed evaluation)."""
+    kind = type_name if isinstance(type_name, str) else type_name.__name__
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ConfigError(name, f"must be a{'n int' if kind == 'int' else ' number'}, got {text!r}") from None
+    return text

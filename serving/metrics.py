@@ -1,0 +1,145 @@
+"""Custom metrics of the serving workers, shown on Triton's metrics endpoint (``:8002/metrics``).
+
+``ServingMetrics`` wraps python-backend metric families (``pb_utils.MetricFamily``, passed in so this module
+stays importable without Triton). Every metric carries the labels ``model`` and ``instance``; names carry units:
+
+==================================  =======  =================================================================
+``pd_kv_free_pages``                gauge    free pages in the KV pool
+``pd_kv_total_pages``               gauge    pages in the KV pool
+``pd_queue_requests``               gauge    requests per queue (label ``queue``: ``running``, ``commands``;
+                                             PD workers add ``bootstrap``, ``waiting``, ``inflight``,
+                                             ``prealloc``, ``transfer``)
+``pd_requests_total``               counter  finished requests (label ``outcome``: ``finished``, ``failed``,
+                                             ``cancelled``)
+``pd_prompt_tokens_total``          counter  prompt tokens of finished requests
+``pd_generation_tokens_total``      counter  generated tokens of finished requests
+``pd_engine_steps_total``           counter  engine steps
+``pd_engine_step_seconds_total``    counter  time spent in engine steps
+==================================  =======  =================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from serving.engine_loop import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES: tuple[str, ...] = ("finished", "failed", "cancelled")
+
+
+class Metric(Protocol):
+    """One labelled series (``pb_utils.Metric``)."""
+
+    def set(self, value: float) -> None: ...
+
+    def increment(self, value: float) -> None: ...
+
+    def value(self) -> float: ...
+
+
+class MetricFamilyFactory(Protocol):
+    """``pb_utils.MetricFamily``: ``MetricFamily(name, description, kind)``, ``.Metric(labels=...)``."""
+
+    COUNTER: Any
+    GAUGE: Any
+
+    def __call__(self, name: str, description: str, kind: Any) -> Any: ...
+
+
+_FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
+    "pd_kv_free_pages": ("GAUGE", "Free pages in the KV pool"),
+    "pd_kv_total_pages": ("GAUGE", "Pages in the KV pool"),
+    "pd_queue_requests": ("GAUGE", "Requests per queue"),
+    "pd_requests_total": ("COUNTER", "Finished requests by outcome"),
+    "pd_prompt_tokens_total": ("COUNTER", "Prompt tokens of finished requests"),
+    "pd_generation_tokens_total": ("COUNTER", "Generated tokens of finished requests"),
+    "pd_engine_steps_total": ("COUNTER", "Engine steps"),
+    "pd_engine_step_seconds_total": ("COUNTER", "Seconds spent in engine steps"),
+}
+
+
+class ServingMetrics:
+    """The metrics of one model instance. Create once per process (Triton families are process-wide)."""
+
+    def __init__(self, family_factory: MetricFamilyFactory, model: str, instance: str) -> None:
+        """
+        Args:
+            family_factory: ``pb_utils.MetricFamily`` (or anything with the same interface).
+            model: value of the ``model`` label (the Triton model name).
+            instance: value of the ``instance`` label (the Triton model instance name).
+        """
+        self._labels = {"model": model, "instance": instance}
+        self._families = {name: family_factory(name=name, description=desc, kind=getattr(family_factory, kind))
+                          for name, (kind, desc) in _FAMILIES.items()}
+        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
+        self._last_gauge: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def _metric(self, name: str, extra: Mapping[str, str]) -> tuple[Metric, tuple[tuple[str, str], ...]]:
+        key = (name, tuple(sorted(extra.items())))
+        metric = self._series.get(key)
+        if metric is None:
+            metric = self._families[name].Metric(labels={**self._labels, **extra})
+            self._series[key] = metric
+        return metric, key[1]
+
+    def set_gauge(self, name: str, value: float, **labels: str) -> None:
+        """Set a gauge (one of this module's names); a value equal to the last one is not sent again."""
+        metric, label_key = self._metric(name, labels)
+        if self._last_gauge.get((name, label_key)) != value:
+            metric.set(float(value))
+            self._last_gauge[(name, label_key)] = value
+
+    def increment(self, name: str, value: float = 1.0, **labels: str) -> None:
+        """Add ``value`` (>= 0) to a counter (one of this module's names)."""
+        if value > 0:
+            self._metric(name, labels)[0].increment(float(value))
+
+    def set_queue_length(self, queue: str, num_requests: int) -> None:
+        """``pd_queue_requests{queue=...}``: requests currently held in ``queue``."""
+        self.set_gauge("pd_queue_requests", num_requests, queue=queue)
+
+    def set_kv_pages(self, free_pages: int, total_pages: int) -> None:
+        """``pd_kv_free_pages`` / ``pd_kv_total_pages``."""
+        self.set_gauge("pd_kv_free_pages", free_pages)
+        self.set_gauge("pd_kv_total_pages", total_pages)
+
+    def request_done(self, outcome: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Count one request that ended; ``outcome`` is one of ``OUTCOMES``. Raises ValueError otherwise."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        self.increment("pd_requests_total", 1, outcome=outcome)
+        self.increment("pd_prompt_tokens_total", num_prompt_tokens)
+        self.increment("pd_generation_tokens_total", num_output_tokens)
+
+
+class LoopMetricsHook:
+    """Tick hook that publishes the KV pool and the loop's counters (runs on the loop thread)."""
+
+    def __init__(self, loop: EngineLoop, metrics: ServingMetrics,
+                 kv_pages: Callable[[], tuple[int, int]]) -> None:
+        """
+        Args:
+            loop: the loop whose ``stats()`` to publish.
+            metrics: where to publish.
+            kv_pages: returns ``(free_pages, total_pages)`` of the engine, called on the loop thread.
+        """
+        self._loop = loop
+        self._metrics = metrics
+        self._kv_pages = kv_pages
+        self._steps_seen = 0
+        self._step_seconds_seen = 0.0
+
+    def on_tick(self) -> bool:
+        """Publish; never reports work in flight."""
+        stats = self._loop.stats()
+        self._metrics.set_kv_pages(*self._kv_pages())
+        self._metrics.set_queue_length("running", stats.num_active_requests)
+        self._metrics.set_queue_length("commands", stats.num_queued_commands)
+        self._metrics.increment("pd_engine_steps_total", stats.steps_total - self._steps_seen)
+        self._metrics.increment("pd_engine_step_seconds_total", stats.step_seconds_total - self._step_seconds_seen)
+        self._steps_seen, self._step_seconds_seen = stats.steps_total, stats.step_seconds_total
+        return False

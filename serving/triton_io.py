@@ -1,0 +1,146 @@
+"""The one module that converts between python-backend objects (``pb_utils``) and ``serving`` dataclasses.
+
+``pb_utils`` (``triton_python_backend_utils``) only exists inside the python backend's stub process, so it is
+imported on first use; the numpy halves (``scalars_from_arrays``, ``response_arrays``) work anywhere.
+
+Tensors of the LLM convention: inputs are shape ``[1]`` (or ``[1, 1]``); strings arrive as ``bytes`` in numpy
+object arrays, bools as ``np.bool_``. Outputs: ``text_output`` and ``finish_reason`` (BYTES, ``[1]``),
+``num_input_tokens`` and ``num_output_tokens`` (INT32, ``[1]``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from serving.request import INPUT_NAMES, RawValue, RequestError
+from serving.stream import ResponseChunk
+
+logger = logging.getLogger(__name__)
+
+
+def pb_utils() -> ModuleType:
+    """The python backend's utility module. Raises ImportError outside a Triton python-backend stub."""
+    return importlib.import_module("triton_python_backend_utils")
+
+
+def scalars_from_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, RawValue]:
+    """One Python scalar per input array: ``bytes``/``str`` stay as they are, ``np.bool_`` becomes ``bool``.
+
+    Raises:
+        RequestError: naming an input that holds other than exactly one element, or one of another type.
+    """
+    values: dict[str, RawValue] = {}
+    for name, array in arrays.items():
+        flat = np.asarray(array).reshape(-1)
+        if flat.size != 1:
+            raise RequestError(name, f"must hold exactly one element, got shape {tuple(np.shape(array))}")
+        item = flat[0]
+        if isinstance(item, (bool, np.bool_)):
+            values[name] = bool(item)
+        elif isinstance(item, (bytes, np.bytes_)):
+            values[name] = bytes(item)
+        elif isinstance(item, (str, np.str_)):
+            values[name] = str(item)
+        else:
+            raise RequestError(name, f"must be a string or a bool, got {type(item).__name__}")
+    return values
+
+
+def read_inputs(request: Any) -> dict[str, RawValue]:
+    """The LLM-convention inputs of one ``pb_utils.InferenceRequest`` (absent optional inputs left out).
+
+    Raises:
+        RequestError: as ``scalars_from_arrays``.
+    """
+    pb = pb_utils()
+    arrays = {}
+    for name in INPUT_NAMES:
+        tensor = pb.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return scalars_from_arrays(arrays)
+
+
+def response_arrays(chunk: ResponseChunk) -> dict[str, np.ndarray]:
+    """The output arrays of one response, by output name."""
+    return {
+        "text_output": np.array([chunk.text.encode("utf-8")], dtype=np.object_),
+        "finish_reason": np.array([(chunk.finish_reason or "").encode("utf-8")], dtype=np.object_),
+        "num_input_tokens": np.array([chunk.num_input_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([chunk.num_output_tokens], dtype=np.int32),
+    }
+
+
+def inference_response(chunk: ResponseChunk) -> Any:
+    """``pb_utils.InferenceResponse`` holding ``chunk``."""
+    pb = pb_utils()
+    tensors = [pb.Tensor(name, array) for name, array in response_arrays(chunk).items()]
+    return pb.InferenceResponse(output_tensors=tensors)
+
+
+def error_response(message: str) -> Any:
+    """``pb_utils.InferenceResponse`` carrying ``message`` as a ``pb_utils.TritonError``."""
+    pb = pb_utils()
+    return pb.InferenceResponse(error=pb.TritonError(message))
+
+
+class TritonResponseSink:
+    """``ResponseSink`` over a decoupled request's ``response_sender``.
+
+    The FINAL flag goes out exactly once; afterwards the sender is never touched again (tritonserver 2.51
+    crashes on ``is_cancelled()`` after FINAL), which one lock enforces across the execute and loop threads.
+    """
+
+    def __init__(self, response_sender: Any, request_id: str = "") -> None:
+        """
+        Args:
+            response_sender: ``request.get_response_sender()``.
+            request_id: for log lines (the client's request id, may be empty).
+        """
+        self._sender = response_sender
+        self._request_id = request_id
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once FINAL was sent."""
+        return self._closed
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        self._send(lambda: inference_response(chunk), final)
+
+    def send_error(self, message: str) -> None:
+        self._send(lambda: error_response(message), True)
+
+    def close(self) -> None:
+        self._send(None, True)
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return self._closed or bool(self._sender.is_cancelled())
+
+    def _send(self, build: Any, final: bool) -> None:
+        pb = pb_utils()
+        with self._lock:
+            if self._closed:
+                logger.warning("request %s: response after FINAL dropped", self._request_id)
+                return
+            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            self._closed = final
+            try:
+                if build is None:
+                    self._sender.send(flags=flags)
+                else:
+                    self._sender.send(build(), flags=flags)
+            except Exception:
+                logger.exception("request %s: sending a response failed", self._request_id)
+                if not final:
+                    raise

@@ -1,0 +1,153 @@
+"""Test doubles that implement the serving seams (``EngineCore``, ``ResponseSink``, metric families)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import RequestRejected
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from serving.engine_loop import EngineCore
+from serving.stream import ResponseChunk, ResponseSink
+
+
+@dataclass
+class _Req:
+    prompt_len: int
+    max_tokens: int
+    produced: int = 0
+
+
+class FakeEngine:
+    """A one-page-per-token engine that emits ``"w{i} "`` per step; rejects prompts over ``max_prompt``."""
+
+    def __init__(self, num_pages: int = 100, max_prompt: int = 50, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.num_total_pages = num_pages
+        self.num_free_pages = num_pages
+        self.max_prompt = max_prompt
+        self.requests: dict[str, _Req] = {}
+        self.calls = {"has_unfinished": 0, "step": 0}
+        self.fail_next_step = False
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.thread_ids.add(threading.get_ident())
+        need = len(prompt_token_ids) + params.max_tokens
+        if request_id in self.requests:
+            raise RequestRejected(request_id, "duplicate request id")
+        if len(prompt_token_ids) > self.max_prompt or need > self.num_free_pages:
+            raise RequestRejected(request_id, f"needs {need} pages")
+        self.num_free_pages -= need
+        self.requests[request_id] = _Req(len(prompt_token_ids), params.max_tokens)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.num_free_pages += req.prompt_len + req.max_tokens
+
+    def has_unfinished(self) -> bool:
+        self.calls["has_unfinished"] += 1
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.calls["step"] += 1
+        time.sleep(self.step_s)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("boom")
+        outputs = []
+        for request_id, req in list(self.requests.items()):
+            req.produced += 1
+            finished = req.produced == req.max_tokens
+            outputs.append(RequestOutput(request_id, [req.produced], [0.0], f"w{req.produced} ", finished,
+                                         "length" if finished else None, req.prompt_len, req.produced))
+            if finished:
+                self.abort_request(request_id)
+        return outputs
+
+
+_engine_check: EngineCore = FakeEngine()  # type-checks the fake against the protocol
+
+
+@dataclass
+class RecordingSink:
+    """Records what a stream sends; ``cancelled`` simulates a client cancel."""
+
+    chunks: list[tuple[ResponseChunk, bool]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    finals: int = 0
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    touched_after_final: int = 0
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        self._check()
+        self.chunks.append((chunk, final))
+        self._final(final)
+
+    def send_error(self, message: str) -> None:
+        self._check()
+        self.errors.append(message)
+        self._final(True)
+
+    def close(self) -> None:
+        self._check()
+        self._final(True)
+
+    def is_cancelled(self) -> bool:
+        self._check()
+        return self.cancelled
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c, _ in self.chunks)
+
+    def _check(self) -> None:
+        if self.finals:
+            self.touched_after_final += 1
+
+    def _final(self, final: bool) -> None:
+        if final:
+            self.finals += 1
+            self.done.set()
+
+
+_sink_check: ResponseSink = RecordingSink()
+
+
+class FakeFamily:
+    """``pb_utils.MetricFamily`` look-alike keeping values in memory."""
+
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    registry: dict[str, "FakeFamily"] = {}
+
+    def __init__(self, name: str, description: str, kind: Any) -> None:
+        self.name, self.kind = name, kind
+        self.series: dict[tuple[tuple[str, str], ...], FakeMetric] = {}
+        FakeFamily.registry[name] = self
+
+    def Metric(self, labels: dict[str, str]) -> "FakeMetric":  # noqa: N802 (pb_utils' name)
+        return self.series.setdefault(tuple(sorted(labels.items())), FakeMetric())
+
+
+class FakeMetric:
+    def __init__(self) -> None:
+        self._value = 0.0
+        self.writes = 0
+
+    def set(self, value: float) -> None:
+        self._value = value
+        self.writes += 1
+
+    def increment(self, value: float) -> None:
+        self._value += value
+        self.writes += 1
+
+    def value(self) -> float:
+        return self._value

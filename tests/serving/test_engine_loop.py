@@ -1,0 +1,178 @@
+"""``EngineLoop``: one thread owns the engine; every request gets exactly one terminal event; a failure
+reaches its own request only; an idle loop sleeps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.errors import RequestRejected
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from serving.engine_loop import EngineLoop
+from serving.events import LoopEvent, LoopStopped, RequestAborted, RequestFailed
+from serving_fakes import FakeEngine
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list[LoopEvent] = []
+        self.done = threading.Event()
+
+    def __call__(self, event: LoopEvent) -> None:
+        self.events.append(event)
+        if isinstance(event, RequestFailed) or event.finished:
+            self.done.set()
+
+    def wait(self) -> LoopEvent:
+        assert self.done.wait(10), "no terminal event"
+        return self.events[-1]
+
+    @property
+    def terminals(self) -> int:
+        return sum(isinstance(e, RequestFailed) or e.finished for e in self.events)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def loop(engine: FakeEngine):
+    lp = EngineLoop(engine, name="test-loop", idle_wait_s=0.05)
+    yield lp
+    assert lp.stop(5)
+
+
+def test_constructor_starts_nothing(engine: FakeEngine) -> None:
+    lp = EngineLoop(engine, name="idle")
+    assert not lp.running
+    assert all(t.name != "idle" for t in threading.enumerate())
+    with pytest.raises(LoopStopped):
+        lp.submit("r", [1], SamplingParams(), lambda e: None)
+
+
+def test_requests_batch_and_finish_once_each(loop: EngineLoop, engine: FakeEngine) -> None:
+    loop.start()
+    cols = {f"r{i}": Collector() for i in range(4)}
+    for i, (rid, col) in enumerate(cols.items()):
+        loop.submit(rid, [1] * (i + 1), SamplingParams(max_tokens=3 + i), col)
+    for rid, col in cols.items():
+        last = col.wait()
+        assert isinstance(last, RequestOutput) and last.finish_reason == "length"
+        assert col.terminals == 1
+        assert "".join(e.new_text for e in col.events if isinstance(e, RequestOutput)) == \
+            "".join(f"w{k} " for k in range(1, last.num_output_tokens + 1))
+    assert engine.num_free_pages == engine.num_total_pages
+    assert engine.thread_ids == {loop._thread.ident}  # type: ignore[union-attr]
+
+
+def test_rejection_fails_only_that_request(loop: EngineLoop) -> None:
+    loop.start()
+    bad, good = Collector(), Collector()
+    loop.submit("good", [1], SamplingParams(max_tokens=5), good)
+    loop.submit("bad", [1] * 500, SamplingParams(max_tokens=5), bad)
+    failed = bad.wait()
+    assert isinstance(failed, RequestFailed) and isinstance(failed.error, RequestRejected)
+    assert isinstance(good.wait(), RequestOutput) and good.terminals == 1
+
+
+def test_abort_frees_pages_and_ends_with_one_terminal(loop: EngineLoop, engine: FakeEngine) -> None:
+    loop.start()
+    col = Collector()
+    loop.submit("long", [1, 2], SamplingParams(max_tokens=10_000 // 200), col)
+    loop.abort("long", "test")
+    last = col.wait()
+    assert isinstance(last, RequestFailed) and isinstance(last.error, RequestAborted)
+    time.sleep(0.1)
+    assert col.terminals == 1 and engine.num_free_pages == engine.num_total_pages
+
+
+def test_callback_error_aborts_that_request_only(loop: EngineLoop, engine: FakeEngine) -> None:
+    loop.start()
+    good = Collector()
+    calls: list[LoopEvent] = []
+
+    def bad(event: LoopEvent) -> None:
+        calls.append(event)
+        raise ValueError("client gone")
+
+    loop.submit("bad", [1], SamplingParams(max_tokens=20), bad)
+    loop.submit("good", [1], SamplingParams(max_tokens=5), good)
+    assert isinstance(good.wait(), RequestOutput)
+    time.sleep(0.1)
+    assert isinstance(calls[-1], RequestFailed) and len(calls) == 2
+    assert engine.num_free_pages == engine.num_total_pages
+
+
+def test_step_error_fails_the_batch_and_the_loop_goes_on(loop: EngineLoop, engine: FakeEngine) -> None:
+    loop.start()
+    first = Collector()
+    engine.fail_next_step = True
+    loop.submit("a", [1], SamplingParams(max_tokens=3), first)
+    assert isinstance(first.wait(), RequestFailed)
+    after = Collector()
+    loop.submit("b", [1], SamplingParams(max_tokens=3), after)
+    assert isinstance(after.wait(), RequestOutput)
+
+
+def test_stop_fails_requests_in_flight(engine: FakeEngine) -> None:
+    lp = EngineLoop(engine, name="stopper", idle_wait_s=0.05)
+    col = Collector()
+    lp.start()
+    lp.call_soon(lambda: time.sleep(0.2))  # keep the request queued while stopping
+    lp.submit("r", [1], SamplingParams(max_tokens=1000 // 20), col)
+    assert lp.stop(5)
+    last = col.wait()
+    assert isinstance(last, RequestFailed) and isinstance(last.error, LoopStopped)
+    assert col.terminals == 1 and not engine.requests
+    with pytest.raises(LoopStopped):
+        lp.submit("late", [1], SamplingParams(), col)
+
+
+def test_idle_loop_blocks_instead_of_spinning(loop: EngineLoop, engine: FakeEngine) -> None:
+    loop.start()
+    time.sleep(0.5)
+    # idle_wait_s=0.05: about 10 ticks in 0.5 s (each checks has_unfinished twice); a spin would do millions
+    assert engine.calls["has_unfinished"] < 60
+    assert engine.calls["step"] == 0
+
+
+class CountingHook:
+    def __init__(self, busy: bool) -> None:
+        self.ticks = 0
+        self.busy = busy
+        self.thread: int | None = None
+
+    def on_tick(self) -> bool:
+        self.ticks += 1
+        self.thread = threading.get_ident()
+        return self.busy
+
+
+def test_busy_hook_is_polled_fast_idle_hook_slowly(engine: FakeEngine) -> None:
+    idle, busy = CountingHook(False), CountingHook(True)
+    loops = [EngineLoop(engine, name=f"hooks-{i}", idle_wait_s=0.05, busy_wait_s=0.002, hooks=[h])
+             for i, h in enumerate((idle, busy))]
+    for lp in loops:
+        lp.start()
+    time.sleep(0.3)
+    for lp in loops:
+        assert lp.stop(5)
+    assert 2 <= idle.ticks <= 12
+    assert busy.ticks > 40
+    assert idle.thread == loops[0]._thread.ident  # type: ignore[union-attr]
+
+
+def test_duplicate_id_is_rejected_without_touching_the_first(loop: EngineLoop) -> None:
+    loop.start()
+    first, dup = Collector(), Collector()
+    loop.submit("same", [1], SamplingParams(max_tokens=5), first)
+    loop.submit("same", [1], SamplingParams(max_tokens=5), dup)
+    assert isinstance(dup.wait(), RequestFailed)
+    assert isinstance(first.wait(), RequestOutput) and first.terminals == 1

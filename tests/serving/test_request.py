@@ -1,0 +1,79 @@
+"""``serving.request``: every bad input is a ``RequestError`` naming its field; good inputs parse as the vLLM
+backend (and genai-perf) expect."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.request import GenerateRequest, RequestError, parse_request
+
+
+def _parse(**inputs: object) -> GenerateRequest:
+    inputs.setdefault("text_input", b"Hello")
+    return parse_request(inputs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("inputs, field", [
+    ({"text_input": b""}, "text_input"),
+    ({"text_input": b"\xff\xfe"}, "text_input"),
+    ({"text_input": True}, "text_input"),
+    ({"sampling_parameters": b"{not json"}, "sampling_parameters"),
+    ({"sampling_parameters": b"[1, 2]"}, "sampling_parameters"),
+    ({"sampling_parameters": b'{"max_tokens": 8, "bogus": 1}'}, "sampling_parameters.bogus"),
+    ({"sampling_parameters": b'{"max_tokens": 0}'}, "sampling_parameters.max_tokens"),
+    ({"sampling_parameters": b'{"max_tokens": -3}'}, "sampling_parameters.max_tokens"),
+    ({"sampling_parameters": b'{"max_tokens": "many"}'}, "sampling_parameters.max_tokens"),
+    ({"sampling_parameters": b'{"max_tokens": [4]}'}, "sampling_parameters.max_tokens"),
+    ({"sampling_parameters": b'{"temperature": "hot"}'}, "sampling_parameters.temperature"),
+    ({"sampling_parameters": b'{"temperature": -1}'}, "sampling_parameters.temperature"),
+    ({"sampling_parameters": b'{"top_p": 0}'}, "sampling_parameters.top_p"),
+    ({"sampling_parameters": b'{"stop": 5}'}, "sampling_parameters.stop"),
+    ({"sampling_parameters": b'{"stop_token_ids": "2"}'}, "sampling_parameters.stop_token_ids"),
+    ({"sampling_parameters": b'{"ignore_eos": "maybe"}'}, "sampling_parameters.ignore_eos"),
+    ({"stream": b"true"}, "stream"),
+    ({"stream": True, "exclude_input_in_output": False}, "exclude_input_in_output"),
+    ({"apply_chat_template": b"yes"}, "apply_chat_template"),
+    ({"image": b"..."}, "image"),
+])
+def test_bad_input_names_its_field(inputs: dict[str, object], field: str) -> None:
+    with pytest.raises(RequestError) as info:
+        _parse(**inputs)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_missing_prompt_is_an_error() -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request({"stream": True})
+    assert info.value.field == "text_input"
+
+
+def test_string_values_as_genai_perf_sends_them() -> None:
+    req = _parse(sampling_parameters=b'{"max_tokens": "32", "temperature": "0", "top_p": "0.9", "top_k": "5", '
+                                     b'"seed": "7", "ignore_eos": "true", "stop": "\\n", "stop_token_ids": ["2"]}')
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (32, 0.0, 0.9, 5, 7)
+    assert p.ignore_eos is True and p.stop == ("\n",) and p.stop_token_ids == (2,)
+
+
+def test_stop_list_and_defaults() -> None:
+    req = _parse(sampling_parameters=b'{"stop": ["a", "b"]}')
+    assert req.params.stop == ("a", "b")
+    assert _parse(sampling_parameters=b"").params == _parse().params
+
+
+def test_non_streaming_echoes_prompt_by_default() -> None:
+    req = _parse()
+    assert not req.stream and not req.exclude_input_in_output and req.echo_prompt
+    assert not _parse(exclude_input_in_output=True).echo_prompt
+
+
+def test_streaming_never_echoes_the_prompt() -> None:
+    req = _parse(stream=True)
+    assert req.exclude_input_in_output and not req.echo_prompt
+    assert not _parse(stream=True, exclude_input_in_output=True).echo_prompt
+
+
+def test_text_and_flags_parse() -> None:
+    req = _parse(text_input="Grüße".encode(), apply_chat_template=True, stream=False)
+    assert req.prompt == "Grüße" and req.apply_chat_template

@@ -1,0 +1,47 @@
+"""``serving.config``: parameters as Triton passes them become one validated, frozen ``WorkerConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from serving.config import ConfigError, WorkerConfig, build_worker_config
+
+
+def _sv(**values: str) -> dict[str, dict[str, str]]:
+    return {k: {"string_value": v} for k, v in values.items()}
+
+
+def test_defaults_and_string_values() -> None:
+    cfg = build_worker_config(_sv(page_size="32", num_pages="64", bootstrap_timeout_s="2.5"), environ={})
+    assert (cfg.page_size, cfg.num_pages, cfg.bootstrap_timeout_s, cfg.chunk_size) == (32, 64, 2.5, 512)
+    assert cfg.kv_cache_tokens == 32 * 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.page_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("params, param", [
+    (_sv(page_size="sixteen"), "page_size"),
+    (_sv(num_pages="0"), "num_pages"),
+    (_sv(bogus="1"), "bogus"),
+    (_sv(kv_backend="tcp"), "kv_backend"),
+    (_sv(bootstrap_url="127.0.0.1:8998"), "bootstrap_url"),
+    (_sv(chunk_size="1024", max_num_batched_tokens="512"), "max_num_batched_tokens"),
+    (_sv(waiting_timeout_s="-1"), "waiting_timeout_s"),
+])
+def test_bad_parameter_is_named(params: dict[str, dict[str, str]], param: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_worker_config(params, environ={})
+    assert info.value.param == param
+
+
+def test_environment_overrides_bootstrap_url() -> None:
+    cfg = build_worker_config({}, environ={"PD_BOOTSTRAP_URL": "http://127.0.0.1:9100"})
+    assert cfg.bootstrap_url == "http://127.0.0.1:9100"
+
+
+def test_engine_config_carries_the_knobs() -> None:
+    ec = WorkerConfig(page_size=8, num_pages=10, chunk_size=64, max_num_batched_tokens=128).engine_config("decode")
+    assert (ec.mode, ec.page_size, ec.num_pages, ec.chunk_size, ec.max_num_batched_tokens) == \
+        ("decode", 8, 10, 64, 128)

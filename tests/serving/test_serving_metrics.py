@@ -1,0 +1,43 @@
+"""``serving.metrics``: names carry units, every series carries model/instance labels, unchanged gauges are
+not re-sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.metrics import ServingMetrics
+from serving_fakes import FakeFamily
+
+
+@pytest.fixture
+def metrics() -> ServingMetrics:
+    FakeFamily.registry.clear()
+    return ServingMetrics(FakeFamily, model="colocated", instance="colocated_0")
+
+
+def _series(name: str, **labels: str) -> float:
+    key = tuple(sorted({"model": "colocated", "instance": "colocated_0", **labels}.items()))
+    return FakeFamily.registry[name].series[key].value()
+
+
+def test_names_carry_units(metrics: ServingMetrics) -> None:
+    units = ("_pages", "_requests", "_total")
+    assert all(name.endswith(units) for name in FakeFamily.registry)
+    assert FakeFamily.registry["pd_kv_free_pages"].kind == FakeFamily.GAUGE
+    assert FakeFamily.registry["pd_requests_total"].kind == FakeFamily.COUNTER
+
+
+def test_gauges_and_counters(metrics: ServingMetrics) -> None:
+    metrics.set_kv_pages(10, 64)
+    metrics.set_kv_pages(10, 64)
+    assert _series("pd_kv_free_pages") == 10 and _series("pd_kv_total_pages") == 64
+    key = tuple(sorted({"model": "colocated", "instance": "colocated_0"}.items()))
+    assert FakeFamily.registry["pd_kv_free_pages"].series[key].writes == 1
+    metrics.request_done("finished", 5, 3)
+    metrics.request_done("cancelled", 2, 1)
+    assert _series("pd_requests_total", outcome="finished") == 1
+    assert _series("pd_prompt_tokens_total") == 7 and _series("pd_generation_tokens_total") == 4
+    metrics.set_queue_length("waiting", 3)
+    assert _series("pd_queue_requests", queue="waiting") == 3
+    with pytest.raises(ValueError):
+        metrics.request_done("lost", 0, 0)
