@@ -55,14 +55,14 @@ class PrefillSide:
 
     def tick(self, now_s: float) -> float:
         """One round of work; returns how long the thread may wait before the next one."""
-        self._poll_destinations(now_s)
-        with self._lock:
+        with self._lock:  # queued chunks first: bootstrap HTTP calls below must not delay a WRITE
             posts = self._collect(now_s)
         for post in posts:
             self._post(*post)
         self._drain_notifs()
         with self._lock:
             self._progress()
+        self._poll_destinations(now_s)
         self._check_peers(now_s)
         with self._lock:
             return self._next_wait_s()
