@@ -2,8 +2,8 @@
 
 Per step, ``prepare`` sorts the batch into one *decode group* (every sequence with one new token, padded to the
 longest KV length with a key mask) and a list of *prefill chunks* (a sequence with several new tokens), and
-precomputes the flat KV slot indices each of them gathers. Per layer, ``forward`` writes the new K/V rows with
-one ``index_copy_``, gathers each group's K/V with one index, and runs ``scaled_dot_product_attention`` with
+precomputes the page ids each of them gathers. Per layer, ``forward`` writes the new K/V rows with one
+``index_copy_``, gathers each group's K/V whole pages at a time (``index_select`` on the page dim), and runs ``scaled_dot_product_attention`` with
 ``enable_gqa`` (kv head ``h // (num_heads // num_kv_heads)`` serves query head ``h``, as HF's ``repeat_kv``).
 A chunk whose sequence has cached tokens uses a bottom-right-aligned causal mask (query ``i`` of a chunk of
 ``q`` tokens over ``s`` keys sees keys ``<= s - q + i``); a chunk without cache attends to its own K/V with
@@ -23,18 +23,21 @@ from engine.forward_batch import ForwardBatch
 
 @dataclass
 class DecodeGroup:
-    """Sequences with one query token each.
+    """Sequences with one query token each, their KV gathered page by page and padded to ``max_pages``.
 
     Attributes:
         rows: ``[B]`` int64 token rows of the queries in the batch, or the slice ``0:B`` when they lead the batch.
-        gather: ``[B * max_len]`` int64 flat KV slots (padding points at slot 0 and is masked out).
-        max_len: longest KV length in the group, in tokens.
-        mask: ``[B, 1, 1, max_len]`` bool, True where a key is attended; ``None`` when all lengths are equal.
+        pages: ``[B * max_pages]`` int64 page ids (padding repeats page 0 and is masked out).
+        max_pages: pages of the longest sequence.
+        key_len: keys attended per sequence after the gather (``max_len`` when all lengths are equal, else
+            ``max_pages * page_size``).
+        mask: ``[B, 1, 1, key_len]`` bool, True where a key is attended; ``None`` when all lengths are equal.
     """
 
     rows: torch.Tensor | slice
-    gather: torch.Tensor
-    max_len: int
+    pages: torch.Tensor
+    max_pages: int
+    key_len: int
     mask: torch.Tensor | None
 
 
@@ -43,13 +46,16 @@ class PrefillChunk:
     """One sequence's chunk of ``end - start`` query tokens (rows ``start:end`` of the batch).
 
     Attributes:
-        gather: ``[seq_len]`` int64 flat KV slots of the whole sequence, or ``None`` when nothing is cached.
+        pages: ``[ceil(seq_len / page_size)]`` int64 page ids of the sequence, or ``None`` when nothing is cached
+            (the chunk then attends to its own K/V with ``is_causal``).
+        seq_len: KV length after this chunk, in tokens.
         mask: ``[q, seq_len]`` bool causal mask aligned bottom-right, or ``None`` when nothing is cached.
     """
 
     start: int
     end: int
-    gather: torch.Tensor | None
+    pages: torch.Tensor | None
+    seq_len: int
     mask: torch.Tensor | None
 
 
@@ -62,43 +68,37 @@ class TorchAttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def _padded_slots(tables: list[list[int]], lens: list[int], page_size: int, device: torch.device) -> torch.Tensor:
-    """``[num_seqs, max(lens)]`` int64 flat KV slots; positions past a sequence's length point at page 0."""
-    max_len = max(lens)
-    max_pages = -(-max_len // page_size)
-    padded = []
-    for pages, n in zip(tables, lens):
-        if len(pages) * page_size < n:
-            raise ValueError(f"page table of {len(pages)} pages too short for seq_len={n} (page_size={page_size})")
-        used = pages[:-(-n // page_size)]
-        padded.append(used + [0] * (max_pages - len(used)))
-    table = torch.tensor(padded, dtype=torch.int64, device=device)  # [num_seqs, max_pages]
-    slots = table[:, :, None] * page_size + torch.arange(page_size, device=device)
-    return slots.view(len(tables), -1)[:, :max_len]
+def _used_pages(pages: list[int], seq_len: int, page_size: int) -> list[int]:
+    needed = -(-seq_len // page_size)
+    if len(pages) < needed:
+        raise ValueError(f"page table of {len(pages)} pages too short for seq_len={seq_len} (page_size={page_size})")
+    return pages[:needed]
 
 
 def _decode_group(rows: list[int], lens: list[int], tables: list[list[int]], page_size: int,
                   device: torch.device) -> DecodeGroup:
-    max_len = max(lens)
-    gather = _padded_slots(tables, lens, page_size, device).reshape(-1)
+    used = [_used_pages(pages, n, page_size) for pages, n in zip(tables, lens)]
+    max_pages = max(len(u) for u in used)
+    flat = [p for u in used for p in u + [0] * (max_pages - len(u))]
     mask = None
-    if min(lens) != max_len:
+    key_len = max(lens)
+    if min(lens) != key_len:
+        key_len = max_pages * page_size
         lens_t = torch.tensor(lens, device=device)
-        mask = (torch.arange(max_len, device=device)[None, :] < lens_t[:, None]).view(len(lens), 1, 1, max_len)
+        mask = (torch.arange(key_len, device=device)[None, :] < lens_t[:, None]).view(len(lens), 1, 1, key_len)
     leading = rows == list(range(len(rows)))
     row_index = slice(0, len(rows)) if leading else torch.tensor(rows, dtype=torch.int64, device=device)
-    return DecodeGroup(row_index, gather, max_len, mask)
+    return DecodeGroup(row_index, torch.tensor(flat, dtype=torch.int64, device=device), max_pages, key_len, mask)
 
 
 def _prefill_chunk(start: int, q_len: int, seq_len: int, pages: list[int], page_size: int,
                    device: torch.device) -> PrefillChunk:
     if q_len == seq_len:
-        return PrefillChunk(start, start + q_len, None, None)
-    gather = _padded_slots([pages], [seq_len], page_size, device)[0]
-    cached = seq_len - q_len
+        return PrefillChunk(start, start + q_len, None, seq_len, None)
+    page_t = torch.tensor(_used_pages(pages, seq_len, page_size), dtype=torch.int64, device=device)
     key_pos = torch.arange(seq_len, device=device)[None, :]
-    query_pos = torch.arange(q_len, device=device)[:, None] + cached
-    return PrefillChunk(start, start + q_len, gather, key_pos <= query_pos)
+    query_pos = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+    return PrefillChunk(start, start + q_len, page_t, seq_len, key_pos <= query_pos)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -126,42 +126,43 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k.shape[1]
-        k_flat = layer_kv[0].view(-1, kv_heads, head_dim)  # [num_pages * page_size, kv_heads, head_dim]
-        v_flat = layer_kv[1].view(-1, kv_heads, head_dim)
-        k_flat.index_copy_(0, metadata.slot_mapping, k)
-        v_flat.index_copy_(0, metadata.slot_mapping, v)
+        layer_kv[0].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        layer_kv[1].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         if metadata.decode is not None and not metadata.prefills:
-            return self._decode(q, k_flat, v_flat, metadata.decode, scale)
+            return self._decode(q, layer_kv, metadata.decode, scale)
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if metadata.decode is not None:
             rows = metadata.decode.rows
-            out[rows] = self._decode(q[rows], k_flat, v_flat, metadata.decode, scale)
+            out[rows] = self._decode(q[rows], layer_kv, metadata.decode, scale)
         for chunk in metadata.prefills:
-            out[chunk.start:chunk.end] = self._prefill(q, k, v, k_flat, v_flat, chunk, scale)
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, layer_kv, chunk, scale)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, d: DecodeGroup,
-                scale: float) -> torch.Tensor:
+    def _decode(q: torch.Tensor, layer_kv: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
-        kv_heads = k_flat.shape[1]
-        keys = k_flat[d.gather].view(batch, d.max_len, kv_heads, head_dim).transpose(1, 2)
-        values = v_flat[d.gather].view(batch, d.max_len, kv_heads, head_dim).transpose(1, 2)
+        page_size, kv_heads = layer_kv.shape[2], layer_kv.shape[3]
+        # [batch, max_pages * page_size, kv_heads, head_dim] -> [batch, kv_heads, key_len, head_dim] (a view)
+        keys = layer_kv[0].index_select(0, d.pages).view(batch, d.max_pages * page_size, kv_heads, head_dim)
+        values = layer_kv[1].index_select(0, d.pages).view(batch, d.max_pages * page_size, kv_heads, head_dim)
+        keys, values = keys[:, :d.key_len].transpose(1, 2), values[:, :d.key_len].transpose(1, 2)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=scale,
                                              enable_gqa=True)  # [batch, num_heads, 1, head_dim]
         return out.reshape(batch, num_heads * head_dim)
 
     @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                 chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor, chunk: PrefillChunk,
+                 scale: float) -> torch.Tensor:
         qc = q[chunk.start:chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-        if chunk.gather is None:
-            keys = k[chunk.start:chunk.end].transpose(0, 1)
+        if chunk.pages is None:
+            keys = k[chunk.start:chunk.end].transpose(0, 1)  # [kv_heads, q_len, head_dim]
             values = v[chunk.start:chunk.end].transpose(0, 1)
         else:
-            keys = k_flat[chunk.gather].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-            values = v_flat[chunk.gather].transpose(0, 1)
+            kv_heads, head_dim = layer_kv.shape[3], layer_kv.shape[4]
+            keys = layer_kv[0].index_select(0, chunk.pages).view(-1, kv_heads, head_dim)[:chunk.seq_len]
+            values = layer_kv[1].index_select(0, chunk.pages).view(-1, kv_heads, head_dim)[:chunk.seq_len]
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, seq_len, head_dim]
         out = F.scaled_dot_product_attention(qc.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                             attn_mask=chunk.mask, is_causal=chunk.gather is None, scale=scale,
+                                             attn_mask=chunk.mask, is_causal=chunk.pages is None, scale=scale,
                                              enable_gqa=True)  # [1, num_heads, q_len, head_dim]
         return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
