@@ -1,0 +1,250 @@
+"""Start and stop a private tritonserver (and the bootstrap service) for a benchmark, pin model stubs to cores.
+
+The server runs the tritonserver 2.51 of ``nvidia-pytriton`` on loopback ports chosen by the caller, from a
+temporary model repository holding the chosen models of ``model_repository/`` (their ``1/`` folders linked,
+``config.pbtxt`` copied with parameter overrides). Pinning uses ``sched_setaffinity`` on every thread of a
+model's stub process (``/proc/<pid>/task``), so it works whatever the model does itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class ServerPorts:
+    """Loopback ports of one tritonserver."""
+
+    http: int
+    grpc: int
+    metrics: int
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics}/metrics"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What one server runs.
+
+    Attributes:
+        name: ``"pd"`` or ``"colo"`` (keys of the result JSON).
+        entry_model: the model clients call (``pd_ensemble`` or ``colocated``).
+        models: every model to load.
+        overrides: model → {parameter key → string value} written into its ``config.pbtxt``.
+        cpus: model → CPU ids its stub process is pinned to after loading (absent: not pinned).
+        needs_bootstrap: start ``python -m bootstrap`` first (PD).
+    """
+
+    name: str
+    entry_model: str
+    models: tuple[str, ...]
+    overrides: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    cpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    needs_bootstrap: bool = False
+
+
+def tritonserver_paths() -> tuple[Path, Path]:
+    """(tritonserver binary, backends dir) of the installed nvidia-pytriton; copies the python backend stub
+    for this interpreter into place when it is missing (see docs/FINDINGS)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed (scripts/setup.sh)")
+    base = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    backends = base / "backends"
+    stub = backends / "python" / "triton_python_backend_stub"
+    if not stub.exists():
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        shutil.copy2(base / "python_backend_stubs" / version / "triton_python_backend_stub", stub)
+    return base / "bin" / "tritonserver", backends
+
+
+def _override_parameters(config: str, overrides: Mapping[str, str]) -> str:
+    for key, value in overrides.items():
+        pattern = re.compile(r'(\{\s*key:\s*"%s",\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % re.escape(key))
+        if pattern.search(config):
+            config = pattern.sub(lambda m: f'{m.group(1)}"{value}"', config)
+        else:  # serving/config.py rejects unknown keys: pass only WorkerConfig fields
+            config += f'\nparameters {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
+
+    return config
+
+
+def build_model_repository(deployment: Deployment, dest: Path) -> Path:
+    """Write ``dest`` with the deployment's models (``1/`` linked to the repo, config with overrides)."""
+    for model in deployment.models:
+        src = REPO_ROOT / "model_repository" / model
+        if not (src / "config.pbtxt").is_file():
+            raise FileNotFoundError(f"model_repository/{model}/config.pbtxt is missing")
+        (dest / model).mkdir(parents=True)
+        (dest / model / "1").symlink_to(src / "1", target_is_directory=True)
+        config = _override_parameters((src / "config.pbtxt").read_text(), deployment.overrides.get(model, {}))
+        (dest / model / "config.pbtxt").write_text(config)
+    return dest
+
+
+def wait_ready(ports: ServerPorts, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Poll ``/v2/health/ready`` until 200; raises RuntimeError on exit or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {proc.returncode} while loading")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports.http}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"tritonserver not ready after {timeout_s} s")
+
+
+def stub_pids(server_pid: int, model: str) -> list[int]:
+    """PIDs of the python-backend stubs of ``model`` (children of the server whose command line names
+    ``<model>/1/model.py``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and "triton_python_backend_stub" in cmdline and f"/{model}/1/model.py" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def pin_process(pid: int, cpus: Sequence[int]) -> int:
+    """Set the CPU affinity of every thread of ``pid`` (threads made later inherit it); returns threads pinned."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), set(cpus))
+            count += 1
+        except (ProcessLookupError, PermissionError):
+            continue
+    return count
+
+
+def server_command(repo: Path, ports: ServerPorts) -> list[str]:
+    """The tritonserver command line (loopback only, CPU only)."""
+    binary, backends = tritonserver_paths()
+    return [str(binary), f"--model-repository={repo}", f"--backend-directory={backends}",
+            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+            f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
+            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--log-verbose=0"]
+
+
+def server_env(bootstrap_port: int | None) -> dict[str, str]:
+    """Environment for the server: this venv's python first on PATH (the stub runs ``python3``), the repo
+    importable, the bootstrap URL for PD workers."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{REPO_ROOT}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
+    if bootstrap_port is not None:
+        env["PD_BOOTSTRAP_URL"] = f"http://127.0.0.1:{bootstrap_port}"
+    return env
+
+
+class RunningServer:
+    """A started server (and bootstrap); ``stop()`` ends both. Use as a context manager."""
+
+    def __init__(self, deployment: Deployment, ports: ServerPorts, log_dir: Path, bootstrap_port: int,
+                 ready_timeout_s: float = 300.0) -> None:
+        self.deployment = deployment
+        self.ports = ports
+        self._log_dir = log_dir
+        self._bootstrap_port = bootstrap_port
+        self._ready_timeout_s = ready_timeout_s
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.pinned: dict[str, list[int]] = {}
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen[bytes]:
+        log = open(self._log_dir / log_name, "wb")  # noqa: SIM115 - the child owns it until it exits
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                start_new_session=True)
+        self._procs.append(proc)
+        return proc
+
+    def start(self) -> RunningServer:
+        """Start bootstrap (if needed) and the server, wait for ready, pin stubs. Raises RuntimeError."""
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
+        repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
+        bootstrap = self._bootstrap_port if self.deployment.needs_bootstrap else None
+        if bootstrap is not None:
+            self._spawn([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port", str(bootstrap)],
+                        server_env(None), f"bootstrap-{self.deployment.name}.log")
+        server = self._spawn(server_command(repo, self.ports), server_env(bootstrap),
+                             f"tritonserver-{self.deployment.name}.log")
+        wait_ready(self.ports, server, self._ready_timeout_s)
+        for model, cpus in self.deployment.cpus.items():
+            for pid in stub_pids(server.pid, model):
+                pin_process(pid, cpus)
+                self.pinned.setdefault(model, []).extend(sorted(os.sched_getaffinity(pid)))
+        logger.info("%s ready on %s, pinned %s", self.deployment.name, self.ports, self.pinned)
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM the server, then bootstrap (reverse start order); SIGKILL what outlives ``timeout_s``."""
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+        self._procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> RunningServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """Prometheus text of ``url`` → {``name{labels}``: value}; {} when unreachable."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                continue
+    return values

@@ -1,0 +1,133 @@
+"""gRPC streaming load generator (``tritonclient.grpc.aio``): one stream per in-flight request.
+
+Each request is sent alone on its own bidirectional stream with ``stream=true``, ``ignore_eos`` and the
+``triton_enable_empty_final_response`` parameter, so the final flag always arrives (even after the last token).
+Arrival timestamps are ``time.perf_counter()`` taken in the event loop as each response is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from perf.stats import RequestRecord
+from perf.workload import Phase, RequestSpec
+
+logger = logging.getLogger(__name__)
+
+
+def build_inputs(spec: RequestSpec) -> list[grpcclient.InferInput]:
+    """The vLLM-backend inputs of one streaming request (``ignore_eos``: exactly ``max_tokens`` tokens)."""
+    params = json.dumps({"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True})
+    values: list[tuple[str, str, np.ndarray]] = [
+        ("text_input", "BYTES", np.array([spec.prompt.encode()], dtype=np.object_)),
+        ("stream", "BOOL", np.array([True], dtype=bool)),
+        ("sampling_parameters", "BYTES", np.array([params.encode()], dtype=np.object_)),
+        ("exclude_input_in_output", "BOOL", np.array([True], dtype=bool)),
+    ]
+    inputs = []
+    for name, dtype, array in values:
+        tensor = grpcclient.InferInput(name, [1], dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _int_output(result: Any, name: str) -> int | None:
+    try:
+        array = result.as_numpy(name)
+    except Exception:  # noqa: BLE001 - an absent output (empty final response) is not an error
+        return None
+    return None if array is None or array.size == 0 else int(array.reshape(-1)[0])
+
+
+async def send_request(client: grpcclient.InferenceServerClient, model: str, spec: RequestSpec,
+                       timeout_s: float) -> RequestRecord:
+    """Send ``spec`` on a new stream and record every response's arrival until the final flag.
+
+    Never raises for a server-side failure: the record carries ``error``. ``timeout_s`` bounds the whole
+    request (the stream is cancelled after it).
+    """
+    async def one_request() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": model, "inputs": build_inputs(spec), "request_id": spec.request_id,
+               "parameters": {"triton_enable_empty_final_response": True}}
+
+    record = RequestRecord(request_id=spec.request_id, kind=spec.kind, num_prompt_tokens=spec.num_prompt_tokens,
+                           sent_s=time.perf_counter())
+    responses = client.stream_infer(one_request(), stream_timeout=timeout_s)
+    seen_tokens = 0
+    try:
+        async for result, error in responses:
+            now = time.perf_counter()
+            if error is not None:
+                record.error = str(error)
+                break
+            total = _int_output(result, "num_output_tokens")
+            prompt = _int_output(result, "num_input_tokens")
+            if prompt:
+                record.num_prompt_tokens = prompt
+            text = result.as_numpy("text_output") if total is None else None
+            new_tokens = (total - seen_tokens) if total is not None else int(text is not None and text.size > 0)
+            if new_tokens > 0:
+                record.token_times_s.append(now)
+                seen_tokens += new_tokens
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                record.done_s = now
+                break
+    except Exception as exc:  # noqa: BLE001 - grpc errors / timeouts fail this request only
+        record.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        responses.cancel()
+    record.num_output_tokens = seen_tokens
+    if record.done_s is None and record.error is None:
+        record.error = "stream ended without the final flag"
+    return record
+
+
+async def _run_slot(client: grpcclient.InferenceServerClient, model: str, specs: Sequence[RequestSpec],
+                    stop: asyncio.Event, timeout_s: float, out: list[RequestRecord]) -> None:
+    for spec in specs:
+        if stop.is_set():
+            return
+        out.append(await send_request(client, model, spec, timeout_s))
+
+
+async def _run_open(client: grpcclient.InferenceServerClient, model: str, spec: RequestSpec, start_s: float,
+                    timeout_s: float, out: list[RequestRecord]) -> None:
+    assert spec.arrival_s is not None
+    await asyncio.sleep(max(0.0, start_s + spec.arrival_s - time.perf_counter()))
+    out.append(await send_request(client, model, spec, timeout_s))
+
+
+async def run_phase(url: str, model: str, phase: Phase, timeout_s: float) -> list[RequestRecord]:
+    """Run every request of ``phase`` against ``model`` at ``url`` (``host:port`` of gRPC); records in
+    completion order. Closed-loop slots stop early when ``phase.stop_closed_loop_after_open`` and every
+    open-loop request has ended."""
+    records: list[RequestRecord] = []
+    stop = asyncio.Event()
+    closed = [r for r in phase.requests if r.arrival_s is None]
+    opened = [r for r in phase.requests if r.arrival_s is not None]
+    slots = sorted({r.slot for r in closed})
+    async with grpcclient.InferenceServerClient(url) as client:
+        start_s = time.perf_counter()
+        slot_tasks = [asyncio.create_task(_run_slot(client, model, [r for r in closed if r.slot == s], stop,
+                                                    timeout_s, records)) for s in slots]
+        open_tasks = [asyncio.create_task(_run_open(client, model, r, start_s, timeout_s, records))
+                      for r in opened]
+        if open_tasks:
+            await asyncio.gather(*open_tasks)
+            if phase.stop_closed_loop_after_open:
+                stop.set()
+        await asyncio.gather(*slot_tasks)
+    return records
+
+
+def run_phase_sync(url: str, model: str, phase: Phase, timeout_s: float) -> list[RequestRecord]:
+    """``run_phase`` in a fresh event loop."""
+    return asyncio.run(run_phase(url, model, phase, timeout_s))
