@@ -1,0 +1,62 @@
+"""Fixtures of the KV transfer tests: a bootstrap service on port 0, and prefill/decode sides on each backend
+(in-process: both in this process; nixl: each a real OS process on loopback)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
+from kv_harness import LocalSide, RemoteSide
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def bootstrap_url() -> Iterator[str]:
+    server = BootstrapServer(ServerConfig(port=0, expire_interval_s=0.1,
+                                          registry=RegistryConfig(registration_ttl_s=1.0)))
+    server.start()
+    yield server.url
+    server.stop()
+
+
+SideFactory = Callable[..., Any]
+
+
+@pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl)])
+def make_side(request: pytest.FixtureRequest, bootstrap_url: str) -> Iterator[SideFactory]:
+    """``make_side(role, instance_id=None, **kv_overrides)``: a started side on this module's backend."""
+    backend = request.param
+    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
+        pytest.skip("nixl is not installed")
+    sides: list[Any] = []
+
+    def make(role: str, instance_id: str | None = None, **overrides: Any) -> Any:
+        instance_id = instance_id or f"{role}-{backend}-{next(_ids)}"
+        cls = LocalSide if backend == "inprocess" else RemoteSide
+        side = cls(role, instance_id, bootstrap_url, backend, **overrides)
+        side.instance_id = instance_id
+        side.start_free = side.call("start")
+        sides.append(side)
+        return side
+
+    make.backend = backend  # type: ignore[attr-defined]
+    yield make
+    for side in sides:
+        if isinstance(side, RemoteSide):
+            side.close()
+        else:
+            try:
+                side.call("stop")
+            except Exception:  # noqa: BLE001 — a crashed side has nothing to stop
+                pass
+
+
+@pytest.fixture(scope="module")
+def pair(make_side: SideFactory) -> tuple[Any, Any]:
+    """A prefill and a decode side shared by the tests of one module (each test uses its own rooms)."""
+    return make_side("prefill"), make_side("decode")

@@ -1,0 +1,219 @@
+"""Two-sided test harness: an engine-like side (KV pool in the SmolLM2 layout, a page allocator, a manager),
+driven directly (in-process backend) or from a real OS process over a pipe (NIXL backend).
+
+Every prefill page is filled with a pattern derived from (room, page index in the prompt); the decode side checks
+every byte of every destination page against it, and that pages it does not own still hold the sentinel.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from kv_transfer import AuxData, KVArgs, KVLayout, KVPoll, make_kv_manager
+
+PAGE_SIZE = 16
+NUM_PAGES = 48
+SENTINEL = -1.0
+MODEL_ID = "smollm2-135m-instruct"
+
+
+def smollm2_layout(num_pages: int = NUM_PAGES, **changes: Any) -> KVLayout:
+    fields = dict(num_layers=30, num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=3, head_dim=64)
+    fields.update(changes)
+    return KVLayout(**fields)  # type: ignore[arg-type]
+
+
+def page_pattern(room: int, index: int) -> np.ndarray:
+    """[num_layers, 2, page_size, num_kv_heads, head_dim] float32 content of prompt page ``index`` of ``room``."""
+    rng = np.random.default_rng((room % 2**32, index))
+    return rng.standard_normal((30, 2, PAGE_SIZE, 3, 64), dtype=np.float32)
+
+
+class PageAllocator:
+    """The smallest free-list allocator: what "free-page count" means in these tests."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._free = list(range(num_pages))
+
+    def alloc(self, n: int, scatter: bool = False) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"out of pages: want {n}, have {len(self._free)}")
+        pages = self._free[-n:][::-1] if scatter else self._free[:n]
+        self._free = [p for p in self._free if p not in set(pages)]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+        self._free.sort()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
+class SideWorker:
+    """One engine-like instance. Methods take and return plain data so they can be called over a pipe."""
+
+    def __init__(self, role: str, instance_id: str, bootstrap_url: str, backend: str, **kv_overrides: Any) -> None:
+        layout = kv_overrides.pop("layout", smollm2_layout())
+        # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], float32, host; touched (sentinel)
+        self.pool = np.full((layout.num_layers, 2, layout.num_pages, layout.page_size, layout.num_kv_heads,
+                             layout.head_dim), SENTINEL, dtype=np.float32)
+        self.pages = PageAllocator(layout.num_pages)
+        params = dict(bootstrap_timeout_s=2.0, waiting_timeout_s=2.0, heartbeat_interval_s=0.2,
+                      peer_check_interval_s=0.2, http_timeout_s=1.0)
+        params.update(kv_overrides)
+        self.args = KVArgs(instance_id=instance_id, role=role, kv_base_ptr=self.pool.ctypes.data,
+                           kv_nbytes=self.pool.nbytes, layout=layout, model_id=params.pop("model_id", MODEL_ID),
+                           bootstrap_url=bootstrap_url, **params)
+        self.manager = make_kv_manager(self.args, backend)
+        self.rooms: dict[int, tuple[Any, list[int]]] = {}   # room → (sender or receiver, pages)
+        self.sent_pages: dict[int, int] = {}
+
+    def start(self) -> int:
+        self.manager.start()
+        return self.pages.num_free
+
+    def stop(self) -> None:
+        self.manager.shutdown()
+
+    def crash(self) -> None:
+        """In-process stand-in for a killed process: the agent vanishes, nobody is told."""
+        self.manager._stop.set()  # noqa: SLF001 — test-only simulation of a crash
+        self.manager._transport.close()  # noqa: SLF001
+
+    # --- prefill ------------------------------------------------------------------------------------------
+    def open_sender(self, room: int, num_tokens: int, scatter: bool = False) -> None:
+        sender = self.manager.create_sender(room)
+        pages = self.pages.alloc(-(-num_tokens // PAGE_SIZE), scatter)
+        for index, page in enumerate(pages):
+            self.pool[:, :, page] = page_pattern(room, index)
+        self.rooms[room] = (sender, pages)
+        self.sent_pages[room] = 0
+        if sender.poll() != KVPoll.Failed:
+            sender.init(len(pages))
+
+    def send(self, room: int, num_pages: int, is_last: bool, first_token_id: int = 7) -> None:
+        sender, pages = self.rooms[room]
+        start = self.sent_pages[room]
+        self.sent_pages[room] = start + num_pages
+        sender.send(pages[start:start + num_pages], is_last,
+                    AuxData(first_token_id, -0.25, room) if is_last else None)
+
+    def abort(self, room: int, reason: str = "test") -> None:
+        self.rooms[room][0].abort(reason)
+
+    # --- decode -------------------------------------------------------------------------------------------
+    def open_receiver(self, room: int, prefill_id: str, num_tokens: int, scatter: bool = False) -> None:
+        receiver = self.manager.create_receiver(room, prefill_id)
+        pages = self.pages.alloc(-(-num_tokens // PAGE_SIZE), scatter)
+        self.rooms[room] = (receiver, pages)
+        if receiver.poll() != KVPoll.Failed:
+            receiver.init(pages)
+
+    def check_bytes(self, room: int) -> bool:
+        """Every destination page holds exactly the prefill pattern."""
+        _, pages = self.rooms[room]
+        return all(np.array_equal(self.pool[:, :, page], page_pattern(room, i)) for i, page in enumerate(pages))
+
+    def aux(self, room: int) -> tuple[int, float, int] | None:
+        aux = self.rooms[room][0].aux
+        return (aux.first_token_id, aux.first_logprob, aux.room) if aux else None
+
+    # --- both ---------------------------------------------------------------------------------------------
+    def poll(self, room: int) -> int:
+        return int(self.rooms[room][0].poll())
+
+    def failure(self, room: int) -> str:
+        failure = self.rooms[room][0].failure
+        return failure.reason if failure else ""
+
+    def reap(self) -> int:
+        """Frees the pages of every room whose handle says they are releasable; returns the free-page count."""
+        for room, (handle, pages) in list(self.rooms.items()):
+            if handle.poll().is_terminal and handle.pages_releasable():
+                self.pool[:, :, pages] = SENTINEL
+                self.pages.free(pages)
+                del self.rooms[room]
+        return self.pages.num_free
+
+    def untouched(self) -> bool:
+        """Pages owned by no room still hold the sentinel (no stray write landed)."""
+        owned = {p for _, pages in self.rooms.values() for p in pages}
+        free = [p for p in range(self.pool.shape[2]) if p not in owned]
+        return bool((self.pool[:, :, free] == SENTINEL).all())
+
+    def metrics(self) -> dict[str, int]:
+        return self.manager.metrics()
+
+
+class LocalSide:
+    """Calls a ``SideWorker`` in this process (in-process backend)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.worker = SideWorker(*args, **kwargs)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def kill(self) -> None:
+        self.worker.crash()
+
+
+def _serve(conn: Any, args: tuple, kwargs: dict) -> None:  # type: ignore[type-arg]
+    worker = SideWorker(*args, **kwargs)
+    while True:
+        method, call_args = conn.recv()
+        try:
+            conn.send(("ok", getattr(worker, method)(*call_args)))
+        except Exception:  # noqa: BLE001 — the test process gets the traceback
+            conn.send(("err", traceback.format_exc()))
+        if method == "stop":
+            return
+
+
+class RemoteSide:
+    """A ``SideWorker`` in its own OS process (spawned); every call waits at most ``timeout_s``."""
+
+    def __init__(self, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._timeout_s = timeout_s
+        self.process = ctx.Process(target=_serve, args=(child, args, kwargs), daemon=True)
+        self.process.start()
+
+    def call(self, method: str, *args: Any) -> Any:
+        self._conn.send((method, args))
+        if not self._conn.poll(self._timeout_s):
+            raise TimeoutError(f"{method} did not answer within {self._timeout_s}s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("stop")
+            except (TimeoutError, RuntimeError, OSError):
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.005)

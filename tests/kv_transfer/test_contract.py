@@ -1,0 +1,183 @@
+"""Contract tests of the KV transfer API, run on both backends (in-process; NIXL across two OS processes).
+
+Invariants checked after every case: the decode side holds exactly the prefill bytes (every byte of every
+page) and the aux data; pages not owned by a room were never written; free-page counts on both sides return to
+their start values.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from kv_harness import PAGE_SIZE, wait_for
+from kv_transfer import KVPoll
+
+TIMEOUT_S = 10.0
+_rooms = itertools.count(1000)
+
+
+def chunk_plan(num_tokens: int, chunk_tokens: int) -> list[tuple[int, bool]]:
+    """(pages sent, is_last) per prefill chunk: whole pages only, the partial last page with the last chunk."""
+    plan, start = [], 0
+    while start < num_tokens:
+        end = min(start + chunk_tokens, num_tokens)
+        is_last = end == num_tokens
+        done_pages = -(-end // PAGE_SIZE) if is_last else end // PAGE_SIZE
+        plan.append((done_pages - start // PAGE_SIZE, is_last))
+        start = end
+    return plan
+
+
+def open_room(prefill: Any, decode: Any, num_tokens: int, scatter: bool = False) -> int:
+    room = next(_rooms)
+    decode.call("open_receiver", room, prefill.instance_id, num_tokens, scatter)
+    prefill.call("open_sender", room, num_tokens, scatter)
+    wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S, "destination at prefill")
+    return room
+
+
+def finish(prefill: Any, decode: Any, room: int) -> None:
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at decode")
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at prefill")
+    assert decode.call("check_bytes", room)
+    assert decode.call("aux", room) == (7, -0.25, room)
+
+
+def assert_pages_back(*sides: Any) -> None:
+    for side in sides:
+        wait_for(lambda: side.call("reap") == side.start_free, TIMEOUT_S, f"{side.instance_id} free pages back")
+        assert side.call("untouched")
+
+
+def transfer(prefill: Any, decode: Any, num_tokens: int, chunk_tokens: int | None = None) -> None:
+    room = open_room(prefill, decode, num_tokens)
+    for num_pages, is_last in chunk_plan(num_tokens, chunk_tokens or num_tokens):
+        prefill.call("send", room, num_pages, is_last)
+    finish(prefill, decode, room)
+    assert_pages_back(prefill, decode)
+
+
+def test_chunk_plan_sends_whole_pages_until_the_last_chunk() -> None:
+    assert chunk_plan(40, 8) == [(0, False), (1, False), (0, False), (1, False), (1, True)]
+    assert sum(n for n, _ in chunk_plan(100, 24)) == 7
+
+
+@pytest.mark.parametrize("num_tokens", [1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1])
+def test_prompt_lengths_around_a_page(pair: tuple[Any, Any], num_tokens: int) -> None:
+    transfer(*pair, num_tokens)
+
+
+@pytest.mark.parametrize("num_tokens,chunk_tokens", [(100, 24), (40, 8)])
+def test_chunks_with_partial_page_at_chunk_boundary(pair: tuple[Any, Any], num_tokens: int,
+                                                    chunk_tokens: int) -> None:
+    transfer(*pair, num_tokens, chunk_tokens)
+
+
+def test_two_rooms_interleaved(pair: tuple[Any, Any]) -> None:
+    prefill, decode = pair
+    room_a = open_room(prefill, decode, 70)
+    room_b = open_room(prefill, decode, 90, scatter=True)
+    plan_a, plan_b = chunk_plan(70, 32), chunk_plan(90, 32)
+    for step in range(max(len(plan_a), len(plan_b))):
+        for room, plan in ((room_a, plan_a), (room_b, plan_b)):
+            if step < len(plan):
+                prefill.call("send", room, *plan[step])
+    finish(prefill, decode, room_a)
+    finish(prefill, decode, room_b)
+    assert_pages_back(prefill, decode)
+
+
+def test_same_room_twice_rejects_only_the_second(pair: tuple[Any, Any], make_side: Any) -> None:
+    prefill, decode = pair
+    other_decode = make_side("decode")
+    room = open_room(prefill, decode, 20)
+    other_decode.call("open_receiver", room, prefill.instance_id, 20)
+    wait_for(lambda: other_decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "second receiver rejected")
+    assert "in use" in other_decode.call("failure", room)
+    for num_pages, is_last in chunk_plan(20, 20):
+        prefill.call("send", room, num_pages, is_last)
+    finish(prefill, decode, room)
+    assert_pages_back(prefill, decode, other_decode)
+    decode.call("open_receiver", room, prefill.instance_id, 20)   # the room is free again once done
+    prefill.call("open_sender", room, 20)
+    wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S, "reuse handshake")
+    prefill.call("send", room, 2, True)
+    finish(prefill, decode, room)
+    assert_pages_back(prefill, decode)
+
+
+def test_sender_that_never_sends_hits_the_waiting_timeout(pair: tuple[Any, Any]) -> None:
+    prefill, decode = pair
+    room = open_room(prefill, decode, 40)
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "waiting timeout at decode")
+    assert "waiting timeout" in decode.call("failure", room)
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "cancel reaches prefill")
+    assert "cancelled by decode" in prefill.call("failure", room)
+    assert_pages_back(prefill, decode)
+    transfer(prefill, decode, 33)          # both keep serving
+
+
+def test_decode_that_never_shows_up_hits_the_bootstrap_timeout(pair: tuple[Any, Any]) -> None:
+    prefill, decode = pair
+    room = next(_rooms)
+    prefill.call("open_sender", room, 40)
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "bootstrap timeout at prefill")
+    assert "bootstrap timeout" in prefill.call("failure", room)
+    assert_pages_back(prefill, decode)
+    transfer(prefill, decode, 17)
+
+
+def test_abort_from_either_side_ends_the_room_on_both(pair: tuple[Any, Any]) -> None:
+    prefill, decode = pair
+    room = open_room(prefill, decode, 80)
+    prefill.call("send", room, 2, False)
+    prefill.call("abort", room, "client went away")
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "prefill abort reaches decode")
+    assert "client went away" in decode.call("failure", room)
+    room = open_room(prefill, decode, 80)
+    prefill.call("send", room, 2, False)
+    decode.call("abort", room, "stop")
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "decode abort reaches prefill")
+    assert_pages_back(prefill, decode)
+
+
+def test_incompatible_layout_fails_before_any_byte_moves(pair: tuple[Any, Any], make_side: Any) -> None:
+    from kv_harness import smollm2_layout
+    prefill, _ = pair
+    odd = make_side("decode", layout=smollm2_layout(head_dim=32))
+    room = next(_rooms)
+    odd.call("open_receiver", room, prefill.instance_id, 20)
+    wait_for(lambda: odd.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "compatibility failure")
+    assert "head_dim" in odd.call("failure", room)
+    assert_pages_back(odd, prefill)
+
+
+def test_receiver_killed_mid_transfer(pair: tuple[Any, Any], make_side: Any) -> None:
+    prefill, _ = pair
+    decode = make_side("decode")
+    room = open_room(prefill, decode, 64)
+    prefill.call("send", room, 2, False)
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Transferring, TIMEOUT_S, "first chunk at decode")
+    decode.kill()
+    prefill.call("send", room, 2, True)
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "prefill notices the dead decode")
+    assert_pages_back(prefill)
+    restarted = make_side("decode", instance_id=decode.instance_id)   # same instance id, new agent
+    transfer(prefill, restarted, 50, 20)
+
+
+def test_prefill_restarted_on_the_same_address(pair: tuple[Any, Any], make_side: Any) -> None:
+    _, decode = pair
+    prefill = make_side("prefill")
+    transfer(prefill, decode, 30)
+    room = next(_rooms)
+    decode.call("open_receiver", room, prefill.instance_id, 30)
+    wait_for(lambda: decode.call("poll", room) == KVPoll.WaitingForInput, TIMEOUT_S, "destination published")
+    prefill.kill()
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "decode notices the lost prefill")
+    assert_pages_back(decode)
+    restarted = make_side("prefill", instance_id=prefill.instance_id)
+    transfer(restarted, decode, 45, 16)
