@@ -248,7 +248,8 @@ class LLMEngine:
 def _load_model(config: EngineConfig) -> Any:
     from engine.model import load_model
 
-    return load_model(config.model, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir)
+    return load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device,
+                      cache_dir=config.cache_dir)
 
 
 def _make_detokenizer(tokenizer: Any) -> Any:
