@@ -1,0 +1,43 @@
+"""Workload specs and perf_analyzer export parsing of scripts/perf/. No server."""
+
+from __future__ import annotations
+
+from perf.pa_export_stats import records_from_export
+from perf.workload import InterferenceConfig, chat_phase, interference_phase, make_prompt
+
+
+def test_prompts_are_reproducible_distinct_and_sized_in_words() -> None:
+    assert make_prompt(64, seed=3) == make_prompt(64, seed=3)
+    assert make_prompt(64, seed=3) != make_prompt(64, seed=4)
+    assert len(make_prompt(256, seed=0).split()) == 256
+
+
+def test_chat_phase_spreads_requests_round_robin_over_slots() -> None:
+    phase = chat_phase(concurrency=4, num_requests=8, prompt_tokens=16, max_tokens=4, seed=0)
+    assert [r.slot for r in phase.requests] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert len({r.request_id for r in phase.requests}) == 8
+    assert all(r.arrival_s is None for r in phase.requests)
+
+
+def test_interference_long_prompts_arrive_at_a_fixed_interval() -> None:
+    cfg = InterferenceConfig(num_decode_streams=2, num_long=3, long_interval_s=5.0, first_long_s=2.0)
+    phase = interference_phase(cfg, max_decode_requests_per_stream=4, seed=0)
+    longs = [r for r in phase.requests if r.kind == "long"]
+    assert [r.arrival_s for r in longs] == [2.0, 7.0, 12.0]
+    assert sum(r.kind == "decode" for r in phase.requests) == 8
+    assert phase.stop_closed_loop_after_open
+
+
+def _request(finish_reason: str) -> dict:
+    outputs = [{"text_output": " a", "num_output_tokens": 1, "num_input_tokens": 5, "finish_reason": ""},
+               {"text_output": " b", "num_output_tokens": 2, "num_input_tokens": 5, "finish_reason": finish_reason}]
+    return {"timestamp": 1_000_000_000, "response_timestamps": [1_200_000_000, 1_250_000_000],
+            "response_outputs": outputs}
+
+
+def test_export_records_carry_ns_timestamps_as_seconds_and_flag_unended_streams() -> None:
+    export = {"experiments": [{"requests": [_request("length"), _request("")]}]}
+    ended, open_ = records_from_export(export)
+    assert ended.ok and ended.num_output_tokens == 2 and ended.num_prompt_tokens == 5
+    assert abs(ended.ttft_ms - 200.0) < 1e-6 and abs(ended.itls_ms[0] - 50.0) < 1e-6
+    assert not open_.ok
