@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -71,12 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     cfg = parse_config(argv)
+    # SIGTERM unwinds like Ctrl-C, so the servers this run started are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()
     results: dict[str, Any] = {}
     series: dict[str, Any] = {}
     windows: dict[str, Any] = {}
     for deployment in deployments_for(cfg):
-        outcome = run_deployment(cfg, deployment)
+        try:
+            outcome = run_deployment(cfg, deployment)
+        except (RuntimeError, OSError) as exc:  # one deployment failing (e.g. not in the repo yet) is reported
+            logger.error("%s failed: %s (server log in %s)", deployment.name, exc, cfg.log_dir)
+            results[deployment.name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
         results[deployment.name] = outcome.summary
         series[deployment.name] = outcome.itl_series
         windows[deployment.name] = outcome.long_windows

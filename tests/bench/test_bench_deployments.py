@@ -1,0 +1,40 @@
+"""Deployment definitions of scripts/perf/: config overrides, core pinning, headline figures. No server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from perf.bench_run import BenchConfig, deployments_for, final_line
+from perf.server import _override_parameters
+
+CONFIG = 'parameters [\n  { key: "num_threads", value: { string_value: "1" } }\n]\n'
+
+
+def _cfg(models: tuple[str, ...]) -> BenchConfig:
+    return BenchConfig.make(quick=True, models=models, concurrencies=None, slo_ttft_ms=None, slo_itl_p99_ms=None,
+                            colo_threads=2, port_base=18600, seed=0, out_json=Path("/tmp/x.json"),
+                            plot_dir=Path("/tmp/p"), log_dir=Path("/tmp/l"))
+
+
+def test_override_replaces_an_existing_parameter_and_appends_a_missing_one() -> None:
+    out = _override_parameters(CONFIG, {"num_threads": "2", "chunk_size": "256"})
+    assert 'key: "num_threads", value: { string_value: "2" }' in out
+    assert '"1"' not in out
+    assert 'parameters { key: "chunk_size", value: { string_value: "256" } }' in out
+
+
+def test_pd_pins_prefill_and_decode_to_separate_cores_and_colocated_gets_both() -> None:
+    pd, colo = deployments_for(_cfg(("pd_ensemble", "colocated")))
+    assert pd.cpus == {"prefill": (0,), "decode": (1,)} and pd.needs_bootstrap
+    assert colo.cpus == {"colocated": (0, 1)}
+    assert colo.overrides["colocated"]["num_threads"] == "2"
+
+
+def test_final_line_states_ratios_against_the_targets() -> None:
+    results = {name: {"interference": {"decode": {"itl_p99_ms": itl, "ttft_p50_ms": 50.0},
+                                       "long": {"ttft_p50_ms": ttft}}}
+               for name, itl, ttft in (("pd", 100.0, 1200.0), ("colo", 400.0, 1000.0))}
+    line = final_line(results)
+    assert line["itl_p99_ratio_pd_over_colo"] == 0.25 and line["itl_target_met"] is True
+    assert line["ttft_p50_ratio_pd_over_colo"] == 1.2 and line["ttft_target_met"] is True
+    assert {"pd_itl_p99_ms", "colo_itl_p99_ms", "pd_ttft_p50_ms", "colo_ttft_p50_ms"} <= set(line)
