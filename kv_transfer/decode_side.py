@@ -128,13 +128,31 @@ class DecodeSide:
                 if result.accepted:
                     receiver.published, receiver.progress_s = True, now_s
                     receiver.state = advance(receiver.state, KVPoll.WaitingForInput)
-                    if receiver.peer and result.prefill_agent_name != receiver.peer.agent_name:
-                        self._retry_at_s.pop(receiver.prefill_instance_id, None)
-                        self._next_peer_check_s = 0.0   # the prefill restarted since our handshake
                 elif "in use" in result.reason:
                     self._fail(receiver, result.reason)
                 else:
                     self._retry_at_s[f"room:{receiver.room}"] = now_s + RETRY_S
+            if result.accepted and receiver.peer and result.prefill_agent_name != receiver.peer.agent_name:
+                self._rehandshake(receiver, result.prefill_agent_name)
+
+    def _rehandshake(self, receiver: KVReceiver, agent_name: str) -> None:
+        """The prefill instance restarted since our handshake: the new agent will write this room; rooms
+        published to the old agent have lost their writer."""
+        old = receiver.peer
+        assert old is not None
+        try:
+            peer = self._peers.ensure(receiver.prefill_instance_id, expected_agent=agent_name)
+        except (CompatibilityError, LookupError, TransportError, BootstrapError) as exc:
+            with self._lock:
+                self._fail(receiver, f"prefill instance restarted and the handshake failed: {exc}")
+            return
+        with self._lock:
+            receiver.peer = peer
+            for other in self.receivers.values():
+                if other.peer is not None and other.peer.agent_name == old.agent_name:
+                    self._fail(other, "prefill instance restarted")
+                    other.writer_done = True
+                    other.peer = peer
 
     # --- notifications, timeouts, cancel, release ------------------------------------------------------
     def _drain_notifs(self, now_s: float) -> None:

@@ -177,7 +177,11 @@ def test_prefill_restarted_on_the_same_address(pair: tuple[Any, Any], make_side:
     decode.call("open_receiver", room, prefill.instance_id, 30)
     wait_for(lambda: decode.call("poll", room) == KVPoll.WaitingForInput, TIMEOUT_S, "destination published")
     prefill.kill()
+    restarted = make_side("prefill", instance_id=prefill.instance_id)   # same instance id, new agent
+    new_room = open_room(restarted, decode, 45)
     wait_for(lambda: decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "decode notices the lost prefill")
-    assert_pages_back(decode)
-    restarted = make_side("prefill", instance_id=prefill.instance_id)
-    transfer(restarted, decode, 45, 16)
+    assert "prefill instance" in decode.call("failure", room)
+    for num_pages, is_last in chunk_plan(45, 16):
+        restarted.call("send", new_room, num_pages, is_last)
+    finish(restarted, decode, new_room)
+    assert_pages_back(decode, restarted)

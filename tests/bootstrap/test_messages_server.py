@@ -1,0 +1,70 @@
+"""Wire messages (versioned envelopes) and the HTTP service with its client, on port 0."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterator
+
+import pytest
+
+from bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RegistryConfig, ServerConfig
+from bootstrap.__main__ import parse_config
+from bootstrap.messages import Destination, DestinationBatch, Registration, decode, encode
+
+
+def test_messages_round_trip_through_the_envelope() -> None:
+    registration = Registration("p0", "prefill", 3, "p0#3", Registration.encode_metadata(b"\x00\xffmeta"),
+                                "h", "127.0.0.1:1", {"layout": {"page_size": 16}})
+    assert decode(encode(registration), Registration) == registration
+    assert decode(encode(registration), Registration).agent_metadata == b"\x00\xffmeta"
+    batch = DestinationBatch([Destination(1, "p0", "d0", "d0#1", "x", [3, 4], 2)])
+    assert decode(encode(batch), DestinationBatch) == batch
+
+
+@pytest.mark.parametrize("change", [{"version": 99}, {"schema": "other"}, {"type": "Heartbeat"}])
+def test_a_mismatched_envelope_is_refused(change: dict) -> None:  # type: ignore[type-arg]
+    envelope = json.loads(encode(Destination(1, "p0", "d0", "a", "x", [1], 0)))
+    envelope.update(change)
+    with pytest.raises(BootstrapError):
+        decode(json.dumps(envelope), Destination)
+
+
+@pytest.fixture
+def server() -> Iterator[BootstrapServer]:
+    srv = BootstrapServer(ServerConfig(port=0, expire_interval_s=0.05,
+                                       registry=RegistryConfig(registration_ttl_s=0.3)))
+    assert srv.start() > 0
+    yield srv
+    srv.stop()
+
+
+def test_service_round_trip(server: BootstrapServer) -> None:
+    client = BootstrapClient(server.url, timeout_s=2.0)
+    client.register(Registration("p0", "prefill", 1, "p0#1", "", "h"))
+    client.register(Registration("d0", "decode", 1, "d0#1", "", "h"))
+    assert client.get_instance("p0").agent_name == "p0#1"  # type: ignore[union-attr]
+    assert client.get_instance("nope") is None
+    first = client.post_destination(Destination(7, "p0", "d0", "d0#1", "x", [1], 0))
+    assert first.accepted and first.prefill_agent_name == "p0#1"
+    assert not client.post_destination(Destination(7, "p0", "d0", "d0#1", "y", [2], 1)).accepted
+    assert [d.room for d in client.take_destinations("p0")] == [7]
+    assert client.release_room(7, "d0").delivered
+    assert client.heartbeat("p0", 1) and not client.heartbeat("p0", 2)
+
+
+def test_registrations_expire_on_idle_ticks(server: BootstrapServer) -> None:
+    client = BootstrapClient(server.url, timeout_s=2.0)
+    client.register(Registration("p0", "prefill", 1, "p0#1", "", "h"))
+    time.sleep(0.6)  # no request in between: the idle timer must expire it
+    assert server.registry.num_instances == 0
+
+
+def test_client_calls_time_out_with_a_typed_error() -> None:
+    with pytest.raises(BootstrapError):
+        BootstrapClient("http://127.0.0.1:9", timeout_s=0.5).get_instance("p0")
+
+
+def test_cli_builds_the_config() -> None:
+    config = parse_config(["--host", "127.0.0.1", "--port", "0", "--registration-ttl-s", "3"])
+    assert config.port == 0 and config.registry.registration_ttl_s == 3.0

@@ -1,0 +1,80 @@
+"""Registry invariants: rooms are exclusive, delivered once, released by their decode; silence expires."""
+
+from __future__ import annotations
+
+import pytest
+
+from bootstrap.messages import Destination, Registration
+from bootstrap.registry import Registry, RegistryConfig
+
+
+def reg(instance_id: str, role: str, epoch: int = 1) -> Registration:
+    return Registration(instance_id, role, epoch, f"{instance_id}#{epoch}", "", "hash")
+
+
+def dest(room: int, decode: str = "d0") -> Destination:
+    return Destination(room, "p0", decode, f"{decode}#1", "x", [1, 2], 0)
+
+
+@pytest.fixture
+def registry() -> Registry:
+    r = Registry(RegistryConfig(registration_ttl_s=10.0, room_ttl_s=100.0))
+    for instance_id, role in [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]:
+        r.register(reg(instance_id, role), now_s=0.0)
+    return r
+
+
+def test_a_room_in_use_rejects_only_the_second_request(registry: Registry) -> None:
+    assert registry.post_destination(dest(5), 1.0).accepted
+    second = registry.post_destination(dest(5, "d1"), 1.0)
+    assert not second.accepted and "in use" in second.reason
+    assert registry.take_destinations("p0") == [dest(5)]
+
+
+def test_destinations_are_delivered_exactly_once(registry: Registry) -> None:
+    registry.post_destination(dest(1), 1.0)
+    registry.post_destination(dest(2), 1.0)
+    assert {d.room for d in registry.take_destinations("p0")} == {1, 2}
+    assert registry.take_destinations("p0") == []
+
+
+def test_release_says_whether_prefill_had_the_destination(registry: Registry) -> None:
+    registry.post_destination(dest(1), 1.0)
+    assert not registry.release_room(1, "d0").delivered
+    registry.post_destination(dest(1), 1.0)
+    registry.take_destinations("p0")
+    assert registry.release_room(1, "d1").known is False  # only the room's decode may release it
+    assert registry.release_room(1, "d0").delivered
+    assert registry.num_rooms == 0
+
+
+def test_unknown_peers_are_refused(registry: Registry) -> None:
+    assert "unknown prefill" in registry.post_destination(
+        Destination(1, "nope", "d0", "d0#1", "x", [1], 0), 1.0).reason
+    assert "unknown decode" in registry.post_destination(dest(1, "ghost"), 1.0).reason
+
+
+def test_silent_instances_expire_with_their_rooms(registry: Registry) -> None:
+    registry.post_destination(dest(1), 1.0)
+    assert registry.heartbeat("p0", 1, 9.0) and registry.heartbeat("d0", 1, 9.0)
+    assert registry.expire(15.0) == ["d1"]
+    assert registry.num_rooms == 1
+    assert set(registry.expire(25.0)) == {"p0", "d0"} and registry.num_rooms == 0
+
+
+def test_a_restart_replaces_the_registration_and_drops_its_rooms(registry: Registry) -> None:
+    registry.post_destination(dest(1), 1.0)
+    registry.register(reg("p0", "prefill", epoch=2), 2.0)
+    assert registry.get("p0").agent_name == "p0#2"  # type: ignore[union-attr]
+    assert registry.num_rooms == 0
+    assert not registry.heartbeat("p0", 1, 3.0)  # the old epoch is gone
+
+
+def test_stale_rooms_expire_and_room_ids_are_63_bit(registry: Registry) -> None:
+    registry.post_destination(dest(1), 1.0)
+    for instance_id in ("p0", "d0", "d1"):
+        registry.heartbeat(instance_id, 1, 101.5)
+    registry.expire(101.5)
+    assert registry.num_rooms == 0
+    with pytest.raises(ValueError):
+        dest(2**63)
