@@ -55,7 +55,8 @@ _LAYER_ORDER = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.
                 "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 
-def _file_rank(hf_name: str) -> tuple[int, int]:
+def file_order_key(hf_name: str) -> tuple[int, int]:
+    """Sort key of a tensor name in the cache file: embedding, then layer by layer in `_LAYER_ORDER`, then the rest."""
     if hf_name == "model.embed_tokens.weight":
         return (-1, 0)
     if hf_name.startswith("model.layers."):
@@ -158,7 +159,7 @@ def convert_gguf(path: Path, out_dir: Path, model_id: str) -> ModelConfig:
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     cfg = _read_config(reader, path, model_id, has_output)
     tensors = _dequantized_tensors(reader, path, cfg)
-    write_safetensors(out_dir / "model.safetensors", sorted(tensors.items(), key=lambda kv: _file_rank(kv[0])))
+    write_safetensors(out_dir / "model.safetensors", sorted(tensors.items(), key=lambda kv: file_order_key(kv[0])))
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     build_gguf_tokenizer(reader, path, cfg, out_dir)
     logger.info("converted %s into %s (%d tensors)", path, out_dir, len(tensors))

@@ -6,13 +6,16 @@ offsets relative to the end of the header. Files written here are ordinary safet
 them); they keep the caller's tensor order, so that tensors the model fuses (q|k|v, gate|up) are adjacent
 and the loader can take them as one view instead of copying (``adjacent_view``).
 
-Reading with one ``readinto`` avoids the per-page faults of a memory map: ~0.3 s instead of ~1.7 s for 540 MB
-on the dev machine.
+The file is mapped copy-on-write (``MAP_PRIVATE``): loading costs no copy (~10 ms for 540 MB from the page cache,
+where a full read took 0.6-1.8 s on the dev machine), processes loading the same file share its page-cache pages,
+and an accidental in-place write to a parameter only copies that page. Files are replaced by rename, never
+rewritten in place (which would fault a live mapping).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -59,20 +62,20 @@ def _tensor(buf: torch.Tensor, base: int, name: str, info: dict, path: Path) -> 
 
 
 def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``path`` on the CPU, as views of one ``uint8`` buffer, in file order.
+    """All tensors of ``path`` on the CPU, as views of one copy-on-write memory map, in file order.
 
     Raises:
         ModelLoadError: unreadable file, bad header, unknown dtype, offsets outside the file.
     """
     try:
         size = path.stat().st_size
-        buf = torch.empty(size, dtype=torch.uint8)
+        if size < 8:
+            raise ModelLoadError(str(path), "truncated safetensors file")
         with open(path, "rb") as f:
-            got = f.readinto(memoryview(buf.numpy()))
+            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         raise ModelLoadError(str(path), f"cannot read: {exc}") from exc
-    if got != size or size < 8:
-        raise ModelLoadError(str(path), "truncated safetensors file")
+    buf = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the map alive as long as any view
     (n,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
     try:
         header = json.loads(bytes(buf[8:8 + n].numpy()))

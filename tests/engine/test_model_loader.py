@@ -15,7 +15,7 @@ from tokenizers import models
 
 from engine.forward_batch import ForwardBatch
 from engine.model import LlamaForCausalLM, ModelLoadError, load_model
-from engine.model.gguf_convert import _file_rank
+from engine.model.gguf_convert import file_order_key
 from engine.model.hf_folder import read_hf_config
 from engine.model.safetensors_io import read_safetensors_file, write_safetensors
 
@@ -93,7 +93,7 @@ def test_loaded_weights_share_the_file_buffer(tmp_path: Path) -> None:
     """In a file written in the converter's order, q|k|v and gate|up become the fused parameters without a copy."""
     cfg = _tiny_config("llama", False)
     tensors = _tiny_tensors(cfg, False, torch.Generator().manual_seed(2))
-    write_safetensors(tmp_path / "w.safetensors", sorted(tensors, key=lambda nt: _file_rank(nt[0])))
+    write_safetensors(tmp_path / "w.safetensors", sorted(tensors, key=lambda nt: file_order_key(nt[0])))
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = read_safetensors_file(tmp_path / "w.safetensors")
     model = LlamaForCausalLM(read_hf_config(tmp_path / "config.json", "tiny"))
