@@ -1,7 +1,7 @@
 """Start and stop a private tritonserver (and the bootstrap service) for a benchmark, pin model stubs to cores.
 
-The server runs the tritonserver 2.51 of ``nvidia-pytriton`` on loopback ports chosen by the caller, from a
-temporary model repository holding the chosen models of ``model_repository/`` (their ``1/`` folders linked,
+The server runs through ``scripts/serve.sh`` (tritonserver 2.51 of ``nvidia-pytriton`` + the bootstrap service)
+on loopback ports chosen by the caller, from a temporary model repository holding the chosen models of ``model_repository/`` (their ``1/`` folders linked,
 ``config.pbtxt`` copied with parameter overrides). Pinning uses ``sched_setaffinity`` on every thread of a
 model's stub process (``/proc/<pid>/task``), so it works whatever the model does itself.
 """
@@ -121,19 +121,19 @@ def wait_ready(ports: ServerPorts, proc: subprocess.Popen[bytes], timeout_s: flo
     raise RuntimeError(f"tritonserver not ready after {timeout_s} s")
 
 
-def stub_pids(server_pid: int, model: str) -> list[int]:
-    """PIDs of the python-backend stubs of ``model`` (children of the server whose command line names
-    ``<model>/1/model.py``)."""
+def stub_pids(model_dir: Path) -> list[int]:
+    """PIDs of the python-backend stubs running ``<model_dir>/1/model.py`` (the path names this run's
+    private repository, so other servers on the machine never match)."""
+    needle = f"{model_dir}/1/model.py"
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
-        if ppid == server_pid and "triton_python_backend_stub" in cmdline and f"/{model}/1/model.py" in cmdline:
+        if "triton_python_backend_stub" in cmdline and needle in cmdline:
             pids.append(int(entry.name))
     return pids
 
@@ -150,8 +150,14 @@ def pin_process(pid: int, cpus: Sequence[int]) -> int:
     return count
 
 
+SERVE_SH = REPO_ROOT / "scripts" / "serve.sh"
+
+
 def server_command(repo: Path, ports: ServerPorts) -> list[str]:
-    """The tritonserver command line (loopback only, CPU only)."""
+    """tritonserver on loopback, CPU only: through ``scripts/serve.sh`` (which also starts the bootstrap
+    service and sets the UCX environment; configured by ``server_env``) when it exists, else directly."""
+    if SERVE_SH.exists():
+        return [str(SERVE_SH), "--log-verbose=0"]
     binary, backends = tritonserver_paths()
     return [str(binary), f"--model-repository={repo}", f"--backend-directory={backends}",
             "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
@@ -159,14 +165,18 @@ def server_command(repo: Path, ports: ServerPorts) -> list[str]:
             "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--log-verbose=0"]
 
 
-def server_env(bootstrap_port: int | None) -> dict[str, str]:
-    """Environment for the server: this venv's python first on PATH (the stub runs ``python3``), the repo
-    importable, the bootstrap URL for PD workers."""
+def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts, bootstrap_port: int) -> dict[str, str]:
+    """Environment of the server: serve.sh's settings, and for the direct command this venv's python first on
+    PATH (the stub runs ``python3``), the repo importable, the bootstrap URL and UCX settings of PD workers."""
     env = dict(os.environ)
+    env.update({"SKIP_SETUP": "1", "MODELS": ",".join(models), "MODEL_REPOSITORY": str(repo),
+                "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics),
+                "BOOTSTRAP_PORT": str(bootstrap_port), "VENV": str(Path(sys.executable).parent.parent),
+                "PD_BOOTSTRAP_URL": f"http://127.0.0.1:{bootstrap_port}",
+                "UCX_MM_ERROR_HANDLING": env.get("UCX_MM_ERROR_HANDLING", "y"),
+                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{REPO_ROOT}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
-    if bootstrap_port is not None:
-        env["PD_BOOTSTRAP_URL"] = f"http://127.0.0.1:{bootstrap_port}"
     return env
 
 
@@ -196,15 +206,14 @@ class RunningServer:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
         repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
-        bootstrap = self._bootstrap_port if self.deployment.needs_bootstrap else None
-        if bootstrap is not None:
-            self._spawn([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port", str(bootstrap)],
-                        server_env(None), f"bootstrap-{self.deployment.name}.log")
-        server = self._spawn(server_command(repo, self.ports), server_env(bootstrap),
-                             f"tritonserver-{self.deployment.name}.log")
+        env = server_env(repo, self.deployment.models, self.ports, self._bootstrap_port)
+        if self.deployment.needs_bootstrap and not SERVE_SH.exists():
+            self._spawn([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port",
+                         str(self._bootstrap_port)], env, f"bootstrap-{self.deployment.name}.log")
+        server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
         wait_ready(self.ports, server, self._ready_timeout_s)
         for model, cpus in self.deployment.cpus.items():
-            for pid in stub_pids(server.pid, model):
+            for pid in stub_pids(repo / model):
                 pin_process(pid, cpus)
                 self.pinned.setdefault(model, []).extend(sorted(os.sched_getaffinity(pid)))
         logger.info("%s ready on %s, pinned %s", self.deployment.name, self.ports, self.pinned)
