@@ -8,13 +8,16 @@ from engine.attention.base import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
 
-def select_backend(device: str | torch.device) -> AttentionBackend:
-    """flashinfer on a CUDA device when the package imports, the torch backend otherwise."""
-    if torch.device(device).type == "cuda":
-        from engine.attention.flashinfer_backend import FlashInferAttentionBackend, flashinfer_available
+def select_backend(device: str | torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """flashinfer on a CUDA device for fp16/bf16 when the package imports; the torch backend otherwise.
 
-        if flashinfer_available():
-            return FlashInferAttentionBackend(torch.device(device))
+    A flashinfer backend still needs ``bind(num_heads, num_kv_heads, head_dim, dtype)``; ``LlamaForCausalLM``
+    does it when it adopts the backend.
+    """
+    from engine.attention.flashinfer_backend import SUPPORTED_DTYPES, FlashInferAttentionBackend, flashinfer_available
+
+    if torch.device(device).type == "cuda" and dtype in SUPPORTED_DTYPES and flashinfer_available():
+        return FlashInferAttentionBackend(torch.device(device), dtype=dtype)
     return TorchAttentionBackend()
 
 

@@ -2,6 +2,7 @@
 
 Contract
 - Caller: ``LlamaForCausalLM.forward``, on the engine thread.
+- ``bind(...)`` runs once when a model adopts the backend.
 - ``prepare(batch, page_size)`` runs once per step, before the first layer; it turns the batch's page tables,
   query/KV lengths and slot mapping into whatever index tensors the kernels need (kept in the returned
   metadata, reused by every layer). No side effects on the KV cache.
@@ -26,6 +27,14 @@ from engine.forward_batch import ForwardBatch
 
 class AttentionBackend(ABC):
     """Paged causal attention over a continuous batch (prefill chunks and decode tokens mixed)."""
+
+    def bind(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Called once by the model that adopts this backend, before any step; backends that plan kernels ahead
+        record the shapes here. Default: nothing to record.
+
+        Raises:
+            ValueError: the backend cannot run this dtype or shape.
+        """
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch, page_size: int) -> Any:

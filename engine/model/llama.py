@@ -74,6 +74,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.attention_backend = attention_backend or TorchAttentionBackend()
+        self.attention_backend.bind(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = _param(config.hidden_size)

@@ -146,7 +146,7 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32, de
     tensors = read_safetensors(folder)
     files = sorted(folder.glob("*.safetensors"))
     source = str(files[0]) if len(files) == 1 else str(folder)
-    net = LlamaForCausalLM(config, select_backend(device), dtype=dtype, device=device)
+    net = LlamaForCausalLM(config, select_backend(device, dtype), dtype=dtype, device=device)
     net.load_weights(tensors, source=source)
     net.eval()
     return LoadedModel(net, config, tokenizer, folder)
