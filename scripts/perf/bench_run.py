@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +168,7 @@ def run_deployment(cfg: BenchConfig, deployment: Deployment) -> DeploymentOutcom
     base = cfg.port_base + 10 * index
     ports = ServerPorts(http=base, grpc=base + 1, metrics=base + 2)
     outcome = DeploymentOutcome()
+    outcome.summary["loadavg_1m_before"] = os.getloadavg()[0]  # other work on the machine skews figures
     with RunningServer(deployment, ports, cfg.log_dir, bootstrap_port=base + 3) as server:
         outcome.summary["pinned_cpus"] = server.pinned
         warm = chat_phase(1, 2, 32, 4, seed=cfg.seed + 999)
@@ -183,6 +185,7 @@ def run_deployment(cfg: BenchConfig, deployment: Deployment) -> DeploymentOutcom
         logger.info("%s interference: %s", deployment.name, outcome.summary["interference"])
         if deployment.name == "pd":
             outcome.summary["transfer_share"] = _run_transfer_share(cfg, server)
+    outcome.summary["loadavg_1m_after"] = os.getloadavg()[0]
     return outcome
 
 

@@ -15,10 +15,10 @@ Results = Mapping[str, Any]  # deployment → {"chat": {concurrency: summary}, "
 
 
 def plot_chat(results: Results, concurrencies: Sequence[int], path: Path) -> Path:
-    """TTFT p50, ITL p99 and output tokens/s against concurrency, one line per deployment."""
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    """TTFT p50, ITL p99, output tokens/s and goodput against concurrency, one line per deployment."""
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     panels = (("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p99_ms", "ITL p99 (ms)"),
-              ("output_tokens_per_s", "output tokens/s"))
+              ("output_tokens_per_s", "output tokens/s"), ("goodput_requests_per_s", "goodput (requests/s)"))
     for ax, (key, label) in zip(axes, panels):
         for name, res in results.items():
             chat = res.get("chat", {})
