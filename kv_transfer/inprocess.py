@@ -14,7 +14,8 @@ from collections import deque
 
 import numpy as np
 
-from kv_transfer.transport import Region, Transport, TransportError, XferState
+from kv_transfer.blocks import BlockTable
+from kv_transfer.transport import Transport, TransportError, XferState
 
 
 class Fabric:
@@ -54,34 +55,37 @@ class InProcessTransport(Transport):
     def __init__(self, instance_id: str, fabric: Fabric = DEFAULT_FABRIC) -> None:
         self._name = f"{instance_id}#inproc{next(_agent_counter)}"
         self._fabric = fabric
-        self._regions: list[Region] = []
-        self._peers: set[str] = set()
+        self._table: BlockTable | None = None
+        self._peers: dict[str, BlockTable] = {}
         self._inbox = fabric.attach(self._name)
 
     @property
     def agent_name(self) -> str:
         return self._name
 
-    def register(self, regions: list[Region]) -> None:
-        self._regions = list(regions)
+    def register(self, table: BlockTable) -> None:
+        self._table = table
 
     def metadata(self) -> bytes:
         return json.dumps({"agent": self._name}).encode()
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, table: BlockTable) -> str:
         name = str(json.loads(metadata)["agent"])
         self._fabric.deliver(self._name, name, b"")  # reachability check, the analogue of a warm-up
-        self._peers.add(name)
+        self._peers[name] = table
         return name
 
     def remove_peer(self, agent_name: str) -> None:
-        self._peers.discard(agent_name)
+        self._peers.pop(agent_name, None)
 
-    def post_write(self, peer: str, spans: np.ndarray, notif: bytes) -> object:
-        if peer not in self._peers or not self._fabric.is_attached(peer):
+    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray, notif: bytes) -> object:
+        if peer not in self._peers or not self._fabric.is_attached(peer) or self._table is None:
             raise TransportError(f"agent {peer} was not added or is gone")
-        for src, dst, nbytes in spans.tolist():
-            ctypes.memmove(dst, src, nbytes)
+        src, dst = self._table.spans(local_indices), self._peers[peer].spans(remote_indices)
+        if not np.array_equal(src[:, 1], dst[:, 1]):
+            raise TransportError("descriptor sizes differ between the two sides")
+        for (src_ptr, nbytes), (dst_ptr, _) in zip(src.tolist(), dst.tolist()):
+            ctypes.memmove(dst_ptr, src_ptr, nbytes)
         try:
             self._fabric.deliver(self._name, peer, notif)
         except TransportError:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Sequence
-
-import numpy as np
+from typing import Any, Sequence
 
 from kv_transfer.errors import CompatibilityError
 
@@ -94,39 +92,3 @@ def check_compatible(model_id: str, ours: KVLayout, their_model_id: str, theirs:
     for field in COMPAT_FIELDS:
         if getattr(ours, field) != getattr(theirs, field):
             raise CompatibilityError(field, getattr(ours, field), getattr(theirs, field))
-
-
-class PageRun(NamedTuple):
-    """``num_pages`` pages contiguous on both sides: ``src_page..`` maps to ``dst_page..``."""
-
-    src_page: PageId
-    dst_page: PageId
-    num_pages: int
-
-
-def page_runs(src_pages: Sequence[PageId], dst_pages: Sequence[PageId]) -> list[PageRun]:
-    """Merge a page mapping into maximal runs contiguous on both sides (order preserved)."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
-    runs: list[PageRun] = []
-    for src, dst in zip(src_pages, dst_pages):
-        last = runs[-1] if runs else None
-        if last and src == last.src_page + last.num_pages and dst == last.dst_page + last.num_pages:
-            runs[-1] = PageRun(last.src_page, last.dst_page, last.num_pages + 1)
-        else:
-            runs.append(PageRun(src, dst, 1))
-    return runs
-
-
-def copy_spans(src: KVLayout, dst: KVLayout, runs: Sequence[PageRun]) -> np.ndarray:
-    """Byte spans moving ``runs`` from a pool shaped ``src`` into one shaped ``dst``, all layers, K and V.
-
-    Returns an int64 array ``[num_layers * 2 * len(runs), 3]`` of (src_offset_bytes, dst_offset_bytes, nbytes),
-    ordered by (layer, kv, run).
-    """
-    run_arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)  # [num_runs, (src_page, dst_page, num_pages)]
-    planes = np.arange(src.num_layers * 2, dtype=np.int64)[:, None]  # layer * 2 + kv
-    src_off = (planes * src.num_pages + run_arr[None, :, 0]) * src.block_bytes
-    dst_off = (planes * dst.num_pages + run_arr[None, :, 1]) * dst.block_bytes
-    nbytes = np.broadcast_to(run_arr[None, :, 2] * src.block_bytes, src_off.shape)
-    return np.stack([src_off.ravel(), dst_off.ravel(), nbytes.ravel()], axis=1)

@@ -26,7 +26,8 @@ from kv_transfer.peers import PeerTable, kv_info
 from kv_transfer.prefill_side import PrefillSide
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, Room
-from kv_transfer.transport import Region, Transport
+from kv_transfer.blocks import BlockTable
+from kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ class KVManager:
         Raises ``BootstrapError`` when the bootstrap cannot be reached."""
         if self._thread is not None:
             raise RuntimeError("KVManager.start called twice")
-        self._transport.register([Region(self.args.kv_base_ptr, self.args.kv_nbytes),
-                                  Region(self._aux.base_ptr, self._aux.nbytes)])
+        self._transport.register(BlockTable(self.args.kv_base_ptr, self.args.layout, self._aux.base_ptr,
+                                            self.args.aux_slots))
         self.epoch = time.time_ns()
         self._client.register(self._registration())
         self._next_heartbeat_s = time.monotonic() + self.args.heartbeat_interval_s

@@ -13,6 +13,8 @@ from typing import Any
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import Registration
 from kv_transfer.aux import AUX_SLOT_BYTES
+from kv_transfer.blocks import BlockTable
+from kv_transfer.errors import CompatibilityError
 from kv_transfer.layout import KVLayout, check_compatible
 from kv_transfer.transport import Transport
 
@@ -30,15 +32,11 @@ class Peer:
     instance_id: str
     agent_name: str
     epoch: int
-    layout: KVLayout
-    kv_base_ptr: int
-    aux_base_ptr: int
-    aux_slots: int
+    table: BlockTable   # the peer's memory, in its own index space
 
-    def aux_slot_ptr(self, slot: int) -> int:
-        if not 0 <= slot < self.aux_slots:
-            raise ValueError(f"aux slot {slot} out of range [0, {self.aux_slots})")
-        return self.aux_base_ptr + slot * AUX_SLOT_BYTES
+    @property
+    def layout(self) -> KVLayout:
+        return self.table.layout
 
 
 class PeerTable:
@@ -88,10 +86,12 @@ class PeerTable:
         info = registration.kv_info
         layout = KVLayout.from_json(info["layout"])
         check_compatible(self._model_id, self._layout, str(info["model_id"]), layout)
+        if int(info["aux_slot_bytes"]) != AUX_SLOT_BYTES:
+            raise CompatibilityError("aux_slot_bytes", AUX_SLOT_BYTES, info["aux_slot_bytes"])
+        table = BlockTable(int(info["kv_base_ptr"]), layout, int(info["aux_base_ptr"]), int(info["aux_slots"]))
         self.forget(registration.instance_id)
-        agent_name = self._transport.add_peer(registration.agent_metadata)
-        peer = Peer(registration.instance_id, agent_name, registration.epoch, layout,
-                    int(info["kv_base_ptr"]), int(info["aux_base_ptr"]), int(info["aux_slots"]))
+        agent_name = self._transport.add_peer(registration.agent_metadata, table)
+        peer = Peer(registration.instance_id, agent_name, registration.epoch, table)
         self._peers[registration.instance_id] = peer
         logger.info("handshake with %s done (agent %s, epoch %d)", peer.instance_id, agent_name, peer.epoch)
         return peer

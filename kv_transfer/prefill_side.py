@@ -16,10 +16,9 @@ from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 from bootstrap.messages import Destination
 from kv_transfer.auxbuf import AuxBuffer
-from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError
-from kv_transfer.layout import copy_spans, page_runs
+from kv_transfer.blocks import BlockTable
 from kv_transfer.metrics import Metrics
 from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
@@ -28,13 +27,14 @@ from kv_transfer.tags import Tag, TagKind, chunk_tag
 from kv_transfer.transport import Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
-_Post = tuple[KVSender, Chunk, Peer, np.ndarray, Tag]
+_Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, Tag]
 
 
 class PrefillSide:
     def __init__(self, args: KVArgs, transport: Transport, client: BootstrapClient, peers: PeerTable,
                  aux: AuxBuffer, lock: threading.RLock) -> None:
         self._args, self._transport, self._client, self._peers = args, transport, client, peers
+        self._table = BlockTable(args.kv_base_ptr, args.layout, aux.base_ptr, aux.num_slots)
         self._aux, self._lock = aux, lock
         self.metrics = Metrics()
         self.senders: dict[Room, KVSender] = {}
@@ -144,23 +144,22 @@ class PrefillSide:
         dest, peer = sender.destination, sender.peer
         assert dest is not None and peer is not None
         dst_pages = dest.dst_page_ids[chunk.dst_start:chunk.dst_start + len(chunk.src_pages)]
-        spans = copy_spans(self._args.layout, peer.layout, page_runs(chunk.src_pages, dst_pages))
-        spans[:, 0] += self._args.kv_base_ptr
-        spans[:, 1] += peer.kv_base_ptr
+        local, remote = self._table.kv_indices(chunk.src_pages), peer.table.kv_indices(dst_pages)
         if chunk.is_last and chunk.aux is not None:
             slot = self._aux.alloc()
             if slot is None:
                 raise RuntimeError("no free aux slot")  # aux_slots bounds the rooms in flight
             self._aux.write(slot, chunk.aux)
             sender.local_aux_slot = slot
-            aux_row = np.array([[self._aux.slot_ptr(slot), peer.aux_slot_ptr(dest.aux_slot), AUX_SLOT_BYTES]])
-            spans = np.vstack([spans, aux_row])
+            local = np.append(local, self._table.aux_index(slot))
+            remote = np.append(remote, peer.table.aux_index(dest.aux_slot))
         tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1 if chunk.is_last else 0)
-        return sender, chunk, peer, spans, tag
+        return sender, chunk, peer, local, remote, tag
 
-    def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, spans: np.ndarray, tag: Tag) -> None:
+    def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
+              tag: Tag) -> None:
         try:
-            handle = self._transport.post_write(peer.agent_name, spans, tag.encode()) if len(spans) else None
+            handle = self._transport.post_write(peer.agent_name, local, remote, tag.encode()) if len(local) else None
             if handle is None:
                 self._transport.send_notif(peer.agent_name, tag.encode())
         except TransportError as exc:
@@ -172,7 +171,7 @@ class PrefillSide:
                 sender.inflight.append(handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
             sender.last_posted = sender.last_posted or chunk.is_last
-            self.metrics.kv_bytes_total += int(spans[:, 2].sum()) if len(spans) else 0
+            self.metrics.kv_bytes_total += int(self._table.spans(local)[:, 1].sum()) if len(local) else 0
             self.metrics.chunks_total += 1
 
     # --- progress, notifications, peers ------------------------------------------------------------------

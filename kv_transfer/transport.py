@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import NamedTuple
-
 import numpy as np
 
-
-class Region(NamedTuple):
-    """A memory region registered once for the manager's lifetime."""
-
-    base_ptr: int
-    nbytes: int
+from kv_transfer.blocks import BlockTable
 
 
 class XferState(str, Enum):
@@ -42,26 +35,27 @@ class Transport(ABC):
         """Unique per process start (peers detect restarts by a changed name)."""
 
     @abstractmethod
-    def register(self, regions: list[Region]) -> None:
-        """Caller: the manager's ``start``, once. Registers memory the peers will write into / read from."""
+    def register(self, table: BlockTable) -> None:
+        """Caller: the manager's ``start``, once. Registers the KV and aux regions of ``table`` (and prepares
+        its descriptor list); the caller keeps that memory alive until ``close``."""
 
     @abstractmethod
     def metadata(self) -> bytes:
         """Opaque bytes a peer passes to ``add_peer``; valid after ``register``."""
 
     @abstractmethod
-    def add_peer(self, metadata: bytes) -> str:
-        """Loads a peer's metadata and warms its connection up; returns its agent name.
-
-        Called once per peer (again only after it restarted). Raises ``TransportError``."""
+    def add_peer(self, metadata: bytes, table: BlockTable) -> str:
+        """Loads a peer's metadata, prepares its descriptor list ``table``, warms the connection up; returns its
+        agent name. Called once per peer (again only after it restarted). Raises ``TransportError``."""
 
     @abstractmethod
     def remove_peer(self, agent_name: str) -> None:
         """Forgets a peer (it restarted or died). Never raises."""
 
     @abstractmethod
-    def post_write(self, peer: str, spans: np.ndarray, notif: bytes) -> object:
-        """Posts one WRITE of ``spans`` (int64 ``[n, 3]``: local address, remote address, nbytes) to ``peer``.
+    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray, notif: bytes) -> object:
+        """Posts one WRITE of local descriptors ``local_indices`` into the peer's ``remote_indices`` (int64, same
+        length, index spaces of the two ``BlockTable``s; descriptor sizes match pairwise).
 
         ``notif`` is delivered to the peer after every byte of this write has landed. Returns a handle for
         ``check``/``release``. The local bytes must stay untouched until ``check`` says DONE or ERR.

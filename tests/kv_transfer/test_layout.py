@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
 from kv_transfer.errors import CompatibilityError
-from kv_transfer.layout import KVLayout, PageRun, check_compatible, compat_hash, copy_spans, page_runs
+from kv_transfer.blocks import BlockTable
+from kv_transfer.layout import KVLayout, check_compatible, compat_hash
 
 LAYOUT = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8)
 
@@ -26,24 +29,24 @@ def test_sizes_and_slot_index() -> None:
     assert [LAYOUT.num_pages_for(n) for n in (1, 4, 5)] == [1, 1, 2]
 
 
-def test_page_runs_merge_only_runs_contiguous_on_both_sides() -> None:
-    assert page_runs([1, 2, 3, 7], [0, 1, 2, 3]) == [PageRun(1, 0, 3), PageRun(7, 3, 1)]
-    assert page_runs([1, 2], [5, 4]) == [PageRun(1, 5, 1), PageRun(2, 4, 1)]
-    with pytest.raises(ValueError):
-        page_runs([1], [1, 2])
-
-
-def test_copy_spans_move_exactly_the_mapped_pages_between_differently_sized_pools() -> None:
+def test_block_table_indices_address_exactly_the_mapped_pages_between_differently_sized_pools() -> None:
     dst_layout = KVLayout(num_layers=3, num_pages=7, page_size=4, num_kv_heads=2, head_dim=8)
     src = np.random.default_rng(0).random((3, 2, 5, 4, 2, 8), dtype=np.float32)
     dst = np.zeros((3, 2, 7, 4, 2, 8), dtype=np.float32)
-    spans = copy_spans(LAYOUT, dst_layout, page_runs([0, 3, 4], [6, 2, 3]))
-    src_bytes, dst_bytes = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
-    for s, d, n in spans.tolist():
-        dst_bytes[d:d + n] = src_bytes[s:s + n]
+    aux_src, aux_dst = np.arange(64, dtype=np.uint8), np.zeros(2 * 32, dtype=np.uint8)
+    src_table = BlockTable(src.ctypes.data, LAYOUT, aux_src.ctypes.data, 2)
+    dst_table = BlockTable(dst.ctypes.data, dst_layout, aux_dst.ctypes.data, 2)
+    local = np.append(src_table.kv_indices([0, 3, 4]), src_table.aux_index(1))
+    remote = np.append(dst_table.kv_indices([6, 2, 3]), dst_table.aux_index(0))
+    for (s, n), (d, m) in zip(src_table.spans(local).tolist(), dst_table.spans(remote).tolist()):
+        assert n == m
+        ctypes.memmove(d, s, n)
     assert np.array_equal(dst[:, :, 6], src[:, :, 0]) and np.array_equal(dst[:, :, 2:4], src[:, :, [3, 4]])
     assert not dst[:, :, [0, 1, 4, 5]].any()
-    assert len(spans) == 3 * 2 * 2
+    assert np.array_equal(aux_dst[:32], aux_src[32:]) and not aux_dst[32:].any()
+    assert len(src_table.descriptors()) == 3 * 2 * 5 + 2
+    with pytest.raises(ValueError):
+        src_table.kv_indices([5])
 
 
 def test_compatibility_names_the_first_differing_field() -> None:

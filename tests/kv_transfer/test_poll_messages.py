@@ -10,7 +10,9 @@ from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.inprocess import Fabric, InProcessTransport
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.tags import Tag, TagKind, chunk_tag
-from kv_transfer.transport import Region, TransportError, XferState
+from kv_transfer.blocks import BlockTable
+from kv_transfer.layout import KVLayout
+from kv_transfer.transport import TransportError, XferState
 
 
 def test_poll_states_are_ordered_and_only_move_forward() -> None:
@@ -51,17 +53,24 @@ def test_aux_buffer_hands_out_zeroed_slots_and_reads_back_records() -> None:
     assert buf.read(buf.alloc() or 0) is None
 
 
-def test_inprocess_transport_copies_spans_then_notifies() -> None:
+def test_inprocess_transport_copies_blocks_then_notifies() -> None:
     fabric = Fabric()
+    layout = KVLayout(num_layers=1, num_pages=4, page_size=1, num_kv_heads=1, head_dim=2)  # 8-byte blocks
     src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    aux_src, aux_dst = np.ones(32, dtype=np.uint8), np.zeros(32, dtype=np.uint8)
+    src_table = BlockTable(src.ctypes.data, layout, aux_src.ctypes.data, 1)
+    dst_table = BlockTable(dst.ctypes.data, layout, aux_dst.ctypes.data, 1)
     left, right = InProcessTransport("a", fabric), InProcessTransport("b", fabric)
-    left.register([Region(src.ctypes.data, 64)])
-    right.register([Region(dst.ctypes.data, 64)])
-    peer = left.add_peer(right.metadata())
-    spans = np.array([[src.ctypes.data + 8, dst.ctypes.data + 16, 8]], dtype=np.int64)
-    assert left.check(left.post_write(peer, spans, b"hi")) == XferState.DONE
-    assert np.array_equal(dst[16:24], src[8:16]) and not dst[:16].any()
+    left.register(src_table)
+    right.register(dst_table)
+    peer = left.add_peer(right.metadata(), dst_table)
+    local, remote = src_table.kv_indices([1]), dst_table.kv_indices([2])
+    assert left.check(left.post_write(peer, local, remote, b"hi")) == XferState.DONE
+    assert np.array_equal(dst[16:24], src[8:16]) and np.array_equal(dst[48:56], src[40:48])
+    assert dst.sum() == src[8:16].sum() + src[40:48].sum()
     assert right.get_notifs() == [(left.agent_name, b"hi")]
+    with pytest.raises(TransportError):
+        left.post_write(peer, local, np.array([dst_table.aux_index(0)] * 2), b"size mismatch")
     right.close()
     with pytest.raises(TransportError):
-        left.post_write(peer, spans, b"again")
+        left.post_write(peer, local, remote, b"again")

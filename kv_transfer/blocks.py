@@ -1,0 +1,60 @@
+"""Descriptor index space of one instance's registered memory: every KV block, then every aux slot.
+
+Index ``(layer * 2 + kv) * num_pages + page`` is the block of ``page`` for (layer, K/V), at the byte offset of
+docs/architecture.md; index ``num_kv_blocks + slot`` is aux slot ``slot``. Both transports take transfers as
+(local indices, remote indices) pairs in this space: NIXL prepares the whole list once per agent (and merges
+runs that are contiguous on both sides at transfer time); the in-process transport turns indices into
+addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kv_transfer.aux import AUX_SLOT_BYTES
+from kv_transfer.layout import KVLayout, PageId
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    kv_base_ptr: int
+    layout: KVLayout
+    aux_base_ptr: int
+    aux_slots: int
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.layout.num_layers * 2 * self.layout.num_pages
+
+    @property
+    def num_descriptors(self) -> int:
+        return self.num_kv_blocks + self.aux_slots
+
+    def kv_indices(self, pages: Sequence[PageId]) -> np.ndarray:
+        """Indices of every (layer, kv) block of ``pages``: int64 ``[num_layers * 2 * len(pages)]``, plane-major."""
+        page_arr = np.asarray(pages, dtype=np.int64)
+        if page_arr.size and (page_arr.min() < 0 or page_arr.max() >= self.layout.num_pages):
+            raise ValueError(f"page ids out of range [0, {self.layout.num_pages})")
+        planes = np.arange(self.layout.num_layers * 2, dtype=np.int64)[:, None]
+        return (planes * self.layout.num_pages + page_arr[None, :]).ravel()
+
+    def aux_index(self, slot: int) -> int:
+        if not 0 <= slot < self.aux_slots:
+            raise ValueError(f"aux slot {slot} out of range [0, {self.aux_slots})")
+        return self.num_kv_blocks + slot
+
+    def spans(self, indices: np.ndarray) -> np.ndarray:
+        """(address, nbytes) of each index: int64 ``[len(indices), 2]``."""
+        is_aux = indices >= self.num_kv_blocks
+        addr = np.where(is_aux, self.aux_base_ptr + (indices - self.num_kv_blocks) * AUX_SLOT_BYTES,
+                        self.kv_base_ptr + indices * self.layout.block_bytes)
+        nbytes = np.where(is_aux, AUX_SLOT_BYTES, self.layout.block_bytes)
+        return np.stack([addr, nbytes], axis=1).astype(np.int64)
+
+    def descriptors(self, device_id: int = 0) -> np.ndarray:
+        """Every descriptor, in index order: int64 ``[num_descriptors, 3]`` (address, nbytes, device id)."""
+        spans = self.spans(np.arange(self.num_descriptors, dtype=np.int64))
+        return np.hstack([spans, np.full((len(spans), 1), device_id, dtype=np.int64)])
