@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         results[deployment.name] = outcome.summary
         series[deployment.name] = outcome.itl_series
         windows[deployment.name] = outcome.long_windows
-    doc = {"config": asdict(cfg) | {"out_json": str(cfg.out_json), "plot_dir": str(cfg.plot_dir),
+    doc: dict[str, Any] = {"config": asdict(cfg) | {"out_json": str(cfg.out_json), "plot_dir": str(cfg.plot_dir),
                                      "log_dir": str(cfg.log_dir)},
            "conditions": {"cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
                           "started_unix_s": started, "wall_s": time.time() - started},

@@ -72,7 +72,7 @@ def tritonserver_paths() -> tuple[Path, Path]:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("nvidia-pytriton is not installed (scripts/setup.sh)")
-    base = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    base = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     backends = base / "backends"
     stub = backends / "python" / "triton_python_backend_stub"
     if not stub.exists():
@@ -83,9 +83,9 @@ def tritonserver_paths() -> tuple[Path, Path]:
 
 def _override_parameters(config: str, overrides: Mapping[str, str]) -> str:
     for key, value in overrides.items():
-        pattern = re.compile(r'(\{\s*key:\s*"%s",\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % re.escape(key))
+        pattern = re.compile(r'(\{\s*key:\s*"' + re.escape(key) + r'",\s*value:\s*\{\s*string_value:\s*)"[^"]*"')
         if pattern.search(config):
-            config = pattern.sub(lambda m: f'{m.group(1)}"{value}"', config)
+            config = pattern.sub(lambda m, v=value: f'{m.group(1)}"{v}"', config)  # type: ignore[misc]
         else:  # serving/config.py rejects unknown keys: pass only WorkerConfig fields
             config += f'\nparameters {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
 
