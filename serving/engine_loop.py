@@ -6,9 +6,10 @@ Every engine call happens on the loop thread; other threads talk to it with ``su
 1. wait for commands: not at all when the engine has work, up to ``busy_wait_s`` while a tick hook reports work
    in flight, else up to ``idle_wait_s`` (an idle loop sleeps on its queue, it never spins);
 2. run the queued commands in order (new requests join the continuous batch here, between two steps);
-3. call every tick hook (``TickHook.on_tick``): cancellation checks, KV-transfer polling, metrics;
-4. run one ``engine.step()`` when the engine has unfinished requests, and hand each output to its request's
-   callback.
+3. run one ``engine.step()`` when the engine has unfinished requests, and hand each output to its request's
+   callback;
+4. call every tick hook (``TickHook.on_tick``): cancellation checks, KV-transfer polling, metrics (fresh
+   after the step).
 
 Each submitted request gets exactly one terminal event: a finished ``RequestOutput``, or a ``RequestFailed``
 (rejected by the engine, aborted, engine step error, loop stopped). Callbacks run on the loop thread and must be
@@ -49,7 +50,7 @@ class EngineCore(Protocol):
 
 
 class TickHook(Protocol):
-    """Work done on the loop thread once per tick, before the engine step (may call the engine)."""
+    """Work done on the loop thread once per tick, after the engine step (may call the engine)."""
 
     def on_tick(self) -> bool:
         """Do this tick's share of work; return True while work is in flight that needs polling soon."""
@@ -206,6 +207,8 @@ class EngineLoop:
         else:
             wait_s = self._busy_wait_s if self._hooks_busy else self._idle_wait_s
         self._drain(wait_s)
+        if self.engine.has_unfinished() and not self._stop.is_set():
+            self._step()
         busy = False
         for hook in self._hooks:
             try:
@@ -213,8 +216,6 @@ class EngineLoop:
             except Exception:
                 logger.exception("%s: tick hook %r failed", self._name, hook)
         self._hooks_busy = busy
-        if self.engine.has_unfinished() and not self._stop.is_set():
-            self._step()
 
     def _drain(self, wait_s: float) -> None:
         """Run queued commands; block up to ``wait_s`` for the first one."""

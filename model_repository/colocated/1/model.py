@@ -1,0 +1,56 @@
+"""Triton python-backend adapter of the colocated worker (decoupled): all logic lives in ``serving``.
+
+initialize: model config ``parameters`` → ``WorkerConfig`` → ``ColocatedWorker`` (loads the model) → start.
+execute: for each request, inputs → ``GenerateRequest`` (a bad input gets one error response with FINAL),
+then ``ColocatedWorker.handle``, which answers on the request's response sender from the engine loop thread.
+finalize: stop the worker; requests still in flight end with an error response and FINAL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from serving.colocated import ColocatedWorker
+from serving.config import build_worker_config
+from serving.metrics import ServingMetrics
+from serving.request import RequestError, parse_request
+from serving.triton_io import TritonResponseSink, read_inputs
+
+logger = logging.getLogger("model_repository.colocated")
+
+STOP_TIMEOUT_S = 30.0
+
+
+class TritonPythonModel:
+    """One colocated engine per model instance."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("colocated must use the decoupled transaction policy")
+        config = build_worker_config(model_config.get("parameters", {}))
+        instance = args["model_instance_name"]
+        metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
+        self._worker = ColocatedWorker.create(config, name=instance, metrics=metrics)
+        self._worker.start()
+        logger.info("%s ready: %s", instance, config)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sink = TritonResponseSink(request.get_response_sender(), request.request_id())
+            try:
+                generate_request = parse_request(read_inputs(request))
+            except RequestError as e:
+                sink.send_error(str(e))
+                continue
+            self._worker.handle(generate_request, sink)
+        return None
+
+    def finalize(self) -> None:
+        logger.info("stopping (%d requests in flight)", self._worker.num_active())
+        self._worker.stop(STOP_TIMEOUT_S)

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Serve the model repository with tritonserver on loopback, in the foreground; Ctrl-C stops everything.
+#
+#   scripts/serve.sh                       # sets up when needed, then serves every model in model_repository/
+#   MODELS=colocated scripts/serve.sh      # serve a subset (comma-separated; explicit model control)
+#   scripts/serve.sh --log-verbose=1       # extra arguments go to tritonserver
+#
+# Env: HTTP_PORT (8000), GRPC_PORT (8001), METRICS_PORT (8002), BOOTSTRAP_PORT (8998), HOST (127.0.0.1),
+#      MODELS (all), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh).
+# Uses a tritonserver found on PATH (NGC container) when there is one, else the one in the nvidia-pytriton wheel.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HOST="${HOST:-127.0.0.1}"
+HTTP_PORT="${HTTP_PORT:-8000}"
+GRPC_PORT="${GRPC_PORT:-8001}"
+METRICS_PORT="${METRICS_PORT:-8002}"
+BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
+MODEL_REPOSITORY="${MODEL_REPOSITORY:-$ROOT/model_repository}"
+VENV="${VENV:-$ROOT/.venv}"
+
+say() { echo "[serve] $*"; }
+
+if [[ "${SKIP_SETUP:-0}" != 1 ]]; then "$ROOT/scripts/setup.sh"; fi
+
+# The python backend stub runs the first `python3` on PATH: it must be the venv's (numpy, torch, serving).
+export PATH="$VENV/bin:$PATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# NIXL/UCX between the prefill and decode processes: notifications through shared memory, TCP on loopback only.
+export UCX_MM_ERROR_HANDLING="${UCX_MM_ERROR_HANDLING:-y}"
+export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
+export PD_BOOTSTRAP_URL="${PD_BOOTSTRAP_URL:-http://$HOST:$BOOTSTRAP_PORT}"
+
+server_args=()
+if command -v tritonserver >/dev/null 2>&1; then
+  TRITONSERVER="$(command -v tritonserver)"
+else
+  TRITON_DIR="$(python3 -c 'import importlib.util as u; print(u.find_spec("pytriton").submodule_search_locations[0])')/tritonserver"
+  TRITONSERVER="$TRITON_DIR/bin/tritonserver"
+  server_args+=(--backend-directory="$TRITON_DIR/backends")
+fi
+server_args+=(
+  --model-repository="$MODEL_REPOSITORY"
+  --http-address="$HOST" --http-port="$HTTP_PORT"
+  --grpc-address="$HOST" --grpc-port="$GRPC_PORT"
+  --metrics-address="$HOST" --metrics-port="$METRICS_PORT"
+  --allow-gpu-metrics=false --pinned-memory-pool-byte-size=0
+  --exit-timeout-secs="${EXIT_TIMEOUT_S:-20}"
+)
+if [[ -n "${MODELS:-}" ]]; then
+  server_args+=(--model-control-mode=explicit)
+  IFS=',' read -ra models <<< "$MODELS"
+  for m in "${models[@]}"; do server_args+=(--load-model="$m"); done
+fi
+
+pids=()
+stopping=0
+# stop_all: TERM everything started here, wait up to 25 s, then KILL; idempotent.
+stop_all() {
+  [[ $stopping == 1 ]] && return
+  stopping=1
+  say "stopping ${pids[*]:-nothing}"
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 250); do
+    local alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [[ $alive == 0 ]] && break
+    sleep 0.1
+  done
+  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap 'stop_all; exit 130' INT
+trap 'stop_all; exit 143' TERM
+trap 'stop_all' EXIT
+
+if [[ -f "$ROOT/bootstrap/__main__.py" ]]; then
+  say "bootstrap service on $PD_BOOTSTRAP_URL"
+  python3 -m bootstrap --host "$HOST" --port "$BOOTSTRAP_PORT" &
+  pids+=($!)
+fi
+
+say "$TRITONSERVER ${server_args[*]} $*"
+"$TRITONSERVER" "${server_args[@]}" "$@" &
+pids+=($!)
+
+# Foreground until tritonserver (or the bootstrap service) exits; its status is ours.
+set +e
+wait -n "${pids[@]}"
+status=$?
+set -e
+say "a child exited with status $status"
+exit "$status"

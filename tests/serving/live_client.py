@@ -1,0 +1,102 @@
+"""Small tritonclient helpers for the live tests: one gRPC stream per request, so every response (errors
+included, which carry no request id) belongs to that request."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+
+RESPONSE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class StreamResult:
+    """What one request got back."""
+
+    texts: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    final_seen: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def make_inputs(prompt: str | bytes, params: dict[str, Any] | str | None = None, stream: bool = True,
+                **flags: bool) -> list[grpcclient.InferInput]:
+    """The LLM-convention inputs; ``params`` as a dict is JSON-encoded, as a str sent as is."""
+    def tensor(name: str, value: Any, dtype: str) -> grpcclient.InferInput:
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else np.bool_))
+        return t
+
+    raw = prompt.encode() if isinstance(prompt, str) else prompt
+    inputs = [tensor("text_input", raw, "BYTES"), tensor("stream", stream, "BOOL")]
+    if params is not None:
+        text = params if isinstance(params, str) else json.dumps(params)
+        inputs.append(tensor("sampling_parameters", text.encode(), "BYTES"))
+    inputs += [tensor(name, value, "BOOL") for name, value in flags.items()]
+    return inputs
+
+
+def grpc_generate(url: str, inputs: list[grpcclient.InferInput], model: str = "colocated",
+                  cancel_after: int | None = None) -> StreamResult:
+    """Send one request on its own stream; read until FINAL, an error, or ``cancel_after`` responses (then
+    cancel: ``stop_stream(cancel_requests=True)``)."""
+    events: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    result = StreamResult()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, request_id="live", enable_empty_final_response=True)
+        while True:
+            res, err = events.get(timeout=RESPONSE_TIMEOUT_S)
+            if err is not None:
+                result.error = str(err)
+                return result
+            _record(result, res)
+            if result.final_seen:
+                return result
+            if cancel_after is not None and len(result.texts) >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return result
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _record(result: StreamResult, res: Any) -> None:
+    params = res.get_response().parameters
+    final = "triton_final_response" in params and params["triton_final_response"].bool_param
+    text = res.as_numpy("text_output")
+    if text is not None:  # an empty final response carries no outputs
+        result.texts.append(b"".join(text.reshape(-1)).decode())
+        result.finish_reasons.append(res.as_numpy("finish_reason").reshape(-1)[0].decode())
+        result.num_output_tokens.append(int(res.as_numpy("num_output_tokens").reshape(-1)[0]))
+    result.final_seen = final
+
+
+def http_generate_stream(http_url: str, body: dict[str, Any], model: str = "colocated") -> list[dict[str, Any]]:
+    """POST ``/v2/models/<model>/generate_stream``; returns the SSE events once the server closed the stream."""
+    with requests.post(f"{http_url}/v2/models/{model}/generate_stream", json=body, stream=True,
+                       timeout=RESPONSE_TIMEOUT_S) as resp:
+        return [json.loads(line[len(b"data: "):]) for line in resp.iter_lines() if line.startswith(b"data: ")]
+
+
+def metric_value(metrics_url: str, name: str, **labels: str) -> float:
+    """The value of one series on the Prometheus endpoint (the first whose labels include ``labels``)."""
+    text = requests.get(metrics_url, timeout=5).text
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(2))
+    raise KeyError(f"{name}{labels} not on {metrics_url}")
