@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -44,73 +44,74 @@ def _reply(message: object, status: int = 200) -> web.Response:
     return web.Response(body=encode(message), status=status, content_type="application/json")
 
 
-def build_app(registry: Registry, config: ServerConfig) -> web.Application:
-    """The aiohttp application serving ``registry``; expiry also runs on an idle timer task."""
-    routes = web.RouteTableDef()
+class _Handlers:
+    """One aiohttp handler per route; each decodes, asks the registry, encodes."""
+
+    def __init__(self, registry: Registry, config: ServerConfig) -> None:
+        self._registry = registry
+        self._config = config
+
+    async def register(self, request: web.Request) -> web.Response:
+        registration = decode(await request.read(), Registration)
+        self._registry.register(registration, time.monotonic())
+        logger.info("registered %s %s epoch %d", registration.role, registration.instance_id, registration.epoch)
+        return _reply(registration)
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        beat = decode(await request.read(), Heartbeat)
+        return _reply(beat, 200 if self._registry.heartbeat(beat.instance_id, beat.epoch, time.monotonic()) else 404)
+
+    async def deregister(self, request: web.Request) -> web.Response:
+        ok = self._registry.deregister(request.match_info["instance_id"], int(request.query.get("epoch", "-1")))
+        return web.Response(status=200 if ok else 404)
+
+    async def get_instance(self, request: web.Request) -> web.Response:
+        registration = self._registry.get(request.match_info["instance_id"])
+        return _reply(registration) if registration else web.Response(status=404)
+
+    async def post_room(self, request: web.Request) -> web.Response:
+        result = self._registry.post_destination(decode(await request.read(), Destination), time.monotonic())
+        return _reply(result, 200 if result.accepted else (409 if "in use" in result.reason else 404))
+
+    async def destinations(self, request: web.Request) -> web.Response:
+        return _reply(DestinationBatch(self._registry.take_destinations(request.match_info["instance_id"])))
+
+    async def release(self, request: web.Request) -> web.Response:
+        message = decode(await request.read(), RoomRelease)
+        return _reply(self._registry.release_room(message.room, message.decode_instance_id))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
 
     @web.middleware
-    async def expire_and_map_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        registry.expire(time.monotonic())
+    async def expire_and_map_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        self._registry.expire(time.monotonic())
         try:
             return await handler(request)
         except BootstrapError as exc:
             return web.Response(status=400, text=str(exc))
 
-    @routes.post("/v1/instances")
-    async def register(request: web.Request) -> web.Response:
-        registration = decode(await request.read(), Registration)
-        registry.register(registration, time.monotonic())
-        logger.info("registered %s %s epoch %d", registration.role, registration.instance_id, registration.epoch)
-        return _reply(registration)
-
-    @routes.post("/v1/heartbeat")
-    async def heartbeat(request: web.Request) -> web.Response:
-        beat = decode(await request.read(), Heartbeat)
-        ok = registry.heartbeat(beat.instance_id, beat.epoch, time.monotonic())
-        return _reply(beat, 200 if ok else 404)
-
-    @routes.delete("/v1/instances/{instance_id}")
-    async def deregister(request: web.Request) -> web.Response:
-        ok = registry.deregister(request.match_info["instance_id"], int(request.query.get("epoch", "-1")))
-        return web.Response(status=200 if ok else 404)
-
-    @routes.get("/v1/instances/{instance_id}")
-    async def get_instance(request: web.Request) -> web.Response:
-        registration = registry.get(request.match_info["instance_id"])
-        return _reply(registration) if registration else web.Response(status=404)
-
-    @routes.post("/v1/rooms")
-    async def post_room(request: web.Request) -> web.Response:
-        result = registry.post_destination(decode(await request.read(), Destination), time.monotonic())
-        status = 200 if result.accepted else (409 if "in use" in result.reason else 404)
-        return _reply(result, status)
-
-    @routes.get("/v1/instances/{instance_id}/destinations")
-    async def destinations(request: web.Request) -> web.Response:
-        return _reply(DestinationBatch(registry.take_destinations(request.match_info["instance_id"])))
-
-    @routes.post("/v1/rooms/release")
-    async def release(request: web.Request) -> web.Response:
-        release = decode(await request.read(), RoomRelease)
-        return _reply(registry.release_room(release.room, release.decode_instance_id))
-
-    @routes.get("/health")
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def expire_on_idle(app: web.Application) -> object:
+    async def expire_on_idle(self, app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:
             while True:
-                await asyncio.sleep(config.expire_interval_s)
-                for instance_id in registry.expire(time.monotonic()):
+                await asyncio.sleep(self._config.expire_interval_s)
+                for instance_id in self._registry.expire(time.monotonic()):
                     logger.warning("registration of %s expired (no heartbeat)", instance_id)
         task = asyncio.get_running_loop().create_task(loop())
         yield
         task.cancel()
 
-    app = web.Application(middlewares=[expire_and_map_errors])
-    app.add_routes(routes)
-    app.cleanup_ctx.append(expire_on_idle)
+
+def build_app(registry: Registry, config: ServerConfig) -> web.Application:
+    """The aiohttp application serving ``registry``; expiry also runs on an idle timer task."""
+    h = _Handlers(registry, config)
+    app = web.Application(middlewares=[h.expire_and_map_errors])
+    app.add_routes([web.post("/v1/instances", h.register), web.post("/v1/heartbeat", h.heartbeat),
+                    web.delete("/v1/instances/{instance_id}", h.deregister),
+                    web.get("/v1/instances/{instance_id}", h.get_instance), web.post("/v1/rooms", h.post_room),
+                    web.get("/v1/instances/{instance_id}/destinations", h.destinations),
+                    web.post("/v1/rooms/release", h.release), web.get("/health", h.health)])
+    app.cleanup_ctx.append(h.expire_on_idle)
     return app
 
 
