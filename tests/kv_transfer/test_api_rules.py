@@ -1,0 +1,81 @@
+"""API rules of managers, senders and receivers that need no peer: construction starts nothing, misuse fails the
+one room with a typed error, configuration is validated."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from kv_harness import smollm2_layout
+from kv_transfer import AuxData, KVArgs, KVManager, KVPoll, TransferError, make_kv_manager
+
+
+def args_for(pool: np.ndarray, url: str, role: str = "prefill", **changes: object) -> KVArgs:
+    fields = dict(instance_id=f"rules-{role}", role=role, kv_base_ptr=pool.ctypes.data, kv_nbytes=pool.nbytes,
+                  layout=smollm2_layout(num_pages=4), model_id="m", bootstrap_url=url)
+    fields.update(changes)
+    return KVArgs(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pool() -> np.ndarray:
+    layout = smollm2_layout(num_pages=4)
+    return np.zeros(layout.pool_bytes // 4, dtype=np.float32)
+
+
+@pytest.fixture
+def prefill(pool: np.ndarray, bootstrap_url: str) -> Iterator[KVManager]:
+    manager = make_kv_manager(args_for(pool, bootstrap_url), "inprocess")
+    manager.start()
+    yield manager
+    manager.shutdown()
+
+
+def test_constructing_a_manager_starts_no_thread(pool: np.ndarray, bootstrap_url: str) -> None:
+    before = threading.active_count()
+    manager = make_kv_manager(args_for(pool, bootstrap_url), "inprocess")
+    assert threading.active_count() == before
+    manager.shutdown()  # a never-started manager shuts down as a no-op
+
+
+def test_send_before_init_fails_the_room_with_a_typed_error(prefill: KVManager) -> None:
+    sender = prefill.create_sender(1)
+    with pytest.raises(TransferError) as info:
+        sender.send([0], True, AuxData(1, 0.0, 1))
+    assert info.value.room == 1 and sender.poll() == KVPoll.Failed and sender.failure is not None
+
+
+@pytest.mark.parametrize("calls", [[([0, 1], True, None)], [([0], False, None), ([1, 2], True, "aux")],
+                                   [([0], True, "aux"), ([1], True, "aux")]])
+def test_send_rules_whole_pages_then_last_with_aux(prefill: KVManager, calls: list) -> None:  # type: ignore[type-arg]
+    sender = prefill.create_sender(2)
+    sender.init(2)
+    with pytest.raises(TransferError):
+        for pages, is_last, aux in calls:
+            sender.send(pages, is_last, AuxData(1, 0.0, 2) if aux else None)
+    assert sender.poll() == KVPoll.Failed
+    sender.send([0], True, AuxData(1, 0.0, 2))  # a no-op on a failed room
+    assert sender.poll() == KVPoll.Failed
+
+
+def test_a_second_sender_for_an_open_room_fails_alone(prefill: KVManager) -> None:
+    first, second = prefill.create_sender(3), prefill.create_sender(3)
+    assert second.poll() == KVPoll.Failed and first.poll() == KVPoll.Bootstrapping
+    assert "in use" in str(second.failure)
+
+
+def test_role_mismatch_and_bad_config_are_refused(pool: np.ndarray, bootstrap_url: str,
+                                                  prefill: KVManager) -> None:
+    with pytest.raises(RuntimeError):
+        prefill.create_receiver(1, "x")
+    with pytest.raises(ValueError, match="kv_nbytes"):
+        args_for(pool[:-1], bootstrap_url)
+    with pytest.raises(ValueError, match="role"):
+        args_for(pool, bootstrap_url, role="both")
+    with pytest.raises(ValueError, match="waiting_timeout_s"):
+        args_for(pool, bootstrap_url, waiting_timeout_s=0)
+    with pytest.raises(ValueError, match="backend"):
+        make_kv_manager(args_for(pool, bootstrap_url), "tcp")
