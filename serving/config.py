@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 
 KV_BACKENDS: tuple[str, ...] = ("nixl", "inprocess")
 BOOTSTRAP_URL_ENV = "PD_BOOTSTRAP_URL"
@@ -49,6 +49,8 @@ class WorkerConfig:
         bootstrap_timeout_s: how long a PD request may wait for its peer to show up at the rendezvous.
         waiting_timeout_s: how long a PD request may wait for its KV once the transfer was set up.
         idle_wait_s: longest block of the engine loop on its input queue when there is nothing to do.
+        dtype: weights and KV dtype (``"float32"`` on CPU; ``"bfloat16"``/``"float16"`` on GPUs).
+        device: torch device of the engine; set from the Triton instance (``instance_device``), not a parameter.
 
     Raises:
         ConfigError: at construction, naming the parameter, when a value is out of range.
@@ -65,6 +67,8 @@ class WorkerConfig:
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = 30.0
     idle_wait_s: float = 0.1
+    dtype: str = "float32"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads"):
@@ -79,6 +83,8 @@ class WorkerConfig:
             raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         if not self.bootstrap_url.startswith(("http://", "https://")):
             raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_num_batched_tokens < self.chunk_size:
             raise ConfigError("max_num_batched_tokens",
                               f"must be >= chunk_size ({self.chunk_size}), got {self.max_num_batched_tokens}")
@@ -92,11 +98,17 @@ class WorkerConfig:
         """The engine configuration of this worker in ``mode`` (``"colocated"``, ``"prefill"``, ``"decode"``)."""
         return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,  # type: ignore[arg-type]
                             num_pages=self.num_pages, chunk_size=self.chunk_size,
-                            max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads)
+                            max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
+                            device=self.device, dtype=self.dtype)
 
 
-def build_worker_config(parameters: Mapping[str, Any],
-                        environ: Mapping[str, str] | None = None) -> WorkerConfig:
+def instance_device(kind: str, device_id: int) -> str:
+    """Torch device of a Triton model instance: ``"cuda:<id>"`` for ``KIND_GPU`` (``"GPU"``), else ``"cpu"``."""
+    return f"cuda:{device_id}" if kind.upper().endswith("GPU") else "cpu"
+
+
+def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+                        device: str = "cpu") -> WorkerConfig:
     """Build the worker config from a model config's ``parameters`` section.
 
     Args:
@@ -104,13 +116,14 @@ def build_worker_config(parameters: Mapping[str, Any],
             ``{"page_size": {"string_value": "16"}, ...}``; plain ``{"page_size": "16"}`` is accepted too.
             Missing keys keep their defaults.
         environ: environment to read overrides from; ``os.environ`` when None.
+        device: the instance's torch device (``instance_device(args["model_instance_kind"], ...)``).
     Returns:
         The validated, frozen ``WorkerConfig``.
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    types = {f.name: f.type for f in fields(WorkerConfig)}
-    values: dict[str, Any] = {}
+    types = {f.name: f.type for f in fields(WorkerConfig) if f.name != "device"}
+    values: dict[str, Any] = {"device": device}
     for name, raw in parameters.items():
         if name not in types:
             raise ConfigError(name, f"unknown parameter (known: {sorted(types)})")

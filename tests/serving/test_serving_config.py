@@ -29,6 +29,8 @@ def test_defaults_and_string_values() -> None:
     (_sv(bootstrap_url="127.0.0.1:8998"), "bootstrap_url"),
     (_sv(chunk_size="1024", max_num_batched_tokens="512"), "max_num_batched_tokens"),
     (_sv(waiting_timeout_s="-1"), "waiting_timeout_s"),
+    (_sv(dtype="int8"), "dtype"),
+    (_sv(device="cuda:0"), "device"),
 ])
 def test_bad_parameter_is_named(params: dict[str, dict[str, str]], param: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -45,3 +47,12 @@ def test_engine_config_carries_the_knobs() -> None:
     ec = WorkerConfig(page_size=8, num_pages=10, chunk_size=64, max_num_batched_tokens=128).engine_config("decode")
     assert (ec.mode, ec.page_size, ec.num_pages, ec.chunk_size, ec.max_num_batched_tokens) == \
         ("decode", 8, 10, 64, 128)
+
+
+def test_instance_device() -> None:
+    from serving.config import instance_device
+
+    assert instance_device("GPU", 1) == "cuda:1" and instance_device("KIND_GPU", 0) == "cuda:0"
+    assert instance_device("CPU", 0) == "cpu"
+    cfg = build_worker_config(_sv(dtype="bfloat16"), environ={}, device="cuda:1")
+    assert cfg.engine_config("prefill").device == "cuda:1" and cfg.engine_config("prefill").dtype == "bfloat16"

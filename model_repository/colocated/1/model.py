@@ -15,7 +15,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from serving.colocated import ColocatedWorker
-from serving.config import build_worker_config
+from serving.config import build_worker_config, instance_device
 from serving.metrics import ServingMetrics
 from serving.request import RequestError, parse_request
 from serving.triton_io import TritonResponseSink, read_inputs
@@ -33,7 +33,8 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("colocated must use the decoupled transaction policy")
-        config = build_worker_config(model_config.get("parameters", {}))
+        device = instance_device(args["model_instance_kind"], int(args["model_instance_device_id"]))
+        config = build_worker_config(model_config.get("parameters", {}), device=device)
         instance = args["model_instance_name"]
         metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
         self._worker = ColocatedWorker.create(config, name=instance, metrics=metrics)
