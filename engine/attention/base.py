@@ -10,9 +10,9 @@ Contract
   ``v`` rows into ``layer_kv`` at ``batch.slot_mapping`` (side effect on the caller-owned KV pool), then
   attends every query token causally to its sequence's cached tokens plus the chunk's earlier tokens.
 - Shapes: ``q`` ``[num_tokens, num_heads, head_dim]``; ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]``;
-  ``layer_kv`` ``[2, num_pages, page_size, num_kv_heads, head_dim]`` (``kv_cache[layer]``, dim 0: 0 = K, 1 = V);
-  output ``[num_tokens, num_heads * head_dim]``. dtype: that of ``q`` (fp32 on CPU; fp16/bf16 on CUDA), ``k``,
-  ``v`` and ``layer_kv`` share it. ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
+  ``layer_kv`` ``[2, num_pages, page_size, num_kv_heads, head_dim]`` (``kv_cache[layer]``, dim 0: 0 = K, 1 =
+  V); output ``[num_tokens, num_heads * head_dim]``. dtype: that of ``q`` (fp32 on CPU; fp16/bf16 on CUDA),
+  ``k``, ``v`` and ``layer_kv`` share it. ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class AttentionBackend(ABC):
     """Paged causal attention over a continuous batch (prefill chunks and decode tokens mixed)."""
 
     def bind(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """Called once by the model that adopts this backend, before any step; backends that plan kernels ahead
-        record the shapes here. Default: nothing to record.
+        """Called once by the model that adopts this backend, before any step; backends that plan kernels
+        ahead record the shapes here. Default: nothing to record.
 
         Raises:
             ValueError: the backend cannot run this dtype or shape.

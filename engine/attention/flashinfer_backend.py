@@ -1,12 +1,13 @@
 """Paged attention on CUDA with flashinfer (Ye et al. 2025, "FlashInfer"; API per docs.flashinfer.ai, v0.2+).
 
-``prepare`` converts the batch's page tables into flashinfer's CSR page layout once per step
-(``kv_indptr`` ``[num_seqs + 1]``, ``kv_indices`` ``[total_pages]``, ``kv_last_page_len`` ``[num_seqs]``, all int32)
-and plans one wrapper: ``BatchDecodeWithPagedKVCacheWrapper`` when every sequence has one new token, otherwise
-``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (flashinfer aligns the causal mask bottom-right, so
-a chunk attends to all cached tokens plus causally to itself; decode tokens in a mixed batch are chunks of one).
-``forward`` writes K/V with ``index_copy_`` at the slot mapping, then runs the planned wrapper on the layer's
-``(K, V)`` pair, each ``[num_pages, page_size, num_kv_heads, head_dim]`` ("NHD" layout, as our pool).
+``prepare`` converts the batch's page tables into flashinfer's CSR page layout once per step (all int32:
+``kv_indptr`` ``[num_seqs + 1]``, ``kv_indices`` ``[total_pages]``, ``kv_last_page_len`` ``[num_seqs]``) and
+plans one wrapper: ``BatchDecodeWithPagedKVCacheWrapper`` when every sequence has one new token, otherwise
+``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (flashinfer aligns the causal mask bottom-right,
+so a chunk attends to all cached tokens plus causally to itself; decode tokens in a mixed batch are chunks of
+one token). ``forward`` writes K/V with ``index_copy_`` at the slot mapping, then runs the planned wrapper on
+the layer's ``(K, V)`` pair, each ``[num_pages, page_size, num_kv_heads, head_dim]``
+("NHD" layout, as our pool).
 
 flashinfer is imported lazily, so this module imports on machines without it or without CUDA. Its kernels need
 fp16 or bf16 tensors; ``select_backend`` keeps fp32 models on the torch backend.
@@ -98,16 +99,19 @@ class FlashInferAttentionBackend(AttentionBackend):
                               sm_scale=scale)
             return FlashInferMetadata(batch.slot_mapping, self._decode, True)
         qo_indptr = torch.tensor([0, *torch.tensor(batch.query_lens).cumsum(0).tolist()], dtype=torch.int32)
-        self._prefill.plan(qo_indptr, kv_indptr, kv_indices, kv_last, num_heads, num_kv_heads, head_dim, page_size,
-                           causal=True, sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._prefill.plan(qo_indptr, kv_indptr, kv_indices, kv_last, num_heads, num_kv_heads, head_dim,
+                           page_size, causal=True, sm_scale=scale, q_data_type=self.dtype,
+                           kv_data_type=self.dtype)
         return FlashInferMetadata(batch.slot_mapping, self._prefill, False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
                 metadata: FlashInferMetadata, scale: float) -> torch.Tensor:
-        """See ``AttentionBackend.forward``; ``scale`` must equal ``head_dim ** -0.5`` (fixed at plan time)."""
+        """See ``AttentionBackend.forward``; ``scale`` must equal ``head_dim ** -0.5`` (fixed at plan
+        time)."""
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k.shape[1]
         layer_kv[0].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         layer_kv[1].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-        out = metadata.wrapper.run(q.contiguous(), (layer_kv[0], layer_kv[1]))  # [num_tokens, num_heads, head_dim]
+        kv_pair = (layer_kv[0], layer_kv[1])  # each [num_pages, page_size, kv_heads, head_dim] ("NHD")
+        out = metadata.wrapper.run(q.contiguous(), kv_pair)  # [num_tokens, num_heads, head_dim]
         return out.reshape(num_tokens, num_heads * head_dim)

@@ -1,10 +1,11 @@
 """Paged attention in plain torch for the CPU (and as a reference on any device).
 
-Per step, ``prepare`` sorts the batch into one *decode group* (every sequence with one new token, padded to the
-longest KV length with a key mask) and a list of *prefill chunks* (a sequence with several new tokens), and
-precomputes the page ids each of them gathers. Per layer, ``forward`` writes the new K/V rows with one
-``index_copy_``, gathers each group's K/V whole pages at a time (``index_select`` on the page dim), and runs ``scaled_dot_product_attention`` with
-``enable_gqa`` (kv head ``h // (num_heads // num_kv_heads)`` serves query head ``h``, as HF's ``repeat_kv``).
+Per step, ``prepare`` sorts the batch into one *decode group* (every sequence with one new token, padded to
+the longest KV length with a key mask) and a list of *prefill chunks* (a sequence with several new tokens),
+and precomputes the page ids each of them gathers. Per layer, ``forward`` writes the new K/V rows with one
+``index_copy_``, gathers each group's K/V whole pages at a time (``index_select`` on the page dim), and runs
+``scaled_dot_product_attention`` with ``enable_gqa`` (kv head ``h // (num_heads // num_kv_heads)`` serves
+query head ``h``, as HF's ``repeat_kv``).
 A chunk whose sequence has cached tokens uses a bottom-right-aligned causal mask (query ``i`` of a chunk of
 ``q`` tokens over ``s`` keys sees keys ``<= s - q + i``); a chunk without cache attends to its own K/V with
 ``is_causal``, skipping the gather.
@@ -26,7 +27,8 @@ class DecodeGroup:
     """Sequences with one query token each, their KV gathered page by page and padded to ``max_pages``.
 
     Attributes:
-        rows: ``[B]`` int64 token rows of the queries in the batch, or the slice ``0:B`` when they lead the batch.
+        rows: ``[B]`` int64 token rows of the queries in the batch, or the slice ``0:B`` when they lead the
+            batch.
         pages: ``[B * max_pages]`` int64 page ids (padding repeats page 0 and is masked out).
         max_pages: pages of the longest sequence.
         key_len: keys attended per sequence after the gather (``max_len`` when all lengths are equal, else
@@ -46,8 +48,8 @@ class PrefillChunk:
     """One sequence's chunk of ``end - start`` query tokens (rows ``start:end`` of the batch).
 
     Attributes:
-        pages: ``[ceil(seq_len / page_size)]`` int64 page ids of the sequence, or ``None`` when nothing is cached
-            (the chunk then attends to its own K/V with ``is_causal``).
+        pages: ``[ceil(seq_len / page_size)]`` int64 page ids of the sequence, or ``None`` when nothing is
+            cached (the chunk then attends to its own K/V with ``is_causal``).
         seq_len: KV length after this chunk, in tokens.
         mask: ``[q, seq_len]`` bool causal mask aligned bottom-right, or ``None`` when nothing is cached.
     """
@@ -71,7 +73,8 @@ class TorchAttentionMetadata:
 def _used_pages(pages: list[int], seq_len: int, page_size: int) -> list[int]:
     needed = -(-seq_len // page_size)
     if len(pages) < needed:
-        raise ValueError(f"page table of {len(pages)} pages too short for seq_len={seq_len} (page_size={page_size})")
+        raise ValueError(f"page table of {len(pages)} pages too short for seq_len={seq_len} "
+                         f"(page_size={page_size})")
     return pages[:needed]
 
 
@@ -85,10 +88,12 @@ def _decode_group(rows: list[int], lens: list[int], tables: list[list[int]], pag
     if min(lens) != key_len:
         key_len = max_pages * page_size
         lens_t = torch.tensor(lens, device=device)
-        mask = (torch.arange(key_len, device=device)[None, :] < lens_t[:, None]).view(len(lens), 1, 1, key_len)
+        mask = torch.arange(key_len, device=device)[None, :] < lens_t[:, None]  # [B, key_len]
+        mask = mask.view(len(lens), 1, 1, key_len)
     leading = rows == list(range(len(rows)))
     row_index = slice(0, len(rows)) if leading else torch.tensor(rows, dtype=torch.int64, device=device)
-    return DecodeGroup(row_index, torch.tensor(flat, dtype=torch.int64, device=device), max_pages, key_len, mask)
+    page_ids = torch.tensor(flat, dtype=torch.int64, device=device)
+    return DecodeGroup(row_index, page_ids, max_pages, key_len, mask)
 
 
 def _prefill_chunk(start: int, q_len: int, seq_len: int, pages: list[int], page_size: int,
@@ -151,8 +156,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out.reshape(batch, num_heads * head_dim)
 
     @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor, chunk: PrefillChunk,
-                 scale: float) -> torch.Tensor:
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
+                 chunk: PrefillChunk, scale: float) -> torch.Tensor:
         qc = q[chunk.start:chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
         if chunk.pages is None:
             keys = k[chunk.start:chunk.end].transpose(0, 1)  # [kv_heads, q_len, head_dim]

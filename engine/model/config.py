@@ -15,7 +15,8 @@ class ModelConfig:
     """Shape and numerics of one model; built once by the loader, read by the model and the KV pool.
 
     Attributes:
-        architecture: ``"llama"``, ``"qwen2"`` or ``"mistral"`` (all share one forward; qwen2 adds q/k/v bias).
+        architecture: ``"llama"``, ``"qwen2"`` or ``"mistral"`` (all share one forward; qwen2 adds q/k/v
+            bias).
         num_layers, hidden_size, intermediate_size: transformer sizes.
         num_heads, num_kv_heads, head_dim: attention heads (GQA when ``num_kv_heads < num_heads``).
         vocab_size: rows of the embedding and of the logits.
@@ -26,7 +27,8 @@ class ModelConfig:
         max_position_embeddings: longest sequence, in tokens, the model (and its RoPE cache) supports.
         bos_token_id: beginning-of-sequence id, or ``None``.
         eos_token_ids: ids that end generation (at least one).
-        model_id: stable name of the weights, e.g. ``"smollm2-135m-instruct-q4_1"`` (cache folder, KV compat hash).
+        model_id: stable name of the weights, e.g. ``"smollm2-135m-instruct-q4_1"`` (cache folder, KV compat
+            hash).
 
     Raises:
         ValueError: from ``__post_init__`` when a field is out of range or the heads do not divide.
@@ -78,7 +80,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` transformers reads for this model (so a reference model loads the same cache)."""
+        """The ``config.json`` transformers reads for this model (so a reference model loads the same
+        cache)."""
         return {
             "architectures": [_HF_CLASS[self.architecture]],
             "model_type": self.architecture,

@@ -1,12 +1,12 @@
 """Convert a GGUF file (llama.cpp) into a Hugging Face style folder: safetensors + config.json + tokenizer.
 
-The folder is what ``hf_folder.load_hf_folder`` reads and what transformers' ``from_pretrained`` reads, so the
+The folder is what ``hf_folder`` reads and what transformers' ``from_pretrained`` reads, so the
 engine and the reference model see the very same dequantized fp32 weights.
 
 Facts used (GGUF spec, github.com/ggml-org/ggml/blob/master/docs/gguf.md; llama.cpp convert_hf_to_gguf.py):
 - tensor names ``blk.N.attn_q.weight`` etc. map one-to-one onto HF names (``_LAYER_NAMES``);
-- for the ``llama`` architecture, llama.cpp permutes the rows of Q and K from HF's rotate-half RoPE layout into
-  interleaved pairs; ``_unpermute_rows`` undoes it;
+- for the ``llama`` architecture, llama.cpp permutes the rows of Q and K from HF's rotate-half RoPE
+  layout into interleaved pairs; ``_unpermute_rows`` undoes it;
 - dequantization is the ``gguf`` package's ``quants.dequantize`` (fp32 numpy, rows x cols as in HF).
 """
 
@@ -50,13 +50,15 @@ _GLOBAL_NAMES = {
 
 # File order: the tensors the model fuses (q|k|v weights, q|k|v biases, gate|up) sit back to back.
 _LAYER_ORDER = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                "self_attn.v_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                "self_attn.v_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias",
                 "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
                 "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 
 def file_order_key(hf_name: str) -> tuple[int, int]:
-    """Sort key of a tensor name in the cache file: embedding, then layer by layer in `_LAYER_ORDER`, then the rest."""
+    """Sort key of a tensor name in the cache file: embedding, then layer by layer in `_LAYER_ORDER`, then
+    the rest."""
     if hf_name == "model.embed_tokens.weight":
         return (-1, 0)
     if hf_name.startswith("model.layers."):
@@ -159,7 +161,8 @@ def convert_gguf(path: Path, out_dir: Path, model_id: str) -> ModelConfig:
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     cfg = _read_config(reader, path, model_id, has_output)
     tensors = _dequantized_tensors(reader, path, cfg)
-    write_safetensors(out_dir / "model.safetensors", sorted(tensors.items(), key=lambda kv: file_order_key(kv[0])))
+    ordered = sorted(tensors.items(), key=lambda kv: file_order_key(kv[0]))
+    write_safetensors(out_dir / "model.safetensors", ordered)
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     build_gguf_tokenizer(reader, path, cfg, out_dir)
     logger.info("converted %s into %s (%d tensors)", path, out_dir, len(tensors))

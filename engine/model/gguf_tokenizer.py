@@ -57,7 +57,8 @@ def build_gguf_tokenizer(reader: Any, path: Path, cfg: ModelConfig, out_dir: Pat
     """
     kind = _contents(reader, "tokenizer.ggml.model")
     if kind != "gpt2" or _contents(reader, "tokenizer.ggml.tokens") is None:
-        raise ModelLoadError(str(path), f"unsupported GGUF tokenizer model {kind!r} (supported: byte-level BPE 'gpt2')")
+        raise ModelLoadError(str(path),
+                             f"unsupported GGUF tokenizer model {kind!r} (supported: byte-level BPE 'gpt2')")
     tok, specials = _build(reader)
     tok.save(str(out_dir / "tokenizer.json"))
     tokens = _contents(reader, "tokenizer.ggml.tokens")

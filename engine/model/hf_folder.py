@@ -1,7 +1,7 @@
 """Read a Hugging Face model folder: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
 
-Field names follow transformers' ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``; both the older top-level
-``rope_theta`` and the newer ``rope_parameters`` dict are understood. RoPE scaling is not supported.
+Field names follow transformers' ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``; both the older
+top-level ``rope_theta`` and the newer ``rope_parameters`` dict are understood. RoPE scaling is not supported.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
     arch = str(raw.get("model_type", "")).lower()
     if arch not in SUPPORTED_ARCHITECTURES:
         names = raw.get("architectures") or [arch]
-        raise ModelLoadError(str(path), f"unknown architecture {names} (supported: {SUPPORTED_ARCHITECTURES})")
+        raise ModelLoadError(str(path),
+                             f"unknown architecture {names} (supported: {SUPPORTED_ARCHITECTURES})")
     return arch
 
 
@@ -80,7 +81,8 @@ def read_hf_config(path: Path, model_id: str) -> ModelConfig:
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of every ``*.safetensors`` file in ``folder`` (CPU, original dtype, views of one buffer per file).
+    """All tensors of every ``*.safetensors`` file in ``folder`` (CPU, original dtype, views of one buffer
+    per file).
 
     Raises:
         ModelLoadError: no safetensors file, an unreadable one, or a tensor name found in two files.

@@ -42,15 +42,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                 backend: AttentionBackend, metadata: object) -> torch.Tensor:
-        """``h`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this layer's K/V into ``layer_kv``."""
+        """``h`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this layer's K/V into
+        ``layer_kv``."""
         cfg = self.cfg
         n = h.shape[0]
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-        qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                        cos, sin)
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
+        qk_width = cfg.q_size + cfg.kv_size
+        qk = qkv[:, :qk_width].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, qk_width:].view(n, cfg.num_kv_heads, cfg.head_dim)
         attn = backend.forward(q, k, v, layer_kv, metadata, self.scale)
         h = h + F.linear(attn, self.o_proj)
         x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
@@ -80,7 +81,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param(config.hidden_size)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(config.vocab_size,
                                                                                  config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = rotary.to(device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

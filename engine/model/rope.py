@@ -14,13 +14,15 @@ class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables, applied by absolute position.
 
     Buffers:
-        cos_sin: ``[max_positions, head_dim]`` fp32; first half cos, second half sin of the ``head_dim/2`` angles.
+        cos_sin: ``[max_positions, head_dim]`` fp32; first half cos, second half sin of the ``head_dim/2``
+            angles.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [max_pos, head_dim/2]
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)  # [max_positions, head_dim/2]
         self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
         self.head_dim = head_dim
 

@@ -6,10 +6,10 @@ offsets relative to the end of the header. Files written here are ordinary safet
 them); they keep the caller's tensor order, so that tensors the model fuses (q|k|v, gate|up) are adjacent
 and the loader can take them as one view instead of copying (``adjacent_view``).
 
-The file is mapped copy-on-write (``MAP_PRIVATE``): loading costs no copy (~10 ms for 540 MB from the page cache,
-where a full read took 0.6-1.8 s on the dev machine), processes loading the same file share its page-cache pages,
-and an accidental in-place write to a parameter only copies that page. Files are replaced by rename, never
-rewritten in place (which would fault a live mapping).
+The file is mapped copy-on-write (``MAP_PRIVATE``): loading costs no copy (~10 ms for 540 MB from the page
+cache, where a full read took 0.6-1.8 s on the dev machine), processes loading the same file share its page-
+cache pages, and an accidental in-place write to a parameter only copies that page. Files are replaced by
+rename, never rewritten in place (which would fault a live mapping).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> No
     offset = 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -88,7 +89,8 @@ def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def adjacent_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """One tensor spanning ``parts`` (concatenated on dim 0) without a copy, if they lie back to back in memory.
+    """One tensor spanning ``parts`` (concatenated on dim 0) without a copy, if they lie back to back in
+    memory.
 
     Returns ``None`` when they do not (different storage, dtype, gaps, non-contiguous, trailing dims differ).
     """
@@ -96,7 +98,8 @@ def adjacent_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
     ptr = first.data_ptr()
     for p in parts:
         if (not p.is_contiguous() or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]
-                or p.data_ptr() != ptr or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+                or p.data_ptr() != ptr
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
             return None
         ptr += p.numel() * p.element_size()
     rows = sum(p.shape[0] for p in parts)

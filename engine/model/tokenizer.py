@@ -1,7 +1,8 @@
 """Text <-> token ids for the engine: a thin wrapper of the ``tokenizers`` library plus the chat template.
 
 The chat template is rendered with jinja2 the way Hugging Face chat templates expect (sandboxed environment,
-``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``), so prompts match ``apply_chat_template``.
+``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``), so prompts match
+``apply_chat_template``.
 """
 
 from __future__ import annotations

@@ -37,12 +37,14 @@ class WeightMapper:
             raise ModelLoadError(self.source, f"missing tensor {name!r}")
         t = self.tensors[name]
         if tuple(t.shape) != shape:
-            raise ModelLoadError(self.source, f"shape mismatch for {name!r}: expected {shape}, got {tuple(t.shape)}")
+            raise ModelLoadError(self.source,
+                                 f"shape mismatch for {name!r}: expected {shape}, got {tuple(t.shape)}")
         self.used.add(name)
         return t
 
     def _set(self, module: torch.nn.Module, attr: str, parts: list[torch.Tensor]) -> None:
-        """Make ``module.attr`` the concatenation of ``parts`` in the model's dtype/device (no copy if possible)."""
+        """Make ``module.attr`` the concatenation of ``parts``, in the model's dtype/device; no copy when
+        the parts are adjacent in memory and already of that dtype/device."""
         joined = adjacent_view(parts) if len(parts) > 1 else parts[0]
         if joined is None:
             joined = torch.cat(parts, dim=0)
@@ -68,9 +70,11 @@ class WeightMapper:
         self._set(layer, "down_proj", [self.take(p + "mlp.down_proj.weight", (h, c.intermediate_size))])
 
     def load_into(self, model: "LlamaForCausalLM") -> None:
-        """Set every parameter of ``model`` (views of the given tensors when dtype/device allow); raises ModelLoadError on a missing, misshapen or unknown tensor."""
+        """Set every parameter of ``model`` (views of the given tensors when dtype/device allow); raises
+        ModelLoadError on a missing, misshapen or unknown tensor."""
         c = self.cfg
-        self._set(model, "embed_tokens", [self.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))])
+        vocab_shape = (c.vocab_size, c.hidden_size)
+        self._set(model, "embed_tokens", [self.take("model.embed_tokens.weight", vocab_shape)])
         for i in range(c.num_layers):
             self._layer(model, i)
         self._set(model, "norm", [self.take("model.norm.weight", (c.hidden_size,))])
@@ -78,8 +82,8 @@ class WeightMapper:
             model.lm_head = model.embed_tokens
             self.used.add("lm_head.weight")  # some checkpoints store the tied copy; it is not needed
         else:
-            self._set(model, "lm_head", [self.take("lm_head.weight", (c.vocab_size, c.hidden_size))])
+            self._set(model, "lm_head", [self.take("lm_head.weight", vocab_shape)])
         extra = sorted(n for n in self.tensors if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
         if extra:
-            raise ModelLoadError(self.source, f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all) "
-                                              f"for architecture {c.architecture!r}")
+            raise ModelLoadError(self.source, f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in "
+                                              f"all) for architecture {c.architecture!r}")

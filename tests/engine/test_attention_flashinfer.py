@@ -1,4 +1,5 @@
-"""The flashinfer backend module imports on any machine, CPU selection never picks it, and on CUDA with flashinfer
+"""The flashinfer backend module imports on any machine, CPU selection never picks it, and on CUDA with
+flashinfer
 it matches the torch backend (mixed prefill/decode steps, GQA, shuffled pages) within bf16 tolerance.
 """
 
@@ -13,7 +14,8 @@ from engine.forward_batch import ForwardBatch
 
 
 def test_cpu_selects_torch_backend() -> None:
-    """On the CPU (and for fp32 anywhere) the torch backend is chosen; importing flashinfer_backend is safe."""
+    """On the CPU (and for fp32 anywhere) the torch backend is chosen; importing flashinfer_backend is
+    safe."""
     assert isinstance(select_backend("cpu"), TorchAttentionBackend)
     assert isinstance(select_backend("cpu", torch.bfloat16), TorchAttentionBackend)
 
@@ -28,7 +30,8 @@ def _batch(device: str, page_size: int) -> tuple[ForwardBatch, list[int]]:
             positions.append(t)
             slots.append(pages[t // page_size] * page_size + t % page_size)
     n = sum(query)
-    return ForwardBatch(torch.zeros(n, dtype=torch.int64, device=device), torch.tensor(positions, device=device),
+    return ForwardBatch(torch.zeros(n, dtype=torch.int64, device=device), torch.tensor(positions,
+                                                                                       device=device),
                         torch.tensor(slots, device=device), query, seq, tables,
                         torch.zeros(0, dtype=torch.int64, device=device)), slots
 
@@ -39,7 +42,8 @@ def test_flashinfer_matches_torch_backend() -> None:
     page_size, heads, kv_heads, head_dim, dev = 4, 8, 2, 64, "cuda"
     batch, _ = _batch(dev, page_size)
     gen = torch.Generator(device=dev).manual_seed(0)
-    history = torch.randn(2, 12, page_size, kv_heads, head_dim, generator=gen, device=dev, dtype=torch.bfloat16)
+    history = torch.randn(2, 12, page_size, kv_heads, head_dim, generator=gen, device=dev,
+                          dtype=torch.bfloat16)
     q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen, device=dev, dtype=torch.bfloat16)
     k = torch.randn(batch.num_tokens, kv_heads, head_dim, generator=gen, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)

@@ -19,7 +19,8 @@ HEAD_DIM = 8
 
 
 def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full causal attention of one sequence: q/k/v ``[seq, heads, head_dim]`` -> ``[seq, heads * head_dim]``."""
+    """Full causal attention of one sequence: q/k/v ``[seq, heads, head_dim]`` -> ``[seq, heads *
+    head_dim]``."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -32,7 +33,8 @@ def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class _Sequence:
     """A random sequence of ``length`` tokens with its full q/k/v and a shuffled page table."""
 
-    def __init__(self, length: int, heads: int, kv_heads: int, pages: list[int], gen: torch.Generator) -> None:
+    def __init__(self, length: int, heads: int, kv_heads: int, pages: list[int],
+                 gen: torch.Generator) -> None:
         self.q = torch.randn(length, heads, HEAD_DIM, generator=gen)
         self.k = torch.randn(length, kv_heads, HEAD_DIM, generator=gen)
         self.v = torch.randn(length, kv_heads, HEAD_DIM, generator=gen)
@@ -54,22 +56,27 @@ def _make(lengths: list[int], heads: int = 6, kv_heads: int = 2, seed: int = 0) 
     return seqs
 
 
-def _step(backend: TorchAttentionBackend, kv: torch.Tensor, work: list[tuple[_Sequence, int, int]]) -> torch.Tensor:
-    """Run one step where sequence ``s`` contributes its tokens ``start:end``; returns the attention output."""
+def _step(backend: TorchAttentionBackend, kv: torch.Tensor, work: list[tuple[_Sequence, int,
+                                                                             int]]) -> torch.Tensor:
+    """Run one step where sequence ``s`` contributes its tokens ``start:end``; returns the attention
+    output."""
     q = torch.cat([s.q[a:b] for s, a, b in work])
     k = torch.cat([s.k[a:b] for s, a, b in work])
     v = torch.cat([s.v[a:b] for s, a, b in work])
     slots = [slot for s, a, b in work for slot in s.slots(a, b)]
     batch = ForwardBatch(
-        input_ids=torch.zeros(q.shape[0], dtype=torch.int64), positions=torch.zeros(q.shape[0], dtype=torch.int64),
-        slot_mapping=torch.tensor(slots), query_lens=[b - a for _, a, b in work], seq_lens=[b for _, _, b in work],
+        input_ids=torch.zeros(q.shape[0], dtype=torch.int64), positions=torch.zeros(q.shape[0],
+                                                                                    dtype=torch.int64),
+        slot_mapping=torch.tensor(slots), query_lens=[b - a for _, a, b in work], seq_lens=[b for _, _,
+                                                                                            b in work],
         page_tables=[s.pages for s, _, _ in work], logits_indices=torch.zeros(0, dtype=torch.int64))
     meta = backend.prepare(batch, PAGE_SIZE)
     return backend.forward(q, k, v, kv, meta, HEAD_DIM ** -0.5)
 
 
 def _kv(kv_heads: int) -> torch.Tensor:
-    return torch.zeros(2, NUM_PAGES, PAGE_SIZE, kv_heads, HEAD_DIM)  # one layer's [2, pages, page_size, kvh, hd]
+    return torch.zeros(2, NUM_PAGES, PAGE_SIZE, kv_heads,
+                       HEAD_DIM)  # one layer's [2, pages, page_size, kvh, hd]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
@@ -81,7 +88,8 @@ def test_single_chunk_prefill_matches_dense(heads: int, kv_heads: int) -> None:
 
 
 def test_chunked_prefill_across_page_boundaries_matches_dense() -> None:
-    """Feeding a prompt as chunks 3 + 6 + 1 + 7 (boundaries inside pages) gives the rows of one-shot attention."""
+    """Feeding a prompt as chunks 3 + 6 + 1 + 7 (boundaries inside pages) gives the rows of one-shot
+    attention."""
     (seq,) = _make([17])
     backend, kv = TorchAttentionBackend(), _kv(2)
     bounds = [0, 3, 9, 10, 17]
@@ -90,7 +98,8 @@ def test_chunked_prefill_across_page_boundaries_matches_dense() -> None:
 
 
 def test_ragged_decode_batch_matches_dense() -> None:
-    """After prefill, decoding the last token of sequences of lengths 1, 4, 5, 12 in one batch matches dense."""
+    """After prefill, decoding the last token of sequences of lengths 1, 4, 5, 12 in one batch matches
+    dense."""
     seqs = _make([1, 4, 5, 12])
     backend, kv = TorchAttentionBackend(), _kv(2)
     _step(backend, kv, [(s, 0, s.q.shape[0] - 1) for s in seqs if s.q.shape[0] > 1])
@@ -108,7 +117,8 @@ def test_equal_length_decode_batch_matches_dense() -> None:
 
 
 def test_mixed_prefill_and_decode_step_matches_dense() -> None:
-    """One step holding a decode, a continued chunk, a fresh prompt and another decode (in that order) matches."""
+    """One step holding a decode, a continued chunk, a fresh prompt and another decode (in that order)
+    matches."""
     a, b, c, d = _make([6, 11, 5, 9])
     backend, kv = TorchAttentionBackend(), _kv(2)
     _step(backend, kv, [(a, 0, 5), (b, 0, 4), (d, 0, 8)])
@@ -128,8 +138,10 @@ def test_kv_written_at_slot_mapping() -> None:
 
 
 def test_short_page_table_is_rejected() -> None:
-    """A page table too short for its sequence length raises ValueError in prepare (not a silent wrong read)."""
-    batch = ForwardBatch(torch.zeros(1, dtype=torch.int64), torch.tensor([8]), torch.tensor([0]), [1], [9], [[0, 1]],
+    """A page table too short for its sequence length raises ValueError in prepare (not a silent wrong
+    read)."""
+    batch = ForwardBatch(torch.zeros(1, dtype=torch.int64), torch.tensor([8]), torch.tensor([0]), [1], [9],
+                         [[0, 1]],
                          torch.tensor([0]))
     with pytest.raises(ValueError, match="too short"):
         TorchAttentionBackend().prepare(batch, PAGE_SIZE)

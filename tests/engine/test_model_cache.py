@@ -1,4 +1,5 @@
-"""The GGUF conversion cache: a second load is fast and bit-identical; a stale or half-written cache is never used."""
+"""The GGUF conversion cache: a second load is fast and bit-identical; a stale or half-written cache is never
+used."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.model
 
 
 def test_second_load_is_fast_and_identical(smollm2: LoadedModel) -> None:
-    """Loading from the cache again takes under 3 s (target 2 s; ~0.2 s measured) and gives identical tensors."""
+    """Loading from the cache again takes under 3 s (target 2 s; ~0.2 s measured) and gives identical
+    tensors."""
     start = time.perf_counter()
     again = load_model("smollm2")
     elapsed_s = time.perf_counter() - start
@@ -29,8 +31,10 @@ def test_second_load_is_fast_and_identical(smollm2: LoadedModel) -> None:
 def test_cache_folder_holds_hf_files(smollm2: LoadedModel) -> None:
     """The cache is a complete HF folder, and no temporary folder is left next to it."""
     names = {p.name for p in smollm2.folder.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "source.json"} <= names
-    assert not [p for p in smollm2.folder.parent.iterdir() if ".tmp-" in p.name and smollm2.folder.name in p.name]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "source.json"} <= names
+    siblings = [p.name for p in smollm2.folder.parent.iterdir()]
+    assert not [n for n in siblings if ".tmp-" in n and smollm2.folder.name in n]
 
 
 def test_incomplete_cache_is_rebuilt(tmp_path: Path, smollm2: LoadedModel) -> None:

@@ -52,7 +52,8 @@ def _batch(work: list[tuple[list[int], int, int, list[int]]]) -> ForwardBatch:
         pos += list(range(a, b))
         slots += [pages[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE for t in range(a, b)]
         last.append(len(ids) - 1)
-    return ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), [b - a for _, a, b, _ in work],
+    return ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), [b - a for _, a, b,
+                                                                                    _ in work],
                         [b for _, _, b, _ in work], [p for *_, p in work], torch.tensor(last))
 
 
@@ -77,7 +78,8 @@ def test_one_forward_matches_transformers(smollm2: LoadedModel, reference_logits
 
 
 @pytest.mark.parametrize("chunk", [7, 256])
-def test_chunked_prefill_matches_transformers(smollm2: LoadedModel, reference_logits: dict, chunk: int) -> None:
+def test_chunked_prefill_matches_transformers(smollm2: LoadedModel, reference_logits: dict,
+                                              chunk: int) -> None:
     """A prompt fed as chunks of ``chunk`` tokens (KV written, then continued) gives the one-shot logits."""
     for n in [600] if chunk > 16 else [15, 16, 17]:
         pool = _Pool(smollm2)

@@ -1,4 +1,5 @@
-"""Model loading: tiny Hugging Face folders (Llama, Qwen2 with q/k/v bias, Mistral; GQA; tied and untied heads)
+"""Model loading: tiny Hugging Face folders (Llama, Qwen2 with q/k/v bias, Mistral; GQA; tied and untied
+heads)
 load and give transformers' logits; every malformed model raises one ``ModelLoadError`` that names the file.
 """
 
@@ -26,7 +27,8 @@ _HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 def _tiny_config(model_type: str, tie: bool) -> dict:
     return {"model_type": model_type, "architectures": ["X"], "num_hidden_layers": 2, "hidden_size": 32,
             "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
-            "rope_theta": 5000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": tie, "max_position_embeddings": 128,
+            "rope_theta": 5000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": tie,
+            "max_position_embeddings": 128,
             "bos_token_id": 0, "eos_token_id": 1}
 
 
@@ -74,14 +76,16 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.reference
 @pytest.mark.skipif(not _HAS_TRANSFORMERS, reason="transformers not installed")
-@pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False), ("mistral", True)])
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False), ("mistral",
+                                                                                                  True)])
 def test_hf_folder_matches_transformers(tmp_path: Path, model_type: str, tie: bool) -> None:
     """A random tiny HF folder gives transformers' logits at every position (within 1e-4, fp32)."""
     from transformers import AutoModelForCausalLM
 
     folder = _write_folder(tmp_path / model_type, model_type, tie)
     loaded = load_model(str(folder))
-    assert loaded.config.architecture == model_type and loaded.config.attention_bias == (model_type == "qwen2")
+    assert loaded.config.architecture == model_type
+    assert loaded.config.attention_bias == (model_type == "qwen2")
     ids = [3, 17, 60, 5, 9, 22, 41, 8, 13, 2, 33]
     ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.inference_mode():
@@ -90,7 +94,8 @@ def test_hf_folder_matches_transformers(tmp_path: Path, model_type: str, tie: bo
 
 
 def test_loaded_weights_share_the_file_buffer(tmp_path: Path) -> None:
-    """In a file written in the converter's order, q|k|v and gate|up become the fused parameters without a copy."""
+    """In a file written in the converter's order, q|k|v and gate|up become the fused parameters without a
+    copy."""
     cfg = _tiny_config("llama", False)
     tensors = _tiny_tensors(cfg, False, torch.Generator().manual_seed(2))
     write_safetensors(tmp_path / "w.safetensors", sorted(tensors, key=lambda nt: file_order_key(nt[0])))
@@ -127,7 +132,8 @@ def test_folder_without_config_names_config_json(tmp_path: Path) -> None:
 def test_unknown_architecture_names_config_json(tmp_path: Path) -> None:
     """An architecture other than llama/qwen2/mistral is refused, naming config.json and the architecture."""
     folder = _write_folder(tmp_path / "m")
-    (folder / "config.json").write_text(json.dumps({**_tiny_config("gpt2", False), "architectures": ["GPT2LMHeadModel"]}))
+    (folder / "config.json").write_text(json.dumps({**_tiny_config("gpt2", False),
+                                                    "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelLoadError, match=r"config\.json: unknown architecture \['GPT2LMHeadModel'\]"):
         load_model(str(folder))
 
@@ -143,11 +149,13 @@ def test_shape_mismatch_names_file_and_shapes(tmp_path: Path) -> None:
     """A tensor of the wrong shape names the file, the tensor and both shapes."""
     err = _error(tmp_path, reshape="model.layers.0.self_attn.k_proj.weight")
     assert err.path is not None and err.path.endswith("model.safetensors")
-    assert "shape mismatch for 'model.layers.0.self_attn.k_proj.weight': expected (16, 32), got (15, 32)" in str(err)
+    assert ("shape mismatch for 'model.layers.0.self_attn.k_proj.weight': expected (16, 32), got (15, 32)"
+            in str(err))
 
 
 def test_unexpected_tensor_is_refused(tmp_path: Path) -> None:
-    """Tensors the architecture does not have (e.g. Qwen2 biases in a Llama folder) are an error, not ignored."""
+    """Tensors the architecture does not have (e.g. Qwen2 biases in a Llama folder) are an error, not
+    ignored."""
     folder = _write_folder(tmp_path / "m", "qwen2")
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))

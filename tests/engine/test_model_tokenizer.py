@@ -42,8 +42,10 @@ def test_chat_template_renders_system_default(smollm2: LoadedModel) -> None:
     """The GGUF's template adds SmolLM2's default system turn and an assistant generation prompt."""
     prompt = smollm2.tokenizer.apply_chat_template(MESSAGES)
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
-    assert not smollm2.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("assistant\n")
+    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    assert not smollm2.tokenizer.apply_chat_template(MESSAGES,
+                                                     add_generation_prompt=False).endswith("assistant\n")
 
 
 @pytest.mark.reference
@@ -62,7 +64,8 @@ def test_chat_template_and_ids_match_transformers(smollm2: LoadedModel) -> None:
 
 @pytest.mark.parametrize("text", TEXTS + ["🚀" * 5 + "x", "東京タワー"])
 def test_incremental_detokenizer_streams_full_text(smollm2: LoadedModel, text: str) -> None:
-    """Concatenated deltas equal decode(ids); no delta ever contains U+FFFD (split characters are held back)."""
+    """Concatenated deltas equal decode(ids); no delta ever contains U+FFFD (split characters are held
+    back)."""
     tok = smollm2.tokenizer
     ids = tok.encode(text)
     detok = IncrementalDetokenizer(tok)
