@@ -178,13 +178,16 @@ def run_deployment(cfg: BenchConfig, deployment: Deployment) -> DeploymentOutcom
             phase = chat_phase(c, c * cfg.chat_requests_per_slot, cfg.chat_prompt_tokens, cfg.chat_max_tokens,
                                cfg.seed)
             records = run_phase_sync(ports.grpc_url, deployment.entry_model, phase, cfg.request_timeout_s)
+            server.check_alive(phase.name)
             chat[str(c)] = _phase_summary(records, cfg.slo)
             logger.info("%s chat c=%d: %s", deployment.name, c, chat[str(c)])
         outcome.summary["chat"] = chat
         outcome.summary["interference"] = _run_interference(cfg, server, outcome)
+        server.check_alive("interference")
         logger.info("%s interference: %s", deployment.name, outcome.summary["interference"])
         if deployment.name == "pd":
             outcome.summary["transfer_share"] = _run_transfer_share(cfg, server)
+            server.check_alive("transfer share")
     outcome.summary["loadavg_1m_after"] = os.getloadavg()[0]
     return outcome
 

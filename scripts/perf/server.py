@@ -219,6 +219,13 @@ class RunningServer:
         logger.info("%s ready on %s, pinned %s", self.deployment.name, self.ports, self.pinned)
         return self
 
+    def check_alive(self, during: str) -> None:
+        """Raise RuntimeError when the server (or bootstrap) has exited: figures after that are not figures."""
+        for proc in self._procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.deployment.name}: server process {proc.pid} exited with "
+                                   f"{proc.returncode} during {during} (log in {self._log_dir})")
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM the server, then bootstrap (reverse start order); SIGKILL what outlives ``timeout_s``."""
         for proc in reversed(self._procs):
