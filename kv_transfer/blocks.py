@@ -54,7 +54,7 @@ class BlockTable:
         nbytes = np.where(is_aux, AUX_SLOT_BYTES, self.layout.block_bytes)
         return np.stack([addr, nbytes], axis=1).astype(np.int64)
 
-    def descriptors(self, device_id: int = 0) -> np.ndarray:
-        """Every descriptor, in index order: int64 ``[num_descriptors, 3]`` (address, nbytes, device id)."""
-        spans = self.spans(np.arange(self.num_descriptors, dtype=np.int64))
+    def descriptors(self, start: int, stop: int, device_id: int = 0) -> np.ndarray:
+        """Descriptors of indices ``[start, stop)``: int64 ``[stop - start, 3]`` (address, nbytes, device id)."""
+        spans = self.spans(np.arange(start, stop, dtype=np.int64))
         return np.hstack([spans, np.full((len(spans), 1), device_id, dtype=np.int64)])

@@ -49,19 +49,44 @@ class NixlTransport(Transport):
         self._device_id = device_id
         self._errors = _nixl_errors()
         self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self._reg_descs: object | None = None
-        self._local_dlist: object | None = None
-        self._peer_dlists: dict[str, object] = {}
+        self._reg_descs: list[object] = []
+        self._local_dlists: list[object] = []
+        self._num_kv_blocks = 0
+        self._peer_dlists: dict[str, tuple[list[object], int]] = {}   # agent → (prepared lists, its KV blocks)
 
     @property
     def agent_name(self) -> str:
         return self._name
 
     def register(self, table: BlockTable) -> None:
-        regions = [(table.kv_base_ptr, table.num_kv_blocks * table.layout.block_bytes, self._device_id, ""),
-                   (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES, self._device_id, "")]
-        self._reg_descs = self._agent.register_memory(regions, self._mem_type)
-        self._local_dlist = self._agent.prep_xfer_dlist(LOCAL, table.descriptors(self._device_id), self._mem_type)
+        """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;
+        in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
+        kv_region = (table.kv_base_ptr, table.num_kv_blocks * table.layout.block_bytes, self._device_id, "")
+        aux_region = (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES, 0, "")
+        if self._mem_type == "DRAM":
+            self._reg_descs = [self._agent.register_memory([kv_region, aux_region], "DRAM")]
+        else:
+            self._reg_descs = [self._agent.register_memory([kv_region], self._mem_type),
+                               self._agent.register_memory([aux_region], "DRAM")]
+        self._num_kv_blocks = table.num_kv_blocks
+        self._local_dlists = self._prep(LOCAL, table)
+
+    def _prep(self, agent: str, table: BlockTable) -> list[object]:
+        """[combined] in DRAM mode, [kv, aux] in VRAM mode."""
+        if self._mem_type == "DRAM":
+            return [self._agent.prep_xfer_dlist(agent, table.descriptors(0, table.num_descriptors), "DRAM")]
+        kv = table.descriptors(0, table.num_kv_blocks, self._device_id)
+        aux = table.descriptors(table.num_kv_blocks, table.num_descriptors)
+        return [self._agent.prep_xfer_dlist(agent, kv, self._mem_type), self._agent.prep_xfer_dlist(agent, aux, "DRAM")]
+
+    def _select(self, dlists: list[object], indices: np.ndarray, num_kv_blocks: int) -> tuple[object, np.ndarray]:
+        if len(dlists) == 1:
+            return dlists[0], indices
+        if (indices < num_kv_blocks).all():
+            return dlists[0], indices
+        if (indices >= num_kv_blocks).all():
+            return dlists[1], indices - num_kv_blocks
+        raise TransportError("a write mixes KV blocks and aux slots of different memory types")
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -70,29 +95,30 @@ class NixlTransport(Transport):
         try:
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            self._peer_dlists[name] = self._agent.prep_xfer_dlist(name, table.descriptors(self._device_id),
-                                                                  self._mem_type)
+            self._peer_dlists[name] = (self._prep(name, table), table.num_kv_blocks)
             self._agent.send_notif(name, b"")  # warm-up: opens the connection now, not on the first chunk
         except self._errors as exc:
             raise TransportError(f"cannot add peer: {exc!r}") from exc
         return name
 
     def remove_peer(self, agent_name: str) -> None:
-        dlist = self._peer_dlists.pop(agent_name, None)
+        dlists, _ = self._peer_dlists.pop(agent_name, ([], 0))
         try:
-            if dlist is not None:
+            for dlist in dlists:
                 self._agent.release_dlist_handle(dlist)
             self._agent.remove_remote_agent(agent_name)
         except self._errors as exc:
             logger.warning("removing peer %s failed: %r", agent_name, exc)
 
     def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray, notif: bytes) -> object:
-        remote = self._peer_dlists.get(peer)
-        if remote is None or self._local_dlist is None:
+        if peer not in self._peer_dlists or not self._local_dlists:
             raise TransportError(f"agent {peer} was not added")
+        remote_dlists, remote_kv_blocks = self._peer_dlists[peer]
+        local_dlist, local_indices = self._select(self._local_dlists, local_indices, self._num_kv_blocks)
+        remote_dlist, remote_indices = self._select(remote_dlists, remote_indices, remote_kv_blocks)
         handle = None
         try:
-            handle = self._agent.make_prepped_xfer("WRITE", self._local_dlist, local_indices, remote,
+            handle = self._agent.make_prepped_xfer("WRITE", local_dlist, local_indices, remote_dlist,
                                                    remote_indices, notif)
             if self._agent.transfer(handle) == "ERR":
                 raise TransportError(f"transfer to {peer} returned ERR")
@@ -129,13 +155,13 @@ class NixlTransport(Transport):
         for name in list(self._peer_dlists):
             self.remove_peer(name)
         try:
-            if self._local_dlist is not None:
-                self._agent.release_dlist_handle(self._local_dlist)
-            if self._reg_descs is not None:
-                self._agent.deregister_memory(self._reg_descs)
+            for dlist in self._local_dlists:
+                self._agent.release_dlist_handle(dlist)
+            for descs in self._reg_descs:
+                self._agent.deregister_memory(descs)
         except self._errors as exc:
             logger.warning("releasing registered memory failed: %r", exc)
-        self._local_dlist = self._reg_descs = None
+        self._local_dlists, self._reg_descs = [], []
 
     def _safe_release(self, handle: object) -> None:
         try:

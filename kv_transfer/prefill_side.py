@@ -27,7 +27,7 @@ from kv_transfer.tags import Tag, TagKind, chunk_tag
 from kv_transfer.transport import Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
-_Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, Tag]
+_Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, 'Tag | None']
 
 
 class PrefillSide:
@@ -151,17 +151,24 @@ class PrefillSide:
                 raise RuntimeError("no free aux slot")  # aux_slots bounds the rooms in flight
             self._aux.write(slot, chunk.aux)
             sender.local_aux_slot = slot
-            local = np.append(local, self._table.aux_index(slot))
-            remote = np.append(remote, peer.table.aux_index(dest.aux_slot))
-        tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1 if chunk.is_last else 0)
-        return sender, chunk, peer, local, remote, tag
+            aux_local = np.array([self._table.aux_index(slot)], dtype=np.int64)
+            aux_remote = np.array([peer.table.aux_index(dest.aux_slot)], dtype=np.int64)
+            tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1)
+            if self._args.mem_type != "DRAM":
+                # KV and aux live in different memory types: the aux WRITE (carrying the last tag) goes out once
+                # the KV WRITE is done, so the tag still means "everything has landed"
+                sender.aux_post = (aux_local, aux_remote, tag)
+                return sender, chunk, peer, local, remote, None
+            return sender, chunk, peer, np.append(local, aux_local), np.append(remote, aux_remote), tag
+        return sender, chunk, peer, local, remote, chunk_tag(sender.room, dest.xfer_id, chunk.index, 0)
 
     def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
-              tag: Tag) -> None:
+              tag: Tag | None) -> None:
+        notif = tag.encode() if tag is not None else b""
         try:
-            handle = self._transport.post_write(peer.agent_name, local, remote, tag.encode()) if len(local) else None
-            if handle is None:
-                self._transport.send_notif(peer.agent_name, tag.encode())
+            handle = self._transport.post_write(peer.agent_name, local, remote, notif) if len(local) else None
+            if handle is None and tag is not None:
+                self._transport.send_notif(peer.agent_name, notif)
         except TransportError as exc:
             with self._lock:
                 self._fail(sender, f"write of chunk {chunk.index} failed: {exc}")
@@ -170,7 +177,7 @@ class PrefillSide:
             if handle is not None:
                 sender.inflight.append(handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
-            sender.last_posted = sender.last_posted or chunk.is_last
+            sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
             self.metrics.kv_bytes_total += int(self._table.spans(local)[:, 1].sum()) if len(local) else 0
             self.metrics.chunks_total += 1
 
@@ -178,6 +185,11 @@ class PrefillSide:
     def _progress(self) -> None:
         for room, sender in list(self.senders.items()):
             self._check_inflight(sender)
+            if sender.aux_post is not None and not sender.inflight and sender.state != KVPoll.Failed:
+                aux_local, aux_remote, tag = sender.aux_post
+                sender.aux_post = None
+                assert sender.peer is not None
+                self._post(sender, Chunk(tag.index, [], 0, True, None), sender.peer, aux_local, aux_remote, tag)
             if sender.inflight:
                 continue
             if sender.local_aux_slot is not None:

@@ -63,6 +63,7 @@ class KVSender:
         self.last_queued = False
         self.last_posted = False
         self.pending_notif: Tag | None = None   # sent to decode once no WRITE is in flight
+        self.aux_post: tuple[object, object, Tag] | None = None   # VRAM mode: the aux WRITE, after the KV one
         self.local_aux_slot: int | None = None   # staging slot of the aux bytes while the last WRITE runs
         self.closed = False                     # the manager dropped this room
 

@@ -185,3 +185,13 @@ def test_prefill_restarted_on_the_same_address(pair: tuple[Any, Any], make_side:
         restarted.call("send", new_room, num_pages, is_last)
     finish(restarted, decode, new_room)
     assert_pages_back(decode, restarted)
+
+
+def test_split_aux_write_for_device_memory(make_side: Any, pair: tuple[Any, Any]) -> None:
+    """With KV in device memory the aux slot (host memory) is written after the KV WRITE completes; the result
+    must be the same. Runs on the in-process backend only: NIXL VRAM needs a GPU."""
+    if make_side.backend != "inprocess":
+        pytest.skip("NIXL VRAM registration needs CUDA")
+    _, decode = pair
+    prefill = make_side("prefill", mem_type="VRAM")
+    transfer(prefill, decode, 40, 16)
