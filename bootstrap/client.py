@@ -10,8 +10,8 @@ from typing import TypeVar
 import requests
 
 from bootstrap.errors import BootstrapError
-from bootstrap.messages import (Destination, DestinationBatch, Heartbeat, PostResult, Registration, Room,
-                                RoomRelease, RoomReleased, decode, encode)
+from bootstrap.messages import (AbortLog, Destination, DestinationBatch, Heartbeat, PostResult, Registration, Room,
+                                RoomAbort, RoomRelease, RoomReleased, decode, encode)
 
 M = TypeVar("M")
 
@@ -52,6 +52,16 @@ class BootstrapClient:
         released = self._call("POST", "/v1/rooms/release", RoomRelease(room, decode_instance_id), RoomReleased)
         assert released is not None
         return released
+
+    def abort_room(self, room: Room, reason: str = "") -> None:
+        """Appends ``room`` to the service's abort log (the orchestrator's way to stop both halves)."""
+        self._call("POST", "/v1/rooms/abort", RoomAbort(room, reason), RoomAbort)
+
+    def aborted_rooms(self, after: int = -1) -> tuple[list[Room], int]:
+        """Rooms aborted since cursor ``after`` (-1: every retained one) and the cursor for the next call."""
+        log = self._call("GET", f"/v1/aborts?after={int(after)}", None, AbortLog)
+        assert log is not None
+        return log.rooms, log.last_seq
 
     def close(self) -> None:
         self._session.close()

@@ -73,14 +73,22 @@ class Destination:
             raise ValueError(f"room {self.room} is not a 63-bit id")
 
 
+ACCEPTED, ROOM_IN_USE, UNKNOWN_INSTANCE = "accepted", "room_in_use", "unknown_instance"
+
+
 @dataclass(frozen=True)
 class PostResult:
-    """Answer to a posted destination: ``accepted`` or the reason; the prefill instance's current agent."""
+    """Answer to a posted destination: ``code`` (one of ACCEPTED, ROOM_IN_USE, UNKNOWN_INSTANCE), a reason for
+    people, and the prefill instance's current agent (so decode notices a restart since its handshake)."""
 
     room: Room
-    accepted: bool
+    code: str
     reason: str = ""
     prefill_agent_name: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.code == ACCEPTED
 
 
 @dataclass(frozen=True)
@@ -105,8 +113,25 @@ class RoomReleased:
     delivered: bool
 
 
+@dataclass(frozen=True)
+class RoomAbort:
+    """A third party (the orchestrator) gives room ``room`` up; workers follow the abort log."""
+
+    room: Room
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AbortLog:
+    """Rooms aborted after the cursor the caller sent; ``last_seq`` is the cursor for the next call."""
+
+    rooms: list[Room]
+    last_seq: int
+
+
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased)}
+    Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased, RoomAbort,
+    AbortLog)}
 SCHEMA_HASH = hashlib.sha256(json.dumps(
     {name: [f.name for f in fields(cls)] for name, cls in sorted(MESSAGE_TYPES.items())}).encode()).hexdigest()[:12]
 

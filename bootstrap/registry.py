@@ -4,15 +4,18 @@ Lifecycle of a room in the registry:
 1. decode posts a ``Destination`` for room R to prefill instance P (rejected if R is in use, or P unknown);
 2. P fetches its batch of new destinations; R is marked delivered;
 3. decode releases R when its receiver is done (or has failed); R may then be used again.
+Separately, an abort log: anyone (the orchestrator) may append "room R aborted"; workers read it with a cursor.
 A room also disappears when either instance's registration expires or the instance re-registers with a new
 epoch (a restart), and after ``room_ttl_s`` in any case, so a crashed decode cannot leak it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
-from bootstrap.messages import Destination, PostResult, Registration, Room, RoomReleased
+from bootstrap.messages import (ACCEPTED, ROOM_IN_USE, UNKNOWN_INSTANCE, Destination, PostResult, Registration, Room,
+                                RoomReleased)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class Registry:
         self._config = config
         self._instances: dict[str, _Instance] = {}
         self._rooms: dict[Room, _RoomRecord] = {}
+        self._aborts: deque[tuple[int, Room, float]] = deque()   # (seq, room, time), seq increasing
+        self._next_seq = 0
 
     def register(self, registration: Registration, now_s: float) -> None:
         old = self._instances.get(registration.instance_id)
@@ -75,13 +80,15 @@ class Registry:
     def post_destination(self, destination: Destination, now_s: float) -> PostResult:
         prefill = self._instances.get(destination.prefill_instance_id)
         if prefill is None or prefill.registration.role != "prefill":
-            return PostResult(destination.room, False, f"unknown prefill instance {destination.prefill_instance_id}")
+            return PostResult(destination.room, UNKNOWN_INSTANCE,
+                              f"unknown prefill instance {destination.prefill_instance_id}")
         if destination.decode_instance_id not in self._instances:
-            return PostResult(destination.room, False, f"unknown decode instance {destination.decode_instance_id}")
+            return PostResult(destination.room, UNKNOWN_INSTANCE,
+                              f"unknown decode instance {destination.decode_instance_id}")
         if destination.room in self._rooms:
-            return PostResult(destination.room, False, f"room {destination.room} is already in use")
+            return PostResult(destination.room, ROOM_IN_USE, f"room {destination.room} is already in use")
         self._rooms[destination.room] = _RoomRecord(destination, now_s)
-        return PostResult(destination.room, True, "", prefill.registration.agent_name)
+        return PostResult(destination.room, ACCEPTED, "", prefill.registration.agent_name)
 
     def take_destinations(self, prefill_instance_id: str) -> list[Destination]:
         """Every not-yet-delivered destination for this prefill instance; each is delivered exactly once."""
@@ -99,6 +106,17 @@ class Registry:
         del self._rooms[room]
         return RoomReleased(room, known=True, delivered=record.delivered)
 
+    def abort_room(self, room: Room, now_s: float) -> int:
+        """Appends ``room`` to the abort log; returns its sequence number."""
+        self._aborts.append((self._next_seq, room, now_s))
+        self._next_seq += 1
+        return self._next_seq - 1
+
+    def aborts_after(self, seq: int) -> tuple[list[Room], int]:
+        """Rooms aborted with a sequence number above ``seq`` (-1: all retained), and the newest number."""
+        rooms = [room for s, room, _ in self._aborts if s > seq]
+        return rooms, max(seq, self._next_seq - 1)
+
     def expire(self, now_s: float) -> list[str]:
         """Drop silent instances (and their rooms) and stale rooms; returns the dropped instance ids."""
         dead = [i for i, e in self._instances.items() if now_s - e.last_seen_s > self._config.registration_ttl_s]
@@ -107,6 +125,8 @@ class Registry:
             self._drop_rooms_of(instance_id)
         for room in [r for r, rec in self._rooms.items() if now_s - rec.created_s > self._config.room_ttl_s]:
             del self._rooms[room]
+        while self._aborts and now_s - self._aborts[0][2] > self._config.room_ttl_s:
+            self._aborts.popleft()
         return dead
 
     @property

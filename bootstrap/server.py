@@ -8,6 +8,8 @@ Routes (every body is a ``bootstrap.messages`` envelope):
   POST   /v1/rooms                           Destination             → PostResult (409 in use, 404 no peer)
   GET    /v1/instances/{id}/destinations                             → DestinationBatch
   POST   /v1/rooms/release                   RoomRelease             → RoomReleased
+  POST   /v1/rooms/abort                     RoomAbort               → RoomAbort (appended to the abort log)
+  GET    /v1/aborts?after=SEQ                                        → AbortLog
   GET    /health                                                     → "ok"
 Expiry runs on every request and on an idle timer, so silent instances drop out without new traffic.
 """
@@ -24,8 +26,8 @@ from typing import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from bootstrap.errors import BootstrapError
-from bootstrap.messages import (Destination, DestinationBatch, Heartbeat, Registration, RoomRelease, decode,
-                                encode)
+from bootstrap.messages import (ACCEPTED, ROOM_IN_USE, AbortLog, Destination, DestinationBatch, Heartbeat,
+                                Registration, RoomAbort, RoomRelease, decode, encode)
 from bootstrap.registry import Registry, RegistryConfig
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class _Handlers:
 
     async def post_room(self, request: web.Request) -> web.Response:
         result = self._registry.post_destination(decode(await request.read(), Destination), time.monotonic())
-        return _reply(result, 200 if result.accepted else (409 if "in use" in result.reason else 404))
+        return _reply(result, {ACCEPTED: 200, ROOM_IN_USE: 409}.get(result.code, 404))
 
     async def destinations(self, request: web.Request) -> web.Response:
         return _reply(DestinationBatch(self._registry.take_destinations(request.match_info["instance_id"])))
@@ -79,6 +81,16 @@ class _Handlers:
     async def release(self, request: web.Request) -> web.Response:
         message = decode(await request.read(), RoomRelease)
         return _reply(self._registry.release_room(message.room, message.decode_instance_id))
+
+    async def abort(self, request: web.Request) -> web.Response:
+        message = decode(await request.read(), RoomAbort)
+        self._registry.abort_room(message.room, time.monotonic())
+        logger.info("room %d aborted: %s", message.room, message.reason)
+        return _reply(message)
+
+    async def aborts(self, request: web.Request) -> web.Response:
+        rooms, last_seq = self._registry.aborts_after(int(request.query.get("after", "-1")))
+        return _reply(AbortLog(rooms, last_seq))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -110,7 +122,8 @@ def build_app(registry: Registry, config: ServerConfig) -> web.Application:
                     web.delete("/v1/instances/{instance_id}", h.deregister),
                     web.get("/v1/instances/{instance_id}", h.get_instance), web.post("/v1/rooms", h.post_room),
                     web.get("/v1/instances/{instance_id}/destinations", h.destinations),
-                    web.post("/v1/rooms/release", h.release), web.get("/health", h.health)])
+                    web.post("/v1/rooms/release", h.release), web.post("/v1/rooms/abort", h.abort),
+                    web.get("/v1/aborts", h.aborts), web.get("/health", h.health)])
     app.cleanup_ctx.append(h.expire_on_idle)
     return app
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
-from bootstrap.messages import Destination
+from bootstrap.messages import ROOM_IN_USE, Destination
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError
@@ -128,7 +128,7 @@ class DecodeSide:
                 if result.accepted:
                     receiver.published, receiver.progress_s = True, now_s
                     receiver.state = advance(receiver.state, KVPoll.WaitingForInput)
-                elif "in use" in result.reason:
+                elif result.code == ROOM_IN_USE:
                     self._fail(receiver, result.reason)
                 else:
                     self._retry_at_s[f"room:{receiver.room}"] = now_s + RETRY_S
@@ -148,11 +148,7 @@ class DecodeSide:
             return
         with self._lock:
             receiver.peer = peer
-            for other in self.receivers.values():
-                if other.peer is not None and other.peer.agent_name == old.agent_name:
-                    self._fail(other, "prefill instance restarted")
-                    other.writer_done = True
-                    other.peer = peer
+            self._on_peer_lost(old.agent_name, "prefill instance restarted")
 
     # --- notifications, timeouts, cancel, release ------------------------------------------------------
     def _drain_notifs(self, now_s: float) -> None:
@@ -233,10 +229,18 @@ class DecodeSide:
             if alive:
                 continue
             with self._lock:
-                for receiver in self.receivers.values():
-                    if receiver.peer is not None and receiver.peer.agent_name == peer.agent_name:
-                        self._fail(receiver, "prefill instance lost (registration expired or restarted)")
-                        receiver.writer_done = True
+                self._on_peer_lost(peer.agent_name, "prefill instance lost (registration expired or restarted)")
+
+    def _on_peer_lost(self, agent_name: str, reason: str) -> None:
+        """Rooms published to a dead agent fail (their writer is gone); unpublished ones handshake again."""
+        for receiver in self.receivers.values():
+            if receiver.peer is None or receiver.peer.agent_name != agent_name:
+                continue
+            if receiver.published or receiver.publishing:
+                self._fail(receiver, reason)
+                receiver.writer_done = True
+            else:
+                receiver.peer = None
 
     def _close(self) -> None:
         for room, receiver in list(self.receivers.items()):

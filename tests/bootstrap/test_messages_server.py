@@ -51,6 +51,9 @@ def test_service_round_trip(server: BootstrapServer) -> None:
     assert [d.room for d in client.take_destinations("p0")] == [7]
     assert client.release_room(7, "d0").delivered
     assert client.heartbeat("p0", 1) and not client.heartbeat("p0", 2)
+    client.abort_room(7, "client went away")
+    rooms, cursor = client.aborted_rooms()
+    assert rooms == [7] and client.aborted_rooms(cursor) == ([], cursor)
 
 
 def test_registrations_expire_on_idle_ticks(server: BootstrapServer) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bootstrap.messages import Destination, Registration
+from bootstrap.messages import ROOM_IN_USE, Destination, Registration
 from bootstrap.registry import Registry, RegistryConfig
 
 
@@ -27,7 +27,7 @@ def registry() -> Registry:
 def test_a_room_in_use_rejects_only_the_second_request(registry: Registry) -> None:
     assert registry.post_destination(dest(5), 1.0).accepted
     second = registry.post_destination(dest(5, "d1"), 1.0)
-    assert not second.accepted and "in use" in second.reason
+    assert not second.accepted and second.code == ROOM_IN_USE and "in use" in second.reason
     assert registry.take_destinations("p0") == [dest(5)]
 
 
@@ -78,3 +78,15 @@ def test_stale_rooms_expire_and_room_ids_are_63_bit(registry: Registry) -> None:
     assert registry.num_rooms == 0
     with pytest.raises(ValueError):
         dest(2**63)
+
+
+def test_abort_log_is_read_with_a_cursor_and_pruned(registry: Registry) -> None:
+    registry.abort_room(11, 1.0)
+    registry.abort_room(12, 2.0)
+    rooms, cursor = registry.aborts_after(-1)
+    assert rooms == [11, 12]
+    registry.abort_room(13, 3.0)
+    assert registry.aborts_after(cursor) == ([13], cursor + 1)
+    assert registry.aborts_after(cursor + 1) == ([], cursor + 1)
+    registry.expire(102.5)  # 11 and 12 are older than room_ttl_s
+    assert registry.aborts_after(-1)[0] == [13]
