@@ -106,7 +106,7 @@ class InterferenceConfig:
     long_prompt_tokens: int = 2048
     long_max_tokens: int = 8
     num_long: int = 4
-    long_interval_s: float = 10.0
+    long_interval_s: float = 15.0
     first_long_s: float = 3.0
 
 
