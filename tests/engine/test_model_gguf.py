@@ -29,9 +29,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path: Path, arch: str, tied: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Write a tiny model; return its tensors under HF names, in HF (unpermuted) layout."""
-    writer = gguf.GGUFWriter(str(path), arch)
+def _write_metadata(writer: "gguf.GGUFWriter") -> None:
     writer.add_block_count(LAYERS)
     writer.add_context_length(64)
     writer.add_embedding_length(HIDDEN)
@@ -48,6 +46,12 @@ def _write_gguf(path: Path, arch: str, tied: bool, rng: np.random.Generator) -> 
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+
+
+def _write_gguf(path: Path, arch: str, tied: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Write a tiny model; return its tensors under HF names, in HF (unpermuted) layout."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(writer)
     hf: dict[str, np.ndarray] = {}
 
     def add(gguf_name: str, hf_name: str, *shape: int, permute_heads: int = 0) -> None:
@@ -115,7 +119,7 @@ def test_gguf_tokenizer_and_template(tmp_path: Path) -> None:
 
 
 def test_gguf_cache_written_once(tmp_path: Path) -> None:
-    """A second load reuses the cache (same file, untouched); a leftover temp dir of a killed run is ignored."""
+    """A second load reuses the cache (same file, untouched); a killed run's leftover temp dir is ignored."""
     _write_gguf(tmp_path / "tiny.gguf", "llama", True, np.random.default_rng(2))
     cache = tmp_path / "cache"
     (cache / ".tiny.tmp-killed").mkdir(parents=True)  # what a killed conversion leaves behind
