@@ -58,7 +58,8 @@ class EngineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests", "num_threads"):
+        for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests",
+                     "num_threads"):
             _require_positive(name, getattr(self, name))
         if self.num_pages is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_pages or kv_cache_bytes, not both")

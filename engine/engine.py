@@ -57,7 +57,8 @@ class LLMEngine:
         num_pages = config.num_pages or shape.pages_for_bytes(config.pool_bytes, dtype)
         self.kv_pool = KVPool(shape, num_pages, dtype, config.device)
         self.kv_cache = self.kv_pool.kv_cache
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        context = mc.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or context, context)
         self.scheduler = Scheduler(PageAllocator(num_pages), config.page_size, config.chunk_size,
                                    config.max_num_batched_tokens, config.max_running_requests)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.device)
@@ -218,7 +219,8 @@ class LLMEngine:
                                               f"the pool has {self.num_total_pages}")
         return seq
 
-    def _check_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_request(self, request_id: RequestId, prompt_token_ids: list[int],
+                       params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise RequestRejected(request_id, f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
@@ -230,7 +232,8 @@ class LLMEngine:
             raise RequestRejected(request_id, f"prompt has token ids outside [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestRejected(request_id, f"prompt ({len(prompt_token_ids)}) + max_tokens "
-                                              f"({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
+                                              f"({params.max_tokens}) exceeds max_model_len "
+                                              f"{self.max_model_len}")
 
     def _require_mode(self, mode: str, method: str) -> None:
         if self.config.mode != mode:

@@ -1,4 +1,4 @@
-"""Typed engine errors. Each one concerns a single request (or a single parameter) and never the whole engine."""
+"""Typed engine errors. Each concerns a single request (or a single parameter), never the whole engine."""
 
 from __future__ import annotations
 

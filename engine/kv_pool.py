@@ -1,8 +1,8 @@
 """The paged KV pool: one contiguous tensor per engine, laid out as in docs/architecture.md.
 
 ``kv_cache[l, kv, p, s, h, d]`` is element ``d`` of head ``h`` of the K (``kv=0``) or V (``kv=1``) vector of
-the token in slot ``s`` of page ``p`` in layer ``l``. The block of one (layer, kv, page) is contiguous, and its
-byte offset from the region base is ``((l * 2 + kv) * num_pages + p) * block_bytes``.
+the token in slot ``s`` of page ``p`` in layer ``l``. The block of one (layer, kv, page) is contiguous, and
+its byte offset from the region base is ``((l * 2 + kv) * num_pages + p) * block_bytes``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class KVPool:
         block_bytes: bytes of one (layer, kv, page) block.
     """
 
-    def __init__(self, shape: KVShape, num_pages: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, shape: KVShape, num_pages: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         if num_pages <= 0:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
         self.shape = shape

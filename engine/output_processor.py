@@ -1,8 +1,9 @@
 """Stop conditions, incremental detokenization and ``RequestOutput`` assembly.
 
 Stop checks run on every appended token, in this order: EOS (unless ``ignore_eos``) and ``stop_token_ids``
-give ``"stop"`` (the token is kept in ``new_token_ids``, its text is not added); then a stop string appearing in
-the text gives ``"stop"`` (the text is cut where the string starts); then ``max_tokens`` gives ``"length"``.
+give ``"stop"`` (the token is kept in ``new_token_ids``, its text is not added); then a stop string appearing
+in the text gives ``"stop"`` (the text is cut where the string starts); then ``max_tokens`` gives
+``"length"``.
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
         """Build from a wire dict such as Triton's ``sampling_parameters`` JSON.
 
-        Numbers and bools may arrive as strings (genai-perf sends ``{"max_tokens": "32"}``); ``stop`` may be one
-        string or a list; ``None`` values mean "default".
+        Numbers and bools may arrive as strings (genai-perf sends ``{"max_tokens": "32"}``); ``stop`` may be
+        one string or a list; ``None`` values mean "default".
 
         Raises:
             InvalidSamplingParams: an unknown key, a value of the wrong type, or a value out of range.
@@ -210,7 +210,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         sorted_probs = torch.softmax(sorted_vals, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p.top_p
-        scaled = scaled.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator)
     return int(torch.argmax(probs / race))

@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill under a per-step token budget; no preemption.
 
-Each step: every decoding request in ``running`` gets one token first (oldest first); the remaining budget goes
-to prefill chunks, first of admitted requests mid-prompt, then of ``waiting`` requests admitted in FIFO order.
+Each step: every decoding request in ``running`` gets one token first (oldest first); the remaining budget
+goes to prefill chunks, first of admitted requests mid-prompt, then of ``waiting`` requests admitted in FIFO
+order.
 Admission takes all the pages a request may ever need at once (``Sequence.num_reserved_tokens``), so a running
 request never runs short and nothing is preempted. A waiting head that does not fit blocks the queue (no
 overtaking, hence no starvation of long prompts).

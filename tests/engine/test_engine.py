@@ -249,7 +249,8 @@ def test_prebuilt_first_token_finishing_needs_no_forward():
     assert e.has_unfinished()
     outs = e.step()
     assert e.runner.model.num_forwards == 0
-    assert outs[0].new_token_ids == [3] and outs[0].new_logprobs == [-0.5] and outs[0].finish_reason == "length"
+    assert outs[0].new_token_ids == [3] and outs[0].new_logprobs == [-0.5]
+    assert outs[0].finish_reason == "length"
     assert e.num_free_pages == e.num_total_pages and not e.has_unfinished()
 
 

@@ -1,6 +1,7 @@
-"""Greedy generation on the real SmolLM2 weights is token-identical to transformers' greedy ``generate`` on the
-same dequantized weights: each prompt alone, all together in one continuous batch, with small prefill chunks,
-and through a prefill engine + decode engine pair in one process (KV pages copied between their pools).
+"""Greedy generation on the real SmolLM2 weights is token-identical to transformers' greedy ``generate`` on
+the same dequantized weights: each prompt alone, all together in one continuous batch, with small prefill
+chunks, and through a prefill engine + decode engine pair in one process (KV pages copied between their
+pools).
 
 Prompt lengths cover page boundaries (page_size - 1, page_size, page_size + 1), one more than a chunk, and a
 ~600-token prompt. References come from transformers one prompt at a time (no padding), cached per session.

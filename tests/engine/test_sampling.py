@@ -8,7 +8,8 @@ from engine.sampling import Sampler, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"top_k": -2}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -39,7 +40,8 @@ def test_from_dict_none_means_default():
 
 
 @pytest.mark.parametrize("d, param", [
-    ({"max_token": 3}, "max_token"), ({"max_tokens": "three"}, "max_tokens"), ({"max_tokens": [3]}, "max_tokens"),
+    ({"max_token": 3}, "max_token"), ({"max_tokens": "three"}, "max_tokens"),
+    ({"max_tokens": [3]}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"), ({"ignore_eos": "maybe"}, "ignore_eos"), ({"stop": 5}, "stop"),
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"max_tokens": "0"}, "max_tokens"),
 ])
