@@ -25,6 +25,7 @@ from kv_transfer.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
 RETRY_S = 0.05
+RELEASE_INTERVAL_S = 0.02
 
 
 class DecodeSide:
@@ -36,6 +37,7 @@ class DecodeSide:
         self.receivers: dict[Room, KVReceiver] = {}
         self._retry_at_s: dict[str, float] = {}   # prefill instance id → next handshake attempt
         self._next_peer_check_s = 0.0
+        self._next_release_s = 0.0
 
     def create_receiver(self, room: Room, prefill_instance_id: str, wake: threading.Event,
                         now_s: float) -> KVReceiver:
@@ -55,7 +57,9 @@ class DecodeSide:
         self._publish(now_s)
         with self._lock:
             self._timeouts(now_s)
-        self._cancel_and_release()
+        if now_s >= self._next_release_s:   # bootstrap HTTP in batches, away from the moment a room completes
+            self._next_release_s = now_s + RELEASE_INTERVAL_S
+            self._cancel_and_release()
         self._check_peers(now_s)
         with self._lock:
             self._close()
