@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -77,73 +78,153 @@ def worker(role: str, url: str, backend: str, conn) -> None:  # type: ignore[no-
     manager.shutdown()
 
 
-def memcpy_gbps(nbytes: int, reps: int) -> tuple[float, float]:
-    """Best-of and median memcpy throughput of ``nbytes`` between touched buffers, GB/s; and median seconds."""
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.ones(nbytes, dtype=np.uint8)
-    times = []
-    for _ in range(reps):
+class MemcpyBaseline:
+    """The same bytes copied with a plain memcpy (numpy copyto) between two touched pools in one process, two
+    ways: page for page as the transfer moves them (one copy per (layer, K/V) and run of pages), and as one flat
+    copy of the same byte count. The faster of the two is the baseline (the harder target)."""
+
+    def __init__(self) -> None:
+        layout = smollm2_layout(NUM_PAGES)
+        shape = (layout.num_layers, 2, NUM_PAGES, layout.page_size * layout.num_kv_heads * layout.head_dim)
+        self.src = np.random.default_rng(0).random(shape, dtype=np.float32)  # [layers, 2, pages, page floats]
+        self.dst = np.ones(shape, dtype=np.float32)
+
+    def seconds(self, src_pages: list[int], dst_pages: list[int]) -> float:
         t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    median_s = statistics.median(times)
-    return nbytes / median_s / 1e9, median_s
+        for s, d in runs(src_pages, dst_pages):
+            np.copyto(self.dst[:, :, d.start:d.stop], self.src[:, :, s.start:s.stop])
+        paged_s = time.perf_counter() - t0
+        nfloats = len(src_pages) * self.src[0, 0, 0].size * self.src.shape[0] * 2
+        t0 = time.perf_counter()
+        np.copyto(self.dst.reshape(-1)[:nfloats], self.src.reshape(-1)[-nfloats:])
+        return min(paged_s, time.perf_counter() - t0)
+
+
+def runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[slice, slice]]:
+    """Maximal runs of pages contiguous on both sides, as (source slice, destination slice)."""
+    out: list[list[int]] = []
+    for s, d in zip(src_pages, dst_pages):
+        if out and s == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
+            out[-1][2] += 1
+        else:
+            out.append([s, d, 1])
+    return [(slice(s, s + n), slice(d, d + n)) for s, d, n in out]
+
+
+def transfer_once(pipes: dict, room: int, src: list[int], dst: list[int]) -> float:  # type: ignore[type-arg]
+    """One room end to end; returns seconds from ``send(is_last)`` at prefill to ``Success`` at decode."""
+    pipes["decode"].send(("recv", room, dst))
+    assert pipes["decode"].poll(30) and pipes["decode"].recv()
+    pipes["decode"].send(("wait", room, None))
+    pipes["prefill"].send(("send", room, src))
+    assert pipes["prefill"].poll(60)
+    t0 = pipes["prefill"].recv()
+    assert pipes["decode"].poll(60)
+    t1, ok = pipes["decode"].recv()
+    assert ok, f"room {room} failed"
+    return t1 - t0
+
+
+def summarize(key: str, nbytes: int, lat: list[float], mem: list[float]) -> dict:  # type: ignore[type-arg]
+    med, mem_med = statistics.median(lat), statistics.median(mem)
+    return {f"{key}_bytes": nbytes, f"{key}_gbps": round(nbytes / med / 1e9, 3),
+            f"{key}_latency_ms": round(med * 1e3, 3),
+            f"{key}_p90_latency_ms": round(sorted(lat)[int(0.9 * (len(lat) - 1))] * 1e3, 3),
+            f"{key}_memcpy_gbps": round(nbytes / mem_med / 1e9, 3), f"{key}_ratio": round(mem_med / med, 3),
+            f"{key}_overhead_ms": round((med - mem_med) * 1e3, 3)}
+
+
+def start_workers(url: str, backend: str) -> tuple[dict, list]:  # type: ignore[type-arg]
+    ctx = mp.get_context("spawn")
+    pipes, procs = {}, []
+    for role in ("prefill", "decode"):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker, args=(role, url, backend, child), daemon=True)
+        proc.start()
+        pipes[role], procs = parent, procs + [proc]
+    for role in pipes:
+        assert pipes[role].poll(60) and pipes[role].recv() == "ready"
+    return pipes, procs
+
+
+def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, first_room: int) -> dict:  # type: ignore[type-arg]
+    """``reps`` rooms of ``tokens`` tokens (after two warm-up rooms), each followed by the memcpy baseline."""
+    rng, baseline = np.random.default_rng(tokens), MemcpyBaseline()
+    num_pages = tokens // PAGE_SIZE
+    lat, mem = [], []
+    for rep in range(reps + 2):
+        src = list(range(num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
+        dst = list(range(4, 4 + num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
+        latency_s = transfer_once(pipes, first_room + rep, src, dst)
+        memcpy_s = baseline.seconds(src, dst)   # interleaved: both see the same machine load
+        if rep >= 2:
+            lat.append(latency_s)
+            mem.append(memcpy_s)
+    key = {128: "kv128", 1024: "kv1k", 4096: "kv4k"}[tokens]
+    out = summarize(key, num_pages * smollm2_layout(NUM_PAGES).page_bytes, lat, mem)
+    print(f"{tokens:5d} tokens {out[key + '_bytes'] / 2**20:6.1f} MiB: {out[key + '_gbps']:6.2f} GB/s "
+          f"(median {out[key + '_latency_ms']:.2f} ms, p90 {out[key + '_p90_latency_ms']:.2f} ms, overhead "
+          f"{out[key + '_overhead_ms']:.2f} ms) | memcpy {out[key + '_memcpy_gbps']:6.2f} GB/s | "
+          f"ratio {out[key + '_ratio']:.2f}", flush=True)
+    return out
 
 
 def run(backend: str, reps: int, scatter: bool) -> dict:  # type: ignore[type-arg]
     server = BootstrapServer(ServerConfig(port=0))
     server.start()
-    ctx = mp.get_context("spawn")
-    pipes, procs = {}, []
-    for role in ("prefill", "decode"):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, server.url, backend, child), daemon=True)
-        proc.start()
-        pipes[role], procs = parent, procs + [proc]
-    for role in pipes:
-        assert pipes[role].poll(60) and pipes[role].recv() == "ready"
-    result = {"backend": backend, "scatter": scatter}
-    rng = np.random.default_rng(2)
-    room = 1
-    for tokens in SIZES_TOKENS:
-        num_pages = tokens // PAGE_SIZE
-        page_bytes = smollm2_layout(NUM_PAGES).page_bytes
-        nbytes = num_pages * page_bytes
-        lat = []
-        for rep in range(reps + 2):
-            src = list(range(num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
-            dst = list(range(4, 4 + num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
-            pipes["decode"].send(("recv", room, dst))
-            assert pipes["decode"].poll(30) and pipes["decode"].recv()
-            pipes["decode"].send(("wait", room, None))
-            pipes["prefill"].send(("send", room, src))
-            assert pipes["prefill"].poll(60)
-            t0 = pipes["prefill"].recv()
-            assert pipes["decode"].poll(60)
-            t1, ok = pipes["decode"].recv()
-            assert ok, f"room {room} failed"
-            if rep >= 2:  # two warm-up rooms per size
-                lat.append(t1 - t0)
-            room += 1
-        mem_gbps, mem_s = memcpy_gbps(nbytes, 20)
-        med = statistics.median(lat)
-        key = {128: "kv128", 1024: "kv1k", 4096: "kv4k"}[tokens]
-        result.update({f"{key}_bytes": nbytes, f"{key}_gbps": round(nbytes / med / 1e9, 3),
-                       f"{key}_latency_ms": round(med * 1e3, 3), f"{key}_p90_latency_ms":
-                       round(sorted(lat)[int(0.9 * (len(lat) - 1))] * 1e3, 3),
-                       f"{key}_memcpy_gbps": round(mem_gbps, 3),
-                       f"{key}_overhead_ms": round((med - mem_s) * 1e3, 3)})
-        print(f"{tokens:5d} tokens {nbytes / 2**20:7.1f} MiB: {backend} {nbytes / med / 1e9:6.2f} GB/s "
-              f"(median {med * 1e3:.2f} ms, overhead {1e3 * (med - mem_s):.2f} ms) | memcpy {mem_gbps:6.2f} GB/s "
-              f"| ratio {nbytes / med / 1e9 / mem_gbps:.2f}", flush=True)
+    pipes, procs = start_workers(server.url, backend)
+    result: dict = {"backend": backend, "scatter": scatter, "loadavg_1m_start": round(os.getloadavg()[0], 2)}
+    for i, tokens in enumerate(SIZES_TOKENS):
+        result.update(measure_size(pipes, tokens, reps, scatter, first_room=1 + 1000 * i))
     result["memcpy_gbps"] = result["kv4k_memcpy_gbps"]
-    result["kv4k_ratio"] = round(result["kv4k_gbps"] / result["memcpy_gbps"], 3)
+    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     for role in pipes:
         pipes[role].send(("stop", 0, None))
     for proc in procs:
         proc.join(30)
     server.stop()
+    result.update(compare_descriptor_modes())
     return result
+
+
+def compare_descriptor_modes(reps: int = 300) -> dict:  # type: ignore[type-arg]
+    """Cost of creating one transfer for an 8-page chunk (128 tokens), two agents in this process: merged
+    descriptor lists built per chunk (get_xfer_descs + initialize_xfer) against lists prepared once per agent
+    (make_prepped_xfer with block indices). Handles are created and released, not transferred."""
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+
+    from kv_transfer.blocks import BlockTable
+    layout = smollm2_layout(64)
+    pools = [np.ones(layout.pool_bytes, dtype=np.uint8) for _ in range(2)]
+    aux = [np.zeros(32, dtype=np.uint8) for _ in range(2)]
+    tables = [BlockTable(p.ctypes.data, layout, a.ctypes.data, 1) for p, a in zip(pools, aux)]
+    agents = [nixl_agent(f"desc-{i}", nixl_agent_config(enable_prog_thread=False)) for i in range(2)]
+    for agent, pool in zip(agents, pools):
+        agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+    agents[0].add_remote_agent(agents[1].get_agent_metadata())
+    n = tables[0].num_kv_blocks
+    local = agents[0].prep_xfer_dlist("NIXL_INIT_AGENT", tables[0].descriptors(0, n), "DRAM")
+    remote = agents[0].prep_xfer_dlist("desc-1", tables[1].descriptors(0, n), "DRAM")
+    src, dst = tables[0].kv_indices(range(8)), tables[1].kv_indices(range(10, 18))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        agents[0].release_xfer_handle(agents[0].make_prepped_xfer("WRITE", local, src, remote, dst, b"x"))
+    prepped_us = (time.perf_counter() - t0) / reps * 1e6
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        src_d = agents[0].get_xfer_descs(merged(tables[0], range(8)), "DRAM")
+        dst_d = agents[0].get_xfer_descs(merged(tables[1], range(10, 18)), "DRAM")
+        agents[0].release_xfer_handle(agents[0].initialize_xfer("WRITE", src_d, dst_d, "desc-1", b"x"))
+    merged_us = (time.perf_counter() - t0) / reps * 1e6
+    print(f"descriptors, 8-page chunk: prepared lists {prepped_us:.0f} us/request, merged per chunk "
+          f"{merged_us:.0f} us/request", flush=True)
+    return {"desc_prepped_us": round(prepped_us, 1), "desc_merged_us": round(merged_us, 1)}
+
+
+def merged(table: object, pages: range) -> np.ndarray:
+    """One descriptor per (layer, K/V) for a contiguous run of pages: [num_layers * 2, 3] (addr, len, dev)."""
+    first = table.spans(table.kv_indices([pages[0]]))  # type: ignore[attr-defined]
+    return np.stack([first[:, 0], first[:, 1] * len(pages), np.zeros(len(first), dtype=np.int64)], axis=1)
 
 
 def main() -> None:
