@@ -57,6 +57,16 @@ def _batch(work: list[tuple[list[int], int, int, list[int]]]) -> ForwardBatch:
                         [b for _, _, b, _ in work], [p for *_, p in work], torch.tensor(last))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Pin torch to one thread for this module, then restore: on a busy 2-core machine two OpenMP threads
+    spin-wait on each other (measured: 84 s for this file with 2 threads under load, 23 s with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def reference_logits(smollm2: LoadedModel, smollm2_reference) -> dict[int, torch.Tensor]:
     """transformers' last-position logits ``[vocab]`` per prompt length, computed once."""
