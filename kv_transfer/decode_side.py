@@ -50,6 +50,10 @@ class DecodeSide:
                 self.receivers[room] = receiver
         return receiver
 
+    @property
+    def open_rooms(self) -> int:
+        return len(self.receivers)
+
     def tick(self, now_s: float) -> float:
         """One round of work; returns how long the thread may wait before the next one."""
         self._drain_notifs(now_s)

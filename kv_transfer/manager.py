@@ -106,7 +106,7 @@ class KVManager:
     def metrics(self) -> dict[str, int]:
         with self._lock:
             out = self._side.metrics.as_dict()
-            out["open_rooms"] = len(getattr(self._side, "senders", getattr(self._side, "receivers", {})))
+            out["open_rooms"] = self._side.open_rooms
             out["free_aux_slots"] = self._aux.num_free
             return out
 

@@ -12,7 +12,6 @@ class Metrics:
     transfers_total: int = 0         # rooms that reached Success
     failed_rooms_total: int = 0      # rooms that ended Failed (timeouts included)
     timed_out_rooms_total: int = 0   # rooms failed by the bootstrap or waiting timeout
-    open_rooms: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

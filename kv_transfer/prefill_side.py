@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class PrefillSide:
         with self._lock:
             return self._next_wait_s()
 
-    def shutdown(self, deadline_s: float, now_fn: "callable[[], float]") -> None:  # type: ignore[valid-type]
+    def shutdown(self, deadline_s: float, now_fn: Callable[[], float]) -> None:
         """Fails every open room, tells the decode sides, waits for WRITEs in flight until ``deadline_s``."""
         with self._lock:
             for sender in self.senders.values():
@@ -131,7 +132,9 @@ class PrefillSide:
                 self._fail(sender, f"bootstrap timeout: no destination from decode within "
                                    f"{self._args.bootstrap_timeout_s}s", timed_out=True)
             while sender.destination is not None and sender.queued and sender.state != KVPoll.Failed:
-                posts.append(self._prepare(sender, sender.queued.popleft()))
+                post = self._prepare(sender, sender.queued.popleft())
+                if post is not None:
+                    posts.append(post)
         for room, (dest, peer, since_s) in list(self._pending.items()):
             if now_s - since_s > self._args.bootstrap_timeout_s:
                 del self._pending[room]
@@ -140,15 +143,16 @@ class PrefillSide:
             del self._tombstones[room]
         return posts
 
-    def _prepare(self, sender: KVSender, chunk: Chunk) -> _Post:
+    def _prepare(self, sender: KVSender, chunk: Chunk) -> _Post | None:
         dest, peer = sender.destination, sender.peer
         assert dest is not None and peer is not None
         dst_pages = dest.dst_page_ids[chunk.dst_start:chunk.dst_start + len(chunk.src_pages)]
         local, remote = self._table.kv_indices(chunk.src_pages), peer.table.kv_indices(dst_pages)
         if chunk.is_last and chunk.aux is not None:
             slot = self._aux.alloc()
-            if slot is None:
-                raise RuntimeError("no free aux slot")  # aux_slots bounds the rooms in flight
+            if slot is None:  # aux_slots bounds the last chunks in flight
+                self._fail(sender, "no free aux staging slot (raise KVArgs.aux_slots)")
+                return None
             self._aux.write(slot, chunk.aux)
             sender.local_aux_slot = slot
             aux_local = np.array([self._table.aux_index(slot)], dtype=np.int64)
@@ -275,6 +279,10 @@ class PrefillSide:
             self._transport.send_notif(peer.agent_name, tag.encode())
         except TransportError as exc:
             logger.warning("room %d: cannot notify %s: %s", tag.room, peer.instance_id, exc)
+
+    @property
+    def open_rooms(self) -> int:
+        return len(self.senders)
 
     def _next_wait_s(self) -> float:
         if any(s.inflight or s.queued or s.state.is_terminal for s in self.senders.values()):

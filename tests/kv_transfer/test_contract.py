@@ -47,9 +47,13 @@ def finish(prefill: Any, decode: Any, room: int) -> None:
 
 
 def assert_pages_back(*sides: Any) -> None:
+    """Free pages back at their start value, no stray write, and the manager has closed every room (aux slots
+    back too)."""
     for side in sides:
         wait_for(lambda: side.call("reap") == side.start_free, TIMEOUT_S, f"{side.instance_id} free pages back")
         assert side.call("untouched")
+        wait_for(lambda: side.call("metrics")["open_rooms"] == 0, TIMEOUT_S, f"{side.instance_id} rooms closed")
+        assert side.call("metrics")["free_aux_slots"] == 1024
 
 
 def transfer(prefill: Any, decode: Any, num_tokens: int, chunk_tokens: int | None = None) -> None:
@@ -117,6 +121,7 @@ def test_sender_that_never_sends_hits_the_waiting_timeout(pair: tuple[Any, Any])
     wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "cancel reaches prefill")
     assert "cancelled by decode" in prefill.call("failure", room)
     assert_pages_back(prefill, decode)
+    assert decode.call("metrics")["timed_out_rooms_total"] >= 1
     transfer(prefill, decode, 33)          # both keep serving
 
 
@@ -127,6 +132,7 @@ def test_decode_that_never_shows_up_hits_the_bootstrap_timeout(pair: tuple[Any, 
     wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "bootstrap timeout at prefill")
     assert "bootstrap timeout" in prefill.call("failure", room)
     assert_pages_back(prefill, decode)
+    assert prefill.call("metrics")["timed_out_rooms_total"] >= 1
     transfer(prefill, decode, 17)
 
 
