@@ -120,12 +120,12 @@ class LLMEngine:
         (EOS, a stop token or string, ``max_tokens == 1``) the request finishes at the next step, no forward.
 
         Raises:
-            EngineError: not in decode mode, or ``request_id`` is not reserved.
+            EngineError: not in decode mode, ``request_id`` is not reserved, or it was added already.
         """
         self._require_mode("decode", "add_prebuilt_request")
         seq = self.scheduler.reserved.get(request_id)
-        if seq is None:
-            raise EngineError(f"request {request_id!r} is not reserved")
+        if seq is None or seq.num_output_tokens > 0:
+            raise EngineError(f"request {request_id!r} is not reserved (or was already added)")
         seq.num_computed_tokens = seq.num_prompt_tokens
         reason = self.output_processor.append_token(seq, int(first_token_id), float(first_logprob))
         if reason is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import time
@@ -119,7 +120,8 @@ def main() -> None:
     print(f"(b) mixed {len(mixed)} x {args.mixed_new_tokens}: engine {mixed_tok_s:.1f} tok/s, "
           f"transformers {hf_mixed:.1f} tok/s (prompt lengths {sorted(len(p) for p in mixed)})")
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak RSS {peak_rss_mb:.0f} MB (both models in one process), threads={args.num_threads}")
+    print(f"peak RSS {peak_rss_mb:.0f} MB (both models in one process), threads={args.num_threads}, "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
     print(json.dumps({
         "decode_b1_tok_s": round(b1, 2), "decode_b1_hf_tok_s": round(hf_b1, 2),
         "decode_b1_ratio": round(b1 / hf_b1, 3), "mixed_tok_s": round(mixed_tok_s, 2),

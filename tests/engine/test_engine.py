@@ -274,3 +274,29 @@ def test_mode_specific_calls_are_refused_in_other_modes():
     with pytest.raises(EngineError):
         e.reserve_request("r", [1], greedy(2))
     assert e.num_free_pages == e.num_total_pages
+
+
+def test_prebuilt_twice_is_refused_and_pages_still_return():
+    e = make_engine(mode="decode")
+    e.reserve_request("r", [1, 2], greedy(1))
+    e.add_prebuilt_request("r", 3, -0.5)
+    with pytest.raises(EngineError):
+        e.add_prebuilt_request("r", 3, -0.5)
+    run_all(e)
+    assert e.num_free_pages == e.num_total_pages
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"mode": "both"}, {"page_size": 0}, {"num_pages": 4, "kv_cache_bytes": 1 << 20}, {"num_threads": 0},
+    {"dtype": "int8"}, {"chunk_size": -1},
+])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        EngineConfig(**kwargs)
+
+
+def test_pool_sized_from_bytes_in_whole_pages():
+    page_bytes = 2 * 2 * PS * 1 * 2 * 4  # layers * (K, V) * page_size * kv_heads * head_dim * fp32
+    e = LLMEngine(EngineConfig(page_size=PS, kv_cache_bytes=10 * page_bytes + 5), FakeLoaded())
+    assert e.num_total_pages == 10 and e.kv_pool.nbytes == 10 * page_bytes
+    assert tuple(e.kv_cache.shape) == (2, 2, 10, PS, 1, 2)

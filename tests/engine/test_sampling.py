@@ -78,13 +78,13 @@ def test_top_k_and_top_p_restrict_the_support():
 def test_same_seed_same_tokens_regardless_of_batch():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
     seeded = SamplingParams(temperature=1.0, seed=42)
-    alone = [Sampler()(logits[2:3], [seeded], [torch.Generator().manual_seed(42)]).token_ids[0]
-             for _ in range(1)]
-    mixed_params = [SamplingParams(), SamplingParams(temperature=0), seeded, SamplingParams()]
+    gen_alone = torch.Generator().manual_seed(42)
+    alone = [Sampler()(logits[2:3], [seeded], [gen_alone]).token_ids[0] for _ in range(5)]
     gens = _gens(4, seed=100)
     gens[2] = torch.Generator().manual_seed(42)
-    mixed = Sampler()(logits, mixed_params, gens).token_ids[2]
-    assert mixed == alone[0]
+    params = [SamplingParams(), SamplingParams(temperature=0), seeded, SamplingParams(top_k=3)]
+    mixed = [Sampler()(logits, params, gens).token_ids[2] for _ in range(5)]
+    assert mixed == alone
 
 
 def test_temperature_sampling_follows_the_distribution():
