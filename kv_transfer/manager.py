@@ -108,6 +108,7 @@ class KVManager:
             out = self._side.metrics.as_dict()
             out["open_rooms"] = self._side.open_rooms
             out["free_aux_slots"] = self._aux.num_free
+            out["peer_handshakes_total"] = self._peers.handshakes_total
             return out
 
     def _registration(self) -> Registration:

@@ -46,6 +46,7 @@ class PeerTable:
         self._model_id = model_id
         self._layout = layout
         self._peers: dict[str, Peer] = {}
+        self.handshakes_total = 0
 
     def get(self, instance_id: str) -> Peer | None:
         return self._peers.get(instance_id)
@@ -93,5 +94,6 @@ class PeerTable:
         agent_name = self._transport.add_peer(registration.agent_metadata, table)
         peer = Peer(registration.instance_id, agent_name, registration.epoch, table)
         self._peers[registration.instance_id] = peer
+        self.handshakes_total += 1
         logger.info("handshake with %s done (agent %s, epoch %d)", peer.instance_id, agent_name, peer.epoch)
         return peer

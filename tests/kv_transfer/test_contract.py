@@ -80,6 +80,15 @@ def test_chunks_with_partial_page_at_chunk_boundary(pair: tuple[Any, Any], num_t
     transfer(*pair, num_tokens, chunk_tokens)
 
 
+def test_handshake_happens_once_per_peer_not_per_room(make_side: Any) -> None:
+    prefill, decode = make_side("prefill"), make_side("decode")
+    for num_tokens in (5, 21, 40):
+        transfer(prefill, decode, num_tokens)
+    assert prefill.call("metrics")["peer_handshakes_total"] == 1
+    assert decode.call("metrics")["peer_handshakes_total"] == 1
+    assert decode.call("metrics")["transfers_total"] == 3
+
+
 def test_two_rooms_interleaved(pair: tuple[Any, Any]) -> None:
     prefill, decode = pair
     room_a = open_room(prefill, decode, 70)
