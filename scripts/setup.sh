@@ -36,12 +36,17 @@ pip_install() { say "pip install $*"; "$PY" -m pip install --quiet "$@"; }
 make_venv() {
   if [[ -x "$PY" ]]; then return; fi
   say "creating $VENV with $("$PYTHON" --version)"
-  if ! "$PYTHON" -m venv "$VENV"; then
-    # Debian without python3-venv has no ensurepip: make the venv bare and let the host pip seed it
+  if "$PYTHON" -m venv "$VENV"; then return; fi
+  rm -rf "$VENV"
+  if "$PYTHON" -m venv --without-pip "$VENV"; then
+    # Debian without python3-venv has no ensurepip: let the host pip seed the bare venv
     say "venv without ensurepip: seeding pip with the host pip"
-    rm -rf "$VENV"
-    "$PYTHON" -m venv --without-pip "$VENV"
     "$PYTHON" -m pip --python "$PY" install --quiet pip
+  else
+    say "no venv module: using virtualenv"
+    rm -rf "$VENV"
+    "$PYTHON" -m pip install --quiet --user virtualenv
+    "$PYTHON" -m virtualenv --quiet "$VENV"
   fi
 }
 

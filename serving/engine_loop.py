@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Union
 
-from engine.errors import EngineError
+from engine.errors import EngineError, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from serving.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
@@ -243,7 +243,7 @@ class EngineLoop:
 
     def _add(self, s: _Submit) -> None:
         if s.request_id in self._callbacks:
-            self._deliver(s.on_event, RequestFailed(s.request_id, RequestAborted(s.request_id, "duplicate id")))
+            self._deliver(s.on_event, RequestFailed(s.request_id, RequestRejected(s.request_id, "duplicate id")))
             return
         try:
             self.engine.add_request(s.request_id, s.prompt_token_ids, s.params)

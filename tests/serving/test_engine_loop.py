@@ -174,5 +174,6 @@ def test_duplicate_id_is_rejected_without_touching_the_first(loop: EngineLoop) -
     first, dup = Collector(), Collector()
     loop.submit("same", [1], SamplingParams(max_tokens=5), first)
     loop.submit("same", [1], SamplingParams(max_tokens=5), dup)
-    assert isinstance(dup.wait(), RequestFailed)
+    failed = dup.wait()
+    assert isinstance(failed, RequestFailed) and isinstance(failed.error, RequestRejected)
     assert isinstance(first.wait(), RequestOutput) and first.terminals == 1

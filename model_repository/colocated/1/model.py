@@ -45,11 +45,12 @@ class TritonPythonModel:
         for request in requests:
             sink = TritonResponseSink(request.get_response_sender(), request.request_id())
             try:
-                generate_request = parse_request(read_inputs(request))
+                self._worker.handle(parse_request(read_inputs(request)), sink)
             except RequestError as e:
                 sink.send_error(str(e))
-                continue
-            self._worker.handle(generate_request, sink)
+            except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
+                logger.exception("request %r: unexpected error", request.request_id())
+                sink.send_error(f"internal error: {e}")
         return None
 
     def finalize(self) -> None:
