@@ -36,6 +36,7 @@ class DecodeSide:
         self.metrics = Metrics()
         self.receivers: dict[Room, KVReceiver] = {}
         self._retry_at_s: dict[str, float] = {}   # prefill instance id → next handshake attempt
+        self._publish_retry_at_s: dict[Room, float] = {}   # room → next attempt to post its destination
         self._next_peer_check_s = 0.0
         self._next_release_s = 0.0
 
@@ -111,7 +112,7 @@ class DecodeSide:
         with self._lock:
             ready = [r for r in self.receivers.values() if r.state == KVPoll.Bootstrapping and r.peer is not None
                      and r.dst_page_ids is not None and not r.published
-                     and now_s >= self._retry_at_s.get(f"room:{r.room}", 0.0)]
+                     and now_s >= self._publish_retry_at_s.get(r.room, 0.0)]
             for receiver in ready:
                 if receiver.aux_slot is None:
                     receiver.aux_slot = self._aux.alloc()
@@ -127,7 +128,7 @@ class DecodeSide:
                 result = self._client.post_destination(destination)
             except BootstrapError as exc:
                 logger.warning("room %d: cannot post destination: %s", receiver.room, exc)
-                self._retry_at_s[f"room:{receiver.room}"] = now_s + RETRY_S
+                self._publish_retry_at_s[receiver.room] = now_s + RETRY_S
                 with self._lock:
                     receiver.publishing = False
                 continue
@@ -139,7 +140,7 @@ class DecodeSide:
                 elif result.code == ROOM_IN_USE:
                     self._fail(receiver, result.reason)
                 else:
-                    self._retry_at_s[f"room:{receiver.room}"] = now_s + RETRY_S
+                    self._publish_retry_at_s[receiver.room] = now_s + RETRY_S
             if result.accepted and receiver.peer and result.prefill_agent_name != receiver.peer.agent_name:
                 self._rehandshake(receiver, result.prefill_agent_name)
 
@@ -260,6 +261,7 @@ class DecodeSide:
                 continue
             if receiver.aux_slot is not None:
                 self._aux.free(receiver.aux_slot)
+            self._publish_retry_at_s.pop(room, None)
             self.metrics.failed_rooms_total += int(receiver.state == KVPoll.Failed)
             receiver.closed = True
             del self.receivers[room]
