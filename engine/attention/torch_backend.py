@@ -44,7 +44,7 @@ class DecodeGroup:
 
 
 @dataclass
-class PrefillChunk:
+class PrefillSpan:
     """One sequence's chunk of ``end - start`` query tokens (rows ``start:end`` of the batch).
 
     Attributes:
@@ -67,7 +67,7 @@ class TorchAttentionMetadata:
 
     slot_mapping: torch.Tensor
     decode: DecodeGroup | None
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
 
 
 def _used_pages(pages: list[int], seq_len: int, page_size: int) -> list[int]:
@@ -97,13 +97,13 @@ def _decode_group(rows: list[int], lens: list[int], tables: list[list[int]], pag
 
 
 def _prefill_chunk(start: int, q_len: int, seq_len: int, pages: list[int], page_size: int,
-                   device: torch.device) -> PrefillChunk:
+                   device: torch.device) -> PrefillSpan:
     if q_len == seq_len:
-        return PrefillChunk(start, start + q_len, None, seq_len, None)
+        return PrefillSpan(start, start + q_len, None, seq_len, None)
     page_t = torch.tensor(_used_pages(pages, seq_len, page_size), dtype=torch.int64, device=device)
     key_pos = torch.arange(seq_len, device=device)[None, :]
     query_pos = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
-    return PrefillChunk(start, start + q_len, page_t, seq_len, key_pos <= query_pos)
+    return PrefillSpan(start, start + q_len, page_t, seq_len, key_pos <= query_pos)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -114,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         d_rows: list[int] = []
         d_lens: list[int] = []
         d_tables: list[list[int]] = []
-        prefills: list[PrefillChunk] = []
+        prefills: list[PrefillSpan] = []
         start = 0
         for q_len, seq_len, pages in zip(batch.query_lens, batch.seq_lens, batch.page_tables):
             if q_len == 1:
@@ -157,7 +157,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
-                 chunk: PrefillChunk, scale: float) -> torch.Tensor:
+                 chunk: PrefillSpan, scale: float) -> torch.Tensor:
         qc = q[chunk.start:chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
         if chunk.pages is None:
             keys = k[chunk.start:chunk.end].transpose(0, 1)  # [kv_heads, q_len, head_dim]
