@@ -174,6 +174,10 @@ class EngineLoop:
         """
         self._put(fn)
 
+    def wake(self) -> None:
+        """Make the loop tick now instead of finishing its idle wait (e.g. new work for a tick hook)."""
+        self._commands.put(None)
+
     # ---- loop thread only -------------------------------------------------------------------------------------
     def track(self, request_id: RequestId, on_event: OnEvent) -> None:
         """Route the engine's outputs for a request added outside ``submit`` (e.g. ``add_prebuilt_request``).

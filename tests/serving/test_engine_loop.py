@@ -177,3 +177,17 @@ def test_duplicate_id_is_rejected_without_touching_the_first(loop: EngineLoop) -
     failed = dup.wait()
     assert isinstance(failed, RequestFailed) and isinstance(failed.error, RequestRejected)
     assert isinstance(first.wait(), RequestOutput) and first.terminals == 1
+
+
+def test_wake_makes_an_idle_loop_tick_at_once(engine: FakeEngine) -> None:
+    hook = CountingHook(False)
+    lp = EngineLoop(engine, name="waker", idle_wait_s=5.0, hooks=[hook])
+    lp.start()
+    time.sleep(0.1)
+    before = hook.ticks
+    lp.wake()
+    deadline = time.monotonic() + 2
+    while hook.ticks == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hook.ticks == before + 1
+    assert lp.stop(5)
