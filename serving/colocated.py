@@ -71,7 +71,7 @@ class ColocatedWorker:
 
     @classmethod
     def create(cls, config: WorkerConfig, name: str = "colocated",
-               metrics: ServingMetrics | None = None) -> "ColocatedWorker":
+               metrics: ServingMetrics | None = None) -> ColocatedWorker:
         """Build the engine (loads the model: seconds), its loop and the worker. Starts nothing."""
         from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
@@ -107,7 +107,7 @@ class ColocatedWorker:
         request_id = f"{self._name}-{next(self._ids)}"
         try:
             token_ids = prompt_token_ids(self._tokenizer, request)
-        except Exception as e:  # a template or tokenizer error concerns this request only
+        except Exception as e:  # noqa: BLE001 (a template or tokenizer error concerns this request only)
             logger.warning("request %s: tokenization failed: %s", request_id, e)
             sink.send_error(f"tokenization failed: {e}")
             return request_id

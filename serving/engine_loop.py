@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol
 
 from engine.errors import EngineError, RequestRejected
 from engine.outputs import RequestOutput
@@ -75,7 +75,7 @@ class _Submit:
     on_event: OnEvent
 
 
-_Command = Union[_Submit, Callable[[], None], None]  # None only wakes the thread
+_Command = _Submit | Callable[[], None] | None  # None only wakes the thread
 
 
 class EngineLoop:

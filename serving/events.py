@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
 
 from engine.errors import EngineError
 from engine.outputs import RequestOutput
@@ -43,5 +42,5 @@ class RequestFailed:
     error: Exception
 
 
-LoopEvent = Union[RequestOutput, RequestFailed]
+LoopEvent = RequestOutput | RequestFailed
 OnEvent = Callable[[LoopEvent], None]

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
@@ -125,14 +125,14 @@ class FakeFamily:
 
     COUNTER = "counter"
     GAUGE = "gauge"
-    registry: dict[str, "FakeFamily"] = {}
+    registry: ClassVar[dict[str, FakeFamily]] = {}
 
     def __init__(self, name: str, description: str, kind: Any) -> None:
         self.name, self.kind = name, kind
         self.series: dict[tuple[tuple[str, str], ...], FakeMetric] = {}
         FakeFamily.registry[name] = self
 
-    def Metric(self, labels: dict[str, str]) -> "FakeMetric":  # noqa: N802 (pb_utils' name)
+    def Metric(self, labels: dict[str, str]) -> FakeMetric:
         return self.series.setdefault(tuple(sorted(labels.items())), FakeMetric())
 
 

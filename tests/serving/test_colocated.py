@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from serving_fakes import FakeEngine, FakeFamily, RecordingSink
 
 from serving.colocated import ColocatedWorker
 from serving.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.request import parse_request
-from serving_fakes import FakeEngine, FakeFamily, RecordingSink
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,7 +44,7 @@ def _req(prompt: str = "hello", **inputs: object):
 
 
 def test_stream_and_non_stream(setup) -> None:
-    worker, engine = setup
+    worker, _ = setup
     streamed, whole = RecordingSink(), RecordingSink()
     worker.handle(_req(stream=True, sampling_parameters=b'{"max_tokens": 3}'), streamed)
     worker.handle(_req(sampling_parameters=b'{"max_tokens": 2}'), whole)
@@ -96,7 +96,7 @@ def test_bad_requests_fail_alone(setup) -> None:
 
 
 def test_stop_ends_requests_in_flight_with_an_error(setup) -> None:
-    worker, engine = setup
+    worker, _ = setup
     sink = RecordingSink()
     worker.handle(_req(stream=True, sampling_parameters=b'{"max_tokens": 150}'), sink)
     time.sleep(0.05)

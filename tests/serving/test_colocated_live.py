@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
+from live_prompts import PROMPTS
 
 from serving.colocated import prompt_token_ids
 from serving.config import WorkerConfig
 from serving.request import parse_request
-from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
-from live_prompts import PROMPTS
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.timeout(600)]
 TRITON_MODELS = ("colocated",)

@@ -7,13 +7,13 @@ import threading
 import time
 
 import pytest
+from serving_fakes import FakeEngine
 
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent, LoopStopped, RequestAborted, RequestFailed
-from serving_fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
 

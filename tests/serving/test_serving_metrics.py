@@ -4,9 +4,9 @@ not re-sent."""
 from __future__ import annotations
 
 import pytest
+from serving_fakes import FakeFamily
 
 from serving.metrics import ServingMetrics
-from serving_fakes import FakeFamily
 
 
 @pytest.fixture

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from serving_fakes import RecordingSink
+
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
 from serving.events import RequestAborted, RequestFailed
 from serving.request import parse_request
 from serving.stream import GenerationStream
-from serving_fakes import RecordingSink
 
 
 def _outputs(*texts: str) -> list[RequestOutput]:

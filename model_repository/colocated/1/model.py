@@ -51,7 +51,6 @@ class TritonPythonModel:
             except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
                 logger.exception("request %r: unexpected error", request.request_id())
                 sink.send_error(f"internal error: {e}")
-        return None
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
