@@ -6,9 +6,9 @@ thread (tests, or embedded in another process).
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
-from bootstrap.messages import (PROTOCOL_VERSION, Destination, PostResult, Registration, RoomReleased)
+from bootstrap.messages import PROTOCOL_VERSION, Destination, PostResult, Registration, RoomReleased
 from bootstrap.registry import Registry, RegistryConfig
 from bootstrap.server import BootstrapServer, ServerConfig
 
-__all__ = ["BootstrapClient", "BootstrapError", "BootstrapServer", "Destination", "PROTOCOL_VERSION",
+__all__ = ["PROTOCOL_VERSION", "BootstrapClient", "BootstrapError", "BootstrapServer", "Destination",
            "PostResult", "Registration", "Registry", "RegistryConfig", "RoomReleased", "ServerConfig"]

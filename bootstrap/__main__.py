@@ -11,7 +11,8 @@ from bootstrap.server import ServerConfig, run_forever
 
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
     """The one place the CLI becomes a config."""
-    parser = argparse.ArgumentParser(prog="python -m bootstrap", description="PD bootstrap rendezvous service")
+    parser = argparse.ArgumentParser(prog="python -m bootstrap",
+                                     description="PD bootstrap rendezvous service")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8998)
     parser.add_argument("--registration-ttl-s", type=float, default=10.0,

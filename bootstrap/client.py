@@ -10,8 +10,20 @@ from typing import TypeVar
 import requests
 
 from bootstrap.errors import BootstrapError
-from bootstrap.messages import (AbortLog, Destination, DestinationBatch, Heartbeat, PostResult, Registration, Room,
-                                RoomAbort, RoomRelease, RoomReleased, decode, encode)
+from bootstrap.messages import (
+    AbortLog,
+    Destination,
+    DestinationBatch,
+    Heartbeat,
+    PostResult,
+    Registration,
+    Room,
+    RoomAbort,
+    RoomRelease,
+    RoomReleased,
+    decode,
+    encode,
+)
 
 M = TypeVar("M")
 
@@ -49,7 +61,8 @@ class BootstrapClient:
         return batch.destinations
 
     def release_room(self, room: Room, decode_instance_id: str) -> RoomReleased:
-        released = self._call("POST", "/v1/rooms/release", RoomRelease(room, decode_instance_id), RoomReleased)
+        message = RoomRelease(room, decode_instance_id)
+        released = self._call("POST", "/v1/rooms/release", message, RoomReleased)
         assert released is not None
         return released
 

@@ -132,8 +132,8 @@ class AbortLog:
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased, RoomAbort,
     AbortLog)}
-SCHEMA_HASH = hashlib.sha256(json.dumps(
-    {name: [f.name for f in fields(cls)] for name, cls in sorted(MESSAGE_TYPES.items())}).encode()).hexdigest()[:12]
+_SCHEMA = {name: [f.name for f in fields(cls)] for name, cls in sorted(MESSAGE_TYPES.items())}
+SCHEMA_HASH = hashlib.sha256(json.dumps(_SCHEMA).encode()).hexdigest()[:12]
 
 M = TypeVar("M")
 

@@ -4,7 +4,8 @@ Lifecycle of a room in the registry:
 1. decode posts a ``Destination`` for room R to prefill instance P (rejected if R is in use, or P unknown);
 2. P fetches its batch of new destinations; R is marked delivered;
 3. decode releases R when its receiver is done (or has failed); R may then be used again.
-Separately, an abort log: anyone (the orchestrator) may append "room R aborted"; workers read it with a cursor.
+Separately, an abort log: anyone (the orchestrator) may append "room R aborted"; workers read it with a
+cursor.
 A room also disappears when either instance's registration expires or the instance re-registers with a new
 epoch (a restart), and after ``room_ttl_s`` in any case, so a crashed decode cannot leak it.
 """
@@ -14,8 +15,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from bootstrap.messages import (ACCEPTED, ROOM_IN_USE, UNKNOWN_INSTANCE, Destination, PostResult, Registration, Room,
-                                RoomReleased)
+from bootstrap.messages import (
+    ACCEPTED,
+    ROOM_IN_USE,
+    UNKNOWN_INSTANCE,
+    Destination,
+    PostResult,
+    Registration,
+    Room,
+    RoomReleased,
+)
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ class Registry:
 
     def expire(self, now_s: float) -> list[str]:
         """Drop silent instances (and their rooms) and stale rooms; returns the dropped instance ids."""
-        dead = [i for i, e in self._instances.items() if now_s - e.last_seen_s > self._config.registration_ttl_s]
+        ttl_s = self._config.registration_ttl_s
+        dead = [i for i, e in self._instances.items() if now_s - e.last_seen_s > ttl_s]
         for instance_id in dead:
             del self._instances[instance_id]
             self._drop_rooms_of(instance_id)
@@ -138,6 +148,6 @@ class Registry:
         return len(self._rooms)
 
     def _drop_rooms_of(self, instance_id: str) -> None:
-        for room in [r for r, rec in self._rooms.items()
-                     if instance_id in (rec.destination.prefill_instance_id, rec.destination.decode_instance_id)]:
+        for room in [r for r, rec in self._rooms.items() if instance_id in
+                     (rec.destination.prefill_instance_id, rec.destination.decode_instance_id)]:
             del self._rooms[room]

@@ -20,14 +20,25 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from bootstrap.errors import BootstrapError
-from bootstrap.messages import (ACCEPTED, ROOM_IN_USE, AbortLog, Destination, DestinationBatch, Heartbeat,
-                                Registration, RoomAbort, RoomRelease, decode, encode)
+from bootstrap.messages import (
+    ACCEPTED,
+    ROOM_IN_USE,
+    AbortLog,
+    Destination,
+    DestinationBatch,
+    Heartbeat,
+    Registration,
+    RoomAbort,
+    RoomRelease,
+    decode,
+    encode,
+)
 from bootstrap.registry import Registry, RegistryConfig
 
 logger = logging.getLogger(__name__)
@@ -39,7 +50,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8998                  # 0: pick a free port (tests)
     expire_interval_s: float = 0.5
-    registry: RegistryConfig = RegistryConfig()
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
 
 
 def _reply(message: object, status: int = 200) -> web.Response:
@@ -56,15 +67,18 @@ class _Handlers:
     async def register(self, request: web.Request) -> web.Response:
         registration = decode(await request.read(), Registration)
         self._registry.register(registration, time.monotonic())
-        logger.info("registered %s %s epoch %d", registration.role, registration.instance_id, registration.epoch)
+        logger.info("registered %s %s epoch %d", registration.role, registration.instance_id,
+                    registration.epoch)
         return _reply(registration)
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         beat = decode(await request.read(), Heartbeat)
-        return _reply(beat, 200 if self._registry.heartbeat(beat.instance_id, beat.epoch, time.monotonic()) else 404)
+        known = self._registry.heartbeat(beat.instance_id, beat.epoch, time.monotonic())
+        return _reply(beat, 200 if known else 404)
 
     async def deregister(self, request: web.Request) -> web.Response:
-        ok = self._registry.deregister(request.match_info["instance_id"], int(request.query.get("epoch", "-1")))
+        epoch = int(request.query.get("epoch", "-1"))
+        ok = self._registry.deregister(request.match_info["instance_id"], epoch)
         return web.Response(status=200 if ok else 404)
 
     async def get_instance(self, request: web.Request) -> web.Response:
@@ -120,7 +134,8 @@ def build_app(registry: Registry, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[h.expire_and_map_errors])
     app.add_routes([web.post("/v1/instances", h.register), web.post("/v1/heartbeat", h.heartbeat),
                     web.delete("/v1/instances/{instance_id}", h.deregister),
-                    web.get("/v1/instances/{instance_id}", h.get_instance), web.post("/v1/rooms", h.post_room),
+                    web.get("/v1/instances/{instance_id}", h.get_instance),
+                    web.post("/v1/rooms", h.post_room),
                     web.get("/v1/instances/{instance_id}/destinations", h.destinations),
                     web.post("/v1/rooms/release", h.release), web.post("/v1/rooms/abort", h.abort),
                     web.get("/v1/aborts", h.aborts), web.get("/health", h.health)])
@@ -146,7 +161,8 @@ class BootstrapServer:
     def start(self, timeout_s: float = 10.0) -> int:
         ready = threading.Event()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), name="bootstrap-server", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(ready,), name="bootstrap-server",
+                                        daemon=True)
         self._thread.start()
         if not ready.wait(timeout_s) or not self.port:
             raise BootstrapError(f"bootstrap server did not start within {timeout_s}s")

@@ -6,6 +6,7 @@ Contract: docs/architecture.md ("KV transfer API"); protocol and lifecycles: doc
 
 from __future__ import annotations
 
+from bootstrap.errors import BootstrapError
 from kv_transfer.aux import AuxData
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError, KVTransferError, TransferError
@@ -15,7 +16,6 @@ from kv_transfer.poll import KVPoll
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, Room
 from kv_transfer.transport import Transport
-from bootstrap.errors import BootstrapError
 
 BACKENDS = ("nixl", "inprocess")
 
@@ -35,6 +35,6 @@ def make_kv_manager(args: KVArgs, backend: str = "nixl") -> KVManager:
     return KVManager(args, make_transport(args, backend))
 
 
-__all__ = ["AuxData", "BACKENDS", "BootstrapError", "CompatibilityError", "KVArgs", "KVLayout", "KVManager",
-           "KVPoll", "KVReceiver", "KVSender", "KVTransferError", "PageId", "Room", "TransferError",
-           "make_kv_manager", "make_transport"]
+__all__ = ["BACKENDS", "AuxData", "BootstrapError", "CompatibilityError", "KVArgs", "KVLayout",
+           "KVManager", "KVPoll", "KVReceiver", "KVSender", "KVTransferError", "PageId", "Room",
+           "TransferError", "make_kv_manager", "make_transport"]

@@ -28,7 +28,7 @@ class AuxData:
         return struct.pack(_FORMAT, AUX_MAGIC, 0, self.room, self.first_token_id, self.first_logprob)
 
     @classmethod
-    def unpack(cls, data: bytes) -> "AuxData | None":
+    def unpack(cls, data: bytes) -> AuxData | None:
         """The aux data in ``data``, or None when the slot holds no valid record."""
         magic, _, room, token_id, logprob = struct.unpack(_FORMAT, bytes(data[:AUX_SLOT_BYTES]))
         if magic != AUX_MAGIC:

@@ -13,7 +13,8 @@ from kv_transfer.aux import AUX_SLOT_BYTES, AuxData
 
 class AuxBuffer:
     def __init__(self, num_slots: int) -> None:
-        self._data = np.zeros((num_slots, AUX_SLOT_BYTES), dtype=np.uint8)  # [num_slots, AUX_SLOT_BYTES], host
+        # [num_slots, AUX_SLOT_BYTES] uint8, host memory
+        self._data = np.zeros((num_slots, AUX_SLOT_BYTES), dtype=np.uint8)
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
 

@@ -9,8 +9,8 @@ addresses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -34,7 +34,8 @@ class BlockTable:
         return self.num_kv_blocks + self.aux_slots
 
     def kv_indices(self, pages: Sequence[PageId]) -> np.ndarray:
-        """Indices of every (layer, kv) block of ``pages``: int64 ``[num_layers * 2 * len(pages)]``, plane-major."""
+        """Indices of every (layer, kv) block of ``pages``: int64 ``[num_layers * 2 * len(pages)]``,
+        plane-major."""
         page_arr = np.asarray(pages, dtype=np.int64)
         if page_arr.size and (page_arr.min() < 0 or page_arr.max() >= self.layout.num_pages):
             raise ValueError(f"page ids out of range [0, {self.layout.num_pages})")
@@ -55,6 +56,7 @@ class BlockTable:
         return np.stack([addr, nbytes], axis=1).astype(np.int64)
 
     def descriptors(self, start: int, stop: int, device_id: int = 0) -> np.ndarray:
-        """Descriptors of indices ``[start, stop)``: int64 ``[stop - start, 3]`` (address, nbytes, device id)."""
+        """Descriptors of indices ``[start, stop)``: int64 ``[stop - start, 3]`` (address, nbytes,
+        device id)."""
         spans = self.spans(np.arange(start, stop, dtype=np.int64))
         return np.hstack([spans, np.full((len(spans), 1), device_id, dtype=np.int64)])

@@ -25,7 +25,7 @@ class KVArgs:
     model_id: str
     bootstrap_url: str
     bootstrap_timeout_s: float = 30.0      # prefill: decode never posted a destination; decode: no prefill
-    waiting_timeout_s: float = 30.0        # decode: no chunk arrived for this long after the destination went out
+    waiting_timeout_s: float = 30.0        # decode: no chunk for this long after the destination went out
     mem_type: str = "DRAM"                 # "VRAM" for a CUDA pool
     device_id: int = 0
     address: str = ""                      # informational (host:port of the serving endpoint)
@@ -42,12 +42,13 @@ class KVArgs:
         if self.role not in ROLES:
             raise ValueError(f"KVArgs.role must be one of {ROLES}, got {self.role!r}")
         if self.kv_nbytes != self.layout.pool_bytes:
-            raise ValueError(f"KVArgs.kv_nbytes {self.kv_nbytes} != layout pool bytes {self.layout.pool_bytes}")
+            raise ValueError(f"KVArgs.kv_nbytes {self.kv_nbytes} != layout pool bytes "
+                             f"{self.layout.pool_bytes}")
         if self.kv_base_ptr <= 0:
             raise ValueError("KVArgs.kv_base_ptr must be a valid address")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "peer_check_interval_s",
-                     "bootstrap_poll_interval_s", "idle_poll_interval_s", "active_tick_s", "idle_tick_s",
-                     "http_timeout_s"):
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
+                     "peer_check_interval_s", "bootstrap_poll_interval_s", "idle_poll_interval_s",
+                     "active_tick_s", "idle_tick_s", "http_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVArgs.{name} must be positive")
         if self.aux_slots <= 0:

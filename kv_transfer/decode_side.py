@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
@@ -73,7 +73,8 @@ class DecodeSide:
         return self._args.active_tick_s if busy else (RETRY_S / 5 if waiting else self._args.idle_tick_s)
 
     def shutdown(self, deadline_s: float, now_fn: Callable[[], float]) -> None:
-        """Fails every open room and cancels it at the prefill side, waiting for answers until ``deadline_s``."""
+        """Fails every open room and cancels it at the prefill side, waiting for answers until
+        ``deadline_s``."""
         with self._lock:
             for receiver in self.receivers.values():
                 receiver.fail("decode manager shut down")
@@ -110,7 +111,8 @@ class DecodeSide:
 
     def _publish(self, now_s: float) -> None:
         with self._lock:
-            ready = [r for r in self.receivers.values() if r.state == KVPoll.Bootstrapping and r.peer is not None
+            ready = [r for r in self.receivers.values()
+                     if r.state == KVPoll.Bootstrapping and r.peer is not None
                      and r.dst_page_ids is not None and not r.published
                      and now_s >= self._publish_retry_at_s.get(r.room, 0.0)]
             for receiver in ready:
@@ -189,12 +191,14 @@ class DecodeSide:
 
     def _timeouts(self, now_s: float) -> None:
         for receiver in self.receivers.values():
-            if receiver.state == KVPoll.Bootstrapping and now_s - receiver.created_s > self._args.bootstrap_timeout_s:
-                self._fail(receiver, f"bootstrap timeout: not published within {self._args.bootstrap_timeout_s}s",
-                           timed_out=True)
+            age_s = now_s - receiver.created_s
+            if receiver.state == KVPoll.Bootstrapping and age_s > self._args.bootstrap_timeout_s:
+                self._fail(receiver, f"bootstrap timeout: not published within "
+                                     f"{self._args.bootstrap_timeout_s}s", timed_out=True)
             elif (receiver.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
                   and now_s - receiver.progress_s > self._args.waiting_timeout_s):
-                self._fail(receiver, f"waiting timeout: no KV for {self._args.waiting_timeout_s}s", timed_out=True)
+                self._fail(receiver, f"waiting timeout: no KV for {self._args.waiting_timeout_s}s",
+                           timed_out=True)
 
     def _cancel_and_release(self) -> None:
         with self._lock:
@@ -216,8 +220,8 @@ class DecodeSide:
     def _send_cancel(self, receiver: KVReceiver) -> None:
         reason = receiver.failure.reason if receiver.failure else ""
         try:
-            self._transport.send_notif(receiver.peer.agent_name,  # type: ignore[union-attr]
-                                       Tag(TagKind.CANCEL, receiver.room, receiver.xfer_id, 0, reason).encode())
+            tag = Tag(TagKind.CANCEL, receiver.room, receiver.xfer_id, 0, reason)
+            self._transport.send_notif(receiver.peer.agent_name, tag.encode())  # type: ignore[union-attr]
             receiver.cancel_sent = True
         except TransportError as exc:
             logger.warning("room %d: cannot send cancel: %s", receiver.room, exc)
@@ -238,7 +242,8 @@ class DecodeSide:
             if alive:
                 continue
             with self._lock:
-                self._on_peer_lost(peer.agent_name, "prefill instance lost (registration expired or restarted)")
+                self._on_peer_lost(peer.agent_name,
+                                   "prefill instance lost (registration expired or restarted)")
 
     def _on_peer_lost(self, agent_name: str, reason: str) -> None:
         """Rooms published to a dead agent fail (their writer is gone); unpublished ones handshake again."""

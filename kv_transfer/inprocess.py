@@ -78,7 +78,8 @@ class InProcessTransport(Transport):
     def remove_peer(self, agent_name: str) -> None:
         self._peers.pop(agent_name, None)
 
-    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray, notif: bytes) -> object:
+    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray,
+                   notif: bytes) -> object:
         if peer not in self._peers or not self._fabric.is_attached(peer) or self._table is None:
             raise TransportError(f"agent {peer} was not added or is gone")
         src, dst = self._table.spans(local_indices), self._peers[peer].spans(remote_indices)

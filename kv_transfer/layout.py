@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kv_transfer.errors import CompatibilityError
 
@@ -72,7 +73,7 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "KVLayout":
+    def from_json(cls, data: dict[str, Any]) -> KVLayout:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__})
 
 

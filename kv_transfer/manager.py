@@ -2,9 +2,9 @@
 registration and the one background thread that does all transfer work.
 
 Threads: ``start()`` starts the thread ``kv-<role>-<instance>``; it loops until ``shutdown()`` sets the stop
-event, each round: heartbeat (every ``heartbeat_interval_s``), the role's tick (bootstrap polling, notification
-draining, transfer polling, timeouts, cleanup), then a wait on the wake event (set by sender/receiver calls)
-with a timeout, so timeouts and cleanup also run when no new work arrives.
+event, each round: heartbeat (every ``heartbeat_interval_s``), the role's tick (bootstrap polling,
+notification draining, transfer polling, timeouts, cleanup), then a wait on the wake event (set by
+sender/receiver calls) with a timeout, so timeouts and cleanup also run when no new work arrives.
 Shutdown order: stop the thread, fail open rooms and tell the peers, deregister at the bootstrap, close the
 agent. The caller keeps the KV memory alive until ``shutdown()`` returned.
 """
@@ -19,6 +19,7 @@ from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 from bootstrap.messages import Registration
 from kv_transfer.auxbuf import AuxBuffer
+from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
 from kv_transfer.decode_side import DecodeSide
 from kv_transfer.layout import compat_hash
@@ -26,7 +27,6 @@ from kv_transfer.peers import PeerTable, kv_info
 from kv_transfer.prefill_side import PrefillSide
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, Room
-from kv_transfer.blocks import BlockTable
 from kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class KVManager:
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.args.role}-{self.args.instance_id}",
                                         daemon=True)
         self._thread.start()
-        logger.info("kv manager %s (%s) started, agent %s", self.args.instance_id, self.args.role, self.agent_name)
+        logger.info("kv manager %s (%s) started, agent %s", self.args.instance_id, self.args.role,
+                    self.agent_name)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Idempotent. Stops the thread, fails open rooms (peers are told), deregisters, closes the agent."""
@@ -88,9 +89,10 @@ class KVManager:
         self._thread = None
 
     def create_sender(self, room: Room) -> KVSender:
-        """Prefill role only: the sender of room ``room`` (Failed at once if the room is open here already)."""
+        """Prefill role only: the sender of room ``room`` (Failed at once if the room is open here
+        already)."""
         if not isinstance(self._side, PrefillSide):
-            raise RuntimeError("create_sender on a decode manager")
+            raise TypeError("create_sender on a decode manager")
         sender = self._side.create_sender(room, self._wake, time.monotonic())
         self._wake.set()
         return sender
@@ -98,7 +100,7 @@ class KVManager:
     def create_receiver(self, room: Room, prefill_instance_id: str) -> KVReceiver:
         """Decode role only: the receiver of room ``room``, fed by ``prefill_instance_id``."""
         if not isinstance(self._side, DecodeSide):
-            raise RuntimeError("create_receiver on a prefill manager")
+            raise TypeError("create_receiver on a prefill manager")
         receiver = self._side.create_receiver(room, prefill_instance_id, self._wake, time.monotonic())
         self._wake.set()
         return receiver
@@ -127,7 +129,7 @@ class KVManager:
             try:
                 self._heartbeat(now_s)
                 wait_s = self._side.tick(now_s)
-            except Exception:  # noqa: BLE001 — one bad round must not end the thread serving every room
+            except Exception:
                 logger.exception("kv manager %s: tick failed", self.args.instance_id)
             self._wake.wait(wait_s)
             self._wake.clear()

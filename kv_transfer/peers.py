@@ -21,7 +21,8 @@ from kv_transfer.transport import Transport
 logger = logging.getLogger(__name__)
 
 
-def kv_info(model_id: str, layout: KVLayout, kv_base_ptr: int, aux_base_ptr: int, aux_slots: int) -> dict[str, Any]:
+def kv_info(model_id: str, layout: KVLayout, kv_base_ptr: int, aux_base_ptr: int,
+            aux_slots: int) -> dict[str, Any]:
     """The KV part of a registration (what a peer needs to check us and address our memory)."""
     return {"model_id": model_id, "layout": layout.to_json(), "kv_base_ptr": kv_base_ptr,
             "aux_base_ptr": aux_base_ptr, "aux_slots": aux_slots, "aux_slot_bytes": AUX_SLOT_BYTES}
@@ -40,7 +41,8 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, client: BootstrapClient, transport: Transport, model_id: str, layout: KVLayout) -> None:
+    def __init__(self, client: BootstrapClient, transport: Transport, model_id: str,
+                 layout: KVLayout) -> None:
         self._client = client
         self._transport = transport
         self._model_id = model_id
@@ -52,9 +54,9 @@ class PeerTable:
         return self._peers.get(instance_id)
 
     def ensure(self, instance_id: str, expected_agent: str | None = None) -> Peer:
-        """The handshaked peer; handshakes on first use or when ``expected_agent`` differs from the cached one.
-
-        Raises ``LookupError`` (not registered), ``CompatibilityError``, ``TransportError``, ``BootstrapError``.
+        """The handshaked peer; handshakes on first use or when ``expected_agent`` differs from the cached
+        one. Raises ``LookupError`` (not registered), ``CompatibilityError``, ``TransportError``,
+        ``BootstrapError``.
         """
         peer = self._peers.get(instance_id)
         if peer is not None and (expected_agent is None or peer.agent_name == expected_agent):
@@ -63,7 +65,8 @@ class PeerTable:
         if registration is None:
             raise LookupError(f"instance {instance_id} is not registered")
         if expected_agent is not None and registration.agent_name != expected_agent:
-            raise LookupError(f"instance {instance_id} now runs agent {registration.agent_name}, not {expected_agent}")
+            raise LookupError(f"instance {instance_id} now runs agent {registration.agent_name}, "
+                              f"not {expected_agent}")
         return self._handshake(registration)
 
     def check_alive(self, instance_id: str) -> bool:
@@ -89,7 +92,8 @@ class PeerTable:
         check_compatible(self._model_id, self._layout, str(info["model_id"]), layout)
         if int(info["aux_slot_bytes"]) != AUX_SLOT_BYTES:
             raise CompatibilityError("aux_slot_bytes", AUX_SLOT_BYTES, info["aux_slot_bytes"])
-        table = BlockTable(int(info["kv_base_ptr"]), layout, int(info["aux_base_ptr"]), int(info["aux_slots"]))
+        table = BlockTable(int(info["kv_base_ptr"]), layout, int(info["aux_base_ptr"]),
+                           int(info["aux_slots"]))
         self.forget(registration.instance_id)
         agent_name = self._transport.add_peer(registration.agent_metadata, table)
         peer = Peer(registration.instance_id, agent_name, registration.epoch, table)

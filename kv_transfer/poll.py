@@ -39,4 +39,4 @@ def advance(current: KVPoll, target: KVPoll) -> KVPoll:
         return current
     if target == KVPoll.Failed:
         return KVPoll.Failed
-    return target if target > current else current
+    return max(current, target)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -17,9 +17,9 @@ from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 from bootstrap.messages import Destination
 from kv_transfer.auxbuf import AuxBuffer
+from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError
-from kv_transfer.blocks import BlockTable
 from kv_transfer.metrics import Metrics
 from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
@@ -117,7 +117,8 @@ class PrefillSide:
             elif sender is not None and sender.destination is None and not sender.state.is_terminal:
                 sender.attach(dest, peer)
             elif sender is not None:
-                self._notify(peer, Tag(TagKind.ABORT, room, dest.xfer_id, 0, "room already has a destination"))
+                self._notify(peer, Tag(TagKind.ABORT, room, dest.xfer_id, 0,
+                                       "room already has a destination"))
             else:
                 self._pending[room] = (dest, peer, now_s)
 
@@ -128,7 +129,8 @@ class PrefillSide:
             if sender.destination is None and room in self._pending and not sender.state.is_terminal:
                 dest, peer, _ = self._pending.pop(room)
                 sender.attach(dest, peer)
-            if sender.state == KVPoll.Bootstrapping and now_s - sender.created_s > self._args.bootstrap_timeout_s:
+            age_s = now_s - sender.created_s
+            if sender.state == KVPoll.Bootstrapping and age_s > self._args.bootstrap_timeout_s:
                 self._fail(sender, f"bootstrap timeout: no destination from decode within "
                                    f"{self._args.bootstrap_timeout_s}s", timed_out=True)
             while sender.destination is not None and sender.queued and sender.state != KVPoll.Failed:
@@ -138,7 +140,8 @@ class PrefillSide:
         for room, (dest, peer, since_s) in list(self._pending.items()):
             if now_s - since_s > self._args.bootstrap_timeout_s:
                 del self._pending[room]
-                self._notify(peer, Tag(TagKind.ABORT, room, dest.xfer_id, 0, "no prefill request for this room"))
+                self._notify(peer, Tag(TagKind.ABORT, room, dest.xfer_id, 0,
+                                       "no prefill request for this room"))
         for room in [r for r, until_s in self._tombstones.items() if until_s < now_s]:
             del self._tombstones[room]
         return posts
@@ -159,8 +162,8 @@ class PrefillSide:
             aux_remote = np.array([peer.table.aux_index(dest.aux_slot)], dtype=np.int64)
             tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1)
             if self._args.mem_type != "DRAM":
-                # KV and aux live in different memory types: the aux WRITE (carrying the last tag) goes out once
-                # the KV WRITE is done, so the tag still means "everything has landed"
+                # KV and aux live in different memory types: the aux WRITE (carrying the last tag) goes
+                # out once the KV WRITE is done, so the tag still means "everything has landed"
                 sender.aux_post = (aux_local, aux_remote, tag)
                 return sender, chunk, peer, local, remote, None
             return sender, chunk, peer, np.append(local, aux_local), np.append(remote, aux_remote), tag
@@ -193,7 +196,8 @@ class PrefillSide:
                 aux_local, aux_remote, tag = sender.aux_post
                 sender.aux_post = None
                 assert sender.peer is not None
-                self._post(sender, Chunk(tag.index, [], 0, True, None), sender.peer, aux_local, aux_remote, tag)
+                aux_chunk = Chunk(tag.index, [], 0, True, None)
+                self._post(sender, aux_chunk, sender.peer, aux_local, aux_remote, tag)
             if sender.inflight:
                 continue
             if sender.local_aux_slot is not None:
@@ -233,7 +237,8 @@ class PrefillSide:
             with self._lock:
                 sender = self.senders.get(tag.room)
                 done = Tag(TagKind.DONE, tag.room, tag.xfer_id)
-                if sender is not None and sender.destination is not None and sender.destination.xfer_id == tag.xfer_id:
+                dest = sender.destination if sender is not None else None
+                if sender is not None and dest is not None and dest.xfer_id == tag.xfer_id:
                     self._fail(sender, f"cancelled by decode: {tag.text}")
                     sender.pending_notif = done
                     continue

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
 from kv_transfer.aux import AuxData
 from kv_transfer.errors import TransferError
@@ -95,7 +95,8 @@ class KVReceiver:
         with self._lock:
             if self.state == KVPoll.Success:
                 return True
-            return self.state == KVPoll.Failed and (self.writer_done or not (self.published or self.publishing))
+            never_published = not (self.published or self.publishing)
+            return self.state == KVPoll.Failed and (self.writer_done or never_published)
 
     # --- manager thread ---------------------------------------------------------------------------------
     def fail(self, reason: str) -> None:

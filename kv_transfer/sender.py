@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+
+import numpy as np
 
 from bootstrap.messages import Destination
 from kv_transfer.aux import AuxData
@@ -63,7 +65,7 @@ class KVSender:
         self.last_queued = False
         self.last_posted = False
         self.pending_notif: Tag | None = None   # sent to decode once no WRITE is in flight
-        self.aux_post: tuple[object, object, Tag] | None = None   # VRAM mode: the aux WRITE, after the KV one
+        self.aux_post: tuple[np.ndarray, np.ndarray, Tag] | None = None   # VRAM mode: the aux WRITE, after the KV one
         self.local_aux_slot: int | None = None   # staging slot of the aux bytes while the last WRITE runs
         self.closed = False                     # the manager dropped this room
 
@@ -78,7 +80,8 @@ class KVSender:
             return self._failure
 
     def init(self, num_pages: int) -> None:
-        """Declares how many pages the prompt's KV spans. Raises ``TransferError`` if the destination is shorter."""
+        """Declares how many pages the prompt's KV spans. Raises ``TransferError`` if the destination is
+        shorter."""
         with self._lock:
             if num_pages <= 0:
                 raise self._fail_and_raise(f"init with {num_pages} pages")
@@ -88,7 +91,8 @@ class KVSender:
                     f"destination has {len(self.destination.dst_page_ids)} pages, prompt needs {num_pages}")
 
     def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:
-        """Queues one chunk; returns at once (the manager thread posts it). ``aux`` is required with ``is_last``.
+        """Queues one chunk; returns at once (the manager thread posts it). ``aux`` is required with
+        ``is_last``.
 
         Non-final chunks carry whole pages only; the final chunk adds the partial last page. A no-op on a
         Failed room. Raises ``TransferError`` (and fails the room) on a call that breaks these rules.
@@ -98,7 +102,8 @@ class KVSender:
                 return
             total = self.pages_assigned + len(page_ids)
             if self.num_pages is None or self.last_queued:
-                raise self._fail_and_raise("send before init" if self.num_pages is None else "send after last")
+                raise self._fail_and_raise("send before init" if self.num_pages is None
+                                           else "send after last")
             if total > self.num_pages or (is_last and total != self.num_pages):
                 raise self._fail_and_raise(f"chunk brings the page count to {total} of {self.num_pages}")
             if is_last and aux is None:

@@ -40,7 +40,7 @@ class Tag:
         return f"{self.kind.value}|{self.room}|{self.xfer_id}|{self.index}|{text}".encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> "Tag | None":
+    def decode(cls, data: bytes) -> Tag | None:
         """The tag in ``data``, or None for a message this protocol does not know (it is then ignored)."""
         try:
             kind, room, xfer_id, index, text = data.decode().split("|", 4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import Enum
+
 import numpy as np
 
 from kv_transfer.blocks import BlockTable
@@ -45,17 +46,19 @@ class Transport(ABC):
 
     @abstractmethod
     def add_peer(self, metadata: bytes, table: BlockTable) -> str:
-        """Loads a peer's metadata, prepares its descriptor list ``table``, warms the connection up; returns its
-        agent name. Called once per peer (again only after it restarted). Raises ``TransportError``."""
+        """Loads a peer's metadata, prepares its descriptor list ``table``, warms the connection up;
+        returns its agent name. Called once per peer (again only after it restarted).
+        Raises ``TransportError``."""
 
     @abstractmethod
     def remove_peer(self, agent_name: str) -> None:
         """Forgets a peer (it restarted or died). Never raises."""
 
     @abstractmethod
-    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray, notif: bytes) -> object:
-        """Posts one WRITE of local descriptors ``local_indices`` into the peer's ``remote_indices`` (int64, same
-        length, index spaces of the two ``BlockTable``s; descriptor sizes match pairwise).
+    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray,
+                   notif: bytes) -> object:
+        """Posts one WRITE of local descriptors ``local_indices`` into the peer's ``remote_indices`` (int64,
+        same length, index spaces of the two ``BlockTable``s; descriptor sizes match pairwise).
 
         ``notif`` is delivered to the peer after every byte of this write has landed. Returns a handle for
         ``check``/``release``. The local bytes must stay untouched until ``check`` says DONE or ERR.

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bootstrap import BootstrapServer, ServerConfig  # noqa: E402
-from kv_transfer import AuxData, KVArgs, KVLayout, KVPoll, make_kv_manager  # noqa: E402
+from bootstrap import BootstrapServer, ServerConfig
+from kv_transfer import AuxData, KVArgs, KVLayout, KVPoll, make_kv_manager
 
 PAGE_SIZE = 16
 SIZES_TOKENS = (128, 1024, 4096)
@@ -60,28 +60,35 @@ def worker(role: str, url: str, backend: str, conn) -> None:  # type: ignore[no-
         if cmd == "stop":
             break
         if cmd == "recv":
-            rooms[room] = manager.create_receiver(room, "prefill-0")
-            rooms[room].init(pages)
-            conn.send(_wait(lambda: rooms[room].poll() >= KVPoll.WaitingForInput, 10))
+            receiver = rooms[room] = manager.create_receiver(room, "prefill-0")
+            receiver.init(pages)
+            conn.send(_wait(lambda r=receiver: r.poll() >= KVPoll.WaitingForInput, 10))
         elif cmd == "wait":
-            ok = _wait(lambda: rooms[room].poll() in (KVPoll.Success, KVPoll.Failed), 30)
-            conn.send((time.monotonic(), ok and rooms.pop(room).poll() == KVPoll.Success))
+            receiver = rooms.pop(room)
+            ok = _wait(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), 30)
+            conn.send((time.monotonic(), ok and receiver.poll() == KVPoll.Success))
         elif cmd == "send":
-            sender = manager.create_sender(room)
-            sender.init(len(pages))
-            _wait(lambda: sender.poll() >= KVPoll.WaitingForInput, 10)
-            time.sleep(0.002)
-            t0 = time.monotonic()
-            sender.send(pages, True, AuxData(1, -0.1, room))
-            _wait(lambda: sender.pages_releasable(), 30)
-            conn.send(t0)
+            conn.send(send_room(manager, room, pages))
     manager.shutdown()
+
+
+def send_room(manager: object, room: int, pages: list[int]) -> float:
+    """Prefill side of one room: wait for the destination, send every page as one last chunk, wait until the
+    WRITE is done; returns the monotonic time of the ``send`` call."""
+    sender = manager.create_sender(room)  # type: ignore[attr-defined]
+    sender.init(len(pages))
+    _wait(lambda: sender.poll() >= KVPoll.WaitingForInput, 10)
+    time.sleep(0.002)
+    t0 = time.monotonic()
+    sender.send(pages, True, AuxData(1, -0.1, room))
+    _wait(sender.pages_releasable, 30)
+    return t0
 
 
 class MemcpyBaseline:
     """The same bytes copied with a plain memcpy (numpy copyto) between two touched pools in one process, two
-    ways: page for page as the transfer moves them (one copy per (layer, K/V) and run of pages), and as one flat
-    copy of the same byte count. The faster of the two is the baseline (the harder target)."""
+    ways: page for page as the transfer moves them (one copy per (layer, K/V) and run of pages), and as one
+    flat copy of the same byte count. The faster of the two is the baseline (the harder target)."""
 
     def __init__(self) -> None:
         layout = smollm2_layout(NUM_PAGES)
@@ -136,14 +143,15 @@ def summarize(key: str, nbytes: int, lat: list[float], mem: list[float]) -> dict
 
 def start_workers(url: str, backend: str) -> tuple[dict, list]:  # type: ignore[type-arg]
     ctx = mp.get_context("spawn")
-    pipes, procs = {}, []
+    pipes: dict = {}  # type: ignore[type-arg]
+    procs: list = []  # type: ignore[type-arg]
     for role in ("prefill", "decode"):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker, args=(role, url, backend, child), daemon=True)
         proc.start()
         pipes[role], procs = parent, procs + [proc]
-    for role in pipes:
-        assert pipes[role].poll(60) and pipes[role].recv() == "ready"
+    for pipe in pipes.values():
+        assert pipe.poll(60) and pipe.recv() == "ready"
     return pipes, procs
 
 
@@ -154,7 +162,8 @@ def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, first_room:
     lat, mem = [], []
     for rep in range(reps + 2):
         src = list(range(num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
-        dst = list(range(4, 4 + num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
+        dst = list(range(4, 4 + num_pages)) if not scatter else \
+            rng.permutation(NUM_PAGES)[:num_pages].tolist()
         latency_s = transfer_once(pipes, first_room + rep, src, dst)
         memcpy_s = baseline.seconds(src, dst)   # interleaved: both see the same machine load
         if rep >= 2:
@@ -178,8 +187,8 @@ def run(backend: str, reps: int, scatter: bool) -> dict:  # type: ignore[type-ar
         result.update(measure_size(pipes, tokens, reps, scatter, first_room=1 + 1000 * i))
     result["memcpy_gbps"] = result["kv4k_memcpy_gbps"]
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    for role in pipes:
-        pipes[role].send(("stop", 0, None))
+    for pipe in pipes.values():
+        pipe.send(("stop", 0, None))
     for proc in procs:
         proc.join(30)
     server.stop()

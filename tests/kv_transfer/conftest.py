@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+from kv_harness import LocalSide, RemoteSide
 
 from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
-from kv_harness import LocalSide, RemoteSide
 
 _ids = itertools.count()
 
@@ -39,7 +41,6 @@ def make_side(request: pytest.FixtureRequest, bootstrap_url: str) -> Iterator[Si
         instance_id = instance_id or f"{role}-{backend}-{next(_ids)}"
         cls = LocalSide if backend == "inprocess" else RemoteSide
         side = cls(role, instance_id, bootstrap_url, backend, **overrides)
-        side.instance_id = instance_id
         side.start_free = side.call("start")
         sides.append(side)
         return side
@@ -50,10 +51,8 @@ def make_side(request: pytest.FixtureRequest, bootstrap_url: str) -> Iterator[Si
         if isinstance(side, RemoteSide):
             side.close()
         else:
-            try:
+            with contextlib.suppress(Exception):  # a crashed side has nothing left to stop
                 side.call("stop")
-            except Exception:  # noqa: BLE001 — a crashed side has nothing to stop
-                pass
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """Two-sided test harness: an engine-like side (KV pool in the SmolLM2 layout, a page allocator, a manager),
 driven directly (in-process backend) or from a real OS process over a pipe (NIXL backend).
 
-Every prefill page is filled with a pattern derived from (room, page index in the prompt); the decode side checks
-every byte of every destination page against it, and that pages it does not own still hold the sentinel.
+Every prefill page is filled with a pattern derived from (room, page index in the prompt); the decode side
+checks every byte of every destination page against it, and that pages it does not own still hold the
+sentinel.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -23,13 +25,14 @@ MODEL_ID = "smollm2-135m-instruct"
 
 
 def smollm2_layout(num_pages: int = NUM_PAGES, **changes: Any) -> KVLayout:
-    fields = dict(num_layers=30, num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=3, head_dim=64)
+    fields: dict[str, Any] = {"num_layers": 30, "num_pages": num_pages, "page_size": PAGE_SIZE,
+                              "num_kv_heads": 3, "head_dim": 64}
     fields.update(changes)
     return KVLayout(**fields)  # type: ignore[arg-type]
 
 
 def page_pattern(room: int, index: int) -> np.ndarray:
-    """[num_layers, 2, page_size, num_kv_heads, head_dim] float32 content of prompt page ``index`` of ``room``."""
+    """Content of prompt page ``index`` of ``room``: float32 [layers, 2, page_size, kv_heads, head_dim]."""
     rng = np.random.default_rng((room % 2**32, index))
     return rng.standard_normal((30, 2, PAGE_SIZE, 3, 64), dtype=np.float32)
 
@@ -59,17 +62,20 @@ class PageAllocator:
 class SideWorker:
     """One engine-like instance. Methods take and return plain data so they can be called over a pipe."""
 
-    def __init__(self, role: str, instance_id: str, bootstrap_url: str, backend: str, **kv_overrides: Any) -> None:
+    def __init__(self, role: str, instance_id: str, bootstrap_url: str, backend: str,
+                 **kv_overrides: Any) -> None:
         layout = kv_overrides.pop("layout", smollm2_layout())
         # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], float32, host; touched (sentinel)
         self.pool = np.full((layout.num_layers, 2, layout.num_pages, layout.page_size, layout.num_kv_heads,
                              layout.head_dim), SENTINEL, dtype=np.float32)
         self.pages = PageAllocator(layout.num_pages)
-        params = dict(bootstrap_timeout_s=2.0, waiting_timeout_s=2.0, heartbeat_interval_s=0.2,
-                      peer_check_interval_s=0.2, http_timeout_s=1.0)
+        params: dict[str, Any] = {"bootstrap_timeout_s": 2.0, "waiting_timeout_s": 2.0,
+                                  "heartbeat_interval_s": 0.2, "peer_check_interval_s": 0.2,
+                                  "http_timeout_s": 1.0}
         params.update(kv_overrides)
         self.args = KVArgs(instance_id=instance_id, role=role, kv_base_ptr=self.pool.ctypes.data,
-                           kv_nbytes=self.pool.nbytes, layout=layout, model_id=params.pop("model_id", MODEL_ID),
+                           kv_nbytes=self.pool.nbytes, layout=layout,
+                           model_id=params.pop("model_id", MODEL_ID),
                            bootstrap_url=bootstrap_url, **params)
         self.manager = make_kv_manager(self.args, backend)
         self.rooms: dict[int, tuple[Any, list[int]]] = {}   # room → (sender or receiver, pages)
@@ -84,8 +90,8 @@ class SideWorker:
 
     def crash(self) -> None:
         """In-process stand-in for a killed process: the agent vanishes, nobody is told."""
-        self.manager._stop.set()  # noqa: SLF001 — test-only simulation of a crash
-        self.manager._transport.close()  # noqa: SLF001
+        self.manager._stop.set()
+        self.manager._transport.close()
 
     # --- prefill ------------------------------------------------------------------------------------------
     def open_sender(self, room: int, num_tokens: int, scatter: bool = False) -> None:
@@ -119,7 +125,8 @@ class SideWorker:
     def check_bytes(self, room: int) -> bool:
         """Every destination page holds exactly the prefill pattern."""
         _, pages = self.rooms[room]
-        return all(np.array_equal(self.pool[:, :, page], page_pattern(room, i)) for i, page in enumerate(pages))
+        return all(np.array_equal(self.pool[:, :, page], page_pattern(room, i))
+                   for i, page in enumerate(pages))
 
     def aux(self, room: int) -> tuple[int, float, int] | None:
         aux = self.rooms[room][0].aux
@@ -134,7 +141,8 @@ class SideWorker:
         return failure.reason if failure else ""
 
     def reap(self) -> int:
-        """Frees the pages of every room whose handle says they are releasable; returns the free-page count."""
+        """Frees the pages of every room whose handle says they are releasable; returns the free-page
+        count."""
         for room, (handle, pages) in list(self.rooms.items()):
             if handle.poll().is_terminal and handle.pages_releasable():
                 self.pool[:, :, pages] = SENTINEL
@@ -157,6 +165,8 @@ class LocalSide:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.worker = SideWorker(*args, **kwargs)
+        self.instance_id: str = args[1]
+        self.start_free = 0   # set by the fixture from ``start()``
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
@@ -181,6 +191,8 @@ class RemoteSide:
     """A ``SideWorker`` in its own OS process (spawned); every call waits at most ``timeout_s``."""
 
     def __init__(self, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> None:
+        self.instance_id: str = args[1]
+        self.start_free = 0   # set by the fixture from ``start()``
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._timeout_s = timeout_s

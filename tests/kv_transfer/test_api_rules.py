@@ -1,21 +1,22 @@
-"""API rules of managers, senders and receivers that need no peer: construction starts nothing, misuse fails the
-one room with a typed error, configuration is validated."""
+"""API rules of managers, senders and receivers that need no peer: construction starts nothing, misuse fails
+the one room with a typed error, configuration is validated."""
 
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
 from kv_harness import smollm2_layout
+
 from kv_transfer import AuxData, KVArgs, KVManager, KVPoll, TransferError, make_kv_manager
 
 
 def args_for(pool: np.ndarray, url: str, role: str = "prefill", **changes: object) -> KVArgs:
-    fields = dict(instance_id=f"rules-{role}", role=role, kv_base_ptr=pool.ctypes.data, kv_nbytes=pool.nbytes,
-                  layout=smollm2_layout(num_pages=4), model_id="m", bootstrap_url=url)
+    fields: dict[str, object] = {"instance_id": f"rules-{role}", "role": role,
+                                 "kv_base_ptr": pool.ctypes.data, "kv_nbytes": pool.nbytes,
+                                 "layout": smollm2_layout(num_pages=4), "model_id": "m", "bootstrap_url": url}
     fields.update(changes)
     return KVArgs(**fields)  # type: ignore[arg-type]
 
@@ -69,7 +70,7 @@ def test_a_second_sender_for_an_open_room_fails_alone(prefill: KVManager) -> Non
 
 def test_role_mismatch_and_bad_config_are_refused(pool: np.ndarray, bootstrap_url: str,
                                                   prefill: KVManager) -> None:
-    with pytest.raises(RuntimeError):
+    with pytest.raises(TypeError):
         prefill.create_receiver(1, "x")
     with pytest.raises(ValueError, match="kv_nbytes"):
         args_for(pool[:-1], bootstrap_url)

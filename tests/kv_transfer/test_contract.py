@@ -7,12 +7,13 @@ their start values.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 import pytest
-
 from kv_harness import PAGE_SIZE, wait_for
+
 from kv_transfer import KVPoll
 
 TIMEOUT_S = 10.0
@@ -20,7 +21,8 @@ _rooms = itertools.count(1000)
 
 
 def chunk_plan(num_tokens: int, chunk_tokens: int) -> list[tuple[int, bool]]:
-    """(pages sent, is_last) per prefill chunk: whole pages only, the partial last page with the last chunk."""
+    """(pages sent, is_last) per prefill chunk: whole pages only, the partial last page with the last
+    chunk."""
     plan, start = [], 0
     while start < num_tokens:
         end = min(start + chunk_tokens, num_tokens)
@@ -35,13 +37,15 @@ def open_room(prefill: Any, decode: Any, num_tokens: int, scatter: bool = False)
     room = next(_rooms)
     decode.call("open_receiver", room, prefill.instance_id, num_tokens, scatter)
     prefill.call("open_sender", room, num_tokens, scatter)
-    wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S, "destination at prefill")
+    wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S,
+             "destination at prefill")
     return room
 
 
 def finish(prefill: Any, decode: Any, room: int) -> None:
     wait_for(lambda: decode.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at decode")
-    wait_for(lambda: prefill.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at prefill")
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Success, TIMEOUT_S,
+             f"room {room} Success at prefill")
     assert decode.call("check_bytes", room)
     assert decode.call("aux", room) == (7, -0.25, room)
 
@@ -50,10 +54,18 @@ def assert_pages_back(*sides: Any) -> None:
     """Free pages back at their start value, no stray write, and the manager has closed every room (aux slots
     back too)."""
     for side in sides:
-        wait_for(lambda: side.call("reap") == side.start_free, TIMEOUT_S, f"{side.instance_id} free pages back")
+        wait_for(functools.partial(_pages_back, side), TIMEOUT_S, f"{side.instance_id} free pages back")
         assert side.call("untouched")
-        wait_for(lambda: side.call("metrics")["open_rooms"] == 0, TIMEOUT_S, f"{side.instance_id} rooms closed")
+        wait_for(functools.partial(_rooms_closed, side), TIMEOUT_S, f"{side.instance_id} rooms closed")
         assert side.call("metrics")["free_aux_slots"] == 1024
+
+
+def _pages_back(side: Any) -> bool:
+    return bool(side.call("reap") == side.start_free)
+
+
+def _rooms_closed(side: Any) -> bool:
+    return bool(side.call("metrics")["open_rooms"] == 0)
 
 
 def transfer(prefill: Any, decode: Any, num_tokens: int, chunk_tokens: int | None = None) -> None:
@@ -178,7 +190,8 @@ def test_receiver_killed_mid_transfer(pair: tuple[Any, Any], make_side: Any) -> 
     wait_for(lambda: decode.call("poll", room) == KVPoll.Transferring, TIMEOUT_S, "first chunk at decode")
     decode.kill()
     prefill.call("send", room, 2, True)
-    wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "prefill notices the dead decode")
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S,
+             "prefill notices the dead decode")
     assert_pages_back(prefill)
     restarted = make_side("decode", instance_id=decode.instance_id)   # same instance id, new agent
     transfer(prefill, restarted, 50, 20)

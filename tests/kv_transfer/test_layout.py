@@ -7,8 +7,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from kv_transfer.errors import CompatibilityError
 from kv_transfer.blocks import BlockTable
+from kv_transfer.errors import CompatibilityError
 from kv_transfer.layout import KVLayout, check_compatible, compat_hash
 
 LAYOUT = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8)
@@ -53,7 +53,8 @@ def test_compatibility_names_the_first_differing_field() -> None:
     check_compatible("m", LAYOUT, "m", KVLayout(3, 99, 4, 2, 8))  # num_pages may differ
     for field, other in [("head_dim", KVLayout(3, 5, 4, 2, 16)), ("page_size", KVLayout(3, 5, 8, 2, 8)),
                          ("num_layers", KVLayout(4, 5, 4, 2, 8)), ("num_kv_heads", KVLayout(3, 5, 4, 1, 8)),
-                         ("dtype", KVLayout(3, 5, 4, 2, 8, "float16")), ("version", KVLayout(3, 5, 4, 2, 8, version=2))]:
+                         ("dtype", KVLayout(3, 5, 4, 2, 8, "float16")),
+                         ("version", KVLayout(3, 5, 4, 2, 8, version=2))]:
         with pytest.raises(CompatibilityError) as info:
             check_compatible("m", LAYOUT, "m", other)
         assert info.value.field == field and field in str(info.value)

@@ -7,16 +7,17 @@ import pytest
 
 from kv_transfer.aux import AUX_SLOT_BYTES, AuxData
 from kv_transfer.auxbuf import AuxBuffer
+from kv_transfer.blocks import BlockTable
 from kv_transfer.inprocess import Fabric, InProcessTransport
+from kv_transfer.layout import KVLayout
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.tags import Tag, TagKind, chunk_tag
-from kv_transfer.blocks import BlockTable
-from kv_transfer.layout import KVLayout
 from kv_transfer.transport import TransportError, XferState
 
 
 def test_poll_states_are_ordered_and_only_move_forward() -> None:
-    assert KVPoll.Failed < KVPoll.Bootstrapping < KVPoll.WaitingForInput < KVPoll.Transferring < KVPoll.Success
+    order = [KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success]
+    assert order == sorted(order) and len(set(order)) == 5
     assert advance(KVPoll.Transferring, KVPoll.WaitingForInput) == KVPoll.Transferring
     assert advance(KVPoll.Bootstrapping, KVPoll.Transferring) == KVPoll.Transferring
     assert advance(KVPoll.Transferring, KVPoll.Failed) == KVPoll.Failed
@@ -38,7 +39,8 @@ def test_tags_round_trip_and_unknown_messages_are_ignored() -> None:
     tag = chunk_tag(room=2**62, xfer_id="abc", chunk_index=3, total_chunks=4)
     assert Tag.decode(tag.encode()) == tag and tag.total_chunks == 4
     assert chunk_tag(1, "x", 0, 0).total_chunks == 0
-    assert Tag.decode(Tag(TagKind.CANCEL, 5, "x", 0, "a|b").encode()).text == "a/b"
+    cancel = Tag.decode(Tag(TagKind.CANCEL, 5, "x", 0, "a|b").encode())
+    assert cancel is not None and cancel.text == "a/b"
     assert Tag.decode(b"garbage") is None and Tag.decode(b"nope|1|x|0|") is None
 
 
