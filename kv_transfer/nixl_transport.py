@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -40,15 +41,12 @@ def _nixl_errors() -> tuple[type[BaseException], ...]:
 
 class NixlTransport(Transport):
     def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0) -> None:
-        for key, value in UCX_DEFAULTS.items():
-            os.environ.setdefault(key, value)
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
-
+        """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``."""
         self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
         self._mem_type = mem_type
         self._device_id = device_id
         self._errors = _nixl_errors()
-        self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self._agent: Any = None
         self._reg_descs: list[object] = []
         self._local_dlists: list[object] = []
         self._num_kv_blocks = 0
@@ -62,6 +60,11 @@ class NixlTransport(Transport):
     def register(self, table: BlockTable) -> None:
         """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;
         in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
+        for key, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+
+        self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         kv_region = (table.kv_base_ptr, table.num_kv_blocks * table.layout.block_bytes, self._device_id, "")
         aux_region = (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES, 0, "")
         if self._mem_type == "DRAM":
@@ -156,6 +159,8 @@ class NixlTransport(Transport):
         return out
 
     def close(self) -> None:
+        if self._agent is None:
+            return
         for name in list(self._peer_dlists):
             self.remove_peer(name)
         try:

@@ -3,6 +3,8 @@ the one room with a typed error, configuration is validated."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import threading
 from collections.abc import Iterator
 
@@ -35,10 +37,13 @@ def prefill(pool: np.ndarray, bootstrap_url: str) -> Iterator[KVManager]:
     manager.shutdown()
 
 
-def test_constructing_a_manager_starts_no_thread(pool: np.ndarray, bootstrap_url: str) -> None:
-    before = threading.active_count()
-    manager = make_kv_manager(args_for(pool, bootstrap_url), "inprocess")
-    assert threading.active_count() == before
+@pytest.mark.parametrize("backend", ["inprocess", pytest.param("nixl", marks=pytest.mark.nixl)])
+def test_constructing_a_manager_starts_no_thread(pool: np.ndarray, bootstrap_url: str, backend: str) -> None:
+    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
+        pytest.skip("nixl is not installed")
+    before = threading.active_count(), len(os.listdir("/proc/self/task"))  # Python and native threads
+    manager = make_kv_manager(args_for(pool, bootstrap_url), backend)
+    assert (threading.active_count(), len(os.listdir("/proc/self/task"))) == before
     manager.shutdown()  # a never-started manager shuts down as a no-op
 
 
