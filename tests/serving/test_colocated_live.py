@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
 from live_prompts import PROMPTS
 
@@ -151,3 +152,11 @@ def test_http_generate_stream(triton_server, reference) -> None:
     assert "".join(e["text_output"] for e in events) == reference[prompt]
     assert events[-1]["finish_reason"] in ("stop", "length")
     assert events[-1]["num_output_tokens"] == max(e["num_output_tokens"] for e in events)
+
+
+def test_http_generate_non_streaming(triton_server, reference) -> None:
+    prompt = PROMPTS[1]
+    body = {"text_input": prompt, "sampling_parameters": '{"max_tokens": "16", "temperature": "0"}'}
+    resp = requests.post(f"{triton_server.http_url}/v2/models/colocated/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["text_output"] == prompt + reference[prompt]
