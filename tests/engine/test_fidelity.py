@@ -45,11 +45,8 @@ def greedy() -> SamplingParams:
 
 
 @pytest.fixture(scope="session")
-def loaded():
-    from engine.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model("smollm2")
+def loaded(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="session")
@@ -60,19 +57,22 @@ def prompts(loaded) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="session")
-def reference(loaded, prompts) -> dict[str, list[int]]:
+def reference(smollm2_reference, prompts) -> dict[str, list[int]]:
     """transformers greedy continuation of each prompt, one at a time (no padding), EOS not stopping."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=torch.float32).eval()
-    # like ignore_eos: EOS may be generated but does not stop (min_new_tokens would instead forbid it)
+    hf = smollm2_reference
+    saved_eos = hf.generation_config.eos_token_id
+    # like ignore_eos: EOS may be generated but does not stop (min_new_tokens would instead forbid it).
+    # Set on the shared model for the duration only: a passed generation_config gets None filled back in.
     hf.generation_config.eos_token_id = None
     out = {}
-    with torch.inference_mode():
-        for rid, p in prompts.items():
-            gen = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-            out[rid] = gen[0, len(p):].tolist()
+    try:
+        with torch.inference_mode():
+            for rid, p in prompts.items():
+                gen = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+                out[rid] = gen[0, len(p):].tolist()
+    finally:
+        hf.generation_config.eos_token_id = saved_eos
     return out
 
 
