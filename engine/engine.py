@@ -113,11 +113,15 @@ class LLMEngine:
         self._track(seq)
         return seq.page_table[:pages_for_tokens(seq.num_prompt_tokens, self.config.page_size)]
 
-    def add_prebuilt_request(self, request_id: RequestId, first_token_id: int, first_logprob: float) -> None:
+    def add_prebuilt_request(self, request_id: RequestId, first_token_id: int, first_logprob: float,
+                             first_token_sent: bool = False) -> None:
         """Decode mode: the prompt KV is in the reserved pages; continue from ``first_token_id``.
 
-        The first token is reported in the request's next output. If it already finishes the request
-        (EOS, a stop token or string, ``max_tokens == 1``) the request finishes at the next step, no forward.
+        The first token is reported in the request's next output, unless ``first_token_sent``: then the
+        prefill side already sent it (its id and the text a prefill-mode engine emits for it) and the outputs
+        here carry only what follows; ``num_output_tokens`` still counts it. If the first token already
+        finishes the request (EOS, a stop token or string, ``max_tokens == 1``) the request finishes at the
+        next step, no forward.
 
         Raises:
             EngineError: not in decode mode, ``request_id`` is not reserved, or it was added already.
@@ -128,6 +132,8 @@ class LLMEngine:
             raise EngineError(f"request {request_id!r} is not reserved (or was already added)")
         seq.num_computed_tokens = seq.num_prompt_tokens
         reason = self.output_processor.append_token(seq, int(first_token_id), float(first_logprob))
+        if first_token_sent:
+            self.output_processor.mark_emitted(seq)
         if reason is not None:
             self._finish_next.append((seq, reason))
         else:
@@ -193,7 +199,9 @@ class LLMEngine:
         if is_last:
             reason = reason or "length"
             self.scheduler.finish(seq, hold=True)
-        return self.output_processor.make_output(seq, reason if is_last else None, chunk)
+        # the text of the first token is emitted as a decode-mode engine would, holding back a possible stop
+        # string's start, so that the decode side (first_token_sent=True) continues exactly where it ends
+        return self.output_processor.make_output(seq, reason if is_last else None, chunk, hold_text=True)
 
     def _finish_prebuilt(self) -> list[RequestOutput]:
         outputs = []

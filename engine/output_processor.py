@@ -8,7 +8,8 @@ in the text gives ``"stop"`` (the text is cut where the string starts); then ``m
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from engine.outputs import FinishReason, PrefillChunk, RequestOutput
 from engine.sequence import RequestId, Sequence
@@ -74,9 +75,21 @@ class OutputProcessor:
             return "stop"
         return "length" if seq.num_output_tokens >= p.max_tokens else None
 
+    def mark_emitted(self, seq: Sequence) -> None:
+        """Count everything ``seq`` produced so far as already sent (by the prefill side of PD): tokens, and
+        the text a non-final output would have carried."""
+        seq.num_emitted_tokens = seq.num_output_tokens
+        text = self._texts.get(seq.request_id)
+        if text is not None:
+            text.take(final=False)
+
     def make_output(self, seq: Sequence, finish_reason: FinishReason | None,
-                    prefill_chunk: PrefillChunk | None = None) -> RequestOutput:
-        """Everything ``seq`` produced since its previous output."""
+                    prefill_chunk: PrefillChunk | None = None, hold_text: bool = False) -> RequestOutput:
+        """Everything ``seq`` produced since its previous output.
+
+        ``hold_text`` keeps back a possible stop string's start even when the request finished (prefill mode:
+        the decode side goes on from the same point).
+        """
         start = seq.num_emitted_tokens
         seq.num_emitted_tokens = seq.num_output_tokens
         text = self._texts.get(seq.request_id)
@@ -84,7 +97,7 @@ class OutputProcessor:
             request_id=seq.request_id,
             new_token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
             new_logprobs=seq.output_logprobs[start:],
-            new_text=text.take(final=finish_reason is not None) if text else "",
+            new_text=text.take(final=finish_reason is not None and not hold_text) if text else "",
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,

@@ -107,6 +107,12 @@ def instance_device(kind: str, device_id: int) -> str:
     return f"cuda:{device_id}" if kind.upper().endswith("GPU") else "cpu"
 
 
+def read_bootstrap_url(configured: str, environ: Mapping[str, str] | None = None) -> str:
+    """The bootstrap URL: ``PD_BOOTSTRAP_URL`` from the environment when set, else ``configured``."""
+    env = os.environ if environ is None else environ
+    return env.get(BOOTSTRAP_URL_ENV) or configured
+
+
 def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None,
                         device: str = "cpu") -> WorkerConfig:
     """Build the worker config from a model config's ``parameters`` section.
@@ -130,10 +136,7 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
         text = raw.get("string_value", "") if isinstance(raw, Mapping) else str(raw)
         values[name] = _parse(name, types[name], text.strip())
     config = WorkerConfig(**values)
-    env = os.environ if environ is None else environ
-    if env.get(BOOTSTRAP_URL_ENV):
-        config = replace(config, bootstrap_url=env[BOOTSTRAP_URL_ENV])
-    return config
+    return replace(config, bootstrap_url=read_bootstrap_url(config.bootstrap_url, environ))
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:

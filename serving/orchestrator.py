@@ -27,6 +27,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from serving.request import GenerateRequest
+from serving.stream import ResponseChunk, ResponseSink
+
 logger = logging.getLogger(__name__)
 
 Room = int
@@ -42,19 +45,20 @@ class ChildResponse:
 
     Attributes:
         text: new text of this response (a UTF-8 delta; may be empty).
-        num_tokens: tokens produced by this response.
+        num_input_tokens: prompt length in tokens (0 when the response does not say).
+        num_output_tokens: tokens generated so far, counted from the first token (prefill's response: 1;
+            decode's responses include the first token in their count).
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token, else ``None``.
         error: the child's error message, if it failed.
         final: the FINAL flag of the child stream.
-        transfer_ms: KV transfer time the prefill side measured (first chunk sent → all chunks acknowledged).
     """
 
     text: str = ""
-    num_tokens: int = 0
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     final: bool = False
-    transfer_ms: float | None = None
 
 
 @dataclass
@@ -65,6 +69,7 @@ class OutputChunk:
     final: bool
     finish_reason: str | None = None
     error: str | None = None
+    num_input_tokens: int = 0
     num_output_tokens: int = 0
 
 
@@ -74,8 +79,13 @@ class _MergeState:
     prefill_final: bool = False
     decode_final: bool = False
     held: list[ChildResponse] = field(default_factory=list)
-    num_tokens: int = 0
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
     finish_reason: str | None = None
+
+    def final_chunk(self, finish_reason: str | None) -> "OutputChunk":
+        return OutputChunk(text="", final=True, finish_reason=finish_reason,
+                           num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens)
 
 
 class RoomAllocator:
@@ -117,8 +127,19 @@ class RoundRobinPairing:
             return next(self._prefill), next(self._decode)
 
 
-#: ``launch(model_name, room) -> iterable of ChildResponse`` sends one child request and yields its responses.
-Launch = Callable[[str, Room], Iterable[ChildResponse]]
+@dataclass(frozen=True)
+class ChildCall:
+    """One child request: ``role`` (``"prefill"``/``"decode"``) on ``model``, for ``room``, paired with
+    ``prefill_model`` (the decode side writes its destination to that prefill instance)."""
+
+    role: str
+    model: str
+    room: Room
+    prefill_model: str
+
+
+#: ``launch(call) -> iterable of ChildResponse`` sends one child request and yields its responses.
+Launch = Callable[[ChildCall], Iterable[ChildResponse]]
 #: ``abort_room(room, reason)`` tells both instances to drop the room (through the bootstrap service).
 AbortRoom = Callable[[Room, str], None]
 
@@ -126,16 +147,28 @@ AbortRoom = Callable[[Room, str], None]
 class PDOrchestrator:
     """Runs requests through a prefill/decode pair and merges the two child streams into one."""
 
-    def __init__(self, pairing: RoundRobinPairing, rooms: RoomAllocator, launch: Launch,
-                 abort_room: AbortRoom, readers: Executor) -> None:
+    def __init__(self, pairing: RoundRobinPairing, rooms: RoomAllocator, abort_room: AbortRoom,
+                 readers: Executor) -> None:
+        """
+        Args:
+            pairing: picks the (prefill, decode) models of each request.
+            rooms: allocates bootstrap rooms.
+            abort_room: tells both instances to drop a room (called on errors and client cancels).
+            readers: runs the two child-stream readers of each request (two threads per request in flight).
+        """
         self._pairing = pairing
         self._rooms = rooms
-        self._launch = launch
         self._abort_room = abort_room
         self._readers = readers
 
-    def generate(self, emit: Callable[[OutputChunk], None], is_cancelled: Callable[[], bool]) -> None:
+    def generate(self, launch: Launch, emit: Callable[[OutputChunk], None],
+                 is_cancelled: Callable[[], bool]) -> None:
         """Serve one request to its end; ``emit`` is called with the final chunk exactly once, last.
+
+        Args:
+            launch: sends one child request of this client request (it holds the client's inputs).
+            emit: receives the client's chunks, in order, on this thread.
+            is_cancelled: True once the client cancelled (polled every ``CANCEL_POLL_INTERVAL_S``).
 
         Blocks the calling thread until the request has ended for the client. Never raises: every failure
         becomes a final chunk with ``error`` set.
@@ -144,8 +177,8 @@ class PDOrchestrator:
         prefill_model, decode_model = self._pairing.next_pair()
         events: queue.Queue[tuple[str, ChildResponse]] = queue.Queue()
         try:
-            self._start_reader("prefill", prefill_model, room, events)
-            self._start_reader("decode", decode_model, room, events)
+            self._start_reader(ChildCall("prefill", prefill_model, room, prefill_model), launch, events)
+            self._start_reader(ChildCall("decode", decode_model, room, prefill_model), launch, events)
             final = self._merge(room, events, emit, is_cancelled)
         except Exception as exc:  # a bug here must still end the client's stream
             logger.exception("room=%d: orchestration failed", room)
@@ -155,17 +188,17 @@ class PDOrchestrator:
             self._rooms.release(room)
         emit(final)
 
-    def _start_reader(self, role: str, model: str, room: Room, events: queue.Queue) -> None:
+    def _start_reader(self, call: ChildCall, launch: Launch, events: queue.Queue) -> None:
         def read() -> None:
             try:
-                for response in self._launch(model, room):
-                    events.put((role, response))
+                for response in launch(call):
+                    events.put((call.role, response))
                     if response.final:
                         return
-                events.put((role, ChildResponse(final=True)))
+                events.put((call.role, ChildResponse(final=True)))
             except Exception as exc:
-                logger.warning("room=%d: %s stream failed: %s", room, role, exc)
-                events.put((role, ChildResponse(error=f"{role} failed: {exc}", final=True)))
+                logger.warning("room=%d: %s stream failed: %s", call.room, call.role, exc)
+                events.put((call.role, ChildResponse(error=f"{call.role} failed: {exc}", final=True)))
 
         self._readers.submit(read)
 
@@ -175,8 +208,7 @@ class PDOrchestrator:
         while not (state.prefill_final and state.decode_final):
             if is_cancelled():
                 self._abort_room(room, "cancelled by the client")
-                return OutputChunk(text="", final=True, finish_reason="abort",
-                                   num_output_tokens=state.num_tokens)
+                return state.final_chunk("abort")
             try:
                 role, response = events.get(timeout=CANCEL_POLL_INTERVAL_S)
             except queue.Empty:
@@ -185,14 +217,13 @@ class PDOrchestrator:
                 self._abort_room(room, f"{role}: {response.error}")
                 return OutputChunk(text="", final=True, error=response.error)
             self._accept(role, response, state, emit)
-        return OutputChunk(text="", final=True, finish_reason=state.finish_reason,
-                           num_output_tokens=state.num_tokens)
+        return state.final_chunk(state.finish_reason)
 
     def _accept(self, role: str, response: ChildResponse, state: _MergeState,
                 emit: Callable[[OutputChunk], None]) -> None:
         if role == "prefill":
             state.prefill_final = state.prefill_final or response.final
-            if not state.first_done and (response.num_tokens or response.final):
+            if not state.first_done and (response.num_output_tokens or response.final):
                 state.first_done = True
                 self._forward(response, state, emit)
                 for held in state.held:
@@ -207,8 +238,45 @@ class PDOrchestrator:
 
     @staticmethod
     def _forward(response: ChildResponse, state: _MergeState, emit: Callable[[OutputChunk], None]) -> None:
-        state.num_tokens += response.num_tokens
+        state.num_input_tokens = max(state.num_input_tokens, response.num_input_tokens)
+        state.num_output_tokens = max(state.num_output_tokens, response.num_output_tokens)
         if response.finish_reason is not None:
             state.finish_reason = response.finish_reason
-        if response.text or response.num_tokens:
-            emit(OutputChunk(text=response.text, final=False, num_output_tokens=state.num_tokens))
+        if response.text:
+            emit(OutputChunk(text=response.text, final=False, num_input_tokens=state.num_input_tokens,
+                             num_output_tokens=state.num_output_tokens))
+
+
+class EnsembleResponder:
+    """Turns the orchestrator's chunks into the client's responses (the Triton LLM convention).
+
+    Streaming: one response per text delta, then a last response with the finish reason and FINAL.
+    Non-streaming: one response, FINAL, with the whole text (the prompt first unless
+    ``exclude_input_in_output``). An error: one error response, FINAL. A client cancel: FINAL alone.
+    """
+
+    def __init__(self, request: GenerateRequest, sink: ResponseSink) -> None:
+        self._request = request
+        self._sink = sink
+        self._parts: list[str] = []
+
+    def emit(self, chunk: OutputChunk) -> None:
+        if chunk.error is not None:
+            self._sink.send_error(chunk.error)
+            return
+        if chunk.final and chunk.finish_reason == "abort" and self._sink.is_cancelled():
+            self._sink.close()
+            return
+        if self._request.stream:
+            if chunk.text or chunk.final:
+                self._sink.send(self._response(chunk.text, chunk), final=chunk.final)
+            return
+        self._parts.append(chunk.text)
+        if chunk.final:
+            prefix = self._request.prompt if self._request.echo_prompt else ""
+            self._sink.send(self._response(prefix + "".join(self._parts), chunk), final=True)
+
+    @staticmethod
+    def _response(text: str, chunk: OutputChunk) -> ResponseChunk:
+        return ResponseChunk(text=text, finish_reason=chunk.finish_reason if chunk.final else None,
+                             num_input_tokens=chunk.num_input_tokens, num_output_tokens=chunk.num_output_tokens)

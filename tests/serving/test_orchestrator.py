@@ -25,9 +25,10 @@ class Children:
         self.rooms: dict[str, int] = {}
         self.aborted: list[tuple[int, str]] = []
 
-    def launch(self, model: str, room: int):
-        self.rooms[model] = room
-        for delay_s, response in self.script[model]:
+    def launch(self, call):
+        self.rooms[call.role] = call.room
+        assert call.prefill_model == "prefill"
+        for delay_s, response in self.script[call.role]:
             time.sleep(delay_s)
             yield response
 
@@ -44,29 +45,31 @@ def run(children: Children, cancel_after_s: float | None = None) -> list[OutputC
 
     pool = ThreadPoolExecutor(4)
     orchestrator = PDOrchestrator(RoundRobinPairing(["prefill"], ["decode"]), RoomAllocator(),
-                                  children.launch, children.abort_room, pool)
-    orchestrator.generate(out.append, cancelled)
+                                  children.abort_room, pool)
+    orchestrator.generate(children.launch, out.append, cancelled)
     pool.shutdown(wait=False)  # a reader may still drain a child stream, as it does in the server
     return out
 
 
-def tok(text: str, final: bool = False, finish_reason: str | None = None) -> ChildResponse:
-    return ChildResponse(text=text, num_tokens=1, final=final, finish_reason=finish_reason)
+def tok(text: str, n: int, final: bool = False, finish_reason: str | None = None) -> ChildResponse:
+    return ChildResponse(text=text, num_input_tokens=7, num_output_tokens=n, final=final,
+                         finish_reason=finish_reason)
 
 
 def test_first_token_comes_first_even_when_decode_answers_earlier():
-    children = Children(prefill=[(0.1, tok("A")), (0, ChildResponse(final=True))],
-                        decode=[(0, tok("B")), (0, tok("C", final=True, finish_reason="length"))])
+    children = Children(prefill=[(0.1, tok("A", 1)), (0, ChildResponse(final=True))],
+                        decode=[(0, tok("B", 2)), (0, tok("C", 3, final=True, finish_reason="length"))])
     out = run(children)
     assert [c.text for c in out if not c.final] == ["A", "B", "C"]
-    assert out[-1].final and out[-1].finish_reason == "length" and out[-1].num_output_tokens == 3
+    assert out[-1].final and out[-1].finish_reason == "length"
+    assert (out[-1].num_input_tokens, out[-1].num_output_tokens) == (7, 3)
     assert sum(c.final for c in out) == 1
     assert children.rooms["prefill"] == children.rooms["decode"]
     assert children.aborted == []
 
 
 def test_decode_error_aborts_the_room_and_ends_with_one_final_error():
-    children = Children(prefill=[(0.5, tok("A", final=True))],
+    children = Children(prefill=[(0.5, tok("A", 1, final=True))],
                         decode=[(0, ChildResponse(error="prompt too long", final=True))])
     out = run(children)
     assert len(out) == 1 and out[0].final and out[0].error == "prompt too long"
@@ -74,7 +77,7 @@ def test_decode_error_aborts_the_room_and_ends_with_one_final_error():
 
 
 def test_a_child_stream_that_raises_becomes_an_error_not_a_hang():
-    def broken(model, room):
+    def broken(call):
         raise RuntimeError("model not ready")
 
     children = Children(prefill=[], decode=[])
@@ -84,7 +87,7 @@ def test_a_child_stream_that_raises_becomes_an_error_not_a_hang():
 
 
 def test_client_cancel_aborts_the_room():
-    children = Children(prefill=[(0, tok("A"))], decode=[(5.0, tok("B", final=True))])
+    children = Children(prefill=[(0, tok("A", 1))], decode=[(5.0, tok("B", 2, final=True))])
     start = time.monotonic()
     out = run(children, cancel_after_s=0.1)
     assert time.monotonic() - start < 4.0

@@ -1,0 +1,224 @@
+"""``DecodeWorker``: the decode half of PD disaggregation, on one engine in decode mode.
+
+Lifecycle of one request (SGLang's decode side), every step but the first on the engine loop thread:
+
+1. ``handle`` (Triton's execute thread): tokenize; the job joins the **prealloc queue**;
+2. prealloc (FIFO): a KV receiver for the room (handshake with the prefill instance, once per peer), then the
+   engine reserves pages for prompt + max_tokens (a request that waits for free pages holds up the ones behind
+   it; one that can never fit fails) and ``receiver.init`` tells the prefill instance where to write;
+3. **transfer queue**: the receiver is polled each tick; at ``Success`` the request joins the **running batch**
+   with ``add_prebuilt_request`` (first token from the aux data, no prefill forward) and streams its tokens;
+4. a failure ends the request with an error response; its pages stay reserved until the receiver says no
+   write can land any more (``pages_releasable``), then the engine frees them.
+
+Client cancel and orchestrator aborts (``RoomAborts``) are checked every tick in every queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from engine.errors import OutOfPages, RequestRejected
+from kv_transfer import KVPoll, KVReceiver
+from serving.colocated import Tokenizer, prompt_token_ids
+from serving.engine_loop import EngineLoop
+from serving.events import LoopEvent
+from serving.metrics import ServingMetrics
+from serving.pd_request import PDRequest
+from serving.room_aborts import RoomAborts
+from serving.stream import GenerationStream, ResponseSink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    request_id: str
+    pd: PDRequest
+    token_ids: list[int]
+    stream: GenerationStream
+    receiver: KVReceiver | None = None
+    reserved: bool = False
+    abort_reason: str | None = field(default=None)
+
+
+class DecodeWorker:
+    """Receives KV for rooms and decodes them in one continuous batch."""
+
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: object, room_aborts: RoomAborts,
+                 name: str = "decode", metrics: ServingMetrics | None = None) -> None:
+        """Registers itself as a tick hook of ``loop``; starts nothing.
+
+        Args:
+            loop: loop of a decode-mode engine (not started).
+            tokenizer: the engine's tokenizer.
+            kv_manager: a decode-role ``kv_transfer.KVManager`` (``create_receiver``), not started.
+            room_aborts: rooms the orchestrator aborted.
+            name: prefix of request ids.
+            metrics: where to publish queue lengths and outcomes; None disables.
+        """
+        self._loop = loop
+        self._engine = loop.engine
+        self._tokenizer = tokenizer
+        self._kv = kv_manager
+        self._room_aborts = room_aborts
+        self._name = name
+        self._metrics = metrics
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._incoming: list[_Job] = []
+        self._prealloc: list[_Job] = []
+        self._transfer: dict[str, _Job] = {}
+        self._running: dict[str, _Job] = {}
+        self._releasing: dict[str, _Job] = {}  # failed; pages held until no write can land
+        loop.add_hook(self)
+
+    # ---- any thread -------------------------------------------------------------------------------------------
+    def handle(self, pd: PDRequest, sink: ResponseSink) -> str:
+        """Queue one request; its tokens after the first go to ``sink``. Never raises."""
+        request_id = f"{self._name}-{next(self._ids)}"
+        try:
+            token_ids = prompt_token_ids(self._tokenizer, pd.request)
+        except Exception as e:
+            sink.send_error(f"tokenization failed: {e}")
+            return request_id
+        job = _Job(request_id, pd, token_ids, GenerationStream(request_id, pd.request, sink))
+        if not self._loop.running:
+            sink.send_error(f"{self._name} is not running")
+            return request_id
+        with self._lock:
+            self._incoming.append(job)
+        self._loop.wake()
+        return request_id
+
+    def num_active(self) -> int:
+        with self._lock:
+            return (len(self._incoming) + len(self._prealloc) + len(self._transfer) + len(self._running)
+                    + len(self._releasing))
+
+    def fail_all(self, reason: str) -> None:
+        """After the loop stopped: end every request still queued here with an error response (FINAL)."""
+        with self._lock:
+            jobs = self._incoming + self._prealloc + list(self._transfer.values())
+            self._incoming = []
+        self._prealloc, self._transfer = [], {}
+        for job in jobs:
+            if job.receiver is not None:
+                job.receiver.abort(reason)
+            job.stream.sink.send_error(reason)
+
+    # ---- loop thread ------------------------------------------------------------------------------------------
+    def on_tick(self) -> bool:
+        """Advance every queue by one round; True while something waits on the network."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        for job in incoming:
+            job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance)  # type: ignore
+            self._prealloc.append(job)
+        self._poll_prealloc()
+        self._poll_transfer()
+        self._poll_running()
+        self._poll_releasing()
+        self._publish()
+        return bool(self._prealloc or self._transfer or self._releasing)
+
+    def _poll_prealloc(self) -> None:
+        blocked = False
+        for job in list(self._prealloc):
+            assert job.receiver is not None
+            reason = self._cancel_reason(job)
+            if reason is None and job.receiver.poll() == KVPoll.Failed:
+                reason = str(job.receiver.failure or "KV receiver failed")
+            if reason is not None:
+                self._prealloc.remove(job)
+                self._fail(job, reason)
+                continue
+            if blocked:
+                continue
+            try:
+                pages = self._engine.reserve_request(job.request_id, job.token_ids, job.pd.request.params)
+            except OutOfPages:
+                blocked = True  # FIFO: later requests wait behind the head
+                continue
+            except RequestRejected as e:
+                self._prealloc.remove(job)
+                self._fail(job, str(e))
+                continue
+            job.reserved = True
+            job.receiver.init(pages)
+            self._prealloc.remove(job)
+            self._transfer[job.request_id] = job
+
+    def _poll_transfer(self) -> None:
+        for job in list(self._transfer.values()):
+            assert job.receiver is not None
+            reason = self._cancel_reason(job)
+            state = job.receiver.poll()
+            if reason is None and state == KVPoll.Failed:
+                reason = str(job.receiver.failure or "KV receiver failed")
+            if reason is not None:
+                del self._transfer[job.request_id]
+                self._fail(job, reason)
+            elif state == KVPoll.Success:
+                del self._transfer[job.request_id]
+                self._start_decode(job)
+
+    def _start_decode(self, job: _Job) -> None:
+        assert job.receiver is not None and job.receiver.aux is not None
+        aux = job.receiver.aux
+        self._engine.add_prebuilt_request(job.request_id, aux.first_token_id, aux.first_logprob,
+                                          first_token_sent=True)
+        self._running[job.request_id] = job
+        self._loop.track(job.request_id, lambda event: self._on_event(job, event))
+
+    def _on_event(self, job: _Job, event: LoopEvent) -> None:
+        if job.stream.on_event(event):
+            self._running.pop(job.request_id, None)
+            outcome = "cancelled" if job.stream.cancelled else ("failed" if job.stream.error else "finished")
+            self._count(outcome, job)
+
+    def _poll_running(self) -> None:
+        for job in list(self._running.values()):
+            reason = self._cancel_reason(job)
+            if reason is not None and not job.stream.cancelled:
+                job.stream.cancelled = job.stream.sink.is_cancelled()
+                self._loop.abort(job.request_id, reason)  # → RequestFailed → _on_event ends the stream
+
+    def _poll_releasing(self) -> None:
+        for job in list(self._releasing.values()):
+            assert job.receiver is not None
+            if job.receiver.pages_releasable():
+                del self._releasing[job.request_id]
+                self._engine.abort_request(job.request_id)
+
+    def _fail(self, job: _Job, reason: str) -> None:
+        """End the client stream now; free the pages once no late WRITE can land in them."""
+        assert job.receiver is not None
+        if job.receiver.poll() != KVPoll.Failed:
+            job.receiver.abort(reason)
+        if job.reserved:
+            self._releasing[job.request_id] = job
+        logger.info("request %s room=%d failed: %s", job.request_id, job.pd.room, reason)
+        job.stream.sink.send_error(reason)
+        self._count("failed", job)
+
+    def _cancel_reason(self, job: _Job) -> str | None:
+        if self._room_aborts.is_aborted(job.pd.room):
+            return f"room {job.pd.room} aborted by the orchestrator"
+        if job.stream.sink.is_cancelled():
+            return "cancelled by the client"
+        return None
+
+    def _count(self, outcome: str, job: _Job) -> None:
+        if self._metrics is not None:
+            self._metrics.request_done(outcome, len(job.token_ids), job.stream.num_output_tokens)
+
+    def _publish(self) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.set_queue_length("prealloc", len(self._prealloc))
+        self._metrics.set_queue_length("transfer", len(self._transfer))
+        self._metrics.set_queue_length("releasing", len(self._releasing))

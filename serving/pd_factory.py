@@ -1,0 +1,110 @@
+"""Builds the PD workers: engine + engine loop + KV manager + room-abort feed, wired for one model instance.
+
+Start order (``PDWorkerHandle.start``): KV manager (registers the KV region with NIXL and the instance with the
+bootstrap service), abort feed, engine loop. Stop order, the reverse: engine loop (requests in flight end with
+an error and FINAL), abort feed, KV manager (fails open rooms, tells the peers, deregisters).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kv_transfer import KVArgs, KVLayout, make_kv_manager
+from serving.config import WorkerConfig
+from serving.decode_worker import DecodeWorker
+from serving.engine_loop import EngineLoop
+from serving.metrics import LoopMetricsHook, ServingMetrics
+from serving.prefill_worker import PrefillWorker
+from serving.room_aborts import RoomAborts
+
+logger = logging.getLogger(__name__)
+
+
+def kv_args(config: WorkerConfig, engine: Any, instance_id: str, role: str) -> KVArgs:
+    """The KV manager's arguments for ``engine``'s pool (``[num_layers, 2, num_pages, page_size, kv_heads,
+    head_dim]``, one contiguous region)."""
+    pool = engine.kv_pool
+    layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
+                      num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype)
+    on_gpu = config.device.startswith("cuda")
+    return KVArgs(instance_id=instance_id, role=role, kv_base_ptr=pool.base_ptr, kv_nbytes=pool.nbytes,
+                  layout=layout, model_id=engine.model_config.model_id, bootstrap_url=config.bootstrap_url,
+                  bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
+                  mem_type="VRAM" if on_gpu else "DRAM",
+                  device_id=int(config.device.split(":")[1]) if on_gpu and ":" in config.device else 0)
+
+
+class KVMetricsHook:
+    """Tick hook publishing the KV manager's counters (``pd_kv_*``) and the transfer time of finished rooms."""
+
+    def __init__(self, kv_manager: Any, metrics: ServingMetrics, worker: Any = None) -> None:
+        self._kv = kv_manager
+        self._metrics = metrics
+        self._worker = worker
+        self._seen: dict[str, float] = {}
+
+    def on_tick(self) -> bool:
+        values: dict[str, float] = {k: float(v) for k, v in self._kv.metrics().items()}
+        if self._worker is not None and hasattr(self._worker, "transfer_seconds_total"):
+            values["transfer_seconds_total"] = self._worker.transfer_seconds_total
+        for key, name in (("kv_bytes_total", "pd_kv_transfer_bytes_total"),
+                          ("transfers_total", "pd_kv_transfers_total"),
+                          ("failed_rooms_total", "pd_kv_failed_rooms_total"),
+                          ("timed_out_rooms_total", "pd_kv_timed_out_rooms_total"),
+                          ("transfer_seconds_total", "pd_kv_transfer_seconds_total")):
+            if key in values:
+                self._metrics.increment(name, values[key] - self._seen.get(key, 0.0))
+                self._seen[key] = values[key]
+        return False
+
+
+@dataclass
+class PDWorkerHandle:
+    """A started-or-not PD worker with everything it owns."""
+
+    worker: PrefillWorker | DecodeWorker
+    loop: EngineLoop
+    kv_manager: Any
+    room_aborts: RoomAborts
+
+    def start(self) -> None:
+        self.kv_manager.start()
+        self.room_aborts.start()
+        self.loop.start()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        stopped = self.loop.stop(timeout_s)
+        self.worker.fail_all("the worker is shutting down")
+        self.room_aborts.stop(timeout_s)
+        self.kv_manager.shutdown(timeout_s)
+        return stopped
+
+
+def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
+                     metrics: ServingMetrics | None = None) -> PDWorkerHandle:
+    """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started).
+
+    Raises:
+        ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
+        engine.model.errors.ModelLoadError: the model cannot be loaded.
+    """
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    from engine import LLMEngine  # heavy import (torch): only when a worker is built
+
+    engine = LLMEngine(config.engine_config(role))
+    loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
+    kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role), backend=config.kv_backend)
+    room_aborts = RoomAborts(config.bootstrap_url, instance_id)
+    worker: PrefillWorker | DecodeWorker
+    if role == "prefill":
+        worker = PrefillWorker(loop, engine.tokenizer, kv_manager, config.page_size, room_aborts,
+                               name=instance_id, metrics=metrics)
+    else:
+        worker = DecodeWorker(loop, engine.tokenizer, kv_manager, room_aborts, name=instance_id, metrics=metrics)
+    if metrics is not None:
+        loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages)))
+        loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
+    return PDWorkerHandle(worker, loop, kv_manager, room_aborts)

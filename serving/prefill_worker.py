@@ -1,0 +1,235 @@
+"""``PrefillWorker``: the prefill half of PD disaggregation, on one engine in prefill mode.
+
+Lifecycle of one request (SGLang's prefill side), every step but the first on the engine loop thread:
+
+1. ``handle`` (Triton's execute thread): tokenize; the job joins the **bootstrap queue** with a KV sender for
+   its room (``Bootstrapping`` until the decode side has posted where to write);
+2. the sender reaches ``WaitingForInput``: ``sender.init(num_pages)``, the request joins the engine's
+   **waiting** queue, then runs with chunked prefill; after each chunk its completed pages go out with
+   ``sender.send`` (one-sided NIXL WRITEs into decode's pages);
+3. after the last chunk, the first token goes to the client at once and the job moves to **inflight**: its
+   pages stay held until the sender reports ``Success`` (every WRITE done) or ``Failed`` with no WRITE in
+   flight; then the engine frees them and the stream ends with FINAL.
+
+A failure anywhere (bootstrap timeout, decode cancelled, room aborted by the orchestrator, client cancel,
+engine rejection) ends that request with an error response and FINAL, and nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kv_transfer import AuxData, KVPoll, KVSender, TransferError
+from serving.colocated import Tokenizer, prompt_token_ids
+from serving.engine_loop import EngineLoop
+from serving.events import LoopEvent, RequestFailed
+from serving.metrics import ServingMetrics
+from serving.pd_request import PDRequest
+from serving.room_aborts import RoomAborts
+from serving.stream import ResponseChunk, ResponseSink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    request_id: str
+    pd: PDRequest
+    token_ids: list[int]
+    sink: ResponseSink
+    sender: KVSender | None = None
+    first_send_s: float | None = None
+    failed: str | None = None
+
+
+class PrefillWorker:
+    """Runs prefill for rooms and sends their KV; one instance per Triton model instance."""
+
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: object, page_size: int,
+                 room_aborts: RoomAborts, name: str = "prefill", metrics: ServingMetrics | None = None) -> None:
+        """Registers itself as a tick hook of ``loop``; starts nothing.
+
+        Args:
+            loop: loop of a prefill-mode engine (not started).
+            tokenizer: the engine's tokenizer.
+            kv_manager: a prefill-role ``kv_transfer.KVManager`` (``create_sender``), not started.
+            page_size: tokens per KV page of the engine.
+            room_aborts: rooms the orchestrator aborted.
+            name: prefix of request ids and thread names.
+            metrics: where to publish queue lengths and outcomes; None disables.
+        """
+        self._loop = loop
+        self._tokenizer = tokenizer
+        self._kv = kv_manager
+        self._page_size = page_size
+        self._room_aborts = room_aborts
+        self._name = name
+        self._metrics = metrics
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._incoming: list[_Job] = []
+        self._bootstrap: dict[str, _Job] = {}
+        self._prefilling: dict[str, _Job] = {}
+        self._inflight: dict[str, _Job] = {}
+        self._transfer_s_total = 0.0
+        loop.add_hook(self)
+
+    # ---- any thread -------------------------------------------------------------------------------------------
+    def handle(self, pd: PDRequest, sink: ResponseSink) -> str:
+        """Queue one request; responses go to ``sink``. Never raises: failures become an error response."""
+        request_id = f"{self._name}-{next(self._ids)}"
+        try:
+            token_ids = prompt_token_ids(self._tokenizer, pd.request)
+        except Exception as e:
+            sink.send_error(f"tokenization failed: {e}")
+            return request_id
+        if not self._loop.running:
+            sink.send_error(f"{self._name} is not running")
+            return request_id
+        with self._lock:
+            self._incoming.append(_Job(request_id, pd, token_ids, sink))
+        self._loop.wake()
+        return request_id
+
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._incoming) + len(self._bootstrap) + len(self._prefilling) + len(self._inflight)
+
+    def fail_all(self, reason: str) -> None:
+        """After the loop stopped: end every request still queued here with an error response (FINAL)."""
+        with self._lock:
+            jobs = self._incoming + [*self._bootstrap.values(), *self._prefilling.values(),
+                                     *self._inflight.values()]
+            self._incoming = []
+        self._bootstrap, self._prefilling, self._inflight = {}, {}, {}
+        for job in jobs:
+            if job.sender is not None:
+                job.sender.abort(reason)
+            job.sink.send_error(reason)
+
+    @property
+    def transfer_seconds_total(self) -> float:
+        """Sum over finished rooms of (first chunk posted → every WRITE done), seconds."""
+        return self._transfer_s_total
+
+    # ---- loop thread ------------------------------------------------------------------------------------------
+    def on_tick(self) -> bool:
+        """Advance every queue by one round; True while something waits on the network."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        for job in incoming:
+            job.sender = self._kv.create_sender(job.pd.room)  # type: ignore[attr-defined]
+            self._bootstrap[job.request_id] = job
+        self._poll_bootstrap()
+        self._poll_prefilling()
+        self._poll_inflight()
+        self._publish()
+        return bool(self._bootstrap or self._inflight)
+
+    def _poll_bootstrap(self) -> None:
+        for job in list(self._bootstrap.values()):
+            assert job.sender is not None
+            reason = self._cancel_reason(job)
+            if reason is not None:
+                job.sender.abort(reason)
+            state = job.sender.poll()
+            if state == KVPoll.Failed:
+                del self._bootstrap[job.request_id]
+                self._end_failed(job, _failure(job.sender, reason))
+            elif state >= KVPoll.WaitingForInput:
+                del self._bootstrap[job.request_id]
+                self._start_prefill(job)
+
+    def _start_prefill(self, job: _Job) -> None:
+        assert job.sender is not None
+        num_pages = -(-len(job.token_ids) // self._page_size)
+        try:
+            job.sender.init(num_pages)
+        except TransferError as e:
+            self._end_failed(job, str(e))
+            return
+        self._prefilling[job.request_id] = job
+        self._loop.submit(job.request_id, job.token_ids, job.pd.request.params,
+                          lambda event: self._on_event(job, event))
+
+    def _poll_prefilling(self) -> None:
+        for job in list(self._prefilling.values()):
+            assert job.sender is not None
+            reason = self._cancel_reason(job)
+            if reason is None and job.sender.poll() == KVPoll.Failed:
+                reason = _failure(job.sender, None)
+            if reason is not None and job.failed is None:
+                job.failed = reason
+                job.sender.abort(reason)
+                self._loop.abort(job.request_id, reason)  # → RequestFailed in _on_event
+
+    def _on_event(self, job: _Job, event: LoopEvent) -> None:
+        assert job.sender is not None
+        if isinstance(event, RequestFailed):
+            self._prefilling.pop(job.request_id, None)
+            reason = job.failed or str(event.error)
+            job.sender.abort(reason)
+            self._end_failed(job, reason)
+            return
+        chunk = event.prefill_chunk
+        if chunk is None:
+            return
+        aux = None
+        if chunk.is_last:
+            assert chunk.first_token_id is not None and chunk.first_logprob is not None
+            aux = AuxData(chunk.first_token_id, chunk.first_logprob, job.pd.room)
+        if job.first_send_s is None:
+            job.first_send_s = time.monotonic()
+        job.sender.send(chunk.page_ids, chunk.is_last, aux)
+        if chunk.is_last:
+            self._prefilling.pop(job.request_id, None)
+            self._inflight[job.request_id] = job
+            job.sink.send(ResponseChunk(event.new_text, None, event.num_prompt_tokens, 1), final=False)
+
+    def _poll_inflight(self) -> None:
+        for job in list(self._inflight.values()):
+            assert job.sender is not None
+            state = job.sender.poll()
+            if state not in (KVPoll.Success, KVPoll.Failed) or not job.sender.pages_releasable():
+                continue
+            del self._inflight[job.request_id]
+            self._loop.engine.release_request(job.request_id)  # type: ignore[attr-defined]
+            if state == KVPoll.Success:
+                assert job.first_send_s is not None
+                self._transfer_s_total += time.monotonic() - job.first_send_s
+                job.sink.send(ResponseChunk("", None, len(job.token_ids), 1), final=True)
+                self._count("finished", job)
+            else:
+                self._end_failed(job, _failure(job.sender, None))
+
+    def _cancel_reason(self, job: _Job) -> str | None:
+        if self._room_aborts.is_aborted(job.pd.room):
+            return f"room {job.pd.room} aborted by the orchestrator"
+        if job.sink.is_cancelled():
+            return "cancelled by the client"
+        return None
+
+    def _end_failed(self, job: _Job, reason: str) -> None:
+        logger.info("request %s room=%d failed: %s", job.request_id, job.pd.room, reason)
+        job.sink.send_error(reason)
+        self._count("failed", job)
+
+    def _count(self, outcome: str, job: _Job) -> None:
+        if self._metrics is not None:
+            self._metrics.request_done(outcome, len(job.token_ids), 1 if outcome == "finished" else 0)
+
+    def _publish(self) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.set_queue_length("bootstrap", len(self._bootstrap))
+        self._metrics.set_queue_length("prefilling", len(self._prefilling))
+        self._metrics.set_queue_length("inflight", len(self._inflight))
+
+
+def _failure(sender: KVSender, fallback: str | None) -> str:
+    failure = sender.failure
+    return str(failure) if failure is not None else (fallback or "KV transfer failed")

@@ -1,0 +1,84 @@
+"""Rooms the orchestrator aborted (client cancel, the other half failed), as seen by a prefill or decode worker.
+
+Triton's BLS in tritonserver 2.51 cannot cancel a child request, so ``pd_ensemble`` posts the room's abort to the
+bootstrap service and every PD worker follows the service's abort log: ``RoomAborts`` polls it on its own thread
+(one HTTP call every ``poll_interval_s``; never on the engine loop thread) and answers ``is_aborted(room)`` from
+memory. Aborted rooms are forgotten after ``retain_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from bootstrap.client import BootstrapClient
+from bootstrap.errors import BootstrapError
+
+logger = logging.getLogger(__name__)
+
+
+class RoomAborts:
+    """The abort log of the bootstrap service, followed on a background thread."""
+
+    def __init__(self, bootstrap_url: str, name: str, poll_interval_s: float = 0.02, retain_s: float = 120.0,
+                 http_timeout_s: float = 2.0) -> None:
+        """Starts nothing.
+
+        Args:
+            bootstrap_url: the bootstrap service (``http://host:port``).
+            name: thread name suffix (the worker's instance name).
+            poll_interval_s: pause between two polls of the abort log, seconds.
+            retain_s: how long an aborted room is remembered, seconds.
+            http_timeout_s: timeout of each HTTP call, seconds.
+        """
+        self._url = bootstrap_url
+        self._name = name
+        self._poll_interval_s = poll_interval_s
+        self._retain_s = retain_s
+        self._http_timeout_s = http_timeout_s
+        self._aborted: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("RoomAborts already started")
+        self._thread = threading.Thread(target=self._run, name=f"room-aborts-{self._name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def is_aborted(self, room: int) -> bool:
+        with self._lock:
+            return room in self._aborted
+
+    def mark(self, room: int) -> None:
+        """Record an abort seen by other means (tests, or the same process's orchestrator)."""
+        with self._lock:
+            self._aborted[room] = time.monotonic()
+
+    def _run(self) -> None:
+        client = BootstrapClient(self._url, timeout_s=self._http_timeout_s)
+        after = -1
+        try:
+            while not self._stop.is_set():
+                try:
+                    rooms, after = client.aborted_rooms(after)
+                except BootstrapError as e:
+                    logger.debug("%s: abort log not reachable: %s", self._name, e)
+                    self._stop.wait(min(1.0, 20 * self._poll_interval_s))
+                    continue
+                now = time.monotonic()
+                with self._lock:
+                    for room in rooms:
+                        self._aborted[room] = now
+                    for room in [r for r, t in self._aborted.items() if now - t > self._retain_s]:
+                        del self._aborted[room]
+                self._stop.wait(self._poll_interval_s)
+        finally:
+            client.close()

