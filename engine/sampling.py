@@ -8,8 +8,9 @@ report comparable numbers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ class SamplingParams:
             raise InvalidSamplingParams("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         """Build from a wire dict such as Triton's ``sampling_parameters`` JSON.
 
         Numbers and bools may arrive as strings (genai-perf sends ``{"max_tokens": "32"}``); ``stop`` may be

@@ -92,8 +92,9 @@ def hf_generate_s(hf, prompts: list[list[int]], n: int, pad_id: int) -> float:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.num_threads)
-    from engine.model import load_model
     from transformers import AutoModelForCausalLM
+
+    from engine.model import load_model
 
     loaded = load_model("smollm2")
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=torch.float32).eval()

@@ -30,7 +30,7 @@ class FakeModelConfig:
 class FakeTokenizer:
     """Token ``i`` decodes to ``"<i>"``; EOS is special (skipped)."""
 
-    eos_token_ids = [EOS]
+    eos_token_ids: tuple[int, ...] = (EOS,)
 
     def encode(self, text: str) -> list[int]:
         return [int(x) for x in text.replace(">", " ").replace("<", " ").split()]

@@ -3,10 +3,10 @@ stop conditions, chunking, PD roles. No weights needed."""
 
 import pytest
 import torch
+from engine_fakes import EOS, FakeLoaded, expected_tokens
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineError, OutOfPages, RequestRejected
-from engine_fakes import EOS, FakeLoaded, expected_tokens
 
 PS = 4
 
@@ -80,7 +80,7 @@ def test_stop_string_is_cut_from_text_and_frees():
     e.add_request("a", prompt, greedy(8, stop=[stop]))
     outs = run_all(e)["a"]
     assert tokens(outs) == want[:5] and outs[-1].finish_reason == "stop"
-    assert "".join(o.new_text for o in outs) == "".join(f"<{t}>" for t in want[:3]) + f"<"
+    assert "".join(o.new_text for o in outs) == "".join(f"<{t}>" for t in want[:3]) + "<"
     assert e.num_free_pages == e.num_total_pages
 
 
