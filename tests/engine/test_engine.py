@@ -300,3 +300,25 @@ def test_pool_sized_from_bytes_in_whole_pages():
     e = LLMEngine(EngineConfig(page_size=PS, kv_cache_bytes=10 * page_bytes + 5), FakeLoaded())
     assert e.num_total_pages == 10 and e.kv_pool.nbytes == 10 * page_bytes
     assert tuple(e.kv_cache.shape) == (2, 2, 10, PS, 1, 2)
+
+
+def test_prebuilt_first_token_already_sent_is_not_repeated():
+    prompt = [1, 2]
+    want = expected_tokens(prompt, 4)
+    e = make_engine(mode="decode")
+    e.reserve_request("r", prompt, greedy(4))
+    e.kv_cache[0, 0].view(-1, 1, 2)[e.scheduler.reserved["r"].page_table[0] * PS + 0] = 2  # token 1 -> K = 2
+    e.kv_cache[0, 0].view(-1, 1, 2)[e.scheduler.reserved["r"].page_table[0] * PS + 1] = 3  # token 2 -> K = 3
+    e.add_prebuilt_request("r", want[0], -0.1, first_token_sent=True)
+    outs = run_all(e)["r"]
+    assert tokens(outs) == want[1:] and outs[-1].num_output_tokens == 4
+    assert "".join(o.new_text for o in outs) == "".join(f"<{t}>" for t in want[1:])
+
+
+def test_prebuilt_first_token_sent_and_final():
+    e = make_engine(mode="decode")
+    e.reserve_request("r", [1, 2], greedy(1))
+    e.add_prebuilt_request("r", 3, -0.5, first_token_sent=True)
+    (out,) = e.step()
+    assert out.finished and out.new_token_ids == [] and out.new_text == "" and out.num_output_tokens == 1
+    assert e.num_free_pages == e.num_total_pages
