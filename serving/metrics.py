@@ -15,6 +15,11 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 ``pd_generation_tokens_total``      counter  generated tokens of finished requests
 ``pd_engine_steps_total``           counter  engine steps
 ``pd_engine_step_seconds_total``    counter  time spent in engine steps
+``pd_kv_transfer_bytes_total``      counter  KV bytes posted to decode instances (prefill)
+``pd_kv_transfers_total``           counter  rooms whose KV transfer reached Success
+``pd_kv_failed_rooms_total``        counter  rooms whose KV transfer failed (timeouts included)
+``pd_kv_timed_out_rooms_total``     counter  rooms failed by the bootstrap or waiting timeout
+``pd_kv_transfer_seconds_total``    counter  prefill: first KV chunk posted → last WRITE done, summed
 ==================================  =======  =================================================================
 """
 
@@ -59,6 +64,12 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
     "pd_generation_tokens_total": ("COUNTER", "Generated tokens of finished requests"),
     "pd_engine_steps_total": ("COUNTER", "Engine steps"),
     "pd_engine_step_seconds_total": ("COUNTER", "Seconds spent in engine steps"),
+    "pd_kv_transfer_bytes_total": ("COUNTER", "KV bytes posted to decode instances (prefill)"),
+    "pd_kv_transfers_total": ("COUNTER", "Rooms whose KV transfer reached Success"),
+    "pd_kv_failed_rooms_total": ("COUNTER", "Rooms whose KV transfer failed (timeouts included)"),
+    "pd_kv_timed_out_rooms_total": ("COUNTER", "Rooms failed by the bootstrap or waiting timeout"),
+    "pd_kv_transfer_seconds_total": ("COUNTER", "Prefill: seconds from a room's first KV chunk posted to its "
+                                     "last WRITE done, summed over rooms"),
 }
 
 
