@@ -322,3 +322,22 @@ def test_prebuilt_first_token_sent_and_final():
     (out,) = e.step()
     assert out.finished and out.new_token_ids == [] and out.new_text == "" and out.num_output_tokens == 1
     assert e.num_free_pages == e.num_total_pages
+
+
+@pytest.mark.parametrize("stop", [(), ("<6><1",), ("6>",), ("3>",), ("<3",)])
+def test_pd_text_with_first_token_sent_equals_colocated_text(stop):
+    prompt = [1, 2]
+    col = make_engine()
+    col.add_request("r", prompt, greedy(6, stop=stop))
+    col_outs = run_all(col)["r"]
+    pre, dec = make_engine(mode="prefill"), make_engine(mode="decode")
+    dst = dec.reserve_request("r", prompt, greedy(6, stop=stop))
+    pre.add_request("r", prompt, greedy(6, stop=stop))
+    (last,) = run_all(pre)["r"]
+    copy_kv(pre, last.prefill_chunk.page_ids, dec, dst)
+    dec.add_prebuilt_request("r", last.prefill_chunk.first_token_id, last.prefill_chunk.first_logprob,
+                             first_token_sent=True)
+    dec_outs = run_all(dec)["r"]
+    assert last.new_text + "".join(o.new_text for o in dec_outs) == "".join(o.new_text for o in col_outs)
+    assert last.new_token_ids + tokens(dec_outs) == tokens(col_outs)
+    assert dec_outs[-1].finish_reason == col_outs[-1].finish_reason
