@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 TRANSFER_SECONDS = "pd_kv_transfer_seconds_total"
 TRANSFERS = "pd_kv_transfers_total"
+TRANSFER_BYTES = "pd_kv_transfer_bytes_total"
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,12 @@ def _run_interference(cfg: BenchConfig, server: RunningServer, outcome: Deployme
             "window_s": long_end - start, "num_decode_requests": sum(r.kind == "decode" for r in records)}
 
 
-def _metric_sum(metrics: dict[str, float], name: str) -> float | None:
-    values = [v for k, v in metrics.items() if k == name or k.startswith(name + "{")]
-    return sum(values) if values else None
+def _metric_sum(metrics: dict[str, float], name: str, model: str = "prefill") -> float | None:
+    """Sum of the series of ``name`` labelled ``model="<model>"`` (the prefill side times transfers; counting
+    the decode side's series too would count each room twice), else of all its series; None when absent."""
+    series = {k: v for k, v in metrics.items() if k == name or k.startswith(name + "{")}
+    own = [v for k, v in series.items() if f'model="{model}"' in k]
+    return sum(own) if own else (sum(series.values()) if series else None)
 
 
 def _run_transfer_share(cfg: BenchConfig, server: RunningServer) -> dict[str, Any]:
@@ -156,8 +160,12 @@ def _run_transfer_share(cfg: BenchConfig, server: RunningServer) -> dict[str, An
             row["transfer_ms"] = None
             row["note"] = f"server exposes no {TRANSFER_SECONDS}/{TRANSFERS} metrics (pending)"
         else:
+            # the metric spans first chunk posted -> last WRITE done, so with chunked prefill it includes the
+            # compute of the later chunks that the transfer overlaps
             row["transfer_ms"] = (s1 - s0) / (c1 - c0) * 1e3  # type: ignore[operator]
             row["transfer_share_of_ttft"] = row["transfer_ms"] / record.ttft_ms
+            b0, b1 = _metric_sum(before, TRANSFER_BYTES), _metric_sum(after, TRANSFER_BYTES)
+            row["transfer_bytes"] = None if b0 is None or b1 is None else (b1 - b0) / (c1 - c0)  # type: ignore[operator]
         out[str(n)] = row
     return out
 
