@@ -56,19 +56,19 @@ fi
 
 pids=()
 stopping=0
-# stop_all: TERM everything started here, wait up to 25 s, then KILL; idempotent.
+# stop_all: TERM what was started here, newest first (tritonserver before the bootstrap service, so the models
+# deregister from a live rendezvous), each given up to 25 s, then KILL; idempotent.
 stop_all() {
   [[ $stopping == 1 ]] && return
   stopping=1
   say "stopping ${pids[*]:-nothing}"
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for _ in $(seq 250); do
-    local alive=0
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [[ $alive == 0 ]] && break
-    sleep 0.1
+  local i pid
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    pid=${pids[i]}
+    kill -TERM "$pid" 2>/dev/null || continue
+    for _ in $(seq 250); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
   done
-  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap 'stop_all; exit 130' INT

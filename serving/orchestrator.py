@@ -191,10 +191,10 @@ class PDOrchestrator:
     def _start_reader(self, call: ChildCall, launch: Launch, events: queue.Queue) -> None:
         def read() -> None:
             try:
+                # read to the end even after an error response: a BLS response iterator left unfinished keeps
+                # its child request alive, and the model then never unloads
                 for response in launch(call):
                     events.put((call.role, response))
-                    if response.final:
-                        return
                 events.put((call.role, ChildResponse(final=True)))
             except Exception as exc:
                 logger.warning("room=%d: %s stream failed: %s", call.room, call.role, exc)

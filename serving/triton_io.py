@@ -85,6 +85,14 @@ def inference_response(chunk: ResponseChunk) -> Any:
     return pb.InferenceResponse(output_tensors=tensors)
 
 
+def error_output_response(message: str) -> Any:
+    """``pb_utils.InferenceResponse`` with empty outputs and the ``error`` output (BYTES, ``[1]``) = ``message``."""
+    pb = pb_utils()
+    arrays = response_arrays(ResponseChunk(text=""))
+    arrays["error"] = np.array([message.encode("utf-8")], dtype=np.object_)
+    return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in arrays.items()])
+
+
 def error_response(message: str) -> Any:
     """``pb_utils.InferenceResponse`` carrying ``message`` as a ``pb_utils.TritonError``."""
     pb = pb_utils()
@@ -98,14 +106,19 @@ class TritonResponseSink:
     crashes on ``is_cancelled()`` after FINAL), which one lock enforces across the execute and loop threads.
     """
 
-    def __init__(self, response_sender: Any, request_id: str = "") -> None:
+    def __init__(self, response_sender: Any, request_id: str = "", error_as_output: bool = False) -> None:
         """
         Args:
             response_sender: ``request.get_response_sender()``.
             request_id: for log lines (the client's request id, may be empty).
+            error_as_output: report an error as a normal FINAL response whose ``error`` output holds the
+                message, instead of a Triton error response. For requests that come from a BLS model: in
+                tritonserver 2.51 a decoupled BLS response iterator never ends after an error response, so the
+                BLS model's reader would wait forever (and the model would never unload).
         """
         self._sender = response_sender
         self._request_id = request_id
+        self._error_as_output = error_as_output
         self._lock = threading.Lock()
         self._closed = False
 
@@ -118,7 +131,10 @@ class TritonResponseSink:
         self._send(lambda: inference_response(chunk), final)
 
     def send_error(self, message: str) -> None:
-        self._send(lambda: error_response(message), True)
+        if self._error_as_output:
+            self._send(lambda: error_output_response(message), True)
+        else:
+            self._send(lambda: error_response(message), True)
 
     def close(self) -> None:
         self._send(None, True)

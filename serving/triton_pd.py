@@ -30,7 +30,7 @@ from serving.triton_io import RawValue, TritonResponseSink, pb_utils, read_input
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0
-CHILD_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
+CHILD_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "error")
 #: Inputs of the client's request that are forwarded as they are to both children.
 FORWARDED_INPUTS = ("text_input", "sampling_parameters", "apply_chat_template")
 
@@ -88,7 +88,7 @@ class PDChildModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sink = TritonResponseSink(request.get_response_sender(), request.request_id())
+            sink = TritonResponseSink(request.get_response_sender(), request.request_id(), error_as_output=True)
             try:
                 pd = parse_pd_request(read_inputs(request), read_pd_inputs(request), self.ROLE == "decode")
                 self._handle.worker.handle(pd, sink)
@@ -115,6 +115,9 @@ def _child_response(response: Any) -> ChildResponse:
             values[name] = tensor.as_numpy().reshape(-1)[0]
     if not values:
         return ChildResponse()
+    if values.get("error"):
+        error = values["error"]
+        return ChildResponse(error=error.decode("utf-8") if isinstance(error, bytes) else str(error), final=True)
     finish = values.get("finish_reason", b"")
     finish_text = finish.decode() if isinstance(finish, bytes) else str(finish)
     text = values.get("text_output", b"")

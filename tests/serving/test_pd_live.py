@@ -1,0 +1,147 @@
+"""``pd_ensemble`` (1P1D: ``prefill`` + ``decode`` over NIXL) in a real tritonserver, through tritonclient gRPC
+streaming and HTTP.
+
+Invariants: 8 concurrent greedy requests of mixed prompt lengths stream exactly the colocated engine's text
+(which test_colocated_live checks against transformers); ``stream=false`` gives one response; every bad input
+gives one error and ends its stream while a concurrent good request completes; a client cancel gives the pages
+back on both instances; the KV really crossed over NIXL. Teardown (conftest) fails the module if the server does
+not shut down cleanly, i.e. if any request was left without FINAL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
+from live_prompts import PROMPTS as BASE_PROMPTS
+
+from serving.colocated import prompt_token_ids
+from serving.config import WorkerConfig
+from serving.request import parse_request
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
+TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
+MODEL = "pd_ensemble"
+MAX_TOKENS = 16
+GREEDY = {"max_tokens": str(MAX_TOKENS), "temperature": "0"}  # string values, as genai-perf sends them
+PROMPTS = BASE_PROMPTS + ["Name the planets of the solar system:", "x"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    """Greedy text of every prompt from one colocated engine run in-process, all prompts in one batch."""
+    from engine import LLMEngine
+
+    engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
+    texts: dict[str, str] = {}
+    for i, prompt in enumerate(PROMPTS):
+        req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(GREEDY)})
+        engine.add_request(str(i), prompt_token_ids(engine.tokenizer, req), req.params)
+        texts[str(i)] = ""
+    deadline = time.monotonic() + 300
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        for out in engine.step():
+            texts[out.request_id] += out.new_text
+    assert not engine.has_unfinished()
+    return {PROMPTS[int(k)]: v for k, v in texts.items()}
+
+
+def generate(url: str, prompt: str | bytes, params: Any = None, **kwargs: Any) -> Any:
+    cancel_after = kwargs.pop("cancel_after", None)
+    extra = {"cancel_after": cancel_after} if cancel_after is not None else {}
+    return grpc_generate(url, make_inputs(prompt, params if params is not None else GREEDY, **kwargs),
+                         model=MODEL, **extra)
+
+
+def test_eight_concurrent_streams_match_the_colocated_engine(triton_server, reference) -> None:
+    assert len(PROMPTS) == 8
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: generate(triton_server.grpc_url, p), PROMPTS))
+    for prompt, res in zip(PROMPTS, results):
+        assert res.error is None and res.final_seen, res.error
+        assert res.text == reference[prompt], prompt[:40]
+        assert res.finish_reasons[-1] in ("stop", "length") and not any(res.finish_reasons[:-1])
+        assert res.num_output_tokens == sorted(res.num_output_tokens)
+
+
+def test_kv_crossed_over_nixl(triton_server) -> None:
+    sent = metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill")
+    received = metric_value(triton_server.metrics_url, "pd_kv_transfers_total", model="decode")
+    assert sent > 0 and received >= len(PROMPTS)
+
+
+def test_non_streaming_is_one_response_with_the_prompt_first(triton_server, reference) -> None:
+    prompt = PROMPTS[0]
+    whole = generate(triton_server.grpc_url, prompt, stream=False)
+    assert whole.error is None and whole.final_seen and len(whole.texts) == 1
+    assert whole.text == prompt + reference[prompt]
+
+
+BAD_INPUTS: dict[str, tuple[Any, Any, dict[str, bool]]] = {  # name → (prompt, sampling_parameters, flags)
+    "empty prompt": ("", GREEDY, {}),
+    "longer than the context": ("hello " * 9000, GREEDY, {}),
+    "more than the KV pool": ("hello", {"max_tokens": 100_000}, {}),
+    "max_tokens 0": ("hello", {"max_tokens": 0}, {}),
+    "malformed JSON": ("hello", '{"max_tokens": 4', {}),
+    "unknown parameter": ("hello", {"max_tokens": 4, "beam_width": 2}, {}),
+    "wrong type": ("hello", {"max_tokens": "many"}, {}),
+    "stream without exclude": ("hello", GREEDY, {"exclude_input_in_output": False}),
+}
+
+
+def test_bad_inputs_fail_alone_while_a_good_request_completes(triton_server, reference) -> None:
+    url = triton_server.grpc_url
+    with ThreadPoolExecutor(len(BAD_INPUTS) + 1) as pool:
+        good = pool.submit(generate, url, PROMPTS[3])
+        bad = {name: pool.submit(generate, url, p, params, **flags)
+               for name, (p, params, flags) in BAD_INPUTS.items()}
+        for name, future in bad.items():
+            res = future.result()
+            assert res.error and not res.texts, name
+        assert good.result().error is None and good.result().text == reference[PROMPTS[3]]
+    assert "text_input" in bad["empty prompt"].result().error
+    assert "beam_width" in bad["unknown parameter"].result().error
+    assert "max_tokens" in bad["max_tokens 0"].result().error
+    _wait_until(lambda: _free_pages(triton_server) == _total_pages(triton_server))
+    assert _free_pages(triton_server) == _total_pages(triton_server)
+
+
+def test_cancel_mid_stream_gives_the_pages_back_on_both_sides(triton_server) -> None:
+    _wait_until(lambda: _free_pages(triton_server) == _total_pages(triton_server))
+    free_before = _free_pages(triton_server)
+    res = generate(triton_server.grpc_url, PROMPTS[2], {"max_tokens": 400, "ignore_eos": True}, cancel_after=3)
+    assert res.error is None and not res.final_seen and len(res.texts) == 3
+    _wait_until(lambda: _free_pages(triton_server) == free_before)
+    assert _free_pages(triton_server) == free_before
+    after = generate(triton_server.grpc_url, "Hi", {"max_tokens": 2})
+    assert after.error is None and after.final_seen  # the server still serves
+
+
+def test_http_generate_stream(triton_server, reference) -> None:
+    prompt = PROMPTS[1]
+    body = {"text_input": prompt, "stream": True, "sampling_parameters": '{"max_tokens": 16, "temperature": 0}'}
+    events = http_generate_stream(triton_server.http_url, body, model=MODEL)
+    assert all("error" not in e for e in events) and len(events) >= 2
+    assert "".join(e["text_output"] for e in events) == reference[prompt]
+    assert events[-1]["finish_reason"] in ("stop", "length")
+
+
+def _free_pages(server: Any) -> tuple[float, float]:
+    return tuple(metric_value(server.metrics_url, "pd_kv_free_pages", model=m)  # type: ignore[return-value]
+                 for m in ("prefill", "decode"))
+
+
+def _total_pages(server: Any) -> tuple[float, float]:
+    return tuple(metric_value(server.metrics_url, "pd_kv_total_pages", model=m)  # type: ignore[return-value]
+                 for m in ("prefill", "decode"))
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
