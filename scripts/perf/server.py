@@ -1,7 +1,7 @@
 """Start and stop a private tritonserver (and the bootstrap service) for a benchmark, pin model stubs to cores.
 
-The server runs through ``scripts/serve.sh`` (tritonserver 2.51 of ``nvidia-pytriton`` + the bootstrap service)
-on loopback ports chosen by the caller, from a temporary model repository holding the chosen models of ``model_repository/`` (their ``1/`` folders linked,
+The server is what ``scripts/serve.sh`` runs (tritonserver 2.51 of ``nvidia-pytriton`` + the bootstrap service),
+started directly, on loopback ports chosen by the caller, from a temporary model repository holding the chosen models of ``model_repository/`` (their ``1/`` folders linked,
 ``config.pbtxt`` copied with parameter overrides). Pinning uses ``sched_setaffinity`` on every thread of a
 model's stub process (``/proc/<pid>/task``), so it works whatever the model does itself.
 """
@@ -150,29 +150,23 @@ def pin_process(pid: int, cpus: Sequence[int]) -> int:
     return count
 
 
-SERVE_SH = REPO_ROOT / "scripts" / "serve.sh"
-
-
 def server_command(repo: Path, ports: ServerPorts) -> list[str]:
-    """tritonserver on loopback, CPU only: through ``scripts/serve.sh`` (which also starts the bootstrap
-    service and sets the UCX environment; configured by ``server_env``) when it exists, else directly."""
-    if SERVE_SH.exists():
-        return [str(SERVE_SH), "--log-verbose=0"]
+    """tritonserver on loopback, CPU only, explicit model control (what ``scripts/serve.sh`` runs; started
+    directly so that whatever stops serve.sh processes on a shared machine leaves a benchmark alone)."""
     binary, backends = tritonserver_paths()
+    models = [f"--load-model={m.name}" for m in sorted(repo.iterdir()) if m.is_dir()]
     return [str(binary), f"--model-repository={repo}", f"--backend-directory={backends}",
             "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
             f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
-            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--log-verbose=0"]
+            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=20",
+            "--model-control-mode=explicit", *models, "--log-verbose=0"]
 
 
 def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts, bootstrap_port: int) -> dict[str, str]:
-    """Environment of the server: serve.sh's settings, and for the direct command this venv's python first on
-    PATH (the stub runs ``python3``), the repo importable, the bootstrap URL and UCX settings of PD workers."""
+    """Environment of the server, as ``scripts/serve.sh`` sets it: this venv's python first on PATH (the stub
+    runs ``python3``), the repo importable, the bootstrap URL and UCX settings of PD workers."""
     env = dict(os.environ)
-    env.update({"SKIP_SETUP": "1", "MODELS": ",".join(models), "MODEL_REPOSITORY": str(repo),
-                "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics),
-                "BOOTSTRAP_PORT": str(bootstrap_port), "VENV": str(Path(sys.executable).parent.parent),
-                "PD_BOOTSTRAP_URL": f"http://127.0.0.1:{bootstrap_port}",
+    env.update({"PYTHONUNBUFFERED": "1", "PD_BOOTSTRAP_URL": f"http://127.0.0.1:{bootstrap_port}",
                 "UCX_MM_ERROR_HANDLING": env.get("UCX_MM_ERROR_HANDLING", "y"),
                 "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
@@ -207,7 +201,7 @@ class RunningServer:
         self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
         repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
         env = server_env(repo, self.deployment.models, self.ports, self._bootstrap_port)
-        if self.deployment.needs_bootstrap and not SERVE_SH.exists():
+        if self.deployment.needs_bootstrap:
             self._spawn([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port",
                          str(self._bootstrap_port)], env, f"bootstrap-{self.deployment.name}.log")
         server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
