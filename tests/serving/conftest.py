@@ -1,6 +1,7 @@
 """Fixtures of the serving tests: a real tritonserver (``scripts/serve.sh``) with a chosen subset of models.
 
-A test module selects its models with a module attribute, ``TRITON_MODELS = ("colocated",)``, and uses the
+A test module selects its models with a module attribute, ``TRITON_MODELS = ("colocated",)`` (and may build its
+own repository with ``make_model_repository(tmp_dir) -> path``), and uses the
 ``triton_server`` fixture (module scope, marked ``live``). The server runs on free loopback ports (tritonserver
 cannot bind port 0: ports are picked by binding), in its own process group; teardown sends SIGTERM (serve.sh
 stops tritonserver and the bootstrap service), then SIGKILL after a deadline, removes the python backend
@@ -119,6 +120,9 @@ def triton_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     log_path = tmp_path_factory.mktemp("triton") / "server.log"
     env = {**os.environ, "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
            "METRICS_PORT": str(metrics), "BOOTSTRAP_PORT": str(bootstrap)}
+    make_repository = getattr(request.module, "make_model_repository", None)
+    if make_repository is not None:  # a module that serves its own repository (e.g. xPyD) builds it here
+        env["MODEL_REPOSITORY"] = str(make_repository(tmp_path_factory.mktemp("model_repository")))
     server = TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
                           f"http://127.0.0.1:{bootstrap}", log_path)
     with open(log_path, "wb") as log:

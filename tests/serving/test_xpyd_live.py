@@ -1,0 +1,60 @@
+"""2P2D on one tritonserver: two prefill models (``prefill``, ``prefill_1``) and a decode model with two
+instances, behind one ``pd_ensemble`` that pairs them round robin.
+
+Invariants: every request streams the colocated engine's greedy text whichever pair served it; both prefill
+models and both decode instances served requests; afterwards every pool is back at its size.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from live_client import metric_value
+from test_pd_live import GREEDY, PROMPTS, generate, reference  # noqa: F401  (reference is a fixture)
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
+TRITON_MODELS = ("pd_ensemble", "prefill", "prefill_1", "decode")
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def make_model_repository(tmp_dir: Path) -> Path:
+    """model_repository with a second prefill model and two decode instances, paired by pd_ensemble."""
+    for name in ("pd_ensemble", "prefill", "decode"):
+        shutil.copytree(REPOSITORY / name, tmp_dir / name)
+    shutil.copytree(REPOSITORY / "prefill", tmp_dir / "prefill_1")
+    _edit(tmp_dir / "prefill_1" / "config.pbtxt", 'name: "prefill"', 'name: "prefill_1"')
+    _edit(tmp_dir / "decode" / "config.pbtxt", "count: 1, kind: KIND_CPU", "count: 2, kind: KIND_CPU")
+    _edit(tmp_dir / "pd_ensemble" / "config.pbtxt", 'string_value: "prefill" }', 'string_value: "prefill,prefill_1" }')
+    return tmp_dir
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path}: {old!r} not found"
+    path.write_text(text.replace(old, new))
+
+
+def test_2p2d_serves_every_pair_with_the_same_text(triton_server, reference) -> None:  # noqa: F811
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: generate(triton_server.grpc_url, p), PROMPTS))
+    for prompt, res in zip(PROMPTS, results):
+        assert res.error is None and res.final_seen, res.error
+        assert res.text == reference[prompt], prompt[:40]
+    url = triton_server.metrics_url
+    served = {(m, i): metric_value(url, "pd_requests_total", model=m, instance=i, outcome="finished")
+              for m, i in (("prefill", "prefill_0_0"), ("prefill_1", "prefill_1_0_0"),
+                           ("decode", "decode_0_0"), ("decode", "decode_0_1"))}
+    assert all(n >= 1 for n in served.values()), served
+    assert served[("prefill", "prefill_0_0")] + served[("prefill_1", "prefill_1_0_0")] == len(PROMPTS)
+    deadline = time.monotonic() + 30
+    def pools_full() -> bool:
+        return all(metric_value(url, "pd_kv_free_pages", model=m, instance=i)
+                   == metric_value(url, "pd_kv_total_pages", model=m, instance=i)
+                   for m, i in served)
+    while not pools_full() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pools_full()
