@@ -57,6 +57,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--colo-threads", type=int, default=2, help="torch threads of the colocated engine")
     p.add_argument("--port-base", type=int, default=18600, help="ports port-base .. port-base+29 are used")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0, help="a request still open after this fails")
     p.add_argument("--out-json", type=Path, default=REPO_ROOT / "docs" / "bench_serving.json")
     p.add_argument("--plot-dir", type=Path, default=REPO_ROOT / "docs")
     p.add_argument("--log-dir", type=Path, default=REPO_ROOT / "artifacts" / "bench_serving")
@@ -65,7 +66,8 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     return BenchConfig.make(quick=a.quick, models=tuple(m.strip() for m in a.models.split(",") if m.strip()),
                             concurrencies=conc, slo_ttft_ms=a.slo_ttft_ms, slo_itl_p99_ms=a.slo_itl_p99_ms,
                             colo_threads=a.colo_threads, port_base=a.port_base, seed=a.seed,
-                            out_json=a.out_json, plot_dir=a.plot_dir, log_dir=a.log_dir)
+                            out_json=a.out_json, plot_dir=a.plot_dir, log_dir=a.log_dir,
+                            request_timeout_s=a.request_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

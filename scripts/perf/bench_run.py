@@ -54,7 +54,8 @@ class BenchConfig:
     @classmethod
     def make(cls, *, quick: bool, models: tuple[str, ...], concurrencies: tuple[int, ...] | None,
              slo_ttft_ms: float | None, slo_itl_p99_ms: float | None, colo_threads: int, port_base: int,
-             seed: int, out_json: Path, plot_dir: Path, log_dir: Path) -> BenchConfig:
+             seed: int, out_json: Path, plot_dir: Path, log_dir: Path,
+             request_timeout_s: float = 600.0) -> BenchConfig:
         """Full or quick sizes; a quick run writes next to the logs unless told otherwise."""
         if quick:
             inter = InterferenceConfig(num_decode_streams=2, decode_max_tokens=48, long_prompt_tokens=1024,
@@ -70,7 +71,8 @@ class BenchConfig:
                          chat_prompt_tokens=256, chat_max_tokens=64, transfer_prompt_tokens=(256, 512, 1024, 2048))
         return cls(quick=quick, models=models, interference=inter, slo_ttft_ms=slo_ttft_ms or 4000.0,
                    slo_itl_p99_ms=slo_itl_p99_ms or 250.0, colo_threads=colo_threads, port_base=port_base,
-                   seed=seed, out_json=out_json, plot_dir=plot_dir, log_dir=log_dir, **sizes)
+                   seed=seed, out_json=out_json, plot_dir=plot_dir, log_dir=log_dir,
+                   request_timeout_s=request_timeout_s, **sizes)
 
     @property
     def slo(self) -> Slo:
