@@ -19,8 +19,8 @@ the client side. Targets: added TTFT p50 <= 10 ms, added ITL p50 <= 10 %.
 
 Usage::
 
-    .venv/bin/python scripts/bench_triton_overhead.py            # 16 x (128-token prompt, 32 new), c=1 and c=4
-    .venv/bin/python scripts/bench_triton_overhead.py --quick    # < 2 min: 4 x (128, 16), c=1
+    .venv/bin/python scripts/bench_triton_overhead.py          # 2 rounds x 8 x (128-token prompt, 32 new), c=1,4
+    .venv/bin/python scripts/bench_triton_overhead.py --quick  # < 2 min: 1 round x 4 x (128, 16), c=1
 
 Prints a table, then one JSON line last.
 """
@@ -68,7 +68,8 @@ class BenchConfig:
     """What one run measures. Engine knobs mirror ``model_repository/{prefill,decode}/config.pbtxt``.
 
     Attributes:
-        num_requests: measured requests per (path, concurrency).
+        num_requests: measured requests per (path, concurrency, round).
+        rounds: passes per (path, concurrency); the path order flips every round.
         prompt_tokens: words per prompt (about one token each).
         max_tokens: new tokens per request (``ignore_eos``: exactly this many).
         num_warmup: requests per path before measuring (not counted).
@@ -79,7 +80,8 @@ class BenchConfig:
         log_dir: where the server log goes.
     """
 
-    num_requests: int = 16
+    num_requests: int = 8
+    rounds: int = 2
     prompt_tokens: int = 128
     max_tokens: int = 32
     num_warmup: int = 2
@@ -93,7 +95,7 @@ class BenchConfig:
     log_dir: Path = REPO_ROOT / "artifacts" / "bench_triton_overhead"
 
     def __post_init__(self) -> None:
-        if min(self.num_requests, self.prompt_tokens, self.max_tokens, *self.concurrencies) < 1:
+        if min(self.num_requests, self.rounds, self.prompt_tokens, self.max_tokens, *self.concurrencies) < 1:
             raise ValueError(f"counts must be >= 1: {self}")
 
 
@@ -141,7 +143,7 @@ def load_avg() -> list[float]:
 
 
 class _StampingSink:
-    """The client of the direct path: a ``ResponseSink`` stamping each non-empty text response (perf_counter, s)."""
+    """The direct path's client: a ``ResponseSink`` stamping each non-empty text (perf_counter, s)."""
 
     def __init__(self, record: RequestRecord) -> None:
         self.record = record
@@ -223,8 +225,9 @@ class DirectPD:
         self._server = BootstrapServer(ServerConfig(port=0, registry=RegistryConfig()))
         self._server.start()
         cfg = self._cfg
-        base = WorkerConfig(page_size=cfg.page_size, chunk_size=cfg.chunk_size, max_num_batched_tokens=cfg.chunk_size,
-                            num_threads=cfg.num_threads, kv_backend="nixl", bootstrap_url=self._server.url)
+        base = WorkerConfig(page_size=cfg.page_size, chunk_size=cfg.chunk_size,
+                            max_num_batched_tokens=cfg.chunk_size, num_threads=cfg.num_threads,
+                            kv_backend="nixl", bootstrap_url=self._server.url)
         self.prefill = create_pd_worker("prefill", replace(base, num_pages=cfg.prefill_pages), "prefill")
         self.decode = create_pd_worker("decode", replace(base, num_pages=cfg.decode_pages), "decode_0")
         self._handles = [self.prefill, self.decode]
@@ -261,9 +264,10 @@ class DirectPD:
         """Decode, prefill, then the bootstrap server (the reverse of start)."""
         for handle in reversed(self._handles):
             handle.stop()
-        if self._server is not None:
+        if hasattr(self, "_readers"):
             self._readers.shutdown(wait=True)
             self._client.close()
+        if self._server is not None:
             self._server.stop()
 
 
@@ -287,8 +291,9 @@ class TritonPD:
         """Start serve.sh and wait for ``/v2/health/ready``. Raises RuntimeError/TimeoutError (log tail)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT, env=self._env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT,
+                                          env=self._env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -326,7 +331,8 @@ class TritonPD:
                 _record_response(record, *events.get(timeout=REQUEST_TIMEOUT_S))
         except queue.Empty:  # the server never ended the stream: fail this request, cancel it, go on
             cancel = True
-            record.error = f"no response for {REQUEST_TIMEOUT_S:.0f} s ({len(record.token_times_s)} texts so far)"
+            record.error = (f"no response for {REQUEST_TIMEOUT_S:.0f} s "
+                            f"({len(record.token_times_s)} texts so far)")
             logger.error("triton %s: %s", spec.request_id, record.error)
         finally:
             client.stop_stream(cancel_requests=cancel)
@@ -420,10 +426,9 @@ class PathFigures:
     itl_p50_ms: float
     itl_p99_ms: float
     itl_mean_ms: float
-    wall_s: float
 
 
-def figures(records: Sequence[RequestRecord], wall_s: float) -> PathFigures:
+def figures(records: Sequence[RequestRecord]) -> PathFigures:
     """TTFT and ITL percentiles over the successful records (ITL gaps of all requests pooled)."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_ms for r in ok]
@@ -431,7 +436,7 @@ def figures(records: Sequence[RequestRecord], wall_s: float) -> PathFigures:
     return PathFigures(num_requests=len(records), num_failed=len(records) - len(ok),
                        ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99),
                        itl_p50_ms=percentile(itls, 50), itl_p99_ms=percentile(itls, 99),
-                       itl_mean_ms=float(np.mean(itls)) if itls else float("nan"), wall_s=wall_s)
+                       itl_mean_ms=float(np.mean(itls)) if itls else float("nan"))
 
 
 def overhead(direct: PathFigures, triton: PathFigures) -> dict[str, float]:
@@ -447,20 +452,32 @@ def overhead(direct: PathFigures, triton: PathFigures) -> dict[str, float]:
             "added_itl_mean_pct": pct(triton.itl_mean_ms, direct.itl_mean_ms)}
 
 
-def measure_path(name: str, send: SendFn, cfg: BenchConfig) -> dict[int, PathFigures]:
-    """Warm up, then one pass per concurrency; the same specs on every path."""
+def warm_up(name: str, send: SendFn, cfg: BenchConfig) -> None:
+    """``cfg.num_warmup`` requests, not counted. Raises RuntimeError when one fails."""
     warm = run_closed_loop(send, make_specs(cfg, f"{name}-warm", cfg.num_warmup, 90_000), 1)
     if any(not r.ok for r in warm):
         raise RuntimeError(f"{name}: warm-up failed: {[r.error for r in warm if not r.ok]}")
-    passes = {}
-    for conc in cfg.concurrencies:
-        specs = make_specs(cfg, f"{name}-c{conc}", cfg.num_requests, conc * 1000)
-        start = time.perf_counter()
-        records = run_closed_loop(send, specs, conc)
-        passes[conc] = figures(records, time.perf_counter() - start)
-        _check_outputs(name, records, cfg.max_tokens)
-        logger.info("%s c=%d: %s", name, conc, passes[conc])
-    return passes
+
+
+#: (path name, concurrency) → records of every round, pooled.
+Records = dict[tuple[str, int], list[RequestRecord]]
+
+
+def run_rounds(paths: dict[str, SendFn], cfg: BenchConfig) -> Records:
+    """Per round and concurrency, one pass per path, one path after the other (their requests never overlap);
+    the order flips every round, so a drift of the machine's load hits both paths alike. Every path gets
+    the same specs in a (round, concurrency) pass."""
+    records: Records = {(name, conc): [] for name in paths for conc in cfg.concurrencies}
+    for r in range(cfg.rounds):
+        order = list(paths) if r % 2 == 0 else list(reversed(paths))
+        for conc in cfg.concurrencies:
+            specs = make_specs(cfg, f"c{conc}-r{r}", cfg.num_requests, conc * 10_000 + r * 1_000)
+            for name in order:
+                done = run_closed_loop(paths[name], specs, conc)
+                _check_outputs(name, done, cfg.max_tokens)
+                records[(name, conc)].extend(done)
+                logger.info("round %d c=%d %s: %s (load %s)", r, conc, name, figures(done), load_avg())
+    return records
 
 
 def _check_outputs(name: str, records: Sequence[RequestRecord], max_tokens: int) -> None:
@@ -470,64 +487,73 @@ def _check_outputs(name: str, records: Sequence[RequestRecord], max_tokens: int)
                            max_tokens)
 
 
-def run_direct(cfg: BenchConfig) -> dict[int, PathFigures]:
+def measure(cfg: BenchConfig, loads: dict[str, list[float]]) -> Records:
+    """Start the direct stack, then the Triton one (both idle but for the pass being measured), warm both
+    up, run the rounds, stop Triton, then the direct stack."""
     # the UCX settings serve.sh gives the PD models (shared-memory notifications, loopback only)
     os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    direct = DirectPD(cfg).start()
+    direct = DirectPD(cfg)
+    server = TritonPD(cfg)
     try:
-        return measure_path("direct", direct.send, cfg)
+        direct.start()
+        server.start()
+        paths: dict[str, SendFn] = {"direct": direct.send, "triton": server.send}
+        for name, send in paths.items():
+            warm_up(name, send, cfg)
+        loads["measure_start"] = load_avg()
+        return run_rounds(paths, cfg)
     finally:
+        logger.info("server stopped in %.1f s (log: %s)", server.stop(), server.log_path)
         direct.stop()
-
-
-def run_triton(cfg: BenchConfig) -> dict[int, PathFigures]:
-    server = TritonPD(cfg).start()
-    try:
-        return measure_path("triton", server.send, cfg)
-    finally:
-        stop_s = server.stop()
-        logger.info("server stopped in %.1f s (log: %s)", stop_s, server.log_path)
 
 
 # ---------------------------------------------------------------------------------------------------- report
 
 
-def table(direct: dict[int, PathFigures], triton: dict[int, PathFigures]) -> str:
-    """One row per (concurrency, path) plus the overhead row, in ms."""
-    lines = [f"{'conc':>4} {'path':>9} {'n':>3} {'fail':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+def table(figs: dict[tuple[str, int], PathFigures], concurrencies: Sequence[int]) -> str:
+    """One row per (concurrency, path) plus the overhead row (ms; the ITL overhead in %)."""
+    lines = [f"{'conc':>4} {'path':>7} {'n':>3} {'fail':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
              f"{'ITL p99':>8} {'ITL mean':>8}"]
-    for conc in direct:
-        for name, f in (("direct", direct[conc]), ("triton", triton[conc])):
-            lines.append(f"{conc:>4} {name:>9} {f.num_requests:>3} {f.num_failed:>4} {f.ttft_p50_ms:>9.1f} "
-                         f"{f.ttft_p99_ms:>9.1f} {f.itl_p50_ms:>8.2f} {f.itl_p99_ms:>8.2f} {f.itl_mean_ms:>8.2f}")
-        o = overhead(direct[conc], triton[conc])
-        lines.append(f"{conc:>4} {'added':>9} {'':>3} {'':>4} {o['added_ttft_p50_ms']:>+9.1f} "
-                     f"{o['added_ttft_p99_ms']:>+9.1f} {o['added_itl_pct']:>+7.1f}% {o['added_itl_p99_pct']:>+7.1f}% "
-                     f"{o['added_itl_mean_pct']:>+7.1f}%")
+    for conc in concurrencies:
+        for name in ("direct", "triton"):
+            f = figs[(name, conc)]
+            lines.append(f"{conc:>4} {name:>7} {f.num_requests:>3} {f.num_failed:>4} {f.ttft_p50_ms:>9.1f} "
+                         f"{f.ttft_p99_ms:>9.1f} {f.itl_p50_ms:>8.2f} {f.itl_p99_ms:>8.2f} "
+                         f"{f.itl_mean_ms:>8.2f}")
+        o = overhead(figs[("direct", conc)], figs[("triton", conc)])
+        lines.append(f"{conc:>4} {'added':>7} {'':>3} {'':>4} {o['added_ttft_p50_ms']:>+9.1f} "
+                     f"{o['added_ttft_p99_ms']:>+9.1f} {o['added_itl_pct']:>+7.1f}% "
+                     f"{o['added_itl_p99_pct']:>+7.1f}% {o['added_itl_mean_pct']:>+7.1f}%")
     return "\n".join(lines)
 
 
-def summary_line(cfg: BenchConfig, direct: dict[int, PathFigures], triton: dict[int, PathFigures],
+def summary_line(cfg: BenchConfig, figs: dict[tuple[str, int], PathFigures],
                  loads: dict[str, list[float]]) -> dict[str, Any]:
-    """The JSON last line: concurrency 1 at the top level, every pass under ``passes``."""
+    """The JSON last line: the first concurrency at the top level, every concurrency under ``passes``."""
     first = cfg.concurrencies[0]
-    d, t = direct[first], triton[first]
+    d, t = figs[("direct", first)], figs[("triton", first)]
     o = overhead(d, t)
     line: dict[str, Any] = {
-        "concurrency": first, "num_requests": cfg.num_requests, "prompt_tokens": cfg.prompt_tokens,
-        "max_tokens": cfg.max_tokens,
+        "concurrency": first, "num_requests": cfg.num_requests * cfg.rounds, "rounds": cfg.rounds,
+        "prompt_tokens": cfg.prompt_tokens, "max_tokens": cfg.max_tokens,
         "direct_ttft_p50_ms": d.ttft_p50_ms, "triton_ttft_p50_ms": t.ttft_p50_ms,
         "direct_ttft_p99_ms": d.ttft_p99_ms, "triton_ttft_p99_ms": t.ttft_p99_ms,
         "direct_itl_p50_ms": d.itl_p50_ms, "triton_itl_p50_ms": t.itl_p50_ms,
         "direct_itl_p99_ms": d.itl_p99_ms, "triton_itl_p99_ms": t.itl_p99_ms, **o,
-        "ttft_target_met": o["added_ttft_p50_ms"] <= TTFT_TARGET_MS, "itl_target_met": o["added_itl_pct"] <= ITL_TARGET_PCT,
+        "ttft_target_met": o["added_ttft_p50_ms"] <= TTFT_TARGET_MS,
+        "itl_target_met": o["added_itl_pct"] <= ITL_TARGET_PCT,
         "num_failed": d.num_failed + t.num_failed,
-        "passes": {str(c): {"direct": _rounded(vars(direct[c])), "triton": _rounded(vars(triton[c])),
-                            **_rounded(overhead(direct[c], triton[c]))} for c in cfg.concurrencies},
+        "passes": {str(c): _pass_summary(figs[("direct", c)], figs[("triton", c)])
+                   for c in cfg.concurrencies},
         "load_avg": loads, "cpus": os.cpu_count(),
     }
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}
+    return _rounded(line)
+
+
+def _pass_summary(direct: PathFigures, triton: PathFigures) -> dict[str, Any]:
+    return {"direct": _rounded(vars(direct)), "triton": _rounded(vars(triton)),
+            **_rounded(overhead(direct, triton))}
 
 
 def _rounded(values: dict[str, Any]) -> dict[str, Any]:
@@ -537,17 +563,19 @@ def _rounded(values: dict[str, Any]) -> dict[str, Any]:
 def parse_config(argv: list[str] | None = None) -> BenchConfig:
     """The one place the CLI becomes a ``BenchConfig``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="4 requests x 16 new tokens at concurrency 1 (< 2 min)")
-    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="1 round, 4 requests x 16 new tokens, c=1")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per path, concurrency and round")
+    p.add_argument("--rounds", type=int, default=None, help="rounds (the path order flips each round)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--concurrency", default=None, help="comma-separated, e.g. 1,4 (first one is the headline)")
+    p.add_argument("--concurrency", default=None, help="e.g. 1,4 (the first is the headline)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     conc = tuple(int(c) for c in a.concurrency.split(",")) if a.concurrency else ((1,) if a.quick else (1, 4))
-    return BenchConfig(num_requests=a.num_requests or (4 if a.quick else 16), prompt_tokens=a.prompt_tokens,
-                       max_tokens=a.max_tokens or (16 if a.quick else 32), num_warmup=1 if a.quick else 2,
-                       concurrencies=conc, seed=a.seed)
+    return BenchConfig(num_requests=a.num_requests or (4 if a.quick else 8),
+                       rounds=a.rounds or (1 if a.quick else 2),
+                       prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens or (16 if a.quick else 32),
+                       num_warmup=1 if a.quick else 2, concurrencies=conc, seed=a.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -556,12 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the server this run started is stopped
     loads = {"start": load_avg()}
-    direct = run_direct(cfg)
-    loads["after_direct"] = load_avg()
-    triton = run_triton(cfg)
+    records = measure(cfg, loads)
     loads["end"] = load_avg()
-    print(table(direct, triton), flush=True)
-    print(json.dumps(summary_line(cfg, direct, triton, loads)), flush=True)
+    figs = {key: figures(recs) for key, recs in records.items()}
+    print(table(figs, cfg.concurrencies), flush=True)
+    print(json.dumps(summary_line(cfg, figs, loads)), flush=True)
     return 0
 
 
