@@ -56,7 +56,7 @@ logger = logging.getLogger("bench_triton_overhead")
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 40.0
-REQUEST_TIMEOUT_S = 60.0  # longest gap between two responses of one request
+REQUEST_TIMEOUT_S = 30.0  # longest gap between two responses of one request
 ENTRY_MODEL = "pd_ensemble"
 SHM_PREFIX = "triton_python_backend_shm_region_"
 TTFT_TARGET_MS = 10.0
@@ -453,10 +453,11 @@ def overhead(direct: PathFigures, triton: PathFigures) -> dict[str, float]:
 
 
 def warm_up(name: str, send: SendFn, cfg: BenchConfig) -> None:
-    """``cfg.num_warmup`` requests, not counted. Raises RuntimeError when one fails."""
+    """``cfg.num_warmup`` requests, not counted (a failure is logged: the measured passes count theirs)."""
     warm = run_closed_loop(send, make_specs(cfg, f"{name}-warm", cfg.num_warmup, 90_000), 1)
-    if any(not r.ok for r in warm):
-        raise RuntimeError(f"{name}: warm-up failed: {[r.error for r in warm if not r.ok]}")
+    for r in warm:
+        if not r.ok:
+            logger.error("%s warm-up %s failed: %s", name, r.request_id, r.error)
 
 
 #: (path name, concurrency) → records of every round, pooled.
