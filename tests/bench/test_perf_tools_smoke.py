@@ -41,7 +41,8 @@ pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
 
 def _grpc_port(server: object) -> str:
-    return str(server.grpc_url)  # type: ignore[attr-defined].rsplit(":", 1)[1]
+    url: str = server.grpc_url  # type: ignore[attr-defined]
+    return url.rsplit(":", 1)[1]
 
 
 def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
