@@ -16,16 +16,15 @@ Client cancel and orchestrator aborts (``RoomAborts``) are checked every tick in
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 from dataclasses import dataclass, field
 
 from engine.errors import OutOfPages, RequestRejected
 from kv_transfer import KVPoll, KVReceiver
-from serving.colocated import Tokenizer, prompt_token_ids
+from serving.colocated import Tokenizer
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent
+from serving.intake import Intake
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
 from serving.room_aborts import RoomAborts
@@ -62,14 +61,11 @@ class DecodeWorker:
         """
         self._loop = loop
         self._engine = loop.engine
-        self._tokenizer = tokenizer
         self._kv = kv_manager
         self._room_aborts = room_aborts
         self._name = name
         self._metrics = metrics
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._incoming: list[_Job] = []
+        self._intake: Intake[_Job] = Intake(loop, tokenizer, name)
         self._prealloc: list[_Job] = []
         self._transfer: dict[str, _Job] = {}
         self._running: dict[str, _Job] = {}
@@ -79,31 +75,16 @@ class DecodeWorker:
     # ---- any thread -------------------------------------------------------------------------------------------
     def handle(self, pd: PDRequest, sink: ResponseSink) -> str:
         """Queue one request; its tokens after the first go to ``sink``. Never raises."""
-        request_id = f"{self._name}-{next(self._ids)}"
-        try:
-            token_ids = prompt_token_ids(self._tokenizer, pd.request)
-        except Exception as e:
-            sink.send_error(f"tokenization failed: {e}")
-            return request_id
-        job = _Job(request_id, pd, token_ids, GenerationStream(request_id, pd.request, sink))
-        if not self._loop.running:
-            sink.send_error(f"{self._name} is not running")
-            return request_id
-        with self._lock:
-            self._incoming.append(job)
-        self._loop.wake()
-        return request_id
+        return self._intake.accept(pd, sink, lambda request_id, token_ids: _Job(
+            request_id, pd, token_ids, GenerationStream(request_id, pd.request, sink)))
 
     def num_active(self) -> int:
-        with self._lock:
-            return (len(self._incoming) + len(self._prealloc) + len(self._transfer) + len(self._running)
-                    + len(self._releasing))
+        return (len(self._intake) + len(self._prealloc) + len(self._transfer) + len(self._running)
+                + len(self._releasing))
 
     def fail_all(self, reason: str) -> None:
         """After the loop stopped: end every request still queued here with an error response (FINAL)."""
-        with self._lock:
-            jobs = self._incoming + self._prealloc + list(self._transfer.values())
-            self._incoming = []
+        jobs = self._intake.take() + self._prealloc + list(self._transfer.values())
         self._prealloc, self._transfer = [], {}
         for job in jobs:
             if job.receiver is not None:
@@ -113,9 +94,7 @@ class DecodeWorker:
     # ---- loop thread ------------------------------------------------------------------------------------------
     def on_tick(self) -> bool:
         """Advance every queue by one round; True while something waits on the network."""
-        with self._lock:
-            incoming, self._incoming = self._incoming, []
-        for job in incoming:
+        for job in self._intake.take():
             job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance)  # type: ignore
             self._prealloc.append(job)
         self._poll_prealloc()

@@ -83,7 +83,7 @@ class _MergeState:
     num_output_tokens: int = 0
     finish_reason: str | None = None
 
-    def final_chunk(self, finish_reason: str | None) -> "OutputChunk":
+    def final_chunk(self, finish_reason: str | None) -> OutputChunk:
         return OutputChunk(text="", final=True, finish_reason=finish_reason,
                            num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens)
 

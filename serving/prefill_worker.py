@@ -17,16 +17,15 @@ engine rejection) ends that request with an error response and FINAL, and nothin
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
 from kv_transfer import AuxData, KVPoll, KVSender, TransferError
-from serving.colocated import Tokenizer, prompt_token_ids
+from serving.colocated import Tokenizer
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent, RequestFailed
+from serving.intake import Intake
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
 from serving.room_aborts import RoomAborts
@@ -63,15 +62,12 @@ class PrefillWorker:
             metrics: where to publish queue lengths and outcomes; None disables.
         """
         self._loop = loop
-        self._tokenizer = tokenizer
         self._kv = kv_manager
         self._page_size = page_size
         self._room_aborts = room_aborts
         self._name = name
         self._metrics = metrics
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._incoming: list[_Job] = []
+        self._intake: Intake[_Job] = Intake(loop, tokenizer, name)
         self._bootstrap: dict[str, _Job] = {}
         self._prefilling: dict[str, _Job] = {}
         self._inflight: dict[str, _Job] = {}
@@ -81,30 +77,15 @@ class PrefillWorker:
     # ---- any thread -------------------------------------------------------------------------------------------
     def handle(self, pd: PDRequest, sink: ResponseSink) -> str:
         """Queue one request; responses go to ``sink``. Never raises: failures become an error response."""
-        request_id = f"{self._name}-{next(self._ids)}"
-        try:
-            token_ids = prompt_token_ids(self._tokenizer, pd.request)
-        except Exception as e:
-            sink.send_error(f"tokenization failed: {e}")
-            return request_id
-        if not self._loop.running:
-            sink.send_error(f"{self._name} is not running")
-            return request_id
-        with self._lock:
-            self._incoming.append(_Job(request_id, pd, token_ids, sink))
-        self._loop.wake()
-        return request_id
+        return self._intake.accept(pd, sink, lambda request_id, token_ids: _Job(request_id, pd, token_ids, sink))
 
     def num_active(self) -> int:
-        with self._lock:
-            return len(self._incoming) + len(self._bootstrap) + len(self._prefilling) + len(self._inflight)
+        return len(self._intake) + len(self._bootstrap) + len(self._prefilling) + len(self._inflight)
 
     def fail_all(self, reason: str) -> None:
         """After the loop stopped: end every request still queued here with an error response (FINAL)."""
-        with self._lock:
-            jobs = self._incoming + [*self._bootstrap.values(), *self._prefilling.values(),
-                                     *self._inflight.values()]
-            self._incoming = []
+        jobs = self._intake.take() + [*self._bootstrap.values(), *self._prefilling.values(),
+                                      *self._inflight.values()]
         self._bootstrap, self._prefilling, self._inflight = {}, {}, {}
         for job in jobs:
             if job.sender is not None:
@@ -119,9 +100,7 @@ class PrefillWorker:
     # ---- loop thread ------------------------------------------------------------------------------------------
     def on_tick(self) -> bool:
         """Advance every queue by one round; True while something waits on the network."""
-        with self._lock:
-            incoming, self._incoming = self._incoming, []
-        for job in incoming:
+        for job in self._intake.take():
             job.sender = self._kv.create_sender(job.pd.room)  # type: ignore[attr-defined]
             self._bootstrap[job.request_id] = job
         self._poll_bootstrap()

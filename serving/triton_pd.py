@@ -10,8 +10,10 @@ each child request is a decoupled BLS call (``InferenceRequest.exec(decoupled=Tr
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +23,14 @@ import numpy as np
 
 from serving.config import ConfigError, build_worker_config, instance_device, read_bootstrap_url
 from serving.metrics import ServingMetrics
-from serving.orchestrator import (ChildCall, ChildResponse, EnsembleResponder, PDOrchestrator, RoomAllocator,
-                                  RoundRobinPairing)
+from serving.orchestrator import (
+    ChildCall,
+    ChildResponse,
+    EnsembleResponder,
+    PDOrchestrator,
+    RoomAllocator,
+    RoundRobinPairing,
+)
 from serving.pd_request import PD_INPUT_NAMES, parse_pd_request
 from serving.request import RequestError, parse_request
 from serving.triton_io import RawValue, TritonResponseSink, pb_utils, read_inputs
@@ -36,7 +44,9 @@ FORWARDED_INPUTS = ("text_input", "sampling_parameters", "apply_chat_template")
 
 
 def _setup_logging() -> None:
+    """INFO logs to the server log; ``kill -USR1 <stub pid>`` dumps every Python thread's stack there too."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _decoupled_config(args: dict[str, Any], model: str) -> dict[str, Any]:
@@ -97,7 +107,6 @@ class PDChildModel:
             except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
                 logger.exception("request %r: unexpected error", request.request_id())
                 sink.send_error(f"internal error: {e}")
-        return None
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
@@ -162,7 +171,6 @@ class PDEnsembleModel:
             except Exception as e:
                 logger.exception("request %r: unexpected error", request.request_id())
                 sink.send_error(f"internal error: {e}")
-        return None
 
     def _launch(self, call: ChildCall, raw: dict[str, RawValue]) -> Iterator[ChildResponse]:
         pb = pb_utils()

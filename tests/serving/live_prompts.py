@@ -11,3 +11,28 @@ PROMPTS: list[str] = [
     _PARAGRAPH * 16 + "In one word, what flows through the valley?",
     "def fibonacci(n):\n    ",
 ]
+
+
+def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str]) -> dict[str, str]:
+    """Text of every prompt from one colocated engine run in-process, all prompts in one continuous batch
+    (the reference the live tests compare a server's streams with)."""
+    import json
+    import time
+
+    from engine import LLMEngine
+    from serving.colocated import prompt_token_ids
+    from serving.config import WorkerConfig
+    from serving.request import parse_request
+
+    engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
+    texts: dict[str, str] = {}
+    for i, prompt in enumerate(prompts):
+        req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(sampling)})
+        engine.add_request(str(i), prompt_token_ids(engine.tokenizer, req), req.params)
+        texts[str(i)] = ""
+    deadline = time.monotonic() + 300
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        for out in engine.step():
+            texts[out.request_id] += out.new_text
+    assert not engine.has_unfinished(), "the reference run did not finish in 300 s"
+    return {prompts[int(k)]: v for k, v in texts.items()}

@@ -8,7 +8,6 @@ fails the module if the server does not shut down cleanly, i.e. if any request w
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,7 @@ from typing import Any
 import pytest
 import requests
 from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
-from live_prompts import PROMPTS
-
-from serving.colocated import prompt_token_ids
-from serving.config import WorkerConfig
-from serving.request import parse_request
+from live_prompts import PROMPTS, colocated_greedy_texts
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.timeout(600)]
 TRITON_MODELS = ("colocated",)
@@ -32,21 +27,8 @@ GREEDY = {"max_tokens": str(MAX_TOKENS), "temperature": "0"}  # string values, a
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
-    """Greedy text of every prompt from the engine run in-process, all prompts in one batch."""
-    from engine import LLMEngine
-
-    engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
-    texts: dict[str, str] = {}
-    for i, prompt in enumerate(PROMPTS):
-        req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(GREEDY)})
-        engine.add_request(str(i), prompt_token_ids(engine.tokenizer, req), req.params)
-        texts[str(i)] = ""
-    deadline = time.monotonic() + 300
-    while engine.has_unfinished() and time.monotonic() < deadline:
-        for out in engine.step():
-            texts[out.request_id] += out.new_text
-    assert not engine.has_unfinished()
-    return {PROMPTS[int(k)]: v for k, v in texts.items()}
+    """Greedy text of every prompt from one colocated engine run in-process, all prompts in one batch."""
+    return colocated_greedy_texts(PROMPTS, GREEDY)
 
 
 def test_concurrent_greedy_streams_match_the_engine(triton_server, reference) -> None:

@@ -10,7 +10,6 @@ not shut down cleanly, i.e. if any request was left without FINAL.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,10 +18,7 @@ from typing import Any
 import pytest
 from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
 from live_prompts import PROMPTS as BASE_PROMPTS
-
-from serving.colocated import prompt_token_ids
-from serving.config import WorkerConfig
-from serving.request import parse_request
+from live_prompts import colocated_greedy_texts
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
@@ -35,20 +31,7 @@ PROMPTS = BASE_PROMPTS + ["Name the planets of the solar system:", "x"]
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
     """Greedy text of every prompt from one colocated engine run in-process, all prompts in one batch."""
-    from engine import LLMEngine
-
-    engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
-    texts: dict[str, str] = {}
-    for i, prompt in enumerate(PROMPTS):
-        req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(GREEDY)})
-        engine.add_request(str(i), prompt_token_ids(engine.tokenizer, req), req.params)
-        texts[str(i)] = ""
-    deadline = time.monotonic() + 300
-    while engine.has_unfinished() and time.monotonic() < deadline:
-        for out in engine.step():
-            texts[out.request_id] += out.new_text
-    assert not engine.has_unfinished()
-    return {PROMPTS[int(k)]: v for k, v in texts.items()}
+    return colocated_greedy_texts(PROMPTS, GREEDY)
 
 
 def generate(url: str, prompt: str | bytes, params: Any = None, **kwargs: Any) -> Any:

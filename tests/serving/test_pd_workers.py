@@ -8,6 +8,7 @@ one FINAL; after every way a request can end, the free-page counts of both engin
 from __future__ import annotations
 
 import importlib.util
+import json
 import queue
 import threading
 import time
@@ -20,8 +21,14 @@ import pytest
 from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
 from bootstrap.client import BootstrapClient
 from serving.config import WorkerConfig
-from serving.orchestrator import (ChildCall, ChildResponse, EnsembleResponder, PDOrchestrator, RoomAllocator,
-                                  RoundRobinPairing)
+from serving.orchestrator import (
+    ChildCall,
+    ChildResponse,
+    EnsembleResponder,
+    PDOrchestrator,
+    RoomAllocator,
+    RoundRobinPairing,
+)
 from serving.pd_factory import PDWorkerHandle, create_pd_worker
 from serving.pd_request import PDRequest
 from serving.request import GenerateRequest, parse_request
@@ -143,8 +150,7 @@ def colocated_texts(cluster: Cluster) -> dict[str, str]:
 
 
 def request(prompt: str, max_tokens: int = 24, stream: bool = True, **params: object) -> GenerateRequest:
-    params.setdefault("temperature", 0)
-    sampling = '{"max_tokens": %d%s}' % (max_tokens, "".join(f', "{k}": {v}' for k, v in params.items()))
+    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, **params})
     return parse_request({"text_input": prompt, "stream": stream, "sampling_parameters": sampling})
 
 
@@ -183,7 +189,7 @@ def test_decode_rejection_fails_the_request_and_frees_both_sides(cluster):
 
 def test_client_cancel_mid_stream_frees_both_sides(cluster):
     start = cluster.free_pages()
-    responses = cluster.generate(request(PROMPTS[2], max_tokens=400, ignore_eos="true"), cancel_after_s=1.0)
+    responses = cluster.generate(request(PROMPTS[2], max_tokens=400, ignore_eos=True), cancel_after_s=1.0)
     assert responses[-1].final and responses[-1].finish_reason == "abort"
     assert cluster.wait_free(start) == start
     ok = cluster.generate(request(PROMPTS[0]))  # the workers keep serving

@@ -1,0 +1,60 @@
+"""``Intake``: how a PD worker takes requests from Triton's execute thread to its engine loop thread."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from serving.colocated import Tokenizer, prompt_token_ids
+from serving.engine_loop import EngineLoop
+from serving.pd_request import PDRequest
+from serving.stream import ResponseSink
+
+J = TypeVar("J")
+
+
+class Intake(Generic[J]):
+    """Tokenizes on the caller's thread, queues the job, wakes the loop; the loop thread ``take``s the jobs."""
+
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, name: str) -> None:
+        """
+        Args:
+            loop: the worker's engine loop.
+            tokenizer: the engine's tokenizer.
+            name: prefix of the request ids (the instance name).
+        """
+        self._loop = loop
+        self._tokenizer = tokenizer
+        self._name = name
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._jobs: list[J] = []
+
+    def accept(self, pd: PDRequest, sink: ResponseSink, make_job: Callable[[str, list[int]], J]) -> str:
+        """Queue ``make_job(request_id, prompt_token_ids)``; on a tokenizer error or a stopped loop, answer
+        ``sink`` with an error instead. Never raises. Returns the request id."""
+        request_id = f"{self._name}-{next(self._ids)}"
+        try:
+            token_ids = prompt_token_ids(self._tokenizer, pd.request)
+        except Exception as e:  # a template or tokenizer error concerns this request only
+            sink.send_error(f"tokenization failed: {e}")
+            return request_id
+        if not self._loop.running:
+            sink.send_error(f"{self._name} is not running")
+            return request_id
+        with self._lock:
+            self._jobs.append(make_job(request_id, token_ids))
+        self._loop.wake()
+        return request_id
+
+    def take(self) -> list[J]:
+        """Every job queued since the last call, oldest first."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        return jobs
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
