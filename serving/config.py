@@ -51,6 +51,8 @@ class WorkerConfig:
         idle_wait_s: longest block of the engine loop on its input queue when there is nothing to do.
         dtype: weights and KV dtype (``"float32"`` on CPU; ``"bfloat16"``/``"float16"`` on GPUs).
         device: torch device of the engine; set from the Triton instance (``instance_device``), not a parameter.
+        cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
+            no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.
 
     Raises:
         ConfigError: at construction, naming the parameter, when a value is out of range.
@@ -69,6 +71,7 @@ class WorkerConfig:
     idle_wait_s: float = 0.1
     dtype: str = "float32"
     device: str = "cpu"
+    cpu_affinity: str = ""
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads"):
@@ -85,9 +88,20 @@ class WorkerConfig:
             raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        try:
+            cores = self.cpu_cores
+        except ValueError:
+            raise ConfigError("cpu_affinity", f"must be comma-separated core ids, got {self.cpu_affinity!r}") from None
+        if any(c < 0 for c in cores):
+            raise ConfigError("cpu_affinity", f"core ids must be >= 0, got {self.cpu_affinity!r}")
         if self.max_num_batched_tokens < self.chunk_size:
             raise ConfigError("max_num_batched_tokens",
                               f"must be >= chunk_size ({self.chunk_size}), got {self.max_num_batched_tokens}")
+
+    @property
+    def cpu_cores(self) -> set[int]:
+        """The cores of ``cpu_affinity`` (empty: no pinning). Raises ValueError on a non-integer entry."""
+        return {int(c) for c in self.cpu_affinity.split(",") if c.strip()}
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -105,6 +119,21 @@ class WorkerConfig:
 def instance_device(kind: str, device_id: int) -> str:
     """Torch device of a Triton model instance: ``"cuda:<id>"`` for ``KIND_GPU`` (``"GPU"``), else ``"cpu"``."""
     return f"cuda:{device_id}" if kind.upper().endswith("GPU") else "cpu"
+
+
+def apply_cpu_affinity(config: WorkerConfig) -> None:
+    """Pin the calling thread, and so every thread it starts later (the engine loop, torch's pool), to
+    ``config.cpu_cores``; nothing when empty. Call it in ``initialize`` before building the worker.
+
+    Raises:
+        ConfigError: a core this machine does not have (``os.sched_setaffinity`` refused it).
+    """
+    if not config.cpu_cores:
+        return
+    try:
+        os.sched_setaffinity(0, config.cpu_cores)
+    except OSError as e:
+        raise ConfigError("cpu_affinity", f"cannot pin to cores {sorted(config.cpu_cores)}: {e}") from None
 
 
 def read_bootstrap_url(configured: str, environ: Mapping[str, str] | None = None) -> str:

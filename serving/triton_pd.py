@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from serving.config import ConfigError, build_worker_config, instance_device, read_bootstrap_url
+from serving.config import (ConfigError, apply_cpu_affinity, build_worker_config, instance_device,
+                            read_bootstrap_url)
 from serving.metrics import ServingMetrics
 from serving.orchestrator import (
     ChildCall,
@@ -77,6 +78,7 @@ class PDChildModel:
         instance_id = self._instance_id(args, model_config)
         device = instance_device(args["model_instance_kind"], int(args["model_instance_device_id"]))
         config = build_worker_config(model_config.get("parameters", {}), device=device)
+        apply_cpu_affinity(config)
         metrics = ServingMetrics(pb_utils().MetricFamily, model=args["model_name"],
                                  instance=args["model_instance_name"])
         from serving.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks

@@ -56,3 +56,26 @@ def test_instance_device() -> None:
     assert instance_device("CPU", 0) == "cpu"
     cfg = build_worker_config(_sv(dtype="bfloat16"), environ={}, device="cuda:1")
     assert cfg.engine_config("prefill").device == "cuda:1" and cfg.engine_config("prefill").dtype == "bfloat16"
+
+
+def test_cpu_affinity_parses_validates_and_pins() -> None:
+    import os
+
+    import pytest
+
+    from serving.config import ConfigError, apply_cpu_affinity, build_worker_config
+
+    assert build_worker_config({}).cpu_cores == set()
+    assert build_worker_config({"cpu_affinity": {"string_value": "0, 1"}}).cpu_cores == {0, 1}
+    for bad in ("zero", "-1"):
+        with pytest.raises(ConfigError, match="cpu_affinity"):
+            build_worker_config({"cpu_affinity": {"string_value": bad}})
+    before = os.sched_getaffinity(0)
+    try:
+        core = min(before)
+        apply_cpu_affinity(build_worker_config({"cpu_affinity": {"string_value": str(core)}}))
+        assert os.sched_getaffinity(0) == {core}
+        with pytest.raises(ConfigError, match="cpu_affinity"):
+            apply_cpu_affinity(build_worker_config({"cpu_affinity": {"string_value": "4096"}}))
+    finally:
+        os.sched_setaffinity(0, before)

@@ -15,7 +15,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from serving.colocated import ColocatedWorker
-from serving.config import build_worker_config, instance_device
+from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
 from serving.request import RequestError, parse_request
 from serving.triton_io import TritonResponseSink, read_inputs
@@ -35,6 +35,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("colocated must use the decoupled transaction policy")
         device = instance_device(args["model_instance_kind"], int(args["model_instance_device_id"]))
         config = build_worker_config(model_config.get("parameters", {}), device=device)
+        apply_cpu_affinity(config)
         instance = args["model_instance_name"]
         metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
         self._worker = ColocatedWorker.create(config, name=instance, metrics=metrics)
