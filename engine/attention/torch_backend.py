@@ -1,11 +1,15 @@
 """Paged attention in plain torch for the CPU (and as a reference on any device).
 
-Per step, ``prepare`` sorts the batch into one *decode group* (every sequence with one new token, padded to
-the longest KV length with a key mask) and a list of *prefill chunks* (a sequence with several new tokens),
-and precomputes the page ids each of them gathers. Per layer, ``forward`` writes the new K/V rows with one
-``index_copy_``, gathers each group's K/V whole pages at a time (``index_select`` on the page dim), and runs
-``scaled_dot_product_attention`` with ``enable_gqa`` (kv head ``h // (num_heads // num_kv_heads)`` serves
-query head ``h``, as HF's ``repeat_kv``).
+Per step, ``prepare`` splits the batch into *decode buckets* (sequences with one new token) and *prefill
+chunks* (a sequence with several new tokens), and precomputes what every layer reuses: page ids, masks and
+output rows. Decode sequences are sorted by length and cut into buckets so that each bucket pads only to
+its own longest member (the cut minimises padded pages plus a fixed per-bucket cost, ``_BUCKET_COST_PAGES``);
+one bucket holding every sequence of equal length is the old single padded group. Per layer, ``forward``
+writes the new K/V rows with one ``index_copy_``, gathers each bucket's K/V whole pages at a time
+(``index_select`` on the page dim) and runs ``scaled_dot_product_attention`` with ``enable_gqa`` (kv head
+``h // (num_heads // num_kv_heads)`` serves query head ``h``, as HF's ``repeat_kv``).
+A single sequence whose pages are consecutive ids (the usual case for batch-1 decode and for a long prompt's
+chunks, as the allocator hands out pages in order) reads a slice of the pool instead: no copy at all.
 A chunk whose sequence has cached tokens uses a bottom-right-aligned causal mask (query ``i`` of a chunk of
 ``q`` tokens over ``s`` keys sees keys ``<= s - q + i``); a chunk without cache attends to its own K/V with
 ``is_causal``, skipping the gather.
@@ -21,25 +25,54 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 
+# What one more decode bucket costs per layer (a gather and an SDPA call), in gathered pages; measured on
+# SmolLM2-135M shapes (3 KV heads x 64, 16-token pages) at ~7 us per page and ~50 us per bucket.
+_BUCKET_COST_PAGES = 8
+
 
 @dataclass
-class DecodeGroup:
-    """Sequences with one query token each, their KV gathered page by page and padded to ``max_pages``.
+class KVSource:
+    """Where a group of ``batch`` sequences reads its K/V, padded to ``num_pages`` pages each.
+
+    Attributes:
+        first_page: the start of one run of consecutive page ids (``batch == 1``), read as a pool slice; or
+            ``None`` when ``pages`` are gathered.
+        pages: ``[batch * num_pages]`` int64 page ids (padding repeats page 0 and is masked out), or ``None``
+            with ``first_page``.
+        num_pages: pages per sequence.
+        key_len: keys attended per sequence (the longest ``seq_len`` of the group).
+    """
+
+    first_page: int | None
+    pages: torch.Tensor | None
+    num_pages: int
+    key_len: int
+
+    def read(self, layer_kv: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return K and V as ``[batch, kv_heads, key_len, head_dim]`` views (strided, not copied further)."""
+        page_size, kv_heads, head_dim = layer_kv.shape[2:]
+        if self.first_page is not None:
+            k, v = (layer_kv[i, self.first_page:self.first_page + self.num_pages] for i in (0, 1))
+        else:
+            k, v = (layer_kv[i].index_select(0, self.pages) for i in (0, 1))
+        shape = (batch, self.num_pages * page_size, kv_heads, head_dim)
+        k, v = k.view(shape)[:, :self.key_len], v.view(shape)[:, :self.key_len]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
+@dataclass
+class DecodeBucket:
+    """Sequences with one query token each, of similar lengths, attended in one SDPA call.
 
     Attributes:
         rows: ``[B]`` int64 token rows of the queries in the batch, or the slice ``0:B`` when they lead the
-            batch.
-        pages: ``[B * max_pages]`` int64 page ids (padding repeats page 0 and is masked out).
-        max_pages: pages of the longest sequence.
-        key_len: keys attended per sequence after the gather (``max_len`` when all lengths are equal, else
-            ``max_pages * page_size``).
+            batch in order.
+        kv: where the bucket's K/V come from.
         mask: ``[B, 1, 1, key_len]`` bool, True where a key is attended; ``None`` when all lengths are equal.
     """
 
     rows: torch.Tensor | slice
-    pages: torch.Tensor
-    max_pages: int
-    key_len: int
+    kv: KVSource
     mask: torch.Tensor | None
 
 
@@ -48,16 +81,14 @@ class PrefillSpan:
     """One sequence's chunk of ``end - start`` query tokens (rows ``start:end`` of the batch).
 
     Attributes:
-        pages: ``[ceil(seq_len / page_size)]`` int64 page ids of the sequence, or ``None`` when nothing is
-            cached (the chunk then attends to its own K/V with ``is_causal``).
-        seq_len: KV length after this chunk, in tokens.
+        kv: where the sequence's ``seq_len`` keys come from, or ``None`` when nothing is cached (the chunk
+            then attends to its own K/V with ``is_causal``).
         mask: ``[q, seq_len]`` bool causal mask aligned bottom-right, or ``None`` when nothing is cached.
     """
 
     start: int
     end: int
-    pages: torch.Tensor | None
-    seq_len: int
+    kv: KVSource | None
     mask: torch.Tensor | None
 
 
@@ -66,7 +97,7 @@ class TorchAttentionMetadata:
     """What ``TorchAttentionBackend.prepare`` computes once per step."""
 
     slot_mapping: torch.Tensor
-    decode: DecodeGroup | None
+    decodes: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -78,32 +109,63 @@ def _used_pages(pages: list[int], seq_len: int, page_size: int) -> list[int]:
     return pages[:needed]
 
 
-def _decode_group(rows: list[int], lens: list[int], tables: list[list[int]], page_size: int,
-                  device: torch.device) -> DecodeGroup:
-    used = [_used_pages(pages, n, page_size) for pages, n in zip(tables, lens)]
-    max_pages = max(len(u) for u in used)
-    flat = [p for u in used for p in u + [0] * (max_pages - len(u))]
-    mask = None
+def _kv_source(used: list[list[int]], key_len: int, device: torch.device) -> KVSource:
+    num_pages = max(len(u) for u in used)
+    if len(used) == 1 and used[0] == list(range(used[0][0], used[0][0] + num_pages)):
+        return KVSource(used[0][0], None, num_pages, key_len)
+    flat = [p for u in used for p in u + [0] * (num_pages - len(u))]
+    return KVSource(None, torch.tensor(flat, dtype=torch.int64, device=device), num_pages, key_len)
+
+
+def _bucket_bounds(page_counts: list[int]) -> list[int]:
+    """Cut ``page_counts`` (ascending) into runs minimising padded pages + ``_BUCKET_COST_PAGES`` per run
+    (a run pads to its last, largest count); returns the run ends. O(n^2) over one batch's sequences."""
+    best, cut = [0], [0]
+    for j in range(1, len(page_counts) + 1):
+        costs = [best[i] + (j - i) * page_counts[j - 1] + _BUCKET_COST_PAGES for i in range(j)]
+        cut.append(min(range(j), key=costs.__getitem__))
+        best.append(costs[cut[-1]])
+    ends, j = [], len(page_counts)
+    while j:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]
+
+
+def _decode_bucket(rows: list[int], lens: list[int], used: list[list[int]],
+                   device: torch.device) -> DecodeBucket:
     key_len = max(lens)
+    mask = None
     if min(lens) != key_len:
-        key_len = max_pages * page_size
         lens_t = torch.tensor(lens, device=device)
-        mask = torch.arange(key_len, device=device)[None, :] < lens_t[:, None]  # [B, key_len]
+        mask = torch.arange(key_len, device=device)[None, :] < lens_t[:, None]
         mask = mask.view(len(lens), 1, 1, key_len)
     leading = rows == list(range(len(rows)))
     row_index = slice(0, len(rows)) if leading else torch.tensor(rows, dtype=torch.int64, device=device)
-    page_ids = torch.tensor(flat, dtype=torch.int64, device=device)
-    return DecodeGroup(row_index, page_ids, max_pages, key_len, mask)
+    return DecodeBucket(row_index, _kv_source(used, key_len, device), mask)
+
+
+def _decode_buckets(rows: list[int], lens: list[int], tables: list[list[int]], page_size: int,
+                    device: torch.device) -> list[DecodeBucket]:
+    used = [_used_pages(pages, n, page_size) for pages, n in zip(tables, lens)]
+    order = sorted(range(len(rows)), key=lambda i: (len(used[i]), lens[i]))
+    buckets, start = [], 0
+    for end in _bucket_bounds([len(used[i]) for i in order]):
+        part = order[start:end] if end - start < len(order) else list(range(len(order)))  # keep batch order
+        buckets.append(_decode_bucket([rows[i] for i in part], [lens[i] for i in part],
+                                      [used[i] for i in part], device))
+        start = end
+    return buckets
 
 
 def _prefill_chunk(start: int, q_len: int, seq_len: int, pages: list[int], page_size: int,
                    device: torch.device) -> PrefillSpan:
     if q_len == seq_len:
-        return PrefillSpan(start, start + q_len, None, seq_len, None)
-    page_t = torch.tensor(_used_pages(pages, seq_len, page_size), dtype=torch.int64, device=device)
+        return PrefillSpan(start, start + q_len, None, None)
+    kv = _kv_source([_used_pages(pages, seq_len, page_size)], seq_len, device)
     key_pos = torch.arange(seq_len, device=device)[None, :]
     query_pos = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
-    return PrefillSpan(start, start + q_len, page_t, seq_len, key_pos <= query_pos)
+    return PrefillSpan(start, start + q_len, kv, key_pos <= query_pos)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -124,8 +186,8 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 prefills.append(_prefill_chunk(start, q_len, seq_len, pages, page_size, device))
             start += q_len
-        decode = _decode_group(d_rows, d_lens, d_tables, page_size, device) if d_rows else None
-        return TorchAttentionMetadata(batch.slot_mapping, decode, prefills)
+        decodes = _decode_buckets(d_rows, d_lens, d_tables, page_size, device) if d_rows else []
+        return TorchAttentionMetadata(batch.slot_mapping, decodes, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
@@ -133,24 +195,20 @@ class TorchAttentionBackend(AttentionBackend):
         kv_heads = k.shape[1]
         layer_kv[0].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         layer_kv[1].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-        if metadata.decode is not None and not metadata.prefills:
-            return self._decode(q, layer_kv, metadata.decode, scale)
+        decodes = metadata.decodes
+        if len(decodes) == 1 and not metadata.prefills and isinstance(decodes[0].rows, slice):
+            return self._decode(q, layer_kv, decodes[0], scale)  # rows 0:B are the whole batch
         out = q.new_empty(num_tokens, num_heads * head_dim)
-        if metadata.decode is not None:
-            rows = metadata.decode.rows
-            out[rows] = self._decode(q[rows], layer_kv, metadata.decode, scale)
+        for bucket in decodes:
+            out[bucket.rows] = self._decode(q[bucket.rows], layer_kv, bucket, scale)
         for chunk in metadata.prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, layer_kv, chunk, scale)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, layer_kv: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(q: torch.Tensor, layer_kv: torch.Tensor, d: DecodeBucket, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
-        page_size, kv_heads = layer_kv.shape[2], layer_kv.shape[3]
-        # [batch, max_pages * page_size, kv_heads, head_dim] -> [batch, kv_heads, key_len, head_dim] (a view)
-        keys = layer_kv[0].index_select(0, d.pages).view(batch, d.max_pages * page_size, kv_heads, head_dim)
-        values = layer_kv[1].index_select(0, d.pages).view(batch, d.max_pages * page_size, kv_heads, head_dim)
-        keys, values = keys[:, :d.key_len].transpose(1, 2), values[:, :d.key_len].transpose(1, 2)
+        keys, values = d.kv.read(layer_kv, batch)  # [batch, kv_heads, key_len, head_dim]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=scale,
                                              enable_gqa=True)  # [batch, num_heads, 1, head_dim]
         return out.reshape(batch, num_heads * head_dim)
@@ -158,16 +216,12 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
                  chunk: PrefillSpan, scale: float) -> torch.Tensor:
-        qc = q[chunk.start:chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-        if chunk.pages is None:
-            keys = k[chunk.start:chunk.end].transpose(0, 1)  # [kv_heads, q_len, head_dim]
-            values = v[chunk.start:chunk.end].transpose(0, 1)
+        qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
+        if chunk.kv is None:
+            keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, head_dim]
+            values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
         else:
-            kv_heads, head_dim = layer_kv.shape[3], layer_kv.shape[4]
-            keys = layer_kv[0].index_select(0, chunk.pages).view(-1, kv_heads, head_dim)[:chunk.seq_len]
-            values = layer_kv[1].index_select(0, chunk.pages).view(-1, kv_heads, head_dim)[:chunk.seq_len]
-            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-        out = F.scaled_dot_product_attention(qc.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                             attn_mask=chunk.mask, is_causal=chunk.pages is None, scale=scale,
-                                             enable_gqa=True)  # [1, num_heads, q_len, head_dim]
+            keys, values = chunk.kv.read(layer_kv, 1)  # [1, kv_heads, seq_len, head_dim]
+        out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=chunk.mask,
+                                             is_causal=chunk.kv is None, scale=scale, enable_gqa=True)  # [1, num_heads, q_len, head_dim]
         return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend, _bucket_bounds
 from engine.forward_batch import ForwardBatch
 
 PAGE_SIZE = 4
@@ -45,15 +45,29 @@ class _Sequence:
         return [self.pages[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE for t in range(start, end)]
 
 
-def _make(lengths: list[int], heads: int = 6, kv_heads: int = 2, seed: int = 0) -> list[_Sequence]:
+def _make(lengths: list[int], heads: int = 6, kv_heads: int = 2, seed: int = 0,
+          in_order: bool = False) -> list[_Sequence]:
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(NUM_PAGES, generator=gen).tolist()  # non-contiguous, unordered pages
+    if in_order:  # each sequence's pages are consecutive ids, as a fresh allocator hands them out
+        order = list(range(NUM_PAGES))
     seqs, used = [], 0
     for n in lengths:
         count = -(-n // PAGE_SIZE)
         seqs.append(_Sequence(n, heads, kv_heads, order[used:used + count], gen))
         used += count
     return seqs
+
+
+def _batch(work: list[tuple[_Sequence, int, int]]) -> ForwardBatch:
+    """The ``ForwardBatch`` of a step where sequence ``s`` contributes its tokens ``start:end``."""
+    num_tokens = sum(b - a for _, a, b in work)
+    return ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=torch.zeros(num_tokens, dtype=torch.int64),
+        slot_mapping=torch.tensor([slot for s, a, b in work for slot in s.slots(a, b)]),
+        query_lens=[b - a for _, a, b in work], seq_lens=[b for _, _, b in work],
+        page_tables=[s.pages for s, _, _ in work], logits_indices=torch.zeros(0, dtype=torch.int64))
 
 
 def _step(backend: TorchAttentionBackend, kv: torch.Tensor, work: list[tuple[_Sequence, int,
@@ -63,14 +77,7 @@ def _step(backend: TorchAttentionBackend, kv: torch.Tensor, work: list[tuple[_Se
     q = torch.cat([s.q[a:b] for s, a, b in work])
     k = torch.cat([s.k[a:b] for s, a, b in work])
     v = torch.cat([s.v[a:b] for s, a, b in work])
-    slots = [slot for s, a, b in work for slot in s.slots(a, b)]
-    batch = ForwardBatch(
-        input_ids=torch.zeros(q.shape[0], dtype=torch.int64), positions=torch.zeros(q.shape[0],
-                                                                                    dtype=torch.int64),
-        slot_mapping=torch.tensor(slots), query_lens=[b - a for _, a, b in work], seq_lens=[b for _, _,
-                                                                                            b in work],
-        page_tables=[s.pages for s, _, _ in work], logits_indices=torch.zeros(0, dtype=torch.int64))
-    meta = backend.prepare(batch, PAGE_SIZE)
+    meta = backend.prepare(_batch(work), PAGE_SIZE)
     return backend.forward(q, k, v, kv, meta, HEAD_DIM ** -0.5)
 
 
@@ -145,3 +152,37 @@ def test_short_page_table_is_rejected() -> None:
                          torch.tensor([0]))
     with pytest.raises(ValueError, match="too short"):
         TorchAttentionBackend().prepare(batch, PAGE_SIZE)
+
+
+def test_decode_buckets_cut_far_apart_lengths_only() -> None:
+    """Equal page counts stay one bucket; a cluster of short and a cluster of long sequences split in two."""
+    assert _bucket_bounds([3, 3, 3]) == [3]
+    assert _bucket_bounds([1, 1, 1, 30, 31, 32]) == [3, 6]
+
+
+def test_bucketed_ragged_decode_matches_dense() -> None:
+    """A decode batch of interleaved short and long sequences runs as several buckets (rows out of batch
+    order) and still matches dense for every row."""
+    lengths = [3, 40, 2, 37, 5, 44]
+    seqs = _make(lengths)
+    backend, kv = TorchAttentionBackend(), _kv(2)
+    _step(backend, kv, [(s, 0, s.q.shape[0] - 1) for s in seqs])
+    work = [(s, s.q.shape[0] - 1, s.q.shape[0]) for s in seqs]
+    assert len(backend.prepare(_batch(work), PAGE_SIZE).decodes) > 1
+    out = _step(backend, kv, work)
+    torch.testing.assert_close(out, torch.stack([s.expected[-1] for s in seqs]), atol=1e-5, rtol=1e-5)
+
+
+def test_consecutive_pages_read_as_pool_slice_match_dense() -> None:
+    """A sequence on consecutive page ids is read as a slice of the pool (no gather), for batch-1 decode and
+    for a continued prefill chunk, and matches dense."""
+    (seq,) = _make([19], in_order=True)
+    backend, kv = TorchAttentionBackend(), _kv(2)
+    first = _step(backend, kv, [(seq, 0, 9)])
+    meta = backend.prepare(_batch([(seq, 9, 18)]), PAGE_SIZE)
+    assert meta.prefills[0].kv is not None and meta.prefills[0].kv.first_page == seq.pages[0]
+    chunk = _step(backend, kv, [(seq, 9, 18)])
+    decode_meta = backend.prepare(_batch([(seq, 18, 19)]), PAGE_SIZE)
+    assert decode_meta.decodes[0].kv.first_page == seq.pages[0]
+    last = _step(backend, kv, [(seq, 18, 19)])
+    torch.testing.assert_close(torch.cat([first, chunk, last]), seq.expected, atol=1e-5, rtol=1e-5)
