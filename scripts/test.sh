@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Run the test suite in the project venv (scripts/setup.sh builds it). Extra arguments go to pytest:
+# Set up what the tests need (idempotent: seconds when already done), then run the test suite in the project
+# venv. Extra arguments go to pytest:
 #   scripts/test.sh                      # everything, live tritonserver tests included
 #   scripts/test.sh -m "not live"        # skip the tests that start tritonserver
+#   SKIP_SETUP=1 scripts/test.sh ...     # skip the set-up steps
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
+  scripts/setup.sh
+  scripts/install_perf_tools.sh   # perf_analyzer + genai-perf for the smoke runs in tests/bench
+fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
