@@ -47,13 +47,15 @@ class KVMetricsHook:
 
     def on_tick(self) -> bool:
         values: dict[str, float] = {k: float(v) for k, v in self._kv.metrics().items()}
-        if self._worker is not None and hasattr(self._worker, "transfer_seconds_total"):
+        if isinstance(self._worker, PrefillWorker):
             values["transfer_seconds_total"] = self._worker.transfer_seconds_total
+            values["transfer_tail_seconds_total"] = self._worker.transfer_tail_seconds_total
         for key, name in (("kv_bytes_total", "pd_kv_transfer_bytes_total"),
                           ("transfers_total", "pd_kv_transfers_total"),
                           ("failed_rooms_total", "pd_kv_failed_rooms_total"),
                           ("timed_out_rooms_total", "pd_kv_timed_out_rooms_total"),
-                          ("transfer_seconds_total", "pd_kv_transfer_seconds_total")):
+                          ("transfer_seconds_total", "pd_kv_transfer_seconds_total"),
+                          ("transfer_tail_seconds_total", "pd_kv_transfer_tail_seconds_total")):
             if key in values:
                 self._metrics.increment(name, values[key] - self._seen.get(key, 0.0))
                 self._seen[key] = values[key]

@@ -42,6 +42,7 @@ class _Job:
     sink: ResponseSink
     sender: KVSender | None = None
     first_send_s: float | None = None
+    last_send_s: float | None = None
     failed: str | None = None
 
 
@@ -72,6 +73,7 @@ class PrefillWorker:
         self._prefilling: dict[str, _Job] = {}
         self._inflight: dict[str, _Job] = {}
         self._transfer_s_total = 0.0
+        self._transfer_tail_s_total = 0.0
         loop.add_hook(self)
 
     # ---- any thread -------------------------------------------------------------------------------------------
@@ -96,6 +98,12 @@ class PrefillWorker:
     def transfer_seconds_total(self) -> float:
         """Sum over finished rooms of (first chunk posted → every WRITE done), seconds."""
         return self._transfer_s_total
+
+    @property
+    def transfer_tail_seconds_total(self) -> float:
+        """Sum over finished rooms of (last chunk posted → every WRITE done), seconds: the part of the transfer
+        that no prefill compute hides (the decode side's second token waits for it; the first token does not)."""
+        return self._transfer_tail_s_total
 
     # ---- loop thread ------------------------------------------------------------------------------------------
     def on_tick(self) -> bool:
@@ -165,6 +173,7 @@ class PrefillWorker:
             job.first_send_s = time.monotonic()
         job.sender.send(chunk.page_ids, chunk.is_last, aux)
         if chunk.is_last:
+            job.last_send_s = time.monotonic()
             self._prefilling.pop(job.request_id, None)
             self._inflight[job.request_id] = job
             job.sink.send(ResponseChunk(event.new_text, None, event.num_prompt_tokens, 1), final=False)
@@ -178,8 +187,10 @@ class PrefillWorker:
             del self._inflight[job.request_id]
             self._loop.engine.release_request(job.request_id)  # type: ignore[attr-defined]
             if state == KVPoll.Success:
-                assert job.first_send_s is not None
-                self._transfer_s_total += time.monotonic() - job.first_send_s
+                assert job.first_send_s is not None and job.last_send_s is not None
+                now = time.monotonic()
+                self._transfer_s_total += now - job.first_send_s
+                self._transfer_tail_s_total += now - job.last_send_s
                 job.sink.send(ResponseChunk("", None, len(job.token_ids), 1), final=True)
                 self._count("finished", job)
             else:

@@ -18,6 +18,7 @@ from perf.workload import InterferenceConfig, Phase, RequestSpec, chat_phase, in
 logger = logging.getLogger(__name__)
 
 TRANSFER_SECONDS = "pd_kv_transfer_seconds_total"
+TRANSFER_TAIL_SECONDS = "pd_kv_transfer_tail_seconds_total"
 TRANSFERS = "pd_kv_transfers_total"
 TRANSFER_BYTES = "pd_kv_transfer_bytes_total"
 
@@ -166,6 +167,12 @@ def _run_transfer_share(cfg: BenchConfig, server: RunningServer) -> dict[str, An
             # compute of the later chunks that the transfer overlaps
             row["transfer_ms"] = (s1 - s0) / (c1 - c0) * 1e3  # type: ignore[operator]
             row["transfer_share_of_ttft"] = row["transfer_ms"] / record.ttft_ms
+            t0, t1 = _metric_sum(before, TRANSFER_TAIL_SECONDS), _metric_sum(after, TRANSFER_TAIL_SECONDS)
+            if t0 is not None and t1 is not None:
+                # the tail (last chunk posted → last WRITE done) is what no prefill compute hides; the first
+                # token reaches the client before it, the second token waits for it
+                row["transfer_tail_ms"] = (t1 - t0) / (c1 - c0) * 1e3
+                row["transfer_tail_share_of_ttft"] = row["transfer_tail_ms"] / record.ttft_ms
             b0, b1 = _metric_sum(before, TRANSFER_BYTES), _metric_sum(after, TRANSFER_BYTES)
             row["transfer_bytes"] = None if b0 is None or b1 is None else (b1 - b0) / (c1 - c0)  # type: ignore[operator]
         out[str(n)] = row

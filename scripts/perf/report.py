@@ -55,11 +55,15 @@ def interference_table(results: dict[str, Any]) -> str:
 def transfer_table(results: dict[str, Any]) -> str:
     """Transfer share of TTFT per prompt length (PD only)."""
     rows = results.get("pd", {}).get("transfer_share", {})
-    lines = ["| prompt tokens | TTFT ms | KV transfer ms | share of TTFT | KV MiB |", "|---|---|---|---|---|"]
+    lines = ["| prompt tokens | TTFT ms | KV transfer ms (first chunk → done) | share of TTFT "
+             "| transfer tail ms (last chunk → done) | tail share of TTFT | KV MiB |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows.values():
-        share = row.get("transfer_share_of_ttft")
+        share, tail_share = row.get("transfer_share_of_ttft"), row.get("transfer_tail_share_of_ttft")
         lines.append(f"| {row.get('num_prompt_tokens')} | {_fmt(row.get('ttft_ms'))} | "
                      f"{_fmt(row.get('transfer_ms'))} | {'–' if share is None else f'{share:.1%}'} | "
+                     f"{_fmt(row.get('transfer_tail_ms'))} | "
+                     f"{'–' if tail_share is None else f'{tail_share:.1%}'} | "
                      f"{_fmt(row['transfer_bytes'] / 2**20 if row.get('transfer_bytes') else None)} |")
     return "\n".join(lines)
 
