@@ -222,6 +222,6 @@ class TorchAttentionBackend(AttentionBackend):
             values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
         else:
             keys, values = chunk.kv.read(layer_kv, 1)  # [1, kv_heads, seq_len, head_dim]
-        out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=chunk.mask,
-                                             is_causal=chunk.kv is None, scale=scale, enable_gqa=True)  # [1, num_heads, q_len, head_dim]
+        out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=chunk.mask, is_causal=chunk.kv is None,
+                                             scale=scale, enable_gqa=True)  # [1, num_heads, q_len, head_dim]
         return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
