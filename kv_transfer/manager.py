@@ -4,7 +4,8 @@ registration and the one background thread that does all transfer work.
 Threads: ``start()`` starts the thread ``kv-<role>-<instance>``; it loops until ``shutdown()`` sets the stop
 event, each round: heartbeat (every ``heartbeat_interval_s``), the role's tick (bootstrap polling,
 notification draining, transfer polling, timeouts, cleanup), then a wait on the wake event (set by
-sender/receiver calls) with a timeout, so timeouts and cleanup also run when no new work arrives.
+sender/receiver calls) with a timeout, so timeouts and cleanup also run when no new work arrives. The role's
+tick is told whether the event was set since the last round (the decode side keeps rounds nobody woke cheap).
 Shutdown order: stop the thread, fail open rooms and tell the peers, deregister at the bootstrap, close the
 agent. The caller keeps the KV memory alive until ``shutdown()`` returned.
 """
@@ -124,15 +125,17 @@ class KVManager:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # cleared before the round, not after the wait: a wake-up set during the round is kept
+            woken = self._wake.is_set()
+            self._wake.clear()
             now_s = time.monotonic()
             wait_s = self.args.idle_tick_s
             try:
                 self._heartbeat(now_s)
-                wait_s = self._side.tick(now_s)
+                wait_s = self._side.tick(now_s, woken)
             except Exception:
                 logger.exception("kv manager %s: tick failed", self.args.instance_id)
             self._wake.wait(wait_s)
-            self._wake.clear()
 
     def _heartbeat(self, now_s: float) -> None:
         if now_s < self._next_heartbeat_s:

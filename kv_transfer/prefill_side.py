@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -54,12 +55,16 @@ class PrefillSide:
             self.senders[room] = sender
         return sender
 
-    def tick(self, now_s: float) -> float:
-        """One round of work; returns how long the thread may wait before the next one."""
+    def tick(self, now_s: float, woken: bool = True) -> float:
+        """One round of work; returns how long the thread may wait before the next one (every round is a
+        full one here: ``woken`` is for the decode side)."""
         with self._lock:  # queued chunks first: bootstrap HTTP calls below must not delay a WRITE
             posts = self._collect(now_s)
         for post in posts:
             self._post(*post)
+        if posts:
+            with self._lock:
+                self._progress()
         self._drain_notifs()
         with self._lock:
             self._progress()
@@ -172,6 +177,7 @@ class PrefillSide:
     def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
               tag: Tag | None) -> None:
         notif = tag.encode() if tag is not None else b""
+        post_start_s = time.monotonic()
         try:
             handle = self._transport.post_write(peer.agent_name, local, remote, notif) if len(local) else None
             if handle is None and tag is not None:
@@ -180,13 +186,18 @@ class PrefillSide:
             with self._lock:
                 self._fail(sender, f"write of chunk {chunk.index} failed: {exc}")
             return
+        posted_s = time.monotonic()
         with self._lock:
+            sender.times.post_start_s, sender.times.posted_s = post_start_s, posted_s
             if handle is not None:
                 sender.inflight.append(handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
             sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
             self.metrics.kv_bytes_total += int(self._table.spans(local)[:, 1].sum()) if len(local) else 0
             self.metrics.chunks_total += 1
+            # host-memory WRITEs (UCX cma) are complete when transfer() returns: checking now, not on the next
+            # round, lets the room reach Success (and its pages be freed) without another wait
+            self._check_inflight(sender)
 
     # --- progress, notifications, peers ------------------------------------------------------------------
     def _progress(self) -> None:
@@ -205,6 +216,7 @@ class PrefillSide:
                 sender.local_aux_slot = None
             if sender.last_posted and not sender.state.is_terminal:
                 sender.state = advance(sender.state, KVPoll.Success)
+                sender.times.done_s = time.monotonic()
                 self.metrics.transfers_total += 1
                 logger.debug("room %d: sent", room)
             if sender.state.is_terminal:

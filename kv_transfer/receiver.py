@@ -15,6 +15,7 @@ done (it answered our cancel, or never learned the destination) or dead.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ from kv_transfer.errors import TransferError
 from kv_transfer.layout import PageId
 from kv_transfer.peers import Peer
 from kv_transfer.poll import KVPoll, advance
+from kv_transfer.timings import ReceiverTimings
 
 Room = int
 
@@ -56,6 +58,7 @@ class KVReceiver:
         self.chunks_seen: set[int] = set()
         self.total_chunks = 0
         self.closed = False
+        self.times = ReceiverTimings()  # written under the lock; ``timings`` copies it
 
     # --- caller API (serving layer) ---------------------------------------------------------------------
     def poll(self) -> KVPoll:
@@ -72,6 +75,12 @@ class KVReceiver:
         """First token id, its logprob and the room; set at Success."""
         with self._lock:
             return self._aux
+
+    @property
+    def timings(self) -> ReceiverTimings:
+        """A copy of this room's timestamps (see ``kv_transfer.timings``)."""
+        with self._lock:
+            return ReceiverTimings(**vars(self.times))
 
     def init(self, dst_page_ids: Sequence[PageId]) -> None:
         """Gives the pages reserved for the prompt's KV (owned by the caller until ``pages_releasable``)."""
@@ -110,6 +119,7 @@ class KVReceiver:
         self.chunks_seen.add(index)
         self.total_chunks = total_chunks or self.total_chunks
         self.progress_s = now_s
+        self.times.notified_s = time.monotonic()
         self.state = advance(self.state, KVPoll.Transferring)
         return self.total_chunks > 0 and len(self.chunks_seen) >= self.total_chunks
 
@@ -121,3 +131,4 @@ class KVReceiver:
             return
         self._aux = aux
         self.state = advance(self.state, KVPoll.Success)
+        self.times.success_s = time.monotonic()

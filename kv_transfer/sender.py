@@ -14,6 +14,7 @@ the source pages may be freed once ``pages_releasable()`` (no WRITE still reads 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from kv_transfer.layout import PageId
 from kv_transfer.peers import Peer
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.tags import Tag, TagKind
+from kv_transfer.timings import SenderTimings
 
 Room = int
 
@@ -68,6 +70,7 @@ class KVSender:
         self.aux_post: tuple[np.ndarray, np.ndarray, Tag] | None = None   # VRAM mode: the aux WRITE, after the KV one
         self.local_aux_slot: int | None = None   # staging slot of the aux bytes while the last WRITE runs
         self.closed = False                     # the manager dropped this room
+        self.times = SenderTimings()            # written under the lock; ``timings`` copies it
 
     # --- caller API (serving layer) ---------------------------------------------------------------------
     def poll(self) -> KVPoll:
@@ -78,6 +81,12 @@ class KVSender:
     def failure(self) -> TransferError | None:
         with self._lock:
             return self._failure
+
+    @property
+    def timings(self) -> SenderTimings:
+        """A copy of this room's timestamps (see ``kv_transfer.timings``)."""
+        with self._lock:
+            return SenderTimings(**vars(self.times))
 
     def init(self, num_pages: int) -> None:
         """Declares how many pages the prompt's KV spans. Raises ``TransferError`` if the destination is
@@ -109,6 +118,7 @@ class KVSender:
             if is_last and aux is None:
                 raise self._fail_and_raise("the last chunk needs aux data")
             self.queued.append(Chunk(self.next_chunk, list(page_ids), self.pages_assigned, is_last, aux))
+            self.times.send_s = time.monotonic()
             self.pages_assigned, self.next_chunk, self.last_queued = total, self.next_chunk + 1, is_last
         self._wake.set()
 

@@ -1,11 +1,13 @@
 """Benchmark: KV of 128-, 1k- and 4k-token prompts (SmolLM2 layout, page_size 16) moved from a prefill process
 to a decode process over NIXL, against a plain memcpy of the same bytes in the same run.
 
-Usage: python scripts/bench_kv_transfer.py [--backend nixl] [--reps 20] [--scatter]
+Usage: python scripts/bench_kv_transfer.py [--backend nixl] [--reps 20] [--scatter] [--sizes 128,1024,4096]
 Prints one line per size, then a JSON object (last line) with kv4k_gbps, memcpy_gbps, kv4k_ratio,
 kv128_latency_ms, kv128_overhead_ms, ... Latency is from ``send(is_last=True)`` in the prefill process to the
 receiver's ``Success`` in the decode process (CLOCK_MONOTONIC is shared by processes); overhead is latency
-minus the memcpy time of the same bytes.
+minus the memcpy time of the same bytes. Per size it also prints the median of each segment of that latency
+(``kv128_wake_ms`` ...; see ``SEGMENTS``, from ``sender.timings`` / ``receiver.timings``): medians of parts do
+not add up to the median of the whole.
 """
 
 from __future__ import annotations
@@ -66,15 +68,15 @@ def worker(role: str, url: str, backend: str, conn) -> None:  # type: ignore[no-
         elif cmd == "wait":
             receiver = rooms.pop(room)
             ok = _wait(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), 30)
-            conn.send((time.monotonic(), ok and receiver.poll() == KVPoll.Success))
+            conn.send((time.monotonic(), ok and receiver.poll() == KVPoll.Success, vars(receiver.timings)))
         elif cmd == "send":
             conn.send(send_room(manager, room, pages))
     manager.shutdown()
 
 
-def send_room(manager: object, room: int, pages: list[int]) -> float:
+def send_room(manager: object, room: int, pages: list[int]) -> tuple[float, dict]:  # type: ignore[type-arg]
     """Prefill side of one room: wait for the destination, send every page as one last chunk, wait until the
-    WRITE is done; returns the monotonic time of the ``send`` call."""
+    WRITE is done; returns the monotonic time of the ``send`` call and the sender's timestamps."""
     sender = manager.create_sender(room)  # type: ignore[attr-defined]
     sender.init(len(pages))
     _wait(lambda: sender.poll() >= KVPoll.WaitingForInput, 10)
@@ -82,7 +84,7 @@ def send_room(manager: object, room: int, pages: list[int]) -> float:
     t0 = time.monotonic()
     sender.send(pages, True, AuxData(1, -0.1, room))
     _wait(sender.pages_releasable, 30)
-    return t0
+    return t0, vars(sender.timings)
 
 
 class MemcpyBaseline:
@@ -118,23 +120,36 @@ def runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[slice, slice]
     return [(slice(s, s + n), slice(d, d + n)) for s, d, n in out]
 
 
-def transfer_once(pipes: dict, room: int, src: list[int], dst: list[int]) -> float:  # type: ignore[type-arg]
-    """One room end to end; returns seconds from ``send(is_last)`` at prefill to ``Success`` at decode."""
+# (name, from, to): segments of one room's latency, from the sender's and receiver's timestamps
+# (kv_transfer.timings) plus t0 (before ``send``) and t1 (the decode main thread saw Success)
+SEGMENTS = (("wake", "t0", "post_start_s"), ("write", "post_start_s", "posted_s"),
+            ("notify", "posted_s", "notified_s"), ("complete", "notified_s", "success_s"),
+            ("poll", "success_s", "t1"), ("sender_done", "t0", "done_s"))
+
+
+def transfer_once(pipes: dict, room: int, src: list[int],  # type: ignore[type-arg]
+                  dst: list[int]) -> tuple[float, dict]:  # type: ignore[type-arg]
+    """One room end to end; returns seconds from ``send(is_last)`` at prefill to ``Success`` at decode, and
+    the seconds of each segment of ``SEGMENTS``."""
     pipes["decode"].send(("recv", room, dst))
     assert pipes["decode"].poll(30) and pipes["decode"].recv()
     pipes["decode"].send(("wait", room, None))
     pipes["prefill"].send(("send", room, src))
     assert pipes["prefill"].poll(60)
-    t0 = pipes["prefill"].recv()
+    t0, sender_times = pipes["prefill"].recv()
     assert pipes["decode"].poll(60)
-    t1, ok = pipes["decode"].recv()
+    t1, ok, receiver_times = pipes["decode"].recv()
     assert ok, f"room {room} failed"
-    return t1 - t0
+    stamps = {**sender_times, **receiver_times, "t0": t0, "t1": t1}
+    return t1 - t0, {name: stamps[b] - stamps[a] for name, a, b in SEGMENTS}
 
 
-def summarize(key: str, nbytes: int, lat: list[float], mem: list[float]) -> dict:  # type: ignore[type-arg]
+def summarize(key: str, nbytes: int, lat: list[float], mem: list[float],
+              segs: list[dict]) -> dict:  # type: ignore[type-arg]
     med, mem_med = statistics.median(lat), statistics.median(mem)
-    return {f"{key}_bytes": nbytes, f"{key}_gbps": round(nbytes / med / 1e9, 3),
+    breakdown = {f"{key}_{name}_ms": round(statistics.median(s[name] for s in segs) * 1e3, 3)
+                 for name, _, _ in SEGMENTS}
+    return {**breakdown, f"{key}_bytes": nbytes, f"{key}_gbps": round(nbytes / med / 1e9, 3),
             f"{key}_latency_ms": round(med * 1e3, 3),
             f"{key}_p90_latency_ms": round(sorted(lat)[int(0.9 * (len(lat) - 1))] * 1e3, 3),
             f"{key}_memcpy_gbps": round(nbytes / mem_med / 1e9, 3), f"{key}_ratio": round(mem_med / med, 3),
@@ -159,33 +174,37 @@ def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, first_room:
     """``reps`` rooms of ``tokens`` tokens (after two warm-up rooms), each followed by the memcpy baseline."""
     rng, baseline = np.random.default_rng(tokens), MemcpyBaseline()
     num_pages = tokens // PAGE_SIZE
-    lat, mem = [], []
+    lat, mem, segs = [], [], []
     for rep in range(reps + 2):
         src = list(range(num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
         dst = list(range(4, 4 + num_pages)) if not scatter else \
             rng.permutation(NUM_PAGES)[:num_pages].tolist()
-        latency_s = transfer_once(pipes, first_room + rep, src, dst)
+        latency_s, seg = transfer_once(pipes, first_room + rep, src, dst)
         memcpy_s = baseline.seconds(src, dst)   # interleaved: both see the same machine load
         if rep >= 2:
             lat.append(latency_s)
             mem.append(memcpy_s)
+            segs.append(seg)
     key = {128: "kv128", 1024: "kv1k", 4096: "kv4k"}[tokens]
-    out = summarize(key, num_pages * smollm2_layout(NUM_PAGES).page_bytes, lat, mem)
+    out = summarize(key, num_pages * smollm2_layout(NUM_PAGES).page_bytes, lat, mem, segs)
     print(f"{tokens:5d} tokens {out[key + '_bytes'] / 2**20:6.1f} MiB: {out[key + '_gbps']:6.2f} GB/s "
           f"(median {out[key + '_latency_ms']:.2f} ms, p90 {out[key + '_p90_latency_ms']:.2f} ms, overhead "
           f"{out[key + '_overhead_ms']:.2f} ms) | memcpy {out[key + '_memcpy_gbps']:6.2f} GB/s | "
           f"ratio {out[key + '_ratio']:.2f}", flush=True)
+    print("      median ms: " + ", ".join(f"{name} {out[f'{key}_{name}_ms']:.3f}" for name, _, _ in SEGMENTS),
+          flush=True)
     return out
 
 
-def run(backend: str, reps: int, scatter: bool) -> dict:  # type: ignore[type-arg]
+def run(backend: str, reps: int, scatter: bool,
+        sizes: tuple[int, ...] = SIZES_TOKENS) -> dict:  # type: ignore[type-arg]
     server = BootstrapServer(ServerConfig(port=0))
     server.start()
     pipes, procs = start_workers(server.url, backend)
     result: dict = {"backend": backend, "scatter": scatter, "loadavg_1m_start": round(os.getloadavg()[0], 2)}
-    for i, tokens in enumerate(SIZES_TOKENS):
+    for i, tokens in enumerate(sizes):
         result.update(measure_size(pipes, tokens, reps, scatter, first_room=1 + 1000 * i))
-    result["memcpy_gbps"] = result["kv4k_memcpy_gbps"]
+    result["memcpy_gbps"] = result.get("kv4k_memcpy_gbps")
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     for pipe in pipes.values():
         pipe.send(("stop", 0, None))
@@ -241,8 +260,12 @@ def main() -> None:
     parser.add_argument("--backend", default="nixl", choices=("nixl",))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--scatter", action="store_true", help="random, non-contiguous pages on both sides")
+    parser.add_argument("--sizes", default="128,1024,4096", help="prompt lengths in tokens (128, 1024, 4096)")
     args = parser.parse_args()
-    print(json.dumps(run(args.backend, args.reps, args.scatter)))
+    sizes = tuple(int(t) for t in args.sizes.split(","))
+    if not set(sizes) <= set(SIZES_TOKENS):
+        parser.error(f"--sizes: each of {SIZES_TOKENS}")
+    print(json.dumps(run(args.backend, args.reps, args.scatter, sizes)))
 
 
 if __name__ == "__main__":
