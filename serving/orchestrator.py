@@ -23,6 +23,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -148,18 +149,24 @@ class PDOrchestrator:
     """Runs requests through a prefill/decode pair and merges the two child streams into one."""
 
     def __init__(self, pairing: RoundRobinPairing, rooms: RoomAllocator, abort_room: AbortRoom,
-                 readers: Executor) -> None:
+                 readers: Executor, idle_timeout_s: float = 300.0) -> None:
         """
         Args:
             pairing: picks the (prefill, decode) models of each request.
             rooms: allocates bootstrap rooms.
             abort_room: tells both instances to drop a room (called on errors and client cancels).
             readers: runs the two child-stream readers of each request (two threads per request in flight).
+            idle_timeout_s: a request whose children say nothing for this long (seconds) is aborted and ends
+                with an error, so that a lost child stream can never leave the client without FINAL. It must
+                exceed the longest prefill (nothing streams while the prompt is computed).
         """
+        if idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
         self._pairing = pairing
         self._rooms = rooms
         self._abort_room = abort_room
         self._readers = readers
+        self._idle_timeout_s = idle_timeout_s
 
     def generate(self, launch: Launch, emit: Callable[[OutputChunk], None],
                  is_cancelled: Callable[[], bool]) -> None:
@@ -205,6 +212,7 @@ class PDOrchestrator:
     def _merge(self, room: Room, events: queue.Queue, emit: Callable[[OutputChunk], None],
                is_cancelled: Callable[[], bool]) -> OutputChunk:
         state = _MergeState()
+        last_event_s = time.monotonic()
         while not (state.prefill_final and state.decode_final):
             if is_cancelled():
                 self._abort_room(room, "cancelled by the client")
@@ -212,7 +220,14 @@ class PDOrchestrator:
             try:
                 role, response = events.get(timeout=CANCEL_POLL_INTERVAL_S)
             except queue.Empty:
+                if time.monotonic() - last_event_s > self._idle_timeout_s:
+                    reason = f"no response from prefill or decode for {self._idle_timeout_s:.0f} s"
+                    logger.error("room=%d: %s (prefill_final=%s decode_final=%s)", room, reason,
+                                 state.prefill_final, state.decode_final)
+                    self._abort_room(room, reason)
+                    return OutputChunk(text="", final=True, error=reason)
                 continue
+            last_event_s = time.monotonic()
             if response.error is not None:
                 self._abort_room(room, f"{role}: {response.error}")
                 return OutputChunk(text="", final=True, error=response.error)

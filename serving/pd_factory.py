@@ -99,13 +99,15 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
     engine = LLMEngine(config.engine_config(role))
     loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
     kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role), backend=config.kv_backend)
-    room_aborts = RoomAborts(config.bootstrap_url, instance_id)
+    workers: list[PrefillWorker | DecodeWorker] = []  # the abort feed polls fast only while the worker is busy
+    room_aborts = RoomAborts(config.bootstrap_url, instance_id, busy=lambda: workers[0].num_active() > 0)
     worker: PrefillWorker | DecodeWorker
     if role == "prefill":
         worker = PrefillWorker(loop, engine.tokenizer, kv_manager, config.page_size, room_aborts,
                                name=instance_id, metrics=metrics)
     else:
         worker = DecodeWorker(loop, engine.tokenizer, kv_manager, room_aborts, name=instance_id, metrics=metrics)
+    workers.append(worker)
     if metrics is not None:
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages)))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
@@ -22,21 +23,27 @@ class RoomAborts:
     """The abort log of the bootstrap service, followed on a background thread."""
 
     def __init__(self, bootstrap_url: str, name: str, poll_interval_s: float = 0.02, retain_s: float = 120.0,
-                 http_timeout_s: float = 2.0) -> None:
+                 http_timeout_s: float = 2.0, busy: Callable[[], bool] | None = None,
+                 idle_poll_interval_s: float = 0.25) -> None:
         """Starts nothing.
 
         Args:
             bootstrap_url: the bootstrap service (``http://host:port``).
             name: thread name suffix (the worker's instance name).
-            poll_interval_s: pause between two polls of the abort log, seconds.
+            poll_interval_s: pause between two polls of the abort log while ``busy()``, seconds.
             retain_s: how long an aborted room is remembered, seconds.
             http_timeout_s: timeout of each HTTP call, seconds.
+            busy: True while the worker holds requests; when it holds none the log is polled every
+                ``idle_poll_interval_s`` only (nothing to abort; the log keeps what comes meanwhile).
+            idle_poll_interval_s: pause between two polls while not busy, seconds.
         """
         self._url = bootstrap_url
         self._name = name
         self._poll_interval_s = poll_interval_s
         self._retain_s = retain_s
         self._http_timeout_s = http_timeout_s
+        self._busy = busy or (lambda: True)
+        self._idle_poll_interval_s = idle_poll_interval_s
         self._aborted: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -79,6 +86,6 @@ class RoomAborts:
                         self._aborted[room] = now
                     for room in [r for r, t in self._aborted.items() if now - t > self._retain_s]:
                         del self._aborted[room]
-                self._stop.wait(self._poll_interval_s)
+                self._stop.wait(self._poll_interval_s if self._busy() else self._idle_poll_interval_s)
         finally:
             client.close()

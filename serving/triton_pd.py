@@ -148,6 +148,7 @@ class PDEnsembleModel:
         prefill_models = _model_list(params, "prefill_models", "prefill")
         decode_models = _model_list(params, "decode_models", "decode")
         max_inflight = int(params.get("max_inflight_requests", "256"))
+        idle_timeout_s = float(params.get("request_idle_timeout_s", "300"))
         self._bootstrap_url = read_bootstrap_url(params.get("bootstrap_url", "http://127.0.0.1:8998"))
         self._orchestrations = ThreadPoolExecutor(max_inflight, thread_name_prefix="pd-request")
         self._readers = ThreadPoolExecutor(2 * max_inflight, thread_name_prefix="pd-child")
@@ -155,8 +156,9 @@ class PDEnsembleModel:
         from bootstrap.client import BootstrapClient
 
         self._client = BootstrapClient(self._bootstrap_url)
+        self._exec_lock = threading.Lock()
         self._orchestrator = PDOrchestrator(RoundRobinPairing(prefill_models, decode_models), RoomAllocator(),
-                                            self._abort_room, self._readers)
+                                            self._abort_room, self._readers, idle_timeout_s=idle_timeout_s)
         logger.info("pd_ensemble ready: prefill=%s decode=%s bootstrap=%s", prefill_models, decode_models,
                     self._bootstrap_url)
 
@@ -182,8 +184,12 @@ class PDEnsembleModel:
             tensors.append(pb.Tensor("prefill_instance", np.array([call.prefill_model.encode()], dtype=np.object_)))
         request = pb.InferenceRequest(model_name=call.model, inputs=tensors,
                                       requested_output_names=list(CHILD_OUTPUTS))
-        for response in request.exec(decoupled=True):
+        logger.debug("room=%d: %s request to %s", call.room, call.role, call.model)
+        with self._exec_lock:  # one BLS submission at a time; reading the responses runs in parallel
+            responses = request.exec(decoupled=True)
+        for response in responses:
             yield _child_response(response)
+        logger.debug("room=%d: %s stream from %s ended", call.room, call.role, call.model)
 
     def _abort_room(self, room: int, reason: str) -> None:
         from bootstrap.errors import BootstrapError

@@ -36,7 +36,7 @@ class Children:
         self.aborted.append((room, reason))
 
 
-def run(children: Children, cancel_after_s: float | None = None) -> list[OutputChunk]:
+def run(children: Children, cancel_after_s: float | None = None, idle_timeout_s: float = 300.0) -> list[OutputChunk]:
     out: list[OutputChunk] = []
     start = time.monotonic()
 
@@ -45,7 +45,7 @@ def run(children: Children, cancel_after_s: float | None = None) -> list[OutputC
 
     pool = ThreadPoolExecutor(4)
     orchestrator = PDOrchestrator(RoundRobinPairing(["prefill"], ["decode"]), RoomAllocator(),
-                                  children.abort_room, pool)
+                                  children.abort_room, pool, idle_timeout_s=idle_timeout_s)
     orchestrator.generate(children.launch, out.append, cancelled)
     pool.shutdown(wait=False)  # a reader may still drain a child stream, as it does in the server
     return out
@@ -128,3 +128,12 @@ def test_pairing_is_thread_safe():
     for t in threads:
         t.join(timeout=10)
     assert seen.count(("p0", "d0")) == 200 and seen.count(("p1", "d1")) == 200
+
+
+def test_children_that_go_silent_end_the_request_with_an_error_after_the_idle_timeout():
+    children = Children(prefill=[(0, tok("A", 1))], decode=[(30.0, tok("B", 2, final=True))])
+    start = time.monotonic()
+    out = run(children, idle_timeout_s=0.3)
+    assert time.monotonic() - start < 5.0
+    assert out[-1].final and "no response" in out[-1].error and sum(c.final for c in out) == 1
+    assert len(children.aborted) == 1
