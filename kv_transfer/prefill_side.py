@@ -62,9 +62,6 @@ class PrefillSide:
             posts = self._collect(now_s)
         for post in posts:
             self._post(*post)
-        if posts:
-            with self._lock:
-                self._progress()
         self._drain_notifs()
         with self._lock:
             self._progress()
@@ -195,9 +192,6 @@ class PrefillSide:
             sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
             self.metrics.kv_bytes_total += int(self._table.spans(local)[:, 1].sum()) if len(local) else 0
             self.metrics.chunks_total += 1
-            # host-memory WRITEs (UCX cma) are complete when transfer() returns: checking now, not on the next
-            # round, lets the room reach Success (and its pages be freed) without another wait
-            self._check_inflight(sender)
 
     # --- progress, notifications, peers ------------------------------------------------------------------
     def _progress(self) -> None:
