@@ -1,11 +1,12 @@
 """First contact with a NIXL peer must never wait for that peer.
 
-``NixlTransport.add_peer`` (``add_remote_agent`` + ``prep_xfer_dlist`` + the warm-up ``send_notif``) runs on the
-manager thread, with the agent created on another thread (``start()`` runs on Triton's ``initialize`` thread).
+``NixlTransport.add_peer`` (``add_remote_agent`` + ``prep_xfer_dlist`` + the warm-up ``send_notif``) runs on
+the manager thread, with the agent created on another thread (``start()`` runs on Triton's ``initialize``
+thread).
 A peer whose manager thread does not progress UCX (busy, or not yet ticking) must not block it: here the peer
-process registers its memory and then never calls NIXL again, and ``add_peer`` still returns at once. Only the
-first WRITE with a notification waits for the peer to progress (UCX over TCP, docs/protocol.md), and it finishes
-once the peer drains its notifications.
+process registers its memory and then never calls NIXL again, and ``add_peer`` still returns at once. Only
+the first WRITE with a notification waits for the peer to progress (UCX over TCP, docs/protocol.md), and it
+finishes once the peer drains its notifications.
 """
 
 from __future__ import annotations
