@@ -13,8 +13,10 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -85,6 +87,7 @@ class PDChildModel:
 
         self._handle = create_pd_worker(self.ROLE, config, instance_id, metrics)
         self._handle.start()
+        _exit_when_orphaned(args["model_instance_name"])
         logger.info("%s ready as %s instance %s: %s", args["model_instance_name"], self.ROLE, instance_id, config)
 
     def _instance_id(self, args: dict[str, Any], model_config: dict[str, Any]) -> str:
@@ -113,6 +116,24 @@ class PDChildModel:
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
         self._handle.stop(STOP_TIMEOUT_S)
+
+
+def _exit_when_orphaned(name: str, interval_s: float = 1.0) -> None:
+    """End this stub process once tritonserver is gone (its parent changed).
+
+    A stub left behind by a server that hit its exit timeout would otherwise keep heartbeating and register
+    again, under the same instance id, with the next bootstrap service on the same port, and the next server's
+    rooms would fail against its stale agent.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        logger.error("%s: tritonserver (pid %d) is gone; exiting", name, parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"orphan-watch-{name}", daemon=True).start()
 
 
 def _child_response(response: Any) -> ChildResponse:
@@ -156,9 +177,9 @@ class PDEnsembleModel:
         from bootstrap.client import BootstrapClient
 
         self._client = BootstrapClient(self._bootstrap_url)
-        self._exec_lock = threading.Lock()
         self._orchestrator = PDOrchestrator(RoundRobinPairing(prefill_models, decode_models), RoomAllocator(),
                                             self._abort_room, self._readers, idle_timeout_s=idle_timeout_s)
+        _exit_when_orphaned(args["model_instance_name"])
         logger.info("pd_ensemble ready: prefill=%s decode=%s bootstrap=%s", prefill_models, decode_models,
                     self._bootstrap_url)
 
@@ -185,8 +206,9 @@ class PDEnsembleModel:
         request = pb.InferenceRequest(model_name=call.model, inputs=tensors,
                                       requested_output_names=list(CHILD_OUTPUTS))
         logger.debug("room=%d: %s request to %s", call.room, call.role, call.model)
-        with self._exec_lock:  # one BLS submission at a time; reading the responses runs in parallel
-            responses = request.exec(decoupled=True)
+        # exec() returns only once the child has sent its first response (tritonserver 2.51), and prefill's
+        # first response needs decode's destination: never hold a lock across it (the pair would deadlock)
+        responses = request.exec(decoupled=True)
         for response in responses:
             yield _child_response(response)
         logger.debug("room=%d: %s stream from %s ended", call.room, call.role, call.model)
