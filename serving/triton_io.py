@@ -78,18 +78,27 @@ def response_arrays(chunk: ResponseChunk) -> dict[str, np.ndarray]:
     }
 
 
-def inference_response(chunk: ResponseChunk) -> Any:
-    """``pb_utils.InferenceResponse`` holding ``chunk``."""
-    pb = pb_utils()
-    tensors = [pb.Tensor(name, array) for name, array in response_arrays(chunk).items()]
-    return pb.InferenceResponse(output_tensors=tensors)
+def utf8_array(text: str) -> np.ndarray:
+    """``text`` as a ``[num_bytes]`` uint8 array of its UTF-8 bytes."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
-def error_output_response(message: str) -> Any:
-    """``pb_utils.InferenceResponse`` with empty outputs and the ``error`` output (BYTES, ``[1]``) = ``message``."""
+def child_response_arrays(chunk: ResponseChunk, error: str = "") -> dict[str, np.ndarray]:
+    """The output arrays of a prefill/decode response to ``pd_ensemble``: the text fields as UTF-8 ``uint8``
+    arrays (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the object dtype's
+    reference count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``): after ~1.5k
+    responses pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
+    arrays = response_arrays(chunk)
+    arrays["text_output"] = utf8_array(chunk.text)
+    arrays["finish_reason"] = utf8_array(chunk.finish_reason or "")
+    arrays["error"] = utf8_array(error)
+    return arrays
+
+
+def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "") -> Any:
+    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout)."""
     pb = pb_utils()
-    arrays = response_arrays(ResponseChunk(text=""))
-    arrays["error"] = np.array([message.encode("utf-8")], dtype=np.object_)
+    arrays = child_response_arrays(chunk, error) if child else response_arrays(chunk)
     return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in arrays.items()])
 
 
@@ -106,19 +115,20 @@ class TritonResponseSink:
     crashes on ``is_cancelled()`` after FINAL), which one lock enforces across the execute and loop threads.
     """
 
-    def __init__(self, response_sender: Any, request_id: str = "", error_as_output: bool = False) -> None:
+    def __init__(self, response_sender: Any, request_id: str = "", child: bool = False) -> None:
         """
         Args:
             response_sender: ``request.get_response_sender()``.
             request_id: for log lines (the client's request id, may be empty).
-            error_as_output: report an error as a normal FINAL response whose ``error`` output holds the
-                message, instead of a Triton error response. For requests that come from a BLS model: in
-                tritonserver 2.51 a decoupled BLS response iterator never ends after an error response, so the
-                BLS model's reader would wait forever (and the model would never unload).
+            child: the request comes from ``pd_ensemble`` (BLS): responses use the child output layout
+                (``child_response_arrays``), and an error is a normal FINAL response whose ``error`` output
+                holds the message instead of a Triton error response: in tritonserver 2.51 a decoupled BLS
+                response iterator never ends after an error response, so the BLS model's reader would wait
+                forever (and the model would never unload).
         """
         self._sender = response_sender
         self._request_id = request_id
-        self._error_as_output = error_as_output
+        self._child = child
         self._lock = threading.Lock()
         self._closed = False
 
@@ -128,11 +138,11 @@ class TritonResponseSink:
         return self._closed
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        self._send(lambda: inference_response(chunk), final)
+        self._send(lambda: inference_response(chunk, child=self._child), final)
 
     def send_error(self, message: str) -> None:
-        if self._error_as_output:
-            self._send(lambda: error_output_response(message), True)
+        if self._child:
+            self._send(lambda: inference_response(ResponseChunk(text=""), child=True, error=message), True)
         else:
             self._send(lambda: error_response(message), True)
 

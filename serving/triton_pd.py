@@ -103,7 +103,7 @@ class PDChildModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sink = TritonResponseSink(request.get_response_sender(), request.request_id(), error_as_output=True)
+            sink = TritonResponseSink(request.get_response_sender(), request.request_id(), child=True)
             try:
                 pd = parse_pd_request(read_inputs(request), read_pd_inputs(request), self.ROLE == "decode")
                 self._handle.worker.handle(pd, sink)
@@ -137,26 +137,31 @@ def _exit_when_orphaned(name: str, interval_s: float = 1.0) -> None:
 
 
 def _child_response(response: Any) -> ChildResponse:
-    """One BLS response of a child → ``ChildResponse`` (an empty response is the FINAL flag alone)."""
+    """One BLS response of a child → ``ChildResponse`` (an empty response is the FINAL flag alone). Text
+    outputs arrive as UTF-8 ``uint8`` arrays (``triton_io.child_response_arrays``)."""
     if response.has_error():
         return ChildResponse(error=response.error().message(), final=True)
     values = {}
     for name in CHILD_OUTPUTS:
         tensor = pb_utils().get_output_tensor_by_name(response, name)
         if tensor is not None:
-            values[name] = tensor.as_numpy().reshape(-1)[0]
+            values[name] = tensor.as_numpy()
     if not values:
         return ChildResponse()
-    if values.get("error"):
-        error = values["error"]
-        return ChildResponse(error=error.decode("utf-8") if isinstance(error, bytes) else str(error), final=True)
-    finish = values.get("finish_reason", b"")
-    finish_text = finish.decode() if isinstance(finish, bytes) else str(finish)
-    text = values.get("text_output", b"")
-    return ChildResponse(text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
-                         num_input_tokens=int(values.get("num_input_tokens", 0)),
-                         num_output_tokens=int(values.get("num_output_tokens", 0)),
-                         finish_reason=finish_text or None)
+
+    def text(name: str) -> str:
+        array = values.get(name)
+        return "" if array is None else array.astype(np.uint8).tobytes().decode("utf-8")
+
+    if text("error"):
+        return ChildResponse(error=text("error"), final=True)
+
+    def count(name: str) -> int:
+        array = values.get(name)
+        return 0 if array is None or array.size == 0 else int(array.reshape(-1)[0])
+
+    return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
+                         num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None)
 
 
 class PDEnsembleModel:
