@@ -12,6 +12,19 @@ PROMPTS: list[str] = [
     "def fibonacci(n):\n    ",
 ]
 
+_GREEDY = {"max_tokens": "16", "temperature": "0"}
+#: Requests every served model must answer with one error and FINAL: name → (prompt, sampling_parameters, flags).
+BAD_INPUTS: dict[str, tuple[str, dict[str, object] | str, dict[str, bool]]] = {
+    "empty prompt": ("", _GREEDY, {}),
+    "longer than the context": ("hello " * 9000, _GREEDY, {}),
+    "more than the KV pool": ("hello", {"max_tokens": 100_000}, {}),
+    "max_tokens 0": ("hello", {"max_tokens": 0}, {}),
+    "malformed JSON": ("hello", '{"max_tokens": 4', {}),
+    "unknown parameter": ("hello", {"max_tokens": 4, "beam_width": 2}, {}),
+    "wrong type": ("hello", {"max_tokens": "many"}, {}),
+    "stream without exclude": ("hello", _GREEDY, {"exclude_input_in_output": False}),
+}
+
 
 def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str]) -> dict[str, str]:
     """Text of every prompt from one colocated engine run in-process, all prompts in one continuous batch

@@ -12,12 +12,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
 from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
-from live_prompts import PROMPTS, colocated_greedy_texts
+from live_prompts import BAD_INPUTS, PROMPTS, colocated_greedy_texts
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.timeout(600)]
 TRITON_MODELS = ("colocated",)
@@ -68,16 +67,6 @@ def test_non_streaming_is_one_response_with_the_prompt_first(triton_server, refe
     assert bare.texts == [reference[prompt]]
 
 
-BAD_INPUTS: dict[str, tuple[Any, Any, dict[str, bool]]] = {  # name → (prompt, sampling_parameters, flags)
-    "empty prompt": ("", GREEDY, {}),
-    "longer than the context": ("hello " * 9000, GREEDY, {}),
-    "more than the KV pool": ("hello", {"max_tokens": 100_000}, {}),
-    "max_tokens 0": ("hello", {"max_tokens": 0}, {}),
-    "malformed JSON": ("hello", '{"max_tokens": 4', {}),
-    "unknown parameter": ("hello", {"max_tokens": 4, "beam_width": 2}, {}),
-    "wrong type": ("hello", {"max_tokens": "many"}, {}),
-    "stream without exclude": ("hello", GREEDY, {"exclude_input_in_output": False}),
-}
 
 
 def test_bad_inputs_fail_alone_while_a_good_request_completes(triton_server, reference) -> None:

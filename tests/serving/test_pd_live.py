@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
 from live_prompts import PROMPTS as BASE_PROMPTS
-from live_prompts import colocated_greedy_texts
+from live_prompts import BAD_INPUTS, colocated_greedy_texts
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
@@ -65,16 +65,6 @@ def test_non_streaming_is_one_response_with_the_prompt_first(triton_server, refe
     assert whole.text == prompt + reference[prompt]
 
 
-BAD_INPUTS: dict[str, tuple[Any, Any, dict[str, bool]]] = {  # name → (prompt, sampling_parameters, flags)
-    "empty prompt": ("", GREEDY, {}),
-    "longer than the context": ("hello " * 9000, GREEDY, {}),
-    "more than the KV pool": ("hello", {"max_tokens": 100_000}, {}),
-    "max_tokens 0": ("hello", {"max_tokens": 0}, {}),
-    "malformed JSON": ("hello", '{"max_tokens": 4', {}),
-    "unknown parameter": ("hello", {"max_tokens": 4, "beam_width": 2}, {}),
-    "wrong type": ("hello", {"max_tokens": "many"}, {}),
-    "stream without exclude": ("hello", GREEDY, {"exclude_input_in_output": False}),
-}
 
 
 def test_bad_inputs_fail_alone_while_a_good_request_completes(triton_server, reference) -> None:
