@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -170,3 +170,26 @@ class TritonResponseSink:
                 logger.exception("request %s: sending a response failed", self._request_id)
                 if not final:
                     raise
+
+
+def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],
+                child: bool = False) -> None:
+    """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then ``handle(request, sink)``.
+
+    A ``RequestError`` (bad input) becomes that request's error response, and so does any other exception
+    (logged): every stream ends with FINAL, and one request's failure never reaches another.
+
+    Args:
+        requests: the ``pb_utils.InferenceRequest`` list ``execute`` got.
+        handle: parses and starts one request; its responses go to the sink.
+        child: the requests come from ``pd_ensemble`` (``TritonResponseSink``'s child layout).
+    """
+    for request in requests:
+        sink = TritonResponseSink(request.get_response_sender(), request.request_id(), child=child)
+        try:
+            handle(request, sink)
+        except RequestError as e:
+            sink.send_error(str(e))
+        except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
+            logger.exception("request %r: unexpected error", request.request_id())
+            sink.send_error(f"internal error: {e}")

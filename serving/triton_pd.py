@@ -35,8 +35,8 @@ from serving.orchestrator import (
     RoundRobinPairing,
 )
 from serving.pd_request import PD_INPUT_NAMES, parse_pd_request
-from serving.request import RequestError, parse_request
-from serving.triton_io import RawValue, TritonResponseSink, pb_utils, read_inputs
+from serving.request import parse_request
+from serving.triton_io import RawValue, TritonResponseSink, answer_each, pb_utils, read_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +102,11 @@ class PDChildModel:
         return str(args["model_name"])
 
     def execute(self, requests: list[Any]) -> None:
-        for request in requests:
-            sink = TritonResponseSink(request.get_response_sender(), request.request_id(), child=True)
-            try:
-                pd = parse_pd_request(read_inputs(request), read_pd_inputs(request), self.ROLE == "decode")
-                self._handle.worker.handle(pd, sink)
-            except RequestError as e:
-                sink.send_error(str(e))
-            except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
-                logger.exception("request %r: unexpected error", request.request_id())
-                sink.send_error(f"internal error: {e}")
+        answer_each(requests, self._handle_one, child=True)
+
+    def _handle_one(self, request: Any, sink: TritonResponseSink) -> None:
+        pd = parse_pd_request(read_inputs(request), read_pd_inputs(request), self.ROLE == "decode")
+        self._handle.worker.handle(pd, sink)
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
@@ -189,18 +184,13 @@ class PDEnsembleModel:
                     self._bootstrap_url)
 
     def execute(self, requests: list[Any]) -> None:
-        for request in requests:
-            sink = TritonResponseSink(request.get_response_sender(), request.request_id())
-            try:
-                raw = read_inputs(request)
-                responder = EnsembleResponder(parse_request(raw), sink)
-                self._orchestrations.submit(self._orchestrator.generate, lambda call, raw=raw: self._launch(call, raw),
-                                            responder.emit, sink.is_cancelled)
-            except RequestError as e:
-                sink.send_error(str(e))
-            except Exception as e:
-                logger.exception("request %r: unexpected error", request.request_id())
-                sink.send_error(f"internal error: {e}")
+        answer_each(requests, self._handle_one)
+
+    def _handle_one(self, request: Any, sink: TritonResponseSink) -> None:
+        raw = read_inputs(request)
+        responder = EnsembleResponder(parse_request(raw), sink)
+        self._orchestrations.submit(self._orchestrator.generate, lambda call: self._launch(call, raw),
+                                    responder.emit, sink.is_cancelled)
 
     def _launch(self, call: ChildCall, raw: dict[str, RawValue]) -> Iterator[ChildResponse]:
         pb = pb_utils()

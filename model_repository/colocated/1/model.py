@@ -17,8 +17,8 @@ import triton_python_backend_utils as pb_utils
 from serving.colocated import ColocatedWorker
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
-from serving.request import RequestError, parse_request
-from serving.triton_io import TritonResponseSink, read_inputs
+from serving.request import parse_request
+from serving.triton_io import answer_each, read_inputs
 
 logger = logging.getLogger("model_repository.colocated")
 
@@ -43,15 +43,7 @@ class TritonPythonModel:
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
-        for request in requests:
-            sink = TritonResponseSink(request.get_response_sender(), request.request_id())
-            try:
-                self._worker.handle(parse_request(read_inputs(request)), sink)
-            except RequestError as e:
-                sink.send_error(str(e))
-            except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
-                logger.exception("request %r: unexpected error", request.request_id())
-                sink.send_error(f"internal error: {e}")
+        answer_each(requests, lambda request, sink: self._worker.handle(parse_request(read_inputs(request)), sink))
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
