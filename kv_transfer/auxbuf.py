@@ -15,6 +15,7 @@ class AuxBuffer:
     def __init__(self, num_slots: int) -> None:
         # [num_slots, AUX_SLOT_BYTES] uint8, host memory
         self._data = np.zeros((num_slots, AUX_SLOT_BYTES), dtype=np.uint8)
+        self._bytes = self._data.data.cast("B")   # plain byte access: no numpy on the hot path
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
 
@@ -38,15 +39,15 @@ class AuxBuffer:
         if not self._free:
             return None
         slot = self._free.pop()
-        self._data[slot] = 0
+        self._bytes[slot * AUX_SLOT_BYTES:(slot + 1) * AUX_SLOT_BYTES] = bytes(AUX_SLOT_BYTES)
         return slot
 
     def free(self, slot: int) -> None:
-        self._data[slot] = 0
+        self._bytes[slot * AUX_SLOT_BYTES:(slot + 1) * AUX_SLOT_BYTES] = bytes(AUX_SLOT_BYTES)
         self._free.append(slot)
 
     def write(self, slot: int, aux: AuxData) -> None:
-        self._data[slot] = np.frombuffer(aux.pack(), dtype=np.uint8)
+        self._bytes[slot * AUX_SLOT_BYTES:(slot + 1) * AUX_SLOT_BYTES] = aux.pack()
 
     def read(self, slot: int) -> AuxData | None:
-        return AuxData.unpack(self._data[slot].tobytes())
+        return AuxData.unpack(bytes(self._bytes[slot * AUX_SLOT_BYTES:(slot + 1) * AUX_SLOT_BYTES]))

@@ -1,13 +1,16 @@
 """The decode manager thread's work: handshake with prefill peers, publish destinations, collect chunks,
 time rooms out, cancel and release.
 
-All transport and bootstrap calls happen on the manager thread; receivers are touched under the manager lock.
+Bootstrap calls happen on the manager thread; so do transport calls, except the notification draining that
+``drain_now`` does for callers of ``KVReceiver.poll`` (``KVArgs.inline_progress``). Receivers are touched under
+the manager lock.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from bootstrap.client import BootstrapClient
@@ -27,6 +30,7 @@ logger = logging.getLogger(__name__)
 RETRY_S = 0.05
 RELEASE_INTERVAL_S = 0.02
 FULL_ROUND_S = 0.001   # between full rounds, a round nobody woke only drains notifications
+INLINE_DRAIN_INTERVAL_S = 50e-6   # receivers polled back to back drain once (one drain serves every room)
 
 
 class DecodeSide:
@@ -42,11 +46,13 @@ class DecodeSide:
         self._next_release_s = 0.0
         self._next_full_s = 0.0
         self._wait_s = args.idle_tick_s
+        self._last_inline_drain_s = 0.0
 
     def create_receiver(self, room: Room, prefill_instance_id: str, wake: threading.Event,
                         now_s: float) -> KVReceiver:
         with self._lock:
-            receiver = KVReceiver(room, prefill_instance_id, self._lock, wake, now_s)
+            receiver = KVReceiver(room, prefill_instance_id, self._lock, wake, now_s,
+                                  drain=self.drain_now if self._args.inline_progress else None)
             if room in self.receivers:
                 receiver.fail("room already in use on this decode instance")
                 self.metrics.failed_rooms_total += 1
@@ -174,6 +180,18 @@ class DecodeSide:
             self._on_peer_lost(old.agent_name, "prefill instance restarted")
 
     # --- notifications, timeouts, cancel, release ------------------------------------------------------
+    def drain_now(self) -> None:
+        """Reads arrived notifications from the calling thread (inline progress), at most once per
+        ``INLINE_DRAIN_INTERVAL_S``. Never raises: a transport error is left to the manager thread."""
+        now_s = time.monotonic()
+        if now_s - self._last_inline_drain_s < INLINE_DRAIN_INTERVAL_S:
+            return
+        self._last_inline_drain_s = now_s
+        try:
+            self._drain_notifs(now_s)
+        except Exception:  # the caller's thread (an engine loop) must keep running
+            logger.exception("draining notifications in the caller's thread failed")
+
     def _drain_notifs(self, now_s: float) -> None:
         for _agent, message in self._transport.get_notifs():
             tag = Tag.decode(message)

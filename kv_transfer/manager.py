@@ -1,5 +1,6 @@
 """One KV manager per engine instance: owns the transport agent, the registered regions, the bootstrap
-registration and the one background thread that does all transfer work.
+registration and the one background thread that does the transfer work (with ``KVArgs.inline_progress``,
+``send`` posts its WRITE and ``poll`` drains notifications in the caller's thread; the thread does the rest).
 
 Threads: ``start()`` starts the thread ``kv-<role>-<instance>``; it loops until ``shutdown()`` sets the stop
 event, each round: heartbeat (every ``heartbeat_interval_s``), the role's tick (bootstrap polling,
@@ -28,7 +29,7 @@ from kv_transfer.peers import PeerTable, kv_info
 from kv_transfer.prefill_side import PrefillSide
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, Room
-from kv_transfer.transport import Transport
+from kv_transfer.transport import LockedTransport, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +39,16 @@ class KVManager:
 
     def __init__(self, args: KVArgs, transport: Transport) -> None:
         self.args = args
-        self._transport = transport
+        self._transport: Transport = LockedTransport(transport)   # the caller's threads use it too
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._aux = AuxBuffer(args.aux_slots)
         self._client = BootstrapClient(args.bootstrap_url, args.http_timeout_s)
-        self._peers = PeerTable(self._client, transport, args.model_id, args.layout)
+        self._peers = PeerTable(self._client, self._transport, args.model_id, args.layout)
         side_cls = PrefillSide if args.role == "prefill" else DecodeSide
-        self._side: PrefillSide | DecodeSide = side_cls(args, transport, self._client, self._peers, self._aux,
+        self._side: PrefillSide | DecodeSide = side_cls(args, self._transport, self._client, self._peers, self._aux,
                                                         self._lock)
         self.epoch = 0
         self._next_heartbeat_s = 0.0

@@ -1,6 +1,7 @@
 """The prefill manager thread's work: fetch destinations, post chunk WRITEs, track them, answer cancels.
 
-All transport and bootstrap calls happen on the manager thread; senders are touched under the manager lock.
+Bootstrap calls happen on the manager thread; so do transport calls, except the WRITEs that ``post_now``
+posts from the caller of ``send`` (``KVArgs.inline_progress``). Senders are touched under the manager lock.
 Rooms aborted before their destination arrived are remembered (``_tombstones``) so that the decode side is
 told as soon as its destination shows up.
 """
@@ -17,6 +18,7 @@ import numpy as np
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 from bootstrap.messages import Destination
+from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
@@ -47,7 +49,8 @@ class PrefillSide:
 
     def create_sender(self, room: Room, wake: threading.Event, now_s: float) -> KVSender:
         with self._lock:
-            sender = KVSender(room, self._lock, wake, now_s)
+            sender = KVSender(room, self._lock, wake, now_s,
+                              post_now=self.post_now if self._args.inline_progress else None)
             if room in self.senders:
                 sender.fail("room already in use on this prefill instance")
                 return sender
@@ -135,10 +138,7 @@ class PrefillSide:
             if sender.state == KVPoll.Bootstrapping and age_s > self._args.bootstrap_timeout_s:
                 self._fail(sender, f"bootstrap timeout: no destination from decode within "
                                    f"{self._args.bootstrap_timeout_s}s", timed_out=True)
-            while sender.destination is not None and sender.queued and sender.state != KVPoll.Failed:
-                post = self._prepare(sender, sender.queued.popleft())
-                if post is not None:
-                    posts.append(post)
+            posts.extend(self._take_queued(sender))
         for room, (dest, peer, since_s) in list(self._pending.items()):
             if now_s - since_s > self._args.bootstrap_timeout_s:
                 del self._pending[room]
@@ -148,31 +148,59 @@ class PrefillSide:
             del self._tombstones[room]
         return posts
 
+    def post_now(self, sender: KVSender) -> None:
+        """Posts the queued chunks of ``sender`` from the calling thread (inline progress; the manager thread
+        still tracks them to completion). A chunk is taken off the queue under the lock, so each is posted
+        once, by whichever thread takes it. Never raises: a failure fails this room."""
+        try:
+            with self._lock:
+                posts = [] if sender.closed else self._take_queued(sender)
+            for post in posts:
+                self._post(*post)
+        except Exception as exc:  # the caller's thread (an engine loop) must keep running
+            logger.exception("room %d: posting in the caller's thread failed", sender.room)
+            with self._lock:
+                self._fail(sender, f"posting a chunk failed: {exc!r}")
+
+    def _take_queued(self, sender: KVSender) -> list[_Post]:
+        """Lock held: the queued chunks of ``sender`` as posts, once its destination is known."""
+        posts: list[_Post] = []
+        while sender.destination is not None and sender.queued and sender.state != KVPoll.Failed:
+            post = self._prepare(sender, sender.queued.popleft())
+            if post is not None:
+                sender.posting += 1
+                posts.append(post)
+        return posts
+
     def _prepare(self, sender: KVSender, chunk: Chunk) -> _Post | None:
         dest, peer = sender.destination, sender.peer
         assert dest is not None and peer is not None
         dst_pages = dest.dst_page_ids[chunk.dst_start:chunk.dst_start + len(chunk.src_pages)]
-        local, remote = self._table.kv_indices(chunk.src_pages), peer.table.kv_indices(dst_pages)
-        if chunk.is_last and chunk.aux is not None:
-            slot = self._aux.alloc()
-            if slot is None:  # aux_slots bounds the last chunks in flight
-                self._fail(sender, "no free aux staging slot (raise KVArgs.aux_slots)")
-                return None
-            self._aux.write(slot, chunk.aux)
-            sender.local_aux_slot = slot
-            aux_local = np.array([self._table.aux_index(slot)], dtype=np.int64)
-            aux_remote = np.array([peer.table.aux_index(dest.aux_slot)], dtype=np.int64)
-            tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1)
-            if self._args.mem_type != "DRAM":
-                # KV and aux live in different memory types: the aux WRITE (carrying the last tag) goes
-                # out once the KV WRITE is done, so the tag still means "everything has landed"
-                sender.aux_post = (aux_local, aux_remote, tag)
-                return sender, chunk, peer, local, remote, None
-            return sender, chunk, peer, np.append(local, aux_local), np.append(remote, aux_remote), tag
-        return sender, chunk, peer, local, remote, chunk_tag(sender.room, dest.xfer_id, chunk.index, 0)
+        if not (chunk.is_last and chunk.aux is not None):
+            local, remote = self._table.kv_indices(chunk.src_pages), peer.table.kv_indices(dst_pages)
+            return sender, chunk, peer, local, remote, chunk_tag(sender.room, dest.xfer_id, chunk.index, 0)
+        slot = self._aux.alloc()
+        if slot is None:  # aux_slots bounds the last chunks in flight
+            self._fail(sender, "no free aux staging slot (raise KVArgs.aux_slots)")
+            return None
+        self._aux.write(slot, chunk.aux)
+        sender.local_aux_slot = slot
+        tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1)
+        if self._args.mem_type == "DRAM":   # one WRITE: the KV blocks and the aux slot
+            return (sender, chunk, peer, self._table.kv_indices(chunk.src_pages, aux_slot=slot),
+                    peer.table.kv_indices(dst_pages, aux_slot=dest.aux_slot), tag)
+        # KV and aux live in different memory types: the aux WRITE (carrying the last tag) goes out once
+        # the KV WRITE is done, so the tag still means "everything has landed"
+        sender.aux_post = (np.array([self._table.aux_index(slot)], dtype=np.int64),
+                           np.array([peer.table.aux_index(dest.aux_slot)], dtype=np.int64), tag)
+        return (sender, chunk, peer, self._table.kv_indices(chunk.src_pages),
+                peer.table.kv_indices(dst_pages), None)
 
     def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
               tag: Tag | None) -> None:
+        """Posts one prepared chunk (``sender.posting`` counted it when it left the queue; this uncounts it
+        under the same lock that records the handle, so no thread ever sees the chunk neither queued, posting
+        nor in flight)."""
         notif = tag.encode() if tag is not None else b""
         post_start_s = time.monotonic()
         try:
@@ -181,29 +209,39 @@ class PrefillSide:
                 self._transport.send_notif(peer.agent_name, notif)
         except TransportError as exc:
             with self._lock:
+                sender.posting -= 1
                 self._fail(sender, f"write of chunk {chunk.index} failed: {exc}")
             return
+        except BaseException:
+            with self._lock:
+                sender.posting -= 1
+            raise
         posted_s = time.monotonic()
         with self._lock:
+            sender.posting -= 1
             sender.times.post_start_s, sender.times.posted_s = post_start_s, posted_s
             if handle is not None:
                 sender.inflight.append(handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
             sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
-            self.metrics.kv_bytes_total += int(self._table.spans(local)[:, 1].sum()) if len(local) else 0
+            kv_blocks = len(chunk.src_pages) * self._table.layout.num_layers * 2   # the rest: aux slots
+            self.metrics.kv_bytes_total += (kv_blocks * self._table.layout.block_bytes
+                                            + (len(local) - kv_blocks) * AUX_SLOT_BYTES)
             self.metrics.chunks_total += 1
 
     # --- progress, notifications, peers ------------------------------------------------------------------
     def _progress(self) -> None:
         for room, sender in list(self.senders.items()):
             self._check_inflight(sender)
-            if sender.aux_post is not None and not sender.inflight and sender.state != KVPoll.Failed:
+            kv_done = not (sender.inflight or sender.posting)
+            if sender.aux_post is not None and kv_done and sender.state != KVPoll.Failed:
                 aux_local, aux_remote, tag = sender.aux_post
                 sender.aux_post = None
                 assert sender.peer is not None
                 aux_chunk = Chunk(tag.index, [], 0, True, None)
+                sender.posting += 1
                 self._post(sender, aux_chunk, sender.peer, aux_local, aux_remote, tag)
-            if sender.inflight:
+            if sender.inflight or sender.posting:   # a chunk between the queue and its handle: not done
                 continue
             if sender.local_aux_slot is not None:
                 self._aux.free(sender.local_aux_slot)
@@ -296,7 +334,7 @@ class PrefillSide:
         return len(self.senders)
 
     def _next_wait_s(self) -> float:
-        if any(s.inflight or s.queued or s.state.is_terminal for s in self.senders.values()):
+        if any(s.inflight or s.queued or s.posting or s.state.is_terminal for s in self.senders.values()):
             return self._args.active_tick_s
         if any(s.state == KVPoll.Bootstrapping for s in self.senders.values()):
             return self._args.bootstrap_poll_interval_s

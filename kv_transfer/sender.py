@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,10 +50,12 @@ class KVSender:
     The attributes below the public methods are owned by the manager thread (read/written under the lock).
     """
 
-    def __init__(self, room: Room, lock: threading.RLock, wake: threading.Event, created_s: float) -> None:
+    def __init__(self, room: Room, lock: threading.RLock, wake: threading.Event, created_s: float,
+                 post_now: Callable[[KVSender], None] | None = None) -> None:
         self.room = room
         self._lock = lock
         self._wake = wake
+        self._post_now = post_now               # inline progress: posts queued chunks in the caller's thread
         self.created_s = created_s
         self.state = KVPoll.Bootstrapping
         self._failure: TransferError | None = None
@@ -62,6 +64,7 @@ class KVSender:
         self.peer: Peer | None = None
         self.queued: deque[Chunk] = deque()
         self.inflight: list[object] = []
+        self.posting = 0                        # chunks taken off the queue whose WRITE is being posted
         self.pages_assigned = 0
         self.next_chunk = 0
         self.last_queued = False
@@ -100,8 +103,10 @@ class KVSender:
                     f"destination has {len(self.destination.dst_page_ids)} pages, prompt needs {num_pages}")
 
     def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:
-        """Queues one chunk; returns at once (the manager thread posts it). ``aux`` is required with
-        ``is_last``.
+        """Queues one chunk. With ``KVArgs.inline_progress`` and the destination known, posts its WRITE
+        before returning (in host memory over UCX ``cma`` that is the copy itself: ~1 ms for the 5.6 MiB of a
+        128-token SmolLM2 prompt); otherwise returns at once and the manager thread posts it. ``aux`` is
+        required with ``is_last``.
 
         Non-final chunks carry whole pages only; the final chunk adds the partial last page. A no-op on a
         Failed room. Raises ``TransferError`` (and fails the room) on a call that breaks these rules.
@@ -120,7 +125,10 @@ class KVSender:
             self.queued.append(Chunk(self.next_chunk, list(page_ids), self.pages_assigned, is_last, aux))
             self.times.send_s = time.monotonic()
             self.pages_assigned, self.next_chunk, self.last_queued = total, self.next_chunk + 1, is_last
-        self._wake.set()
+            inline = self._post_now is not None and self.destination is not None
+        if inline:
+            self._post_now(self)  # type: ignore[misc]
+        self._wake.set()   # the manager thread tracks the WRITE to completion (or posts it)
 
     def abort(self, reason: str) -> None:
         """Gives the room up; the decode side learns it and ends Failed too. Idempotent."""
@@ -131,7 +139,7 @@ class KVSender:
     def pages_releasable(self) -> bool:
         """True when the room is terminal and no WRITE still reads the source pages."""
         with self._lock:
-            return self.state.is_terminal and not self.inflight and not self.queued
+            return self.state.is_terminal and not self.inflight and not self.queued and not self.posting
 
     # --- manager thread ---------------------------------------------------------------------------------
     def fail(self, reason: str, notify_peer: bool = False) -> None:

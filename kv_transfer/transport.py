@@ -3,12 +3,15 @@
 Two implementations pass the same contract tests: ``NixlTransport`` (UCX over NIXL; host or GPU memory) and
 ``InProcessTransport`` (memmove between managers living in one process).
 
-Threading: a transport is used by exactly one thread after ``start`` (the manager's background thread);
-it does no locking of its own.
+Threading: an implementation does no locking of its own. The manager wraps it in ``LockedTransport``, which
+serialises every call, because two threads use it: the manager's background thread, and with
+``KVArgs.inline_progress`` the callers of ``send`` (which post WRITEs) and of ``poll`` (which drain
+notifications). NIXL agents need no more than that: calls on one agent must not overlap.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from enum import Enum
 
@@ -83,3 +86,58 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Releases the agent; called once by ``shutdown``."""
+
+
+class LockedTransport(Transport):
+    """Every call of the wrapped transport under one lock. Callers must not hold it while taking the
+    manager lock: the lock order is manager lock, then this one (this one is never held across a call
+    back into the manager)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+
+    @property
+    def agent_name(self) -> str:
+        return self._inner.agent_name
+
+    def register(self, table: BlockTable) -> None:
+        with self._lock:
+            self._inner.register(table)
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            return self._inner.metadata()
+
+    def add_peer(self, metadata: bytes, table: BlockTable) -> str:
+        with self._lock:
+            return self._inner.add_peer(metadata, table)
+
+    def remove_peer(self, agent_name: str) -> None:
+        with self._lock:
+            self._inner.remove_peer(agent_name)
+
+    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray,
+                   notif: bytes) -> object:
+        with self._lock:
+            return self._inner.post_write(peer, local_indices, remote_indices, notif)
+
+    def check(self, handle: object) -> XferState:
+        with self._lock:
+            return self._inner.check(handle)
+
+    def release(self, handle: object) -> None:
+        with self._lock:
+            self._inner.release(handle)
+
+    def send_notif(self, peer: str, notif: bytes) -> None:
+        with self._lock:
+            self._inner.send_notif(peer, notif)
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            return self._inner.get_notifs()
+
+    def close(self) -> None:
+        with self._lock:
+            self._inner.close()

@@ -104,12 +104,15 @@ class SideWorker:
         if sender.poll() != KVPoll.Failed:
             sender.init(len(pages))
 
-    def send(self, room: int, num_pages: int, is_last: bool, first_token_id: int = 7) -> None:
+    def send(self, room: int, num_pages: int, is_last: bool, first_token_id: int = 7) -> bool:
+        """Sends the next ``num_pages`` pages; returns whether the chunk's WRITE had been posted when ``send``
+        returned (inline progress)."""
         sender, pages = self.rooms[room]
         start = self.sent_pages[room]
         self.sent_pages[room] = start + num_pages
         sender.send(pages[start:start + num_pages], is_last,
                     AuxData(first_token_id, -0.25, room) if is_last else None)
+        return sender.timings.posted_s is not None
 
     def abort(self, room: int, reason: str = "test") -> None:
         self.rooms[room][0].abort(reason)

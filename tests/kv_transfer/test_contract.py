@@ -223,3 +223,34 @@ def test_split_aux_write_for_device_memory(make_side: Any, pair: tuple[Any, Any]
     _, decode = pair
     prefill = make_side("prefill", mem_type="VRAM")
     transfer(prefill, decode, 40, 16)
+
+
+def test_inline_send_posts_the_write_before_returning(pair: tuple[Any, Any]) -> None:
+    """``KVArgs.inline_progress`` (the default): with the destination known, ``send`` itself posts the WRITE,
+    and the prefill side counts exactly the bytes it wrote (the KV blocks of 3 pages and one aux slot)."""
+    prefill, decode = pair
+    bytes_before = prefill.call("metrics")["kv_bytes_total"]
+    room = open_room(prefill, decode, 40)
+    assert prefill.call("send", room, 3, True)
+    finish(prefill, decode, room)
+    assert prefill.call("metrics")["kv_bytes_total"] - bytes_before == 3 * 30 * 2 * PAGE_SIZE * 3 * 64 * 4 + 32
+    assert_pages_back(prefill, decode)
+
+
+def test_manager_thread_only_progress_moves_every_byte(make_side: Any) -> None:
+    """``inline_progress=False``: every WRITE and notification goes through the manager threads."""
+    prefill = make_side("prefill", inline_progress=False)
+    decode = make_side("decode", inline_progress=False)
+    transfer(prefill, decode, 100, 24)
+
+
+def test_decode_poll_sees_success_between_manager_rounds(make_side: Any) -> None:
+    """Inline progress on the decode side: ``poll`` reads the arrived notifications itself, so Success shows
+    although the decode manager thread sleeps 3 s between rounds once the destination is out."""
+    prefill, decode = make_side("prefill"), make_side("decode", active_tick_s=3.0)
+    room = open_room(prefill, decode, 40)
+    for num_pages, is_last in chunk_plan(40, 16):
+        prefill.call("send", room, num_pages, is_last)
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Success, 1.0, "Success at decode within 1 s")
+    finish(prefill, decode, room)
+    assert_pages_back(prefill, decode)
