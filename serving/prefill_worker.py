@@ -169,11 +169,11 @@ class PrefillWorker:
         if chunk.is_last:
             assert chunk.first_token_id is not None and chunk.first_logprob is not None
             aux = AuxData(chunk.first_token_id, chunk.first_logprob, job.pd.room)
-        if job.first_send_s is None:
-            job.first_send_s = time.monotonic()
+        send_s = time.monotonic()   # before ``send``: with inline progress it posts (copies) the WRITE
+        job.first_send_s = job.first_send_s or send_s
         job.sender.send(chunk.page_ids, chunk.is_last, aux)
         if chunk.is_last:
-            job.last_send_s = time.monotonic()
+            job.last_send_s = send_s
             self._prefilling.pop(job.request_id, None)
             self._inflight[job.request_id] = job
             job.sink.send(ResponseChunk(event.new_text, None, event.num_prompt_tokens, 1), final=False)
