@@ -37,9 +37,9 @@ class KVArgs:
     active_tick_s: float = 0.0002          # thread wait while transfers are open
     idle_tick_s: float = 0.02              # thread wait with nothing open
     http_timeout_s: float = 2.0
-    # True: ``send`` posts the chunk's WRITE and ``poll`` drains notifications in the caller's thread, so a
-    # room's latency has no hop to the manager thread in it (docs/protocol.md, "Inline progress");
-    # False: all transport work on the manager thread
+    # True: ``send(is_last=True)`` posts the last chunk's WRITE and ``poll`` drains notifications in the
+    # caller's thread, so the KV's last leg has no hop to a manager thread in it (docs/protocol.md, "Inline
+    # progress"); False: all transport work on the manager threads
     inline_progress: bool = True
 
     def __post_init__(self) -> None:

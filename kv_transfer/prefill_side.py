@@ -1,7 +1,7 @@
 """The prefill manager thread's work: fetch destinations, post chunk WRITEs, track them, answer cancels.
 
-Bootstrap calls happen on the manager thread; so do transport calls, except the WRITEs that ``post_now``
-posts from the caller of ``send`` (``KVArgs.inline_progress``). Senders are touched under the manager lock.
+Bootstrap calls happen on the manager thread; so do transport calls, except the last chunk's WRITE, which
+``post_now`` posts from the caller of ``send`` (``KVArgs.inline_progress``). Senders are touched under the manager lock.
 Rooms aborted before their destination arrived are remembered (``_tombstones``) so that the decode side is
 told as soon as its destination shows up.
 """

@@ -103,10 +103,12 @@ class KVSender:
                     f"destination has {len(self.destination.dst_page_ids)} pages, prompt needs {num_pages}")
 
     def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:
-        """Queues one chunk. With ``KVArgs.inline_progress`` and the destination known, posts its WRITE
-        before returning (in host memory over UCX ``cma`` that is the copy itself: ~1 ms for the 5.6 MiB of a
-        128-token SmolLM2 prompt); otherwise returns at once and the manager thread posts it. ``aux`` is
-        required with ``is_last``.
+        """Queues one chunk; the manager thread posts it, so the copy overlaps the next chunk's forward pass.
+        The last chunk (``is_last``), which the first token waits for, is posted before ``send`` returns when
+        ``KVArgs.inline_progress`` is on and the destination is known (with any chunk still queued): no thread
+        hop. Host memory over UCX ``cma`` copies inside that post: ~1 ms for the 5.6 MiB of a 128-token SmolLM2
+        prompt, so the caller's thread is held at most one chunk's copy per request; on GPU memory it only
+        posts. ``aux`` is required with ``is_last``.
 
         Non-final chunks carry whole pages only; the final chunk adds the partial last page. A no-op on a
         Failed room. Raises ``TransferError`` (and fails the room) on a call that breaks these rules.
@@ -125,7 +127,7 @@ class KVSender:
             self.queued.append(Chunk(self.next_chunk, list(page_ids), self.pages_assigned, is_last, aux))
             self.times.send_s = time.monotonic()
             self.pages_assigned, self.next_chunk, self.last_queued = total, self.next_chunk + 1, is_last
-            inline = self._post_now is not None and self.destination is not None
+            inline = self._post_now is not None and self.destination is not None and is_last
         if inline:
             self._post_now(self)  # type: ignore[misc]
         self._wake.set()   # the manager thread tracks the WRITE to completion (or posts it)

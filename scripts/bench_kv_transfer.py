@@ -1,13 +1,19 @@
 """Benchmark: KV of 128-, 1k- and 4k-token prompts (SmolLM2 layout, page_size 16) moved from a prefill process
 to a decode process over NIXL, against a plain memcpy of the same bytes in the same run.
 
-Usage: python scripts/bench_kv_transfer.py [--backend nixl] [--reps 20] [--scatter] [--sizes 128,1024,4096]
+Usage: python scripts/bench_kv_transfer.py [--reps 20] [--scatter] [--sizes 128,1024,4096] [--cold] [--no-inline]
 Prints one line per size, then a JSON object (last line) with kv4k_gbps, memcpy_gbps, kv4k_ratio,
 kv128_latency_ms, kv128_overhead_ms, ... Latency is from ``send(is_last=True)`` in the prefill process to the
 receiver's ``Success`` in the decode process (CLOCK_MONOTONIC is shared by processes); overhead is latency
 minus the memcpy time of the same bytes. Per size it also prints the median of each segment of that latency
 (``kv128_wake_ms`` ...; see ``SEGMENTS``, from ``sender.timings`` / ``receiver.timings``): medians of parts do
 not add up to the median of the whole.
+
+Cache state: as in serving, where ``send`` follows the forward pass that wrote the chunk's KV, each room's
+source pages are written with fresh values right before ``send``, and the memcpy baseline's source pages right
+before its copy (both sources are then in cache, both destinations are not). ``--cold`` instead sleeps 2 ms
+before ``send`` with the source untouched since start (and the baseline copies an untouched source): what an
+idle prefill instance sees.
 """
 
 from __future__ import annotations
@@ -46,13 +52,15 @@ def _wait(pred, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
-def worker(role: str, url: str, backend: str, conn) -> None:  # type: ignore[no-untyped-def]
+def worker(role: str, url: str, backend: str, cold: bool, inline: bool,  # type: ignore[no-untyped-def]
+           conn) -> None:
     """One engine-like process: a KV pool (touched), a manager, commands from the pipe."""
     layout = smollm2_layout(NUM_PAGES)
     pool = np.random.default_rng(1).random(layout.pool_bytes // 4, dtype=np.float32) if role == "prefill" \
         else np.ones(layout.pool_bytes // 4, dtype=np.float32)  # touched: first-touch page faults excluded
+    forward = ForwardPass(pool.reshape(layout.num_layers, 2, NUM_PAGES, -1), cold)
     args = KVArgs(instance_id=f"{role}-0", role=role, kv_base_ptr=pool.ctypes.data, kv_nbytes=pool.nbytes,
-                  layout=layout, model_id="smollm2-135m", bootstrap_url=url)
+                  layout=layout, model_id="smollm2-135m", bootstrap_url=url, inline_progress=inline)
     manager = make_kv_manager(args, backend)
     manager.start()
     conn.send("ready")
@@ -70,17 +78,39 @@ def worker(role: str, url: str, backend: str, conn) -> None:  # type: ignore[no-
             ok = _wait(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), 30)
             conn.send((time.monotonic(), ok and receiver.poll() == KVPoll.Success, vars(receiver.timings)))
         elif cmd == "send":
-            conn.send(send_room(manager, room, pages))
+            conn.send(send_room(manager, room, pages, forward))
     manager.shutdown()
 
 
-def send_room(manager: object, room: int, pages: list[int]) -> tuple[float, dict]:  # type: ignore[type-arg]
-    """Prefill side of one room: wait for the destination, send every page as one last chunk, wait until the
-    WRITE is done; returns the monotonic time of the ``send`` call and the sender's timestamps."""
+class ForwardPass:
+    """What precedes ``send`` in a prefill engine: the forward pass writes the chunk's KV into its pages
+    (here: every value of the pages rewritten in place, 5.6 MiB for 128 tokens). ``cold``: an idle instance
+    instead (2 ms of sleep, pages untouched)."""
+
+    def __init__(self, kv: np.ndarray, cold: bool) -> None:
+        self.kv = kv   # [num_layers, 2, num_pages, page floats] float32
+        self.cold = cold
+
+    def __call__(self, pages: list[int]) -> None:
+        for s, _ in runs(pages, pages):
+            self.touch(self.kv[:, :, s])
+
+    def touch(self, values: np.ndarray) -> None:
+        if self.cold:
+            time.sleep(0.002)
+        else:
+            np.add(values, 1.0, out=values)
+
+
+def send_room(manager: object, room: int, pages: list[int],
+              forward: ForwardPass) -> tuple[float, dict]:  # type: ignore[type-arg]
+    """Prefill side of one room: wait for the destination, run ``forward`` over the pages, send every page as
+    one last chunk, wait until the WRITE is done; returns the monotonic time of the ``send`` call and the
+    sender's timestamps."""
     sender = manager.create_sender(room)  # type: ignore[attr-defined]
     sender.init(len(pages))
     _wait(lambda: sender.poll() >= KVPoll.WaitingForInput, 10)
-    time.sleep(0.002)
+    forward(pages)
     t0 = time.monotonic()
     sender.send(pages, True, AuxData(1, -0.1, room))
     _wait(sender.pages_releasable, 30)
@@ -92,18 +122,22 @@ class MemcpyBaseline:
     ways: page for page as the transfer moves them (one copy per (layer, K/V) and run of pages), and as one
     flat copy of the same byte count. The faster of the two is the baseline (the harder target)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cold: bool) -> None:
         layout = smollm2_layout(NUM_PAGES)
         shape = (layout.num_layers, 2, NUM_PAGES, layout.page_size * layout.num_kv_heads * layout.head_dim)
         self.src = np.random.default_rng(0).random(shape, dtype=np.float32)  # [layers, 2, pages, page floats]
         self.dst = np.ones(shape, dtype=np.float32)
+        self.forward = ForwardPass(self.src, cold)
 
     def seconds(self, src_pages: list[int], dst_pages: list[int]) -> float:
+        """The source pages are written first, as for the transfer (``ForwardPass``)."""
+        self.forward(src_pages)
         t0 = time.perf_counter()
         for s, d in runs(src_pages, dst_pages):
             np.copyto(self.dst[:, :, d.start:d.stop], self.src[:, :, s.start:s.stop])
         paged_s = time.perf_counter() - t0
         nfloats = len(src_pages) * self.src[0, 0, 0].size * self.src.shape[0] * 2
+        self.forward.touch(self.src.reshape(-1)[-nfloats:])   # the flat copy's source
         t0 = time.perf_counter()
         np.copyto(self.dst.reshape(-1)[:nfloats], self.src.reshape(-1)[-nfloats:])
         return min(paged_s, time.perf_counter() - t0)
@@ -156,13 +190,14 @@ def summarize(key: str, nbytes: int, lat: list[float], mem: list[float],
             f"{key}_overhead_ms": round((med - mem_med) * 1e3, 3)}
 
 
-def start_workers(url: str, backend: str) -> tuple[dict, list]:  # type: ignore[type-arg]
+def start_workers(url: str, backend: str, cold: bool,
+                  inline: bool) -> tuple[dict, list]:  # type: ignore[type-arg]
     ctx = mp.get_context("spawn")
     pipes: dict = {}  # type: ignore[type-arg]
     procs: list = []  # type: ignore[type-arg]
     for role in ("prefill", "decode"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, url, backend, child), daemon=True)
+        proc = ctx.Process(target=worker, args=(role, url, backend, cold, inline, child), daemon=True)
         proc.start()
         pipes[role], procs = parent, procs + [proc]
     for pipe in pipes.values():
@@ -170,9 +205,10 @@ def start_workers(url: str, backend: str) -> tuple[dict, list]:  # type: ignore[
     return pipes, procs
 
 
-def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, first_room: int) -> dict:  # type: ignore[type-arg]
+def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, cold: bool,  # type: ignore[type-arg]
+                 first_room: int) -> dict:
     """``reps`` rooms of ``tokens`` tokens (after two warm-up rooms), each followed by the memcpy baseline."""
-    rng, baseline = np.random.default_rng(tokens), MemcpyBaseline()
+    rng, baseline = np.random.default_rng(tokens), MemcpyBaseline(cold)
     num_pages = tokens // PAGE_SIZE
     lat, mem, segs = [], [], []
     for rep in range(reps + 2):
@@ -196,20 +232,27 @@ def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, first_room:
     return out
 
 
-def run(backend: str, reps: int, scatter: bool,
-        sizes: tuple[int, ...] = SIZES_TOKENS) -> dict:  # type: ignore[type-arg]
+def run(backend: str, reps: int, scatter: bool, sizes: tuple[int, ...] = SIZES_TOKENS, cold: bool = False,
+        inline: bool = True) -> dict:  # type: ignore[type-arg]
+    """Every size with ``inline`` progress; then, when ``inline``, 128 tokens again with all transport work on
+    the manager thread (``kv128_thread_*`` keys): the thread hop it saves, measured in the same run."""
     server = BootstrapServer(ServerConfig(port=0))
     server.start()
-    pipes, procs = start_workers(server.url, backend)
-    result: dict = {"backend": backend, "scatter": scatter, "loadavg_1m_start": round(os.getloadavg()[0], 2)}
-    for i, tokens in enumerate(sizes):
-        result.update(measure_size(pipes, tokens, reps, scatter, first_room=1 + 1000 * i))
+    result: dict = {"backend": backend, "scatter": scatter, "cold": cold, "inline_progress": inline,
+                    "loadavg_1m_start": round(os.getloadavg()[0], 2)}
+    passes = [(inline, sizes, "")] + ([(False, (128,), "thread_")] if inline and 128 in sizes else [])
+    for pass_inline, pass_sizes, prefix in passes:
+        print(f"inline_progress={pass_inline}:", flush=True)
+        pipes, procs = start_workers(server.url, backend, cold, pass_inline)
+        for i, tokens in enumerate(pass_sizes):
+            out = measure_size(pipes, tokens, reps, scatter, cold, first_room=1 + 1000 * i)
+            result.update({k.replace("kv128_", f"kv128_{prefix}"): v for k, v in out.items()})
+        for pipe in pipes.values():
+            pipe.send(("stop", 0, None))
+        for proc in procs:
+            proc.join(30)
     result["memcpy_gbps"] = result.get("kv4k_memcpy_gbps")
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    for pipe in pipes.values():
-        pipe.send(("stop", 0, None))
-    for proc in procs:
-        proc.join(30)
     server.stop()
     result.update(compare_descriptor_modes())
     return result
@@ -261,11 +304,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--scatter", action="store_true", help="random, non-contiguous pages on both sides")
     parser.add_argument("--sizes", default="128,1024,4096", help="prompt lengths in tokens (128, 1024, 4096)")
+    parser.add_argument("--cold", action="store_true",
+                        help="idle prefill: 2 ms of sleep before send, source pages not rewritten")
+    parser.add_argument("--no-inline", action="store_true",
+                        help="KVArgs.inline_progress=False: every WRITE and notification on the manager thread")
     args = parser.parse_args()
     sizes = tuple(int(t) for t in args.sizes.split(","))
     if not set(sizes) <= set(SIZES_TOKENS):
         parser.error(f"--sizes: each of {SIZES_TOKENS}")
-    print(json.dumps(run(args.backend, args.reps, args.scatter, sizes)))
+    print(json.dumps(run(args.backend, args.reps, args.scatter, sizes, args.cold, not args.no_inline)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""The KV transfer benchmark runs end to end (two processes over NIXL) and prints the JSON keys the docs and
+issue #3 name. A smoke run: one room per pass, no figure is checked here (figures: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.nixl
+def test_bench_kv_transfer_prints_its_json_keys() -> None:
+    pytest.importorskip("nixl")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_kv_transfer.py"), "--sizes", "128",
+                           "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("kv128_latency_ms", "kv128_overhead_ms", "kv128_memcpy_gbps", "kv128_thread_latency_ms",
+                "kv128_wake_ms", "kv128_write_ms", "desc_prepped_us"):
+        assert result[key] > 0, key
+    assert result["inline_progress"] is True and result["cold"] is False
