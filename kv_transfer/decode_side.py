@@ -1,9 +1,9 @@
 """The decode manager thread's work: handshake with prefill peers, publish destinations, collect chunks,
 time rooms out, cancel and release.
 
-Bootstrap calls happen on the manager thread; so do transport calls, except the notification draining that
-``drain_now`` does for callers of ``KVReceiver.poll`` (``KVArgs.inline_progress``). Receivers are touched under
-the manager lock.
+Bootstrap calls happen on the manager thread; so do transport calls, except the notification draining
+that ``drain_now`` does for callers of ``KVReceiver.poll`` (``KVArgs.inline_progress``). Receivers are touched
+under the manager lock.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ class KVManager:
         self._client = BootstrapClient(args.bootstrap_url, args.http_timeout_s)
         self._peers = PeerTable(self._client, self._transport, args.model_id, args.layout)
         side_cls = PrefillSide if args.role == "prefill" else DecodeSide
-        self._side: PrefillSide | DecodeSide = side_cls(args, self._transport, self._client, self._peers, self._aux,
-                                                        self._lock)
+        self._side: PrefillSide | DecodeSide = side_cls(args, self._transport, self._client, self._peers,
+                                                        self._aux, self._lock)
         self.epoch = 0
         self._next_heartbeat_s = 0.0
 

@@ -1,7 +1,8 @@
 """The prefill manager thread's work: fetch destinations, post chunk WRITEs, track them, answer cancels.
 
 Bootstrap calls happen on the manager thread; so do transport calls, except the last chunk's WRITE, which
-``post_now`` posts from the caller of ``send`` (``KVArgs.inline_progress``). Senders are touched under the manager lock.
+``post_now`` posts from the caller of ``send`` (``KVArgs.inline_progress``). Senders are touched under the
+manager lock.
 Rooms aborted before their destination arrived are remembered (``_tombstones``) so that the decode side is
 told as soon as its destination shows up.
 """
@@ -63,8 +64,7 @@ class PrefillSide:
         full one here: ``woken`` is for the decode side)."""
         with self._lock:  # queued chunks first: bootstrap HTTP calls below must not delay a WRITE
             posts = self._collect(now_s)
-        for post in posts:
-            self._post(*post)
+        self._post_all(posts)
         self._drain_notifs()
         with self._lock:
             self._progress()
@@ -152,25 +152,36 @@ class PrefillSide:
         """Posts the queued chunks of ``sender`` from the calling thread (inline progress; the manager thread
         still tracks them to completion). A chunk is taken off the queue under the lock, so each is posted
         once, by whichever thread takes it. Never raises: a failure fails this room."""
-        try:
-            with self._lock:
-                posts = [] if sender.closed else self._take_queued(sender)
-            for post in posts:
-                self._post(*post)
-        except Exception as exc:  # the caller's thread (an engine loop) must keep running
-            logger.exception("room %d: posting in the caller's thread failed", sender.room)
-            with self._lock:
-                self._fail(sender, f"posting a chunk failed: {exc!r}")
+        with self._lock:
+            posts = [] if sender.closed else self._take_queued(sender)
+        self._post_all(posts)
 
     def _take_queued(self, sender: KVSender) -> list[_Post]:
-        """Lock held: the queued chunks of ``sender`` as posts, once its destination is known."""
+        """Lock held: the queued chunks of ``sender`` as posts, once its destination is known. Never raises:
+        an unexpected error fails this room only."""
         posts: list[_Post] = []
         while sender.destination is not None and sender.queued and sender.state != KVPoll.Failed:
-            post = self._prepare(sender, sender.queued.popleft())
+            chunk = sender.queued.popleft()
+            try:
+                post = self._prepare(sender, chunk)
+            except Exception as exc:  # a bug; the caller may be an engine loop, which must keep running
+                logger.exception("room %d: preparing chunk %d failed", sender.room, chunk.index)
+                self._fail(sender, f"preparing chunk {chunk.index} failed: {exc!r}")
+                break
             if post is not None:
                 sender.posting += 1
                 posts.append(post)
         return posts
+
+    def _post_all(self, posts: list[_Post]) -> None:
+        """Posts each prepared chunk. Never raises: an unexpected error fails that room only."""
+        for post in posts:
+            try:
+                self._post(*post)
+            except Exception as exc:  # a bug; the caller may be an engine loop, which must keep running
+                logger.exception("room %d: posting chunk %d failed", post[0].room, post[1].index)
+                with self._lock:
+                    self._fail(post[0], f"posting chunk {post[1].index} failed: {exc!r}")
 
     def _prepare(self, sender: KVSender, chunk: Chunk) -> _Post | None:
         dest, peer = sender.destination, sender.peer

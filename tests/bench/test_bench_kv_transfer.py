@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_kv_transfer_prints_its_json_keys() -> None:
     pytest.importorskip("nixl")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_kv_transfer.py"), "--sizes", "128",
-                           "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("kv128_latency_ms", "kv128_overhead_ms", "kv128_memcpy_gbps", "kv128_thread_latency_ms",

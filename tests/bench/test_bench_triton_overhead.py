@@ -9,8 +9,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from bench_triton_overhead import (BenchConfig, PathFigures, _record_response, _StampingSink, figures, make_specs,
-                                   overhead)
+from bench_triton_overhead import (
+    BenchConfig,
+    PathFigures,
+    _record_response,
+    _StampingSink,
+    figures,
+    make_specs,
+    overhead,
+)
 from perf.stats import RequestRecord
 
 

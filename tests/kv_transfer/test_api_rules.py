@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -85,3 +86,52 @@ def test_role_mismatch_and_bad_config_are_refused(pool: np.ndarray, bootstrap_ur
         args_for(pool, bootstrap_url, waiting_timeout_s=0)
     with pytest.raises(ValueError, match="backend"):
         make_kv_manager(args_for(pool, bootstrap_url), "tcp")
+
+
+def test_an_unexpected_error_while_posting_fails_that_room_only(pool: np.ndarray, bootstrap_url: str) -> None:
+    """The last chunk is posted in the caller's thread (an engine loop in serving): an unexpected error there
+    (here the transport raises a RuntimeError once) must not escape ``send``; that room fails on both sides with
+    its pages releasable, and the next room moves its KV."""
+    decode_pool = np.zeros_like(pool)   # referenced until the end: the prefill side writes into it
+    prefill = make_kv_manager(args_for(pool, bootstrap_url, instance_id="boom-p"), "inprocess")
+    decode = make_kv_manager(args_for(decode_pool, bootstrap_url, role="decode", instance_id="boom-d"),
+                             "inprocess")
+    prefill.start()
+    decode.start()
+    inner = prefill._transport._inner  # type: ignore[attr-defined]
+    real_post_write, raised = inner.post_write, []
+
+    def post_write_once_broken(*args: object) -> object:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("boom")
+        return real_post_write(*args)
+
+    inner.post_write = post_write_once_broken
+    try:
+        handles = {}
+        for room, pages in ((11, [0, 1]), (12, [2, 3])):
+            receiver = decode.create_receiver(room, "boom-p")
+            receiver.init(pages)
+            sender = prefill.create_sender(room)
+            sender.init(2)
+            _wait_for(lambda s=sender: s.poll() >= KVPoll.WaitingForInput)
+            sender.send([0, 1], True, AuxData(5, -0.5, room))   # does not raise
+            handles[room] = sender, receiver
+        failed_sender, failed_receiver = handles[11]
+        assert failed_sender.poll() == KVPoll.Failed and "boom" in str(failed_sender.failure)
+        _wait_for(lambda: failed_receiver.poll() == KVPoll.Failed and failed_receiver.pages_releasable()
+                  and failed_sender.pages_releasable())
+        sender, receiver = handles[12]
+        _wait_for(lambda: receiver.poll() == KVPoll.Success and sender.pages_releasable())
+        assert receiver.aux == AuxData(5, -0.5, 12)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _wait_for(predicate: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

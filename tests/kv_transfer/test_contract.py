@@ -227,15 +227,16 @@ def test_split_aux_write_for_device_memory(make_side: Any, pair: tuple[Any, Any]
 
 def test_inline_send_posts_the_last_write_before_returning(pair: tuple[Any, Any]) -> None:
     """``KVArgs.inline_progress`` (the default): with the destination known, ``send(is_last=True)`` itself
-    posts the last WRITE (an earlier chunk goes to the manager thread), and the prefill side counts exactly the
-    bytes it wrote (the KV blocks of 3 pages and one aux slot)."""
+    posts the last WRITE (an earlier chunk goes to the manager thread), and the prefill side counts exactly
+    the bytes it wrote (the KV blocks of 3 pages and one aux slot)."""
     prefill, decode = pair
     bytes_before = prefill.call("metrics")["kv_bytes_total"]
     room = open_room(prefill, decode, 40)
     prefill.call("send", room, 2, False)
     assert prefill.call("send", room, 1, True)
     finish(prefill, decode, room)
-    assert prefill.call("metrics")["kv_bytes_total"] - bytes_before == 3 * 30 * 2 * PAGE_SIZE * 3 * 64 * 4 + 32
+    page_bytes = 30 * 2 * PAGE_SIZE * 3 * 64 * 4   # SmolLM2 layout, fp32
+    assert prefill.call("metrics")["kv_bytes_total"] - bytes_before == 3 * page_bytes + 32
     assert_pages_back(prefill, decode)
 
 

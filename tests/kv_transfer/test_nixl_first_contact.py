@@ -66,7 +66,7 @@ def test_add_peer_does_not_wait_for_a_silent_peer() -> None:
     peer.start()
     transport = NixlTransport("initiator")
     try:
-        layout, pool, aux, table = _buffers()
+        layout, _pool, _aux, table = _buffers()   # _pool, _aux: the registered memory, kept alive
         transport.register(table)     # this (the "initialize") thread creates the agent
         assert here.poll(60), "peer process did not start"
         metadata, kv_ptr, aux_ptr = here.recv()
