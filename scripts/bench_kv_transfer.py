@@ -1,7 +1,8 @@
 """Benchmark: KV of 128-, 1k- and 4k-token prompts (SmolLM2 layout, page_size 16) moved from a prefill process
 to a decode process over NIXL, against a plain memcpy of the same bytes in the same run.
 
-Usage: python scripts/bench_kv_transfer.py [--reps 20] [--scatter] [--sizes 128,1024,4096] [--cold] [--no-inline]
+Usage: python scripts/bench_kv_transfer.py [--reps 20] [--scatter] [--sizes 128,1024,4096] [--cold]
+                                           [--no-inline]
 Prints one line per size, then a JSON object (last line) with kv4k_gbps, memcpy_gbps, kv4k_ratio,
 kv128_latency_ms, kv128_overhead_ms, ... Latency is from ``send(is_last=True)`` in the prefill process to the
 receiver's ``Success`` in the decode process (CLOCK_MONOTONIC is shared by processes); overhead is latency
@@ -307,7 +308,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="idle prefill: 2 ms of sleep before send, source pages not rewritten")
     parser.add_argument("--no-inline", action="store_true",
-                        help="KVArgs.inline_progress=False: every WRITE and notification on the manager thread")
+                        help="KVArgs.inline_progress=False: every WRITE and notification on the manager "
+                             "thread")
     args = parser.parse_args()
     sizes = tuple(int(t) for t in args.sizes.split(","))
     if not set(sizes) <= set(SIZES_TOKENS):
