@@ -33,8 +33,6 @@ import logging
 import os
 import queue
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -49,7 +47,8 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
-from perf.stats import RequestRecord, percentile  # noqa: E402 - needs scripts/ on sys.path
+from perf.server import ServeScript  # noqa: E402 - needs scripts/ on sys.path
+from perf.stats import RequestRecord, percentile  # noqa: E402
 from perf.workload import make_prompt  # noqa: E402
 
 logger = logging.getLogger("bench_triton_overhead")
@@ -58,7 +57,6 @@ READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 40.0
 REQUEST_TIMEOUT_S = 30.0  # longest gap between two responses of one request
 ENTRY_MODEL = "pd_ensemble"
-SHM_PREFIX = "triton_python_backend_shm_region_"
 TTFT_TARGET_MS = 10.0
 ITL_TARGET_PCT = 10.0
 
@@ -120,18 +118,6 @@ def make_specs(cfg: BenchConfig, prefix: str, count: int, seed_offset: int) -> l
     """``count`` seeded requests; the same (prefix-independent) prompts for the same seeds on both paths."""
     return [Spec(f"{prefix}-{i:03d}", make_prompt(cfg.prompt_tokens, cfg.seed * 100_003 + seed_offset + i),
                  cfg.max_tokens) for i in range(count)]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that were free a moment ago (tritonserver cannot bind port 0)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def load_avg() -> list[float]:
@@ -278,42 +264,14 @@ class TritonPD:
     """``scripts/serve.sh`` with the PD models on free loopback ports, in its own process group."""
 
     def __init__(self, cfg: BenchConfig) -> None:
-        http, grpc, metrics, bootstrap = free_ports(4)
-        self.http_url = f"http://127.0.0.1:{http}"
-        self.grpc_url = f"127.0.0.1:{grpc}"
-        self._env = {**os.environ, "SKIP_SETUP": "1", "MODELS": "pd_ensemble,prefill,decode",
-                     "HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics),
-                     "BOOTSTRAP_PORT": str(bootstrap)}
-        self.log_path = cfg.log_dir / "server.log"
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._server = ServeScript("pd_ensemble,prefill,decode", cfg.log_dir / "server.log")
+        self.http_url, self.grpc_url = self._server.http_url, self._server.grpc_url
+        self.log_path = self._server.log_path
 
     def start(self) -> TritonPD:
         """Start serve.sh and wait for ``/v2/health/ready``. Raises RuntimeError/TimeoutError (log tail)."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT,
-                                          env=self._env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"serve.sh exited with {self._proc.returncode}:\n{self._log_tail()}")
-            if self._ready():
-                return self
-            time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready within {READY_TIMEOUT_S:.0f} s:\n{self._log_tail()}")
-
-    def _ready(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as resp:
-                return bool(resp.status == 200)
-        except OSError:
-            return False
-
-    def _log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+        self._server.start(READY_TIMEOUT_S)
+        return self
 
     def send(self, spec: Spec) -> RequestRecord:
         """Send ``spec`` on its own gRPC stream; stamp each response in the stream callback until FINAL."""
@@ -340,23 +298,8 @@ class TritonPD:
         return record
 
     def stop(self) -> float:
-        """SIGTERM serve.sh's group (it stops tritonserver, then bootstrap), SIGKILL after a deadline; removes
-        the python backend shm regions the stubs left. Returns the seconds the stop took."""
-        if self._proc is None:
-            return 0.0
-        regions = _shm_regions_of_group(self._proc.pid)
-        start = time.monotonic()
-        os.killpg(self._proc.pid, signal.SIGTERM)
-        try:
-            self._proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            logger.warning("serve.sh still running after %.0f s: SIGKILL", STOP_TIMEOUT_S)
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait(10)
-        for region in regions:
-            Path("/dev/shm", region).unlink(missing_ok=True)
-        self._proc = None
-        return time.monotonic() - start
+        """Stops serve.sh's group (``ServeScript.stop``); returns the seconds the stop took."""
+        return self._server.stop(STOP_TIMEOUT_S)[0]
 
 
 def _grpc_inputs(spec: Spec) -> list[Any]:
@@ -388,22 +331,6 @@ def _record_response(record: RequestRecord, arrived_s: float, result: Any, error
     params = result.get_response().parameters
     if "triton_final_response" in params and params["triton_final_response"].bool_param:
         record.done_s = arrived_s
-
-
-def _shm_regions_of_group(pgid: int) -> set[str]:
-    """Shared-memory regions named on the command lines of the processes of group ``pgid`` (the stubs)."""
-    regions: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) != pgid:
-                continue
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ProcessLookupError):
-            continue
-        regions.update(a.decode() for a in args if a.startswith(SHM_PREFIX.encode()))
-    return regions
 
 
 # ---------------------------------------------------------------------------------------------------- driving

@@ -1,9 +1,13 @@
 """Start and stop a private tritonserver (and the bootstrap service) for a benchmark, pin model stubs to cores.
 
 The server is what ``scripts/serve.sh`` runs (tritonserver 2.51 of ``nvidia-pytriton`` + the bootstrap service),
-started directly, on loopback ports chosen by the caller, from a temporary model repository holding the chosen models of ``model_repository/`` (their ``1/`` folders linked,
-``config.pbtxt`` copied with parameter overrides). Pinning uses ``sched_setaffinity`` on every thread of a
-model's stub process (``/proc/<pid>/task``), so it works whatever the model does itself.
+started directly, on loopback ports chosen by the caller, from a temporary model repository holding the chosen
+models of ``model_repository/`` (their ``1/`` folders linked, ``config.pbtxt`` copied with parameter overrides).
+Pinning uses ``sched_setaffinity`` on every thread of a model's stub process (``/proc/<pid>/task``), so it works
+whatever the model does itself.
+
+``ServeScript`` runs ``scripts/serve.sh`` itself instead (the README's command, set-up skipped) on free ports:
+the live tests' ``triton_server`` fixture and ``bench_triton_overhead.py`` use it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+SHM_PREFIX = "triton_python_backend_shm_region_"   # python backend stubs name their regions on the command line
 
 
 @dataclass(frozen=True)
@@ -258,3 +264,101 @@ def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
             except ValueError:
                 continue
     return values
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports that were free a moment ago (bound, then released: tritonserver cannot
+    bind port 0)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def shm_regions_of_group(pgid: int) -> set[str]:
+    """Shared-memory regions named on the command lines of the processes in group ``pgid`` (the stubs)."""
+    regions: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        regions.update(a.decode() for a in args if a.startswith(SHM_PREFIX.encode()))
+    return regions
+
+
+class ServeScript:
+    """``scripts/serve.sh`` with ``models`` (comma-separated) on free loopback ports, in its own process group,
+    its output in ``log_path``; ``model_repository`` replaces ``model_repository/`` when given.
+
+    Attributes: ``http_url``, ``metrics_url``, ``bootstrap_url`` (``http://...``), ``grpc_url`` (``host:port``,
+    for tritonclient.grpc), ``log_path``."""
+
+    def __init__(self, models: str, log_path: Path, model_repository: Path | None = None) -> None:
+        http, grpc, metrics, bootstrap = free_ports(4)
+        self.http_url, self.grpc_url = f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        self.bootstrap_url = f"http://127.0.0.1:{bootstrap}"
+        self.log_path = log_path
+        self._env = {**os.environ, "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
+                     "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "BOOTSTRAP_PORT": str(bootstrap)}
+        if model_repository is not None:
+            self._env["MODEL_REPOSITORY"] = str(model_repository)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float) -> ServeScript:
+        """Starts serve.sh and waits for ``/v2/health/ready``. Raises RuntimeError (serve.sh exited) or
+        TimeoutError (not ready in ``timeout_s``), both with the log's tail."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT, env=self._env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"serve.sh exited with {self._proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self, timeout_s: float) -> tuple[float, bool]:
+        """SIGTERM the group (serve.sh stops tritonserver, then the bootstrap), SIGKILL after ``timeout_s``, then
+        any straggler of the group (stubs outlive a crashed server); removes the shm regions the stubs named.
+        Returns (seconds the stop took, whether SIGKILL was needed); (0, False) if never started."""
+        if self._proc is None:
+            return 0.0, False
+        proc, self._proc = self._proc, None
+        regions = shm_regions_of_group(proc.pid)
+        start, killed = time.monotonic(), False
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            killed = True
+            logger.warning("serve.sh still running after %.0f s: SIGKILL", timeout_s)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        elapsed = time.monotonic() - start
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for region in regions:
+            Path("/dev/shm", region).unlink(missing_ok=True)
+        return elapsed, killed
