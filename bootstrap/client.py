@@ -70,9 +70,12 @@ class BootstrapClient:
         """Appends ``room`` to the service's abort log (the orchestrator's way to stop both halves)."""
         self._call("POST", "/v1/rooms/abort", RoomAbort(room, reason), RoomAbort)
 
-    def aborted_rooms(self, after: int = -1) -> tuple[list[Room], int]:
-        """Rooms aborted since cursor ``after`` (-1: every retained one) and the cursor for the next call."""
-        log = self._call("GET", f"/v1/aborts?after={int(after)}", None, AbortLog)
+    def aborted_rooms(self, after: int = -1, wait_s: float = 0.0) -> tuple[list[Room], int]:
+        """Rooms aborted since cursor ``after`` (-1: every retained one) and the cursor for the next call.
+        With ``wait_s`` > 0 the service holds the call until a room is aborted or ``wait_s`` seconds (at most
+        30) have passed: a long poll, answered at once when there is news."""
+        log = self._call("GET", f"/v1/aborts?after={int(after)}&wait_s={wait_s:g}", None, AbortLog,
+                         timeout_s=self._timeout_s + wait_s)
         assert log is not None
         return log.rooms, log.last_seq
 
@@ -80,8 +83,9 @@ class BootstrapClient:
         self._session.close()
 
     def _call(self, method: str, path: str, body: object | None, expected: type[M],
-              missing_ok: bool = False) -> M | None:
-        response = self._request(method, path, data=encode(body) if body is not None else None)
+              missing_ok: bool = False, timeout_s: float | None = None) -> M | None:
+        response = self._request(method, path, data=encode(body) if body is not None else None,
+                                 timeout=timeout_s or self._timeout_s)
         if missing_ok and response.status_code == 404:
             return None
         if response.status_code != 200:
@@ -90,7 +94,7 @@ class BootstrapClient:
 
     def _request(self, method: str, path: str, **kwargs: object) -> requests.Response:
         try:
-            return self._session.request(method, self._base_url + path, timeout=self._timeout_s,
-                                         **kwargs)  # type: ignore[arg-type]
+            kwargs.setdefault("timeout", self._timeout_s)
+            return self._session.request(method, self._base_url + path, **kwargs)  # type: ignore[arg-type]
         except requests.RequestException as exc:
             raise BootstrapError(f"{method} {path}: {exc}") from exc

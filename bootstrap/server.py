@@ -9,7 +9,8 @@ Routes (every body is a ``bootstrap.messages`` envelope):
   GET    /v1/instances/{id}/destinations                             → DestinationBatch
   POST   /v1/rooms/release                   RoomRelease             → RoomReleased
   POST   /v1/rooms/abort                     RoomAbort               → RoomAbort (appended to the abort log)
-  GET    /v1/aborts?after=SEQ                                        → AbortLog
+  GET    /v1/aborts?after=SEQ[&wait_s=W]                             → AbortLog (long poll: waits up to W s,
+                                                                       at most MAX_ABORTS_WAIT_S, for an abort)
   GET    /health                                                     → "ok"
 Expiry runs on every request and on an idle timer, so silent instances drop out without new traffic.
 """
@@ -43,6 +44,7 @@ from bootstrap.registry import Registry, RegistryConfig
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_ABORTS_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,12 @@ class _Handlers:
     def __init__(self, registry: Registry, config: ServerConfig) -> None:
         self._registry = registry
         self._config = config
+        self._abort_appended: asyncio.Event | None = None   # set (and replaced) on every abort: wakes long polls
+
+    def _abort_event(self) -> asyncio.Event:
+        if self._abort_appended is None:   # created on the server's loop, at first use
+            self._abort_appended = asyncio.Event()
+        return self._abort_appended
 
     async def register(self, request: web.Request) -> web.Response:
         registration = decode(await request.read(), Registration)
@@ -100,11 +108,30 @@ class _Handlers:
         message = decode(await request.read(), RoomAbort)
         self._registry.abort_room(message.room, time.monotonic())
         logger.info("room %d aborted: %s", message.room, message.reason)
+        appended, self._abort_appended = self._abort_event(), asyncio.Event()
+        appended.set()
         return _reply(message)
 
     async def aborts(self, request: web.Request) -> web.Response:
-        rooms, last_seq = self._registry.aborts_after(int(request.query.get("after", "-1")))
-        return _reply(AbortLog(rooms, last_seq))
+        """The rooms aborted after cursor ``after``; with ``wait_s`` > 0 and none yet, waits until one is
+        aborted or ``wait_s`` (capped at ``MAX_ABORTS_WAIT_S``) has passed, then answers (a long poll)."""
+        try:
+            after = int(request.query.get("after", "-1"))
+            wait_s = min(max(float(request.query.get("wait_s", "0")), 0.0), MAX_ABORTS_WAIT_S)
+        except ValueError as exc:
+            raise BootstrapError(f"bad query of /v1/aborts: {exc}") from exc
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            appended = self._abort_event()   # taken before reading the log: no abort can slip in between
+            rooms, last_seq = self._registry.aborts_after(after)
+            remaining_s = deadline - loop.time()
+            if rooms or remaining_s <= 0:
+                return _reply(AbortLog(rooms, last_seq))
+            try:
+                await asyncio.wait_for(appended.wait(), remaining_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

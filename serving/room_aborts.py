@@ -1,9 +1,9 @@
 """Rooms the orchestrator aborted (client cancel, the other half failed), as seen by a prefill or decode worker.
 
 Triton's BLS in tritonserver 2.51 cannot cancel a child request, so ``pd_ensemble`` posts the room's abort to the
-bootstrap service and every PD worker follows the service's abort log: ``RoomAborts`` polls it on its own thread
-(one HTTP call every ``poll_interval_s``; never on the engine loop thread) and answers ``is_aborted(room)`` from
-memory. Aborted rooms are forgotten after ``retain_s``.
+bootstrap service and every PD worker follows the service's abort log: ``RoomAborts`` long-polls it on its own
+thread (one HTTP call held open up to ``long_poll_s`` and answered as soon as a room is aborted; never on the
+engine loop thread) and answers ``is_aborted(room)`` from memory. Aborted rooms are forgotten after ``retain_s``.
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ class RoomAborts:
 
     def __init__(self, bootstrap_url: str, name: str, poll_interval_s: float = 0.02, retain_s: float = 120.0,
                  http_timeout_s: float = 2.0, busy: Callable[[], bool] | None = None,
-                 idle_poll_interval_s: float = 0.25) -> None:
+                 idle_poll_interval_s: float = 0.25, long_poll_s: float = 1.0) -> None:
         """Starts nothing.
 
         Args:
             bootstrap_url: the bootstrap service (``http://host:port``).
             name: thread name suffix (the worker's instance name).
-            poll_interval_s: pause between two polls of the abort log while ``busy()``, seconds.
+            poll_interval_s: pause after an empty answer that came back early while ``busy()``, seconds (a
+                service that does not hold long polls: then this is the polling period).
             retain_s: how long an aborted room is remembered, seconds.
-            http_timeout_s: timeout of each HTTP call, seconds.
-            busy: True while the worker holds requests; when it holds none the log is polled every
-                ``idle_poll_interval_s`` only (nothing to abort; the log keeps what comes meanwhile).
-            idle_poll_interval_s: pause between two polls while not busy, seconds.
+            http_timeout_s: timeout of each HTTP call beyond the long poll's wait, seconds.
+            busy: True while the worker holds requests (picks ``poll_interval_s`` or ``idle_poll_interval_s``).
+            idle_poll_interval_s: the same pause while not busy, seconds.
+            long_poll_s: how long the service may hold one call, seconds; ``stop()`` can take this long.
         """
         self._url = bootstrap_url
         self._name = name
@@ -44,6 +45,7 @@ class RoomAborts:
         self._http_timeout_s = http_timeout_s
         self._busy = busy or (lambda: True)
         self._idle_poll_interval_s = idle_poll_interval_s
+        self._long_poll_s = long_poll_s
         self._aborted: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -74,8 +76,9 @@ class RoomAborts:
         after = -1
         try:
             while not self._stop.is_set():
+                asked_s = time.monotonic()
                 try:
-                    rooms, after = client.aborted_rooms(after)
+                    rooms, after = client.aborted_rooms(after, wait_s=self._long_poll_s)
                 except BootstrapError as e:
                     logger.debug("%s: abort log not reachable: %s", self._name, e)
                     self._stop.wait(min(1.0, 20 * self._poll_interval_s))
@@ -86,6 +89,7 @@ class RoomAborts:
                         self._aborted[room] = now
                     for room in [r for r, t in self._aborted.items() if now - t > self._retain_s]:
                         del self._aborted[room]
-                self._stop.wait(self._poll_interval_s if self._busy() else self._idle_poll_interval_s)
+                if not rooms and now - asked_s < self._long_poll_s / 2:   # not held: pace the polls
+                    self._stop.wait(self._poll_interval_s if self._busy() else self._idle_poll_interval_s)
         finally:
             client.close()

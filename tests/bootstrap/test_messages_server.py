@@ -71,3 +71,23 @@ def test_client_calls_time_out_with_a_typed_error() -> None:
 def test_cli_builds_the_config() -> None:
     config = parse_config(["--host", "127.0.0.1", "--port", "0", "--registration-ttl-s", "3"])
     assert config.port == 0 and config.registry.registration_ttl_s == 3.0
+
+
+def test_abort_log_long_poll_answers_when_a_room_is_aborted(server: BootstrapServer) -> None:
+    """``aborted_rooms(cursor, wait_s)``: held while nothing is aborted, answered as soon as a room is; a bad
+    ``wait_s`` is a 400 (``BootstrapError``)."""
+    import threading
+
+    client, poster = BootstrapClient(server.url, timeout_s=2.0), BootstrapClient(server.url, timeout_s=2.0)
+    _, cursor = client.aborted_rooms()
+    started = time.monotonic()
+    assert client.aborted_rooms(cursor, wait_s=0.3) == ([], cursor)   # nothing: held for the whole wait
+    assert time.monotonic() - started >= 0.3
+    timer = threading.Timer(0.2, poster.abort_room, args=(21, "client went away"))
+    timer.start()
+    started = time.monotonic()
+    rooms, new_cursor = client.aborted_rooms(cursor, wait_s=10.0)
+    assert rooms == [21] and new_cursor == cursor + 1 and time.monotonic() - started < 5.0
+    timer.join()
+    with pytest.raises(BootstrapError, match="400"):
+        client._call("GET", "/v1/aborts?after=-1&wait_s=soon", None, DestinationBatch)
