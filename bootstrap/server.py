@@ -66,6 +66,7 @@ class _Handlers:
         self._registry = registry
         self._config = config
         self._abort_appended: asyncio.Event | None = None   # set (and replaced) on every abort: wakes long polls
+        self._closing = False
 
     def _abort_event(self) -> asyncio.Event:
         if self._abort_appended is None:   # created on the server's loop, at first use
@@ -126,12 +127,17 @@ class _Handlers:
             appended = self._abort_event()   # taken before reading the log: no abort can slip in between
             rooms, last_seq = self._registry.aborts_after(after)
             remaining_s = deadline - loop.time()
-            if rooms or remaining_s <= 0:
+            if rooms or remaining_s <= 0 or self._closing:
                 return _reply(AbortLog(rooms, last_seq))
             try:
                 await asyncio.wait_for(appended.wait(), remaining_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def end_long_polls(self, app: web.Application) -> None:
+        """``on_shutdown``: held long polls answer now (aiohttp waits for open requests before it stops)."""
+        self._closing = True
+        self._abort_event().set()
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -167,6 +173,7 @@ def build_app(registry: Registry, config: ServerConfig) -> web.Application:
                     web.post("/v1/rooms/release", h.release), web.post("/v1/rooms/abort", h.abort),
                     web.get("/v1/aborts", h.aborts), web.get("/health", h.health)])
     app.cleanup_ctx.append(h.expire_on_idle)
+    app.on_shutdown.append(h.end_long_polls)
     return app
 
 

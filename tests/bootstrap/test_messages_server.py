@@ -91,3 +91,19 @@ def test_abort_log_long_poll_answers_when_a_room_is_aborted(server: BootstrapSer
     timer.join()
     with pytest.raises(BootstrapError, match="400"):
         client._call("GET", "/v1/aborts?after=-1&wait_s=soon", None, DestinationBatch)
+
+
+def test_stopping_the_service_answers_held_long_polls() -> None:
+    import threading
+
+    srv = BootstrapServer(ServerConfig(port=0))
+    srv.start()
+    client = BootstrapClient(srv.url, timeout_s=2.0)
+    answers: list[object] = []
+    poller = threading.Thread(target=lambda: answers.append(client.aborted_rooms(-1, wait_s=20.0)))
+    poller.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    srv.stop()
+    poller.join(10)
+    assert answers == [([], -1)] and time.monotonic() - started < 3.0
