@@ -107,8 +107,9 @@ class KVSender:
         The last chunk (``is_last``), which the first token waits for, is posted before ``send`` returns when
         ``KVArgs.inline_progress`` is on and the destination is known (with any chunk still queued): no thread
         hop. Host memory over UCX ``cma`` copies inside that post: ~1 ms for the 5.6 MiB of a 128-token
-        SmolLM2 prompt, so the caller's thread is held at most one chunk's copy per request; on GPU memory it
-        only posts. ``aux`` is required with ``is_last``.
+        SmolLM2 prompt, so the caller's thread is held for the last chunk's copy (and that of any chunk still
+        queued because the destination came late); on GPU memory it only posts. ``aux`` is required with
+        ``is_last``.
 
         Non-final chunks carry whole pages only; the final chunk adds the partial last page. A no-op on a
         Failed room. Raises ``TransferError`` (and fails the room) on a call that breaks these rules.
