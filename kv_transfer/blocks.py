@@ -44,12 +44,16 @@ class BlockTable:
         plane-major; with ``aux_slot``, that slot's index appended. Raises ``ValueError`` for a page or slot
         out of range.
 
-        On the latency path of every chunk: one numpy expression (each numpy call costs tens of us with the
-        caches cold, which they are after a forward pass)."""
+        On the latency path of every chunk, so written into one preallocated array with as few numpy calls as
+        possible (each costs ~10 us with the caches cold, as they are after a forward pass)."""
         if len(pages) and (min(pages) < 0 or max(pages) >= self.layout.num_pages):
             raise ValueError(f"page ids out of range [0, {self.layout.num_pages})")
-        indices = (self._plane_starts + np.asarray(pages, dtype=np.int64)).ravel()
-        return indices if aux_slot is None else np.append(indices, self.aux_index(aux_slot))
+        planes, n = self._plane_starts.shape[0], len(pages)
+        out = np.empty(planes * n + (aux_slot is not None), dtype=np.int64)
+        np.add(self._plane_starts, np.asarray(pages, dtype=np.int64), out=out[:planes * n].reshape(planes, n))
+        if aux_slot is not None:
+            out[-1] = self.aux_index(aux_slot)
+        return out
 
     def aux_index(self, slot: int) -> int:
         if not 0 <= slot < self.aux_slots:

@@ -31,6 +31,7 @@ RETRY_S = 0.05
 RELEASE_INTERVAL_S = 0.02
 FULL_ROUND_S = 0.001   # between full rounds, a round nobody woke only drains notifications
 INLINE_DRAIN_INTERVAL_S = 50e-6   # receivers polled back to back drain once (one drain serves every room)
+INLINE_ACTIVE_TICK_S = 0.005      # thread wait while rooms are open, with inline progress
 
 
 class DecodeSide:
@@ -87,7 +88,12 @@ class DecodeSide:
             busy = any(r.published and not r.closed for r in self.receivers.values())
             waiting = any(r.state == KVPoll.Bootstrapping for r in self.receivers.values())
         idle_s = RETRY_S / 5 if waiting else self._args.idle_tick_s
-        self._wait_s = self._args.active_tick_s if busy else idle_s
+        # with inline progress the callers' polls read the notifications that complete rooms; the thread only
+        # keeps timeouts, releases and late tags going, and rounds every 0.2 ms would burn the decode core
+        # while a room waits for its KV (the whole prefill)
+        active_s = max(self._args.active_tick_s, INLINE_ACTIVE_TICK_S) if self._args.inline_progress \
+            else self._args.active_tick_s
+        self._wait_s = active_s if busy else idle_s
         return self._wait_s
 
     def shutdown(self, deadline_s: float, now_fn: Callable[[], float]) -> None:
