@@ -303,18 +303,9 @@ class TritonPD:
 
 
 def _grpc_inputs(spec: Spec) -> list[Any]:
-    import tritonclient.grpc as grpcclient
+    from perf.stream_client import stream_inputs  # tritonclient only where the Triton path runs
 
-    values = [("text_input", "BYTES", np.array([spec.prompt.encode()], dtype=np.object_)),
-              ("stream", "BOOL", np.array([True], dtype=np.bool_)),
-              ("sampling_parameters", "BYTES", np.array([spec.sampling_json.encode()], dtype=np.object_)),
-              ("exclude_input_in_output", "BOOL", np.array([True], dtype=np.bool_))]
-    inputs = []
-    for name, dtype, array in values:
-        tensor = grpcclient.InferInput(name, [1], dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return stream_inputs(spec.prompt, spec.sampling_json)
 
 
 def _record_response(record: RequestRecord, arrived_s: float, result: Any, error: Any) -> None:

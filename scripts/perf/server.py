@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,20 +111,23 @@ def build_model_repository(deployment: Deployment, dest: Path) -> Path:
     return dest
 
 
-def wait_ready(ports: ServerPorts, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Poll ``/v2/health/ready`` until 200; raises RuntimeError on exit or timeout."""
+def wait_ready(http_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
+               log_tail: Callable[[], str] = lambda: "") -> None:
+    """Polls ``<http_url>/v2/health/ready`` until 200. Raises RuntimeError when ``proc`` exits first,
+    TimeoutError when ``timeout_s`` passes; both messages end with ``log_tail()``."""
+    name = Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with {proc.returncode} while loading")
+            raise RuntimeError(f"{name} exited with {proc.returncode} while loading:\n{log_tail()}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{ports.http}/v2/health/ready", timeout=2) as r:
-                if r.status == 200:
+            with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as resp:
+                if resp.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"tritonserver not ready after {timeout_s} s")
+    raise TimeoutError(f"tritonserver not ready within {timeout_s:.0f} s:\n{log_tail()}")
 
 
 def stub_pids(model_dir: Path) -> list[int]:
@@ -202,7 +205,8 @@ class RunningServer:
         return proc
 
     def start(self) -> RunningServer:
-        """Start bootstrap (if needed) and the server, wait for ready, pin stubs. Raises RuntimeError."""
+        """Start bootstrap (if needed) and the server, wait for ready, pin stubs. Raises RuntimeError (the
+        server exited) or TimeoutError (not ready in time)."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
         repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
@@ -211,7 +215,7 @@ class RunningServer:
             self._spawn([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port",
                          str(self._bootstrap_port)], env, f"bootstrap-{self.deployment.name}.log")
         server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
-        wait_ready(self.ports, server, self._ready_timeout_s)
+        wait_ready(f"http://127.0.0.1:{self.ports.http}", server, self._ready_timeout_s)
         for model, cpus in self.deployment.cpus.items():
             for pid in stub_pids(repo / model):
                 pin_process(pid, cpus)
@@ -321,18 +325,8 @@ class ServeScript:
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT, env=self._env,
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"serve.sh exited with {self._proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+        wait_ready(self.http_url, self._proc, timeout_s, self.log_tail)
+        return self
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]

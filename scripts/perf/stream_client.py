@@ -25,10 +25,16 @@ logger = logging.getLogger(__name__)
 def build_inputs(spec: RequestSpec) -> list[grpcclient.InferInput]:
     """The vLLM-backend inputs of one streaming request (``ignore_eos``: exactly ``max_tokens`` tokens)."""
     params = json.dumps({"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True})
+    return stream_inputs(spec.prompt, params)
+
+
+def stream_inputs(prompt: str, sampling_json: str) -> list[grpcclient.InferInput]:
+    """The inputs of one streaming request in the vLLM-backend convention: ``text_input``, ``stream=true``,
+    ``sampling_parameters`` (a JSON object string), ``exclude_input_in_output=true``."""
     values: list[tuple[str, str, np.ndarray]] = [
-        ("text_input", "BYTES", np.array([spec.prompt.encode()], dtype=np.object_)),
+        ("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_)),
         ("stream", "BOOL", np.array([True], dtype=bool)),
-        ("sampling_parameters", "BYTES", np.array([params.encode()], dtype=np.object_)),
+        ("sampling_parameters", "BYTES", np.array([sampling_json.encode()], dtype=np.object_)),
         ("exclude_input_in_output", "BOOL", np.array([True], dtype=bool)),
     ]
     inputs = []
