@@ -6,6 +6,7 @@ Not thread-safe: one client per thread (a KV manager uses its own from its backg
 from __future__ import annotations
 
 from typing import TypeVar
+from urllib.parse import quote
 
 import requests
 
@@ -15,6 +16,9 @@ from bootstrap.messages import (
     Destination,
     DestinationBatch,
     Heartbeat,
+    InstanceList,
+    InstanceLoad,
+    InstanceStatus,
     PostResult,
     Registration,
     Room,
@@ -37,17 +41,23 @@ class BootstrapClient:
     def register(self, registration: Registration) -> None:
         self._call("POST", "/v1/instances", registration, Registration)
 
-    def heartbeat(self, instance_id: str, epoch: int) -> bool:
+    def heartbeat(self, instance_id: str, epoch: int, load: InstanceLoad | None = None) -> bool:
         """False when the service no longer knows this instance (it must register again)."""
-        return self._call("POST", "/v1/heartbeat", Heartbeat(instance_id, epoch), Heartbeat,
+        return self._call("POST", "/v1/heartbeat", Heartbeat(instance_id, epoch, load), Heartbeat,
                           missing_ok=True) is not None
 
+    def list_instances(self, role: str = "") -> list[InstanceStatus]:
+        """The registered instances (of ``role`` when given) with their last reported load."""
+        listing = self._call("GET", "/v1/instances" + (f"?role={role}" if role else ""), None, InstanceList)
+        assert listing is not None
+        return listing.instances
+
     def deregister(self, instance_id: str, epoch: int) -> None:
-        self._request("DELETE", f"/v1/instances/{instance_id}", params={"epoch": str(epoch)})
+        self._request("DELETE", f"/v1/instances/{_path(instance_id)}", params={"epoch": str(epoch)})
 
     def get_instance(self, instance_id: str) -> Registration | None:
         """The instance's current registration, or None when it is not (or no longer) registered."""
-        return self._call("GET", f"/v1/instances/{instance_id}", None, Registration, missing_ok=True)
+        return self._call("GET", f"/v1/instances/{_path(instance_id)}", None, Registration, missing_ok=True)
 
     def post_destination(self, destination: Destination) -> PostResult:
         response = self._request("POST", "/v1/rooms", data=encode(destination))
@@ -56,7 +66,7 @@ class BootstrapClient:
         return decode(response.content, PostResult)
 
     def take_destinations(self, prefill_instance_id: str) -> list[Destination]:
-        batch = self._call("GET", f"/v1/instances/{prefill_instance_id}/destinations", None, DestinationBatch)
+        batch = self._call("GET", f"/v1/instances/{_path(prefill_instance_id)}/destinations", None, DestinationBatch)
         assert batch is not None
         return batch.destinations
 
@@ -70,14 +80,14 @@ class BootstrapClient:
         """Appends ``room`` to the service's abort log (the orchestrator's way to stop both halves)."""
         self._call("POST", "/v1/rooms/abort", RoomAbort(room, reason), RoomAbort)
 
-    def aborted_rooms(self, after: int = -1, wait_s: float = 0.0) -> tuple[list[Room], int]:
-        """Rooms aborted since cursor ``after`` (-1: every retained one) and the cursor for the next call.
-        With ``wait_s`` > 0 the service holds the call until a room is aborted or ``wait_s`` seconds (at most
-        30) have passed: a long poll, answered at once when there is news."""
+    def aborted_rooms(self, after: int = -1, wait_s: float = 0.0) -> AbortLog:
+        """Rooms aborted and routers gone since cursor ``after`` (-1: every retained one), with the cursor for
+        the next call (``last_seq``). With ``wait_s`` > 0 the service holds the call until there is news or
+        ``wait_s`` seconds (at most 30) have passed: a long poll, answered at once when there is news."""
         log = self._call("GET", f"/v1/aborts?after={int(after)}&wait_s={wait_s:g}", None, AbortLog,
                          timeout_s=self._timeout_s + wait_s)
         assert log is not None
-        return log.rooms, log.last_seq
+        return log
 
     def close(self) -> None:
         self._session.close()
@@ -98,3 +108,8 @@ class BootstrapClient:
             return self._session.request(method, self._base_url + path, **kwargs)  # type: ignore[arg-type]
         except requests.RequestException as exc:
             raise BootstrapError(f"{method} {path}: {exc}") from exc
+
+
+def _path(instance_id: str) -> str:
+    """An instance id as one URL path segment (ids hold ``@`` and ``:``, e.g. ``prefill@10.0.0.2:8001``)."""
+    return quote(instance_id, safe="@:")

@@ -15,17 +15,47 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_ROOM = 2**63 - 1
 Room = int
 
 
+ROLES: tuple[str, ...] = ("prefill", "decode", "router")
+#: Roles that hold a KV pool (and a NIXL agent); a ``router`` registers only to hold its lease.
+KV_ROLES: tuple[str, ...] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """What an engine instance reports with every heartbeat (the router pairs by it).
+
+    Attributes:
+        num_queued_requests: requests waiting in the instance's queues (prefill: bootstrap + waiting;
+            decode: prealloc + transfer).
+        num_running_requests: requests in the engine's running batch.
+        num_queued_prompt_tokens: prompt tokens not yet prefilled, summed over queued and running requests.
+        num_free_pages: free pages of the KV pool.
+        num_total_pages: pages of the KV pool.
+        page_size: tokens per page.
+    """
+
+    num_queued_requests: int = 0
+    num_running_requests: int = 0
+    num_queued_prompt_tokens: int = 0
+    num_free_pages: int = 0
+    num_total_pages: int = 0
+    page_size: int = 0
+
+
 @dataclass(frozen=True)
 class Registration:
-    """One engine instance's entry: who it is, how to reach its NIXL agent, what its KV pool looks like.
+    """One instance's entry: who it is, where Triton serves it, how to reach its NIXL agent, its KV layout.
 
-    ``epoch`` changes on every start of the instance; ``agent_name`` is unique per epoch. ``kv_info`` is the
-    KV layer's own JSON (layout, model id, region addresses); the bootstrap never interprets it.
+    ``epoch`` changes on every start of the instance; ``agent_name`` is unique per epoch. ``address`` is the
+    Triton gRPC endpoint (``host:port``) that serves ``model_name``: the router sends requests there. ``kv_info``
+    is the KV layer's own JSON (layout, model id, region addresses); the bootstrap never interprets it. A
+    ``router`` registration has no agent (empty strings) and only holds the router's lease: when it expires,
+    every worker drops the rooms that router opened (``AbortLog.routers``).
     """
 
     instance_id: str
@@ -36,10 +66,12 @@ class Registration:
     compat_hash: str
     address: str = ""
     kv_info: dict[str, Any] = field(default_factory=dict)
+    model_name: str = ""
+    load: InstanceLoad = field(default_factory=InstanceLoad)
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
     @property
     def agent_metadata(self) -> bytes:
@@ -52,8 +84,34 @@ class Registration:
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """``load``: the instance's load now (None: unchanged, e.g. a router)."""
+
     instance_id: str
     epoch: int
+    load: InstanceLoad | None = None
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    """One entry of the fleet listing: a registration without its agent metadata, and its freshness.
+
+    ``age_s``: seconds since the service last heard from the instance (register or heartbeat).
+    """
+
+    instance_id: str
+    role: str
+    epoch: int
+    address: str
+    model_name: str
+    load: InstanceLoad
+    age_s: float
+
+
+@dataclass(frozen=True)
+class InstanceList:
+    """Every registered instance (``GET /v1/instances``), optionally of one role."""
+
+    instances: list[InstanceStatus]
 
 
 @dataclass(frozen=True)
@@ -123,15 +181,17 @@ class RoomAbort:
 
 @dataclass(frozen=True)
 class AbortLog:
-    """Rooms aborted after the cursor the caller sent; ``last_seq`` is the cursor for the next call."""
+    """Rooms aborted and routers gone (lease expired or deregistered) after the cursor the caller sent;
+    ``last_seq`` is the cursor for the next call. A worker drops every room whose router is in ``routers``."""
 
     rooms: list[Room]
     last_seq: int
+    routers: list[str] = field(default_factory=list)
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased, RoomAbort,
-    AbortLog)}
+    AbortLog, InstanceLoad, InstanceStatus, InstanceList)}
 _SCHEMA = {name: [f.name for f in fields(cls)] for name, cls in sorted(MESSAGE_TYPES.items())}
 SCHEMA_HASH = hashlib.sha256(json.dumps(_SCHEMA).encode()).hexdigest()[:12]
 
@@ -163,6 +223,14 @@ def _build(cls: type[M], body: Any) -> M:
     try:
         if cls is DestinationBatch:
             return cls([Destination(**d) for d in body["destinations"]])  # type: ignore[call-arg]
+        if cls is InstanceList:
+            return cls([_status(d) for d in body["instances"]])  # type: ignore[call-arg]
+        if cls in (Registration, Heartbeat) and body.get("load") is not None:
+            body = {**body, "load": InstanceLoad(**body["load"])}
         return cls(**body)
     except (TypeError, KeyError, ValueError) as exc:
         raise BootstrapError(f"bad {cls.__name__} body: {exc}") from exc
+
+
+def _status(body: dict[str, Any]) -> InstanceStatus:
+    return InstanceStatus(**{**body, "load": InstanceLoad(**body["load"])})

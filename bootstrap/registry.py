@@ -5,7 +5,8 @@ Lifecycle of a room in the registry:
 2. P fetches its batch of new destinations; R is marked delivered;
 3. decode releases R when its receiver is done (or has failed); R may then be used again.
 Separately, an abort log: anyone (the orchestrator) may append "room R aborted"; workers read it with a
-cursor.
+cursor. The log also says "router X gone" when a router's lease (its registration) expires or is deregistered:
+workers then drop every room that router opened, so a dead router never strands pages.
 A room also disappears when either instance's registration expires or the instance re-registers with a new
 epoch (a restart), and after ``room_ttl_s`` in any case, so a crashed decode cannot leak it.
 """
@@ -13,10 +14,13 @@ epoch (a restart), and after ``room_ttl_s`` in any case, so a crashed decode can
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bootstrap.messages import (
     ACCEPTED,
+    KV_ROLES,
+    InstanceLoad,
+    InstanceStatus,
     ROOM_IN_USE,
     UNKNOWN_INSTANCE,
     Destination,
@@ -57,7 +61,8 @@ class Registry:
         self._config = config
         self._instances: dict[str, _Instance] = {}
         self._rooms: dict[Room, _RoomRecord] = {}
-        self._aborts: deque[tuple[int, Room, float]] = deque()   # (seq, room, time), seq increasing
+        # (seq, room or None, gone router id or None, time), seq increasing
+        self._aborts: deque[tuple[int, Room | None, str | None, float]] = deque()
         self._next_seq = 0
 
     def register(self, registration: Registration, now_s: float) -> None:
@@ -66,21 +71,30 @@ class Registry:
             self._drop_rooms_of(registration.instance_id)
         self._instances[registration.instance_id] = _Instance(registration, now_s)
 
-    def heartbeat(self, instance_id: str, epoch: int, now_s: float) -> bool:
-        """False when the instance (this epoch) is unknown: it must register again."""
+    def heartbeat(self, instance_id: str, epoch: int, now_s: float, load: InstanceLoad | None = None) -> bool:
+        """False when the instance (this epoch) is unknown: it must register again. ``load`` replaces the
+        reported load (None keeps it)."""
         entry = self._instances.get(instance_id)
         if entry is None or entry.registration.epoch != epoch:
             return False
         entry.last_seen_s = now_s
+        if load is not None:
+            entry.registration = replace(entry.registration, load=load)
         return True
 
-    def deregister(self, instance_id: str, epoch: int) -> bool:
+    def deregister(self, instance_id: str, epoch: int, now_s: float = 0.0) -> bool:
         entry = self._instances.get(instance_id)
         if entry is None or entry.registration.epoch != epoch:
             return False
-        del self._instances[instance_id]
-        self._drop_rooms_of(instance_id)
+        self._drop(instance_id, now_s)
         return True
+
+    def instances(self, now_s: float, role: str = "") -> list[InstanceStatus]:
+        """Every registered instance (of ``role`` when given), without agent metadata, oldest id first."""
+        return [InstanceStatus(r.instance_id, r.role, r.epoch, r.address, r.model_name, r.load,
+                               max(0.0, now_s - e.last_seen_s))
+                for e in sorted(self._instances.values(), key=lambda e: e.registration.instance_id)
+                for r in (e.registration,) if not role or r.role == role]
 
     def get(self, instance_id: str) -> Registration | None:
         entry = self._instances.get(instance_id)
@@ -91,7 +105,8 @@ class Registry:
         if prefill is None or prefill.registration.role != "prefill":
             return PostResult(destination.room, UNKNOWN_INSTANCE,
                               f"unknown prefill instance {destination.prefill_instance_id}")
-        if destination.decode_instance_id not in self._instances:
+        decode = self._instances.get(destination.decode_instance_id)
+        if decode is None or decode.registration.role not in KV_ROLES:
             return PostResult(destination.room, UNKNOWN_INSTANCE,
                               f"unknown decode instance {destination.decode_instance_id}")
         if destination.room in self._rooms:
@@ -117,27 +132,38 @@ class Registry:
 
     def abort_room(self, room: Room, now_s: float) -> int:
         """Appends ``room`` to the abort log; returns its sequence number."""
-        self._aborts.append((self._next_seq, room, now_s))
-        self._next_seq += 1
-        return self._next_seq - 1
+        return self._log(room, None, now_s)
 
-    def aborts_after(self, seq: int) -> tuple[list[Room], int]:
-        """Rooms aborted with a sequence number above ``seq`` (-1: all retained), and the newest number."""
-        rooms = [room for s, room, _ in self._aborts if s > seq]
-        return rooms, max(seq, self._next_seq - 1)
+    def aborts_after(self, seq: int) -> tuple[list[Room], int, list[str]]:
+        """Rooms aborted and routers gone with a sequence number above ``seq`` (-1: all retained), and the
+        newest number."""
+        entries = [(room, router) for s, room, router, _ in self._aborts if s > seq]
+        rooms = [room for room, _ in entries if room is not None]
+        routers = [router for _, router in entries if router is not None]
+        return rooms, max(seq, self._next_seq - 1), routers
 
     def expire(self, now_s: float) -> list[str]:
         """Drop silent instances (and their rooms) and stale rooms; returns the dropped instance ids."""
         ttl_s = self._config.registration_ttl_s
         dead = [i for i, e in self._instances.items() if now_s - e.last_seen_s > ttl_s]
         for instance_id in dead:
-            del self._instances[instance_id]
-            self._drop_rooms_of(instance_id)
+            self._drop(instance_id, now_s)
         for room in [r for r, rec in self._rooms.items() if now_s - rec.created_s > self._config.room_ttl_s]:
             del self._rooms[room]
-        while self._aborts and now_s - self._aborts[0][2] > self._config.room_ttl_s:
+        while self._aborts and now_s - self._aborts[0][3] > self._config.room_ttl_s:
             self._aborts.popleft()
         return dead
+
+    def _log(self, room: Room | None, router: str | None, now_s: float) -> int:
+        self._aborts.append((self._next_seq, room, router, now_s))
+        self._next_seq += 1
+        return self._next_seq - 1
+
+    def _drop(self, instance_id: str, now_s: float) -> None:
+        entry = self._instances.pop(instance_id)
+        self._drop_rooms_of(instance_id)
+        if entry.registration.role == "router":
+            self._log(None, instance_id, now_s)
 
     @property
     def num_instances(self) -> int:

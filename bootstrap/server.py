@@ -2,7 +2,8 @@
 
 Routes (every body is a ``bootstrap.messages`` envelope):
   POST   /v1/instances                       Registration            → Registration
-  POST   /v1/heartbeat                       Heartbeat               → Heartbeat (404: register again)
+  POST   /v1/heartbeat                       Heartbeat (with load)   → Heartbeat (404: register again)
+  GET    /v1/instances[?role=R]                                      → InstanceList (the fleet, with loads)
   DELETE /v1/instances/{id}?epoch=E                                  → 200 / 404
   GET    /v1/instances/{id}                                          → Registration (404: unknown)
   POST   /v1/rooms                           Destination             → PostResult (409 in use, 404 no peer)
@@ -10,7 +11,8 @@ Routes (every body is a ``bootstrap.messages`` envelope):
   POST   /v1/rooms/release                   RoomRelease             → RoomReleased
   POST   /v1/rooms/abort                     RoomAbort               → RoomAbort (appended to the abort log)
   GET    /v1/aborts?after=SEQ[&wait_s=W]                             → AbortLog (long poll: waits up to W s,
-                                                                       at most MAX_ABORTS_WAIT_S, for an abort)
+                                                                       at most MAX_ABORTS_WAIT_S, for an abort
+                                                                       or a router gone)
   GET    /health                                                     → "ok"
 Expiry runs on every request and on an idle timer, so silent instances drop out without new traffic.
 """
@@ -34,6 +36,7 @@ from bootstrap.messages import (
     Destination,
     DestinationBatch,
     Heartbeat,
+    InstanceList,
     Registration,
     RoomAbort,
     RoomRelease,
@@ -82,13 +85,18 @@ class _Handlers:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         beat = decode(await request.read(), Heartbeat)
-        known = self._registry.heartbeat(beat.instance_id, beat.epoch, time.monotonic())
+        known = self._registry.heartbeat(beat.instance_id, beat.epoch, time.monotonic(), beat.load)
         return _reply(beat, 200 if known else 404)
 
     async def deregister(self, request: web.Request) -> web.Response:
         epoch = int(request.query.get("epoch", "-1"))
-        ok = self._registry.deregister(request.match_info["instance_id"], epoch)
+        ok = self._registry.deregister(request.match_info["instance_id"], epoch, time.monotonic())
+        if ok:
+            self._wake_long_polls()   # a router gone is news for the workers' abort feeds
         return web.Response(status=200 if ok else 404)
+
+    async def list_instances(self, request: web.Request) -> web.Response:
+        return _reply(InstanceList(self._registry.instances(time.monotonic(), request.query.get("role", ""))))
 
     async def get_instance(self, request: web.Request) -> web.Response:
         registration = self._registry.get(request.match_info["instance_id"])
@@ -109,9 +117,12 @@ class _Handlers:
         message = decode(await request.read(), RoomAbort)
         self._registry.abort_room(message.room, time.monotonic())
         logger.info("room %d aborted: %s", message.room, message.reason)
+        self._wake_long_polls()
+        return _reply(message)
+
+    def _wake_long_polls(self) -> None:
         appended, self._abort_appended = self._abort_event(), asyncio.Event()
         appended.set()
-        return _reply(message)
 
     async def aborts(self, request: web.Request) -> web.Response:
         """The rooms aborted after cursor ``after``; with ``wait_s`` > 0 and none yet, waits until one is
@@ -125,10 +136,10 @@ class _Handlers:
         deadline = loop.time() + wait_s
         while True:
             appended = self._abort_event()   # taken before reading the log: no abort can slip in between
-            rooms, last_seq = self._registry.aborts_after(after)
+            rooms, last_seq, routers = self._registry.aborts_after(after)
             remaining_s = deadline - loop.time()
-            if rooms or remaining_s <= 0 or self._closing:
-                return _reply(AbortLog(rooms, last_seq))
+            if rooms or routers or remaining_s <= 0 or self._closing:
+                return _reply(AbortLog(rooms, last_seq, routers))
             try:
                 await asyncio.wait_for(appended.wait(), remaining_s)
             except asyncio.TimeoutError:
@@ -144,18 +155,24 @@ class _Handlers:
 
     @web.middleware
     async def expire_and_map_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        self._registry.expire(time.monotonic())
+        self._expire()
         try:
             return await handler(request)
         except BootstrapError as exc:
             return web.Response(status=400, text=str(exc))
 
+    def _expire(self) -> None:
+        dead = self._registry.expire(time.monotonic())
+        for instance_id in dead:
+            logger.warning("registration of %s expired (no heartbeat)", instance_id)
+        if dead:
+            self._wake_long_polls()
+
     async def expire_on_idle(self, app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(self._config.expire_interval_s)
-                for instance_id in self._registry.expire(time.monotonic()):
-                    logger.warning("registration of %s expired (no heartbeat)", instance_id)
+                self._expire()
         task = asyncio.get_running_loop().create_task(loop())
         yield
         task.cancel()
@@ -167,6 +184,7 @@ def build_app(registry: Registry, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[h.expire_and_map_errors])
     app.add_routes([web.post("/v1/instances", h.register), web.post("/v1/heartbeat", h.heartbeat),
                     web.delete("/v1/instances/{instance_id}", h.deregister),
+                    web.get("/v1/instances", h.list_instances),
                     web.get("/v1/instances/{instance_id}", h.get_instance),
                     web.post("/v1/rooms", h.post_room),
                     web.get("/v1/instances/{instance_id}/destinations", h.destinations),

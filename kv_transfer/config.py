@@ -28,7 +28,8 @@ class KVArgs:
     waiting_timeout_s: float = 30.0        # decode: no chunk for this long after the destination went out
     mem_type: str = "DRAM"                 # "VRAM" for a CUDA pool
     device_id: int = 0
-    address: str = ""                      # informational (host:port of the serving endpoint)
+    address: str = ""                      # Triton gRPC endpoint (host:port) serving ``model_name``: routers send
+    model_name: str = ""                   # requests there (registered with the bootstrap, never used here)
     aux_slots: int = 1024                  # concurrent rooms per instance
     heartbeat_interval_s: float = 1.0
     peer_check_interval_s: float = 1.0     # how often peers with open rooms are checked at the bootstrap

@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
-from bootstrap.messages import Registration
+from bootstrap.messages import InstanceLoad, Registration
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
@@ -52,6 +53,13 @@ class KVManager:
                                                         self._aux, self._lock)
         self.epoch = 0
         self._next_heartbeat_s = 0.0
+        self._load: Callable[[], InstanceLoad | None] = lambda: None
+
+    def set_load_source(self, load: Callable[[], InstanceLoad | None]) -> None:
+        """``load()`` is called on the manager thread before every heartbeat; what it returns travels with the
+        heartbeat (the router pairs by it). It must be cheap and thread-safe (read a snapshot). Call before
+        ``start``."""
+        self._load = load
 
     @property
     def agent_name(self) -> str:
@@ -122,7 +130,8 @@ class KVManager:
             agent_metadata_b64=Registration.encode_metadata(self._transport.metadata()),
             compat_hash=compat_hash(self.args.model_id, self.args.layout), address=self.args.address,
             kv_info=kv_info(self.args.model_id, self.args.layout, self.args.kv_base_ptr, self._aux.base_ptr,
-                            self.args.aux_slots))
+                            self.args.aux_slots),
+            model_name=self.args.model_name, load=self._load() or InstanceLoad())
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -143,7 +152,7 @@ class KVManager:
             return
         self._next_heartbeat_s = now_s + self.args.heartbeat_interval_s
         try:
-            if not self._client.heartbeat(self.args.instance_id, self.epoch):
+            if not self._client.heartbeat(self.args.instance_id, self.epoch, self._load()):
                 logger.warning("bootstrap forgot %s; registering again", self.args.instance_id)
                 self._client.register(self._registration())
         except BootstrapError as exc:

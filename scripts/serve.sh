@@ -31,6 +31,8 @@ export PYTHONUNBUFFERED=1
 export UCX_MM_ERROR_HANDLING="${UCX_MM_ERROR_HANDLING:-y}"
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 export PD_BOOTSTRAP_URL="${PD_BOOTSTRAP_URL:-http://$HOST:$BOOTSTRAP_PORT}"
+# How routers (in this server or others) reach this server's models: registered with the bootstrap service.
+export PD_GRPC_URL="${PD_GRPC_URL:-${ADVERTISE_HOST:-$HOST}:$GRPC_PORT}"
 
 server_args=()
 if command -v tritonserver >/dev/null 2>&1; then

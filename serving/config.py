@@ -3,7 +3,9 @@
 This module is the only place in ``serving/`` that reads environment variables:
 
 * ``PD_BOOTSTRAP_URL`` overrides the ``bootstrap_url`` parameter (``scripts/serve.sh`` sets it from
-  ``BOOTSTRAP_PORT``), so one model repository serves on any port.
+  ``BOOTSTRAP_PORT``), so one model repository serves on any port;
+* ``PD_GRPC_URL`` overrides the ``grpc_url`` parameter: the ``host:port`` at which this tritonserver's gRPC
+  endpoint is reached by routers (``scripts/serve.sh`` sets it from ``ADVERTISE_HOST`` and ``GRPC_PORT``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from engine.config import DTYPES, EngineConfig
 
 KV_BACKENDS: tuple[str, ...] = ("nixl", "inprocess")
 BOOTSTRAP_URL_ENV = "PD_BOOTSTRAP_URL"
+GRPC_URL_ENV = "PD_GRPC_URL"
 
 
 class ConfigError(ValueError):
@@ -46,6 +49,8 @@ class WorkerConfig:
         num_threads: torch intra-op threads of the engine.
         bootstrap_url: rendezvous service of the PD workers (``http://host:port``).
         kv_backend: ``"nixl"`` or ``"inprocess"`` (PD workers only).
+        grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers register
+            it with the bootstrap service; Triton's default port is 8001).
         bootstrap_timeout_s: how long a PD request may wait for its peer to show up at the rendezvous.
         waiting_timeout_s: how long a PD request may wait for its KV once the transfer was set up.
         idle_wait_s: longest block of the engine loop on its input queue when there is nothing to do.
@@ -66,6 +71,7 @@ class WorkerConfig:
     num_threads: int = 1
     bootstrap_url: str = "http://127.0.0.1:8998"
     kv_backend: str = "nixl"
+    grpc_url: str = "127.0.0.1:8001"
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = 30.0
     idle_wait_s: float = 0.1
@@ -86,6 +92,7 @@ class WorkerConfig:
             raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         if not self.bootstrap_url.startswith(("http://", "https://")):
             raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
+        validate_endpoint("grpc_url", self.grpc_url)
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         try:
@@ -142,6 +149,39 @@ def read_bootstrap_url(configured: str, environ: Mapping[str, str] | None = None
     return env.get(BOOTSTRAP_URL_ENV) or configured
 
 
+def read_grpc_url(configured: str, environ: Mapping[str, str] | None = None) -> str:
+    """This server's gRPC endpoint as others reach it: ``PD_GRPC_URL`` when set, else ``configured``."""
+    env = os.environ if environ is None else environ
+    return env.get(GRPC_URL_ENV) or configured
+
+
+def validate_endpoint(param: str, endpoint: str) -> None:
+    """Raise ``ConfigError(param)`` unless ``endpoint`` is ``host:port`` with a port in 1..65535."""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(param, f"must be host:port, got {endpoint!r}")
+
+
+def parse_parameters(parameters: Mapping[str, Any], config_cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``model_config["parameters"]`` → field values of the frozen dataclass ``config_cls``.
+
+    Args:
+        parameters: ``{"page_size": {"string_value": "16"}, ...}``; plain ``{"page_size": "16"}`` too.
+        config_cls: the config dataclass whose field types (int, float, str) the values are parsed to.
+        skip: fields that are not parameters (set by the caller).
+    Raises:
+        ConfigError: an unknown parameter or a value that does not parse.
+    """
+    types = {f.name: f.type for f in fields(config_cls) if f.name not in skip}
+    values: dict[str, Any] = {}
+    for name, raw in parameters.items():
+        if name not in types:
+            raise ConfigError(name, f"unknown parameter (known: {sorted(types)})")
+        text = raw.get("string_value", "") if isinstance(raw, Mapping) else str(raw)
+        values[name] = _parse(name, types[name], text.strip())
+    return values
+
+
 def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None,
                         device: str = "cpu") -> WorkerConfig:
     """Build the worker config from a model config's ``parameters`` section.
@@ -157,15 +197,10 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    types = {f.name: f.type for f in fields(WorkerConfig) if f.name != "device"}
-    values: dict[str, Any] = {"device": device}
-    for name, raw in parameters.items():
-        if name not in types:
-            raise ConfigError(name, f"unknown parameter (known: {sorted(types)})")
-        text = raw.get("string_value", "") if isinstance(raw, Mapping) else str(raw)
-        values[name] = _parse(name, types[name], text.strip())
-    config = WorkerConfig(**values)
-    return replace(config, bootstrap_url=read_bootstrap_url(config.bootstrap_url, environ))
+    values = parse_parameters(parameters, WorkerConfig, skip=("device",))
+    config = WorkerConfig(**values, device=device)
+    return replace(config, bootstrap_url=read_bootstrap_url(config.bootstrap_url, environ),
+                   grpc_url=read_grpc_url(config.grpc_url, environ))
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:

@@ -11,7 +11,12 @@ Lifecycle of one request (SGLang's decode side), every step but the first on the
 4. a failure ends the request with an error response; its pages stay reserved until the receiver says no
    write can land any more (``pages_releasable``), then the engine frees them.
 
-Client cancel and orchestrator aborts (``RoomAborts``) are checked every tick in every queue.
+Client cancel and orchestrator aborts (``RoomAborts``: aborted rooms, routers whose lease ended) are checked
+every tick in every queue.
+
+**Direct decode** (a request without ``prefill_instance``): no room handshake and no transfer; the job goes
+straight to the engine (``EngineLoop.submit``), which prefills the prompt in this instance and streams every
+token, as the colocated engine does. The router sends short prompts this way (``direct_decode_max_tokens``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from bootstrap.messages import InstanceLoad
 from engine.errors import OutOfPages, RequestRejected
 from kv_transfer import KVPoll, KVReceiver
 from serving.colocated import Tokenizer
@@ -48,7 +54,7 @@ class DecodeWorker:
     """Receives KV for rooms and decodes them in one continuous batch."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: object, room_aborts: RoomAborts,
-                 name: str = "decode", metrics: ServingMetrics | None = None) -> None:
+                 name: str = "decode", metrics: ServingMetrics | None = None, page_size: int = 16) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 
         Args:
@@ -58,6 +64,7 @@ class DecodeWorker:
             room_aborts: rooms the orchestrator aborted.
             name: prefix of request ids.
             metrics: where to publish queue lengths and outcomes; None disables.
+            page_size: tokens per KV page of the engine (for the reported load).
         """
         self._loop = loop
         self._engine = loop.engine
@@ -70,6 +77,8 @@ class DecodeWorker:
         self._transfer: dict[str, _Job] = {}
         self._running: dict[str, _Job] = {}
         self._releasing: dict[str, _Job] = {}  # failed; pages held until no write can land
+        self._page_size = page_size
+        self.load = InstanceLoad()   # snapshot taken every tick; read by the KV manager's heartbeat
         loop.add_hook(self)
 
     # ---- any thread -------------------------------------------------------------------------------------------
@@ -95,6 +104,9 @@ class DecodeWorker:
     def on_tick(self) -> bool:
         """Advance every queue by one round; True while something waits on the network."""
         for job in self._intake.take():
+            if job.pd.direct:
+                self._start_direct(job)
+                continue
             job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance)  # type: ignore
             self._prealloc.append(job)
         self._poll_prealloc()
@@ -102,7 +114,25 @@ class DecodeWorker:
         self._poll_running()
         self._poll_releasing()
         self._publish()
+        self.load = self._load()
         return bool(self._prealloc or self._transfer or self._releasing)
+
+    def _load(self) -> InstanceLoad:
+        """Free pages net of what the prealloc queue will reserve (decode reserves prompt + max_tokens)."""
+        ps = self._page_size
+        promised = sum(-(-(len(j.token_ids) + j.pd.request.params.max_tokens - 1) // ps) for j in self._prealloc)
+        return InstanceLoad(
+            num_queued_requests=len(self._prealloc) + len(self._transfer) + len(self._intake),
+            num_running_requests=len(self._running),
+            num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prealloc),
+            num_free_pages=max(0, self._engine.num_free_pages - promised),  # type: ignore[attr-defined]
+            num_total_pages=self._engine.num_total_pages, page_size=ps)  # type: ignore[attr-defined]
+
+    def _start_direct(self, job: _Job) -> None:
+        """Direct decode: the engine prefills and decodes the request like a colocated one."""
+        self._running[job.request_id] = job
+        self._loop.submit(job.request_id, job.token_ids, job.pd.request.params,
+                          lambda event: self._on_event(job, event))
 
     def _poll_prealloc(self) -> None:
         blocked = False
@@ -187,6 +217,8 @@ class DecodeWorker:
     def _cancel_reason(self, job: _Job) -> str | None:
         if self._room_aborts.is_aborted(job.pd.room):
             return f"room {job.pd.room} aborted by the orchestrator"
+        if self._room_aborts.router_gone(job.pd.router_id):
+            return f"router {job.pd.router_id} is gone (its lease ended)"
         if job.stream.sink.is_cancelled():
             return "cancelled by the client"
         return None

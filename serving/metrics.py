@@ -21,6 +21,15 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 ``pd_kv_timed_out_rooms_total``     counter  rooms failed by the bootstrap or waiting timeout
 ``pd_kv_transfer_seconds_total``    counter  prefill: first KV chunk posted → last WRITE done, summed
 ``pd_kv_transfer_tail_seconds_total`` counter  prefill: last KV chunk posted → last WRITE done, summed
+``pd_router_queue_requests``        gauge    router: requests waiting for admission (label ``state``:
+                                             ``queued``, ``inflight``)
+``pd_router_selections_total``      counter  router: requests sent per instance (labels ``role``, ``target``)
+``pd_router_retries_total``         counter  router: attempts retried on another pair before the first token
+``pd_router_rejections_total``      counter  router: requests refused (label ``reason``: ``busy``,
+                                             ``no_prefill``, ``no_decode``)
+``pd_router_requests_total``        counter  router: requests ended (label ``outcome``)
+``pd_router_instance_healthy``      gauge    router: 1 while an instance is in rotation (``role``, ``target``)
+``pd_router_ready``                 gauge    router: 1 while at least one prefill and one decode are in rotation
 ==================================  =======  =================================================================
 """
 
@@ -73,6 +82,14 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
                                      "last WRITE done, summed over rooms"),
     "pd_kv_transfer_tail_seconds_total": ("COUNTER", "Prefill: seconds from a room's last KV chunk posted to its "
                                           "last WRITE done, summed over rooms"),
+    "pd_router_queue_requests": ("GAUGE", "Router: requests waiting for admission (queued) and orchestrated "
+                                 "(inflight)"),
+    "pd_router_selections_total": ("COUNTER", "Router: requests sent per instance"),
+    "pd_router_retries_total": ("COUNTER", "Router: attempts retried on another pair before the first token"),
+    "pd_router_rejections_total": ("COUNTER", "Router: requests refused (busy, no healthy instance)"),
+    "pd_router_requests_total": ("COUNTER", "Router: requests ended, by outcome"),
+    "pd_router_instance_healthy": ("GAUGE", "Router: 1 while the instance is in rotation"),
+    "pd_router_ready": ("GAUGE", "Router: 1 while at least one prefill and one decode instance are in rotation"),
 }
 
 

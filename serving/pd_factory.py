@@ -22,9 +22,13 @@ from serving.room_aborts import RoomAborts
 logger = logging.getLogger(__name__)
 
 
-def kv_args(config: WorkerConfig, engine: Any, instance_id: str, role: str) -> KVArgs:
+#: Heartbeat period of a PD worker, seconds: it carries the load the router pairs by.
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+def kv_args(config: WorkerConfig, engine: Any, instance_id: str, role: str, model_name: str = "") -> KVArgs:
     """The KV manager's arguments for ``engine``'s pool (``[num_layers, 2, num_pages, page_size, kv_heads,
-    head_dim]``, one contiguous region)."""
+    head_dim]``, one contiguous region), registered as ``model_name`` served at ``config.grpc_url``."""
     pool = engine.kv_pool
     layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
                       num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype)
@@ -32,7 +36,8 @@ def kv_args(config: WorkerConfig, engine: Any, instance_id: str, role: str) -> K
     return KVArgs(instance_id=instance_id, role=role, kv_base_ptr=pool.base_ptr, kv_nbytes=pool.nbytes,
                   layout=layout, model_id=engine.model_config.model_id, bootstrap_url=config.bootstrap_url,
                   bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
-                  mem_type="VRAM" if on_gpu else "DRAM",
+                  mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
+                  heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
                   device_id=int(config.device.split(":")[1]) if on_gpu and ":" in config.device else 0)
 
 
@@ -85,8 +90,9 @@ class PDWorkerHandle:
 
 
 def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
-                     metrics: ServingMetrics | None = None) -> PDWorkerHandle:
-    """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started).
+                     metrics: ServingMetrics | None = None, model_name: str = "") -> PDWorkerHandle:
+    """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started), registered at the
+    bootstrap service as ``instance_id`` serving ``model_name`` at ``config.grpc_url``.
 
     Raises:
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
@@ -98,7 +104,7 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
 
     engine = LLMEngine(config.engine_config(role))
     loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
-    kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role), backend=config.kv_backend)
+    kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name), backend=config.kv_backend)
     workers: list[PrefillWorker | DecodeWorker] = []  # the abort feed polls fast only while the worker is busy
     room_aborts = RoomAborts(config.bootstrap_url, instance_id, busy=lambda: workers[0].num_active() > 0)
     worker: PrefillWorker | DecodeWorker
@@ -106,8 +112,10 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         worker = PrefillWorker(loop, engine.tokenizer, kv_manager, config.page_size, room_aborts,
                                name=instance_id, metrics=metrics)
     else:
-        worker = DecodeWorker(loop, engine.tokenizer, kv_manager, room_aborts, name=instance_id, metrics=metrics)
+        worker = DecodeWorker(loop, engine.tokenizer, kv_manager, room_aborts, name=instance_id, metrics=metrics,
+                              page_size=config.page_size)
     workers.append(worker)
+    kv_manager.set_load_source(lambda: worker.load)
     if metrics is not None:
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages)))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))

@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from bootstrap.messages import InstanceLoad
 from kv_transfer import AuxData, KVPoll, KVSender, TransferError
 from serving.colocated import Tokenizer
 from serving.engine_loop import EngineLoop
@@ -74,6 +75,7 @@ class PrefillWorker:
         self._inflight: dict[str, _Job] = {}
         self._transfer_s_total = 0.0
         self._transfer_tail_s_total = 0.0
+        self.load = InstanceLoad()   # snapshot taken every tick; read by the KV manager's heartbeat
         loop.add_hook(self)
 
     # ---- any thread -------------------------------------------------------------------------------------------
@@ -115,7 +117,18 @@ class PrefillWorker:
         self._poll_prefilling()
         self._poll_inflight()
         self._publish()
+        self.load = self._load()
         return bool(self._bootstrap or self._inflight)
+
+    def _load(self) -> InstanceLoad:
+        """Queued: bootstrap queue (+ jobs not taken yet); running: prefilling; queued prompt tokens: both."""
+        waiting = list(self._bootstrap.values())
+        engine = self._loop.engine
+        return InstanceLoad(
+            num_queued_requests=len(waiting) + len(self._intake), num_running_requests=len(self._prefilling),
+            num_queued_prompt_tokens=sum(len(j.token_ids) for j in (*waiting, *self._prefilling.values())),
+            num_free_pages=engine.num_free_pages, num_total_pages=engine.num_total_pages,  # type: ignore[attr-defined]
+            page_size=self._page_size)
 
     def _poll_bootstrap(self) -> None:
         for job in list(self._bootstrap.values()):
@@ -199,6 +212,8 @@ class PrefillWorker:
     def _cancel_reason(self, job: _Job) -> str | None:
         if self._room_aborts.is_aborted(job.pd.room):
             return f"room {job.pd.room} aborted by the orchestrator"
+        if self._room_aborts.router_gone(job.pd.router_id):
+            return f"router {job.pd.router_id} is gone (its lease ended)"
         if job.sink.is_cancelled():
             return "cancelled by the client"
         return None

@@ -3,7 +3,9 @@
 Triton's BLS in tritonserver 2.51 cannot cancel a child request, so ``pd_ensemble`` posts the room's abort to the
 bootstrap service and every PD worker follows the service's abort log: ``RoomAborts`` long-polls it on its own
 thread (one HTTP call held open up to ``long_poll_s`` and answered as soon as a room is aborted; never on the
-engine loop thread) and answers ``is_aborted(room)`` from memory. Aborted rooms are forgotten after ``retain_s``.
+engine loop thread) and answers ``is_aborted(room)`` from memory. The same log names routers whose lease ended
+(they died or stopped): ``router_gone(router_id)`` is then True, and the workers drop every room that router
+opened. Aborted rooms and gone routers are forgotten after ``retain_s``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class RoomAborts:
         self._idle_poll_interval_s = idle_poll_interval_s
         self._long_poll_s = long_poll_s
         self._aborted: dict[int, float] = {}
+        self._gone_routers: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -66,6 +69,13 @@ class RoomAborts:
         with self._lock:
             return room in self._aborted
 
+    def router_gone(self, router_id: str) -> bool:
+        """True when the router ``router_id`` lost its lease (empty id: the request named no router)."""
+        if not router_id:
+            return False
+        with self._lock:
+            return router_id in self._gone_routers
+
     def mark(self, room: int) -> None:
         """Record an abort seen by other means (tests, or the same process's orchestrator)."""
         with self._lock:
@@ -78,18 +88,24 @@ class RoomAborts:
             while not self._stop.is_set():
                 asked_s = time.monotonic()
                 try:
-                    rooms, after = client.aborted_rooms(after, wait_s=self._long_poll_s)
+                    log = client.aborted_rooms(after, wait_s=self._long_poll_s)
                 except BootstrapError as e:
                     logger.debug("%s: abort log not reachable: %s", self._name, e)
                     self._stop.wait(min(1.0, 20 * self._poll_interval_s))
                     continue
+                after = log.last_seq
                 now = time.monotonic()
                 with self._lock:
-                    for room in rooms:
+                    for room in log.rooms:
                         self._aborted[room] = now
-                    for room in [r for r, t in self._aborted.items() if now - t > self._retain_s]:
-                        del self._aborted[room]
-                if not rooms and now - asked_s < self._long_poll_s / 2:   # not held: pace the polls
+                    for router_id in log.routers:
+                        logger.warning("%s: router %s is gone; its rooms are dropped", self._name, router_id)
+                        self._gone_routers[router_id] = now
+                    for table in (self._aborted, self._gone_routers):
+                        for key in [k for k, t in table.items() if now - t > self._retain_s]:
+                            del table[key]
+                news = log.rooms or log.routers
+                if not news and now - asked_s < self._long_poll_s / 2:   # not held: pace the polls
                     self._stop.wait(self._poll_interval_s if self._busy() else self._idle_poll_interval_s)
         finally:
             client.close()

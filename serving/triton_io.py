@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from serving.request import INPUT_NAMES, RawValue, RequestError
+from serving.response_dispatch import ResponseDispatcher
 from serving.stream import ResponseChunk
 
 logger = logging.getLogger(__name__)
@@ -109,24 +110,27 @@ def error_response(message: str) -> Any:
 
 
 class TritonResponseSink:
-    """``ResponseSink`` over a decoupled request's ``response_sender``.
+    """``ResponseSink`` over a decoupled request's ``response_sender``, through the instance's
+    ``ResponseDispatcher``: the caller's thread (an engine loop, the router's event loop) only queues.
 
-    The FINAL flag goes out exactly once; afterwards the sender is never touched again (tritonserver 2.51
-    crashes on ``is_cancelled()`` after FINAL), which one lock enforces across the execute and loop threads.
+    The FINAL flag is queued exactly once; later calls are dropped (tritonserver 2.51 crashes on a sender
+    touched after FINAL, and the dispatcher never does). ``is_cancelled`` reads the dispatcher's cached answer.
     """
 
-    def __init__(self, response_sender: Any, request_id: str = "", child: bool = False) -> None:
+    def __init__(self, response_sender: Any, dispatcher: ResponseDispatcher, request_id: str = "",
+                 child: bool = False) -> None:
         """
         Args:
             response_sender: ``request.get_response_sender()``.
+            dispatcher: the model instance's response thread (started).
             request_id: for log lines (the client's request id, may be empty).
-            child: the request comes from ``pd_ensemble`` (BLS): responses use the child output layout
+            child: the request comes from the router: responses use the child output layout
                 (``child_response_arrays``), and an error is a normal FINAL response whose ``error`` output
-                holds the message instead of a Triton error response: in tritonserver 2.51 a decoupled BLS
-                response iterator never ends after an error response, so the BLS model's reader would wait
-                forever (and the model would never unload).
+                holds the message instead of a Triton error response (a decoupled BLS response iterator never
+                ends after an error response in tritonserver 2.51; over gRPC either form works).
         """
-        self._sender = response_sender
+        self._dispatcher = dispatcher
+        self._handle = dispatcher.open(response_sender, request_id)
         self._request_id = request_id
         self._child = child
         self._lock = threading.Lock()
@@ -134,46 +138,40 @@ class TritonResponseSink:
 
     @property
     def closed(self) -> bool:
-        """True once FINAL was sent."""
+        """True once FINAL was queued."""
         return self._closed
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        self._send(lambda: inference_response(chunk, child=self._child), final)
+        self._queue(lambda: inference_response(chunk, child=self._child), final)
 
     def send_error(self, message: str) -> None:
         if self._child:
-            self._send(lambda: inference_response(ResponseChunk(text=""), child=True, error=message), True)
+            self._queue(lambda: inference_response(ResponseChunk(text=""), child=True, error=message), True)
         else:
-            self._send(lambda: error_response(message), True)
+            self._queue(lambda: error_response(message), True)
 
     def close(self) -> None:
-        self._send(None, True)
+        self._queue(None, True)
 
     def is_cancelled(self) -> bool:
-        with self._lock:
-            return self._closed or bool(self._sender.is_cancelled())
+        return self._closed or self._handle.cancelled
 
-    def _send(self, build: Any, final: bool) -> None:
-        pb = pb_utils()
+    def _queue(self, build: Callable[[], Any] | None, final: bool) -> None:
         with self._lock:
             if self._closed:
                 logger.warning("request %s: response after FINAL dropped", self._request_id)
                 return
-            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
             self._closed = final
-            try:
-                if build is None:
-                    self._sender.send(flags=flags)
-                else:
-                    self._sender.send(build(), flags=flags)
-            except Exception:
-                logger.exception("request %s: sending a response failed", self._request_id)
-                if not final:
-                    raise
+            self._dispatcher.submit(self._handle, build, final)
+
+
+def new_dispatcher(name: str) -> ResponseDispatcher:
+    """The response thread of one model instance (not started), with Triton's FINAL flag."""
+    return ResponseDispatcher(name, pb_utils().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],
-                child: bool = False) -> None:
+                dispatcher: ResponseDispatcher, child: bool = False) -> None:
     """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then ``handle(request, sink)``.
 
     A ``RequestError`` (bad input) becomes that request's error response, and so does any other exception
@@ -182,10 +180,11 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
     Args:
         requests: the ``pb_utils.InferenceRequest`` list ``execute`` got.
         handle: parses and starts one request; its responses go to the sink.
-        child: the requests come from ``pd_ensemble`` (``TritonResponseSink``'s child layout).
+        dispatcher: the instance's response thread.
+        child: the requests come from the router (``TritonResponseSink``'s child layout).
     """
     for request in requests:
-        sink = TritonResponseSink(request.get_response_sender(), request.request_id(), child=child)
+        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child)
         try:
             handle(request, sink)
         except RequestError as e:

@@ -122,6 +122,15 @@ def _resolve_folder(model: str, cache_root: Path) -> Path:
     raise ModelLoadError(str(path), "not a .gguf file nor a folder with config.json")
 
 
+def load_tokenizer(model: str = SMOLLM2_NAME, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of ``model`` (names as in ``load_model``) without loading its weights (the router counts
+    prompt tokens with it). Raises ``ModelLoadError`` as ``load_model``."""
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    folder = _resolve_folder(model, cache_root)
+    config = read_hf_config(folder / "config.json", model_id=folder.name.lower())
+    return Tokenizer.from_folder(folder, eos_token_ids=list(config.eos_token_ids))
+
+
 def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
                cache_dir: str | Path | None = None) -> LoadedModel:
@@ -143,7 +152,7 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     folder = _resolve_folder(model, cache_root)
     config = read_hf_config(folder / "config.json", model_id=folder.name.lower())
-    tokenizer = Tokenizer.from_folder(folder, eos_token_ids=list(config.eos_token_ids))
+    tokenizer = load_tokenizer(str(folder), cache_root)
     tensors = read_safetensors(folder)
     files = sorted(folder.glob("*.safetensors"))
     source = str(files[0]) if len(files) == 1 else str(folder)

@@ -10,7 +10,7 @@ import pytest
 
 from bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RegistryConfig, ServerConfig
 from bootstrap.__main__ import parse_config
-from bootstrap.messages import Destination, DestinationBatch, Registration, decode, encode
+from bootstrap.messages import AbortLog, Destination, DestinationBatch, InstanceLoad, Registration, decode, encode
 
 
 def test_messages_round_trip_through_the_envelope() -> None:
@@ -52,8 +52,16 @@ def test_service_round_trip(server: BootstrapServer) -> None:
     assert client.release_room(7, "d0").delivered
     assert client.heartbeat("p0", 1) and not client.heartbeat("p0", 2)
     client.abort_room(7, "client went away")
-    rooms, cursor = client.aborted_rooms()
-    assert rooms == [7] and client.aborted_rooms(cursor) == ([], cursor)
+    log = client.aborted_rooms()
+    assert log.rooms == [7] and client.aborted_rooms(log.last_seq) == AbortLog([], log.last_seq)
+    client.register(Registration("r0", "router", 1, "", "", "", address="127.0.0.1:8001", model_name="pd"))
+    load = InstanceLoad(num_free_pages=3, num_total_pages=4, page_size=16)
+    assert client.heartbeat("d0", 1, load)
+    fleet = {s.instance_id: s for s in client.list_instances()}
+    assert set(fleet) == {"p0", "d0", "r0"} and fleet["d0"].load == load and fleet["r0"].model_name == "pd"
+    assert [s.instance_id for s in client.list_instances("router")] == ["r0"]
+    client.deregister("r0", 1)
+    assert client.aborted_rooms(log.last_seq).routers == ["r0"]
 
 
 def test_registrations_expire_on_idle_ticks(server: BootstrapServer) -> None:
@@ -79,15 +87,15 @@ def test_abort_log_long_poll_answers_when_a_room_is_aborted(server: BootstrapSer
     import threading
 
     client, poster = BootstrapClient(server.url, timeout_s=2.0), BootstrapClient(server.url, timeout_s=2.0)
-    _, cursor = client.aborted_rooms()
+    cursor = client.aborted_rooms().last_seq
     started = time.monotonic()
-    assert client.aborted_rooms(cursor, wait_s=0.3) == ([], cursor)   # nothing: held for the whole wait
+    assert client.aborted_rooms(cursor, wait_s=0.3) == AbortLog([], cursor)   # nothing: held for the wait
     assert time.monotonic() - started >= 0.3
     timer = threading.Timer(0.2, poster.abort_room, args=(21, "client went away"))
     timer.start()
     started = time.monotonic()
-    rooms, new_cursor = client.aborted_rooms(cursor, wait_s=10.0)
-    assert rooms == [21] and new_cursor == cursor + 1 and time.monotonic() - started < 5.0
+    log = client.aborted_rooms(cursor, wait_s=10.0)
+    assert log.rooms == [21] and log.last_seq == cursor + 1 and time.monotonic() - started < 5.0
     timer.join()
     with pytest.raises(BootstrapError, match="400"):
         client._call("GET", "/v1/aborts?after=-1&wait_s=soon", None, DestinationBatch)
@@ -106,4 +114,4 @@ def test_stopping_the_service_answers_held_long_polls() -> None:
     started = time.monotonic()
     srv.stop()
     poller.join(10)
-    assert answers == [([], -1)] and time.monotonic() - started < 3.0
+    assert answers == [AbortLog([], -1)] and time.monotonic() - started < 3.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bootstrap.messages import ROOM_IN_USE, Destination, Registration
+from bootstrap.messages import ROOM_IN_USE, Destination, InstanceLoad, Registration
 from bootstrap.registry import Registry, RegistryConfig
 
 
@@ -83,10 +83,34 @@ def test_stale_rooms_expire_and_room_ids_are_63_bit(registry: Registry) -> None:
 def test_abort_log_is_read_with_a_cursor_and_pruned(registry: Registry) -> None:
     registry.abort_room(11, 1.0)
     registry.abort_room(12, 2.0)
-    rooms, cursor = registry.aborts_after(-1)
+    rooms, cursor, _ = registry.aborts_after(-1)
     assert rooms == [11, 12]
     registry.abort_room(13, 3.0)
-    assert registry.aborts_after(cursor) == ([13], cursor + 1)
-    assert registry.aborts_after(cursor + 1) == ([], cursor + 1)
+    assert registry.aborts_after(cursor) == ([13], cursor + 1, [])
+    assert registry.aborts_after(cursor + 1) == ([], cursor + 1, [])
     registry.expire(102.5)  # 11 and 12 are older than room_ttl_s
     assert registry.aborts_after(-1)[0] == [13]
+
+
+def test_a_router_whose_lease_ends_is_logged_as_gone_once(registry: Registry) -> None:
+    """A router's registration is its lease: expiry or deregistration puts it in the abort log (workers then
+    drop its rooms); an engine instance that expires is not a router and is not logged."""
+    registry.register(reg("r0", "router"), now_s=0.0)
+    registry.register(reg("r1", "router"), now_s=0.0)
+    _, cursor, _ = registry.aborts_after(-1)
+    assert registry.deregister("r1", 1, now_s=1.0)
+    assert registry.heartbeat("r0", 1, 5.0)
+    registry.expire(11.0)   # p0, d0, d1 silent since 0.0; r0 heard at 5.0
+    assert registry.aborts_after(cursor)[2] == ["r1"]
+    registry.expire(16.0)
+    assert registry.aborts_after(cursor)[2] == ["r1", "r0"]
+    assert registry.instances(16.0) == []
+
+
+def test_heartbeats_carry_the_load_the_fleet_listing_shows(registry: Registry) -> None:
+    load = InstanceLoad(num_queued_requests=2, num_queued_prompt_tokens=300, num_free_pages=7,
+                        num_total_pages=9, page_size=16)
+    assert registry.heartbeat("d0", 1, 4.0, load)
+    listed = {s.instance_id: s for s in registry.instances(5.0)}
+    assert listed["d0"].load == load and listed["d0"].age_s == 1.0 and listed["p0"].load == InstanceLoad()
+    assert [s.instance_id for s in registry.instances(5.0, role="decode")] == ["d0", "d1"]

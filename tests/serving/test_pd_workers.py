@@ -1,5 +1,6 @@
-"""The PD serving path without Triton: orchestrator → prefill worker + decode worker (real engines on SmolLM2,
-real KV transfer through a bootstrap service on port 0), on the in-process and the NIXL backend.
+"""The PD serving path without Triton: the router's orchestrator (in-process launcher) → prefill worker + decode
+worker (real engines on SmolLM2, real KV transfer through a bootstrap service on port 0), on the in-process and
+the NIXL backend.
 
 Invariants: the merged stream equals the colocated engine's greedy output; every request ends with exactly
 one FINAL; after every way a request can end, the free-page counts of both engines are back at their start.
@@ -7,6 +8,7 @@ one FINAL; after every way a request can end, the free-page counts of both engin
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import queue
@@ -14,24 +16,22 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import pytest
 
 from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
 from bootstrap.client import BootstrapClient
 from serving.config import WorkerConfig
-from serving.orchestrator import (
-    ChildCall,
-    ChildResponse,
-    EnsembleResponder,
-    PDOrchestrator,
-    RoomAllocator,
-    RoundRobinPairing,
-)
 from serving.pd_factory import PDWorkerHandle, create_pd_worker
-from serving.pd_request import PDRequest
 from serving.request import GenerateRequest, parse_request
+from serving.router.config import RouterConfig
+from serving.router.fleet import Fleet, FleetSnapshot
+from serving.router.inprocess import InProcessLauncher
+from serving.router.launch import ChildResponse
+from serving.router.orchestrator import PDOrchestrator, RoutedRequest
+from serving.router.pairing import make_policy
+from serving.router.responder import EnsembleResponder
+from serving.router.service import BootstrapAborter
 from serving.stream import ResponseChunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
@@ -78,28 +78,28 @@ class QueueSink:
 
 
 class Cluster:
-    """1P1D in this process, plus a client-side orchestrator calling the workers directly."""
+    """1P1D in this process, plus the router's orchestrator calling the workers through the in-process launcher
+    (the fleet as the bootstrap service lists it)."""
 
-    def __init__(self, prefill: PDWorkerHandle, decode: PDWorkerHandle, bootstrap_url: str) -> None:
+    def __init__(self, prefill: PDWorkerHandle, decode: PDWorkerHandle, ids: tuple[str, str],
+                 bootstrap_url: str) -> None:
         self.prefill, self.decode = prefill, decode
+        config = RouterConfig(bootstrap_url=bootstrap_url, tokenizer="")
+        self.fleet = Fleet(config)
         self.client = BootstrapClient(bootstrap_url)
-        self.readers = ThreadPoolExecutor(16)
-        self.orchestrator = PDOrchestrator(RoundRobinPairing(["prefill"], ["decode"]), RoomAllocator(),
-                                           self.client.abort_room, self.readers)
+        self.aborter = BootstrapAborter(bootstrap_url)
+        launcher = InProcessLauncher({ids[0]: prefill.worker, ids[1]: decode.worker})
+        self.orchestrator = PDOrchestrator(config, self.fleet, make_policy("load_aware"), launcher, self.aborter,
+                                           lambda request: len(request.prompt) // 3 + 1, lambda: "test-router")
 
-    def launch(self, call: ChildCall, request: GenerateRequest) -> QueueSink:
-        sink = QueueSink()
-        handle = self.prefill if call.role == "prefill" else self.decode
-        handle.worker.handle(PDRequest(replace(request, stream=True, exclude_input_in_output=True), call.room,
-                                       call.prefill_model), sink)
-        return sink
-
-    def generate(self, request: GenerateRequest, cancel_after_s: float | None = None) -> list[ChildResponse]:
+    def generate(self, inputs: dict[str, str | bool], cancel_after_s: float | None = None) -> list[ChildResponse]:
+        self.fleet.update(FleetSnapshot(tuple(self.client.list_instances()), time.monotonic()))
         client = QueueSink()
         start = time.monotonic()
-        self.orchestrator.generate(lambda call: iter(self.launch(call, request)),
-                                   EnsembleResponder(request, client).emit,
-                                   lambda: cancel_after_s is not None and time.monotonic() - start > cancel_after_s)
+        routed = RoutedRequest(parse_request(inputs), inputs)
+        asyncio.run(self.orchestrator.generate(
+            routed, EnsembleResponder(routed.request, client).emit,
+            lambda: cancel_after_s is not None and time.monotonic() - start > cancel_after_s))
         return list(client.responses.queue)
 
     def free_pages(self) -> tuple[int, int]:
@@ -122,11 +122,12 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     server.start()
     config = WorkerConfig(num_pages=128, chunk_size=32, max_num_batched_tokens=64, kv_backend=request.param,
                           bootstrap_url=server.url, bootstrap_timeout_s=5.0, waiting_timeout_s=5.0)
-    prefill = create_pd_worker("prefill", config, "prefill")
-    decode = create_pd_worker("decode", config, f"decode-{request.param}")
+    ids = ("prefill@127.0.0.1:1", f"decode-{request.param}@127.0.0.1:1")
+    prefill = create_pd_worker("prefill", config, ids[0])
+    decode = create_pd_worker("decode", config, ids[1])
     prefill.start()
     decode.start()
-    yield Cluster(prefill, decode, server.url)
+    yield Cluster(prefill, decode, ids, server.url)
     decode.stop()
     prefill.stop()
     server.stop()
@@ -140,7 +141,7 @@ def colocated_texts(cluster: Cluster) -> dict[str, str]:
     engine = LLMEngine(EngineConfig(model="smollm2", mode="colocated", num_pages=128))
     texts = {}
     for i, prompt in enumerate(PROMPTS):
-        params = request(prompt).params
+        params = parse_request(request(prompt)).params
         engine.add_request(str(i), engine.tokenizer.encode(prompt), params)
         parts = []
         while engine.has_unfinished():
@@ -149,9 +150,10 @@ def colocated_texts(cluster: Cluster) -> dict[str, str]:
     return texts
 
 
-def request(prompt: str, max_tokens: int = 24, stream: bool = True, **params: object) -> GenerateRequest:
+def request(prompt: str, max_tokens: int = 24, stream: bool = True, **params: object) -> dict[str, str | bool]:
+    """The raw inputs of one client request (what the router forwards)."""
     sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, **params})
-    return parse_request({"text_input": prompt, "stream": stream, "sampling_parameters": sampling})
+    return {"text_input": prompt, "stream": stream, "sampling_parameters": sampling}
 
 
 def test_streams_equal_colocated_greedy_output_and_pages_return(cluster, colocated_texts):

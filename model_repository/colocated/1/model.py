@@ -2,8 +2,9 @@
 
 initialize: model config ``parameters`` → ``WorkerConfig`` → ``ColocatedWorker`` (loads the model) → start.
 execute: for each request, inputs → ``GenerateRequest`` (a bad input gets one error response with FINAL),
-then ``ColocatedWorker.handle``, which answers on the request's response sender from the engine loop thread.
-finalize: stop the worker; requests still in flight end with an error response and FINAL.
+then ``ColocatedWorker.handle``, which answers through the instance's response thread (``ResponseDispatcher``).
+finalize: stop the worker (requests still in flight end with an error response and FINAL), then the response
+thread once it has sent them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from serving.colocated import ColocatedWorker
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
 from serving.request import parse_request
-from serving.triton_io import answer_each, read_inputs
+from serving.triton_io import answer_each, new_dispatcher, read_inputs
 
 logger = logging.getLogger("model_repository.colocated")
 
@@ -39,12 +40,16 @@ class TritonPythonModel:
         instance = args["model_instance_name"]
         metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
         self._worker = ColocatedWorker.create(config, name=instance, metrics=metrics)
+        self._responses = new_dispatcher(instance)   # the engine loop only queues responses
+        self._responses.start()
         self._worker.start()
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
-        answer_each(requests, lambda request, sink: self._worker.handle(parse_request(read_inputs(request)), sink))
+        answer_each(requests, lambda request, sink: self._worker.handle(parse_request(read_inputs(request)), sink),
+                    self._responses)
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
         self._worker.stop(STOP_TIMEOUT_S)
+        self._responses.stop(STOP_TIMEOUT_S)   # after the worker: its requests' FINALs go out first

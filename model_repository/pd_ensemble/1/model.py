@@ -1,12 +1,13 @@
-"""Triton python-backend adapter of pd_ensemble, the public entry point of PD disaggregation (BLS, decoupled).
+"""Triton python-backend adapter of pd_ensemble, the public entry point and router of PD disaggregation.
 
-All logic lives in ``serving``: ``serving.triton_pd.PDEnsembleModel`` allocates a bootstrap room per request,
-pairs a prefill and a decode model round robin, calls both (decoupled BLS) and merges their streams
-(``serving.orchestrator``).
+All logic lives in ``serving.router``: ``serving.router.triton_model.RouterModel`` admits each request, pairs a
+healthy prefill and decode instance of the fleet (in this tritonserver or others, found at the bootstrap
+service) by load, sends both child requests over gRPC streaming, merges their streams, and retries a request
+that failed before its first token on another pair.
 """
 
-from serving.triton_pd import PDEnsembleModel
+from serving.router.triton_model import RouterModel
 
 
-class TritonPythonModel(PDEnsembleModel):
+class TritonPythonModel(RouterModel):
     pass

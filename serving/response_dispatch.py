@@ -1,0 +1,152 @@
+"""``ResponseDispatcher``: the one thread of a model instance that talks to Triton's response senders.
+
+Why: in tritonserver 2.51 both ``response_sender.send()`` and ``response_sender.is_cancelled()`` are round trips
+to the server process (the stub waits for the backend's answer). A send blocks for as long as the server does
+not take the response — for a child of a BLS parent whose stub died or stalls, forever (the parent's message
+queue is full). Called on the engine loop thread, that froze a worker with every request it held. So engine
+loops (and the router's event loop) only enqueue; this thread sends, in order, and polls cancellation every
+``cancel_poll_interval_s`` for every open stream, caching the answer for ``is_cancelled`` to read. A stuck
+transport then stalls responses, never the engine: requests still finish, time out or get aborted, and their
+pages come back.
+
+Ordering and FINAL: operations of one stream run in the order they were queued; the dispatcher never touches
+a sender after it sent FINAL (tritonserver 2.51 crashed on ``is_cancelled()`` after FINAL). ``stop`` drains the
+queue (the errors and FINALs of failing requests still go out) within its deadline.
+
+Triton-free: it drives anything with ``send(response=None, flags=0)`` and ``is_cancelled()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class RawSender(Protocol):
+    """``pb_utils.InferenceResponseSender`` as the dispatcher uses it."""
+
+    def send(self, response: Any = None, flags: int = 0) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+class StreamHandle:
+    """One stream's state shared by its producer and the dispatcher thread (``cancelled`` is cached)."""
+
+    def __init__(self, sender: RawSender, name: str) -> None:
+        self.sender = sender
+        self.name = name
+        self.cancelled = False
+        self.done = False          # FINAL sent (dispatcher thread)
+
+
+@dataclass(frozen=True)
+class _Op:
+    handle: StreamHandle
+    build: Callable[[], Any] | None   # None: FINAL flag alone
+    final: bool
+    flags: int
+
+
+class ResponseDispatcher:
+    """Sends responses and polls cancellation on its own thread. The constructor starts nothing."""
+
+    def __init__(self, name: str, final_flag: int, cancel_poll_interval_s: float = 0.05) -> None:
+        """
+        Args:
+            name: thread name suffix (the model instance).
+            final_flag: ``pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL``.
+            cancel_poll_interval_s: how often open streams are asked ``is_cancelled()``, seconds.
+        """
+        self._name = name
+        self._final_flag = final_flag
+        self._poll_s = cancel_poll_interval_s
+        self._ops: queue.Queue[_Op | None] = queue.Queue()
+        self._open: dict[int, StreamHandle] = {}
+        self._open_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("ResponseDispatcher already started")
+        self._thread = threading.Thread(target=self._run, name=f"responses-{self._name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Send what is queued, then end the thread; False if it did not finish within ``timeout_s``."""
+        self._stop.set()
+        self._ops.put(None)
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("responses-%s: %d responses still queued after %.1f s", self._name, self._ops.qsize(),
+                         timeout_s)
+            return False
+        return True
+
+    def open(self, sender: RawSender, name: str = "") -> StreamHandle:
+        """Start following one stream's cancellation; any thread."""
+        handle = StreamHandle(sender, name)
+        with self._open_lock:
+            self._open[id(handle)] = handle
+        return handle
+
+    def submit(self, handle: StreamHandle, build: Callable[[], Any] | None, final: bool) -> None:
+        """Queue one response (``build()`` makes it on the dispatcher thread; None: the FINAL flag alone)."""
+        self._ops.put(_Op(handle, build, final, self._final_flag if final else 0))
+
+    @property
+    def queued(self) -> int:
+        return self._ops.qsize()
+
+    def _run(self) -> None:
+        next_poll_s = time.monotonic() + self._poll_s
+        while True:
+            timeout_s = max(0.0, next_poll_s - time.monotonic())
+            try:
+                op = self._ops.get(timeout=timeout_s)
+            except queue.Empty:
+                op = None
+            if op is not None:
+                self._send(op)
+            elif self._stop.is_set() and self._ops.empty():
+                return
+            if time.monotonic() >= next_poll_s:
+                self._poll_cancelled()
+                next_poll_s = time.monotonic() + self._poll_s
+
+    def _send(self, op: _Op) -> None:
+        handle = op.handle
+        if handle.done:
+            return
+        try:
+            if op.build is None:
+                handle.sender.send(flags=op.flags)
+            else:
+                handle.sender.send(op.build(), flags=op.flags)
+        except Exception:
+            logger.exception("request %s: sending a response failed", handle.name)
+        if op.final:
+            handle.done = True
+            with self._open_lock:
+                self._open.pop(id(handle), None)
+
+    def _poll_cancelled(self) -> None:
+        with self._open_lock:
+            handles = [h for h in self._open.values() if not h.cancelled]
+        for handle in handles:
+            if handle.done:
+                continue
+            try:
+                handle.cancelled = bool(handle.sender.is_cancelled())
+            except Exception:
+                logger.exception("request %s: is_cancelled failed", handle.name)

@@ -1,0 +1,126 @@
+"""``RouterConfig``: the knobs of one router (``pd_ensemble`` instance), built once from its model parameters.
+
+Environment variables are read in ``serving.config`` only (``PD_BOOTSTRAP_URL``, ``PD_GRPC_URL``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from serving.config import ConfigError, parse_parameters, read_bootstrap_url, read_grpc_url, validate_endpoint
+
+POLICIES: tuple[str, ...] = ("load_aware", "round_robin")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """One entry of a static instance list: ``model`` (served by the router's own tritonserver) or
+    ``model@host:port`` (served by another one)."""
+
+    model_name: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Knobs of one router, fixed for its lifetime.
+
+    Attributes:
+        bootstrap_url: the fleet's rendezvous service (``http://host:port``): discovery, leases, aborts.
+        grpc_url: this tritonserver's own gRPC endpoint (``host:port``); a bare model name of a static list
+            is served there.
+        prefill_models / decode_models: static lists (comma-separated ``model`` or ``model@host:port``);
+            empty: every registered instance of the role is a candidate (discovery).
+        policy: ``"load_aware"`` (least queued prompt tokens / most free KV pages) or ``"round_robin"``.
+        direct_decode_max_tokens: prompts shorter than this many tokens go to a decode instance alone, which
+            prefills them itself (no KV transfer); 0 turns it off.
+        tokenizer: model whose tokenizer counts prompt tokens (``serving`` loader names, ``"smollm2"``);
+            empty: estimate 1 token per 3 UTF-8 bytes.
+        max_inflight_requests: requests orchestrated at once; more wait in the admission queue.
+        max_queued_requests: requests that may wait for admission; beyond it a request gets "server busy".
+        queue_timeout_s: longest wait for admission before "server busy", seconds.
+        request_idle_timeout_s: a request whose children say nothing for this long is aborted, seconds.
+        max_retries: attempts on another pair after a failure before the first token (0: none).
+        fleet_refresh_s: how often the fleet is read from the bootstrap service, seconds.
+        instance_stale_s: an instance not heard from for this long is out of rotation, seconds.
+        breaker_failures: consecutive failures that take an instance out of rotation.
+        breaker_cooldown_s: how long it stays out before one trial request, seconds.
+        lease_interval_s: how often the router renews its lease at the bootstrap service, seconds.
+        health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
+
+    Raises:
+        ConfigError: at construction, naming the parameter.
+    """
+
+    bootstrap_url: str = "http://127.0.0.1:8998"
+    grpc_url: str = "127.0.0.1:8001"
+    prefill_models: str = ""
+    decode_models: str = ""
+    policy: str = "load_aware"
+    direct_decode_max_tokens: int = 0
+    tokenizer: str = "smollm2"
+    max_inflight_requests: int = 256
+    max_queued_requests: int = 512
+    queue_timeout_s: float = 30.0
+    request_idle_timeout_s: float = 300.0
+    max_retries: int = 1
+    fleet_refresh_s: float = 0.25
+    instance_stale_s: float = 3.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    lease_interval_s: float = 1.0
+    health_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("max_inflight_requests", "breaker_failures"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("max_queued_requests", "max_retries", "direct_decode_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("queue_timeout_s", "request_idle_timeout_s", "fleet_refresh_s", "instance_stale_s",
+                     "breaker_cooldown_s", "lease_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.health_port <= 65535:
+            raise ConfigError("health_port", f"must be a port number, got {self.health_port}")
+        if not self.bootstrap_url.startswith(("http://", "https://")):
+            raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
+        validate_endpoint("grpc_url", self.grpc_url)
+        self.static_targets("prefill_models")
+        self.static_targets("decode_models")
+
+    def static_targets(self, key: str) -> list[TargetSpec]:
+        """The parsed static list ``key`` (``"prefill_models"``/``"decode_models"``); empty: discovery.
+
+        Raises:
+            ConfigError: an entry with an empty model name or a bad endpoint.
+        """
+        specs = []
+        for entry in (e.strip() for e in str(getattr(self, key)).split(",")):
+            if not entry:
+                continue
+            model, _, endpoint = entry.partition("@")
+            if not model.strip():
+                raise ConfigError(key, f"entry {entry!r} has no model name")
+            endpoint = endpoint.strip() or self.grpc_url
+            validate_endpoint(key, endpoint)
+            specs.append(TargetSpec(model.strip(), endpoint))
+        return specs
+
+
+def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """The router config from ``model_config["parameters"]`` (``{"key": {"string_value": "..."}}`` or plain
+    strings); ``PD_BOOTSTRAP_URL`` / ``PD_GRPC_URL`` override ``bootstrap_url`` / ``grpc_url``.
+
+    Raises:
+        ConfigError: an unknown parameter, a value that does not parse, or one out of range.
+    """
+    values = parse_parameters(parameters, RouterConfig)
+    values["bootstrap_url"] = read_bootstrap_url(values.get("bootstrap_url", RouterConfig.bootstrap_url), environ)
+    values["grpc_url"] = read_grpc_url(values.get("grpc_url", RouterConfig.grpc_url), environ)
+    return RouterConfig(**values)

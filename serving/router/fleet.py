@@ -1,0 +1,266 @@
+"""The instances a router can pair: discovered at the bootstrap service (or a static list), with their load,
+freshness and a circuit breaker each.
+
+Threads: ``FleetWatcher`` owns the thread ``router-fleet-<router>``, which reads ``GET /v1/instances`` every
+``fleet_refresh_s`` and renews the router's lease (``RouterLease``); it swaps in an immutable ``FleetSnapshot``
+(one reference assignment). Everything else (``Fleet.candidates``, breakers, the router's own pending
+assignments) runs on the router's event loop thread only, so it takes no lock.
+
+Load between two reports: an instance reports its load with every heartbeat (``InstanceLoad``), so a burst of
+requests routed within one heartbeat would all see the same numbers. The router therefore adds what it itself
+assigned to an instance after that instance's last report (``note_assigned``) and drops those notes once a
+newer report covers them — the same correction SGLang's router makes with its local request counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bootstrap.client import BootstrapClient
+from bootstrap.errors import BootstrapError
+from bootstrap.messages import InstanceLoad, InstanceStatus
+from serving.router.config import RouterConfig, TargetSpec
+from serving.router.lease import RouterLease
+
+logger = logging.getLogger(__name__)
+
+InstanceId = str
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one prefill or decode instance is served: ``model_name`` on the tritonserver at ``endpoint``
+    (``host:port`` of its gRPC service). ``instance_id`` is fleet-unique (two servers may both serve a model
+    named ``prefill``); ``epoch`` changes when the instance restarts."""
+
+    instance_id: InstanceId
+    role: str
+    endpoint: str
+    model_name: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A healthy instance and its load as the router sees it now (reported load + the router's own
+    assignments since that report)."""
+
+    target: Target
+    queued_requests: int
+    queued_prompt_tokens: int
+    free_pages: int
+    total_pages: int
+    page_size: int
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages ``num_tokens`` tokens take in this instance's pool (``page_size`` 0: unknown → 0)."""
+        return -(-num_tokens // self.page_size) if self.page_size > 0 else 0
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """What the last successful read of the bootstrap service said; ``taken_s`` is ``time.monotonic()``."""
+
+    instances: tuple[InstanceStatus, ...] = ()
+    taken_s: float = 0.0
+
+
+@dataclass
+class CircuitBreaker:
+    """Consecutive failures open the breaker for ``cooldown_s``; then one trial request is let through
+    (half-open): its success closes the breaker, its failure opens it again."""
+
+    threshold: int
+    cooldown_s: float
+    failures: int = 0
+    open_until_s: float = 0.0
+    trial_in_flight: bool = False
+
+    def available(self, now_s: float) -> bool:
+        if self.failures < self.threshold:
+            return True
+        return now_s >= self.open_until_s and not self.trial_in_flight
+
+    def on_pick(self) -> None:
+        if self.failures >= self.threshold:
+            self.trial_in_flight = True
+
+    def record(self, ok: bool, now_s: float) -> bool:
+        """Count one outcome; returns True when it changed whether the instance is in rotation."""
+        was_open = self.failures >= self.threshold
+        self.trial_in_flight = False
+        if ok:
+            self.failures = 0
+            return was_open
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self.open_until_s = now_s + self.cooldown_s
+        return not was_open and self.failures >= self.threshold
+
+
+@dataclass
+class _Pending:
+    assigned_s: float
+    prompt_tokens: int
+    tokens_to_reserve: int
+
+
+@dataclass
+class _InstanceState:
+    breaker: CircuitBreaker
+    epoch: int
+    pending: list[_Pending] = field(default_factory=list)
+
+
+class Fleet:
+    """The router's view of the fleet; event loop thread only (``update`` may come from any thread)."""
+
+    def __init__(self, config: RouterConfig, now: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._now = now
+        self._snapshot = FleetSnapshot()
+        self._states: dict[InstanceId, _InstanceState] = {}
+        self._static = {role: config.static_targets(f"{role}_models") for role in ("prefill", "decode")}
+
+    def update(self, snapshot: FleetSnapshot) -> None:
+        """Swap in a newer reading of the bootstrap service (any thread: one reference assignment)."""
+        self._snapshot = snapshot
+
+    def candidates(self, role: str, exclude: frozenset[InstanceId] = frozenset()) -> list[Candidate]:
+        """Healthy instances of ``role`` (``"prefill"``/``"decode"``): registered, heard from within
+        ``instance_stale_s``, breaker closed (or due a trial), in the static list when there is one, not in
+        ``exclude``; ordered by instance id."""
+        now_s = self._now()
+        out = []
+        for status in self._snapshot.instances:
+            if status.role != role or status.instance_id in exclude or not self._allowed(status):
+                continue
+            reported_s = self._snapshot.taken_s - status.age_s
+            if now_s - reported_s > self._config.instance_stale_s:
+                continue
+            state = self._state(status)
+            if not state.breaker.available(now_s):
+                continue
+            out.append(self._candidate(status, state, reported_s))
+        return out
+
+    def note_assigned(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
+        """The router sent a request to ``target``: count it until the instance's next report covers it."""
+        state = self._states.get(target.instance_id)
+        if state is not None:
+            state.pending.append(_Pending(self._now(), prompt_tokens, tokens_to_reserve))
+            state.breaker.on_pick()
+
+    def record(self, target: Target, ok: bool) -> None:
+        """Outcome of one request on ``target`` for its breaker (client cancels are not outcomes)."""
+        state = self._states.get(target.instance_id)
+        if state is not None and state.epoch == target.epoch:
+            if state.breaker.record(ok, self._now()):
+                logger.warning("instance %s %s rotation (%d consecutive failures)", target.instance_id,
+                               "back in" if ok else "taken out of", state.breaker.failures)
+
+    def health(self) -> dict[str, dict[InstanceId, bool]]:
+        """Role → instance id → in rotation now, for every registered instance (metrics, readiness)."""
+        out: dict[str, dict[InstanceId, bool]] = {"prefill": {}, "decode": {}}
+        for role in out:
+            healthy = {c.target.instance_id for c in self.candidates(role)}
+            for status in self._snapshot.instances:
+                if status.role == role and self._allowed(status):
+                    out[role][status.instance_id] = status.instance_id in healthy
+        return out
+
+    def ready(self) -> bool:
+        """True when at least one prefill and one decode instance are in rotation."""
+        return bool(self.candidates("prefill")) and bool(self.candidates("decode"))
+
+    def _allowed(self, status: InstanceStatus) -> bool:
+        specs: Sequence[TargetSpec] = self._static.get(status.role, ())
+        return not specs or any(s.model_name == status.model_name and s.endpoint == status.address
+                                for s in specs)
+
+    def _state(self, status: InstanceStatus) -> _InstanceState:
+        state = self._states.get(status.instance_id)
+        if state is None or state.epoch != status.epoch:   # new, or restarted: a fresh breaker
+            state = _InstanceState(CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown_s),
+                                   status.epoch)
+            self._states[status.instance_id] = state
+        return state
+
+    @staticmethod
+    def _candidate(status: InstanceStatus, state: _InstanceState, reported_s: float) -> Candidate:
+        state.pending = [p for p in state.pending if p.assigned_s >= reported_s]
+        load: InstanceLoad = status.load
+        pending_pages = sum(-(-p.tokens_to_reserve // load.page_size) if load.page_size else 0
+                            for p in state.pending)
+        target = Target(status.instance_id, status.role, status.address, status.model_name, status.epoch)
+        return Candidate(target, load.num_queued_requests + len(state.pending),
+                         load.num_queued_prompt_tokens + sum(p.prompt_tokens for p in state.pending),
+                         load.num_free_pages - pending_pages, load.num_total_pages, load.page_size)
+
+
+class FleetWatcher:
+    """Keeps a ``Fleet`` fresh from the bootstrap service and the router's lease renewed, on its own thread.
+
+    The constructor starts nothing; ``start`` registers the lease and starts the thread; ``stop`` ends the
+    thread (within ``timeout_s``) and deregisters the lease, so workers drop this router's rooms at once.
+    """
+
+    def __init__(self, fleet: Fleet, config: RouterConfig, lease: RouterLease,
+                 on_refresh: Callable[[], None] = lambda: None) -> None:
+        """
+        Args:
+            fleet: updated after every successful read.
+            config: ``bootstrap_url``, ``fleet_refresh_s``, ``lease_interval_s``.
+            lease: this router's registration (renewed every ``lease_interval_s``).
+            on_refresh: called on the watcher thread after each read (e.g. to wake the metrics).
+        """
+        self._fleet = fleet
+        self._config = config
+        self._lease = lease
+        self._on_refresh = on_refresh
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Register the lease (a failure is retried by the thread) and start the thread."""
+        if self._thread is not None:
+            raise RuntimeError("FleetWatcher already started")
+        self._lease.renew()
+        self._refresh(BootstrapClient(self._config.bootstrap_url, timeout_s=2.0))
+        self._thread = threading.Thread(target=self._run, name=f"router-fleet-{self._lease.router_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._lease.release()
+
+    def _run(self) -> None:
+        client = BootstrapClient(self._config.bootstrap_url, timeout_s=2.0)
+        next_lease_s = time.monotonic() + self._config.lease_interval_s
+        try:
+            while not self._stop.wait(self._config.fleet_refresh_s):
+                self._refresh(client)
+                if time.monotonic() >= next_lease_s:
+                    next_lease_s = time.monotonic() + self._config.lease_interval_s
+                    self._lease.renew()
+        finally:
+            client.close()
+
+    def _refresh(self, client: BootstrapClient) -> None:
+        try:
+            instances = client.list_instances()
+        except BootstrapError as e:
+            logger.warning("fleet not refreshed (bootstrap service): %s", e)
+            return
+        self._fleet.update(FleetSnapshot(tuple(instances), time.monotonic()))
+        try:
+            self._on_refresh()
+        except Exception:
+            logger.exception("fleet refresh hook failed")

@@ -1,0 +1,214 @@
+"""The ``Launcher`` seam: send one child request (prefill or decode) and stream its responses.
+
+``GrpcLauncher`` reaches the child's tritonserver over tritonclient's asyncio gRPC streaming, whichever server
+that is (the router's own included): one bidirectional stream per child request, so that cancelling the
+stream cancels exactly that request (Triton then reports ``is_cancelled()`` to the child, which aborts it and
+frees its pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC".
+
+Child protocol (``serving.pd_request``): inputs ``text_input``, ``sampling_parameters``, ``apply_chat_template``
+(the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` (decode; empty: direct decode),
+``router_id``; outputs ``text_output``/``finish_reason``/``error`` as UTF-8 in UINT8 tensors, ``num_input_tokens``
+and ``num_output_tokens`` (INT32). A child reports a failure as a FINAL response whose ``error`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from serving.request import RawValue
+from serving.router.fleet import Target
+
+logger = logging.getLogger(__name__)
+
+Room = int
+CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+                                  "error")
+#: Inputs of the client's request that are forwarded as they are to both children.
+FORWARDED_INPUTS: tuple[str, ...] = ("text_input", "sampling_parameters", "apply_chat_template")
+
+
+@dataclass(frozen=True)
+class ChildResponse:
+    """One response of a prefill or decode child request.
+
+    Attributes:
+        text: new text of this response (a UTF-8 delta; may be empty).
+        num_input_tokens: prompt length in tokens (0 when the response does not say).
+        num_output_tokens: tokens generated so far, counted from the first token (prefill's response: 1;
+            decode's responses include the first token in their count).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token, else ``None``.
+        error: the child's error message, if it failed.
+        final: the FINAL flag of the child stream.
+    """
+
+    text: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class ChildCall:
+    """One child request of one attempt.
+
+    Attributes:
+        role: ``"prefill"`` or ``"decode"``.
+        target: the instance that serves it.
+        room: the bootstrap room of the attempt.
+        prefill_instance: decode only: the paired prefill's instance id; empty: direct decode.
+        router_id: the router's lease id (workers drop the request when that lease ends).
+        inputs: the client's forwarded inputs (``FORWARDED_INPUTS``), as parsed scalars.
+    """
+
+    role: str
+    target: Target
+    room: Room
+    prefill_instance: str
+    router_id: str
+    inputs: Mapping[str, RawValue] = field(default_factory=dict)
+
+
+class ChildUnavailable(Exception):
+    """The child's server could not be reached, or its stream broke (the instance is likely down)."""
+
+
+class Launcher(Protocol):
+    """Sends child requests. ``stream`` is called on the router's event loop thread."""
+
+    def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
+        """Send ``call`` and yield its responses up to the FINAL one (an ``error`` response is final).
+        Closing the iterator early (``aclose``, or cancelling the task that iterates) cancels the child
+        request. Raises ``ChildUnavailable`` when the child cannot be reached or its stream breaks."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections (after every stream ended)."""
+        ...
+
+
+def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
+    """The child request's input arrays, by input name (shape ``[1]`` each)."""
+    arrays: dict[str, np.ndarray] = {}
+    for name in FORWARDED_INPUTS:
+        if name in call.inputs:
+            value = call.inputs[name]
+            arrays[name] = (np.array([value], dtype=np.bool_) if isinstance(value, bool) else
+                            np.array([value if isinstance(value, bytes) else str(value).encode()], dtype=np.object_))
+    arrays["bootstrap_room"] = np.array([call.room], dtype=np.int64)
+    arrays["router_id"] = np.array([call.router_id.encode()], dtype=np.object_)
+    if call.role == "decode":
+        arrays["prefill_instance"] = np.array([call.prefill_instance.encode()], dtype=np.object_)
+    return arrays
+
+
+def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildResponse:
+    """A child's output arrays (absent outputs left out) → ``ChildResponse``; no outputs: FINAL alone."""
+    if not values:
+        return ChildResponse(final=final)
+
+    def text(name: str) -> str:
+        array = values.get(name)
+        return "" if array is None else np.asarray(array).astype(np.uint8).tobytes().decode("utf-8")
+
+    def count(name: str) -> int:
+        array = values.get(name)
+        return 0 if array is None or np.size(array) == 0 else int(np.asarray(array).reshape(-1)[0])
+
+    if text("error"):
+        return ChildResponse(error=text("error"), final=True)
+    return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
+                         num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
+                         final=final)
+
+
+class GrpcLauncher:
+    """Child requests over tritonclient's asyncio gRPC client; one channel per endpoint, one stream per call.
+
+    Keepalive pings (every ``keepalive_s``) make a dead host's streams fail instead of hanging.
+    """
+
+    def __init__(self, keepalive_s: float = 10.0) -> None:
+        self._keepalive_s = keepalive_s
+        self._clients: dict[str, Any] = {}
+
+    def _client(self, endpoint: str) -> Any:
+        client = self._clients.get(endpoint)
+        if client is None:
+            from tritonclient.grpc import KeepAliveOptions
+            from tritonclient.grpc.aio import InferenceServerClient
+
+            ms = int(self._keepalive_s * 1000)
+            client = InferenceServerClient(endpoint, keepalive_options=KeepAliveOptions(
+                keepalive_time_ms=ms, keepalive_timeout_ms=ms, keepalive_permit_without_calls=True))
+            self._clients[endpoint] = client
+        return client
+
+    async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
+        import asyncio
+
+        import grpc
+        from tritonclient.grpc import InferInput, InferRequestedOutput
+        from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+        inputs = []
+        for name, array in child_arrays(call).items():
+            tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        request = {"model_name": call.target.model_name, "inputs": inputs,
+                   "outputs": [InferRequestedOutput(name) for name in CHILD_OUTPUTS],
+                   "request_id": f"{call.room}-{call.role}",
+                   "parameters": {"triton_enable_empty_final_response": True}}
+        ended = asyncio.Event()
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield request
+            await ended.wait()   # keep our half open until the child's FINAL: closing it ends the stream
+
+        responses = self._client(call.target.endpoint).stream_infer(requests())
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    finished = True
+                    yield ChildResponse(error=f"{call.role} {call.target.instance_id}: {error.message()}", final=True)
+                    return
+                final = bool(result.get_response().parameters["triton_final_response"].bool_param)
+                values = {name: array for name in CHILD_OUTPUTS
+                          if (array := result.as_numpy(name)) is not None}
+                response = child_response(values, final)
+                finished = response.final
+                yield response
+                if finished:
+                    return
+            raise ChildUnavailable(f"{call.role} {call.target.instance_id}: stream ended without FINAL")
+        except (grpc.RpcError, InferenceServerException) as e:
+            raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint} "
+                                   f"unreachable: {_rpc_message(e)}") from None
+        finally:
+            ended.set()
+            if not finished:
+                responses.cancel()   # Triton cancels the child request: it aborts and frees its pages
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            try:
+                await client.close()
+            except Exception:   # closing is best effort at shutdown
+                logger.debug("closing a gRPC channel failed", exc_info=True)
+
+
+def _rpc_message(error: BaseException) -> str:
+    details = getattr(error, "details", None)
+    code = getattr(error, "code", None)
+    if callable(details) and callable(code):
+        return f"{code().name}: {details()}"
+    return str(error)

@@ -1,0 +1,36 @@
+"""The router's metrics on Triton's metrics endpoint (names and labels: ``serving.metrics``)."""
+
+from __future__ import annotations
+
+from serving.metrics import ServingMetrics
+
+
+class RouterMetricsSink:
+    """``RouterMetrics`` over ``ServingMetrics``; event loop thread (``publish_*`` from the fleet thread too:
+    ``pb_utils`` metrics are thread-safe, and each series is set from one thread)."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self._metrics = metrics
+
+    def selected(self, role: str, instance_id: str) -> None:
+        self._metrics.increment("pd_router_selections_total", 1, role=role, target=instance_id)
+
+    def retried(self) -> None:
+        self._metrics.increment("pd_router_retries_total", 1)
+
+    def rejected(self, reason: str) -> None:
+        self._metrics.increment("pd_router_rejections_total", 1, reason=reason)
+
+    def request_done(self, outcome: str) -> None:
+        self._metrics.increment("pd_router_requests_total", 1, outcome=outcome)
+
+    def publish_queue(self, queued: int, inflight: int) -> None:
+        self._metrics.set_gauge("pd_router_queue_requests", queued, state="queued")
+        self._metrics.set_gauge("pd_router_queue_requests", inflight, state="inflight")
+
+    def publish_health(self, health: dict[str, dict[str, bool]], ready: bool) -> None:
+        for role, instances in health.items():
+            for instance_id, healthy in instances.items():
+                self._metrics.set_gauge("pd_router_instance_healthy", 1 if healthy else 0, role=role,
+                                        target=instance_id)
+        self._metrics.set_gauge("pd_router_ready", 1 if ready else 0)

@@ -1,0 +1,316 @@
+"""``PDOrchestrator``: the life of one client request in the router (``pd_ensemble``).
+
+1. **admission** (``Admission``): wait for one of ``max_inflight_requests`` slots in a bounded queue, or end at
+   once with "server busy";
+2. **pair**: count the prompt's tokens, take the healthy candidates of the fleet and let the policy choose a
+   (prefill, decode) pair — or decode alone for a short prompt (direct decode);
+3. **room**: a random 63-bit bootstrap room, unique among this router's rooms in flight;
+4. **children**: both child requests at once through the ``Launcher`` (each stream read by its own task into
+   one queue); the router's assignment is noted in the fleet so the next pick sees it;
+5. **merge**: prefill's first token first, then decode's tokens in order (decode responses that arrive earlier
+   are held back);
+6. **end** with exactly one final chunk: success; a client cancel; a failure. On a cancel or a failure both
+   child streams are cancelled and the room is aborted at the bootstrap service, so both instances drop it and
+   free its pages. A failure **before the first token** reached the client is retried once on another pair
+   (the instance that failed is excluded); after the first token it ends the request with the error. Every
+   outcome feeds the instances' circuit breakers (cancels do not).
+
+Event loop thread only: ``generate`` is a coroutine; one runs per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from serving.request import GenerateRequest, RawValue
+from serving.router.admission import Admission, ServerBusy
+from serving.router.config import RouterConfig
+from serving.router.fleet import Fleet, Target
+from serving.router.launch import FORWARDED_INPUTS, ChildCall, ChildResponse, ChildUnavailable, Launcher
+from serving.router.pairing import Demand, NoInstance, Pair, PairingPolicy
+from serving.router.responder import OutputChunk
+
+logger = logging.getLogger(__name__)
+
+Room = int
+ROOM_BITS = 63
+
+#: How often the merge loop wakes up to check for client cancellation and the idle deadline, in seconds.
+CANCEL_POLL_INTERVAL_S = 0.02
+
+
+class RoomAborter(Protocol):
+    """Posts a room's abort to the bootstrap service (both instances follow its abort log)."""
+
+    async def abort(self, room: Room, reason: str) -> None:
+        """Never raises (a failure is logged: the child streams were cancelled anyway)."""
+        ...
+
+
+class RouterMetrics(Protocol):
+    """What the orchestrator reports (``serving.router.metrics``)."""
+
+    def selected(self, role: str, instance_id: str) -> None: ...
+
+    def retried(self) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...
+
+    def request_done(self, outcome: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """One client request as the router handles it: the parsed request and the raw inputs to forward."""
+
+    request: GenerateRequest
+    inputs: Mapping[str, RawValue]
+
+    @property
+    def forwarded(self) -> dict[str, RawValue]:
+        return {name: self.inputs[name] for name in FORWARDED_INPUTS if name in self.inputs}
+
+
+class RoomAllocator:
+    """Unique 63-bit bootstrap rooms (random, so that several routers never collide in practice)."""
+
+    def __init__(self) -> None:
+        self._in_flight: set[Room] = set()
+
+    def allocate(self) -> Room:
+        while True:
+            room = secrets.randbits(ROOM_BITS)
+            if room not in self._in_flight:
+                self._in_flight.add(room)
+                return room
+
+    def release(self, room: Room) -> None:
+        self._in_flight.discard(room)
+
+    def __len__(self) -> int:
+        return len(self._in_flight)
+
+
+@dataclass
+class _MergeState:
+    first_done: bool = False
+    emitted: bool = False   # a chunk with text went to the client: no retry after this
+    prefill_final: bool = False
+    decode_final: bool = False
+    held: list[ChildResponse] = field(default_factory=list)
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+
+    def final_chunk(self, finish_reason: str | None) -> OutputChunk:
+        return OutputChunk(text="", final=True, finish_reason=finish_reason,
+                           num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How one attempt ended: ``final`` for the client, or a retryable failure on ``culprit``."""
+
+    final: OutputChunk | None = None
+    error: str = ""
+    culprit: Target | None = None
+
+
+class PDOrchestrator:
+    def __init__(self, config: RouterConfig, fleet: Fleet, policy: PairingPolicy, launcher: Launcher,
+                 aborter: RoomAborter, count_tokens: Callable[[GenerateRequest], int],
+                 router_id: Callable[[], str], metrics: RouterMetrics | None = None) -> None:
+        """
+        Args:
+            config: admission bounds, retries, idle timeout.
+            fleet: healthy candidates and their breakers.
+            policy: picks the pair of each attempt.
+            launcher: sends child requests.
+            aborter: posts room aborts to the bootstrap service.
+            count_tokens: the prompt's token count (after the chat template) of a request.
+            router_id: the router's current lease id (children carry it).
+            metrics: selections, retries, rejections, outcomes; None disables.
+        """
+        self._config = config
+        self._fleet = fleet
+        self._policy = policy
+        self._launcher = launcher
+        self._aborter = aborter
+        self._count_tokens = count_tokens
+        self._router_id = router_id
+        self._metrics = metrics
+        self.admission = Admission(config.max_inflight_requests, config.max_queued_requests,
+                                   config.queue_timeout_s)
+        self.rooms = RoomAllocator()
+
+    async def generate(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
+                       is_cancelled: Callable[[], bool]) -> None:
+        """Serve one request to its end; ``emit`` gets the client's chunks in order, the final one exactly once,
+        last. Never raises (a failure becomes a final chunk with ``error``), except ``CancelledError`` when the
+        task itself is cancelled (shutdown): the caller then ends the stream."""
+        try:
+            async with self.admission.admit():
+                final = await self._serve(routed, emit, is_cancelled)
+        except ServerBusy as e:
+            self._count_rejected("busy")
+            final = OutputChunk(text="", final=True, error=str(e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # a bug here must still end the client's stream
+            logger.exception("orchestration failed")
+            final = OutputChunk(text="", final=True, error=f"internal error: {e}")
+        if self._metrics is not None:
+            self._metrics.request_done("cancelled" if final.finish_reason == "abort" else
+                                       "failed" if final.error is not None else "finished")
+        emit(final)
+
+    async def _serve(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
+                     is_cancelled: Callable[[], bool]) -> OutputChunk:
+        demand = Demand(self._count_tokens(routed.request), routed.request.params.max_tokens)
+        excluded: set[str] = set()
+        last_error = ""
+        for attempt in range(1 + self._config.max_retries):
+            try:
+                pair = self._choose(demand, frozenset(excluded))
+            except NoInstance as e:
+                self._count_rejected(f"no_{e.role}")
+                detail = f" (after: {last_error})" if last_error else ""
+                return OutputChunk(text="", final=True, error=f"{e}{detail}")
+            room = self.rooms.allocate()
+            try:
+                outcome = await self._attempt(pair, room, routed, demand, emit, is_cancelled)
+            finally:
+                self.rooms.release(room)
+            if outcome.final is not None:
+                return outcome.final
+            assert outcome.culprit is not None
+            last_error = outcome.error
+            excluded.add(outcome.culprit.instance_id)
+            if attempt < self._config.max_retries:
+                logger.warning("room=%d failed before its first token (%s); retrying on another pair", room,
+                               outcome.error)
+                if self._metrics is not None:
+                    self._metrics.retried()
+        return OutputChunk(text="", final=True, error=last_error)
+
+    def _choose(self, demand: Demand, excluded: frozenset[str]) -> Pair:
+        pair = self._policy.choose(self._fleet.candidates("prefill", excluded),
+                                   self._fleet.candidates("decode", excluded), demand)
+        for target in (pair.prefill, pair.decode):
+            if target is not None:
+                reserve = demand.tokens_to_reserve if target.role == "decode" else demand.prompt_tokens
+                self._fleet.note_assigned(target, demand.prompt_tokens, reserve)
+                if self._metrics is not None:
+                    self._metrics.selected(target.role, target.instance_id)
+        return pair
+
+    async def _attempt(self, pair: Pair, room: Room, routed: RoutedRequest, demand: Demand,
+                       emit: Callable[[OutputChunk], None], is_cancelled: Callable[[], bool]) -> _Outcome:
+        events: asyncio.Queue[tuple[str, ChildResponse]] = asyncio.Queue()
+        router_id = self._router_id()
+        forwarded = routed.forwarded
+        prefill_id = pair.prefill.instance_id if pair.prefill is not None else ""
+        calls = [ChildCall("decode", pair.decode, room, prefill_id, router_id, forwarded)]
+        if pair.prefill is not None:
+            calls.insert(0, ChildCall("prefill", pair.prefill, room, "", router_id, forwarded))
+        readers = [asyncio.ensure_future(self._read(call, events)) for call in calls]
+        state = _MergeState(first_done=pair.prefill is None, prefill_final=pair.prefill is None)
+        targets = {call.role: call.target for call in calls}
+        try:
+            outcome = await self._merge(room, events, state, targets, emit, is_cancelled)
+        finally:
+            for reader in readers:
+                reader.cancel()   # ends (cancels) child streams still open
+            await asyncio.gather(*readers, return_exceptions=True)
+        if outcome.final is None or outcome.final.error is not None or outcome.final.finish_reason == "abort":
+            reason = outcome.error or (outcome.final.error if outcome.final else None) or "cancelled by the client"
+            await self._aborter.abort(room, reason)
+        return outcome
+
+    async def _read(self, call: ChildCall, events: asyncio.Queue[tuple[str, ChildResponse]]) -> None:
+        try:
+            async for response in self._launcher.stream(call):
+                events.put_nowait((call.role, response))
+                if response.final:
+                    return
+            events.put_nowait((call.role, ChildResponse(final=True)))
+        except ChildUnavailable as e:
+            events.put_nowait((call.role, ChildResponse(error=str(e), final=True)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # a launcher bug fails this attempt, never the loop
+            logger.exception("room=%d: %s stream failed", call.room, call.role)
+            events.put_nowait((call.role, ChildResponse(error=f"{call.role} failed: {e}", final=True)))
+
+    async def _merge(self, room: Room, events: asyncio.Queue[tuple[str, ChildResponse]], state: _MergeState,
+                     targets: dict[str, Target], emit: Callable[[OutputChunk], None],
+                     is_cancelled: Callable[[], bool]) -> _Outcome:
+        idle_timeout_s = self._config.request_idle_timeout_s
+        last_event_s = time.monotonic()
+        while not (state.prefill_final and state.decode_final):
+            if is_cancelled():
+                return _Outcome(final=state.final_chunk("abort"))
+            try:
+                role, response = await asyncio.wait_for(events.get(), CANCEL_POLL_INTERVAL_S)
+            except asyncio.TimeoutError:
+                if time.monotonic() - last_event_s > idle_timeout_s:
+                    reason = f"no response from prefill or decode for {idle_timeout_s:g} s"
+                    logger.error("room=%d: %s (prefill_final=%s decode_final=%s)", room, reason,
+                                 state.prefill_final, state.decode_final)
+                    for target in targets.values():
+                        self._fleet.record(target, ok=False)
+                    return _Outcome(final=OutputChunk(text="", final=True, error=reason), error=reason)
+                continue
+            last_event_s = time.monotonic()
+            if response.error is not None:
+                return self._failed(room, role, response.error, state, targets)
+            self._accept(role, response, state, emit)
+        for target in targets.values():
+            self._fleet.record(target, ok=True)
+        return _Outcome(final=state.final_chunk(state.finish_reason))
+
+    def _failed(self, room: Room, role: str, error: str, state: _MergeState, targets: dict[str, Target]) -> _Outcome:
+        culprit = targets[role]
+        self._fleet.record(culprit, ok=False)
+        logger.info("room=%d: %s %s failed: %s", room, role, culprit.instance_id, error)
+        if state.emitted:
+            return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
+        return _Outcome(error=error, culprit=culprit)   # nothing reached the client yet: retry elsewhere
+
+    def _accept(self, role: str, response: ChildResponse, state: _MergeState,
+                emit: Callable[[OutputChunk], None]) -> None:
+        if role == "prefill":
+            state.prefill_final = state.prefill_final or response.final
+            if not state.first_done and (response.num_output_tokens or response.final):
+                state.first_done = True
+                self._forward(response, state, emit)
+                for held in state.held:
+                    self._forward(held, state, emit)
+                state.held.clear()
+            return
+        state.decode_final = state.decode_final or response.final
+        if state.first_done:
+            self._forward(response, state, emit)
+        else:
+            state.held.append(response)
+
+    @staticmethod
+    def _forward(response: ChildResponse, state: _MergeState, emit: Callable[[OutputChunk], None]) -> None:
+        state.num_input_tokens = max(state.num_input_tokens, response.num_input_tokens)
+        state.num_output_tokens = max(state.num_output_tokens, response.num_output_tokens)
+        if response.finish_reason is not None:
+            state.finish_reason = response.finish_reason
+        if response.text:
+            state.emitted = True
+            emit(OutputChunk(text=response.text, final=False, num_input_tokens=state.num_input_tokens,
+                             num_output_tokens=state.num_output_tokens))
+
+    def _count_rejected(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.rejected(reason)

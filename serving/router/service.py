@@ -1,0 +1,213 @@
+"""``Router``: the whole router assembled and running on its own event loop thread; Triton-free.
+
+``serving.router.triton_model`` (the ``pd_ensemble`` adapter) hands it requests from Triton's execute thread;
+tests and benchmarks drive it in-process the same way.
+
+Threads (owner ``Router``; started by ``start``, stopped by ``stop`` in reverse order):
+
+=========================  ========================================================================================
+``router-loop-<name>``     the asyncio loop: every orchestration, the gRPC child streams, the readiness endpoint,
+                           the metrics publisher
+``router-fleet-<id>``      ``FleetWatcher``: reads the fleet from the bootstrap service, renews the lease
+``router-aborts``          posts room aborts to the bootstrap service (one blocking HTTP client)
+=========================  ========================================================================================
+
+Shutdown (``stop``): refuse new requests; cancel every orchestration (each ends its client stream with an error
+and FINAL, and cancels its child streams); stop the fleet watcher and release the lease (workers drop this
+router's rooms at once); close the gRPC channels; stop the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from bootstrap.client import BootstrapClient
+from bootstrap.errors import BootstrapError
+from serving.request import GenerateRequest
+from serving.router.config import RouterConfig
+from serving.router.fleet import Fleet, FleetWatcher
+from serving.router.launch import GrpcLauncher, Launcher
+from serving.router.lease import RouterLease
+from serving.router.metrics import RouterMetricsSink
+from serving.router.orchestrator import PDOrchestrator, RoutedRequest
+from serving.router.pairing import make_policy
+from serving.router.responder import OutputChunk
+
+logger = logging.getLogger(__name__)
+
+METRICS_INTERVAL_S = 0.25
+
+
+class BootstrapAborter:
+    """``RoomAborter`` over the bootstrap service, on one thread of its own (the client is blocking)."""
+
+    def __init__(self, bootstrap_url: str) -> None:
+        self._client = BootstrapClient(bootstrap_url, timeout_s=2.0)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="router-aborts")
+
+    async def abort(self, room: int, reason: str) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._client.abort_room, room, reason)
+        except BootstrapError as e:
+            logger.warning("room=%d: abort not delivered to the bootstrap service: %s", room, e)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._client.close()
+
+
+class TokenCounter:
+    """Prompt tokens of a request, with the fleet's tokenizer (chat template applied when asked); without a
+    tokenizer, an estimate of one token per 3 UTF-8 bytes."""
+
+    def __init__(self, model: str) -> None:
+        self._tokenizer: Any = None
+        if model:
+            from engine.model.loader import load_tokenizer   # the engine's own loader: same ids as the workers
+
+            self._tokenizer = load_tokenizer(model)
+
+    def __call__(self, request: GenerateRequest) -> int:
+        if self._tokenizer is None:
+            return max(1, len(request.prompt.encode("utf-8")) // 3)
+        from serving.colocated import prompt_token_ids
+
+        try:
+            return max(1, len(prompt_token_ids(self._tokenizer, request)))
+        except Exception:   # a template error is the workers' to report; pair by an estimate meanwhile
+            return max(1, len(request.prompt.encode("utf-8")) // 3)
+
+
+class Router:
+    """Constructed without side effects; ``start`` brings it up, ``stop`` takes it down."""
+
+    def __init__(self, config: RouterConfig, name: str, model_name: str = "pd_ensemble",
+                 metrics: RouterMetricsSink | None = None, launcher: Launcher | None = None,
+                 count_tokens: Callable[[GenerateRequest], int] | None = None) -> None:
+        """
+        Args:
+            config: the router's knobs.
+            name: the Triton instance name (thread names, lease id prefix).
+            model_name: the model clients call (registered with the lease).
+            metrics: where to publish; None disables.
+            launcher: how children are reached; default ``GrpcLauncher``.
+            count_tokens: prompt token counter; default ``TokenCounter(config.tokenizer)``.
+        """
+        self.config = config
+        self._name = name
+        self._metrics = metrics
+        self.fleet = Fleet(config)
+        self.lease = RouterLease(config.bootstrap_url, name, config.grpc_url, model_name)
+        self._watcher = FleetWatcher(self.fleet, config, self.lease)
+        self._launcher: Launcher = launcher or GrpcLauncher()
+        self._aborter = BootstrapAborter(config.bootstrap_url)
+        self._count_tokens = count_tokens
+        self.orchestrator: PDOrchestrator | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting = False
+        self._health_runner: Any = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Load the tokenizer, register the lease, read the fleet, start the loop thread (and the readiness
+        endpoint when ``health_port`` is set). Raises RuntimeError when the loop does not come up in time."""
+        count = self._count_tokens or TokenCounter(self.config.tokenizer)
+        self.orchestrator = PDOrchestrator(self.config, self.fleet, make_policy(self.config.policy,
+                                           self.config.direct_decode_max_tokens), self._launcher, self._aborter,
+                                           count, lambda: self.lease.router_id, self._metrics)
+        self._watcher.start()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"router-loop-{self._name}",
+                                        daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start_async(), self._loop).result(timeout_s)
+        self._accepting = True
+        logger.info("router %s up: policy=%s fleet=%s", self.lease.router_id, self.config.policy,
+                    self.fleet.health())
+
+    async def _start_async(self) -> None:
+        self._spawn(self._publish_metrics())
+        if self.config.health_port:
+            from aiohttp import web
+
+            app = web.Application()
+            app.add_routes([web.get("/ready", self._ready_handler), web.get("/health", self._live_handler)])
+            self._health_runner = web.AppRunner(app, access_log=None)
+            await self._health_runner.setup()
+            await web.TCPSite(self._health_runner, "0.0.0.0", self.config.health_port).start()
+
+    def submit(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
+               is_cancelled: Callable[[], bool]) -> None:
+        """Start one request (any thread); ``emit`` gets its chunks on the loop thread, the final one exactly
+        once (also when the router stops meanwhile). Raises RuntimeError when the router is not running."""
+        if not self._accepting:
+            raise RuntimeError("the router is not running")
+        self._loop.call_soon_threadsafe(lambda: self._spawn(self._serve(routed, emit, is_cancelled)))
+
+    def ready(self) -> bool:
+        """True while at least one prefill and one decode instance are in rotation."""
+        return self.fleet.ready()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Idempotent; see the module docstring for the order."""
+        if self._thread is None:
+            return
+        self._accepting = False
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop_async(timeout_s), self._loop).result(timeout_s + 5)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            logger.error("router %s: in-flight requests did not end within %.0f s", self._name, timeout_s)
+        self._watcher.stop(timeout_s)
+        self._aborter.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    async def _stop_async(self, timeout_s: float) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        if self._health_runner is not None:
+            await self._health_runner.cleanup()
+        await self._launcher.close()
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
+                     is_cancelled: Callable[[], bool]) -> None:
+        assert self.orchestrator is not None
+        try:
+            await self.orchestrator.generate(routed, emit, is_cancelled)
+        except asyncio.CancelledError:
+            emit(OutputChunk(text="", final=True, error="the router is shutting down"))
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            if self._metrics is not None and self.orchestrator is not None:
+                admission = self.orchestrator.admission
+                self._metrics.publish_queue(admission.queued, admission.inflight)
+                self._metrics.publish_health(self.fleet.health(), self.fleet.ready())
+            await asyncio.sleep(METRICS_INTERVAL_S)
+
+    async def _ready_handler(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = {"ready": self.fleet.ready(), "router_id": self.lease.router_id, "instances": self.fleet.health()}
+        return web.Response(text=json.dumps(body), status=200 if body["ready"] else 503,
+                            content_type="application/json")
+
+    async def _live_handler(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.Response(text="ok")

@@ -1,0 +1,56 @@
+"""Triton python-backend adapter of the router (``model_repository/pd_ensemble``, decoupled).
+
+initialize: parameters → ``RouterConfig`` (an unknown key or a bad value fails the load, naming it) → a started
+``Router`` (its own event loop thread) and the instance's response thread. execute: parse each request (a bad
+input gets one error response with FINAL) and hand it to the router; nothing blocks Triton's thread.
+finalize: stop the router (requests in flight end with an error and FINAL; its lease is released, so workers
+drop its rooms), then the response thread once it has sent those FINALs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from serving.metrics import ServingMetrics
+from serving.request import parse_request
+from serving.router.config import build_router_config
+from serving.router.metrics import RouterMetricsSink
+from serving.router.orchestrator import RoutedRequest
+from serving.router.responder import EnsembleResponder
+from serving.router.service import Router
+from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
+from serving.triton_pd import decoupled_config, exit_when_orphaned, setup_logging
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 15.0
+
+
+class RouterModel:
+    """``pd_ensemble``: the PD router."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        setup_logging()
+        model_name, instance = str(args["model_name"]), str(args["model_instance_name"])
+        model_config = decoupled_config(args, model_name)
+        config = build_router_config(model_config.get("parameters", {}))
+        metrics = RouterMetricsSink(ServingMetrics(pb_utils().MetricFamily, model=model_name, instance=instance))
+        self._responses = new_dispatcher(instance)
+        self._responses.start()
+        self._router = Router(config, instance, model_name, metrics)
+        self._router.start()
+        exit_when_orphaned(instance)
+        logger.info("%s ready: %s", instance, config)
+
+    def execute(self, requests: list[Any]) -> None:
+        answer_each(requests, self._handle_one, self._responses)
+
+    def _handle_one(self, request: Any, sink: TritonResponseSink) -> None:
+        raw = read_inputs(request)
+        routed = RoutedRequest(parse_request(raw), raw)
+        self._router.submit(routed, EnsembleResponder(routed.request, sink).emit, sink.is_cancelled)
+
+    def finalize(self) -> None:
+        self._router.stop(STOP_TIMEOUT_S)
+        self._responses.stop(STOP_TIMEOUT_S)

@@ -1,0 +1,127 @@
+"""Fleet health (freshness, circuit breakers, static lists), the pairing policies and admission; one invariant
+a test, all on the CPU without a server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from router_fakes import fleet_of, status
+
+from serving.router.admission import Admission, ServerBusy
+from serving.router.config import RouterConfig
+from serving.router.fleet import FleetSnapshot
+from serving.router.pairing import Demand, LoadAwarePairing, NoInstance, RoundRobinPairing
+
+
+def ids(candidates) -> list[str]:
+    return [c.target.instance_id for c in candidates]
+
+
+def test_stale_instances_are_out_of_rotation_until_heard_from_again() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill", age_s=5.0))
+    assert ids(fleet.candidates("prefill")) == ["p0@h:1"]
+    fleet.update(FleetSnapshot((status("p1@h:1", "prefill", age_s=0.1),), taken_s=100.0))
+    assert ids(fleet.candidates("prefill")) == ["p1@h:1"]
+
+
+def test_the_breaker_opens_after_consecutive_failures_and_a_trial_closes_it() -> None:
+    clock = [100.0]
+    config = RouterConfig(breaker_failures=2, breaker_cooldown_s=5.0)
+    fleet = fleet_of(status("d0@h:1", "decode"), config=config, now=lambda: clock[0])
+    target = fleet.candidates("decode")[0].target
+    fleet.record(target, ok=False)
+    assert ids(fleet.candidates("decode")) == ["d0@h:1"]     # one failure: still in rotation
+    fleet.record(target, ok=False)
+    assert fleet.candidates("decode") == [] and not fleet.ready()
+    clock[0] += 5.0
+    fleet.update(FleetSnapshot((status("d0@h:1", "decode"),), taken_s=clock[0]))
+    assert ids(fleet.candidates("decode")) == ["d0@h:1"]     # cooled down: one trial
+    fleet.note_assigned(target, 10, 10)
+    assert fleet.candidates("decode") == []                   # the trial is in flight
+    fleet.record(target, ok=True)
+    assert ids(fleet.candidates("decode")) == ["d0@h:1"]
+
+
+def test_a_restarted_instance_gets_a_fresh_breaker() -> None:
+    config = RouterConfig(breaker_failures=1)
+    fleet = fleet_of(status("p0@h:1", "prefill"), config=config)
+    fleet.record(fleet.candidates("prefill")[0].target, ok=False)
+    assert fleet.candidates("prefill") == []
+    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", epoch=2),), taken_s=100.0))
+    assert ids(fleet.candidates("prefill")) == ["p0@h:1"]
+
+
+def test_a_static_list_restricts_the_fleet_to_its_entries() -> None:
+    config = RouterConfig(grpc_url="127.0.0.1:8001", prefill_models="prefill_1")
+    fleet = fleet_of(status("prefill@127.0.0.1:8001", "prefill"), status("prefill_1@127.0.0.1:8001", "prefill"),
+                     config=config)
+    assert ids(fleet.candidates("prefill")) == ["prefill_1@127.0.0.1:8001"]
+
+
+def test_router_assignments_count_until_the_next_report() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=100))
+    target = fleet.candidates("prefill")[0].target
+    fleet.note_assigned(target, 500, 500)
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 600
+    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", queued_tokens=650),), taken_s=101.0))
+    fleet._now = lambda: 101.0   # a report newer than the assignment replaces it
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 650
+
+
+def test_load_aware_picks_least_queued_prefill_and_roomiest_decode_that_fits() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900), status("p1@h:1", "prefill", queued_tokens=10),
+                     status("d0@h:1", "decode", free_pages=40), status("d1@h:1", "decode", free_pages=30))
+    pair = LoadAwarePairing().choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(100, 100))
+    assert pair.prefill is not None and pair.prefill.instance_id == "p1@h:1" and pair.decode.instance_id == "d0@h:1"
+
+
+def test_load_aware_spreads_an_idle_fleet() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"),
+                     status("d1@h:1", "decode"))
+    policy = LoadAwarePairing()
+    picks = [policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(16, 16))
+             for _ in range(4)]
+    assert {p.prefill.instance_id for p in picks if p.prefill} == {"p0@h:1", "p1@h:1"}
+    assert {p.decode.instance_id for p in picks} == {"d0@h:1", "d1@h:1"}
+
+
+def test_round_robin_cycles_and_direct_decode_skips_prefill() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
+    policy = RoundRobinPairing(direct_decode_max_tokens=32)
+    long = [policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(64, 8)) for _ in range(4)]
+    assert [p.prefill.instance_id for p in long if p.prefill] == ["p0@h:1", "p1@h:1", "p0@h:1", "p1@h:1"]
+    assert policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(8, 8)).prefill is None
+
+
+def test_no_candidate_is_a_typed_error_naming_the_role() -> None:
+    fleet = fleet_of(status("d0@h:1", "decode"))
+    with pytest.raises(NoInstance, match="prefill"):
+        LoadAwarePairing().choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(8, 8))
+
+
+def test_admission_bounds_inflight_and_queue_then_refuses() -> None:
+    async def scenario() -> list[str]:
+        admission = Admission(max_inflight=2, max_queued=1, queue_timeout_s=0.2)
+        results: list[str] = []
+        release = asyncio.Event()
+
+        async def one(name: str) -> None:
+            try:
+                async with admission.admit():
+                    results.append(f"{name}:in")
+                    await release.wait()
+            except ServerBusy as e:
+                results.append(f"{name}:busy:{'queue_timeout' in str(e)}")
+
+        tasks = [asyncio.ensure_future(one(n)) for n in "abcd"]
+        await asyncio.sleep(0.05)
+        assert admission.inflight == 2 and admission.queued == 1
+        await asyncio.sleep(0.3)           # c waited past queue_timeout_s
+        release.set()
+        await asyncio.gather(*tasks)
+        assert admission.inflight == 0 and admission.queued == 0
+        return results
+
+    results = asyncio.run(scenario())
+    assert results[:2] == ["a:in", "b:in"] and "d:busy:False" in results and "c:busy:True" in results
