@@ -27,6 +27,7 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -77,7 +78,13 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
 
 
 class ServingMetrics:
-    """The metrics of one model instance. Create once per process (Triton families are process-wide)."""
+    """The metrics of one model instance. Create once per process (Triton families are process-wide).
+
+    ``close()`` must run in the model's ``finalize``: a python-backend ``Metric`` or ``MetricFamily`` sends a
+    delete message to tritonserver when it is destroyed, and one still alive when the stub tears itself down
+    (after ``finalize`` returned) dereferences the stub's freed shared-memory pool (tritonserver 2.51: segfault
+    in ``Metric::SaveToSharedMemory``). Updates after ``close()`` are ignored.
+    """
 
     def __init__(self, family_factory: MetricFamilyFactory, model: str, instance: str) -> None:
         """
@@ -91,6 +98,18 @@ class ServingMetrics:
                           for name, (kind, desc) in _FAMILIES.items()}
         self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
         self._last_gauge: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        # held by updates and close(): a thread that outlived its stop deadline never keeps a metric alive
+        # past close(), nor sends through one that close() is destroying
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Destroy every Triton metric and family now (model ``finalize``; see the class docstring). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._series.clear()     # each Metric is deleted at tritonserver here, while the stub still runs
+            self._families.clear()
+            self._last_gauge.clear()
 
     def _metric(self, name: str, extra: Mapping[str, str]) -> tuple[Metric, tuple[tuple[str, str], ...]]:
         key = (name, tuple(sorted(extra.items())))
@@ -102,15 +121,21 @@ class ServingMetrics:
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:
         """Set a gauge (one of this module's names); a value equal to the last one is not sent again."""
-        metric, label_key = self._metric(name, labels)
-        if self._last_gauge.get((name, label_key)) != value:
-            metric.set(float(value))
-            self._last_gauge[(name, label_key)] = value
+        with self._lock:
+            if self._closed:
+                return
+            metric, label_key = self._metric(name, labels)
+            if self._last_gauge.get((name, label_key)) != value:
+                metric.set(float(value))
+                self._last_gauge[(name, label_key)] = value
 
     def increment(self, name: str, value: float = 1.0, **labels: str) -> None:
         """Add ``value`` (>= 0) to a counter (one of this module's names)."""
-        if value > 0:
-            self._metric(name, labels)[0].increment(float(value))
+        if value <= 0:
+            return
+        with self._lock:
+            if not self._closed:
+                self._metric(name, labels)[0].increment(float(value))
 
     def set_queue_length(self, queue: str, num_requests: int) -> None:
         """``pd_queue_requests{queue=...}``: requests currently held in ``queue``."""

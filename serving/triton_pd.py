@@ -2,7 +2,9 @@
 only pick a class from here.
 
 ``PDChildModel`` (prefill, decode): initialize → ``WorkerConfig`` → ``create_pd_worker`` → start; execute →
-parse each request (a bad input gets one error response with FINAL) → ``worker.handle``; finalize → stop.
+parse each request (a bad input gets one error response with FINAL) → ``worker.handle``; finalize → stop the
+worker, then destroy the custom metrics (``ServingMetrics.close``: a metric outliving ``finalize`` segfaults the
+stub when it tears down).
 
 ``PDEnsembleModel`` (pd_ensemble, BLS): execute → parse → one orchestration per request on a worker thread;
 each child request is a decoupled BLS call (``InferenceRequest.exec(decoupled=True)``) read on its own thread.
@@ -81,11 +83,11 @@ class PDChildModel:
         device = instance_device(args["model_instance_kind"], int(args["model_instance_device_id"]))
         config = build_worker_config(model_config.get("parameters", {}), device=device)
         apply_cpu_affinity(config)
-        metrics = ServingMetrics(pb_utils().MetricFamily, model=args["model_name"],
-                                 instance=args["model_instance_name"])
+        self._metrics = ServingMetrics(pb_utils().MetricFamily, model=args["model_name"],
+                                       instance=args["model_instance_name"])
         from serving.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
 
-        self._handle = create_pd_worker(self.ROLE, config, instance_id, metrics)
+        self._handle = create_pd_worker(self.ROLE, config, instance_id, self._metrics)
         self._handle.start()
         _exit_when_orphaned(args["model_instance_name"])
         logger.info("%s ready as %s instance %s: %s", args["model_instance_name"], self.ROLE, instance_id, config)
@@ -111,6 +113,7 @@ class PDChildModel:
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
         self._handle.stop(STOP_TIMEOUT_S)
+        self._metrics.close()   # after every thread that updates them stopped; before the stub tears down
 
 
 def _exit_when_orphaned(name: str, interval_s: float = 1.0) -> None:

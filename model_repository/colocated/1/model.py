@@ -3,7 +3,8 @@
 initialize: model config ``parameters`` → ``WorkerConfig`` → ``ColocatedWorker`` (loads the model) → start.
 execute: for each request, inputs → ``GenerateRequest`` (a bad input gets one error response with FINAL),
 then ``ColocatedWorker.handle``, which answers on the request's response sender from the engine loop thread.
-finalize: stop the worker; requests still in flight end with an error response and FINAL.
+finalize: stop the worker (requests still in flight end with an error response and FINAL), then destroy the
+custom metrics while the stub can still tell tritonserver (``ServingMetrics.close``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class TritonPythonModel:
         config = build_worker_config(model_config.get("parameters", {}), device=device)
         apply_cpu_affinity(config)
         instance = args["model_instance_name"]
-        metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
-        self._worker = ColocatedWorker.create(config, name=instance, metrics=metrics)
+        self._metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
+        self._worker = ColocatedWorker.create(config, name=instance, metrics=self._metrics)
         self._worker.start()
         logger.info("%s ready: %s", instance, config)
 
@@ -48,3 +49,4 @@ class TritonPythonModel:
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
         self._worker.stop(STOP_TIMEOUT_S)
+        self._metrics.close()
