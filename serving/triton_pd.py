@@ -54,6 +54,11 @@ def _setup_logging() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+def _teardown_logging() -> None:
+    """``finalize``: the SIGUSR1 dump handler goes with the model (a stub must not dump a finalizing heap)."""
+    faulthandler.unregister(signal.SIGUSR1)
+
+
 def _decoupled_config(args: dict[str, Any], model: str) -> dict[str, Any]:
     model_config = json.loads(args["model_config"])
     if not pb_utils().using_decoupled_model_transaction_policy(model_config):
@@ -89,7 +94,7 @@ class PDChildModel:
 
         self._handle = create_pd_worker(self.ROLE, config, instance_id, self._metrics)
         self._handle.start()
-        _exit_when_orphaned(args["model_instance_name"])
+        self._orphan_watch = OrphanWatch(args["model_instance_name"]).start()
         logger.info("%s ready as %s instance %s: %s", args["model_instance_name"], self.ROLE, instance_id, config)
 
     def _instance_id(self, args: dict[str, Any], model_config: dict[str, Any]) -> str:
@@ -112,26 +117,42 @@ class PDChildModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
+        self._orphan_watch.stop()
         self._handle.stop(STOP_TIMEOUT_S)
         self._metrics.close()   # after every thread that updates them stopped; before the stub tears down
+        _teardown_logging()
 
 
-def _exit_when_orphaned(name: str, interval_s: float = 1.0) -> None:
-    """End this stub process once tritonserver is gone (its parent changed).
+class OrphanWatch:
+    """End this stub process once tritonserver is gone (its parent changed), on thread ``orphan-watch-<name>``.
 
     A stub left behind by a server that hit its exit timeout would otherwise keep heartbeating and register
     again, under the same instance id, with the next bootstrap service on the same port, and the next server's
-    rooms would fail against its stale agent.
+    rooms would fail against its stale agent. ``stop`` (the model's ``finalize``) ends and joins the thread, so
+    it never runs Python while the stub tears down.
     """
-    parent = os.getppid()
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        logger.error("%s: tritonserver (pid %d) is gone; exiting", name, parent)
-        os._exit(1)
+    def __init__(self, name: str, interval_s: float = 1.0) -> None:
+        self._name = name
+        self._interval_s = interval_s
+        self._parent = os.getppid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"orphan-watch-{name}", daemon=True)
 
-    threading.Thread(target=watch, name=f"orphan-watch-{name}", daemon=True).start()
+    def start(self) -> OrphanWatch:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            if os.getppid() != self._parent:
+                logger.error("%s: tritonserver (pid %d) is gone; exiting", self._name, self._parent)
+                os._exit(1)
 
 
 def _child_response(response: Any) -> ChildResponse:
@@ -182,7 +203,7 @@ class PDEnsembleModel:
         self._client = BootstrapClient(self._bootstrap_url)
         self._orchestrator = PDOrchestrator(RoundRobinPairing(prefill_models, decode_models), RoomAllocator(),
                                             self._abort_room, self._readers, idle_timeout_s=idle_timeout_s)
-        _exit_when_orphaned(args["model_instance_name"])
+        self._orphan_watch = OrphanWatch(args["model_instance_name"]).start()
         logger.info("pd_ensemble ready: prefill=%s decode=%s bootstrap=%s", prefill_models, decode_models,
                     self._bootstrap_url)
 
@@ -224,6 +245,8 @@ class PDEnsembleModel:
         self._orchestrations.shutdown(wait=False)  # queued requests still end: their children fail
         self._readers.shutdown(wait=False)
         self._client.close()
+        self._orphan_watch.stop()
+        _teardown_logging()
 
 
 def _model_list(params: dict[str, str], key: str, default: str) -> list[str]:
