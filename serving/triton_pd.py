@@ -15,10 +15,8 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
-import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,6 +34,7 @@ from serving.orchestrator import (
     RoomAllocator,
     RoundRobinPairing,
 )
+from serving.orphan_watch import OrphanWatch
 from serving.pd_request import PD_INPUT_NAMES, parse_pd_request
 from serving.request import parse_request
 from serving.triton_io import RawValue, TritonResponseSink, answer_each, pb_utils, read_inputs
@@ -121,38 +120,6 @@ class PDChildModel:
         self._handle.stop(STOP_TIMEOUT_S)
         self._metrics.close()   # after every thread that updates them stopped; before the stub tears down
         _teardown_logging()
-
-
-class OrphanWatch:
-    """End this stub process once tritonserver is gone (its parent changed), on thread ``orphan-watch-<name>``.
-
-    A stub left behind by a server that hit its exit timeout would otherwise keep heartbeating and register
-    again, under the same instance id, with the next bootstrap service on the same port, and the next server's
-    rooms would fail against its stale agent. ``stop`` (the model's ``finalize``) ends and joins the thread, so
-    it never runs Python while the stub tears down.
-    """
-
-    def __init__(self, name: str, interval_s: float = 1.0) -> None:
-        self._name = name
-        self._interval_s = interval_s
-        self._parent = os.getppid()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name=f"orphan-watch-{name}", daemon=True)
-
-    def start(self) -> OrphanWatch:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            if os.getppid() != self._parent:
-                logger.error("%s: tritonserver (pid %d) is gone; exiting", self._name, self._parent)
-                os._exit(1)
 
 
 def _child_response(response: Any) -> ChildResponse:

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from serving.colocated import ColocatedWorker
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
+from serving.orphan_watch import OrphanWatch
 from serving.request import parse_request
 from serving.triton_io import answer_each, read_inputs
 
@@ -41,6 +42,7 @@ class TritonPythonModel:
         self._metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
         self._worker = ColocatedWorker.create(config, name=instance, metrics=self._metrics)
         self._worker.start()
+        self._orphan_watch = OrphanWatch(instance).start()
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
@@ -48,5 +50,6 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
+        self._orphan_watch.stop()
         self._worker.stop(STOP_TIMEOUT_S)
         self._metrics.close()
