@@ -299,6 +299,37 @@ def shm_regions_of_group(pgid: int) -> set[str]:
     return regions
 
 
+def stub_pids_of_group(pgid: int) -> list[int]:
+    """PIDs of the python-backend stubs in process group ``pgid``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) == pgid and b"triton_python_backend_stub" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
+
+
+def kernel_log() -> list[str] | None:
+    """The kernel ring buffer (``dmesg``) as lines; None where it cannot be read (no permission, no dmesg)."""
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.decode(errors="replace").splitlines()
+
+
+def fault_lines(lines: Sequence[str], pids: Sequence[int]) -> list[str]:
+    """Kernel lines reporting a fatal fault (segfault, general protection, trap) of one of ``pids``."""
+    if not pids:
+        return []
+    pattern = re.compile(r"\[(" + "|".join(str(p) for p in pids) + r")\]:? .*(segfault|general protection|trap)")
+    return [line for line in lines if pattern.search(line)]
+
+
 class ServeScript:
     """``scripts/serve.sh`` with ``models`` (comma-separated) on free loopback ports, in its own process group,
     its output in ``log_path``; ``model_repository`` replaces ``model_repository/`` when given.
@@ -327,6 +358,10 @@ class ServeScript:
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_ready(self.http_url, self._proc, timeout_s, self.log_tail)
         return self
+
+    def stub_pids(self) -> list[int]:
+        """PIDs of the python-backend stubs this server runs now ([] when not started)."""
+        return stub_pids_of_group(self._proc.pid) if self._proc is not None else []
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
