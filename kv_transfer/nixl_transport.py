@@ -171,6 +171,9 @@ class NixlTransport(Transport):
         except self._errors as exc:
             logger.warning("releasing registered memory failed: %r", exc)
         self._local_dlists, self._reg_descs = [], []
+        # the last reference: the agent (its UCX workers and threads) is destroyed now, in the caller's
+        # shutdown, not whenever the interpreter gets to it while the Triton stub tears down
+        self._agent = None
 
     def _safe_release(self, handle: object) -> None:
         try:

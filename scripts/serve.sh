@@ -5,8 +5,16 @@
 #   MODELS=colocated scripts/serve.sh      # serve a subset (comma-separated; explicit model control)
 #   scripts/serve.sh --log-verbose=1       # extra arguments go to tritonserver
 #
-# Env: HTTP_PORT (8000), GRPC_PORT (8001), METRICS_PORT (8002), BOOTSTRAP_PORT (8998), HOST (127.0.0.1),
-#      MODELS (all), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh).
+# One role per host (PD across servers; the bootstrap service runs once per fleet):
+#   ROLE=router  BOOTSTRAP=1 scripts/serve.sh                          # pd_ensemble + the fleet's bootstrap
+#   ROLE=prefill PD_BOOTSTRAP_URL=http://<router host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
+#   ROLE=decode  PD_BOOTSTRAP_URL=http://<router host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
+#
+# Env: HTTP_PORT (8000), GRPC_PORT (8001), METRICS_PORT (8002), BOOTSTRAP_PORT (8998), HOST (127.0.0.1: the
+#      address tritonserver listens on), ADVERTISE_HOST (HOST: how other hosts reach this one),
+#      ROLE (all | router | prefill | decode; default all), MODELS (default: every model of the role),
+#      BOOTSTRAP (1: start the bootstrap service here; default 1 for ROLE=all, else 0 and PD_BOOTSTRAP_URL names
+#      the fleet's), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh).
 # Uses a tritonserver found on PATH (NGC container) when there is one, else the one in the nvidia-pytriton wheel.
 set -euo pipefail
 
@@ -18,6 +26,17 @@ METRICS_PORT="${METRICS_PORT:-8002}"
 BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
 MODEL_REPOSITORY="${MODEL_REPOSITORY:-$ROOT/model_repository}"
 VENV="${VENV:-$ROOT/.venv}"
+ROLE="${ROLE:-all}"
+case "$ROLE" in
+  all) BOOTSTRAP="${BOOTSTRAP:-1}" ;;
+  router) MODELS="${MODELS:-pd_ensemble}"; BOOTSTRAP="${BOOTSTRAP:-0}" ;;
+  prefill|decode) BOOTSTRAP="${BOOTSTRAP:-0}"
+    if [[ -z "${MODELS:-}" ]]; then   # every model of the role in the repository (prefill, prefill_1, ...)
+      MODELS="$(grep -l "^name: \"$ROLE\(_[0-9a-z]*\)\?\"" "$MODEL_REPOSITORY"/*/config.pbtxt \
+                | xargs -n1 dirname | xargs -n1 basename | paste -sd, -)"
+    fi ;;
+  *) echo "[serve] ROLE must be all, router, prefill or decode, got '$ROLE'" >&2; exit 2 ;;
+esac
 
 say() { echo "[serve] $*"; }
 
@@ -30,7 +49,7 @@ export PYTHONUNBUFFERED=1
 # NIXL/UCX between the prefill and decode processes: notifications through shared memory, TCP on loopback only.
 export UCX_MM_ERROR_HANDLING="${UCX_MM_ERROR_HANDLING:-y}"
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
-export PD_BOOTSTRAP_URL="${PD_BOOTSTRAP_URL:-http://$HOST:$BOOTSTRAP_PORT}"
+export PD_BOOTSTRAP_URL="${PD_BOOTSTRAP_URL:-http://${ADVERTISE_HOST:-$HOST}:$BOOTSTRAP_PORT}"
 # How routers (in this server or others) reach this server's models: registered with the bootstrap service.
 export PD_GRPC_URL="${PD_GRPC_URL:-${ADVERTISE_HOST:-$HOST}:$GRPC_PORT}"
 
@@ -77,7 +96,7 @@ trap 'stop_all; exit 130' INT
 trap 'stop_all; exit 143' TERM
 trap 'stop_all' EXIT
 
-if [[ -f "$ROOT/bootstrap/__main__.py" ]]; then
+if [[ "$BOOTSTRAP" == 1 ]]; then
   say "bootstrap service on $PD_BOOTSTRAP_URL"
   python3 -m bootstrap --host "$HOST" --port "$BOOTSTRAP_PORT" &
   pids+=($!)

@@ -28,7 +28,7 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 ``pd_router_rejections_total``      counter  router: requests refused (label ``reason``: ``busy``,
                                              ``no_prefill``, ``no_decode``)
 ``pd_router_requests_total``        counter  router: requests ended (label ``outcome``)
-``pd_router_instance_healthy``      gauge    router: 1 while an instance is in rotation (``role``, ``target``)
+``pd_router_healthy_instances``     gauge    router: 1 while an instance is in rotation (``role``, ``target``)
 ``pd_router_ready``                 gauge    router: 1 while at least one prefill and one decode are in rotation
 ==================================  =======  =================================================================
 """
@@ -36,6 +36,7 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -88,13 +89,19 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
     "pd_router_retries_total": ("COUNTER", "Router: attempts retried on another pair before the first token"),
     "pd_router_rejections_total": ("COUNTER", "Router: requests refused (busy, no healthy instance)"),
     "pd_router_requests_total": ("COUNTER", "Router: requests ended, by outcome"),
-    "pd_router_instance_healthy": ("GAUGE", "Router: 1 while the instance is in rotation"),
+    "pd_router_healthy_instances": ("GAUGE", "Router: 1 while the instance is in rotation"),
     "pd_router_ready": ("GAUGE", "Router: 1 while at least one prefill and one decode instance are in rotation"),
 }
 
 
 class ServingMetrics:
-    """The metrics of one model instance. Create once per process (Triton families are process-wide)."""
+    """The metrics of one model instance. Create once per process (Triton families are process-wide).
+
+    ``close()`` must run in the model's ``finalize``: a python-backend ``Metric`` or ``MetricFamily`` sends a
+    delete message to tritonserver when it is destroyed, and one still alive when the stub tears itself down
+    (after ``finalize`` returned) dereferences the stub's freed shared-memory pool (tritonserver 2.51: segfault
+    in ``Metric::SaveToSharedMemory``). Updates after ``close()`` are ignored.
+    """
 
     def __init__(self, family_factory: MetricFamilyFactory, model: str, instance: str) -> None:
         """
@@ -108,6 +115,18 @@ class ServingMetrics:
                           for name, (kind, desc) in _FAMILIES.items()}
         self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
         self._last_gauge: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        # held by updates and close(): a thread that outlived its stop deadline never keeps a metric alive
+        # past close(), nor sends through one that close() is destroying
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Destroy every Triton metric and family now (model ``finalize``; see the class docstring). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._series.clear()     # each Metric is deleted at tritonserver here, while the stub still runs
+            self._families.clear()
+            self._last_gauge.clear()
 
     def _metric(self, name: str, extra: Mapping[str, str]) -> tuple[Metric, tuple[tuple[str, str], ...]]:
         key = (name, tuple(sorted(extra.items())))
@@ -119,15 +138,21 @@ class ServingMetrics:
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:
         """Set a gauge (one of this module's names); a value equal to the last one is not sent again."""
-        metric, label_key = self._metric(name, labels)
-        if self._last_gauge.get((name, label_key)) != value:
-            metric.set(float(value))
-            self._last_gauge[(name, label_key)] = value
+        with self._lock:
+            if self._closed:
+                return
+            metric, label_key = self._metric(name, labels)
+            if self._last_gauge.get((name, label_key)) != value:
+                metric.set(float(value))
+                self._last_gauge[(name, label_key)] = value
 
     def increment(self, name: str, value: float = 1.0, **labels: str) -> None:
         """Add ``value`` (>= 0) to a counter (one of this module's names)."""
-        if value > 0:
-            self._metric(name, labels)[0].increment(float(value))
+        if value <= 0:
+            return
+        with self._lock:
+            if not self._closed:
+                self._metric(name, labels)[0].increment(float(value))
 
     def set_queue_length(self, queue: str, num_requests: int) -> None:
         """``pd_queue_requests{queue=...}``: requests currently held in ``queue``."""

@@ -2,7 +2,9 @@
 a class from here (the router's glue is ``serving.router.triton_model``).
 
 ``PDChildModel`` (prefill, decode): initialize → ``WorkerConfig`` → ``create_pd_worker`` → start; execute →
-parse each request (a bad input gets one error response with FINAL) → ``worker.handle``; finalize → stop.
+parse each request (a bad input gets one error response with FINAL) → ``worker.handle``; finalize → stop the
+worker, then the response thread once it sent their FINALs, then destroy the custom metrics
+(``ServingMetrics.close``: a metric outliving ``finalize`` segfaults the stub when it tears down).
 Responses leave through the instance's ``ResponseDispatcher`` thread: the engine loop never waits on Triton.
 
 Identity: a PD model runs exactly one instance, registered at the bootstrap service as
@@ -15,16 +17,14 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
-import os
 import signal
-import threading
-import time
 from typing import Any
 
 import numpy as np
 
 from serving.config import ConfigError, apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
+from serving.orphan_watch import OrphanWatch
 from serving.pd_request import PD_INPUT_NAMES, parse_pd_request
 from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
 
@@ -37,6 +37,11 @@ def setup_logging() -> None:
     """INFO logs to the server log; ``kill -USR1 <stub pid>`` dumps every Python thread's stack there too."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def teardown_logging() -> None:
+    """``finalize``: the SIGUSR1 dump handler goes with the model (a stub must not dump a finalizing heap)."""
+    faulthandler.unregister(signal.SIGUSR1)
 
 
 def decoupled_config(args: dict[str, Any], model: str) -> dict[str, Any]:
@@ -70,14 +75,15 @@ class PDChildModel:
         config = build_worker_config(model_config.get("parameters", {}), device=device)
         instance_id = f"{model_name}@{config.grpc_url}"
         apply_cpu_affinity(config)
-        metrics = ServingMetrics(pb_utils().MetricFamily, model=model_name, instance=args["model_instance_name"])
+        self._metrics = ServingMetrics(pb_utils().MetricFamily, model=model_name,
+                                       instance=args["model_instance_name"])
         from serving.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
 
         self._responses = new_dispatcher(args["model_instance_name"])
         self._responses.start()
-        self._handle = create_pd_worker(self.ROLE, config, instance_id, metrics, model_name=model_name)
+        self._handle = create_pd_worker(self.ROLE, config, instance_id, self._metrics, model_name=model_name)
         self._handle.start()
-        exit_when_orphaned(args["model_instance_name"])
+        self._orphan_watch = OrphanWatch(args["model_instance_name"]).start()
         logger.info("%s ready as %s instance %s: %s", args["model_instance_name"], self.ROLE, instance_id, config)
 
     def execute(self, requests: list[Any]) -> None:
@@ -89,8 +95,11 @@ class PDChildModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
+        self._orphan_watch.stop()
         self._handle.stop(STOP_TIMEOUT_S)
         self._responses.stop(STOP_TIMEOUT_S)   # after the worker: the FINALs of its failed requests go out
+        self._metrics.close()   # after every thread that updates them stopped; before the stub tears down
+        teardown_logging()
 
 
 def _check_one_instance(model_config: dict[str, Any], role: str) -> None:
@@ -100,23 +109,3 @@ def _check_one_instance(model_config: dict[str, Any], role: str) -> None:
     if count != 1:
         raise ConfigError("instance_group", f"a {role} model runs exactly one instance (got {count}); for more "
                           f"{role} instances add models ({role}_1, ...): the router finds them at the bootstrap")
-
-
-def exit_when_orphaned(name: str, interval_s: float = 1.0) -> None:
-    """End this stub process once tritonserver is gone (its parent changed).
-
-    A stub left behind by a server that hit its exit timeout would otherwise keep heartbeating and register
-    again, under the same instance id, with the next bootstrap service on the same port, and the next server's
-    rooms would fail against its stale agent.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        logger.error("%s: tritonserver (pid %d) is gone; exiting", name, parent)
-        os._exit(1)
-
-    threading.Thread(target=watch, name=f"orphan-watch-{name}", daemon=True).start()
-
-

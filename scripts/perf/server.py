@@ -299,6 +299,37 @@ def shm_regions_of_group(pgid: int) -> set[str]:
     return regions
 
 
+def stub_pids_of_group(pgid: int) -> list[int]:
+    """PIDs of the python-backend stubs in process group ``pgid``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) == pgid and b"triton_python_backend_stub" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
+
+
+def kernel_log() -> list[str] | None:
+    """The kernel ring buffer (``dmesg``) as lines; None where it cannot be read (no permission, no dmesg)."""
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.decode(errors="replace").splitlines()
+
+
+def fault_lines(lines: Sequence[str], pids: Sequence[int]) -> list[str]:
+    """Kernel lines reporting a fatal fault (segfault, general protection, trap) of one of ``pids``."""
+    if not pids:
+        return []
+    pattern = re.compile(r"\[(" + "|".join(str(p) for p in pids) + r")\]:? .*(segfault|general protection|trap)")
+    return [line for line in lines if pattern.search(line)]
+
+
 class ServeScript:
     """``scripts/serve.sh`` with ``models`` (comma-separated) on free loopback ports, in its own process group,
     its output in ``log_path``; ``model_repository`` replaces ``model_repository/`` when given.
@@ -306,14 +337,19 @@ class ServeScript:
     Attributes: ``http_url``, ``metrics_url``, ``bootstrap_url`` (``http://...``), ``grpc_url`` (``host:port``,
     for tritonclient.grpc), ``log_path``."""
 
-    def __init__(self, models: str, log_path: Path, model_repository: Path | None = None) -> None:
-        http, grpc, metrics, bootstrap = free_ports(4)
+    def __init__(self, models: str, log_path: Path, model_repository: Path | None = None,
+                 env: Mapping[str, str] | None = None, ports: Sequence[int] | None = None) -> None:
+        """``env``: extra environment of serve.sh (``ROLE``, ``BOOTSTRAP``, ``PD_BOOTSTRAP_URL``, ...);
+        ``ports``: (http, grpc, metrics, bootstrap) to reuse (a restarted server), else free ones."""
+        http, grpc, metrics, bootstrap = ports or free_ports(4)
+        self.ports = (http, grpc, metrics, bootstrap)
         self.http_url, self.grpc_url = f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         self.bootstrap_url = f"http://127.0.0.1:{bootstrap}"
         self.log_path = log_path
         self._env = {**os.environ, "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
-                     "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "BOOTSTRAP_PORT": str(bootstrap)}
+                     "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "BOOTSTRAP_PORT": str(bootstrap),
+                     **(env or {})}
         if model_repository is not None:
             self._env["MODEL_REPOSITORY"] = str(model_repository)
         self._proc: subprocess.Popen[bytes] | None = None
@@ -327,6 +363,22 @@ class ServeScript:
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_ready(self.http_url, self._proc, timeout_s, self.log_tail)
         return self
+
+    def kill(self) -> None:
+        """SIGKILL serve.sh, tritonserver and every stub at once (a server that dies); removes their shm
+        regions. The object can be started again on the same ports afterwards."""
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        regions = shm_regions_of_group(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        for region in regions:
+            Path("/dev/shm", region).unlink(missing_ok=True)
+
+    def stub_pids(self) -> list[int]:
+        """PIDs of the python-backend stubs this server runs now ([] when not started)."""
+        return stub_pids_of_group(self._proc.pid) if self._proc is not None else []
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]

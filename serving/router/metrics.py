@@ -31,6 +31,6 @@ class RouterMetricsSink:
     def publish_health(self, health: dict[str, dict[str, bool]], ready: bool) -> None:
         for role, instances in health.items():
             for instance_id, healthy in instances.items():
-                self._metrics.set_gauge("pd_router_instance_healthy", 1 if healthy else 0, role=role,
+                self._metrics.set_gauge("pd_router_healthy_instances", 1 if healthy else 0, role=role,
                                         target=instance_id)
         self._metrics.set_gauge("pd_router_ready", 1 if ready else 0)

@@ -43,6 +43,17 @@ ROOM_BITS = 63
 
 #: How often the merge loop wakes up to check for client cancellation and the idle deadline, in seconds.
 CANCEL_POLL_INTERVAL_S = 0.02
+#: How a child's error about the request itself reads (``RequestError``, ``InvalidSamplingParams``,
+#: ``RequestRejected``, a tokenizer failure): every instance would say the same, so such an error is neither
+#: retried nor counted against the instance's circuit breaker (a client sending bad requests must not be able
+#: to take healthy instances out of rotation).
+REQUEST_ERROR_MARKERS: tuple[str, ...] = ("invalid input ", "invalid sampling parameter ", "' rejected: ",
+                                          "tokenization failed")
+
+
+def is_request_error(message: str) -> bool:
+    """True when a child's error message is about the request, not the instance."""
+    return any(marker in message for marker in REQUEST_ERROR_MARKERS)
 
 
 class RoomAborter(Protocol):
@@ -277,8 +288,10 @@ class PDOrchestrator:
 
     def _failed(self, room: Room, role: str, error: str, state: _MergeState, targets: dict[str, Target]) -> _Outcome:
         culprit = targets[role]
-        self._fleet.record(culprit, ok=False)
         logger.info("room=%d: %s %s failed: %s", room, role, culprit.instance_id, error)
+        if is_request_error(error):
+            return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
+        self._fleet.record(culprit, ok=False)
         if state.emitted:
             return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
         return _Outcome(error=error, culprit=culprit)   # nothing reached the client yet: retry elsewhere

@@ -4,7 +4,7 @@ initialize: parameters → ``RouterConfig`` (an unknown key or a bad value fails
 ``Router`` (its own event loop thread) and the instance's response thread. execute: parse each request (a bad
 input gets one error response with FINAL) and hand it to the router; nothing blocks Triton's thread.
 finalize: stop the router (requests in flight end with an error and FINAL; its lease is released, so workers
-drop its rooms), then the response thread once it has sent those FINALs.
+drop its rooms), then the response thread once it has sent those FINALs, then the custom metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from serving.metrics import ServingMetrics
+from serving.orphan_watch import OrphanWatch
 from serving.request import parse_request
 from serving.router.config import build_router_config
 from serving.router.metrics import RouterMetricsSink
@@ -20,7 +21,7 @@ from serving.router.orchestrator import RoutedRequest
 from serving.router.responder import EnsembleResponder
 from serving.router.service import Router
 from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
-from serving.triton_pd import decoupled_config, exit_when_orphaned, setup_logging
+from serving.triton_pd import decoupled_config, setup_logging, teardown_logging
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,12 @@ class RouterModel:
         model_name, instance = str(args["model_name"]), str(args["model_instance_name"])
         model_config = decoupled_config(args, model_name)
         config = build_router_config(model_config.get("parameters", {}))
-        metrics = RouterMetricsSink(ServingMetrics(pb_utils().MetricFamily, model=model_name, instance=instance))
+        self._metrics = ServingMetrics(pb_utils().MetricFamily, model=model_name, instance=instance)
         self._responses = new_dispatcher(instance)
         self._responses.start()
-        self._router = Router(config, instance, model_name, metrics)
+        self._router = Router(config, instance, model_name, RouterMetricsSink(self._metrics))
         self._router.start()
-        exit_when_orphaned(instance)
+        self._orphan_watch = OrphanWatch(instance).start()
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
@@ -52,5 +53,8 @@ class RouterModel:
         self._router.submit(routed, EnsembleResponder(routed.request, sink).emit, sink.is_cancelled)
 
     def finalize(self) -> None:
+        self._orphan_watch.stop()
         self._router.stop(STOP_TIMEOUT_S)
         self._responses.stop(STOP_TIMEOUT_S)
+        self._metrics.close()   # a metric outliving finalize segfaults the stub's teardown (docs/architecture.md)
+        teardown_logging()

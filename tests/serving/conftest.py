@@ -6,7 +6,8 @@ own repository with ``make_model_repository(tmp_dir) -> path``), and uses the
 cannot bind port 0: ports are picked by binding), in its own process group; teardown sends SIGTERM (serve.sh
 stops tritonserver and the bootstrap service), then SIGKILL after a deadline, removes the python backend
 shared-memory regions its stubs left, and fails the module if shutdown was unclean (a request left without its
-FINAL flag keeps tritonserver waiting until its exit timeout).
+FINAL flag keeps tritonserver waiting until its exit timeout) or if the kernel log (``dmesg``, where readable)
+reports a stub of this server killed by a fault (a stub that crashes on its way out leaves no other trace).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
-from perf.server import ServeScript  # noqa: E402 - needs scripts/ on sys.path
+from perf.server import ServeScript, fault_lines, kernel_log  # noqa: E402 - needs scripts/ on sys.path
 
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 40.0
@@ -41,9 +42,18 @@ def triton_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     # a module that serves its own repository (e.g. xPyD) builds it here
     repository = make_repository(tmp_path_factory.mktemp("model_repository")) if make_repository else None
     server = ServeScript(models, tmp_path_factory.mktemp("triton") / "server.log", repository)
+    stubs: list[int] = []
+    kernel_before = kernel_log()
     try:
-        yield server.start(READY_TIMEOUT_S)
+        server.start(READY_TIMEOUT_S)
+        stubs = server.stub_pids()
+        yield server
     finally:
         elapsed, killed = server.stop(STOP_TIMEOUT_S)
     assert not killed and elapsed < CLEAN_STOP_S, \
         f"unclean shutdown ({elapsed:.1f} s, killed={killed}):\n{server.log_tail()}"
+    kernel_after = kernel_log()
+    if kernel_before is not None and kernel_after is not None:
+        seen = set(kernel_before)
+        faults = fault_lines([line for line in kernel_after if line not in seen], stubs)
+        assert not faults, "a python-backend stub died by a fault:\n" + "\n".join(faults)

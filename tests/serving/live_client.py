@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class StreamResult:
     num_output_tokens: list[int] = field(default_factory=list)
     error: str | None = None
     final_seen: bool = False
+    first_text_s: float | None = None   # time.monotonic() when the first text arrived
 
     @property
     def text(self) -> str:
@@ -80,6 +82,8 @@ def _record(result: StreamResult, res: Any) -> None:
     text = res.as_numpy("text_output")
     if text is not None:  # an empty final response carries no outputs
         result.texts.append(b"".join(text.reshape(-1)).decode())
+        if result.first_text_s is None and result.texts[-1]:
+            result.first_text_s = time.monotonic()
         result.finish_reasons.append(res.as_numpy("finish_reason").reshape(-1)[0].decode())
         result.num_output_tokens.append(int(res.as_numpy("num_output_tokens").reshape(-1)[0]))
     result.final_seen = final

@@ -21,7 +21,8 @@ def _series(name: str, **labels: str) -> float:
 
 
 def test_names_carry_units(metrics: ServingMetrics) -> None:
-    units = ("_pages", "_requests", "_total")
+    units = ("_pages", "_requests", "_total", "_instances")
+    assert FakeFamily.registry.pop("pd_router_ready").kind == FakeFamily.GAUGE   # a state (0/1), no unit
     assert all(name.endswith(units) for name in FakeFamily.registry)
     assert FakeFamily.registry["pd_kv_free_pages"].kind == FakeFamily.GAUGE
     assert FakeFamily.registry["pd_requests_total"].kind == FakeFamily.COUNTER
@@ -41,3 +42,29 @@ def test_gauges_and_counters(metrics: ServingMetrics) -> None:
     assert _series("pd_queue_requests", queue="waiting") == 3
     with pytest.raises(ValueError):
         metrics.request_done("lost", 0, 0)
+
+
+def test_close_destroys_every_triton_metric_now() -> None:
+    """A python-backend metric alive after ``finalize`` segfaults the stub on its way out: ``close()`` must drop
+    the last reference to every family and series at once, and later updates must not create new ones."""
+    import gc
+    import weakref
+
+    FakeFamily.registry.clear()
+    metrics = ServingMetrics(FakeFamily, model="colocated", instance="colocated_0")
+    metrics.set_kv_pages(10, 64)
+    metrics.request_done("finished", 5, 3)
+    families = [weakref.ref(f) for f in FakeFamily.registry.values()]
+    series = [weakref.ref(m) for f in FakeFamily.registry.values() for m in f.series.values()]
+    FakeFamily.registry.clear()   # the fake's own index; Triton keeps none in the stub's Python heap
+    gc.disable()                  # freed by reference counting, in close() itself, not by a later collection
+    try:
+        metrics.close()
+        assert series and all(ref() is None for ref in series)
+        assert families and all(ref() is None for ref in families)
+    finally:
+        gc.enable()
+    metrics.request_done("finished", 1, 1)
+    metrics.set_kv_pages(1, 64)
+    metrics.close()
+    assert FakeFamily.registry == {}

@@ -1,8 +1,9 @@
-"""2P2D on one tritonserver: two prefill models (``prefill``, ``prefill_1``) and a decode model with two
-instances, behind one ``pd_ensemble`` that pairs them round robin.
+"""2P2D on one tritonserver: two prefill models (``prefill``, ``prefill_1``) and two decode models (``decode``,
+``decode_1``), behind one ``pd_ensemble`` that finds them at the bootstrap service (no static list) and pairs
+them round robin.
 
 Invariants: every request streams the colocated engine's greedy text whichever pair served it; both prefill
-models and both decode instances served requests; afterwards every pool is back at its size.
+models and both decode models served requests; afterwards every pool is back at its size.
 """
 
 from __future__ import annotations
@@ -17,18 +18,18 @@ from live_client import metric_value
 from test_pd_live import GREEDY, PROMPTS, generate, reference  # noqa: F401  (reference is a fixture)
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
-TRITON_MODELS = ("pd_ensemble", "prefill", "prefill_1", "decode")
+TRITON_MODELS = ("pd_ensemble", "prefill", "prefill_1", "decode", "decode_1")
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
 
 def make_model_repository(tmp_dir: Path) -> Path:
-    """model_repository with a second prefill model and two decode instances, paired by pd_ensemble."""
+    """model_repository with a second prefill and a second decode model; pd_ensemble pairs round robin."""
     for name in ("pd_ensemble", "prefill", "decode"):
         shutil.copytree(REPOSITORY / name, tmp_dir / name)
-    shutil.copytree(REPOSITORY / "prefill", tmp_dir / "prefill_1")
-    _edit(tmp_dir / "prefill_1" / "config.pbtxt", 'name: "prefill"', 'name: "prefill_1"')
-    _edit(tmp_dir / "decode" / "config.pbtxt", "count: 1, kind: KIND_CPU", "count: 2, kind: KIND_CPU")
-    _edit(tmp_dir / "pd_ensemble" / "config.pbtxt", 'string_value: "prefill" }', 'string_value: "prefill,prefill_1" }')
+    for role in ("prefill", "decode"):
+        shutil.copytree(REPOSITORY / role, tmp_dir / f"{role}_1")
+        _edit(tmp_dir / f"{role}_1" / "config.pbtxt", f'name: "{role}"', f'name: "{role}_1"')
+    _edit(tmp_dir / "pd_ensemble" / "config.pbtxt", 'string_value: "load_aware"', 'string_value: "round_robin"')
     return tmp_dir
 
 

@@ -4,7 +4,8 @@ initialize: model config ``parameters`` → ``WorkerConfig`` → ``ColocatedWork
 execute: for each request, inputs → ``GenerateRequest`` (a bad input gets one error response with FINAL),
 then ``ColocatedWorker.handle``, which answers through the instance's response thread (``ResponseDispatcher``).
 finalize: stop the worker (requests still in flight end with an error response and FINAL), then the response
-thread once it has sent them.
+thread once it has sent them, then destroy the custom metrics while the stub can still tell tritonserver
+(``ServingMetrics.close``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from serving.colocated import ColocatedWorker
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
+from serving.orphan_watch import OrphanWatch
 from serving.request import parse_request
 from serving.triton_io import answer_each, new_dispatcher, read_inputs
 
@@ -38,11 +40,12 @@ class TritonPythonModel:
         config = build_worker_config(model_config.get("parameters", {}), device=device)
         apply_cpu_affinity(config)
         instance = args["model_instance_name"]
-        metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
-        self._worker = ColocatedWorker.create(config, name=instance, metrics=metrics)
+        self._metrics = ServingMetrics(pb_utils.MetricFamily, model=args["model_name"], instance=instance)
+        self._worker = ColocatedWorker.create(config, name=instance, metrics=self._metrics)
         self._responses = new_dispatcher(instance)   # the engine loop only queues responses
         self._responses.start()
         self._worker.start()
+        self._orphan_watch = OrphanWatch(instance).start()
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
@@ -51,5 +54,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
+        self._orphan_watch.stop()
         self._worker.stop(STOP_TIMEOUT_S)
         self._responses.stop(STOP_TIMEOUT_S)   # after the worker: its requests' FINALs go out first
+        self._metrics.close()

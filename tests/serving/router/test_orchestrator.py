@@ -126,3 +126,14 @@ def test_rooms_are_unique_63_bit_and_released() -> None:
     for r in got:
         rooms.release(r)
     assert len(rooms) == 0
+
+
+def test_an_error_about_the_request_is_neither_retried_nor_held_against_the_instance() -> None:
+    rejected = "request 'decode-3' rejected: needs 7000 pages, the pool has 1024"
+    launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": [(0.0, ChildResponse(error=rejected, final=True))]})
+    fleet = fleet_of(*FLEET, config=RouterConfig(breaker_failures=1))
+    for _ in range(3):
+        out, _ = run(launcher, fleet=fleet)
+        assert out[-1].error == rejected
+    assert len([c for c in launcher.calls if c.role == "decode"]) == 3   # one attempt each
+    assert [c.target.instance_id for c in fleet.candidates("decode")] == ["d0@h:1"]   # still in rotation
