@@ -104,7 +104,9 @@ class DecodeSide:
                 receiver.fail("decode manager shut down")
         while now_fn() < deadline_s:
             self._drain_notifs(now_fn())
-            self._cancel_and_release()
+            # an unreachable bootstrap is not waited for: it drops this instance's rooms when the
+            # registration goes (deregistered next, or expired)
+            self._cancel_and_release(give_up_unreachable=True)
             with self._lock:
                 self._close()
                 if not self.receivers:
@@ -236,7 +238,7 @@ class DecodeSide:
                 self._fail(receiver, f"waiting timeout: no KV for {self._args.waiting_timeout_s}s",
                            timed_out=True)
 
-    def _cancel_and_release(self) -> None:
+    def _cancel_and_release(self, give_up_unreachable: bool = False) -> None:
         with self._lock:
             todo = [r for r in self.receivers.values()
                     if r.published and not r.room_released and r.state.is_terminal]
@@ -245,6 +247,10 @@ class DecodeSide:
                 released = self._client.release_room(receiver.room, self._args.instance_id)
             except BootstrapError as exc:
                 logger.warning("room %d: cannot release at the bootstrap: %s", receiver.room, exc)
+                if give_up_unreachable:
+                    with self._lock:
+                        receiver.room_released = True
+                        receiver.writer_done = True
                 continue
             with self._lock:
                 receiver.room_released = True

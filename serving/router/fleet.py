@@ -133,9 +133,13 @@ class Fleet:
     def candidates(self, role: str, exclude: frozenset[InstanceId] = frozenset()) -> list[Candidate]:
         """Healthy instances of ``role`` (``"prefill"``/``"decode"``): registered, heard from within
         ``instance_stale_s``, breaker closed (or due a trial), in the static list when there is one, not in
-        ``exclude``; ordered by instance id."""
+        ``exclude``; ordered by instance id.
+
+        Panic mode (Envoy's term): when every fresh instance of the role has its breaker open, they are all
+        returned anyway: heartbeating instances that failed recently beat a fleet that refuses every request.
+        """
         now_s = self._now()
-        out = []
+        fresh, available = [], []
         for status in self._snapshot.instances:
             if status.role != role or status.instance_id in exclude or not self._allowed(status):
                 continue
@@ -143,10 +147,11 @@ class Fleet:
             if now_s - reported_s > self._config.instance_stale_s:
                 continue
             state = self._state(status)
-            if not state.breaker.available(now_s):
-                continue
-            out.append(self._candidate(status, state, reported_s))
-        return out
+            candidate = self._candidate(status, state, reported_s)
+            fresh.append(candidate)
+            if state.breaker.available(now_s):
+                available.append(candidate)
+        return available or fresh
 
     def note_assigned(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
         """The router sent a request to ``target``: count it until the instance's next report covers it."""
@@ -167,14 +172,15 @@ class Fleet:
         """Role → instance id → in rotation now, for every registered instance (metrics, readiness)."""
         out: dict[str, dict[InstanceId, bool]] = {"prefill": {}, "decode": {}}
         for role in out:
-            healthy = {c.target.instance_id for c in self.candidates(role)}
+            healthy = {c.target.instance_id for c in self.candidates(role)
+                       if self._states[c.target.instance_id].breaker.available(self._now())}
             for status in self._snapshot.instances:
                 if status.role == role and self._allowed(status):
                     out[role][status.instance_id] = status.instance_id in healthy
         return out
 
     def ready(self) -> bool:
-        """True when at least one prefill and one decode instance are in rotation."""
+        """True when at least one prefill and one decode instance are fresh (registered and heartbeating)."""
         return bool(self.candidates("prefill")) and bool(self.candidates("decode"))
 
     def _allowed(self, status: InstanceStatus) -> bool:

@@ -44,6 +44,8 @@ class ChildResponse:
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token, else ``None``.
         error: the child's error message, if it failed.
         final: the FINAL flag of the child stream.
+        unreachable: the error is the router's: the child could not be reached or its stream broke (the only
+            kind of failure that counts against the instance's circuit breaker).
     """
 
     text: str = ""
@@ -52,6 +54,7 @@ class ChildResponse:
     finish_reason: str | None = None
     error: str | None = None
     final: bool = False
+    unreachable: bool = False
 
 
 @dataclass(frozen=True)

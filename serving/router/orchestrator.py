@@ -12,8 +12,10 @@
 6. **end** with exactly one final chunk: success; a client cancel; a failure. On a cancel or a failure both
    child streams are cancelled and the room is aborted at the bootstrap service, so both instances drop it and
    free its pages. A failure **before the first token** reached the client is retried once on another pair
-   (the instance that failed is excluded); after the first token it ends the request with the error. Every
-   outcome feeds the instances' circuit breakers (cancels do not).
+   (the instance that failed is excluded); after the first token it ends the request with the error. An error
+   about the request itself (bad input, rejected by the engine) is never retried. Successes, unreachable
+   children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and errors a
+   child reports do not.
 
 Event loop thread only: ``generate`` is a coroutine; one runs per request.
 """
@@ -252,7 +254,7 @@ class PDOrchestrator:
                     return
             events.put_nowait((call.role, ChildResponse(final=True)))
         except ChildUnavailable as e:
-            events.put_nowait((call.role, ChildResponse(error=str(e), final=True)))
+            events.put_nowait((call.role, ChildResponse(error=str(e), final=True, unreachable=True)))
         except asyncio.CancelledError:
             raise
         except Exception as e:   # a launcher bug fails this attempt, never the loop
@@ -280,18 +282,22 @@ class PDOrchestrator:
                 continue
             last_event_s = time.monotonic()
             if response.error is not None:
-                return self._failed(room, role, response.error, state, targets)
+                return self._failed(room, role, response, state, targets)
             self._accept(role, response, state, emit)
         for target in targets.values():
             self._fleet.record(target, ok=True)
         return _Outcome(final=state.final_chunk(state.finish_reason))
 
-    def _failed(self, room: Room, role: str, error: str, state: _MergeState, targets: dict[str, Target]) -> _Outcome:
-        culprit = targets[role]
+    def _failed(self, room: Room, role: str, response: ChildResponse, state: _MergeState,
+                targets: dict[str, Target]) -> _Outcome:
+        culprit, error = targets[role], response.error or ""
         logger.info("room=%d: %s %s failed: %s", room, role, culprit.instance_id, error)
         if is_request_error(error):
             return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
-        self._fleet.record(culprit, ok=False)
+        if response.unreachable:
+            # only an instance the router cannot reach counts against its breaker: errors a child reports
+            # (a KV timeout under load, its peer failing) say little about the child itself
+            self._fleet.record(culprit, ok=False)
         if state.emitted:
             return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
         return _Outcome(error=error, culprit=culprit)   # nothing reached the client yet: retry elsewhere

@@ -28,28 +28,38 @@ def test_stale_instances_are_out_of_rotation_until_heard_from_again() -> None:
 def test_the_breaker_opens_after_consecutive_failures_and_a_trial_closes_it() -> None:
     clock = [100.0]
     config = RouterConfig(breaker_failures=2, breaker_cooldown_s=5.0)
-    fleet = fleet_of(status("d0@h:1", "decode"), config=config, now=lambda: clock[0])
+    both = (status("d0@h:1", "decode"), status("d1@h:1", "decode"))
+    fleet = fleet_of(*both, config=config, now=lambda: clock[0])
     target = fleet.candidates("decode")[0].target
     fleet.record(target, ok=False)
-    assert ids(fleet.candidates("decode")) == ["d0@h:1"]     # one failure: still in rotation
+    assert ids(fleet.candidates("decode")) == ["d0@h:1", "d1@h:1"]     # one failure: still in rotation
     fleet.record(target, ok=False)
-    assert fleet.candidates("decode") == [] and not fleet.ready()
+    assert ids(fleet.candidates("decode")) == ["d1@h:1"] and fleet.health()["decode"]["d0@h:1"] is False
     clock[0] += 5.0
-    fleet.update(FleetSnapshot((status("d0@h:1", "decode"),), taken_s=clock[0]))
-    assert ids(fleet.candidates("decode")) == ["d0@h:1"]     # cooled down: one trial
+    fleet.update(FleetSnapshot(both, taken_s=clock[0]))
+    assert ids(fleet.candidates("decode")) == ["d0@h:1", "d1@h:1"]     # cooled down: one trial
     fleet.note_assigned(target, 10, 10)
-    assert fleet.candidates("decode") == []                   # the trial is in flight
+    assert ids(fleet.candidates("decode")) == ["d1@h:1"]               # the trial is in flight
     fleet.record(target, ok=True)
-    assert ids(fleet.candidates("decode")) == ["d0@h:1"]
+    assert ids(fleet.candidates("decode")) == ["d0@h:1", "d1@h:1"]
+
+
+def test_when_every_breaker_is_open_the_fresh_instances_are_used_anyway() -> None:
+    """Panic mode: failing instances that still heartbeat beat refusing every request; stale ones stay out."""
+    fleet = fleet_of(status("d0@h:1", "decode"), status("d1@h:1", "decode", age_s=9.0),
+                     config=RouterConfig(breaker_failures=1))
+    fleet.record(fleet.candidates("decode")[0].target, ok=False)
+    assert ids(fleet.candidates("decode")) == ["d0@h:1"] and fleet.health()["decode"] == {"d0@h:1": False,
+                                                                                        "d1@h:1": False}
 
 
 def test_a_restarted_instance_gets_a_fresh_breaker() -> None:
     config = RouterConfig(breaker_failures=1)
-    fleet = fleet_of(status("p0@h:1", "prefill"), config=config)
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), config=config)
     fleet.record(fleet.candidates("prefill")[0].target, ok=False)
-    assert fleet.candidates("prefill") == []
-    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", epoch=2),), taken_s=100.0))
-    assert ids(fleet.candidates("prefill")) == ["p0@h:1"]
+    assert ids(fleet.candidates("prefill")) == ["p1@h:1"]
+    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", epoch=2), status("p1@h:1", "prefill")), taken_s=100.0))
+    assert ids(fleet.candidates("prefill")) == ["p0@h:1", "p1@h:1"]
 
 
 def test_a_static_list_restricts_the_fleet_to_its_entries() -> None:

@@ -136,4 +136,4 @@ def test_an_error_about_the_request_is_neither_retried_nor_held_against_the_inst
         out, _ = run(launcher, fleet=fleet)
         assert out[-1].error == rejected
     assert len([c for c in launcher.calls if c.role == "decode"]) == 3   # one attempt each
-    assert [c.target.instance_id for c in fleet.candidates("decode")] == ["d0@h:1"]   # still in rotation
+    assert fleet.health()["decode"] == {"d0@h:1": True}   # still in rotation
