@@ -8,7 +8,8 @@ an error and FINAL), abort feed, KV manager (fails open rooms, tells the peers, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_transfer import KVArgs, KVLayout, make_kv_manager
@@ -75,6 +76,8 @@ class PDWorkerHandle:
     loop: EngineLoop
     kv_manager: Any
     room_aborts: RoomAborts
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stopped: bool = False
 
     def start(self) -> None:
         self.kv_manager.start()
@@ -82,11 +85,17 @@ class PDWorkerHandle:
         self.loop.start()
 
     def stop(self, timeout_s: float = 10.0) -> bool:
-        stopped = self.loop.stop(timeout_s)
-        self.worker.fail_all("the worker is shutting down")
-        self.room_aborts.stop(timeout_s)
-        self.kv_manager.shutdown(timeout_s)
-        return stopped
+        """Idempotent and thread-safe (the server watch and ``finalize`` may both call it): a second call waits
+        for the first to finish. Returns False if the engine loop did not stop within ``timeout_s``."""
+        with self._stop_lock:
+            if self._stopped:
+                return True
+            self._stopped = True
+            stopped = self.loop.stop(timeout_s)
+            self.worker.fail_all("the worker is shutting down")
+            self.room_aborts.stop(timeout_s)
+            self.kv_manager.shutdown(timeout_s)
+            return stopped
 
 
 def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,

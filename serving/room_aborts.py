@@ -14,11 +14,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 
 logger = logging.getLogger(__name__)
+K = TypeVar("K")
 
 
 class RoomAborts:
@@ -101,11 +103,16 @@ class RoomAborts:
                     for router_id in log.routers:
                         logger.warning("%s: router %s is gone; its rooms are dropped", self._name, router_id)
                         self._gone_routers[router_id] = now
-                    for table in (self._aborted, self._gone_routers):
-                        for key in [k for k, t in table.items() if now - t > self._retain_s]:
-                            del table[key]
+                    _forget_older(self._aborted, now - self._retain_s)
+                    _forget_older(self._gone_routers, now - self._retain_s)
                 news = log.rooms or log.routers
                 if not news and now - asked_s < self._long_poll_s / 2:   # not held: pace the polls
                     self._stop.wait(self._poll_interval_s if self._busy() else self._idle_poll_interval_s)
         finally:
             client.close()
+
+
+def _forget_older(seen: dict[K, float], cutoff_s: float) -> None:
+    """Drop the entries of ``seen`` (key → time seen) older than ``cutoff_s``."""
+    for key in [k for k, t in seen.items() if t < cutoff_s]:
+        del seen[key]

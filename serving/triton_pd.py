@@ -26,6 +26,7 @@ from serving.config import ConfigError, apply_cpu_affinity, build_worker_config,
 from serving.metrics import ServingMetrics
 from serving.orphan_watch import OrphanWatch
 from serving.pd_request import PD_INPUT_NAMES, parse_pd_request
+from serving.server_watch import ServerShutdownWatch
 from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,12 @@ class PDChildModel:
         self._handle = create_pd_worker(self.ROLE, config, instance_id, self._metrics, model_name=model_name)
         self._handle.start()
         self._orphan_watch = OrphanWatch(args["model_instance_name"]).start()
+        self._server_watch = ServerShutdownWatch(args["model_instance_name"], config.grpc_url,
+                                                 self._stop_worker).start()
         logger.info("%s ready as %s instance %s: %s", args["model_instance_name"], self.ROLE, instance_id, config)
+
+    def _stop_worker(self) -> None:
+        self._handle.stop(STOP_TIMEOUT_S)
 
     def execute(self, requests: list[Any]) -> None:
         answer_each(requests, self._handle_one, self._responses, child=True)
@@ -95,6 +101,7 @@ class PDChildModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
+        self._server_watch.stop()
         self._orphan_watch.stop()
         self._handle.stop(STOP_TIMEOUT_S)
         self._responses.stop(STOP_TIMEOUT_S)   # after the worker: the FINALs of its failed requests go out

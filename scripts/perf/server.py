@@ -173,9 +173,11 @@ def server_command(repo: Path, ports: ServerPorts) -> list[str]:
 
 def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts, bootstrap_port: int) -> dict[str, str]:
     """Environment of the server, as ``scripts/serve.sh`` sets it: this venv's python first on PATH (the stub
-    runs ``python3``), the repo importable, the bootstrap URL and UCX settings of PD workers."""
+    runs ``python3``), the repo importable, the bootstrap URL, the server's own gRPC endpoint (PD workers register
+    it; the router reaches them there) and UCX settings of PD workers."""
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "PD_BOOTSTRAP_URL": f"http://127.0.0.1:{bootstrap_port}",
+                "PD_GRPC_URL": ports.grpc_url,
                 "UCX_MM_ERROR_HANDLING": env.get("UCX_MM_ERROR_HANDLING", "y"),
                 "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"

@@ -115,6 +115,7 @@ class Router:
         self._tasks: set[asyncio.Task[None]] = set()
         self._accepting = False
         self._health_runner: Any = None
+        self._stop_lock = threading.Lock()
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Load the tokenizer, register the lease, read the fleet, start the loop thread (and the readiness
@@ -156,7 +157,11 @@ class Router:
         return self.fleet.ready()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Idempotent; see the module docstring for the order."""
+        """Idempotent and thread-safe; see the module docstring for the order."""
+        with self._stop_lock:
+            self._stop_locked(timeout_s)
+
+    def _stop_locked(self, timeout_s: float) -> None:
         if self._thread is None:
             return
         self._accepting = False

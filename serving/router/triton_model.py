@@ -20,6 +20,7 @@ from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import RoutedRequest
 from serving.router.responder import EnsembleResponder
 from serving.router.service import Router
+from serving.server_watch import ServerShutdownWatch
 from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
 from serving.triton_pd import decoupled_config, setup_logging, teardown_logging
 
@@ -42,6 +43,8 @@ class RouterModel:
         self._router = Router(config, instance, model_name, RouterMetricsSink(self._metrics))
         self._router.start()
         self._orphan_watch = OrphanWatch(instance).start()
+        self._server_watch = ServerShutdownWatch(instance, config.grpc_url,
+                                                 lambda: self._router.stop(STOP_TIMEOUT_S)).start()
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
@@ -53,6 +56,7 @@ class RouterModel:
         self._router.submit(routed, EnsembleResponder(routed.request, sink).emit, sink.is_cancelled)
 
     def finalize(self) -> None:
+        self._server_watch.stop()
         self._orphan_watch.stop()
         self._router.stop(STOP_TIMEOUT_S)
         self._responses.stop(STOP_TIMEOUT_S)

@@ -80,3 +80,18 @@ def test_cancels_under_load_give_every_page_back_and_the_router_keeps_serving(tr
     assert pools_full()
     after = grpc_generate(url, make_inputs(PROMPTS[0], GREEDY), model="pd_ensemble")
     assert after.error is None and after.text == reference[PROMPTS[0]]
+
+
+def test_a_server_stop_ends_the_requests_in_flight_at_once(triton_server) -> None:
+    """Last in the module: it stops the server. tritonserver waits for live requests before it finalizes the
+    models; the server watch ends them (error + FINAL), so the stop takes seconds, not the exit timeout."""
+    params = {"max_tokens": "2000", "temperature": "0", "ignore_eos": "true"}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(grpc_generate, triton_server.grpc_url, make_inputs(p, params), "pd_ensemble")
+                   for p in PROMPTS[:2]]
+        time.sleep(3.0)   # both are decoding
+        assert not any(f.done() for f in futures)
+        elapsed, killed = triton_server.stop(40.0)
+        results = [f.result(timeout=30) for f in futures]
+    assert not killed and elapsed < 15.0, elapsed
+    assert all(r.error or r.final_seen for r in results), results

@@ -21,6 +21,7 @@ from serving.config import apply_cpu_affinity, build_worker_config, instance_dev
 from serving.metrics import ServingMetrics
 from serving.orphan_watch import OrphanWatch
 from serving.request import parse_request
+from serving.server_watch import ServerShutdownWatch
 from serving.triton_io import answer_each, new_dispatcher, read_inputs
 
 logger = logging.getLogger("model_repository.colocated")
@@ -46,7 +47,13 @@ class TritonPythonModel:
         self._responses.start()
         self._worker.start()
         self._orphan_watch = OrphanWatch(instance).start()
+        # a server stop ends the requests in flight at once (tritonserver waits for them before finalize)
+        self._server_watch = ServerShutdownWatch(instance, config.grpc_url,
+                                                 self._stop_worker).start()
         logger.info("%s ready: %s", instance, config)
+
+    def _stop_worker(self) -> None:
+        self._worker.stop(STOP_TIMEOUT_S)
 
     def execute(self, requests: list[Any]) -> None:
         answer_each(requests, lambda request, sink: self._worker.handle(parse_request(read_inputs(request)), sink),
@@ -54,6 +61,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
+        self._server_watch.stop()
         self._orphan_watch.stop()
         self._worker.stop(STOP_TIMEOUT_S)
         self._responses.stop(STOP_TIMEOUT_S)   # after the worker: its requests' FINALs go out first

@@ -1,0 +1,76 @@
+"""``ServerShutdownWatch``: notice that this model's tritonserver is shutting down, before ``finalize``.
+
+tritonserver 2.51 calls a model's ``finalize`` only after the model's live requests ended, and waits for them at
+most ``--exit-timeout-secs``; a decoupled request of an engine ends only when the engine ends it. Left alone, a
+long request in flight at a server stop kept the server waiting until the timeout, then lost its FINAL. The
+watch asks the server's own gRPC endpoint whether it is ready, once a second; once it has been ready, two
+consecutive answers of "not ready" or "unreachable" (the server stops serving at shutdown) mean the server is
+going down, and ``on_shutdown`` runs once (the adapter stops its worker: every request in flight ends with an
+error and FINAL, and the server can unload the model at once).
+
+Thread ``server-watch-<name>``, started by ``start``, stopped and joined by ``stop`` (in ``finalize``, first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class ServerShutdownWatch:
+    def __init__(self, name: str, grpc_url: str, on_shutdown: Callable[[], None], interval_s: float = 1.0,
+                 timeout_s: float = 2.0, misses: int = 2) -> None:
+        """
+        Args:
+            name: thread name suffix (the model instance).
+            grpc_url: ``host:port`` of this server's gRPC endpoint (``WorkerConfig.grpc_url``).
+            on_shutdown: called once, on the watch thread, when the server is going down.
+            interval_s: seconds between two readiness checks.
+            timeout_s: timeout of one check, seconds.
+            misses: consecutive failed checks (after one success) that mean shutdown.
+        """
+        self._name = name
+        self._url = grpc_url
+        self._on_shutdown = on_shutdown
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._misses = misses
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"server-watch-{name}", daemon=True)
+
+    def start(self) -> ServerShutdownWatch:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self._url)
+        seen_ready, missed = False, 0
+        try:
+            while not self._stop.wait(self._interval_s):
+                try:
+                    ready = bool(client.is_server_ready(client_timeout=self._timeout_s))
+                except Exception:   # unreachable: at shutdown the endpoint goes away
+                    ready = False
+                if ready:
+                    seen_ready, missed = True, 0
+                    continue
+                missed += 1
+                if seen_ready and missed >= self._misses:
+                    logger.warning("%s: tritonserver at %s is shutting down; ending the requests in flight",
+                                   self._name, self._url)
+                    self._on_shutdown()
+                    return
+        except Exception:
+            logger.exception("%s: server watch failed", self._name)
+        finally:
+            client.close()
