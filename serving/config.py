@@ -72,8 +72,8 @@ class WorkerConfig:
     bootstrap_url: str = "http://127.0.0.1:8998"
     kv_backend: str = "nixl"
     grpc_url: str = "127.0.0.1:8001"
-    bootstrap_timeout_s: float = 30.0
-    waiting_timeout_s: float = 30.0
+    bootstrap_timeout_s: float = 120.0
+    waiting_timeout_s: float = 120.0
     idle_wait_s: float = 0.1
     dtype: str = "float32"
     device: str = "cpu"

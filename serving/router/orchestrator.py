@@ -192,9 +192,11 @@ class PDOrchestrator:
             try:
                 pair = self._choose(demand, frozenset(excluded))
             except NoInstance as e:
+                if last_error:   # the failure itself is the client's answer, not the missing second pair
+                    return OutputChunk(text="", final=True, error=f"{last_error} (no other {e.role} instance "
+                                                                  "to retry on)")
                 self._count_rejected(f"no_{e.role}")
-                detail = f" (after: {last_error})" if last_error else ""
-                return OutputChunk(text="", final=True, error=f"{e}{detail}")
+                return OutputChunk(text="", final=True, error=str(e))
             room = self.rooms.allocate()
             try:
                 outcome = await self._attempt(pair, room, routed, demand, emit, is_cancelled)
