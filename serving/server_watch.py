@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
 class ServerShutdownWatch:
     def __init__(self, name: str, grpc_url: str, on_shutdown: Callable[[], None], interval_s: float = 1.0,
-                 timeout_s: float = 2.0, misses: int = 2) -> None:
+                 timeout_s: float = 2.0, misses: int = 2, is_ready: Callable[[], bool] | None = None) -> None:
         """
         Args:
             name: thread name suffix (the model instance).
@@ -31,9 +32,12 @@ class ServerShutdownWatch:
             interval_s: seconds between two readiness checks.
             timeout_s: timeout of one check, seconds.
             misses: consecutive failed checks (after one success) that mean shutdown.
+            is_ready: the check (raises when the server cannot be reached); default: tritonclient's
+                ``is_server_ready`` on ``grpc_url``.
         """
         self._name = name
         self._url = grpc_url
+        self._is_ready = is_ready
         self._on_shutdown = on_shutdown
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -51,14 +55,17 @@ class ServerShutdownWatch:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        import tritonclient.grpc as grpcclient
+        client: Any = None
+        if self._is_ready is None:
+            import tritonclient.grpc as grpcclient
 
-        client = grpcclient.InferenceServerClient(self._url)
+            client = grpcclient.InferenceServerClient(self._url)
+            self._is_ready = lambda: bool(client.is_server_ready(client_timeout=self._timeout_s))
         seen_ready, missed = False, 0
         try:
             while not self._stop.wait(self._interval_s):
                 try:
-                    ready = bool(client.is_server_ready(client_timeout=self._timeout_s))
+                    ready = self._is_ready()
                 except Exception:   # unreachable: at shutdown the endpoint goes away
                     ready = False
                 if ready:
@@ -73,4 +80,5 @@ class ServerShutdownWatch:
         except Exception:
             logger.exception("%s: server watch failed", self._name)
         finally:
-            client.close()
+            if client is not None:
+                client.close()

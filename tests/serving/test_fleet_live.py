@@ -152,3 +152,36 @@ def test_killing_a_prefill_server_fails_over_and_it_rejoins_when_restarted(fleet
     assert all(r.error is None and r.text == reference[p] for p, r in zip(PROMPTS, again))
     assert served(restarted, "prefill") >= 1
     wait_pools_full((fleet.decode, "decode"), (fleet.prefill_b, "prefill"), (restarted, "prefill"))
+
+
+def test_a_router_that_stops_answering_loses_its_lease_and_the_workers_free_its_pages(fleet: Fleet,
+                                                                                    reference) -> None:
+    """SIGSTOP of the router's stub: its gRPC connections stay open (no cancel reaches the children), only its
+    lease stops being renewed. Within the registration TTL (10 s) the workers drop its requests and free every
+    page; resumed, the router registers a new lease and serves again."""
+    import os
+    import signal
+
+    fleet.wait_healthy(prefills=2)
+    router_stub = next(pid for pid in fleet.router.stub_pids()
+                       if b"pd_ensemble" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    params = {"max_tokens": "2000", "temperature": "0", "ignore_eos": "true"}
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(grpc_generate, fleet.router.grpc_url, make_inputs(p, params), "pd_ensemble")
+                   for p in PROMPTS[:3]]
+        time.sleep(4.0)   # decoding
+        assert not pools_full((fleet.decode, "decode"))
+        os.kill(router_stub, signal.SIGSTOP)
+        try:
+            stopped_s = time.monotonic()
+            wait_pools_full((fleet.decode, "decode"), (fleet.prefill_b, "prefill"), (fleet.prefill_a, "prefill"),
+                            timeout_s=30.0)
+            freed_after_s = time.monotonic() - stopped_s
+        finally:
+            os.kill(router_stub, signal.SIGCONT)
+        results = [f.result(timeout=120) for f in futures]
+    assert freed_after_s < 25.0, freed_after_s
+    assert all(r.error for r in results), [r.error for r in results]   # the workers dropped them
+    fleet.wait_healthy(prefills=2)
+    again = fleet.generate(PROMPTS[0])
+    assert again.error is None and again.text == reference[PROMPTS[0]]
