@@ -34,6 +34,9 @@ from kv_transfer.transport import LockedTransport, Transport
 
 logger = logging.getLogger(__name__)
 
+#: Longest wait of ``shutdown`` for open rooms (WRITEs in flight, peers' acknowledgements), seconds.
+SHUTDOWN_ROOMS_S = 2.0
+
 
 class KVManager:
     """Constructed cheaply (no threads, no I/O); ``start`` does the work. Thread-safe public methods."""
@@ -89,7 +92,9 @@ class KVManager:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
-        self._side.shutdown(time.monotonic() + timeout_s / 2, time.monotonic)
+        # open rooms get at most SHUTDOWN_ROOMS_S for their WRITEs and the peers' answers: at a server stop every
+        # instance shuts down at once, so no peer answers and a longer wait only holds the server's exit
+        self._side.shutdown(time.monotonic() + min(timeout_s / 2, SHUTDOWN_ROOMS_S), time.monotonic)
         try:
             self._client.deregister(self.args.instance_id, self.epoch)
         except BootstrapError as exc:

@@ -48,7 +48,7 @@ def test_2p2d_serves_every_pair_with_the_same_text(triton_server, reference) -> 
     url = triton_server.metrics_url
     served = {(m, i): metric_value(url, "pd_requests_total", model=m, instance=i, outcome="finished")
               for m, i in (("prefill", "prefill_0_0"), ("prefill_1", "prefill_1_0_0"),
-                           ("decode", "decode_0_0"), ("decode", "decode_0_1"))}
+                           ("decode", "decode_0_0"), ("decode_1", "decode_1_0_0"))}
     assert all(n >= 1 for n in served.values()), served
     assert served[("prefill", "prefill_0_0")] + served[("prefill_1", "prefill_1_0_0")] == len(PROMPTS)
     deadline = time.monotonic() + 30
