@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 from bootstrap.messages import (
     ACCEPTED,
     KV_ROLES,
-    InstanceLoad,
-    InstanceStatus,
     ROOM_IN_USE,
     UNKNOWN_INSTANCE,
     Destination,
+    InstanceLoad,
+    InstanceStatus,
     PostResult,
     Registration,
     Room,

@@ -140,18 +140,26 @@ class Fleet:
         """
         now_s = self._now()
         fresh, available = [], []
-        for status in self._snapshot.instances:
-            if status.role != role or status.instance_id in exclude or not self._allowed(status):
-                continue
-            reported_s = self._snapshot.taken_s - status.age_s
-            if now_s - reported_s > self._config.instance_stale_s:
-                continue
-            state = self._state(status)
+        for status, state, reported_s in self._fresh(role, exclude):
             candidate = self._candidate(status, state, reported_s)
             fresh.append(candidate)
             if state.breaker.available(now_s):
                 available.append(candidate)
         return available or fresh
+
+    def _fresh(self, role: str,
+               exclude: frozenset[InstanceId] = frozenset()) -> list[tuple[InstanceStatus, _InstanceState, float]]:
+        """Registered, allowed instances of ``role`` heard from within ``instance_stale_s``, with their state and
+        the local time of their last report."""
+        now_s = self._now()
+        out = []
+        for status in self._snapshot.instances:
+            if status.role != role or status.instance_id in exclude or not self._allowed(status):
+                continue
+            reported_s = self._snapshot.taken_s - status.age_s
+            if now_s - reported_s <= self._config.instance_stale_s:
+                out.append((status, self._state(status), reported_s))
+        return out
 
     def note_assigned(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
         """The router sent a request to ``target``: count it until the instance's next report covers it."""
@@ -170,18 +178,18 @@ class Fleet:
 
     def health(self) -> dict[str, dict[InstanceId, bool]]:
         """Role → instance id → in rotation now, for every registered instance (metrics, readiness)."""
+        now_s = self._now()
         out: dict[str, dict[InstanceId, bool]] = {"prefill": {}, "decode": {}}
-        for role in out:
-            healthy = {c.target.instance_id for c in self.candidates(role)
-                       if self._states[c.target.instance_id].breaker.available(self._now())}
+        for role, instances in out.items():
+            healthy = {status.instance_id for status, state, _ in self._fresh(role) if state.breaker.available(now_s)}
             for status in self._snapshot.instances:
                 if status.role == role and self._allowed(status):
-                    out[role][status.instance_id] = status.instance_id in healthy
+                    instances[status.instance_id] = status.instance_id in healthy
         return out
 
     def ready(self) -> bool:
         """True when at least one prefill and one decode instance are fresh (registered and heartbeating)."""
-        return bool(self.candidates("prefill")) and bool(self.candidates("decode"))
+        return bool(self._fresh("prefill")) and bool(self._fresh("decode"))
 
     def _allowed(self, status: InstanceStatus) -> bool:
         specs: Sequence[TargetSpec] = self._static.get(status.role, ())

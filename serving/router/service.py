@@ -70,19 +70,19 @@ class TokenCounter:
     def __init__(self, model: str) -> None:
         self._tokenizer: Any = None
         if model:
-            from engine.model.loader import load_tokenizer   # the engine's own loader: same ids as the workers
+            from engine.model.loader import load_tokenizer  # the engine's own loader: same ids as the workers
 
             self._tokenizer = load_tokenizer(model)
 
     def __call__(self, request: GenerateRequest) -> int:
-        if self._tokenizer is None:
-            return max(1, len(request.prompt.encode("utf-8")) // 3)
-        from serving.colocated import prompt_token_ids
+        if self._tokenizer is not None:
+            from serving.colocated import prompt_token_ids
 
-        try:
-            return max(1, len(prompt_token_ids(self._tokenizer, request)))
-        except Exception:   # a template error is the workers' to report; pair by an estimate meanwhile
-            return max(1, len(request.prompt.encode("utf-8")) // 3)
+            try:
+                return max(1, len(prompt_token_ids(self._tokenizer, request)))
+            except Exception:   # a template error is the workers' to report; pair by an estimate meanwhile
+                logger.debug("prompt not tokenized; estimating its length", exc_info=True)
+        return max(1, len(request.prompt.encode("utf-8")) // 3)
 
 
 class Router:

@@ -18,7 +18,6 @@ import pytest
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value
 from live_prompts import PROMPTS as BASE_PROMPTS
 from live_prompts import colocated_greedy_texts
-
 from perf.server import ServeScript
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]

@@ -23,7 +23,7 @@ from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
 from bootstrap.client import BootstrapClient
 from serving.config import WorkerConfig
 from serving.pd_factory import PDWorkerHandle, create_pd_worker
-from serving.request import GenerateRequest, parse_request
+from serving.request import parse_request
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
 from serving.router.inprocess import InProcessLauncher
