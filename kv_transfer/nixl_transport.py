@@ -30,6 +30,22 @@ LOCAL = "NIXL_INIT_AGENT"   # nixl's name for "this agent" in prep_xfer_dlist
 # UCX settings for loopback/host memory: notifications through shared memory, TCP pinned to lo.
 # This is the one place the package touches the environment; values already set by the operator win.
 UCX_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_NET_DEVICES": "lo"}
+INFINIBAND_SYSFS = "/sys/class/infiniband"
+
+
+def ucx_defaults() -> dict[str, str]:
+    """``UCX_DEFAULTS``, plus ``UCX_MODULES=^ib`` on a host without RDMA devices.
+
+    Why: the nixl-cu12 wheel bundles its own libnl-route-3 (``nixl_cu12.libs/libnl-route-3-<hash>.so``); where
+    the system's libibverbs1 is installed (Mooncake's set-up installs it), UCX's ``ib`` module loads it, and
+    with it the system's libnl-route-3: two copies of libnl in one process, and every process that created a
+    NIXL agent segfaults in the bundled copy at exit (reproduced: 3 of 3 without the setting, 0 of 3 with
+    it). Without RDMA devices the ``ib`` module has nothing to offer; with them it is left alone.
+    """
+    defaults = dict(UCX_DEFAULTS)
+    if not (os.path.isdir(INFINIBAND_SYSFS) and os.listdir(INFINIBAND_SYSFS)):
+        defaults["UCX_MODULES"] = "^ib"
+    return defaults
 
 
 def _nixl_errors() -> tuple[type[BaseException], ...]:
@@ -60,7 +76,7 @@ class NixlTransport(Transport):
     def register(self, table: BlockTable) -> None:
         """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;
         in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
-        for key, value in UCX_DEFAULTS.items():
+        for key, value in ucx_defaults().items():
             os.environ.setdefault(key, value)
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 

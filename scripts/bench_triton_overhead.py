@@ -410,8 +410,10 @@ def measure(cfg: BenchConfig, loads: dict[str, list[float]]) -> Records:
     """Start the direct stack, then the Triton one (both idle but for the pass being measured), warm both
     up, run the rounds, stop Triton, then the direct stack."""
     # the UCX settings serve.sh gives the PD models (shared-memory notifications, loopback only)
-    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from kv_transfer.nixl_transport import ucx_defaults
+
+    for key, value in ucx_defaults().items():
+        os.environ.setdefault(key, value)
     direct = DirectPD(cfg)
     server = TritonPD(cfg)
     try:
