@@ -25,9 +25,10 @@ import importlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -186,6 +187,13 @@ def error_response(message: str) -> Any:
     return pb.InferenceResponse(error=pb.TritonError(message))
 
 
+class RequestTimingSink(Protocol):
+    """Where finished requests' timings go (``ServingMetrics``)."""
+
+    def request_timing(self, ttft_s: float | None, e2e_s: float, num_prompt_tokens: int,
+                       num_output_tokens: int, tpot_s: float | None) -> None: ...
+
+
 class TritonResponseSink:
     """``ResponseSink`` over a decoupled request's ``response_sender``, through the instance's
     ``ResponseDispatcher``: the caller's thread (an engine loop, the router's event loop) only queues.
@@ -195,7 +203,8 @@ class TritonResponseSink:
     """
 
     def __init__(self, response_sender: Any, dispatcher: ResponseDispatcher, request_id: str = "",
-                 child: bool = False, options: OutputOptions = OutputOptions()) -> None:
+                 child: bool = False, options: OutputOptions = OutputOptions(),
+                 timing: RequestTimingSink | None = None) -> None:
         """
         Args:
             response_sender: ``request.get_response_sender()``.
@@ -207,12 +216,18 @@ class TritonResponseSink:
                 ends after an error response in tritonserver 2.51; over gRPC either form works).
             options: client layout: the optional outputs the request asked for (``set_options`` once the
                 request is parsed).
+            timing: where a finished request's TTFT, TPOT, end-to-end latency and lengths go (measured from
+                this sink's creation, i.e. the request's arrival in ``execute``, to when the first text and
+                the final response are queued); observed on the response thread, never the caller's.
         """
         self._dispatcher = dispatcher
         self._handle = dispatcher.open(response_sender, request_id)
         self._request_id = request_id
         self._child = child
         self.options = options
+        self._timing = timing
+        self._arrival_s = time.monotonic()
+        self._first_text_s: float | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -223,7 +238,30 @@ class TritonResponseSink:
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         options = self.options
-        self._queue(lambda: inference_response(chunk, child=self._child, options=options), final)
+        observe = self._timing_of(chunk, final)
+
+        def build() -> Any:
+            if observe is not None:
+                observe()
+            return inference_response(chunk, child=self._child, options=options)
+
+        self._queue(build, final)
+
+    def _timing_of(self, chunk: ResponseChunk, final: bool) -> Callable[[], None] | None:
+        """The histogram update of this response (run on the response thread), or None."""
+        now = time.monotonic()
+        if self._first_text_s is None and any(s.text for s in chunk.samples):
+            self._first_text_s = now
+        timing = self._timing
+        if timing is None or not final or any(s.finish_reason == "abort" for s in chunk.samples):
+            return None
+        first, arrival = self._first_text_s, self._arrival_s
+        num_output = sum(s.num_output_tokens for s in chunk.samples)
+        # TPOT of one sample: the samples decode side by side, each at its own pace
+        per_sample = max(s.num_output_tokens for s in chunk.samples)
+        ttft = None if first is None else first - arrival
+        tpot = None if first is None or per_sample < 2 else (now - first) / (per_sample - 1)
+        return lambda: timing.request_timing(ttft, now - arrival, chunk.num_input_tokens, num_output, tpot)
 
     def send_error(self, message: str) -> None:
         if self._child:
@@ -265,7 +303,8 @@ def new_dispatcher(name: str) -> ResponseDispatcher:
 
 
 def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],
-                dispatcher: ResponseDispatcher, child: bool = False) -> None:
+                dispatcher: ResponseDispatcher, child: bool = False,
+                timing: RequestTimingSink | None = None) -> None:
     """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then ``handle(request, sink)``.
 
     A ``RequestError`` (bad input) becomes that request's error response, and so does any other exception
@@ -276,9 +315,11 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
         handle: parses and starts one request; its responses go to the sink.
         dispatcher: the instance's response thread.
         child: the requests come from the router (``TritonResponseSink``'s child layout).
+        timing: the public models' latency histograms (``TritonResponseSink``'s ``timing``).
     """
     for request in requests:
-        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child)
+        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child,
+                                  timing=timing)
         try:
             handle(request, sink)
         except RequestError as e:

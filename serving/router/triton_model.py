@@ -49,7 +49,7 @@ class RouterModel:
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
-        answer_each(requests, self._handle_one, self._responses)
+        answer_each(requests, self._handle_one, self._responses, timing=self._metrics)
 
     def _handle_one(self, request: Any, sink: TritonResponseSink) -> None:
         parsed, raw = parse_client_request(request, sink)

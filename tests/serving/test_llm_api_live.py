@@ -251,3 +251,19 @@ def test_unsupported_and_bad_keys_fail_by_name(triton_server, model) -> None:
 def test_streaming_with_the_prompt_fails_with_the_vllm_message(triton_server, model) -> None:
     res = infer(triton_server.grpc_url, model, "Hi", _greedy(2), exclude_input_in_output=False)
     assert res.error == "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+
+
+@pytest.mark.parametrize("model", PATHS)
+def test_latency_and_length_histograms(triton_server, model) -> None:
+    from live_client import metric_value
+
+    res = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(8, ignore_eos=True))
+    assert res.error is None
+    for name in ("pd_time_to_first_token_seconds", "pd_time_per_output_token_seconds",
+                 "pd_e2e_request_latency_seconds", "pd_request_prompt_tokens", "pd_request_generation_tokens"):
+        assert metric_value(triton_server.metrics_url, f"{name}_count", model=model) >= 1, name
+    generated = metric_value(triton_server.metrics_url, "pd_request_generation_tokens_sum", model=model)
+    assert generated >= 8
+    ttft_sum = metric_value(triton_server.metrics_url, "pd_time_to_first_token_seconds_sum", model=model)
+    e2e_sum = metric_value(triton_server.metrics_url, "pd_e2e_request_latency_seconds_sum", model=model)
+    assert 0 < ttft_sum <= e2e_sum

@@ -56,7 +56,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         answer_each(requests, lambda request, sink: self._worker.handle(parse_client_request(request, sink)[0], sink),
-                    self._responses)
+                    self._responses, timing=self._metrics)
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
