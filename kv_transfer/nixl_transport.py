@@ -48,6 +48,12 @@ def ucx_defaults() -> dict[str, str]:
     return defaults
 
 
+def apply_ucx_defaults() -> None:
+    """``ucx_defaults()`` into ``os.environ`` where the operator set nothing; call before importing nixl."""
+    for key, value in ucx_defaults().items():
+        os.environ.setdefault(key, value)
+
+
 def _nixl_errors() -> tuple[type[BaseException], ...]:
     from nixl import _bindings  # type: ignore[import-not-found]
     found = tuple(getattr(_bindings, n) for n in dir(_bindings)
@@ -58,6 +64,7 @@ def _nixl_errors() -> tuple[type[BaseException], ...]:
 class NixlTransport(Transport):
     def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0) -> None:
         """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``."""
+        apply_ucx_defaults()   # before nixl is imported (``_nixl_errors``): UCX reads some at load
         self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
         self._mem_type = mem_type
         self._device_id = device_id
@@ -76,8 +83,6 @@ class NixlTransport(Transport):
     def register(self, table: BlockTable) -> None:
         """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;
         in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
-        for key, value in ucx_defaults().items():
-            os.environ.setdefault(key, value)
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
         self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

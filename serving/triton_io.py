@@ -38,6 +38,8 @@ from serving.response_dispatch import ResponseDispatcher
 from serving.stream import ResponseChunk, SampleOutput
 
 logger = logging.getLogger(__name__)
+#: No optional output asked for (the default of a client request).
+NO_OPTIONS = OutputOptions()
 
 
 def pb_utils() -> ModuleType:
@@ -112,7 +114,7 @@ def logprobs_json(entries: tuple[TokenLogprob, ...] | None) -> str:
     return json.dumps(tokens)
 
 
-def response_arrays(chunk: ResponseChunk, options: OutputOptions = OutputOptions()) -> dict[str, np.ndarray]:
+def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -> dict[str, np.ndarray]:
     """The output arrays of one client response, by output name: ``text_output`` and what ``options`` asks."""
     samples = chunk.samples
     arrays = {"text_output": np.array([s.text.encode("utf-8") for s in samples], dtype=np.object_)}
@@ -173,7 +175,7 @@ def child_response_arrays(chunk: ResponseChunk, error: str = "") -> dict[str, np
 
 
 def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "",
-                       options: OutputOptions = OutputOptions()) -> Any:
+                       options: OutputOptions = NO_OPTIONS) -> Any:
     """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout;
     else the client layout with the outputs ``options`` asks for)."""
     pb = pb_utils()
@@ -203,7 +205,7 @@ class TritonResponseSink:
     """
 
     def __init__(self, response_sender: Any, dispatcher: ResponseDispatcher, request_id: str = "",
-                 child: bool = False, options: OutputOptions = OutputOptions(),
+                 child: bool = False, options: OutputOptions = NO_OPTIONS,
                  timing: RequestTimingSink | None = None) -> None:
         """
         Args:

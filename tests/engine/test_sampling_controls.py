@@ -196,7 +196,7 @@ def test_min_tokens_suppresses_eos(engine):
 
 @needs_model
 def test_include_stop_str_in_output(engine):
-    p = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    p = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
     free = _text(_run(engine, PROMPT, SamplingParams(**p), "free"))
     stop = free.strip().split()[1]
     cut = _text(_run(engine, PROMPT, SamplingParams(stop=[stop], **p), "cut"))

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-
 from live_client import RESPONSE_TIMEOUT_S, make_inputs
 
 pytestmark = pytest.mark.live

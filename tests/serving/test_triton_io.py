@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-
-import json
 
 from engine.outputs import TokenLogprob
 from serving.request import OutputOptions, RequestError, parse_request
 from serving.stream import ResponseChunk, SampleOutput
-from serving.triton_io import (child_response_arrays, logprobs_from_wire, logprobs_json, logprobs_to_wire,
-                               response_arrays, scalars_from_arrays)
+from serving.triton_io import (
+    child_response_arrays,
+    logprobs_from_wire,
+    logprobs_json,
+    logprobs_to_wire,
+    response_arrays,
+    scalars_from_arrays,
+)
 
 ALL = OutputOptions(True, True, True, True, True)
 
