@@ -3,7 +3,7 @@
 # this repository's pd_ensemble (or MODEL=colocated), on a server this script starts on the default ports.
 #
 #   git clone https://github.com/triton-inference-server/vllm_backend /tmp/vllm_backend
-#   scripts/run_vllm_backend_tests.sh /tmp/vllm_backend            # pytest -k / -x ... may follow
+#   scripts/run_vllm_backend_tests.sh /tmp/vllm_backend    # pytest args for the additional-outputs test may follow
 #
 # Their code is copied to a temporary folder (never into this repository) with the model name `vllm_opt`
 # replaced by MODEL. Run: ci/L0_backend_vllm/enabled_stream, ci/L0_backend_vllm/request_cancellation,
@@ -28,7 +28,12 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then "$ROOT/scripts/setup.sh"; fi
 
 WORK="$(mktemp -d)"
 LOG="$WORK/server.log"
-cleanup() { [[ -n "${SERVER:-}" ]] && kill -TERM "$SERVER" 2>/dev/null && wait "$SERVER" 2>/dev/null; rm -rf "$WORK"; }
+cleanup() {
+  local rc=$?
+  if [[ -n "${SERVER:-}" ]]; then kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null || true; fi
+  rm -rf "$WORK"
+  exit "$rc"
+}
 trap cleanup EXIT
 cp -r "$SRC/ci/common" "$SRC/ci/L0_backend_vllm" "$SRC/ci/L0_additional_outputs_vllm" "$WORK/"
 grep -rl '"vllm_opt"' "$WORK" | xargs sed -i "s/\"vllm_opt\"/\"$MODEL\"/g"
@@ -46,9 +51,10 @@ ln -s "$LOG" L0_backend_vllm/request_cancellation/request_cancellation_server.lo
 # shellcheck disable=SC1091
 . "$ROOT/.venv/bin/activate"
 status=0
-(cd L0_backend_vllm/enabled_stream && python -m pytest -q -p no:cacheprovider enabled_stream_test.py \
-   -k "not exclude_input_in_output_default" "$@") || status=1
-(cd L0_backend_vllm/request_cancellation && python -m pytest -q -p no:cacheprovider request_cancellation_test.py "$@") \
-   || status=1
+# enabled_stream and request_cancellation are unittest cases (their result collector needs unittest's runner)
+(cd L0_backend_vllm/enabled_stream && python -m unittest -v \
+   enabled_stream_test.VLLMTritonStreamTest.test_vllm_model_enabled_stream \
+   enabled_stream_test.VLLMTritonStreamTest.test_vllm_model_enabled_stream_exclude_input_in_output_false) || status=1
+(cd L0_backend_vllm/request_cancellation && python -m unittest -v request_cancellation_test) || status=1
 (cd L0_additional_outputs_vllm && python -m pytest -q -p no:cacheprovider additional_outputs_test.py "$@") || status=1
 exit $status
