@@ -67,7 +67,8 @@ class EngineConfig:
                      "num_threads"):
             _require_positive(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+            # ValueError like every other field here (the documented contract), not TypeError
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")  # noqa: TRY004
         if self.num_pages is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_pages or kv_cache_bytes, not both")
         for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
