@@ -242,6 +242,7 @@ def test_eviction_under_pressure_spares_a_shared_page(smollm2, ids):
     b_seq = on.scheduler.running[0]
     shared = b_seq.page_table[:2]
     assert b_seq.num_cached_tokens == 32 and all(on.scheduler.pages.ref_count(p) == 1 for p in shared)
+    shared_kv = on.kv_cache[:, :, torch.tensor(shared)].clone()
     on.add_request("c", c, greedy(4))
     outs = merge(outs, run_steps(on, 1))
     c_seq = next(s for s in on.scheduler.running if s.request_id == "c")
@@ -249,6 +250,7 @@ def test_eviction_under_pressure_spares_a_shared_page(smollm2, ids):
     assert on.scheduler.pages.match(a_keys)[:2] == shared
     assert len(on.scheduler.pages.match(a_keys)) == 3   # A's leaf page went first, its parent is still cached
     outs = merge(outs, run(on))
+    assert torch.equal(on.kv_cache[:, :, torch.tensor(shared)], shared_kv)   # never written while shared
     off = make(smollm2, cache=False)
     for rid, prompt, n in (("b", b, 20), ("c", c, 4)):
         assert [t for o in outs[rid] for t in o.new_token_ids] == generate(off, rid, prompt, greedy(n))[0]
