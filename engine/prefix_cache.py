@@ -17,8 +17,11 @@ Page states (each page is in exactly one):
 Eviction is LRU over cached pages only, so a page a live request holds is never evicted. It is leaf-first
 without tracking children: a request releases its pages last page first, and any request that matched a child
 page also matched (and later released) its parent, so a parent is always released no earlier than its children
-and sits behind them in the LRU order. An orphaned child (parent evicted first) could only arise from equal
-timestamps, which the reverse release order rules out; it would be unreachable, not wrong.
+and sits behind them in the LRU order. One case escapes this: when two requests computed the same page at once,
+the key stays with the first one's page, and a child page the second request keys later hangs under a parent
+page it never held, so that parent can be evicted first. The orphan is then unreachable (matching starts at
+the first page) and ages out; it wastes a page, it never serves wrong KV, because keys name token content, not
+pages.
 
 A cached page is never written: keys go only to pages whose every slot holds computed KV, and a request writes
 only at positions past its computed (and so past its matched) tokens.
