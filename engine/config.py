@@ -33,6 +33,10 @@ class EngineConfig:
         dtype: weights and KV dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``).
         seed: seeds the engine's generator used by requests that give no seed of their own.
         cache_dir: where the model loader keeps its converted weights; None = its default.
+        enable_prefix_caching: keep full KV pages of past requests, keyed by their tokens, and let new
+            requests share their longest cached prefix (``engine/prefix_cache.py``). Used in colocated and
+            prefill mode; decode mode ignores it for now (its prompt KV comes from the prefill side and the
+            KV handshake cannot yet say which leading pages decode already holds: docs/architecture.md).
 
     Raises:
         ValueError: at construction, naming the field, when a value is out of range.
@@ -52,6 +56,7 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     cache_dir: str | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,12 +66,20 @@ class EngineConfig:
         for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests",
                      "num_threads"):
             _require_positive(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            # ValueError like every other field here (the documented contract), not TypeError
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")  # noqa: TRY004
         if self.num_pages is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_pages or kv_cache_bytes, not both")
         for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None:
                 _require_positive(name, value)
+
+    @property
+    def prefix_caching_active(self) -> bool:
+        """Whether the engine runs its prefix cache: enabled and not in decode mode."""
+        return self.enable_prefix_caching and self.mode != "decode"
 
     @property
     def pool_bytes(self) -> int:

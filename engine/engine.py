@@ -24,6 +24,7 @@ from engine.model_runner import ModelRunner, SampledToken
 from engine.output_processor import OutputProcessor
 from engine.outputs import FinishReason, PrefillChunk, RequestOutput
 from engine.page_allocator import PageAllocator, PageId
+from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestId, Sequence, pages_for_tokens
@@ -59,7 +60,8 @@ class LLMEngine:
         self.kv_cache = self.kv_pool.kv_cache
         context = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len or context, context)
-        self.scheduler = Scheduler(PageAllocator(num_pages), config.page_size, config.chunk_size,
+        pages = PrefixCache(PageAllocator(num_pages), enabled=config.prefix_caching_active)
+        self.scheduler = Scheduler(pages, config.page_size, config.chunk_size,
                                    config.max_num_batched_tokens, config.max_running_requests)
         eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, eos)
@@ -68,12 +70,18 @@ class LLMEngine:
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self._requests: dict[RequestId, Sequence] = {}
         self._finish_next: list[tuple[Sequence, FinishReason]] = []
-        logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d", config.mode, num_pages,
-                    config.page_size, self.kv_pool.nbytes)
+        logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d prefix_caching=%s", config.mode,
+                    num_pages, config.page_size, self.kv_pool.nbytes, pages.enabled)
 
     @property
     def num_free_pages(self) -> int:
-        return self.scheduler.allocator.num_free
+        """Pages a new request can take: free ones plus cached pages no live request holds (evicted on
+        demand)."""
+        return self.scheduler.pages.num_allocatable
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache counters since start (tokens, pages); all zero when the cache is off."""
+        return self.scheduler.pages.stats()
 
     @property
     def num_total_pages(self) -> int:
@@ -169,6 +177,7 @@ class LLMEngine:
         sampled = {id(s.seq): s for s in self.runner.run(scheduled)}
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+            self.scheduler.register_computed(item.seq)
             out = self._postprocess(item, sampled.get(id(item.seq)))
             if out is not None:
                 outputs.append(out)

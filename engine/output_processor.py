@@ -148,4 +148,5 @@ class OutputProcessor:
             new_token_logprobs=seq.output_token_logprobs[max(0, start - num_unlogged):]
             if seq.params.logprobs is not None else [],
             cumulative_logprob=seq.cumulative_logprob,
+            num_cached_tokens=seq.num_cached_tokens,
         )

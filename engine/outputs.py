@@ -74,6 +74,8 @@ class RequestOutput:
         new_token_logprobs: one per new token when the request asked for logprobs (``SamplingParams.logprobs``
             not None), else empty.
         cumulative_logprob: sum of the raw logprobs of every token generated so far (the first included).
+        num_cached_tokens: leading prompt tokens whose KV the prefix cache supplied (not computed here): a
+            multiple of the page size, below ``num_prompt_tokens``; 0 with the cache off and in decode mode.
     """
 
     request_id: str
@@ -87,3 +89,4 @@ class RequestOutput:
     prefill_chunk: PrefillChunk | None = None
     new_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0

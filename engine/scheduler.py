@@ -4,8 +4,11 @@ Each step: every decoding request in ``running`` gets one token first (oldest fi
 goes to prefill chunks, first of admitted requests mid-prompt, then of ``waiting`` requests admitted in FIFO
 order.
 Admission takes all the pages a request may ever need at once (``Sequence.num_reserved_tokens``), so a running
-request never runs short and nothing is preempted. A waiting head that does not fit blocks the queue (no
-overtaking, hence no starvation of long prompts).
+request never runs short and nothing is preempted: its longest cached page-aligned prompt prefix is shared
+from the ``PrefixCache`` (never the last prompt token, whose logits must be computed: vLLM's rule) and only
+the rest is allocated, evicting unreferenced cached pages on demand. A waiting head that does not fit blocks
+the queue (no overtaking, hence no starvation of long prompts). After each step, pages that became full of
+computed KV are offered to the cache.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.page_allocator import PageAllocator
+from engine.page_allocator import PageId
+from engine.prefix_cache import PrefixCache, page_hashes
 from engine.sequence import RequestId, Sequence, SequenceStatus, pages_for_tokens
 
 
@@ -26,15 +30,16 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    """Owns the request queues and the page allocator.
+    """Owns the request queues and the page pool (``PrefixCache``: free list + cached pages).
 
     Queues: ``waiting`` (no pages), ``running`` (pages held, being computed), ``reserved`` (decode mode, pages
     held, KV arriving), ``held`` (prefill mode, pages held, KV being sent).
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, chunk_size: int,
+    def __init__(self, pages: PrefixCache, page_size: int, chunk_size: int,
                  max_num_batched_tokens: int, max_running_requests: int) -> None:
-        self.allocator = allocator
+        self.pages = pages
+        self.allocator = pages.allocator
         self.page_size = page_size
         self.chunk_size = chunk_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -55,10 +60,12 @@ class Scheduler:
         self.waiting.append(seq)
 
     def reserve(self, seq: Sequence) -> bool:
-        """Take the request's pages now and park it in ``reserved``; False (nothing taken) if short."""
-        if not self.allocator.can_allocate(self.pages_needed(seq)):
+        """Take the request's pages now and park it in ``reserved``; False (nothing taken) if short.
+
+        Never shares cached pages: a peer writes the whole prompt's KV into them.
+        """
+        if not self._take_pages(seq, shared=[]):
             return False
-        seq.page_table = self.allocator.allocate(self.pages_needed(seq))
         seq.set_status(SequenceStatus.RESERVED)
         self.reserved[seq.request_id] = seq
         return True
@@ -88,12 +95,39 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_running_requests:
             return False
-        if not self.allocator.can_allocate(self.pages_needed(seq)):
+        if not self._take_pages(seq, self._match(seq)):
             return False
-        seq.page_table = self.allocator.allocate(self.pages_needed(seq))
         seq.set_status(SequenceStatus.RUNNING)
         self.running.append(seq)
         return True
+
+    def _match(self, seq: Sequence) -> list[PageId]:
+        """Cached pages of the prompt's longest prefix, leaving at least the last prompt token to compute."""
+        if not self.pages.enabled:
+            return []
+        keys = page_hashes(seq.token_ids[:seq.num_prompt_tokens], self.page_size, seq.page_hashes)
+        return self.pages.match(keys[:(seq.num_prompt_tokens - 1) // self.page_size])
+
+    def _take_pages(self, seq: Sequence, shared: list[PageId]) -> bool:
+        num_new = self.pages_needed(seq) - len(shared)
+        if not self.pages.can_allocate(num_new, shared):
+            return False
+        self.pages.acquire(shared)
+        seq.page_table = shared + self.pages.allocate(num_new)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(shared) * self.page_size
+        seq.num_registered_pages = len(shared)
+        self.pages.count_query(seq.num_prompt_tokens, seq.num_cached_tokens)
+        return True
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Offer the prefix cache every page of ``seq`` that became full of computed KV (after a step)."""
+        num_full = seq.num_computed_tokens // self.page_size
+        if not self.pages.enabled or num_full <= seq.num_registered_pages:
+            return
+        keys = page_hashes(seq.token_ids[:num_full * self.page_size], self.page_size, seq.page_hashes)
+        for i in range(seq.num_registered_pages, num_full):
+            self.pages.register(seq.page_table[i], keys[i])
+        seq.num_registered_pages = num_full
 
     def _add_chunk(self, batch: list[ScheduledSeq], seq: Sequence, budget: int) -> int:
         n = min(self.chunk_size, budget, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -101,7 +135,8 @@ class Scheduler:
         return n
 
     def finish(self, seq: Sequence, hold: bool = False) -> None:
-        """Take a running request out of ``running``; free its pages, or keep them in ``held``."""
+        """Take a running request out of ``running``; release its pages (keyed ones stay cached), or keep them
+        in ``held``."""
         self.running.remove(seq)
         if hold:
             seq.set_status(SequenceStatus.HELD)
@@ -135,6 +170,6 @@ class Scheduler:
         return None
 
     def _free(self, seq: Sequence) -> None:
-        self.allocator.free(seq.page_table)
+        self.pages.release(seq.page_table)
         seq.page_table = []
         seq.set_status(SequenceStatus.FINISHED)

@@ -4,10 +4,11 @@ Lifecycle (forward-only; ``FINISHED`` is terminal):
 
 1. ``WAITING``: queued by ``add_request``; holds no pages.
    (decode mode) ``RESERVED``: ``reserve_request`` took its pages; the prompt KV is being written by a peer.
-2. ``RUNNING``: admitted; holds pages for its whole life; computes prefill chunks, then one token per step.
+2. ``RUNNING``: admitted; holds pages for its whole life (its longest cached prefix shared with the prefix
+   cache, the rest new); computes the uncached prompt in chunks, then one token per step.
    (decode mode: ``add_prebuilt_request`` moves it here with the prompt already computed.)
 3. (prefill mode) ``HELD``: prompt done, first token sampled; pages kept until ``release_request``.
-4. ``FINISHED``: pages returned to the pool.
+4. ``FINISHED``: pages returned to the pool (full pages with a key stay cached for later requests).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from engine.outputs import FinishReason, TokenLogprob
 from engine.page_allocator import PageId
+from engine.prefix_cache import PageHash
 from engine.sampling import SamplingParams, TokenHistory
 
 RequestId = str
@@ -42,6 +44,10 @@ class Sequence:
     Attributes:
         token_ids: prompt followed by the generated tokens.
         num_computed_tokens: tokens whose KV is in the pool.
+        num_cached_tokens: leading prompt tokens whose KV came from the prefix cache at admission (whole
+            pages, at most ``num_prompt_tokens - 1``).
+        page_hashes: prefix-cache keys of the sequence's first full pages, in order (filled lazily).
+        num_registered_pages: leading pages already offered to the prefix cache.
         page_table: every page the request holds, in sequence order (allocated at admission, all at once).
         num_reserved_tokens: KV tokens the request may ever need; sizes ``page_table``.
         num_sent_pages: prefill mode: pages already reported in a ``PrefillChunk``.
@@ -60,6 +66,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_reserved_tokens = num_reserved_tokens
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.page_hashes: list[PageHash] = []
+        self.num_registered_pages = 0
         self.page_table: list[PageId] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -80,7 +80,8 @@ class ColocatedWorker:
         engine = LLMEngine(config.engine_config("colocated"))
         loop = EngineLoop(engine, name=f"{name}-engine-loop", idle_wait_s=config.idle_wait_s)
         if metrics is not None:
-            loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages)))
+            loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
+                                        prefix_cache=engine.prefix_cache_stats))
         return cls(loop, engine.tokenizer, name=name, metrics=metrics)
 
     @property

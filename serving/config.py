@@ -58,6 +58,8 @@ class WorkerConfig:
         device: torch device of the engine; set from the Triton instance (``instance_device``), not a parameter.
         cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
             no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.
+        enable_prefix_caching: the engine's prefix cache (``EngineConfig.enable_prefix_caching``): on by
+            default; ``"false"`` turns it off. Colocated and prefill workers use it; decode ignores it for now.
 
     Raises:
         ConfigError: at construction, naming the parameter, when a value is out of range.
@@ -78,6 +80,7 @@ class WorkerConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cpu_affinity: str = ""
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads"):
@@ -120,7 +123,8 @@ class WorkerConfig:
         return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,  # type: ignore[arg-type]
                             num_pages=self.num_pages, chunk_size=self.chunk_size,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
-                            device=self.device, dtype=self.dtype)
+                            device=self.device, dtype=self.dtype,
+                            enable_prefix_caching=self.enable_prefix_caching)
 
 
 def instance_device(kind: str, device_id: int) -> str:
@@ -213,4 +217,11 @@ def _parse(name: str, type_name: Any, text: str) -> Any:
             return float(text)
     except ValueError:
         raise ConfigError(name, f"must be a{'n int' if kind == 'int' else ' number'}, got {text!r}") from None
+    if kind == "bool":
+        if text.lower() not in _BOOLS:
+            raise ConfigError(name, f"must be true or false, got {text!r}")
+        return _BOOLS[text.lower()]
     return text
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

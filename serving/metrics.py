@@ -6,6 +6,10 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 ==================================  =======  =================================================================
 ``pd_kv_free_pages``                gauge    free pages in the KV pool
 ``pd_kv_total_pages``               gauge    pages in the KV pool
+``pd_kv_cached_pages``              gauge    pages holding reusable prefix-cache KV (held or evictable)
+``pd_prefix_cache_queries_tokens_total`` counter  prompt tokens of requests admitted with the prefix cache on
+``pd_prefix_cache_hits_tokens_total`` counter  of those, tokens whose KV came from the prefix cache (hit rate:
+                                             hits / queries)
 ``pd_queue_requests``               gauge    requests per queue (label ``queue``: ``running``, ``commands``;
                                              PD workers add ``bootstrap``, ``waiting``, ``inflight``,
                                              ``prealloc``, ``transfer``)
@@ -50,6 +54,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from engine.prefix_cache import PrefixCacheStats
 from serving.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
@@ -83,6 +88,9 @@ class MetricFamilyFactory(Protocol):
 _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
     "pd_kv_free_pages": ("GAUGE", "Free pages in the KV pool"),
     "pd_kv_total_pages": ("GAUGE", "Pages in the KV pool"),
+    "pd_kv_cached_pages": ("GAUGE", "Pages holding reusable prefix-cache KV (held or evictable)"),
+    "pd_prefix_cache_queries_tokens_total": ("COUNTER", "Prompt tokens of requests admitted, cache on"),
+    "pd_prefix_cache_hits_tokens_total": ("COUNTER", "Prompt tokens whose KV came from the prefix cache"),
     "pd_queue_requests": ("GAUGE", "Requests per queue"),
     "pd_requests_total": ("COUNTER", "Finished requests by outcome"),
     "pd_prompt_tokens_total": ("COUNTER", "Prompt tokens of finished requests"),
@@ -240,18 +248,23 @@ class LoopMetricsHook:
     """Tick hook that publishes the KV pool and the loop's counters (runs on the loop thread)."""
 
     def __init__(self, loop: EngineLoop, metrics: ServingMetrics,
-                 kv_pages: Callable[[], tuple[int, int]]) -> None:
+                 kv_pages: Callable[[], tuple[int, int]],
+                 prefix_cache: Callable[[], PrefixCacheStats] | None = None) -> None:
         """
         Args:
             loop: the loop whose ``stats()`` to publish.
             metrics: where to publish.
             kv_pages: returns ``(free_pages, total_pages)`` of the engine, called on the loop thread.
+            prefix_cache: returns the engine's ``PrefixCacheStats`` (``LLMEngine.prefix_cache_stats``), called
+                on the loop thread; None publishes no prefix-cache metrics.
         """
         self._loop = loop
         self._metrics = metrics
         self._kv_pages = kv_pages
+        self._prefix_cache = prefix_cache
         self._steps_seen = 0
         self._step_seconds_seen = 0.0
+        self._cache_seen = PrefixCacheStats()
 
     def on_tick(self) -> bool:
         """Publish; never reports work in flight."""
@@ -262,4 +275,13 @@ class LoopMetricsHook:
         self._metrics.increment("pd_engine_steps_total", stats.steps_total - self._steps_seen)
         self._metrics.increment("pd_engine_step_seconds_total", stats.step_seconds_total - self._step_seconds_seen)
         self._steps_seen, self._step_seconds_seen = stats.steps_total, stats.step_seconds_total
+        if self._prefix_cache is not None:
+            self._publish_prefix_cache(self._prefix_cache())
         return False
+
+    def _publish_prefix_cache(self, cache: PrefixCacheStats) -> None:
+        seen = self._cache_seen
+        self._metrics.set_gauge("pd_kv_cached_pages", cache.cached_pages)
+        self._metrics.increment("pd_prefix_cache_queries_tokens_total", cache.queries_tokens - seen.queries_tokens)
+        self._metrics.increment("pd_prefix_cache_hits_tokens_total", cache.hits_tokens - seen.hits_tokens)
+        self._cache_seen = cache

@@ -126,6 +126,7 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
     workers.append(worker)
     kv_manager.set_load_source(lambda: worker.load)
     if metrics is not None:
-        loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages)))
+        loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
+                                        prefix_cache=engine.prefix_cache_stats))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
     return PDWorkerHandle(worker, loop, kv_manager, room_aborts)

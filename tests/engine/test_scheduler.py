@@ -3,6 +3,7 @@
 import torch
 
 from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -11,7 +12,7 @@ PS = 4
 
 
 def make_scheduler(num_pages=32, chunk=8, budget=16, max_running=8):
-    return Scheduler(PageAllocator(num_pages), PS, chunk, budget, max_running)
+    return Scheduler(PrefixCache(PageAllocator(num_pages), enabled=False), PS, chunk, budget, max_running)
 
 
 def make_seq(rid, prompt_len, max_tokens=4):

@@ -69,6 +69,21 @@ def test_non_streaming_is_one_response_with_the_prompt_first(triton_server, refe
 
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_with_the_same_text(triton_server, reference) -> None:
+    """The prefix cache is on by default: a prompt sent again reuses its KV (counted on the metrics endpoint)
+    and gives the same greedy text."""
+    url, prompt = triton_server.metrics_url, PROMPTS[3]
+    first = grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY))
+    hits_before = _counter(url, "pd_prefix_cache_hits_tokens_total")
+    queries_before = _counter(url, "pd_prefix_cache_queries_tokens_total")
+    again = grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY))
+    assert first.text == again.text == reference[prompt]
+    _wait_until(lambda: _counter(url, "pd_prefix_cache_hits_tokens_total") > hits_before)
+    hits = _counter(url, "pd_prefix_cache_hits_tokens_total") - hits_before
+    queries = _counter(url, "pd_prefix_cache_queries_tokens_total") - queries_before
+    assert 0 < hits < queries and hits % 16 == 0 and metric_value(url, "pd_kv_cached_pages") > 0
+
+
 def test_bad_inputs_fail_alone_while_a_good_request_completes(triton_server, reference) -> None:
     url = triton_server.grpc_url
     with ThreadPoolExecutor(len(BAD_INPUTS) + 1) as pool:
@@ -106,6 +121,14 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _counter(metrics_url: str, name: str) -> float:
+    """A counter's value; 0 before its first increment (a series appears when first incremented)."""
+    try:
+        return metric_value(metrics_url, name)
+    except KeyError:
+        return 0.0
 
 
 def _cancelled(metrics_url: str) -> float:

@@ -31,6 +31,7 @@ def test_defaults_and_string_values() -> None:
     (_sv(waiting_timeout_s="-1"), "waiting_timeout_s"),
     (_sv(dtype="int8"), "dtype"),
     (_sv(device="cuda:0"), "device"),
+    (_sv(enable_prefix_caching="maybe"), "enable_prefix_caching"),
 ])
 def test_bad_parameter_is_named(params: dict[str, dict[str, str]], param: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -47,6 +48,14 @@ def test_engine_config_carries_the_knobs() -> None:
     ec = WorkerConfig(page_size=8, num_pages=10, chunk_size=64, max_num_batched_tokens=128).engine_config("decode")
     assert (ec.mode, ec.page_size, ec.num_pages, ec.chunk_size, ec.max_num_batched_tokens) == \
         ("decode", 8, 10, 64, 128)
+
+
+def test_prefix_caching_is_on_by_default_and_a_parameter_turns_it_off() -> None:
+    assert build_worker_config({}, environ={}).engine_config("colocated").prefix_caching_active
+    for text in ("false", "False", "0", "no"):
+        cfg = build_worker_config(_sv(enable_prefix_caching=text), environ={})
+        assert cfg.enable_prefix_caching is False and not cfg.engine_config("prefill").enable_prefix_caching
+    assert not WorkerConfig().engine_config("decode").prefix_caching_active   # decode mode: off for now
 
 
 def test_instance_device() -> None:

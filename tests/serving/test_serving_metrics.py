@@ -86,3 +86,22 @@ def test_histograms_get_vllm_buckets_and_observations() -> None:
     metrics.close()
     metrics.observe("pd_request_prompt_tokens", 5)   # ignored after close
     assert series["pd_request_prompt_tokens"].observations == [12, 3]
+
+
+def test_loop_hook_publishes_prefix_cache_deltas(metrics: ServingMetrics) -> None:
+    """Counters grow by what the engine's cumulative stats grew since the last tick; the gauge follows."""
+    from serving_fakes import FakeEngine
+
+    from engine.prefix_cache import PrefixCacheStats
+    from serving.engine_loop import EngineLoop
+    from serving.metrics import LoopMetricsHook
+
+    snapshots = iter([PrefixCacheStats(100, 32, 4, 2), PrefixCacheStats(150, 80, 6, 6)])
+    loop = EngineLoop(FakeEngine(), name="hook-test", idle_wait_s=0.02)   # never started: stats() only
+    hook = LoopMetricsHook(loop, metrics, lambda: (10, 64), prefix_cache=lambda: next(snapshots))
+    hook.on_tick()
+    assert (_series("pd_prefix_cache_queries_tokens_total"), _series("pd_prefix_cache_hits_tokens_total"),
+            _series("pd_kv_cached_pages")) == (100, 32, 4)
+    hook.on_tick()
+    assert (_series("pd_prefix_cache_queries_tokens_total"), _series("pd_prefix_cache_hits_tokens_total"),
+            _series("pd_kv_cached_pages")) == (150, 80, 6)
