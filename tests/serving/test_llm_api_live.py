@@ -266,3 +266,38 @@ def test_latency_and_length_histograms(triton_server, model) -> None:
     ttft_sum = metric_value(triton_server.metrics_url, "pd_time_to_first_token_seconds_sum", model=model)
     e2e_sum = metric_value(triton_server.metrics_url, "pd_e2e_request_latency_seconds_sum", model=model)
     assert 0 < ttft_sum <= e2e_sum
+
+
+def _free_pages(server: Any) -> dict[str, float]:
+    from live_client import metric_value
+
+    return {m: metric_value(server.metrics_url, "pd_kv_free_pages", model=m) for m in ("prefill", "decode", "colocated")}
+
+
+@pytest.mark.parametrize("model", PATHS)
+def test_cancelling_an_n_sample_stream_frees_every_sample(triton_server, model) -> None:
+    import time
+
+    from live_client import grpc_generate
+
+    def settled() -> dict[str, float]:
+        deadline = time.monotonic() + 30
+        last = _free_pages(triton_server)
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = _free_pages(triton_server)
+            if now == last:
+                return now
+            last = now
+        return last
+
+    before = settled()
+    params = {"max_tokens": 300, "temperature": 1.0, "seed": 1, "n": 3, "ignore_eos": True}
+    res = grpc_generate(triton_server.grpc_url, make_inputs(PROMPTS[1], params), model=model, cancel_after=4)
+    assert res.error is None and not res.final_seen
+    deadline = time.monotonic() + 30
+    while _free_pages(triton_server) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _free_pages(triton_server) == before, "every sample's pages came back"
+    ok = infer(triton_server.grpc_url, model, "Hi", _greedy(2))
+    assert ok.error is None and ok.text()
