@@ -9,12 +9,19 @@
 #   ROLE=router  BOOTSTRAP=1 scripts/serve.sh                          # pd_ensemble + the fleet's bootstrap
 #   ROLE=prefill PD_BOOTSTRAP_URL=http://<router host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
 #   ROLE=decode  PD_BOOTSTRAP_URL=http://<router host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
+#   ROLE=frontend GRPC_URL=<router host>:8001 scripts/serve.sh      # only the OpenAI front (python -m frontend)
+#
+# The OpenAI-compatible front (frontend/, its own process) starts with ROLE=all and ROLE=frontend on OPENAI_PORT
+# (9000), in front of OPENAI_MODEL (default pd_ensemble; colocated when MODELS names it but not pd_ensemble).
 #
 # Env: HTTP_PORT (8000), GRPC_PORT (8001), METRICS_PORT (8002), BOOTSTRAP_PORT (8998), HOST (127.0.0.1: the
 #      address tritonserver listens on), ADVERTISE_HOST (HOST: how other hosts reach this one),
 #      ROLE (all | router | prefill | decode; default all), MODELS (default: every model of the role),
 #      BOOTSTRAP (1: start the bootstrap service here; default 1 for ROLE=all, else 0 and PD_BOOTSTRAP_URL names
-#      the fleet's), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh).
+#      the fleet's), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh),
+#      OPENAI (1: start the OpenAI front; default 1 for ROLE=all and frontend, else 0), OPENAI_PORT (9000),
+#      OPENAI_MODEL, OPENAI_SERVED_MODEL_NAME (the name clients use; default OPENAI_MODEL), GRPC_URL (the
+#      tritonserver the front calls; default HOST:GRPC_PORT).
 # Uses a tritonserver found on PATH (NGC container) when there is one, else the one in the nvidia-pytriton wheel.
 set -euo pipefail
 
@@ -27,16 +34,28 @@ BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
 MODEL_REPOSITORY="${MODEL_REPOSITORY:-$ROOT/model_repository}"
 VENV="${VENV:-$ROOT/.venv}"
 ROLE="${ROLE:-all}"
+OPENAI_PORT="${OPENAI_PORT:-9000}"
 case "$ROLE" in
-  all) BOOTSTRAP="${BOOTSTRAP:-1}" ;;
+  all) BOOTSTRAP="${BOOTSTRAP:-1}"; OPENAI="${OPENAI:-1}" ;;
+  frontend) BOOTSTRAP=0; OPENAI=1 ;;
   router) MODELS="${MODELS:-pd_ensemble}"; BOOTSTRAP="${BOOTSTRAP:-0}" ;;
   prefill|decode) BOOTSTRAP="${BOOTSTRAP:-0}"
     if [[ -z "${MODELS:-}" ]]; then   # every model of the role in the repository (prefill, prefill_1, ...)
       MODELS="$(grep -l "^name: \"$ROLE\(_[0-9a-z]*\)\?\"" "$MODEL_REPOSITORY"/*/config.pbtxt \
                 | xargs -n1 dirname | xargs -n1 basename | paste -sd, -)"
     fi ;;
-  *) echo "[serve] ROLE must be all, router, prefill or decode, got '$ROLE'" >&2; exit 2 ;;
+  *) echo "[serve] ROLE must be all, router, prefill, decode or frontend, got '$ROLE'" >&2; exit 2 ;;
 esac
+OPENAI="${OPENAI:-0}"
+GRPC_URL="${GRPC_URL:-$HOST:$GRPC_PORT}"
+if [[ -z "${OPENAI_MODEL:-}" ]]; then
+  case ",${MODELS:-pd_ensemble}," in
+    *,pd_ensemble,*) OPENAI_MODEL=pd_ensemble ;;
+    *,colocated,*) OPENAI_MODEL=colocated ;;
+    *) OPENAI_MODEL="" ;;   # no public model served here: the front would have nothing to call
+  esac
+  if [[ "$ROLE" == frontend ]]; then OPENAI_MODEL=pd_ensemble; fi
+fi
 
 say() { echo "[serve] $*"; }
 
@@ -105,11 +124,20 @@ if [[ "$BOOTSTRAP" == 1 ]]; then
   pids+=($!)
 fi
 
-say "$TRITONSERVER ${server_args[*]} $*"
-"$TRITONSERVER" "${server_args[@]}" "$@" &
-pids+=($!)
+if [[ "$ROLE" != frontend ]]; then
+  say "$TRITONSERVER ${server_args[*]} $*"
+  "$TRITONSERVER" "${server_args[@]}" "$@" &
+  pids+=($!)
+fi
 
-# Foreground until tritonserver (or the bootstrap service) exits; its status is ours.
+if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
+  say "OpenAI front on http://$HOST:$OPENAI_PORT/v1 -> $OPENAI_MODEL at $GRPC_URL"
+  python3 -m frontend --host "$HOST" --port "$OPENAI_PORT" --grpc-url "$GRPC_URL" --model "$OPENAI_MODEL" \
+    --served-model-name "${OPENAI_SERVED_MODEL_NAME:-$OPENAI_MODEL}" &
+  pids+=($!)
+fi
+
+# Foreground until tritonserver (or the bootstrap service, or the front) exits; its status is ours.
 set +e
 wait -n "${pids[@]}"
 status=$?

@@ -357,6 +357,7 @@ class ServeScript:
         self.log_path = log_path
         self._env = {**os.environ, "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
                      "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "BOOTSTRAP_PORT": str(bootstrap),
+                     "OPENAI": "0",   # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
                      **(env or {})}
         if model_repository is not None:
             self._env["MODEL_REPOSITORY"] = str(model_repository)

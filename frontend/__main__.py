@@ -1,0 +1,74 @@
+"""``python -m frontend``: the OpenAI-compatible front as its own process (uvicorn, one event loop).
+
+    python -m frontend --host 127.0.0.1 --port 9000 --grpc-url 127.0.0.1:8001 --model pd_ensemble \
+        --served-model-name smollm2
+
+SIGINT/SIGTERM stop it: uvicorn stops accepting, lets open streams run for ``--graceful-shutdown-s``, then
+cancels them (each cancel reaches the server as a cancelled request), then closes the gRPC channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from frontend.app import create_app
+from frontend.backend import TritonGrpcBackend
+from frontend.chat import ChatRenderer
+from frontend.config import FrontendConfig
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[FrontendConfig, str]:
+    """The front's config and uvicorn's log level from the command line (the one place it is built)."""
+    d = FrontendConfig()
+    p = argparse.ArgumentParser(prog="python -m frontend", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--grpc-url", default=d.grpc_url, help="tritonserver gRPC endpoint, host:port")
+    p.add_argument("--model", default=d.model, help="Triton model to call (pd_ensemble, colocated)")
+    p.add_argument("--served-model-name", default=d.served_model_name,
+                   help="the model name clients use (default: --model)")
+    p.add_argument("--tokenizer", default=d.tokenizer, help="whose chat template renders chat messages")
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                   help="max_tokens of a chat request that sets none")
+    p.add_argument("--graceful-shutdown-s", type=float, default=d.graceful_shutdown_s)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a = p.parse_args(argv)
+    config = FrontendConfig(host=a.host, port=a.port, grpc_url=a.grpc_url, model=a.model,
+                            served_model_name=a.served_model_name, tokenizer=a.tokenizer,
+                            default_max_tokens=a.default_max_tokens, graceful_shutdown_s=a.graceful_shutdown_s)
+    return config, a.log_level
+
+
+def build_app(config: FrontendConfig) -> FastAPI:
+    """The app with its real collaborators; the gRPC channel is closed when the app shuts down."""
+    backend = TritonGrpcBackend(config.grpc_url, config.model)
+    app = create_app(config, backend, ChatRenderer.load(config.tokenizer))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import uvicorn
+
+    config, log_level = parse_config(argv)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(config)
+    logging.getLogger(__name__).info("OpenAI front on http://%s:%d -> %s at %s (served as %r)", config.host,
+                                     config.port, config.model, config.grpc_url, config.public_name)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+                timeout_graceful_shutdown=int(config.graceful_shutdown_s) or None)
+
+
+if __name__ == "__main__":
+    main()

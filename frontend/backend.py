@@ -1,0 +1,155 @@
+"""The ``Backend`` seam (where generation requests go) and ``TritonGrpcBackend`` (tritonclient.grpc.aio).
+
+One gRPC channel per front, one bidirectional stream per request (``ModelStreamInfer``): cancelling that stream
+cancels exactly that request; Triton then reports ``is_cancelled()`` to the model, which aborts it and frees its
+KV pages (for ``pd_ensemble``: the router cancels both children). Every call runs on the front's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Protocol
+
+from frontend.wire import (
+    OUTPUT_NAMES,
+    BackendRequest,
+    BackendResponse,
+    Contract,
+    ResponseDecoder,
+    request_arrays,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TritonError(Exception):
+    """The server answered the request with an error (its message is in ``str(e)``); nothing was retried."""
+
+
+class BackendUnavailable(Exception):
+    """The server could not be reached, does not serve the model, or its stream broke."""
+
+
+class Backend(Protocol):
+    """Sends generation requests to one served model. Every method is called on the front's event loop."""
+
+    async def contract(self) -> Contract:
+        """The served model's declared inputs (read once, then cached). Raises BackendUnavailable."""
+        ...
+
+    def generate(self, request: BackendRequest) -> AsyncGenerator[BackendResponse, None]:
+        """Send ``request``; yield its responses in order, the last one with ``final`` set. Closing the
+        iterator early (``aclose``, or cancelling the task that iterates it) cancels the request on the server.
+        Raises TritonError (the server's error response) or BackendUnavailable (no server, broken stream)."""
+        ...
+
+    async def ready(self) -> bool:
+        """True when the server is live and the model is ready; never raises."""
+        ...
+
+    async def close(self) -> None:
+        """Close the connection; after every request ended."""
+        ...
+
+
+class TritonGrpcBackend:
+    """``Backend`` over tritonclient's asyncio gRPC client to ``model`` at ``url`` (``host:port``)."""
+
+    def __init__(self, url: str, model: str, keepalive_s: float = 10.0, health_timeout_s: float = 2.0) -> None:
+        """Builds nothing yet: the channel is made on first use (it must belong to the running event loop)."""
+        self.url = url
+        self.model = model
+        self._keepalive_s = keepalive_s
+        self._health_timeout_s = health_timeout_s
+        self._client: Any = None   # tritonclient.grpc.aio.InferenceServerClient (untyped)
+        self._contract: Contract | None = None
+
+    def _grpc(self) -> Any:
+        if self._client is None:
+            from tritonclient.grpc import KeepAliveOptions
+            from tritonclient.grpc.aio import InferenceServerClient
+
+            ms = int(self._keepalive_s * 1000)
+            self._client = InferenceServerClient(self.url, keepalive_options=KeepAliveOptions(
+                keepalive_time_ms=ms, keepalive_timeout_ms=ms, keepalive_permit_without_calls=True))
+        return self._client
+
+    async def contract(self) -> Contract:
+        if self._contract is None:
+            from tritonclient.utils import InferenceServerException
+
+            try:
+                config = await self._grpc().get_model_config(self.model, as_json=True)
+            except InferenceServerException as e:
+                raise BackendUnavailable(f"model {self.model!r} at {self.url}: {e.message()}") from None
+            names = frozenset(item["name"] for item in config.get("config", {}).get("input", []))
+            self._contract = Contract(names)
+            logger.info("model %s at %s declares inputs %s", self.model, self.url, sorted(names))
+        return self._contract
+
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[BackendResponse, None]:
+        import grpc
+        from tritonclient.grpc import InferInput
+        from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+        contract = await self.contract()
+        inputs = []
+        for name, array in request_arrays(request, contract).items():
+            tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        ended = asyncio.Event()
+
+        async def requests() -> AsyncIterator[dict[str, object]]:
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request.request_id,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+            await ended.wait()   # our half stays open until FINAL: closing it would end the stream
+
+        responses = self._grpc().stream_infer(requests())
+        decoder = ResponseDecoder(contract)
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    finished = True
+                    raise TritonError(error.message())
+                final = bool(result.get_response().parameters["triton_final_response"].bool_param)
+                values = {name: array for name in OUTPUT_NAMES if (array := result.as_numpy(name)) is not None}
+                finished = final
+                yield decoder.decode(values, final)
+                if final:
+                    return
+            finished = True
+            raise BackendUnavailable(f"{self.model} at {self.url}: the stream ended without FINAL")
+        except (grpc.RpcError, InferenceServerException) as e:
+            finished = True
+            raise BackendUnavailable(f"{self.model} at {self.url} unreachable: {_rpc_message(e)}") from None
+        finally:
+            ended.set()
+            if not finished:
+                responses.cancel()   # Triton cancels the request: the model aborts it and frees its pages
+                logger.info("request %s cancelled on %s", request.request_id, self.model)
+
+    async def ready(self) -> bool:
+        try:
+            client = self._grpc()
+            return bool(await asyncio.wait_for(client.is_model_ready(self.model), self._health_timeout_s))
+        except Exception:   # any failure means "not ready": health must answer, never raise
+            logger.debug("health check of %s failed", self.url, exc_info=True)
+            return False
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+
+def _rpc_message(error: BaseException) -> str:
+    details = getattr(error, "details", None)
+    code = getattr(error, "code", None)
+    if callable(details) and callable(code):
+        return f"{code().name}: {details()}"
+    message = getattr(error, "message", None)
+    return message() if callable(message) else str(error)

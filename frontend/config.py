@@ -1,0 +1,43 @@
+"""The front's configuration: one frozen dataclass, built once from the command line (``frontend.__main__``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """
+    Attributes:
+        host, port: where the HTTP server listens.
+        grpc_url: the tritonserver to send requests to (``host:port``).
+        model: the Triton model requests go to (``pd_ensemble``, ``colocated``).
+        served_model_name: the ``model`` name clients use and ``/v1/models`` lists (empty: ``model``).
+        tokenizer: whose chat template renders chat messages (``smollm2``, a ``.gguf`` path or an HF folder).
+        default_max_tokens: a chat request's ``max_tokens`` when it sets none (the server reserves KV pages for
+            prompt + max_tokens up front, so "up to the context length" would cost a whole context per request).
+        graceful_shutdown_s: how long open streams may run on at shutdown before they are cancelled.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 9000
+    grpc_url: str = "127.0.0.1:8001"
+    model: str = "pd_ensemble"
+    served_model_name: str = ""
+    tokenizer: str = "smollm2"
+    default_max_tokens: int = 512
+    graceful_shutdown_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if ":" not in self.grpc_url:
+            raise ValueError(f"grpc_url must be host:port, got {self.grpc_url!r}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+
+    @property
+    def public_name(self) -> str:
+        return self.served_model_name or self.model
