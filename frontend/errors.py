@@ -18,7 +18,6 @@ anything else                                          500     ``internal_error`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from frontend.protocol import ErrorBody, ErrorInfo
 
@@ -27,7 +26,6 @@ _INVALID_INPUT = re.compile(r"invalid input '([^']+)': (.*)", re.DOTALL)
 _INPUT_TO_FIELD = {"text_input": "prompt", "sampling_parameters.logprobs": "logprobs"}
 
 
-@dataclass(frozen=True)
 class OpenAIError(Exception):
     """A request that fails with ``status`` and OpenAI's error body; raised anywhere in a request's handling.
 
@@ -39,11 +37,14 @@ class OpenAIError(Exception):
         code: a machine-readable code (``model_not_found``, ...), if any.
     """
 
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
