@@ -24,6 +24,8 @@ Usage::
 
     .venv/bin/python scripts/bench_openai_front.py            # 2 rounds x 8 x (128-token prompt, 32 new), c=1,4
     .venv/bin/python scripts/bench_openai_front.py --quick    # 1 round x 4 x (64, 16), c=1
+    .venv/bin/python scripts/bench_openai_front.py --concurrency 1 --requests 16 --prompt-tokens 4 --max-tokens 8
+                                                              # a probe: little compute next to the per-hop cost
 
 Prints a table, then one JSON line last.
 """
@@ -268,6 +270,21 @@ def added(direct: PathFigures, front: PathFigures) -> dict[str, float]:
             for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
 
 
+def paired(direct: Sequence[RequestRecord], front: Sequence[RequestRecord]) -> dict[str, float]:
+    """Median over prompts of (front - direct) for the same prompt sent back to back, in ms: TTFT and the
+    request's mean ITL. Less noisy than a difference of percentiles on a shared machine."""
+    by_id = {r.request_id: r for r in direct if r.ok}
+    pairs = [(by_id[r.request_id], r) for r in front if r.ok and r.request_id in by_id]
+
+    def mean_itl(r: RequestRecord) -> float:
+        gaps = r.itls_ms
+        return sum(gaps) / len(gaps) if gaps else float("nan")
+
+    return {"paired_ttft_p50_ms": round(percentile([f.ttft_ms - d.ttft_ms for d, f in pairs], 50), 2),
+            "paired_itl_p50_ms": round(percentile([mean_itl(f) - mean_itl(d) for d, f in pairs], 50), 2),
+            "pairs": len(pairs)}
+
+
 def measure(cfg: BenchConfig) -> dict[tuple[str, int], list[RequestRecord]]:
     """Per round and concurrency c: batches of c requests, each batch sent on one path then on the other (the
     order flipping every batch); returns every record by (path, c)."""
@@ -310,10 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = (BenchConfig(num_requests=4, rounds=1, prompt_tokens=64, max_tokens=16, num_warmup=1, concurrencies=(1,))
-           if a.quick else BenchConfig(num_requests=a.requests, rounds=a.rounds, concurrencies=tuple(a.concurrency)))
+           if a.quick else BenchConfig(num_requests=a.requests, rounds=a.rounds, concurrencies=tuple(a.concurrency),
+                             prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens))
     load_before = os.getloadavg()
     records = measure(cfg)
     figs = {key: figures(recs) for key, recs in records.items()}
@@ -324,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
                               "load_before": load_before, "load_after": os.getloadavg(), "by_concurrency": {}}
     for conc in cfg.concurrencies:
-        diff = added(figs[("direct", conc)], figs[("front", conc)])
+        diff = {**added(figs[("direct", conc)], figs[("front", conc)]),
+                **paired(records[("direct", conc)], records[("front", conc)])}
         print(f"c={conc}: front - direct: " + ", ".join(f"{k} {v:+.2f}" for k, v in diff.items()))
         result["by_concurrency"][str(conc)] = {"direct": asdict(figs[("direct", conc)]),
                                                "front": asdict(figs[("front", conc)]), **diff}
