@@ -29,7 +29,7 @@ import tritonclient.grpc as grpcclient
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
 MAX_TOKENS = 12
 QUESTION = "What is the capital of France?"
-TURNS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+TURNS: list[Any] = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is the capital of Italy?"}]
 
 
@@ -87,7 +87,7 @@ def grpc_reference(url: str, prompt: str, params: dict[str, Any], chat: bool = F
     return text, num_in, num_out
 
 
-GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0}
+GREEDY: dict[str, Any] = {"max_tokens": MAX_TOKENS, "temperature": 0}
 
 
 def test_streamed_chat_equals_grpc_with_apply_chat_template(openai_stack: Any, client: openai.OpenAI) -> None:
@@ -175,7 +175,7 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
     return condition()
 
 
-LONG = {"max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
+LONG: dict[str, Any] = {"max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 def test_a_disconnect_mid_stream_gives_the_pages_back(openai_stack: Any, client: openai.OpenAI) -> None:
@@ -244,7 +244,7 @@ def test_new_contract_chat_logprobs_streamed(client: openai.OpenAI) -> None:
 
 
 def test_new_contract_penalties_are_applied(client: openai.OpenAI) -> None:
-    prompt, params = "Repeat after me: la la la la la la", {"max_tokens": 16, "temperature": 0}
+    prompt, params = "Repeat after me: la la la la la la", dict[str, Any](max_tokens=16, temperature=0)
     plain = client.completions.create(model="pd_ensemble", prompt=prompt, **params).choices[0].text
     penalised = _new_contract(lambda: client.completions.create(model="pd_ensemble", prompt=prompt,
                                                                 frequency_penalty=2.0, presence_penalty=2.0,
