@@ -250,3 +250,38 @@ def test_new_contract_penalties_are_applied(client: openai.OpenAI) -> None:
                                                                 frequency_penalty=2.0, presence_penalty=2.0,
                                                                 **params)).choices[0].text
     assert penalised != plain   # a strong penalty changes a repetitive greedy continuation
+
+
+def test_serve_sh_role_frontend_starts_only_the_front_and_stops_on_sigterm(openai_stack: Any, tmp_path: Any) -> None:
+    import os
+    import signal
+    import subprocess
+
+    from perf.server import REPO_ROOT, free_ports
+
+    (port,) = free_ports(1)
+    env = {**os.environ, "SKIP_SETUP": "1", "ROLE": "frontend", "GRPC_URL": openai_stack.server.grpc_url,
+           "OPENAI_PORT": str(port), "OPENAI_SERVED_MODEL_NAME": "smol"}
+    with open(tmp_path / "front.log", "wb") as log:
+        proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert _wait_until(lambda: _healthy(url), 60), (tmp_path / "front.log").read_text()
+        front = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in front.models.list()] == ["smol"]
+        usage = front.completions.create(model="smol", prompt="Hi", max_tokens=2).usage
+        assert usage is not None and usage.completion_tokens >= 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(30)
+    log_text = (tmp_path / "front.log").read_text()
+    assert "tritonserver" not in log_text.split("OpenAI front on")[0]   # no server, no bootstrap started
+    assert code in (0, 143) and not _healthy(url)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
