@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 
 from fastapi import FastAPI
 
@@ -45,17 +44,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[FrontendConfig, str
 
 
 def build_app(config: FrontendConfig) -> FastAPI:
-    """The app with its real collaborators; the gRPC channel is closed when the app shuts down."""
-    backend = TritonGrpcBackend(config.grpc_url, config.model)
-    app = create_app(config, backend, ChatRenderer.load(config.tokenizer))
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await backend.close()
-
-    app.router.lifespan_context = lifespan
-    return app
+    """The app with its real collaborators (the gRPC backend, the model's chat template)."""
+    return create_app(config, TritonGrpcBackend(config.grpc_url, config.model), ChatRenderer.load(config.tokenizer))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

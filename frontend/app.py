@@ -58,8 +58,14 @@ class ClientDisconnected(Exception):
 
 
 def create_app(config: FrontendConfig, backend: Backend, renderer: ChatRenderer) -> FastAPI:
-    """The application; ``backend`` and ``renderer`` are used on the event loop that serves it."""
-    app = FastAPI(title="triton-pd OpenAI front", docs_url=None, redoc_url=None)
+    """The application; ``backend`` and ``renderer`` are used on the event loop that serves it, and the backend
+    is closed when the application shuts down (after uvicorn ended every open request)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = FastAPI(title="triton-pd OpenAI front", docs_url=None, redoc_url=None, lifespan=lifespan)
     created = int(time.time())
     app.state.config = config
 

@@ -27,6 +27,7 @@ class FakeBackend:
     sent: list[BackendRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    closed: bool = False
 
     async def contract(self) -> Contract:
         return Contract(frozenset({"text_input", "return_num_output_tokens"}))
@@ -49,7 +50,7 @@ class FakeBackend:
         return self.is_ready
 
     async def close(self) -> None:
-        return None
+        self.closed = True
 
 
 _typed: Backend = FakeBackend()   # the fake implements the seam (mypy checks this line)

@@ -121,13 +121,15 @@ def test_bad_bodies_are_400_naming_the_field_and_unknown_models_404() -> None:
             sdk(http).completions.create(model="gpt-4", prompt="p")
 
 
-def test_models_and_health() -> None:
+def test_models_health_and_shutdown_closes_the_backend() -> None:
     backend = FakeBackend()
     with client_for(backend) as http:
         assert [m.id for m in sdk(http).models.list()] == ["smol"]
         assert http.get("/health").status_code == 200
         backend.is_ready = False
         assert http.get("/health").status_code == 503
+        assert not backend.closed
+    assert backend.closed   # the app's shutdown closed the backend's connection
 
 
 def _request_that_disconnects_after(delay_s: float) -> Request:
