@@ -285,3 +285,32 @@ def _healthy(url: str) -> bool:
         return requests.get(f"{url}/health", timeout=2).status_code == 200
     except requests.RequestException:
         return False
+
+
+def test_concurrent_streams_where_half_leave_early(openai_stack: Any) -> None:
+    """Four concurrent chat streams; two clients leave after two chunks: the other two finish with their full
+    usage, and every page comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = openai_stack.server
+    total = _pages(server, "pd_kv_total_pages")
+    assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total)
+
+    def one(leave_early: bool) -> int | None:
+        client = openai.OpenAI(base_url=openai_stack.openai_url, api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model="pd_ensemble", messages=[{"role": "user", "content": "Tell me about rivers."}], stream=True,
+            stream_options={"include_usage": True}, max_tokens=24 if not leave_early else 400, temperature=0,
+            extra_body={"ignore_eos": True})
+        usage = None
+        for i, chunk in enumerate(stream):
+            if leave_early and i == 2:
+                stream.close()
+                return None
+            usage = chunk.usage or usage
+        return usage.completion_tokens if usage else -1
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, [True, False, True, False]))
+    assert results == [None, 24, None, 24]
+    assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
