@@ -202,7 +202,7 @@ def test_a_non_streaming_client_that_leaves_gives_the_pages_back(openai_stack: A
     assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
 
 
-# ---- the server's newer contract (n, logprobs, penalties): skip while the server does not know them ---------
+# ---- the server's newer contract (n, logprobs, penalties): they skip on a server that predates them --------
 
 def _new_contract(call: Callable[[], Any]) -> Any:
     try:
