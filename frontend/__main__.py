@@ -35,17 +35,21 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[FrontendConfig, str
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens of a chat request that sets none")
     p.add_argument("--graceful-shutdown-s", type=float, default=d.graceful_shutdown_s)
+    p.add_argument("--grpc-keepalive-s", type=float, default=d.grpc_keepalive_s,
+                   help="HTTP/2 keepalive pings to the server (0: none; the server must permit the interval)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a = p.parse_args(argv)
     config = FrontendConfig(host=a.host, port=a.port, grpc_url=a.grpc_url, model=a.model,
                             served_model_name=a.served_model_name, tokenizer=a.tokenizer,
-                            default_max_tokens=a.default_max_tokens, graceful_shutdown_s=a.graceful_shutdown_s)
+                            default_max_tokens=a.default_max_tokens, graceful_shutdown_s=a.graceful_shutdown_s,
+                            grpc_keepalive_s=a.grpc_keepalive_s)
     return config, a.log_level
 
 
 def build_app(config: FrontendConfig) -> FastAPI:
     """The app with its real collaborators (the gRPC backend, the model's chat template)."""
-    return create_app(config, TritonGrpcBackend(config.grpc_url, config.model), ChatRenderer.load(config.tokenizer))
+    backend = TritonGrpcBackend(config.grpc_url, config.model, keepalive_s=config.grpc_keepalive_s)
+    return create_app(config, backend, ChatRenderer.load(config.tokenizer))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

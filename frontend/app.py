@@ -70,7 +70,9 @@ def create_app(config: FrontendConfig, backend: Backend, renderer: ChatRenderer)
     app.state.config = config
 
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        if exc.status >= 500:   # the server's or the front's failure, not the client's: keep a trace of it
+            logger.warning("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
         return JSONResponse(exc.body().model_dump(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)

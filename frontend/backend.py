@@ -57,8 +57,13 @@ class Backend(Protocol):
 class TritonGrpcBackend:
     """``Backend`` over tritonclient's asyncio gRPC client to ``model`` at ``url`` (``host:port``)."""
 
-    def __init__(self, url: str, model: str, keepalive_s: float = 10.0, health_timeout_s: float = 2.0) -> None:
-        """Builds nothing yet: the channel is made on first use (it must belong to the running event loop)."""
+    def __init__(self, url: str, model: str, keepalive_s: float = 0.0, health_timeout_s: float = 2.0) -> None:
+        """Builds nothing yet: the channel is made on first use (it must belong to the running event loop).
+
+        ``keepalive_s``: HTTP/2 keepalive ping interval, 0 = none (tritonclient's default). tritonserver
+        answers pings more frequent than its ``--grpc-http2-min-recv-ping-interval-without-data`` (5 min by
+        default) with GOAWAY ``too_many_pings``, which breaks every stream on the channel: seen with 10 s pings
+        during a genai-perf run (503s). Set it only below a server configured to accept it."""
         self.url = url
         self.model = model
         self._keepalive_s = keepalive_s
@@ -71,9 +76,12 @@ class TritonGrpcBackend:
             from tritonclient.grpc import KeepAliveOptions
             from tritonclient.grpc.aio import InferenceServerClient
 
-            ms = int(self._keepalive_s * 1000)
-            self._client = InferenceServerClient(self.url, keepalive_options=KeepAliveOptions(
-                keepalive_time_ms=ms, keepalive_timeout_ms=ms, keepalive_permit_without_calls=True))
+            options = KeepAliveOptions()   # no pings
+            if self._keepalive_s > 0:
+                ms = int(self._keepalive_s * 1000)
+                options = KeepAliveOptions(keepalive_time_ms=ms, keepalive_timeout_ms=ms,
+                                           keepalive_permit_without_calls=False)
+            self._client = InferenceServerClient(self.url, keepalive_options=options)
         return self._client
 
     async def contract(self) -> Contract:

@@ -17,6 +17,8 @@ class FrontendConfig:
         default_max_tokens: a chat request's ``max_tokens`` when it sets none (the server reserves KV pages for
             prompt + max_tokens up front, so "up to the context length" would cost a whole context per request).
         graceful_shutdown_s: how long open streams may run on at shutdown before they are cancelled.
+        grpc_keepalive_s: HTTP/2 keepalive pings to the server, seconds; 0 = none (see ``TritonGrpcBackend``:
+            tritonserver's defaults answer frequent pings with GOAWAY, which breaks every open stream).
     """
 
     host: str = "127.0.0.1"
@@ -27,6 +29,7 @@ class FrontendConfig:
     tokenizer: str = "smollm2"
     default_max_tokens: int = 512
     graceful_shutdown_s: float = 5.0
+    grpc_keepalive_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -35,6 +38,8 @@ class FrontendConfig:
             raise ValueError("model must not be empty")
         if ":" not in self.grpc_url:
             raise ValueError(f"grpc_url must be host:port, got {self.grpc_url!r}")
+        if self.grpc_keepalive_s < 0:
+            raise ValueError(f"grpc_keepalive_s must be >= 0, got {self.grpc_keepalive_s}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
 

@@ -8,7 +8,9 @@ greedy with ``ignore_eos`` (exactly ``max_tokens`` tokens each), a few warm-up r
 the same closed-loop schedule (concurrency 1, then 4).
 
 * **direct**: one tritonclient gRPC stream per request (``enable_empty_final_response``) with the asyncio
-  client the front itself uses, on one open channel, each response stamped as it is read.
+  client the front itself uses, on one open channel, asking for the outputs the front asks for
+  (``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``, where the model declares
+  them), each response stamped as it is read.
 * **front**: one HTTP/1.1 streaming POST per request (httpx, the HTTP client the openai SDK uses) on a
   keep-alive connection each client slot keeps open, each SSE ``data:`` event carrying text stamped as its
   line arrives.
@@ -58,6 +60,7 @@ STOP_TIMEOUT_S = 40.0
 REQUEST_TIMEOUT_S = 60.0
 MODEL = "pd_ensemble"
 TARGET_MS = 5.0
+FRONT_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class DirectGrpc:
         self._thread = threading.Thread(target=self._loop.run_forever, name="bench-direct-loop", daemon=True)
         self._thread.start()
         self._client: Any = None
+        self._declared: set[str] | None = None
 
     def send(self, spec: Spec) -> RequestRecord:
         import asyncio
@@ -162,6 +166,11 @@ class DirectGrpc:
         params = json.dumps({"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True})
         inputs = [tensor("text_input", spec.prompt.encode()), tensor("stream", True),
                   tensor("exclude_input_in_output", True), tensor("sampling_parameters", params.encode())]
+        if self._declared is None:
+            config = await self._client.get_model_config(MODEL, as_json=True)
+            self._declared = {i["name"] for i in config["config"]["input"]}
+        # the outputs the front asks for (usage and finish reasons), so both paths make the server do the same
+        inputs += [tensor(flag, True) for flag in FRONT_FLAGS if flag in self._declared]
         ended = asyncio.Event()
 
         async def requests() -> Any:
