@@ -3,7 +3,9 @@ and over gRPC straight to ``pd_ensemble``, in one run, against one server.
 
 One ``scripts/serve.sh`` (``SKIP_SETUP=1 MODELS=pd_ensemble,prefill,decode OPENAI=1``) on free loopback ports
 serves both paths; they take turns (never concurrently, so they never share the CPU) every ``concurrency``
-requests, the order flipping every turn, so that the machine's drifting load (it is shared) hits both alike. Same seeded prompts (completions: no chat template, so both paths send the same text),
+requests, the order flipping every turn, so that the machine's drifting load (it is shared) hits both alike.
+Seeded prompts of the same length on both paths but never the same text (the prefill engine's prefix cache would
+serve a prompt sent twice from cache); completions, no chat template,
 greedy with ``ignore_eos`` (exactly ``max_tokens`` tokens each), a few warm-up requests per path (not counted),
 the same closed-loop schedule (concurrency 1, then 4).
 
@@ -60,6 +62,7 @@ STOP_TIMEOUT_S = 40.0
 REQUEST_TIMEOUT_S = 60.0
 MODEL = "pd_ensemble"
 TARGET_MS = 5.0
+PROMPT_SALT = {"direct": 0, "front": 500_000}   # prompt seed offset per path
 FRONT_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 
 
@@ -304,17 +307,19 @@ def measure(cfg: BenchConfig) -> dict[tuple[str, int], list[RequestRecord]]:
         direct = DirectGrpc(stack.grpc_url)
         paths = {"direct": direct.send, "front": send_front(stack.openai_url)}
         for name, send in paths.items():   # every slot thread opens its connection here, uncounted
-            run_batch(pools[name], send, make_specs(cfg, f"{name}-warm", max(cfg.num_warmup, width), 90_000))
+            run_batch(pools[name], send, make_specs(cfg, f"{name}-warm", max(cfg.num_warmup, width),
+                                                    90_000 + PROMPT_SALT[name]))
         records: dict[tuple[str, int], list[RequestRecord]] = {(n, c): [] for n in paths for c in cfg.concurrencies}
         turn = 0
         for r in range(cfg.rounds):
             for conc in cfg.concurrencies:
-                specs = make_specs(cfg, f"c{conc}-r{r}", cfg.num_requests, conc * 10_000 + r * 1_000)
-                for start in range(0, len(specs), conc):
+                specs = {name: make_specs(cfg, f"c{conc}-r{r}", cfg.num_requests, conc * 10_000 + r * 1_000 + salt)
+                         for name, salt in PROMPT_SALT.items()}   # same ids (pairs), different prompts
+                for start in range(0, cfg.num_requests, conc):
                     order = ("direct", "front") if turn % 2 == 0 else ("front", "direct")
                     turn += 1
                     for name in order:
-                        done = run_batch(pools[name], paths[name], specs[start:start + conc])
+                        done = run_batch(pools[name], paths[name], specs[name][start:start + conc])
                         for rec in done:
                             if not rec.ok:
                                 logger.warning("%s %s failed: %s", name, rec.request_id, rec.error)
