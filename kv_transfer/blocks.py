@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,3 +74,27 @@ class BlockTable:
         device id)."""
         spans = self.spans(np.arange(start, stop, dtype=np.int64))
         return np.hstack([spans, np.full((len(spans), 1), device_id, dtype=np.int64)])
+
+
+class Runs(NamedTuple):
+    """Copies after merging: int64 ``[n]`` source addresses, destination addresses, lengths in bytes."""
+
+    src_addrs: np.ndarray
+    dst_addrs: np.ndarray
+    nbytes: np.ndarray
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
+    """Merges pairwise copies ``src[i] -> dst[i]`` (int64 ``[n, 2]`` (address, nbytes) spans, equal sizes
+    pairwise) into the fewest copies: neighbours contiguous on both sides become one run. Pages a long-running
+    pool hands out are scattered, so this is what turns a prompt's pages into a few large descriptors where
+    the pages happen to be adjacent on both sides. Raises ``ValueError`` when sizes differ pairwise."""
+    if len(src) != len(dst) or not np.array_equal(src[:, 1], dst[:, 1]):
+        raise ValueError("source and destination spans differ in count or size")
+    if len(src) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(empty, empty, empty)
+    ends = src[:-1, 0] + src[:-1, 1]
+    breaks = (src[1:, 0] != ends) | (dst[1:, 0] != dst[:-1, 0] + dst[:-1, 1])
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    return Runs(src[starts, 0].copy(), dst[starts, 0].copy(), np.add.reduceat(src[:, 1], starts))

@@ -86,10 +86,24 @@ def compat_hash(model_id: str, layout: KVLayout) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_compatible(model_id: str, ours: KVLayout, their_model_id: str, theirs: KVLayout) -> None:
-    """Raise ``CompatibilityError`` naming the first field that differs (model id first)."""
+def describe(model_id: str, layout: KVLayout) -> str:
+    """One line naming every compatibility field of a layout and its hash (for errors and logs)."""
+    fields = " ".join(f"{f}={getattr(layout, f)}" for f in COMPAT_FIELDS)
+    return f"model_id={model_id} {fields} hash={compat_hash(model_id, layout)}"
+
+
+def check_compatible(model_id: str, ours: KVLayout, their_model_id: str, theirs: KVLayout,
+                     their_hash: str | None = None) -> None:
+    """Raise ``CompatibilityError`` naming the first field that differs (model id first) and both layouts.
+
+    ``their_hash`` is the compatibility hash the peer registered; when it differs from the hash of what the
+    peer's layout says (a peer computing it differently, e.g. another layout version), that alone fails."""
+    mine, theirs_text = describe(model_id, ours), describe(their_model_id, theirs)
     if model_id != their_model_id:
-        raise CompatibilityError("model_id", model_id, their_model_id)
+        raise CompatibilityError("model_id", model_id, their_model_id, mine, theirs_text)
     for field in COMPAT_FIELDS:
         if getattr(ours, field) != getattr(theirs, field):
-            raise CompatibilityError(field, getattr(ours, field), getattr(theirs, field))
+            raise CompatibilityError(field, getattr(ours, field), getattr(theirs, field), mine, theirs_text)
+    if their_hash is not None and their_hash != compat_hash(model_id, ours):
+        raise CompatibilityError("compat_hash", compat_hash(model_id, ours), their_hash, mine,
+                                 f"{theirs_text} registered hash={their_hash}")

@@ -89,7 +89,7 @@ class PeerTable:
     def _handshake(self, registration: Registration) -> Peer:
         info = registration.kv_info
         layout = KVLayout.from_json(info["layout"])
-        check_compatible(self._model_id, self._layout, str(info["model_id"]), layout)
+        check_compatible(self._model_id, self._layout, str(info["model_id"]), layout, registration.compat_hash)
         if int(info["aux_slot_bytes"]) != AUX_SLOT_BYTES:
             raise CompatibilityError("aux_slot_bytes", AUX_SLOT_BYTES, info["aux_slot_bytes"])
         table = BlockTable(int(info["kv_base_ptr"]), layout, int(info["aux_base_ptr"]),

@@ -23,6 +23,7 @@ import numpy as np
 
 from bootstrap.messages import Destination
 from kv_transfer.aux import AuxData
+from kv_transfer.base import BaseKVSender
 from kv_transfer.errors import TransferError
 from kv_transfer.layout import PageId
 from kv_transfer.peers import Peer
@@ -44,7 +45,7 @@ class Chunk:
     aux: AuxData | None
 
 
-class KVSender:
+class KVSender(BaseKVSender):
     """Handle of one room on the prefill side. Every method is cheap and thread-safe (one manager lock).
 
     The attributes below the public methods are owned by the manager thread (read/written under the lock).

@@ -38,10 +38,11 @@ def prefill(pool: np.ndarray, bootstrap_url: str) -> Iterator[KVManager]:
     manager.shutdown()
 
 
-@pytest.mark.parametrize("backend", ["inprocess", pytest.param("nixl", marks=pytest.mark.nixl)])
+@pytest.mark.parametrize("backend", ["inprocess", pytest.param("nixl", marks=pytest.mark.nixl),
+                                     pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def test_constructing_a_manager_starts_no_thread(pool: np.ndarray, bootstrap_url: str, backend: str) -> None:
-    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
-        pytest.skip("nixl is not installed")
+    if backend != "inprocess" and importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
     before = threading.active_count(), len(os.listdir("/proc/self/task"))  # Python and native threads
     manager = make_kv_manager(args_for(pool, bootstrap_url), backend)
     assert (threading.active_count(), len(os.listdir("/proc/self/task"))) == before
