@@ -14,8 +14,8 @@ TRANSPORT_PROTOCOLS = ("tcp", "rdma")
 class KVArgs:
     """Everything a manager needs: its identity, its KV region and layout, the bootstrap, its timeouts.
 
-    ``kv_base_ptr``/``kv_nbytes`` describe the engine's pool ``[num_layers, 2, num_pages, page_size,
-    num_kv_heads, head_dim]``; the caller owns that memory and keeps it alive until ``shutdown()``.
+    ``kv_base_ptr``/``kv_nbytes`` describe the engine's page-major pool ``[num_pages, num_layers, 2, page_size,
+    num_kv_heads, head_dim]`` (``kv_transfer.layout``); the caller owns that memory and keeps it alive until ``shutdown()``.
     """
 
     instance_id: str

@@ -235,9 +235,9 @@ class PrefillSide:
                 sender.inflight.append(handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
             sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
-            kv_blocks = len(chunk.src_pages) * self._table.layout.num_layers * 2   # the rest: aux slots
-            self.metrics.kv_bytes_total += (kv_blocks * self._table.layout.block_bytes
-                                            + (len(local) - kv_blocks) * AUX_SLOT_BYTES)
+            kv_descs = len(chunk.src_pages)   # one per page; the rest: aux slots
+            self.metrics.kv_bytes_total += (kv_descs * self._table.kv_desc_bytes
+                                            + (len(local) - kv_descs) * AUX_SLOT_BYTES)
             self.metrics.chunks_total += 1
 
     # --- progress, notifications, peers ------------------------------------------------------------------

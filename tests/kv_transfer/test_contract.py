@@ -181,7 +181,9 @@ def test_incompatible_layout_fails_before_any_byte_moves(pair: tuple[Any, Any], 
     room = next(_rooms)
     odd.call("open_receiver", room, prefill.instance_id, 20)
     wait_for(lambda: odd.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "compatibility failure")
-    assert "head_dim" in odd.call("failure", room)
+    failure = odd.call("failure", room)
+    assert "head_dim" in failure and "here: " in failure and "peer: " in failure   # both layouts named
+    assert "head_dim=32" in failure and "head_dim=64" in failure
     assert_pages_back(odd, prefill)
 
 
