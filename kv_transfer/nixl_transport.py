@@ -27,9 +27,13 @@ logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
 LOCAL = "NIXL_INIT_AGENT"   # nixl's name for "this agent" in prep_xfer_dlist
 
-# UCX settings for loopback/host memory: notifications through shared memory, TCP pinned to lo.
-# This is the one place the package touches the environment; values already set by the operator win.
-UCX_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_NET_DEVICES": "lo"}
+# UCX settings for loopback/host memory: notifications through shared memory, TCP pinned to lo; and no EFA
+# module: the wheel's libuct_ib_efa links the system's libibverbs/libefa/libnl instead of its bundled copies, so
+# where those exist (Mooncake needs libibverbs1 and libnl-route-3-200) a second libnl is loaded and every process
+# that made a NIXL agent segfaulted at exit (in libnl-route's destructor, rtnl_tc_unregister). An operator on
+# AWS EFA sets UCX_MODULES. This is the one place the package touches UCX's environment; values already set by
+# the operator win.
+UCX_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^efa"}
 
 
 def _nixl_errors() -> tuple[type[BaseException], ...]:

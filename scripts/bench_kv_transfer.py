@@ -310,6 +310,9 @@ def compare_descriptor_modes(reps: int = 300) -> dict:  # type: ignore[type-arg]
     """Cost of creating one transfer for an 8-page chunk (128 tokens), two agents in this process: merged
     descriptor lists built per chunk (get_xfer_descs + initialize_xfer) against lists prepared once per agent
     (make_prepped_xfer with block indices). Handles are created and released, not transferred."""
+    from kv_transfer.nixl_transport import UCX_DEFAULTS
+    for key, value in UCX_DEFAULTS.items():   # as NixlTransport does: the same UCX as the transfers above
+        os.environ.setdefault(key, value)
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
     from kv_transfer.blocks import BlockTable
