@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bootstrap.errors import BootstrapError
 from kv_transfer.aux import AuxData
-from kv_transfer.backends import backend_names, make_transport, register_backend
+from kv_transfer.backends import backend_names, make_transport, register_backend, unavailable_reason
 from kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError, KVTransferError, TransferError
@@ -32,4 +32,4 @@ def make_kv_manager(args: KVArgs, backend: str = "nixl") -> BaseKVManager:
 __all__ = ["BACKENDS", "AuxData", "BaseKVManager", "BaseKVReceiver", "BaseKVSender", "BootstrapError",
            "CompatibilityError", "KVArgs", "KVLayout", "KVManager", "KVPoll", "KVReceiver", "KVSender", "KVTransferError", "PageId", "Room",
            "TransferError", "Transport", "backend_names", "make_kv_manager", "make_transport",
-           "register_backend"]
+           "register_backend", "unavailable_reason"]

@@ -9,6 +9,7 @@ until it is chosen.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from kv_transfer.config import KVArgs
@@ -17,13 +18,31 @@ from kv_transfer.transport import Transport
 TransportFactory = Callable[[KVArgs], Transport]
 
 _FACTORIES: dict[str, TransportFactory] = {}
+_REQUIRES: dict[str, str] = {}   # backend → the module its transport imports
 
 
-def register_backend(name: str, factory: TransportFactory) -> None:
-    """Makes ``factory`` the backend ``name``. Raises ``ValueError`` when ``name`` is taken."""
+def register_backend(name: str, factory: TransportFactory, requires: str = "") -> None:
+    """Makes ``factory`` the backend ``name``; ``requires`` names the module it imports (checked by
+    ``unavailable_reason``). Raises ``ValueError`` when ``name`` is taken."""
     if name in _FACTORIES:
         raise ValueError(f"KV backend {name!r} is registered already")
     _FACTORIES[name] = factory
+    _REQUIRES[name] = requires
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None when backend ``name`` can run in this process, else why not (its module does not import: not
+    installed, or a system library it loads is missing). Imports that module. Raises ``ValueError`` for an
+    unknown name."""
+    if name not in _FACTORIES:
+        raise ValueError(f"backend must be one of {backend_names()}, got {name!r}")
+    if not _REQUIRES[name]:
+        return None
+    try:
+        importlib.import_module(_REQUIRES[name])
+    except ImportError as exc:
+        return f"KV backend {name!r} needs {_REQUIRES[name]}: {exc}"
+    return None
 
 
 def backend_names() -> tuple[str, ...]:
@@ -56,6 +75,6 @@ def _inprocess(args: KVArgs) -> Transport:
     return InProcessTransport(args.instance_id)
 
 
-register_backend("nixl", _nixl)
-register_backend("mooncake", _mooncake)
+register_backend("nixl", _nixl, requires="nixl._api")
+register_backend("mooncake", _mooncake, requires="mooncake.engine")
 register_backend("inprocess", _inprocess)

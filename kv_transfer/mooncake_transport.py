@@ -8,8 +8,9 @@ non-blocking completion check to poll; TCP batches of a few thousand descriptors
 runs contiguous on both sides are merged and at most ``MAX_BATCH_DESCRIPTORS`` go in one batch; a zero-length
 write with a ``TransferNotify`` delivers a message to the peer's ``get_notifies`` (TCP included).
 
-Threads: ``add_peer`` starts one writer thread per peer (``mc-write-<peer>``, stopped by ``remove_peer`` and
-``close``). ``post_write`` only queues; the writer runs the batches in order, then the write's notification
+Threads: ``add_peer`` starts one writer thread per peer (``mc-write-<peer>``); ``remove_peer`` stops it
+without waiting (the manager thread must not wait out a stopped peer), ``close`` joins every writer for at most
+``WRITER_STOP_S``. ``post_write`` only queues; the writer runs the batches in order, then the write's notification
 (a zero-length write carrying it), so a notification always follows every byte of its write. ``send_notif``
 queues behind the peer's writes too: it never blocks the manager thread on a stopped peer. A failed write or
 message makes every write queued before the failure fail at once (a stopped peer holds only its own writer,
@@ -131,6 +132,8 @@ class MooncakeTransport(Transport):
         return name
 
     def remove_peer(self, agent_name: str) -> None:
+        """Never blocks: the peer's queued writes fail now; a write under way (a stopped peer: up to
+        ``MC_TRANSFER_TIMEOUT``) ends on the writer thread, which then exits."""
         peer = self._peers.pop(agent_name, None)
         if peer is not None:
             self._stop_writer(peer)
@@ -172,9 +175,19 @@ class MooncakeTransport(Transport):
                 if n.msg and n.msg != "hello"]
 
     def close(self) -> None:
+        """Stops the writers, unregisters the memory, drops the engine. A writer still inside a transfer after
+        ``WRITER_STOP_S`` (a stopped peer) keeps the engine alive: tearing it down under a running call would
+        crash the process; its transfer ends at ``MC_TRANSFER_TIMEOUT``."""
+        busy = [peer.thread for peer in self._peers.values() if peer.thread is not None]
         for name in list(self._peers):
             self.remove_peer(name)
+        deadline_s = time.monotonic() + WRITER_STOP_S
+        for thread in busy:
+            thread.join(max(0.0, deadline_s - time.monotonic()))
         if self._engine is None:
+            return
+        if any(thread.is_alive() for thread in busy):
+            logger.warning("mooncake transport %s closed with a writer still busy: engine left alive", self._name)
             return
         for addr in self._registered:
             if self._engine.unregister_memory(addr) != 0:
@@ -224,11 +237,6 @@ class MooncakeTransport(Transport):
     def _stop_writer(self, peer: _Peer) -> None:
         peer.stop.set()
         peer.jobs.put(None)   # wakes the writer
-        if peer.thread is not None and peer.thread is not threading.current_thread():
-            peer.thread.join(WRITER_STOP_S)
-            if peer.thread.is_alive():
-                logger.warning("mooncake writer to %s still busy after %.1fs (a stopped peer?)", peer.endpoint,
-                               WRITER_STOP_S)
         while True:   # writes never run fail: their rooms must not wait for them
             try:
                 left = peer.jobs.get_nowait()

@@ -129,9 +129,9 @@ class KVSender(BaseKVSender):
             self.queued.append(Chunk(self.next_chunk, list(page_ids), self.pages_assigned, is_last, aux))
             self.times.send_s = time.monotonic()
             self.pages_assigned, self.next_chunk, self.last_queued = total, self.next_chunk + 1, is_last
-            inline = self._post_now is not None and self.destination is not None and is_last
-        if inline:
-            self._post_now(self)  # type: ignore[misc]
+            post_now = self._post_now if self.destination is not None and is_last else None
+        if post_now is not None:
+            post_now(self)
         self._wake.set()   # the manager thread tracks the WRITE to completion (or posts it)
 
     def abort(self, reason: str) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -14,6 +13,7 @@ import pytest
 from kv_harness import LocalSide, RemoteSide
 
 from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
+from kv_transfer import unavailable_reason
 
 _ids = itertools.count()
 # a stopped peer must fail a Mooncake write within seconds here (the product's default is 10 s); the spawned
@@ -33,18 +33,14 @@ def bootstrap_url() -> Iterator[str]:
 SideFactory = Callable[..., Any]
 
 
-#: backend → the package it needs; every contract test runs on each of them
-BACKEND_PACKAGES = {"inprocess": None, "nixl": "nixl", "mooncake": "mooncake"}
-
-
 @pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl),
                                         pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def make_side(request: pytest.FixtureRequest, bootstrap_url: str) -> Iterator[SideFactory]:
     """``make_side(role, instance_id=None, **kv_overrides)``: a started side on this module's backend."""
-    backend = request.param
-    package = BACKEND_PACKAGES[backend]
-    if package is not None and importlib.util.find_spec(package) is None:
-        pytest.skip(f"{package} is not installed")
+    backend = request.param   # every contract test runs on each backend
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        pytest.skip(reason)
     sides: list[Any] = []
 
     def make(role: str, instance_id: str | None = None, **overrides: Any) -> Any:

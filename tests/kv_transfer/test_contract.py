@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from kv_harness import PAGE_SIZE, wait_for
 
+from bootstrap.client import BootstrapClient
 from kv_transfer import KVPoll
 
 TIMEOUT_S = 10.0
-STOPPED_BOUND_S = 12.0   # MC_TRANSFER_TIMEOUT (3 s in conftest) plus the tests' slack on a loaded machine
+STOPPED_BOUND_S = 20.0   # MC_TRANSFER_TIMEOUT (3 s in conftest; a write took ~5 s) plus slack for a loaded host
 _rooms = itertools.count(1000)
 
 
@@ -202,11 +203,14 @@ def test_receiver_killed_mid_transfer(pair: tuple[Any, Any], make_side: Any) -> 
     transfer(prefill, restarted, 50, 20)
 
 
-def test_stopped_receiver_is_detected_not_waited_on(pair: tuple[Any, Any], make_side: Any) -> None:
+def test_stopped_receiver_is_detected_not_waited_on(pair: tuple[Any, Any], make_side: Any,
+                                                   bootstrap_url: str) -> None:
     """A decode process stopped (SIGSTOP) mid-transfer: the prefill room ends within a bound instead of
     waiting forever (Mooncake: the WRITE fails after ``MC_TRANSFER_TIMEOUT``, 3 s here; NIXL: UCX copies into
-    the stopped process's memory and the room may succeed); once the process continues, its room ends, every
-    page comes back, and both sides serve again."""
+    the stopped process's memory and the room may succeed), and prefill's pages come back while decode is still
+    stopped. Decode stays stopped until its registration expired (prefill forgets it) and its WRITE ended; once
+    it continues it registers again with the same agent, and its room still ends with every page back (prefill
+    handshakes again to answer its cancel), and both sides serve again."""
     if make_side.backend == "inprocess":
         pytest.skip("needs a peer in its own OS process")
     prefill, _ = pair
@@ -221,6 +225,12 @@ def test_stopped_receiver_is_detected_not_waited_on(pair: tuple[Any, Any], make_
                  "prefill room ends although decode is stopped")
         if make_side.backend == "mooncake":
             assert prefill.call("poll", room) == KVPoll.Failed
+        client = BootstrapClient(bootstrap_url, 1.0)
+        wait_for(lambda: client.get_instance(decode.instance_id) is None, TIMEOUT_S,
+                 "the stopped decode's registration expires")
+        client.close()
+        wait_for(functools.partial(_pages_back, prefill), STOPPED_BOUND_S,
+                 "prefill pages back while decode is still stopped (no WRITE reads them any more)")
     finally:
         os.kill(decode.process.pid, signal.SIGCONT)
     wait_for(lambda: decode.call("poll", room) in (KVPoll.Success, KVPoll.Failed), TIMEOUT_S,

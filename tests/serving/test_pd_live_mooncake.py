@@ -8,7 +8,6 @@ bytes; afterwards both pools are back at their size. Kept to two requests: the C
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import time
@@ -21,10 +20,11 @@ from live_prompts import colocated_greedy_texts
 from test_pd_live import GREEDY, PROMPTS, generate
 
 from bootstrap.client import BootstrapClient
+from kv_transfer import unavailable_reason
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.mooncake, pytest.mark.timeout(600),
-              pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="mooncake-transfer-engine-non-cuda is not installed")]
+              pytest.mark.skipif(unavailable_reason("mooncake") is not None,
+                                 reason=str(unavailable_reason("mooncake")))]
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 MOONCAKE_PROMPTS = [PROMPTS[0], PROMPTS[-2]]
