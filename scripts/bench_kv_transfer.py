@@ -259,7 +259,60 @@ def run(backend: str, reps: int, scatter: bool, sizes: tuple[int, ...] = SIZES_T
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     server.stop()
     result.update(compare_descriptor_modes() if backend == "nixl" else mooncake_raw(scatter))
+    if backend == "nixl":
+        result.update(compare_layouts(scatter, max(2, min(reps, 8))))
     return result
+
+
+def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-arg]
+    """The page-major pool against the layer-major one it replaced, on the same bytes in the same run: the 4k
+    prompt's 256 pages WRITTEN between two NIXL agents of this process (UCX ``cma``, no notification) as one
+    descriptor per page (layout v2) and as one per (layer, K/V, page) block, 60 per page (layout v1), pages
+    random on both sides with ``scatter``; interleaved, medians, and memcpy of the same bytes."""
+    from kv_transfer.nixl_transport import UCX_DEFAULTS
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+
+    layout = smollm2_layout(NUM_PAGES)
+    block, blocks_per_page = layout.block_bytes, layout.num_layers * 2
+    pools = [np.ones(layout.pool_bytes, dtype=np.uint8) for _ in range(2)]
+    agents = [nixl_agent(f"layout-{i}", nixl_agent_config(enable_prog_thread=False)) for i in range(2)]
+    for agent, pool in zip(agents, pools):
+        agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+    agents[0].add_remote_agent(agents[1].get_agent_metadata())
+    rng, num_pages = np.random.default_rng(11), 4096 // PAGE_SIZE
+    times: dict[str, list[float]] = {"v2": [], "v1": [], "memcpy": []}
+    for _ in range(reps + 1):
+        src = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages)
+        dst = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages) + 4
+        for name, unit, per_page in (("v2", layout.page_bytes, 1), ("v1", block, blocks_per_page)):
+            # v1 addressed block (l, kv, p) at ((l * 2 + kv) * num_pages + p) * block: per page, 60 blocks
+            # one plane apart; v2 addresses page p at p * page_bytes
+            planes = np.arange(per_page, dtype=np.int64)[:, None] * (NUM_PAGES * block if per_page > 1 else 0)
+            offsets = [(planes + np.asarray(pages, dtype=np.int64)[None, :] * unit).reshape(-1)
+                       for pages in (src, dst)]
+            descs = [np.stack([pool.ctypes.data + off, np.full(len(off), unit), np.zeros(len(off), np.int64)], 1)
+                     for pool, off in zip(pools, offsets)]
+            local, remote = (agents[0].get_xfer_descs(d, "DRAM") for d in descs)
+            t0 = time.perf_counter()
+            handle = agents[0].initialize_xfer("WRITE", local, remote, "layout-1", b"")
+            agents[0].transfer(handle)
+            while agents[0].check_xfer_state(handle) == "PROC":
+                agents[1].get_new_notifs()   # the target's progress (connection set-up needs it)
+            times[name].append(time.perf_counter() - t0)
+            agents[0].release_xfer_handle(handle)
+        t0 = time.perf_counter()
+        np.copyto(pools[1][:num_pages * layout.page_bytes], pools[0][-num_pages * layout.page_bytes:])
+        times["memcpy"].append(time.perf_counter() - t0)
+    nbytes = num_pages * layout.page_bytes
+    out = {f"layout_{k}_gbps": round(nbytes / statistics.median(v[1:]) / 1e9, 3) for k, v in times.items()}
+    out["layout_v2_ratio"] = round(statistics.median(times["memcpy"][1:]) / statistics.median(times["v2"][1:]), 3)
+    out["layout_v1_ratio"] = round(statistics.median(times["memcpy"][1:]) / statistics.median(times["v1"][1:]), 3)
+    print("layouts, 4k tokens{}: page-major (v2) {layout_v2_gbps} GB/s ({layout_v2_ratio}x memcpy), layer-major "
+          "(v1) {layout_v1_gbps} GB/s ({layout_v1_ratio}x), memcpy {layout_memcpy_gbps} GB/s".format(
+              ", scattered" if scatter else "", **out), flush=True)
+    return out
 
 
 def mooncake_raw(scatter: bool, reps: int = 10) -> dict:  # type: ignore[type-arg]

@@ -21,7 +21,7 @@ def test_bench_kv_transfer_prints_its_json_keys() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("kv128_latency_ms", "kv128_overhead_ms", "kv128_memcpy_gbps", "kv128_thread_latency_ms",
-                "kv128_wake_ms", "kv128_write_ms", "desc_prepped_us"):
+                "kv128_wake_ms", "kv128_write_ms", "desc_prepped_us", "layout_v2_gbps", "layout_v1_gbps"):
         assert result[key] > 0, key
     assert result["inline_progress"] is True and result["cold"] is False
 
