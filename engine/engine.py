@@ -61,9 +61,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or context, context)
         self.scheduler = Scheduler(PageAllocator(num_pages), config.page_size, config.chunk_size,
                                    config.max_num_batched_tokens, config.max_running_requests)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device)
         eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
-        self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer))
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, eos)
+        self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer),
+                                                lambda token_id: self.tokenizer.decode([token_id], False))
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self._requests: dict[RequestId, Sequence] = {}
         self._finish_next: list[tuple[Sequence, FinishReason]] = []
@@ -177,7 +178,7 @@ class LLMEngine:
         seq = item.seq
         reason = None
         if sampled is not None:
-            reason = self.output_processor.append_token(seq, sampled.token_id, sampled.logprob)
+            reason = self.output_processor.append_sampled(seq, sampled)
         if self.config.mode == "prefill":
             return self._prefill_output(seq, sampled, reason)
         if sampled is None:
@@ -194,7 +195,8 @@ class LLMEngine:
         is_last = sampled is not None
         done_pages = pages_for_tokens(seq.num_prompt_tokens, ps) if is_last else seq.num_computed_tokens // ps
         chunk = PrefillChunk(seq.page_table[seq.num_sent_pages:done_pages], is_last,
-                             sampled.token_id if sampled else None, sampled.logprob if sampled else None)
+                             sampled.token_id if sampled else None, sampled.logprob if sampled else None,
+                             reason)
         seq.num_sent_pages = done_pages
         if is_last:
             reason = reason or "length"
@@ -235,7 +237,13 @@ class LLMEngine:
             raise RequestRejected(request_id, "a request with this id is already live")
         if not prompt_token_ids:
             raise RequestRejected(request_id, "empty prompt")
+        if params.n != 1:
+            raise RequestRejected(request_id, f"n={params.n}: the engine runs one sample per request "
+                                              "(expand with SamplingParams.for_sample)")
         vocab = self.model_config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise RequestRejected(request_id, f"logit_bias names token ids outside [0, {vocab}): {bad[:5]}")
         if any(not 0 <= int(t) < vocab for t in prompt_token_ids):
             raise RequestRejected(request_id, f"prompt has token ids outside [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:

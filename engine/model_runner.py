@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.sampling import Sampler
+from engine.sampling import Sampler, TokenHistory, TopLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, pages_for_tokens
 
@@ -21,11 +21,16 @@ class CausalLM(Protocol):
 
 @dataclass(frozen=True)
 class SampledToken:
-    """The token a sequence sampled this step and its raw-distribution logprob."""
+    """The token a sequence sampled this step, its raw-distribution logprob and (when the request asked for
+    logprobs) its rank and the top alternatives."""
 
     seq: Sequence
     token_id: int
     logprob: float
+    top: TopLogprobs | None = None
+
+
+_NO_HISTORY = TokenHistory((), ())
 
 
 class ModelRunner:
@@ -37,12 +42,13 @@ class ModelRunner:
         device: where the batch's index tensors go (the model's device).
     """
 
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, device: torch.device | str) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, device: torch.device | str,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.page_size = int(kv_cache.shape[3])
         self.device = torch.device(device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(sorted(eos_token_ids))
 
     def run(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         """Compute the scheduled tokens' KV; sample for every sequence whose known tokens are all computed.
@@ -58,8 +64,11 @@ class ModelRunner:
             logits = self.model.forward(batch, self.kv_cache)
             if not samplers:
                 return []
-            result = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers])
-        return [SampledToken(s, t, lp) for s, t, lp in zip(samplers, result.token_ids, result.logprobs)]
+            histories = [s.history if s.params.processes_logits else _NO_HISTORY for s in samplers]
+            result = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers],
+                                  histories)
+        return [SampledToken(s, t, lp, top)
+                for s, t, lp, top in zip(samplers, result.token_ids, result.logprobs, result.top)]
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[Sequence]]:
         """The ``ForwardBatch`` of a step, and the sequences that sample (one logits row each, in order)."""

@@ -21,12 +21,37 @@ class PrefillChunk:
         is_last: the prompt is fully prefilled; ``first_token_id`` / ``first_logprob`` are set.
         first_token_id: the token sampled after the prompt (final chunk only).
         first_logprob: its logprob under the raw model distribution (final chunk only).
+        finish_reason: final chunk only: why the first token already ends the whole request (EOS, a stop token
+            or string, ``max_tokens == 1``), else None (decode goes on).
     """
 
     page_ids: list[PageId]
     is_last: bool
     first_token_id: int | None = None
     first_logprob: float | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob details of one generated token, for a request with ``SamplingParams.logprobs`` set.
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its logprob under the raw model distribution.
+        rank: its 1-based rank in that distribution (1 = most likely).
+        decoded_token: the text this token added to the output (incremental detokenization: ``""`` for a token
+            that ends inside a multi-byte character, whose text comes with a later token; the concatenation of
+            a request's ``decoded_token``s is its text, up to a stop string cut).
+        top: the ``logprobs`` most likely tokens, most likely first: ``(token_id, logprob, text)``, the text of
+            each token decoded alone.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str
+    top: tuple[tuple[int, float, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,9 @@ class RequestOutput:
         num_prompt_tokens: prompt length in tokens.
         num_output_tokens: tokens generated so far, all outputs together.
         prefill_chunk: prefill mode only: the chunk just computed.
+        new_token_logprobs: one per new token when the request asked for logprobs (``SamplingParams.logprobs``
+            not None), else empty.
+        cumulative_logprob: sum of the raw logprobs of every token generated so far (the first included).
     """
 
     request_id: str
@@ -57,3 +85,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     prefill_chunk: PrefillChunk | None = None
+    new_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0

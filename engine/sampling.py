@@ -1,15 +1,25 @@
 """Sampling parameters of one request, their parsing from loosely typed dicts, and the batch sampler.
 
-Logprobs: the reported logprob of a chosen token is taken from the *raw* model distribution,
-``log_softmax(logits)`` before temperature, top-k and top-p (vLLM's default), so greedy and sampled requests
-report comparable numbers.
+The parameters and their meaning follow vLLM's ``SamplingParams`` (names, ranges, defaults), so that the
+``sampling_parameters`` of Triton's vLLM backend convention and OpenAI requests map onto them one to one.
+
+Per row, the sampler applies, in vLLM's order: ``logit_bias``; ``min_tokens`` (EOS and ``stop_token_ids``
+masked while fewer tokens were generated); ``repetition_penalty`` (prompt and output tokens: a positive logit
+is divided by it, a negative one multiplied, as in CTRL, Keskar et al. 2019); ``frequency_penalty`` and
+``presence_penalty`` (output tokens only: ``logit -= frequency * count + presence * (count > 0)``, as in
+OpenAI's API); then greedy argmax, or temperature, ``min_p`` (drop tokens below ``min_p`` times the top
+token's probability), top-k, top-p and a draw.
+
+Logprobs: the reported logprob of a chosen token (and the top ``logprobs`` alternatives, with ranks) is taken
+from the *raw* model distribution, ``log_softmax(logits)`` before any of the above (vLLM's default
+``raw_logprobs``), so greedy and sampled requests report comparable numbers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -18,6 +28,37 @@ from engine.errors import InvalidSamplingParams
 
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
+
+#: Most top logprobs per token a request may ask for (vLLM's default ``max_logprobs``; OpenAI allows 20).
+MAX_LOGPROBS = 20
+#: Most samples per request (``n``); each is a full request in the engine.
+MAX_N = 16
+#: Bound of one ``logit_bias`` value (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
+#: vLLM sampling keys this engine accepts only at their default value (the value they have here anyway).
+ACCEPTED_AT_DEFAULT: dict[str, object] = {
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "detokenize": True, "best_of": 1,
+    "use_beam_search": False,
+}
+#: vLLM sampling keys this engine does not implement: a request naming one is refused with this reason.
+UNSUPPORTED: dict[str, str] = {
+    "guided_decoding": "guided decoding is not supported",
+    "structured_outputs": "structured outputs (guided decoding) are not supported",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "response_format": "structured outputs (guided decoding) are not supported",
+    "lora_name": "LoRA adapters are not supported",
+    "lora_request": "LoRA adapters are not supported",
+    "prompt_logprobs": "prompt logprobs are not supported",
+    "bad_words": "bad_words is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported",
+    "length_penalty": "beam search is not supported",
+    "early_stopping": "beam search is not supported",
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +76,20 @@ class SamplingParams:
             Stored as a tuple.
         stop_token_ids: token ids that finish the request (``"stop"``); stored as a tuple.
         ignore_eos: keep generating past the tokenizer's EOS tokens.
+        logprobs: None: no logprobs reported; k >= 0: report the chosen token's logprob and rank and the k
+            most likely tokens' (``0 <= k <= MAX_LOGPROBS``).
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token already generated.
+        frequency_penalty: in [-2, 2]; times the token's count so far, subtracted from its logit.
+        repetition_penalty: > 0 (1 disables); applied to every token of the prompt and of the output.
+        min_p: in [0, 1]; sampling keeps tokens whose probability is at least ``min_p`` times the top one's.
+        min_tokens: no EOS, stop token or stop string ends the request before this many tokens
+            (``<= max_tokens``).
+        include_stop_str_in_output: keep the matched stop string (or a ``stop_token_ids`` token's text) in the
+            output text.
+        n: samples of the prompt (``1 <= n <= MAX_N``); the serving layer expands a request into ``n`` engine
+            requests (``for_sample``), the engine itself runs ``n == 1`` only.
+        logit_bias: ``(token_id, bias)`` pairs added to the logits (bias in [-100, 100]); given as a mapping
+            ``{token_id: bias}`` (ids may be strings, as in JSON), stored sorted as a tuple.
 
     Raises:
         InvalidSamplingParams: naming the first parameter whose value is out of range.
@@ -48,10 +103,23 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", _parse_logit_bias("logit_bias", self.logit_bias))
+        else:
+            object.__setattr__(self, "logit_bias", tuple(sorted(tuple(pair) for pair in self.logit_bias)))
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
         self._validate()
@@ -60,6 +128,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the choice is the argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when logits are changed before the choice (bias, min_tokens or a penalty is set)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of an ``n``-sample request: ``n == 1`` and, when seeded,
+        ``seed + index`` (vLLM's parallel sampling does the same), so each sample is reproducible."""
+        seed = None if self.seed is None else (self.seed + index) % (2**63)
+        return replace(self, n=1, seed=seed)
 
     def _validate(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -79,6 +159,37 @@ class SamplingParams:
             _check_int("stop_token_ids", t, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidSamplingParams("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise InvalidSamplingParams("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidSamplingParams(name, f"must be in [-2, 2], got {value}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise InvalidSamplingParams("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams("min_p", f"must be in [0, 1], got {self.min_p}")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParams("min_tokens", f"must be <= max_tokens ({self.max_tokens}), "
+                                                      f"got {self.min_tokens}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidSamplingParams("include_stop_str_in_output",
+                                        f"must be a bool, got {self.include_stop_str_in_output!r}")
+        _check_int("n", self.n, minimum=1)
+        if self.n > MAX_N:
+            raise InvalidSamplingParams("n", f"must be <= {MAX_N}, got {self.n}")
+        for token_id, bias in self.logit_bias:
+            _check_int("logit_bias", token_id, minimum=0)
+            _check_float("logit_bias", bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidSamplingParams("logit_bias", f"bias of token {token_id} must be in "
+                                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -88,11 +199,22 @@ class SamplingParams:
         one string or a list; ``None`` values mean "default".
 
         Raises:
-            InvalidSamplingParams: an unknown key, a value of the wrong type, or a value out of range.
+            InvalidSamplingParams: an unknown key, a key this engine does not implement (``UNSUPPORTED``, or
+                one of ``ACCEPTED_AT_DEFAULT`` at another value), a value of the wrong type, or out of range.
         """
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
+            if key in UNSUPPORTED:
+                if value is None:
+                    continue
+                raise InvalidSamplingParams(key, f"not supported by this server: {UNSUPPORTED[key]}")
+            if key in ACCEPTED_AT_DEFAULT:
+                default = ACCEPTED_AT_DEFAULT[key]
+                parse = _parse_bool if isinstance(default, bool) else _parse_int
+                if value is not None and parse(key, value) != default:
+                    raise InvalidSamplingParams(key, f"not supported by this server except at {default!r}")
+                continue
             if key not in known:
                 raise InvalidSamplingParams(key, f"unknown parameter (known: {sorted(known)})")
             if value is not None:
@@ -158,51 +280,140 @@ def _parse_token_ids(name: str, value: Any) -> tuple[int, ...]:
     return tuple(_parse_int(name, v) for v in value)
 
 
+def _parse_logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, Mapping):
+        raise InvalidSamplingParams(name, f"must be an object of token id -> bias, got {value!r}")
+    return tuple(sorted((_parse_int(name, k), _parse_float(name, v)) for k, v in value.items()))
+
+
 _PARSERS = {
     "max_tokens": _parse_int, "temperature": _parse_float, "top_k": _parse_int, "top_p": _parse_float,
     "seed": _parse_int, "stop": _parse_stop, "stop_token_ids": _parse_token_ids, "ignore_eos": _parse_bool,
+    "logprobs": _parse_int, "presence_penalty": _parse_float, "frequency_penalty": _parse_float,
+    "repetition_penalty": _parse_float, "min_p": _parse_float, "min_tokens": _parse_int,
+    "include_stop_str_in_output": _parse_bool, "n": _parse_int, "logit_bias": _parse_logit_bias,
 }
 
 
 @dataclass(frozen=True)
+class TopLogprobs:
+    """Logprob details of one sampled token (asked for with ``SamplingParams.logprobs``).
+
+    Attributes:
+        rank: 1-based rank of the chosen token in the raw distribution (1 = most likely).
+        token_ids: the ``logprobs`` most likely token ids, most likely first.
+        logprobs: their raw-distribution logprobs, same order.
+    """
+
+    rank: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class SampleResult:
-    """Chosen token and its raw-distribution logprob, one entry per logits row."""
+    """Chosen token and its raw-distribution logprob, one entry per logits row; ``top`` is None for rows that
+    asked no logprobs."""
 
     token_ids: list[int]
     logprobs: list[float]
+    top: list[TopLogprobs | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens a row's penalties and ``min_tokens`` look at: the prompt, then what was generated so far."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
 
 
 class Sampler:
-    """Picks one token per logits row; greedy rows are argmax'ed together, the others one row at a time.
+    """Picks one token per logits row; plain greedy rows are argmax'ed together, the others one row at a time.
 
     Each non-greedy row draws from its own ``torch.Generator`` (exponential-race sampling, ``vocab_size``
     draws per token), so a seeded request yields the same tokens whatever else shares its batch.
+
+    Args:
+        eos_token_ids: the tokenizer's EOS ids, masked (with each row's ``stop_token_ids``) while a row is
+            below its ``min_tokens``.
     """
 
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator]) -> SampleResult:
+                 generators: Sequence[torch.Generator],
+                 histories: Sequence[TokenHistory] | None = None) -> SampleResult:
         """Sample.
 
         Args:
             logits: ``[num_rows, vocab_size]`` float32, raw model output.
             params: one per row.
             generators: one per row, on ``logits.device``; used by non-greedy rows only.
+            histories: one per row: the tokens penalties and ``min_tokens`` see; None: no row has any (every
+                row is then sampled as if its prompt and output were empty).
         Returns:
-            ``SampleResult`` with ``num_rows`` tokens and logprobs.
+            ``SampleResult`` with ``num_rows`` tokens and logprobs (and top logprobs where asked).
         """
         logits = logits.float()
         token_ids = torch.argmax(logits, dim=-1)
         for i, p in enumerate(params):
-            if not p.greedy:
-                token_ids[i] = _sample_row(logits[i], p, generators[i])
+            if p.greedy and not p.processes_logits:
+                continue
+            row = logits[i]
+            if p.processes_logits:
+                history = histories[i] if histories is not None else TokenHistory((), ())
+                row = self._process(row, p, history)
+            token_ids[i] = int(torch.argmax(row)) if p.greedy else _sample_row(row, p, generators[i])
+        log_norm = torch.logsumexp(logits, dim=-1)
         chosen = torch.gather(logits, 1, token_ids[:, None]).squeeze(1)
-        logprobs = chosen - torch.logsumexp(logits, dim=-1)
-        return SampleResult(token_ids.tolist(), logprobs.tolist())
+        logprobs = chosen - log_norm
+        top: list[TopLogprobs | None] = [None] * len(params)
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                top[i] = _top_logprobs(logits[i] - log_norm[i], float(logprobs[i]), p.logprobs)
+        return SampleResult(token_ids.tolist(), logprobs.tolist(), top)
+
+    def _process(self, row: torch.Tensor, p: SamplingParams, history: TokenHistory) -> torch.Tensor:
+        """``row`` ``[vocab_size]`` after logit bias, ``min_tokens`` and the penalties (a new tensor)."""
+        row = row.clone()
+        vocab = row.shape[0]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=row.device)
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device))
+        if p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens:
+            stop_ids = [t for t in set(self.eos_token_ids) | set(p.stop_token_ids) if t < vocab]
+            if stop_ids:
+                row[torch.tensor(stop_ids, dtype=torch.int64, device=row.device)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(history.prompt_token_ids) | set(history.output_token_ids)),
+                                dtype=torch.int64, device=row.device)
+            if seen.numel():
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(history.output_token_ids):
+            out = torch.tensor(list(history.output_token_ids), dtype=torch.int64, device=row.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return row
+
+
+def _top_logprobs(logprobs_row: torch.Tensor, chosen_logprob: float, k: int) -> TopLogprobs:
+    """Rank of the chosen token and the ``k`` best of ``logprobs_row`` ``[vocab_size]`` (raw logprobs)."""
+    rank = int((logprobs_row > chosen_logprob).sum()) + 1
+    if k == 0:
+        return TopLogprobs(rank, (), ())
+    values, ids = torch.topk(logprobs_row, k)
+    return TopLogprobs(rank, tuple(ids.tolist()), tuple(values.tolist()))
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """One token from ``logits`` ``[vocab_size]`` under temperature, top-k and top-p."""
+    """One token from ``logits`` ``[vocab_size]`` under temperature, min-p, top-k and top-p."""
     scaled = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

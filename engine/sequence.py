@@ -16,9 +16,9 @@ import enum
 
 import torch
 
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, TokenLogprob
 from engine.page_allocator import PageId
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenHistory
 
 RequestId = str
 
@@ -47,6 +47,9 @@ class Sequence:
         num_sent_pages: prefill mode: pages already reported in a ``PrefillChunk``.
         num_emitted_tokens: generated tokens already reported in a ``RequestOutput``.
         generator: draws this request's samples (its own when ``params.seed`` is set).
+        output_logprobs: raw logprob of each generated token.
+        output_token_logprobs: logprob details of each generated token (only when ``params.logprobs`` is set).
+        cumulative_logprob: sum of ``output_logprobs``.
     """
 
     def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
@@ -61,6 +64,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.output_logprobs: list[float] = []
+        self.output_token_logprobs: list[TokenLogprob] = []
+        self.cumulative_logprob = 0.0
         self.num_sent_pages = 0
         self.num_emitted_tokens = 0
         self.generator = generator
@@ -76,6 +81,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def history(self) -> TokenHistory:
+        """The prompt and the generated tokens, for penalties and ``min_tokens`` (copies)."""
+        return TokenHistory(self.token_ids[:self.num_prompt_tokens], self.token_ids[self.num_prompt_tokens:])
 
     @property
     def is_prefilling(self) -> bool:
@@ -99,3 +109,5 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        self.cumulative_logprob += logprob
+

@@ -27,13 +27,31 @@ logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
 LOCAL = "NIXL_INIT_AGENT"   # nixl's name for "this agent" in prep_xfer_dlist
 
-# UCX settings for loopback/host memory: notifications through shared memory, TCP pinned to lo; and no EFA
-# module: the wheel's libuct_ib_efa links the system's libibverbs/libefa/libnl instead of its bundled copies, so
-# where those exist (Mooncake needs libibverbs1 and libnl-route-3-200) a second libnl is loaded and every process
-# that made a NIXL agent segfaulted at exit (in libnl-route's destructor, rtnl_tc_unregister). An operator on
-# AWS EFA sets UCX_MODULES. This is the one place the package touches UCX's environment; values already set by
-# the operator win.
-UCX_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^efa"}
+# UCX settings for loopback/host memory: notifications through shared memory, TCP pinned to lo.
+# This is the one place the package touches the environment; values already set by the operator win.
+UCX_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_NET_DEVICES": "lo"}
+INFINIBAND_SYSFS = "/sys/class/infiniband"
+
+
+def ucx_defaults() -> dict[str, str]:
+    """``UCX_DEFAULTS``, plus ``UCX_MODULES=^ib`` on a host without RDMA devices.
+
+    Why: the nixl-cu12 wheel bundles its own libnl-route-3 (``nixl_cu12.libs/libnl-route-3-<hash>.so``); where
+    the system's libibverbs1 is installed (Mooncake's set-up installs it), UCX's ``ib`` module loads it, and
+    with it the system's libnl-route-3: two copies of libnl in one process, and every process that created a
+    NIXL agent segfaults in the bundled copy at exit (reproduced: 3 of 3 without the setting, 0 of 3 with
+    it). Without RDMA devices the ``ib`` module has nothing to offer; with them it is left alone.
+    """
+    defaults = dict(UCX_DEFAULTS)
+    if not (os.path.isdir(INFINIBAND_SYSFS) and os.listdir(INFINIBAND_SYSFS)):
+        defaults["UCX_MODULES"] = "^ib"
+    return defaults
+
+
+def apply_ucx_defaults() -> None:
+    """``ucx_defaults()`` into ``os.environ`` where the operator set nothing; call before importing nixl."""
+    for key, value in ucx_defaults().items():
+        os.environ.setdefault(key, value)
 
 
 def _nixl_errors() -> tuple[type[BaseException], ...]:
@@ -46,6 +64,7 @@ def _nixl_errors() -> tuple[type[BaseException], ...]:
 class NixlTransport(Transport):
     def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0) -> None:
         """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``."""
+        apply_ucx_defaults()   # before nixl is imported (``_nixl_errors``): UCX reads some at load
         self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
         self._mem_type = mem_type
         self._device_id = device_id
@@ -64,8 +83,6 @@ class NixlTransport(Transport):
     def register(self, table: BlockTable) -> None:
         """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;
         in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
-        for key, value in UCX_DEFAULTS.items():
-            os.environ.setdefault(key, value)
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
         self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

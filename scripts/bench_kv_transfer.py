@@ -269,9 +269,9 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
     prompt's 256 pages WRITTEN between two NIXL agents of this process (UCX ``cma``, no notification) as one
     descriptor per page (layout v2) and as one per (layer, K/V, page) block, 60 per page (layout v1), pages
     random on both sides with ``scatter``; interleaved, medians, and memcpy of the same bytes."""
-    from kv_transfer.nixl_transport import UCX_DEFAULTS
-    for key, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    from kv_transfer.nixl_transport import apply_ucx_defaults
+
+    apply_ucx_defaults()   # as NixlTransport does: the same UCX as the transfers above
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
     layout = smollm2_layout(NUM_PAGES)
@@ -363,9 +363,9 @@ def compare_descriptor_modes(reps: int = 300) -> dict:  # type: ignore[type-arg]
     """Cost of creating one transfer for an 8-page chunk (128 tokens), two agents in this process: merged
     descriptor lists built per chunk (get_xfer_descs + initialize_xfer) against lists prepared once per agent
     (make_prepped_xfer with block indices). Handles are created and released, not transferred."""
-    from kv_transfer.nixl_transport import UCX_DEFAULTS
-    for key, value in UCX_DEFAULTS.items():   # as NixlTransport does: the same UCX as the transfers above
-        os.environ.setdefault(key, value)
+    from kv_transfer.nixl_transport import apply_ucx_defaults
+
+    apply_ucx_defaults()
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
     from kv_transfer.blocks import BlockTable

@@ -191,10 +191,10 @@ async def _read(responses: Any, st: _Stream, cancel_after: int | None) -> None:
                 st.error = str(error)
                 return
             st.num_responses += 1
-            total = _int_output(result, "num_output_tokens")
-            if total is not None and total > st.record.num_output_tokens:
+            delta = _int_output(result, "num_output_tokens")   # tokens of this response
+            if delta:
                 st.record.token_times_s.append(now)
-                st.record.num_output_tokens = total
+                st.record.num_output_tokens += delta
             params = result.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
                 st.final_seen, st.record.done_s = True, now

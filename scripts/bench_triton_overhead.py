@@ -316,9 +316,9 @@ def _record_response(record: RequestRecord, arrived_s: float, result: Any, error
     text = result.as_numpy("text_output")
     if text is not None and b"".join(text.reshape(-1)):
         record.token_times_s.append(arrived_s)
-    count = result.as_numpy("num_output_tokens")
+    count = result.as_numpy("num_output_tokens")   # tokens of this response (the vLLM convention)
     if count is not None:
-        record.num_output_tokens = max(record.num_output_tokens, int(count.reshape(-1)[0]))
+        record.num_output_tokens += int(count.reshape(-1)[0])
     params = result.get_response().parameters
     if "triton_final_response" in params and params["triton_final_response"].bool_param:
         record.done_s = arrived_s
@@ -410,8 +410,10 @@ def measure(cfg: BenchConfig, loads: dict[str, list[float]]) -> Records:
     """Start the direct stack, then the Triton one (both idle but for the pass being measured), warm both
     up, run the rounds, stop Triton, then the direct stack."""
     # the UCX settings serve.sh gives the PD models (shared-memory notifications, loopback only)
-    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from kv_transfer.nixl_transport import ucx_defaults
+
+    for key, value in ucx_defaults().items():
+        os.environ.setdefault(key, value)
     direct = DirectPD(cfg)
     server = TritonPD(cfg)
     try:

@@ -49,6 +49,9 @@ export PYTHONUNBUFFERED=1
 # NIXL/UCX between the prefill and decode processes: notifications through shared memory, TCP on loopback only.
 export UCX_MM_ERROR_HANDLING="${UCX_MM_ERROR_HANDLING:-y}"
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
+# Without RDMA devices, keep UCX's ib module out: with the system's libibverbs installed it loads a second
+# libnl-route-3 beside nixl's bundled one, and every NIXL process segfaults at exit (kv_transfer/nixl_transport.py).
+if [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then export UCX_MODULES="${UCX_MODULES:-^ib}"; fi
 export PD_BOOTSTRAP_URL="${PD_BOOTSTRAP_URL:-http://${ADVERTISE_HOST:-$HOST}:$BOOTSTRAP_PORT}"
 # How routers (in this server or others) reach this server's models: registered with the bootstrap service.
 export PD_GRPC_URL="${PD_GRPC_URL:-${ADVERTISE_HOST:-$HOST}:$GRPC_PORT}"

@@ -19,12 +19,14 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from dataclasses import replace
 from typing import Protocol
 
 from serving.config import WorkerConfig
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import LoopMetricsHook, ServingMetrics
+from serving.parallel_sampling import SampleFanIn
 from serving.request import GenerateRequest
 from serving.stream import GenerationStream, ResponseSink
 
@@ -101,8 +103,11 @@ class ColocatedWorker:
     def handle(self, request: GenerateRequest, sink: ResponseSink) -> RequestId:
         """Start serving one request; its responses go to ``sink``. Never raises: failures go to the sink.
 
+        A request with ``n > 1`` runs as ``n`` engine requests (``serving.parallel_sampling``), ids
+        ``<id>.0`` ... ``<id>.<n-1>``.
+
         Returns:
-            The engine request id given to it.
+            The engine request id given to it (the common prefix of its samples' ids when ``n > 1``).
         """
         request_id = f"{self._name}-{next(self._ids)}"
         try:
@@ -111,6 +116,18 @@ class ColocatedWorker:
             logger.warning("request %s: tokenization failed: %s", request_id, e)
             sink.send_error(f"tokenization failed: {e}")
             return request_id
+        n = request.params.n
+        if n == 1:
+            self._start(request_id, request, token_ids, sink)
+            return request_id
+        fan_in = SampleFanIn(sink, n, request.stream, request.params.logprobs is not None)
+        for i in range(n):
+            sample = replace(request, params=request.params.for_sample(i))
+            self._start(f"{request_id}.{i}", sample, token_ids, fan_in.sample_sink(i))
+        return request_id
+
+    def _start(self, request_id: RequestId, request: GenerateRequest, token_ids: list[int],
+               sink: ResponseSink) -> None:
         stream = GenerationStream(request_id, request, sink)
         with self._lock:
             self._streams[request_id] = stream
@@ -120,7 +137,6 @@ class ColocatedWorker:
             with self._lock:
                 self._streams.pop(request_id, None)
             sink.send_error(str(e))
-        return request_id
 
     def on_tick(self) -> bool:
         """Loop thread: abort the requests whose client cancelled. Never reports work in flight."""

@@ -30,7 +30,17 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 ``pd_router_requests_total``        counter  router: requests ended (label ``outcome``)
 ``pd_router_healthy_instances``     gauge    router: 1 while an instance is in rotation (``role``, ``target``)
 ``pd_router_ready``                 gauge    router: 1 while at least one prefill and one decode are in rotation
+``pd_time_to_first_token_seconds``  histo    public models (pd_ensemble, colocated): request arrival → first
+                                             text queued for the client, per finished request
+``pd_time_per_output_token_seconds`` histo   public models: (end − first token) / (output tokens − 1), per
+                                             finished request with at least two tokens (TPOT; per sample)
+``pd_e2e_request_latency_seconds``  histo    public models: request arrival → final response queued
+``pd_request_prompt_tokens``        histo    public models: prompt tokens per finished request
+``pd_request_generation_tokens``    histo    public models: generated tokens per finished request (all samples)
 ==================================  =======  =================================================================
+
+Histogram buckets are those of vLLM's own metrics (``vllm:time_to_first_token_seconds`` and its siblings, as
+the vLLM backend exports them), so dashboards built for either read the same boundaries.
 """
 
 from __future__ import annotations
@@ -56,12 +66,16 @@ class Metric(Protocol):
 
     def value(self) -> float: ...
 
+    def observe(self, value: float) -> None: ...
+
 
 class MetricFamilyFactory(Protocol):
-    """``pb_utils.MetricFamily``: ``MetricFamily(name, description, kind)``, ``.Metric(labels=...)``."""
+    """``pb_utils.MetricFamily``: ``MetricFamily(name, description, kind)``, ``.Metric(labels=...)`` (histograms:
+    ``.Metric(labels=..., buckets=[...])``, then ``observe(value)``)."""
 
     COUNTER: Any
     GAUGE: Any
+    HISTOGRAM: Any
 
     def __call__(self, name: str, description: str, kind: Any) -> Any: ...
 
@@ -94,6 +108,34 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
 }
 
 
+def _1_2_5_buckets(maximum: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``maximum`` (vLLM's ``build_1_2_5_buckets``)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > maximum:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+_HISTOGRAMS: dict[str, tuple[str, list[float]]] = {  # name → (description, buckets)
+    "pd_time_to_first_token_seconds": (
+        "Seconds from a request's arrival to its first text",
+        [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]),
+    "pd_time_per_output_token_seconds": (
+        "Seconds per output token after the first (TPOT)",
+        [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]),
+    "pd_e2e_request_latency_seconds": (
+        "Seconds from a request's arrival to its final response",
+        [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]),
+    "pd_request_prompt_tokens": ("Prompt tokens per finished request", _1_2_5_buckets(32768)),
+    "pd_request_generation_tokens": ("Generated tokens per finished request", _1_2_5_buckets(32768)),
+}
+
+
 class ServingMetrics:
     """The metrics of one model instance. Create once per process (Triton families are process-wide).
 
@@ -113,6 +155,8 @@ class ServingMetrics:
         self._labels = {"model": model, "instance": instance}
         self._families = {name: family_factory(name=name, description=desc, kind=getattr(family_factory, kind))
                           for name, (kind, desc) in _FAMILIES.items()}
+        self._families.update({name: family_factory(name=name, description=desc, kind=family_factory.HISTOGRAM)
+                               for name, (desc, _) in _HISTOGRAMS.items()})
         self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
         self._last_gauge: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         # held by updates and close(): a thread that outlived its stop deadline never keeps a metric alive
@@ -132,9 +176,29 @@ class ServingMetrics:
         key = (name, tuple(sorted(extra.items())))
         metric = self._series.get(key)
         if metric is None:
-            metric = self._families[name].Metric(labels={**self._labels, **extra})
+            labels = {**self._labels, **extra}
+            family = self._families[name]
+            metric = (family.Metric(labels=labels, buckets=_HISTOGRAMS[name][1]) if name in _HISTOGRAMS
+                      else family.Metric(labels=labels))
             self._series[key] = metric
         return metric, key[1]
+
+    def observe(self, name: str, value: float) -> None:
+        """Add one observation to a histogram (one of ``_HISTOGRAMS``' names)."""
+        with self._lock:
+            if not self._closed:
+                self._metric(name, {})[0].observe(float(value))
+
+    def request_timing(self, ttft_s: float | None, e2e_s: float, num_prompt_tokens: int,
+                       num_output_tokens: int, tpot_s: float | None) -> None:
+        """The latency and length histograms of one finished client request (seconds, tokens)."""
+        if ttft_s is not None:
+            self.observe("pd_time_to_first_token_seconds", ttft_s)
+        if tpot_s is not None:
+            self.observe("pd_time_per_output_token_seconds", tpot_s)
+        self.observe("pd_e2e_request_latency_seconds", e2e_s)
+        self.observe("pd_request_prompt_tokens", num_prompt_tokens)
+        self.observe("pd_request_generation_tokens", num_output_tokens)
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:
         """Set a gauge (one of this module's names); a value equal to the last one is not sent again."""

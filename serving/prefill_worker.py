@@ -45,6 +45,7 @@ class _Job:
     first_send_s: float | None = None
     last_send_s: float | None = None
     failed: str | None = None
+    cumulative_logprob: float = 0.0
 
 
 class PrefillWorker:
@@ -189,7 +190,12 @@ class PrefillWorker:
             job.last_send_s = send_s
             self._prefilling.pop(job.request_id, None)
             self._inflight[job.request_id] = job
-            job.sink.send(ResponseChunk(event.new_text, None, event.num_prompt_tokens, 1), final=False)
+            # the first token travels with its logprobs (decode reports only the tokens after it), and with the
+            # finish reason when it already ends the request (EOS, a stop, max_tokens == 1)
+            job.cumulative_logprob = event.cumulative_logprob
+            logprobs = tuple(event.new_token_logprobs) if job.pd.request.params.logprobs is not None else None
+            job.sink.send(ResponseChunk.single(event.new_text, chunk.finish_reason, event.num_prompt_tokens, 1, 1,
+                                               event.cumulative_logprob, logprobs), final=False)
 
     def _poll_inflight(self) -> None:
         for job in list(self._inflight.values()):
@@ -204,7 +210,8 @@ class PrefillWorker:
                 now = time.monotonic()
                 self._transfer_s_total += now - job.first_send_s
                 self._transfer_tail_s_total += now - job.last_send_s
-                job.sink.send(ResponseChunk("", None, len(job.token_ids), 1), final=True)
+                job.sink.send(ResponseChunk.single("", None, len(job.token_ids), 1, 0, job.cumulative_logprob),
+                              final=True)
                 self._count("finished", job)
             else:
                 self._end_failed(job, _failure(job.sender, None))

@@ -12,7 +12,18 @@ Inputs, as ``triton_io.read_inputs`` hands them over (one Python scalar per inpu
                                        ``text_output``; streaming: the prompt is never sent, and an explicit
                                        false is an error (as in the vLLM backend)
 ``apply_chat_template``       bool     wrap the prompt as one user message in the model's chat template
+``return_finish_reason``      bool     send ``finish_reason`` (BYTES ``[n]``: ``"None"`` until the sample ends)
+``return_cumulative_logprob`` bool     send ``cumulative_logprob`` (FP32 ``[n]``)
+``return_logprobs``           bool     send ``logprobs`` (BYTES ``[n]``, JSON; ``null`` without the
+                                       ``logprobs`` sampling parameter)
+``return_num_input_tokens``   bool     send ``num_input_tokens`` (UINT32 ``[1]``)
+``return_num_output_tokens``  bool     send ``num_output_tokens`` (UINT32 ``[n]``: tokens of this response)
 ============================  =======  ==========================================================
+
+Without a ``sampling_parameters`` input, the request's Triton parameters are the sampling parameters (what the
+extra JSON fields of HTTP ``generate`` / ``generate_stream`` become, and what ``tritonclient``'s
+``parameters=`` sends), as in the vLLM backend; keys starting with ``triton_`` are Triton's own and skipped.
+The ``return_*`` inputs and the outputs they enable follow the vLLM backend's ``docs/additional_outputs.md``.
 """
 
 from __future__ import annotations
@@ -25,9 +36,14 @@ from engine.errors import InvalidSamplingParams
 from engine.sampling import SamplingParams
 
 RawValue = bytes | str | bool
+RETURN_INPUTS: tuple[str, ...] = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                                  "return_num_input_tokens", "return_num_output_tokens")
 INPUT_NAMES: tuple[str, ...] = (
-    "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "apply_chat_template")
-_BOOL_INPUTS: tuple[str, ...] = ("stream", "exclude_input_in_output", "apply_chat_template")
+    "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "apply_chat_template",
+    *RETURN_INPUTS)
+_BOOL_INPUTS: tuple[str, ...] = ("stream", "exclude_input_in_output", "apply_chat_template", *RETURN_INPUTS)
+#: The vLLM backend's own words for this error (its client tests compare the message).
+STREAM_PROMPT_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
 
 
 class RequestError(ValueError):
@@ -38,10 +54,22 @@ class RequestError(ValueError):
         reason: what is wrong with it.
     """
 
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"invalid input {field!r}: {reason}")
+    def __init__(self, field: str, reason: str, message: str | None = None) -> None:
+        """``message`` replaces the default text ``invalid input '<field>': <reason>``."""
+        super().__init__(message or f"invalid input {field!r}: {reason}")
         self.field = field
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Which optional outputs the client asked for (the ``return_*`` inputs); each defaults to off."""
+
+    finish_reason: bool = False
+    cumulative_logprob: bool = False
+    logprobs: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +82,9 @@ class GenerateRequest:
         params: the engine's sampling parameters.
         exclude_input_in_output: do not prepend the prompt to the (non-streaming) output.
         apply_chat_template: wrap ``prompt`` as a user message in the model's chat template.
+        outputs: the optional outputs asked for.
+        sampling: the sampling parameters as the client sent them (JSON object; the router forwards them,
+            per sample, to prefill and decode).
     """
 
     prompt: str
@@ -61,6 +92,8 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     exclude_input_in_output: bool = False
     apply_chat_template: bool = False
+    outputs: OutputOptions = field(default_factory=OutputOptions)
+    sampling: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def echo_prompt(self) -> bool:
@@ -68,11 +101,13 @@ class GenerateRequest:
         return not self.stream and not self.exclude_input_in_output
 
 
-def parse_request(inputs: Mapping[str, RawValue]) -> GenerateRequest:
+def parse_request(inputs: Mapping[str, RawValue], parameters: Mapping[str, object] | None = None) -> GenerateRequest:
     """Validate the inputs of one request and build its ``GenerateRequest``.
 
     Args:
         inputs: input name → scalar value; absent optional inputs are simply missing.
+        parameters: the request's Triton parameters (``pb_utils.InferenceRequest.parameters()`` parsed);
+            the sampling parameters when there is no ``sampling_parameters`` input.
     Raises:
         RequestError: naming the first offending input (unknown input, missing or empty prompt, invalid UTF-8,
             malformed JSON, unknown sampling parameter, wrong type, value out of range, streaming with
@@ -90,36 +125,68 @@ def parse_request(inputs: Mapping[str, RawValue]) -> GenerateRequest:
     stream = flags.get("stream", False)
     exclude = flags.get("exclude_input_in_output")
     if stream and exclude is False:
-        raise RequestError("exclude_input_in_output", "must be true (or absent) when streaming: "
-                           "a streamed response never repeats the prompt")
-    params = parse_sampling_parameters(inputs.get("sampling_parameters"))
+        raise RequestError("exclude_input_in_output", STREAM_PROMPT_ERROR, message=STREAM_PROMPT_ERROR)
+    if "sampling_parameters" in inputs:
+        sampling = sampling_dict(inputs["sampling_parameters"])
+    else:
+        sampling = {k: v for k, v in (parameters or {}).items() if not k.startswith("triton_")}
+    params = sampling_params(sampling)
+    outputs = OutputOptions(*(flags.get(name, False) for name in RETURN_INPUTS))
     return GenerateRequest(prompt=prompt, stream=stream, params=params,
                            exclude_input_in_output=stream if exclude is None else exclude,
-                           apply_chat_template=flags.get("apply_chat_template", False))
+                           apply_chat_template=flags.get("apply_chat_template", False), outputs=outputs,
+                           sampling=sampling)
 
 
-def parse_sampling_parameters(raw: RawValue | None) -> SamplingParams:
-    """Parse the ``sampling_parameters`` JSON object; None or an empty string give the defaults.
+def sampling_dict(raw: RawValue | None) -> dict[str, object]:
+    """The ``sampling_parameters`` JSON object as a dict; None or an empty string give ``{}``.
 
     Raises:
-        RequestError: ``sampling_parameters`` for malformed JSON or a non-object,
-            ``sampling_parameters.<key>`` for an unknown key or a bad value.
+        RequestError: ``sampling_parameters`` for malformed JSON or a non-object.
     """
     if raw is None:
-        return SamplingParams()
+        return {}
     text = _text("sampling_parameters", raw).strip()
     if not text:
-        return SamplingParams()
+        return {}
     try:
         values = json.loads(text)
     except json.JSONDecodeError as e:
         raise RequestError("sampling_parameters", f"malformed JSON: {e}") from None
     if not isinstance(values, dict):
         raise RequestError("sampling_parameters", f"must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def sampling_params(values: Mapping[str, object]) -> SamplingParams:
+    """``SamplingParams`` of a sampling dict.
+
+    Raises:
+        RequestError: ``sampling_parameters.<key>`` for an unknown or unsupported key or a bad value.
+    """
     try:
-        return SamplingParams.from_dict(values)
+        return SamplingParams.from_dict(dict(values))
     except InvalidSamplingParams as e:
         raise RequestError(f"sampling_parameters.{e.param}", e.reason) from None
+
+
+def parse_sampling_parameters(raw: RawValue | None) -> SamplingParams:
+    """Parse the ``sampling_parameters`` JSON object; None or an empty string give the defaults.
+
+    Raises:
+        RequestError: as ``sampling_dict`` and ``sampling_params``.
+    """
+    return sampling_params(sampling_dict(raw))
+
+
+def sample_sampling(sampling: Mapping[str, object], params: SamplingParams, index: int) -> dict[str, object]:
+    """The sampling dict of sample ``index`` of an ``n``-sample request (``n`` 1, seed ``seed + index``), as
+    ``SamplingParams.for_sample`` gives it: what the router forwards to the children of that sample."""
+    values = {k: v for k, v in sampling.items() if k != "n"}
+    sample = params.for_sample(index)
+    if sample.seed is not None:
+        values["seed"] = sample.seed
+    return values
 
 
 def _text(name: str, value: RawValue) -> str:

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 from serving.events import LoopEvent, RequestId
 from serving.request import GenerateRequest
 
@@ -26,20 +26,60 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ResponseChunk:
-    """The payload of one response (the outputs ``text_output``, ``finish_reason``, ``num_*_tokens``).
+class SampleOutput:
+    """What one response says of one sample (one of the request's ``n`` sequences).
 
     Attributes:
-        text: text of this response (a delta when streaming, the whole text otherwise).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on the last response, else None.
-        num_input_tokens: prompt length in tokens (after the chat template).
-        num_output_tokens: tokens generated so far.
+        text: text of this response (a delta when streaming, the whole text otherwise; ``""`` when the sample
+            has nothing new).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once the sample ended, else None.
+        num_output_tokens: tokens the sample generated so far.
+        num_new_tokens: tokens the sample generated since its previous response (the vLLM backend's
+            ``num_output_tokens`` output).
+        cumulative_logprob: sum of the raw logprobs of the sample's tokens so far.
+        logprobs: one entry per token of ``num_new_tokens`` when the request asked for logprobs, else None.
     """
 
-    text: str
+    text: str = ""
     finish_reason: str | None = None
-    num_input_tokens: int = 0
     num_output_tokens: int = 0
+    num_new_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ResponseChunk:
+    """The payload of one response: one ``SampleOutput`` per sample (index = sample index), and the prompt
+    length. ``text``, ``finish_reason`` and ``num_output_tokens`` read sample 0 (``n == 1``, the common case).
+
+    Attributes:
+        samples: ``n`` entries.
+        num_input_tokens: prompt length in tokens (after the chat template).
+    """
+
+    samples: tuple[SampleOutput, ...]
+    num_input_tokens: int = 0
+
+    @classmethod
+    def single(cls, text: str = "", finish_reason: str | None = None, num_input_tokens: int = 0,
+               num_output_tokens: int = 0, num_new_tokens: int = 0, cumulative_logprob: float = 0.0,
+               logprobs: tuple[TokenLogprob, ...] | None = None) -> ResponseChunk:
+        """A response of a one-sample request."""
+        return cls((SampleOutput(text, finish_reason, num_output_tokens, num_new_tokens, cumulative_logprob,
+                                 logprobs),), num_input_tokens)
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.samples[0].finish_reason
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.samples[0].num_output_tokens
 
 
 class ResponseSink(Protocol):
@@ -79,7 +119,10 @@ class GenerationStream:
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.cumulative_logprob = 0.0
         self._text_parts: list[str] = []
+        self._num_sent_tokens = 0
+        self._pending_logprobs: list[TokenLogprob] = []
 
     def on_event(self, event: LoopEvent) -> bool:
         """Forward one loop event to the sink; returns True when it was the terminal one (FINAL went out)."""
@@ -95,6 +138,8 @@ class GenerationStream:
     def _on_output(self, output: RequestOutput) -> None:
         self.num_input_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
+        self.cumulative_logprob = output.cumulative_logprob
+        self._pending_logprobs.extend(output.new_token_logprobs)
         if output.finished:
             self.done = True
             self.finish_reason = output.finish_reason
@@ -118,5 +163,10 @@ class GenerationStream:
         self.sink.send_error(self.error)
 
     def _chunk(self, text: str) -> ResponseChunk:
-        return ResponseChunk(text=text, finish_reason=self.finish_reason if self.done else None,
-                             num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens)
+        """The response now: ``text`` and the tokens (and their logprobs) since the previous response."""
+        num_new = self.num_output_tokens - self._num_sent_tokens
+        self._num_sent_tokens = self.num_output_tokens
+        logprobs = tuple(self._pending_logprobs) if self.request.params.logprobs is not None else None
+        self._pending_logprobs.clear()
+        return ResponseChunk.single(text, self.finish_reason if self.done else None, self.num_input_tokens,
+                                    self.num_output_tokens, num_new, self.cumulative_logprob, logprobs)

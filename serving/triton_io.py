@@ -4,26 +4,42 @@
 imported on first use; the numpy halves (``scalars_from_arrays``, ``response_arrays``) work anywhere.
 
 Tensors of the LLM convention: inputs are shape ``[1]`` (or ``[1, 1]``); strings arrive as ``bytes`` in numpy
-object arrays, bools as ``np.bool_``. Outputs: ``text_output`` and ``finish_reason`` (BYTES, ``[1]``),
-``num_input_tokens`` and ``num_output_tokens`` (INT32, ``[1]``).
+object arrays, bools as ``np.bool_``. Outputs (the vLLM backend's, ``docs/additional_outputs.md`` there), one
+entry per sample: ``text_output`` (BYTES ``[n]``) always; when asked (``return_*``): ``finish_reason`` (BYTES
+``[n]``, ``"None"`` until the sample ends), ``cumulative_logprob`` (FP32 ``[n]``), ``logprobs`` (BYTES ``[n]``,
+JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's tokens).
+
+``logprobs`` JSON of one sample: a list with one object per token of the response,
+``{"<token_id>": {"logprob": float, "rank": int, "decoded_token": str}, ...}``: the sampled token first, then
+the top ``logprobs`` tokens not already listed (the vLLM backend's layout); ``null`` when the request set no
+``logprobs`` sampling parameter.
+
+Child layout (prefill/decode → the router): one sample; ``text_output``, ``finish_reason``, ``error``, and
+``logprobs`` (compact JSON, ``logprobs_to_wire``) as UTF-8 in UINT8 tensors; ``num_input_tokens``,
+``num_output_tokens`` (cumulative, INT32 ``[1]``), ``cumulative_logprob`` (FP32 ``[1]``).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from serving.request import INPUT_NAMES, RawValue, RequestError
+from engine.outputs import TokenLogprob
+from serving.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
 from serving.response_dispatch import ResponseDispatcher
-from serving.stream import ResponseChunk
+from serving.stream import ResponseChunk, SampleOutput
 
 logger = logging.getLogger(__name__)
+#: No optional output asked for (the default of a client request).
+NO_OPTIONS = OutputOptions()
 
 
 def pb_utils() -> ModuleType:
@@ -69,14 +85,50 @@ def read_inputs(request: Any) -> dict[str, RawValue]:
     return scalars_from_arrays(arrays)
 
 
-def response_arrays(chunk: ResponseChunk) -> dict[str, np.ndarray]:
-    """The output arrays of one response, by output name."""
-    return {
-        "text_output": np.array([chunk.text.encode("utf-8")], dtype=np.object_),
-        "finish_reason": np.array([(chunk.finish_reason or "").encode("utf-8")], dtype=np.object_),
-        "num_input_tokens": np.array([chunk.num_input_tokens], dtype=np.int32),
-        "num_output_tokens": np.array([chunk.num_output_tokens], dtype=np.int32),
-    }
+def read_parameters(request: Any) -> dict[str, object]:
+    """The Triton parameters of one ``pb_utils.InferenceRequest`` (``parameters()`` is a JSON object text).
+
+    Raises:
+        RequestError: ``parameters`` when they are not a JSON object.
+    """
+    raw = request.parameters()
+    try:
+        values = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise RequestError("parameters", f"malformed JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise RequestError("parameters", f"must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def logprobs_json(entries: tuple[TokenLogprob, ...] | None) -> str:
+    """One sample's ``logprobs`` output (see the module docstring); ``"null"`` for None."""
+    if entries is None:
+        return "null"
+    tokens = []
+    for e in entries:
+        token = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}}
+        for rank, (token_id, logprob, text) in enumerate(e.top, start=1):
+            token.setdefault(str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text})
+        tokens.append(token)
+    return json.dumps(tokens)
+
+
+def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -> dict[str, np.ndarray]:
+    """The output arrays of one client response, by output name: ``text_output`` and what ``options`` asks."""
+    samples = chunk.samples
+    arrays = {"text_output": np.array([s.text.encode("utf-8") for s in samples], dtype=np.object_)}
+    if options.finish_reason:
+        arrays["finish_reason"] = np.array([str(s.finish_reason).encode() for s in samples], dtype=np.object_)
+    if options.cumulative_logprob:
+        arrays["cumulative_logprob"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
+    if options.logprobs:
+        arrays["logprobs"] = np.array([logprobs_json(s.logprobs).encode() for s in samples], dtype=np.object_)
+    if options.num_input_tokens:
+        arrays["num_input_tokens"] = np.array([chunk.num_input_tokens], dtype=np.uint32)
+    if options.num_output_tokens:
+        arrays["num_output_tokens"] = np.array([s.num_new_tokens for s in samples], dtype=np.uint32)
+    return arrays
 
 
 def utf8_array(text: str) -> np.ndarray:
@@ -84,22 +136,50 @@ def utf8_array(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
+def logprobs_to_wire(entries: tuple[TokenLogprob, ...] | None) -> str:
+    """Token logprobs in the child layout: ``""`` for None, else a JSON list of
+    ``[token_id, logprob, rank, decoded_token, [[token_id, logprob, text], ...]]``."""
+    if entries is None:
+        return ""
+    return json.dumps([[e.token_id, e.logprob, e.rank, e.decoded_token, [list(t) for t in e.top]]
+                       for e in entries])
+
+
+def logprobs_from_wire(text: str) -> tuple[TokenLogprob, ...] | None:
+    """Inverse of ``logprobs_to_wire``. Raises ValueError on a malformed text."""
+    if not text:
+        return None
+    try:
+        return tuple(TokenLogprob(int(t), float(lp), int(rank), str(decoded),
+                                  tuple((int(i), float(v), str(s)) for i, v, s in top))
+                     for t, lp, rank, decoded, top in json.loads(text))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"malformed child logprobs: {e}") from None
+
+
 def child_response_arrays(chunk: ResponseChunk, error: str = "") -> dict[str, np.ndarray]:
-    """The output arrays of a prefill/decode response to ``pd_ensemble``: the text fields as UTF-8 ``uint8``
-    arrays (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the object dtype's
-    reference count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``): after ~1.5k
-    responses pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
-    arrays = response_arrays(chunk)
-    arrays["text_output"] = utf8_array(chunk.text)
-    arrays["finish_reason"] = utf8_array(chunk.finish_reason or "")
-    arrays["error"] = utf8_array(error)
-    return arrays
+    """The output arrays of a prefill/decode response to ``pd_ensemble`` (one sample): the text fields as
+    UTF-8 ``uint8`` arrays (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the
+    object dtype's reference count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``):
+    after ~1.5k responses pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
+    sample = chunk.samples[0] if chunk.samples else SampleOutput()
+    return {
+        "text_output": utf8_array(sample.text),
+        "finish_reason": utf8_array(sample.finish_reason or ""),
+        "num_input_tokens": np.array([chunk.num_input_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([sample.num_output_tokens], dtype=np.int32),
+        "cumulative_logprob": np.array([sample.cumulative_logprob], dtype=np.float32),
+        "logprobs": utf8_array(logprobs_to_wire(sample.logprobs)),
+        "error": utf8_array(error),
+    }
 
 
-def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "") -> Any:
-    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout)."""
+def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "",
+                       options: OutputOptions = NO_OPTIONS) -> Any:
+    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout;
+    else the client layout with the outputs ``options`` asks for)."""
     pb = pb_utils()
-    arrays = child_response_arrays(chunk, error) if child else response_arrays(chunk)
+    arrays = child_response_arrays(chunk, error) if child else response_arrays(chunk, options)
     return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in arrays.items()])
 
 
@@ -107,6 +187,13 @@ def error_response(message: str) -> Any:
     """``pb_utils.InferenceResponse`` carrying ``message`` as a ``pb_utils.TritonError``."""
     pb = pb_utils()
     return pb.InferenceResponse(error=pb.TritonError(message))
+
+
+class RequestTimingSink(Protocol):
+    """Where finished requests' timings go (``ServingMetrics``)."""
+
+    def request_timing(self, ttft_s: float | None, e2e_s: float, num_prompt_tokens: int,
+                       num_output_tokens: int, tpot_s: float | None) -> None: ...
 
 
 class TritonResponseSink:
@@ -118,7 +205,8 @@ class TritonResponseSink:
     """
 
     def __init__(self, response_sender: Any, dispatcher: ResponseDispatcher, request_id: str = "",
-                 child: bool = False) -> None:
+                 child: bool = False, options: OutputOptions = NO_OPTIONS,
+                 timing: RequestTimingSink | None = None) -> None:
         """
         Args:
             response_sender: ``request.get_response_sender()``.
@@ -128,11 +216,20 @@ class TritonResponseSink:
                 (``child_response_arrays``), and an error is a normal FINAL response whose ``error`` output
                 holds the message instead of a Triton error response (a decoupled BLS response iterator never
                 ends after an error response in tritonserver 2.51; over gRPC either form works).
+            options: client layout: the optional outputs the request asked for (``set_options`` once the
+                request is parsed).
+            timing: where a finished request's TTFT, TPOT, end-to-end latency and lengths go (measured from
+                this sink's creation, i.e. the request's arrival in ``execute``, to when the first text and
+                the final response are queued); observed on the response thread, never the caller's.
         """
         self._dispatcher = dispatcher
         self._handle = dispatcher.open(response_sender, request_id)
         self._request_id = request_id
         self._child = child
+        self.options = options
+        self._timing = timing
+        self._arrival_s = time.monotonic()
+        self._first_text_s: float | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -142,11 +239,35 @@ class TritonResponseSink:
         return self._closed
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        self._queue(lambda: inference_response(chunk, child=self._child), final)
+        options = self.options
+        observe = self._timing_of(chunk, final)
+
+        def build() -> Any:
+            if observe is not None:
+                observe()
+            return inference_response(chunk, child=self._child, options=options)
+
+        self._queue(build, final)
+
+    def _timing_of(self, chunk: ResponseChunk, final: bool) -> Callable[[], None] | None:
+        """The histogram update of this response (run on the response thread), or None."""
+        now = time.monotonic()
+        if self._first_text_s is None and any(s.text for s in chunk.samples):
+            self._first_text_s = now
+        timing = self._timing
+        if timing is None or not final or any(s.finish_reason == "abort" for s in chunk.samples):
+            return None
+        first, arrival = self._first_text_s, self._arrival_s
+        num_output = sum(s.num_output_tokens for s in chunk.samples)
+        # TPOT of one sample: the samples decode side by side, each at its own pace
+        per_sample = max(s.num_output_tokens for s in chunk.samples)
+        ttft = None if first is None else first - arrival
+        tpot = None if first is None or per_sample < 2 else (now - first) / (per_sample - 1)
+        return lambda: timing.request_timing(ttft, now - arrival, chunk.num_input_tokens, num_output, tpot)
 
     def send_error(self, message: str) -> None:
         if self._child:
-            self._queue(lambda: inference_response(ResponseChunk(text=""), child=True, error=message), True)
+            self._queue(lambda: inference_response(ResponseChunk.single(), child=True, error=message), True)
         else:
             self._queue(lambda: error_response(message), True)
 
@@ -165,13 +286,27 @@ class TritonResponseSink:
             self._dispatcher.submit(self._handle, build, final)
 
 
+def parse_client_request(request: Any, sink: TritonResponseSink) -> tuple[GenerateRequest, dict[str, RawValue]]:
+    """Parse a client request of a public model (``colocated``, ``pd_ensemble``) and set ``sink``'s output
+    options from it. Returns the parsed request and its raw inputs.
+
+    Raises:
+        RequestError: as ``read_inputs``, ``read_parameters`` and ``parse_request``.
+    """
+    raw = read_inputs(request)
+    parsed = parse_request(raw, read_parameters(request) if "sampling_parameters" not in raw else None)
+    sink.options = parsed.outputs
+    return parsed, raw
+
+
 def new_dispatcher(name: str) -> ResponseDispatcher:
     """The response thread of one model instance (not started), with Triton's FINAL flag."""
     return ResponseDispatcher(name, pb_utils().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],
-                dispatcher: ResponseDispatcher, child: bool = False) -> None:
+                dispatcher: ResponseDispatcher, child: bool = False,
+                timing: RequestTimingSink | None = None) -> None:
     """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then ``handle(request, sink)``.
 
     A ``RequestError`` (bad input) becomes that request's error response, and so does any other exception
@@ -182,9 +317,11 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
         handle: parses and starts one request; its responses go to the sink.
         dispatcher: the instance's response thread.
         child: the requests come from the router (``TritonResponseSink``'s child layout).
+        timing: the public models' latency histograms (``TritonResponseSink``'s ``timing``).
     """
     for request in requests:
-        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child)
+        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child,
+                                  timing=timing)
         try:
             handle(request, sink)
         except RequestError as e:

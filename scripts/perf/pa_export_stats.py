@@ -34,7 +34,8 @@ def records_from_export(export: dict[str, Any]) -> list[RequestRecord]:
         for i, req in enumerate(experiment["requests"]):
             outputs = req.get("response_outputs") or []
             times = [t * _NS for t, out in zip(req["response_timestamps"], outputs) if out.get("text_output")]
-            tokens = max((int(o.get("num_output_tokens", 0)) for o in outputs), default=len(times))
+            counts = [int(o["num_output_tokens"]) for o in outputs if "num_output_tokens" in o]   # per response
+            tokens = sum(counts) if counts else len(times)
             prompt = max((int(o.get("num_input_tokens", 0)) for o in outputs), default=0)
             ended = _ended(req)
             records.append(RequestRecord(

@@ -171,6 +171,13 @@ def server_command(repo: Path, ports: ServerPorts) -> list[str]:
             "--model-control-mode=explicit", *models, "--log-verbose=0"]
 
 
+def ucx_defaults() -> dict[str, str]:
+    """``kv_transfer.nixl_transport.ucx_defaults`` (read from there: one rule for every launcher)."""
+    from kv_transfer.nixl_transport import ucx_defaults as defaults
+
+    return defaults()
+
+
 def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts, bootstrap_port: int) -> dict[str, str]:
     """Environment of the server, as ``scripts/serve.sh`` sets it: this venv's python first on PATH (the stub
     runs ``python3``), the repo importable, the bootstrap URL, the server's own gRPC endpoint (PD workers register
@@ -178,8 +185,7 @@ def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts, bootstra
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "PD_BOOTSTRAP_URL": f"http://127.0.0.1:{bootstrap_port}",
                 "PD_GRPC_URL": ports.grpc_url,
-                "UCX_MM_ERROR_HANDLING": env.get("UCX_MM_ERROR_HANDLING", "y"),
-                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
+                **{key: env.get(key, value) for key, value in ucx_defaults().items()}})
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{REPO_ROOT}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
     return env

@@ -28,14 +28,20 @@ def build_inputs(spec: RequestSpec) -> list[grpcclient.InferInput]:
     return stream_inputs(spec.prompt, params)
 
 
+#: The optional outputs the benchmark clients ask for (``num_output_tokens``: tokens of each response).
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+
+
 def stream_inputs(prompt: str, sampling_json: str) -> list[grpcclient.InferInput]:
     """The inputs of one streaming request in the vLLM-backend convention: ``text_input``, ``stream=true``,
-    ``sampling_parameters`` (a JSON object string), ``exclude_input_in_output=true``."""
+    ``sampling_parameters`` (a JSON object string), ``exclude_input_in_output=true``, and the ``return_*``
+    flags of the outputs the benchmarks read (finish reason, prompt tokens, tokens per response)."""
     values: list[tuple[str, str, np.ndarray]] = [
         ("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_)),
         ("stream", "BOOL", np.array([True], dtype=bool)),
         ("sampling_parameters", "BYTES", np.array([sampling_json.encode()], dtype=np.object_)),
         ("exclude_input_in_output", "BOOL", np.array([True], dtype=bool)),
+        *((name, "BOOL", np.array([True], dtype=bool)) for name in RETURN_FLAGS),
     ]
     inputs = []
     for name, dtype, array in values:
@@ -74,12 +80,12 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
             if error is not None:
                 record.error = str(error)
                 break
-            total = _int_output(result, "num_output_tokens")
+            delta = _int_output(result, "num_output_tokens")   # tokens of this response
             prompt = _int_output(result, "num_input_tokens")
             if prompt:
                 record.num_prompt_tokens = prompt
-            text = result.as_numpy("text_output") if total is None else None
-            new_tokens = (total - seen_tokens) if total is not None else int(text is not None and text.size > 0)
+            text = result.as_numpy("text_output") if delta is None else None
+            new_tokens = delta if delta is not None else int(text is not None and text.size > 0)
             if new_tokens > 0:
                 record.token_times_s.append(now)
                 seen_tokens += new_tokens

@@ -35,8 +35,9 @@ class _LoopSink:
         self._closed = False
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        self._put(ChildResponse(chunk.text, chunk.num_input_tokens, chunk.num_output_tokens, chunk.finish_reason,
-                                None, final))
+        sample = chunk.samples[0]
+        self._put(ChildResponse(sample.text, chunk.num_input_tokens, sample.num_output_tokens, sample.finish_reason,
+                                None, final, cumulative_logprob=sample.cumulative_logprob, logprobs=sample.logprobs))
 
     def send_error(self, message: str) -> None:
         self._put(ChildResponse(error=message, final=True))

@@ -7,8 +7,9 @@ frees its pages). Why not BLS for the router's own server: docs/architecture.md,
 
 Child protocol (``serving.pd_request``): inputs ``text_input``, ``sampling_parameters``, ``apply_chat_template``
 (the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` (decode; empty: direct decode),
-``router_id``; outputs ``text_output``/``finish_reason``/``error`` as UTF-8 in UINT8 tensors, ``num_input_tokens``
-and ``num_output_tokens`` (INT32). A child reports a failure as a FINAL response whose ``error`` is set.
+``router_id``; outputs ``text_output``/``finish_reason``/``error``/``logprobs`` as UTF-8 in UINT8 tensors,
+``num_input_tokens`` and ``num_output_tokens`` (INT32), ``cumulative_logprob`` (FP32) (``serving.triton_io``'s
+child layout). A child reports a failure as a FINAL response whose ``error`` is set.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.outputs import TokenLogprob
 from serving.request import RawValue
 from serving.router.fleet import Target
+from serving.triton_io import logprobs_from_wire
 
 logger = logging.getLogger(__name__)
 
 Room = int
 CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                  "error")
+                                  "cumulative_logprob", "logprobs", "error")
 #: Inputs of the client's request that are forwarded as they are to both children.
 FORWARDED_INPUTS: tuple[str, ...] = ("text_input", "sampling_parameters", "apply_chat_template")
 
@@ -41,7 +44,11 @@ class ChildResponse:
         num_input_tokens: prompt length in tokens (0 when the response does not say).
         num_output_tokens: tokens generated so far, counted from the first token (prefill's response: 1;
             decode's responses include the first token in their count).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token, else ``None``.
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token (or on prefill's first
+            token when that token already ends the request), else ``None``.
+        cumulative_logprob: sum of the raw logprobs of the tokens so far (the first included).
+        logprobs: logprobs of this response's tokens when the request asked for them, else None (decode's
+            responses never include the first token's: prefill's first response carries it).
         error: the child's error message, if it failed.
         final: the FINAL flag of the child stream.
         unreachable: the error is the router's: the child could not be reached or its stream broke (the only
@@ -55,6 +62,8 @@ class ChildResponse:
     error: str | None = None
     final: bool = False
     unreachable: bool = False
+    cumulative_logprob: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,11 +133,16 @@ def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildRespon
         array = values.get(name)
         return 0 if array is None or np.size(array) == 0 else int(np.asarray(array).reshape(-1)[0])
 
+    def number(name: str) -> float:
+        array = values.get(name)
+        return 0.0 if array is None or np.size(array) == 0 else float(np.asarray(array).reshape(-1)[0])
+
     if text("error"):
         return ChildResponse(error=text("error"), final=True)
     return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
                          num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
-                         final=final)
+                         final=final, cumulative_logprob=number("cumulative_logprob"),
+                         logprobs=logprobs_from_wire(text("logprobs")))
 
 
 class GrpcLauncher:

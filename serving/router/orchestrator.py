@@ -23,14 +23,16 @@ Event loop thread only: ``generate`` is a coroutine; one runs per request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from serving.request import GenerateRequest, RawValue
+from engine.outputs import TokenLogprob
+from serving.request import GenerateRequest, RawValue, sample_sampling
 from serving.router.admission import Admission, ServerBusy
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, Target
@@ -87,7 +89,20 @@ class RoutedRequest:
 
     @property
     def forwarded(self) -> dict[str, RawValue]:
-        return {name: self.inputs[name] for name in FORWARDED_INPUTS if name in self.inputs}
+        """The children's LLM inputs: the client's prompt and chat-template flag as sent, and the sampling
+        parameters as parsed (from the ``sampling_parameters`` input or the request's Triton parameters)."""
+        values = {name: self.inputs[name] for name in FORWARDED_INPUTS
+                  if name in self.inputs and name != "sampling_parameters"}
+        if self.request.sampling:
+            values["sampling_parameters"] = json.dumps(self.request.sampling)
+        return values
+
+    def for_sample(self, index: int) -> RoutedRequest:
+        """Sample ``index`` of an ``n``-sample request: ``n == 1``, seed ``seed + index``."""
+        request = self.request
+        sample = replace(request, params=request.params.for_sample(index),
+                         sampling=sample_sampling(request.sampling, request.params, index))
+        return RoutedRequest(sample, self.inputs)
 
 
 class RoomAllocator:
@@ -119,11 +134,18 @@ class _MergeState:
     held: list[ChildResponse] = field(default_factory=list)
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
+    # what came with the finish reason: sent with the final chunk, so that the last response carries the last
+    # tokens (the vLLM convention: no response without tokens)
+    tail_text: str = ""
+    tail_logprobs: list[TokenLogprob] | None = None
 
     def final_chunk(self, finish_reason: str | None) -> OutputChunk:
-        return OutputChunk(text="", final=True, finish_reason=finish_reason,
-                           num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens)
+        return OutputChunk(text=self.tail_text, final=True, finish_reason=finish_reason,
+                           num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens,
+                           cumulative_logprob=self.cumulative_logprob,
+                           logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None)
 
 
 @dataclass(frozen=True)
@@ -324,13 +346,21 @@ class PDOrchestrator:
     @staticmethod
     def _forward(response: ChildResponse, state: _MergeState, emit: Callable[[OutputChunk], None]) -> None:
         state.num_input_tokens = max(state.num_input_tokens, response.num_input_tokens)
-        state.num_output_tokens = max(state.num_output_tokens, response.num_output_tokens)
-        if response.finish_reason is not None:
-            state.finish_reason = response.finish_reason
-        if response.text:
-            state.emitted = True
+        if response.num_output_tokens >= state.num_output_tokens:
+            state.num_output_tokens = response.num_output_tokens
+            state.cumulative_logprob = response.cumulative_logprob
+        if response.finish_reason is not None or state.finish_reason is not None:
+            # the request's last tokens: they go out with the final chunk
+            state.finish_reason = state.finish_reason or response.finish_reason
+            state.tail_text += response.text
+            if response.logprobs is not None:
+                state.tail_logprobs = (state.tail_logprobs or []) + list(response.logprobs)
+            return
+        if response.text or response.logprobs:
+            state.emitted = state.emitted or bool(response.text)
             emit(OutputChunk(text=response.text, final=False, num_input_tokens=state.num_input_tokens,
-                             num_output_tokens=state.num_output_tokens))
+                             num_output_tokens=state.num_output_tokens, cumulative_logprob=state.cumulative_logprob,
+                             logprobs=response.logprobs))
 
     def _count_rejected(self, reason: str) -> None:
         if self._metrics is not None:

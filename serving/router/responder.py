@@ -9,13 +9,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.outputs import TokenLogprob
 from serving.request import GenerateRequest
 from serving.stream import ResponseChunk, ResponseSink
 
 
 @dataclass(frozen=True)
 class OutputChunk:
-    """What the router sends its client in one response."""
+    """What the orchestrator hands the responder for one sample.
+
+    Attributes:
+        text: new text (a delta).
+        final: the sample's last chunk.
+        finish_reason: on the final chunk: ``"stop"``, ``"length"``, ``"abort"``.
+        error: the request failed with this message (final).
+        num_input_tokens: prompt tokens.
+        num_output_tokens: tokens generated so far (cumulative).
+        cumulative_logprob: sum of the raw logprobs of those tokens.
+        logprobs: logprobs of the tokens this chunk adds, when the request asked for them.
+    """
 
     text: str
     final: bool
@@ -23,13 +35,19 @@ class OutputChunk:
     error: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class EnsembleResponder:
+    """Turns one sample's ``OutputChunk``s into responses on ``sink``; on the router's event loop thread."""
+
     def __init__(self, request: GenerateRequest, sink: ResponseSink) -> None:
         self._request = request
         self._sink = sink
         self._parts: list[str] = []
+        self._num_sent_tokens = 0
+        self._pending_logprobs: list[TokenLogprob] = []
 
     def emit(self, chunk: OutputChunk) -> None:
         if chunk.error is not None:
@@ -38,6 +56,7 @@ class EnsembleResponder:
         if chunk.final and chunk.finish_reason == "abort" and self._sink.is_cancelled():
             self._sink.close()
             return
+        self._pending_logprobs.extend(chunk.logprobs or ())
         if self._request.stream:
             if chunk.text or chunk.final:
                 self._sink.send(self._response(chunk.text, chunk), final=chunk.final)
@@ -47,7 +66,11 @@ class EnsembleResponder:
             prefix = self._request.prompt if self._request.echo_prompt else ""
             self._sink.send(self._response(prefix + "".join(self._parts), chunk), final=True)
 
-    @staticmethod
-    def _response(text: str, chunk: OutputChunk) -> ResponseChunk:
-        return ResponseChunk(text=text, finish_reason=chunk.finish_reason if chunk.final else None,
-                             num_input_tokens=chunk.num_input_tokens, num_output_tokens=chunk.num_output_tokens)
+    def _response(self, text: str, chunk: OutputChunk) -> ResponseChunk:
+        """The response now: ``text`` and the tokens (and logprobs) since the previous response."""
+        num_new = max(0, chunk.num_output_tokens - self._num_sent_tokens)
+        self._num_sent_tokens = max(self._num_sent_tokens, chunk.num_output_tokens)
+        logprobs = tuple(self._pending_logprobs) if self._request.params.logprobs is not None else None
+        self._pending_logprobs.clear()
+        return ResponseChunk.single(text, chunk.finish_reason if chunk.final else None, chunk.num_input_tokens,
+                                    chunk.num_output_tokens, num_new, chunk.cumulative_logprob, logprobs)

@@ -14,14 +14,15 @@ from typing import Any
 
 from serving.metrics import ServingMetrics
 from serving.orphan_watch import OrphanWatch
-from serving.request import parse_request
+from serving.parallel_sampling import SampleFanIn
 from serving.router.config import build_router_config
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import RoutedRequest
 from serving.router.responder import EnsembleResponder
 from serving.router.service import Router
 from serving.server_watch import ServerShutdownWatch
-from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
+from serving.stream import ResponseSink
+from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, parse_client_request, pb_utils
 from serving.triton_pd import decoupled_config, setup_logging, teardown_logging
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,21 @@ class RouterModel:
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
-        answer_each(requests, self._handle_one, self._responses)
+        answer_each(requests, self._handle_one, self._responses, timing=self._metrics)
 
     def _handle_one(self, request: Any, sink: TritonResponseSink) -> None:
-        raw = read_inputs(request)
-        routed = RoutedRequest(parse_request(raw), raw)
+        parsed, raw = parse_client_request(request, sink)
+        routed = RoutedRequest(parsed, raw)
+        n = parsed.params.n
+        if n == 1:
+            self._submit(routed, sink)
+            return
+        # n samples: n routed requests (each its own pair and room), merged into the client's stream
+        fan_in = SampleFanIn(sink, n, parsed.stream, parsed.params.logprobs is not None)
+        for i in range(n):
+            self._submit(routed.for_sample(i), fan_in.sample_sink(i))
+
+    def _submit(self, routed: RoutedRequest, sink: ResponseSink) -> None:
         self._router.submit(routed, EnsembleResponder(routed.request, sink).emit, sink.is_cancelled)
 
     def finalize(self) -> None:

@@ -29,8 +29,9 @@ def test_interference_long_prompts_arrive_at_a_fixed_interval() -> None:
 
 
 def _request(finish_reason: str) -> dict:
-    outputs = [{"text_output": " a", "num_output_tokens": 1, "num_input_tokens": 5, "finish_reason": ""},
-               {"text_output": " b", "num_output_tokens": 2, "num_input_tokens": 5, "finish_reason": finish_reason}]
+    # num_output_tokens: the tokens of each response (the vLLM convention)
+    outputs = [{"text_output": " a", "num_output_tokens": 1, "num_input_tokens": 5, "finish_reason": "None"},
+               {"text_output": " b", "num_output_tokens": 1, "num_input_tokens": 5, "finish_reason": finish_reason}]
     return {"timestamp": 1_000_000_000, "response_timestamps": [1_200_000_000, 1_250_000_000],
             "response_outputs": outputs}
 

@@ -45,9 +45,10 @@ def test_both_paths_get_the_same_prompts_for_the_same_seeds() -> None:
 
 def test_grpc_stamps_only_non_empty_texts_and_ends_at_the_final_flag() -> None:
     record = RequestRecord("r", "chat", 0, 1.0)
+    # num_output_tokens: the tokens of each response (the vLLM convention)
     _record_response(record, 1.5, _grpc_result(b"Hello", False, 1), None)
-    _record_response(record, 1.6, _grpc_result(b"", False, 1), None)  # an empty delta is not a token
-    _record_response(record, 1.7, _grpc_result(b" world", False, 2), None)
+    _record_response(record, 1.6, _grpc_result(b"", False, 0), None)  # an empty delta is not a token
+    _record_response(record, 1.7, _grpc_result(b" world", False, 1), None)
     assert record.done_s is None
     _record_response(record, 1.8, _grpc_result(None, True), None)  # the empty final response
     assert record.token_times_s == [1.5, 1.7] and record.done_s == 1.8 and record.num_output_tokens == 2

@@ -23,7 +23,7 @@ class StreamResult:
 
     texts: list[str] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
-    num_output_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)   # cumulative, one per response
     error: str | None = None
     final_seen: bool = False
     first_text_s: float | None = None   # time.monotonic() when the first text arrived
@@ -33,9 +33,15 @@ class StreamResult:
         return "".join(self.texts)
 
 
+#: The optional outputs the live tests ask for by default (``StreamResult`` reads them).
+COUNT_OUTPUTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+
+
 def make_inputs(prompt: str | bytes, params: dict[str, Any] | str | None = None, stream: bool = True,
                 **flags: bool) -> list[grpcclient.InferInput]:
-    """The LLM-convention inputs; ``params`` as a dict is JSON-encoded, as a str sent as is."""
+    """The LLM-convention inputs; ``params`` as a dict is JSON-encoded, as a str sent as is. ``flags`` are BOOL
+    inputs, on top of ``COUNT_OUTPUTS`` (pass ``return_...=False`` to leave one out)."""
+    flags = {**COUNT_OUTPUTS, **flags}
     def tensor(name: str, value: Any, dtype: str) -> grpcclient.InferInput:
         t = grpcclient.InferInput(name, [1], dtype)
         t.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else np.bool_))
@@ -84,8 +90,12 @@ def _record(result: StreamResult, res: Any) -> None:
         result.texts.append(b"".join(text.reshape(-1)).decode())
         if result.first_text_s is None and result.texts[-1]:
             result.first_text_s = time.monotonic()
-        result.finish_reasons.append(res.as_numpy("finish_reason").reshape(-1)[0].decode())
-        result.num_output_tokens.append(int(res.as_numpy("num_output_tokens").reshape(-1)[0]))
+        reason = res.as_numpy("finish_reason")
+        reason_text = reason.reshape(-1)[0].decode() if reason is not None else ""
+        result.finish_reasons.append("" if reason_text == "None" else reason_text)
+        new_tokens = res.as_numpy("num_output_tokens")   # tokens of this response (the vLLM convention)
+        total = result.num_output_tokens[-1] if result.num_output_tokens else 0
+        result.num_output_tokens.append(total + (int(new_tokens.reshape(-1)[0]) if new_tokens is not None else 0))
     result.final_seen = final
 
 

@@ -125,6 +125,7 @@ class FakeFamily:
 
     COUNTER = "counter"
     GAUGE = "gauge"
+    HISTOGRAM = "histogram"
     registry: ClassVar[dict[str, FakeFamily]] = {}
 
     def __init__(self, name: str, description: str, kind: Any) -> None:
@@ -132,7 +133,8 @@ class FakeFamily:
         self.series: dict[tuple[tuple[str, str], ...], FakeMetric] = {}
         FakeFamily.registry[name] = self
 
-    def Metric(self, labels: dict[str, str]) -> FakeMetric:
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None) -> FakeMetric:
+        assert (buckets is not None) == (self.kind == self.HISTOGRAM), f"{self.name}: buckets iff a histogram"
         return self.series.setdefault(tuple(sorted(labels.items())), FakeMetric())
 
 
@@ -140,6 +142,11 @@ class FakeMetric:
     def __init__(self) -> None:
         self._value = 0.0
         self.writes = 0
+        self.observations: list[float] = []
+
+    def observe(self, value: float) -> None:
+        self.observations.append(value)
+        self.writes += 1
 
     def set(self, value: float) -> None:
         self._value = value

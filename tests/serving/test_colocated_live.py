@@ -118,11 +118,19 @@ def _cancelled(metrics_url: str) -> float:
 def test_http_generate_stream(triton_server, reference) -> None:
     prompt = PROMPTS[1]
     events = http_generate_stream(triton_server.http_url, {"text_input": prompt, "stream": True,
-                                                           "sampling_parameters": '{"max_tokens": 16, "temperature": 0}'})
+                                                           "sampling_parameters": '{"max_tokens": 16, "temperature": 0}',
+                                                           "return_finish_reason": True,
+                                                           "return_num_output_tokens": True})
     assert all("error" not in e for e in events) and len(events) >= 2
     assert "".join(e["text_output"] for e in events) == reference[prompt]
     assert events[-1]["finish_reason"] in ("stop", "length")
-    assert events[-1]["num_output_tokens"] == max(e["num_output_tokens"] for e in events)
+    assert all(e["finish_reason"] == "None" for e in events[:-1])
+    assert all(e["num_output_tokens"] >= 1 for e in events) and sum(e["num_output_tokens"] for e in events) <= 16
+    # without the sampling_parameters input, the request's extra JSON fields are its sampling parameters
+    by_fields = http_generate_stream(triton_server.http_url, {"text_input": prompt, "stream": True,
+                                                              "max_tokens": 16, "temperature": 0})
+    assert "".join(e["text_output"] for e in by_fields) == reference[prompt]
+    assert all(set(e) >= {"text_output"} and "finish_reason" not in e for e in by_fields)
 
 
 def test_http_generate_non_streaming(triton_server, reference) -> None:

@@ -97,11 +97,13 @@ def test_cancel_mid_stream_gives_the_pages_back_on_both_sides(triton_server) -> 
 
 def test_http_generate_stream(triton_server, reference) -> None:
     prompt = PROMPTS[1]
-    body = {"text_input": prompt, "stream": True, "sampling_parameters": '{"max_tokens": 16, "temperature": 0}'}
+    body = {"text_input": prompt, "stream": True, "sampling_parameters": '{"max_tokens": 16, "temperature": 0}',
+            "return_finish_reason": True, "return_num_output_tokens": True}
     events = http_generate_stream(triton_server.http_url, body, model=MODEL)
     assert all("error" not in e for e in events) and len(events) >= 2
     assert "".join(e["text_output"] for e in events) == reference[prompt]
     assert events[-1]["finish_reason"] in ("stop", "length")
+    assert all(e["num_output_tokens"] >= 1 for e in events)   # the last response carries the last token too
 
 
 def _free_pages(server: Any) -> tuple[float, float]:

@@ -21,7 +21,7 @@ def _series(name: str, **labels: str) -> float:
 
 
 def test_names_carry_units(metrics: ServingMetrics) -> None:
-    units = ("_pages", "_requests", "_total", "_instances")
+    units = ("_pages", "_requests", "_total", "_instances", "_seconds", "_tokens")
     assert FakeFamily.registry.pop("pd_router_ready").kind == FakeFamily.GAUGE   # a state (0/1), no unit
     assert all(name.endswith(units) for name in FakeFamily.registry)
     assert FakeFamily.registry["pd_kv_free_pages"].kind == FakeFamily.GAUGE
@@ -68,3 +68,21 @@ def test_close_destroys_every_triton_metric_now() -> None:
     metrics.set_kv_pages(1, 64)
     metrics.close()
     assert FakeFamily.registry == {}
+
+
+def test_histograms_get_vllm_buckets_and_observations() -> None:
+    from serving.metrics import _HISTOGRAMS, _1_2_5_buckets
+
+    FakeFamily.registry.clear()
+    metrics = ServingMetrics(FakeFamily, model="m", instance="i")
+    metrics.request_timing(0.2, 1.5, 12, 30, 0.04)
+    metrics.request_timing(None, 0.1, 3, 0, None)
+    series = {name: FakeFamily.registry[name].series[(("instance", "i"), ("model", "m"))] for name in _HISTOGRAMS}
+    assert series["pd_time_to_first_token_seconds"].observations == [0.2]
+    assert series["pd_time_per_output_token_seconds"].observations == [0.04]
+    assert series["pd_e2e_request_latency_seconds"].observations == [1.5, 0.1]
+    assert series["pd_request_generation_tokens"].observations == [30, 0]
+    assert _1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    metrics.close()
+    metrics.observe("pd_request_prompt_tokens", 5)   # ignored after close
+    assert series["pd_request_prompt_tokens"].observations == [12, 3]

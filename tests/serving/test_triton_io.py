@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from serving.request import RequestError, parse_request
-from serving.stream import ResponseChunk
-from serving.triton_io import response_arrays, scalars_from_arrays
+from engine.outputs import TokenLogprob
+from serving.request import OutputOptions, RequestError, parse_request
+from serving.stream import ResponseChunk, SampleOutput
+from serving.triton_io import (
+    child_response_arrays,
+    logprobs_from_wire,
+    logprobs_json,
+    logprobs_to_wire,
+    response_arrays,
+    scalars_from_arrays,
+)
+
+ALL = OutputOptions(True, True, True, True, True)
 
 
 def test_inputs_as_triton_hands_them_over() -> None:
@@ -36,10 +48,63 @@ def test_bad_tensors_name_the_input(arrays: dict[str, np.ndarray], field: str) -
     assert info.value.field == field
 
 
-def test_response_arrays_types() -> None:
-    arrays = response_arrays(ResponseChunk("héllo", "stop", 7, 3))
+def test_response_arrays_hold_only_what_was_asked() -> None:
+    chunk = ResponseChunk.single("héllo", "stop", 7, 3, 2, -1.5)
+    arrays = response_arrays(chunk)
+    assert list(arrays) == ["text_output"]
     assert arrays["text_output"].dtype == np.object_ and arrays["text_output"][0].decode() == "héllo"
-    assert arrays["finish_reason"][0] == b"stop"
-    assert arrays["num_input_tokens"].dtype == np.int32 and arrays["num_input_tokens"].tolist() == [7]
-    assert arrays["num_output_tokens"].tolist() == [3]
-    assert response_arrays(ResponseChunk("x"))["finish_reason"][0] == b""
+    arrays = response_arrays(chunk, ALL)
+    assert arrays["finish_reason"].tolist() == [b"stop"]
+    assert arrays["cumulative_logprob"].dtype == np.float32 and arrays["cumulative_logprob"].tolist() == [-1.5]
+    assert arrays["num_input_tokens"].dtype == np.uint32 and arrays["num_input_tokens"].tolist() == [7]
+    assert arrays["num_output_tokens"].dtype == np.uint32 and arrays["num_output_tokens"].tolist() == [2]
+    assert arrays["logprobs"].tolist() == [b"null"]
+    assert response_arrays(ResponseChunk.single("x"), ALL)["finish_reason"].tolist() == [b"None"]
+    only = response_arrays(chunk, OutputOptions(num_input_tokens=True))
+    assert sorted(only) == ["num_input_tokens", "text_output"]
+
+
+def test_one_entry_per_sample() -> None:
+    chunk = ResponseChunk((SampleOutput("a", None, 1, 1), SampleOutput("", "length", 4, 0)), 5)
+    arrays = response_arrays(chunk, ALL)
+    assert arrays["text_output"].tolist() == [b"a", b""]
+    assert arrays["finish_reason"].tolist() == [b"None", b"length"]
+    assert arrays["num_output_tokens"].tolist() == [1, 0] and arrays["num_input_tokens"].tolist() == [5]
+
+
+ENTRIES = (TokenLogprob(5, -0.1, 1, " the", ((5, -0.1, " the"), (9, -2.5, " a"))),
+           TokenLogprob(7, -3.0, 3, "", ((2, -0.5, "x"), (5, -1.0, " the"))))
+
+
+def test_logprobs_json_is_the_vllm_layout() -> None:
+    tokens = json.loads(logprobs_json(ENTRIES))
+    assert tokens[0] == {"5": {"logprob": -0.1, "rank": 1, "decoded_token": " the"},
+                         "9": {"logprob": -2.5, "rank": 2, "decoded_token": " a"}}
+    assert list(tokens[1]) == ["7", "2", "5"]   # the sampled token first, then the top ones
+    assert [v["rank"] for v in tokens[1].values()] == [3, 1, 2]
+    assert logprobs_json(None) == "null" and logprobs_json(()) == "[]"
+
+
+def test_child_layout_round_trips_logprobs() -> None:
+    assert logprobs_from_wire(logprobs_to_wire(ENTRIES)) == ENTRIES
+    assert logprobs_from_wire(logprobs_to_wire(None)) is None
+    arrays = child_response_arrays(ResponseChunk.single("é", None, 3, 1, 1, -0.25, ENTRIES[:1]))
+    assert arrays["text_output"].dtype == np.uint8 and arrays["text_output"].tobytes().decode() == "é"
+    assert arrays["cumulative_logprob"].tolist() == [-0.25]
+    assert logprobs_from_wire(arrays["logprobs"].tobytes().decode()) == ENTRIES[:1]
+    with pytest.raises(ValueError):
+        logprobs_from_wire("[[1, 2]]")
+
+
+def test_parameters_stand_in_for_sampling_parameters() -> None:
+    req = parse_request({"text_input": b"x"}, {"max_tokens": "5", "temperature": 0, "triton_enable_x": True})
+    assert req.params.max_tokens == 5 and req.params.temperature == 0.0 and "triton_enable_x" not in req.sampling
+    tensor = parse_request({"text_input": b"x", "sampling_parameters": b'{"max_tokens": 3}'}, {"max_tokens": 9})
+    assert tensor.params.max_tokens == 3
+    with pytest.raises(RequestError, match="sampling_parameters.bogus"):
+        parse_request({"text_input": b"x"}, {"bogus": 1})
+
+
+def test_return_inputs_select_outputs() -> None:
+    req = parse_request({"text_input": b"x", "return_logprobs": True, "return_num_output_tokens": False})
+    assert req.outputs == OutputOptions(logprobs=True)

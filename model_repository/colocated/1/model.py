@@ -20,9 +20,8 @@ from serving.colocated import ColocatedWorker
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
 from serving.orphan_watch import OrphanWatch
-from serving.request import parse_request
 from serving.server_watch import ServerShutdownWatch
-from serving.triton_io import answer_each, new_dispatcher, read_inputs
+from serving.triton_io import answer_each, new_dispatcher, parse_client_request
 
 logger = logging.getLogger("model_repository.colocated")
 
@@ -56,8 +55,8 @@ class TritonPythonModel:
         self._worker.stop(STOP_TIMEOUT_S)
 
     def execute(self, requests: list[Any]) -> None:
-        answer_each(requests, lambda request, sink: self._worker.handle(parse_request(read_inputs(request)), sink),
-                    self._responses)
+        answer_each(requests, lambda request, sink: self._worker.handle(parse_client_request(request, sink)[0], sink),
+                    self._responses, timing=self._metrics)
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
