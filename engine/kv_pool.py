@@ -1,8 +1,12 @@
-"""The paged KV pool: one contiguous tensor per engine, laid out as in docs/architecture.md.
+"""The paged KV pool: one contiguous region per engine, page-major, laid out as in docs/architecture.md.
 
-``kv_cache[l, kv, p, s, h, d]`` is element ``d`` of head ``h`` of the K (``kv=0``) or V (``kv=1``) vector of
-the token in slot ``s`` of page ``p`` in layer ``l``. The block of one (layer, kv, page) is contiguous, and
-its byte offset from the region base is ``((l * 2 + kv) * num_pages + p) * block_bytes``.
+Memory order ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``: one page of every layer, K and
+V, is one contiguous region of ``page_bytes``, so a prompt's pages move as one descriptor each however
+scattered they are in the pool (with layer-major order a page was ``2 * num_layers`` separate blocks).
+The model sees the same memory as ``kv_cache[l, kv, p, s, h, d]`` (a strided view): element ``d`` of head
+``h`` of the K (``kv=0``) or V (``kv=1``) vector of the token in slot ``s`` of page ``p`` in layer ``l``.
+The block of one (layer, kv, page) is contiguous; its byte offset from the region base is
+``((p * num_layers + l) * 2 + kv) * block_bytes``, and page ``p`` starts at ``p * page_bytes``.
 """
 
 from __future__ import annotations
@@ -43,9 +47,13 @@ class KVPool:
     when a transfer wrote into a fresh pool), so every byte is zeroed here, before serving.
 
     Attributes:
-        kv_cache: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``, ``dtype``, ``device``.
+        storage: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, ``dtype``, ``device``,
+            contiguous (the region a KV transport registers).
+        kv_cache: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``, a strided view of
+            ``storage`` (what the model indexes; never ``view`` it flat across pages).
         num_pages: pages in the pool.
         block_bytes: bytes of one (layer, kv, page) block.
+        page_bytes: bytes of one page over all layers, K and V.
     """
 
     def __init__(self, shape: KVShape, num_pages: int, dtype: torch.dtype,
@@ -56,22 +64,25 @@ class KVPool:
         self.num_pages = num_pages
         self.dtype = dtype
         self.block_bytes = shape.block_bytes(dtype)
-        # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.empty(
-            (shape.num_layers, 2, num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim),
+        self.page_bytes = shape.page_bytes(dtype)
+        # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], contiguous
+        self.storage = torch.empty(
+            (num_pages, shape.num_layers, 2, shape.page_size, shape.num_kv_heads, shape.head_dim),
             dtype=dtype, device=device,
         )
-        self.kv_cache.zero_()
+        self.storage.zero_()
+        # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], strided view of the same memory
+        self.kv_cache = self.storage.permute(1, 2, 0, 3, 4, 5)
 
     @property
     def base_ptr(self) -> int:
         """Address of the region's first byte (what a NIXL agent registers)."""
-        return int(self.kv_cache.data_ptr())
+        return int(self.storage.data_ptr())
 
     @property
     def nbytes(self) -> int:
         """Size of the region in bytes."""
-        return int(self.kv_cache.numel() * self.kv_cache.element_size())
+        return int(self.storage.numel() * self.storage.element_size())
 
     def block_offset(self, layer: int, kv: int, page: PageId) -> int:
         """Byte offset from ``base_ptr`` of the block of page ``page``, layer ``layer``, K (0) or V (1).
@@ -81,7 +92,17 @@ class KVPool:
         """
         if not (0 <= layer < self.shape.num_layers and kv in (0, 1) and 0 <= page < self.num_pages):
             raise IndexError(f"block (layer={layer}, kv={kv}, page={page}) is outside the pool")
-        return ((layer * 2 + kv) * self.num_pages + page) * self.block_bytes
+        return ((page * self.shape.num_layers + layer) * 2 + kv) * self.block_bytes
+
+    def page_offset(self, page: PageId) -> int:
+        """Byte offset from ``base_ptr`` of page ``page`` (all its layers, K and V: ``page_bytes``).
+
+        Raises:
+            IndexError: a page outside the pool.
+        """
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} is outside the pool")
+        return page * self.page_bytes
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -1,5 +1,6 @@
 """KV transfer between prefill and decode instances: prefill WRITEs KV pages straight into the pages decode
-reserved, over NIXL (or in-process for tests). No project imports besides ``bootstrap`` (the rendezvous).
+reserved, over a registered backend (NIXL, Mooncake, or in-process for tests). No project imports besides
+``bootstrap`` (the rendezvous).
 
 Contract: docs/architecture.md ("KV transfer API"); protocol and lifecycles: docs/protocol.md.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 from bootstrap.errors import BootstrapError
 from kv_transfer.aux import AuxData
+from kv_transfer.backends import backend_names, make_transport, register_backend, unavailable_reason
+from kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError, KVTransferError, TransferError
 from kv_transfer.layout import KVLayout, PageId
@@ -17,24 +20,16 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, Room
 from kv_transfer.transport import Transport
 
-BACKENDS = ("nixl", "inprocess")
+BACKENDS = backend_names()   # the built-in ones; ``backend_names()`` also lists later registrations
 
 
-def make_transport(args: KVArgs, backend: str) -> Transport:
-    if backend == "nixl":
-        from kv_transfer.nixl_transport import NixlTransport
-        return NixlTransport(args.instance_id, args.mem_type, args.device_id)
-    if backend == "inprocess":
-        from kv_transfer.inprocess import InProcessTransport
-        return InProcessTransport(args.instance_id)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def make_kv_manager(args: KVArgs, backend: str = "nixl") -> KVManager:
-    """A manager for ``args`` on ``backend`` ("nixl" or "inprocess"); nothing starts until ``start()``."""
+def make_kv_manager(args: KVArgs, backend: str = "nixl") -> BaseKVManager:
+    """A manager for ``args`` on the registered ``backend`` (``kv_transfer.backends``); nothing starts until
+    ``start()``. Raises ``ValueError`` for an unknown backend, ``ImportError`` when its package is missing."""
     return KVManager(args, make_transport(args, backend))
 
 
-__all__ = ["BACKENDS", "AuxData", "BootstrapError", "CompatibilityError", "KVArgs", "KVLayout",
-           "KVManager", "KVPoll", "KVReceiver", "KVSender", "KVTransferError", "PageId", "Room",
-           "TransferError", "make_kv_manager", "make_transport"]
+__all__ = ["BACKENDS", "AuxData", "BaseKVManager", "BaseKVReceiver", "BaseKVSender", "BootstrapError",
+           "CompatibilityError", "KVArgs", "KVLayout", "KVManager", "KVPoll", "KVReceiver", "KVSender", "KVTransferError", "PageId", "Room",
+           "TransferError", "Transport", "backend_names", "make_kv_manager", "make_transport",
+           "register_backend", "unavailable_reason"]

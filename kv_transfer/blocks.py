@@ -1,17 +1,17 @@
-"""Descriptor index space of one instance's registered memory: every KV block, then every aux slot.
+"""Descriptor index space of one instance's registered memory: every KV page, then every aux slot.
 
-Index ``(layer * 2 + kv) * num_pages + page`` is the block of ``page`` for (layer, K/V), at the byte offset of
-docs/architecture.md; index ``num_kv_blocks + slot`` is aux slot ``slot``. Both transports take transfers as
-(local indices, remote indices) pairs in this space: NIXL prepares the whole list once per agent (and merges
-runs that are contiguous on both sides at transfer time); the in-process transport turns indices into
-addresses.
+Index ``page`` is the whole page (every layer, K and V: ``page_bytes`` at ``page * page_bytes``, the pool being
+page-major, docs/architecture.md); index ``num_pages + slot`` is aux slot ``slot``. Every transport takes
+transfers as (local indices, remote indices) pairs in this space: NIXL prepares the whole list once per agent
+(and merges runs that are contiguous on both sides at transfer time); Mooncake and the in-process transport
+turn indices into addresses and merge such runs themselves (``merge_runs``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,30 +27,26 @@ class BlockTable:
     aux_slots: int
 
     @property
-    def num_kv_blocks(self) -> int:
-        return self.layout.num_layers * 2 * self.layout.num_pages
+    def num_kv_descs(self) -> int:
+        """KV descriptors: one per page."""
+        return self.layout.num_pages
+
+    @property
+    def kv_desc_bytes(self) -> int:
+        """Bytes of one KV descriptor (a whole page)."""
+        return self.layout.page_bytes
 
     @property
     def num_descriptors(self) -> int:
-        return self.num_kv_blocks + self.aux_slots
-
-    @cached_property
-    def _plane_starts(self) -> np.ndarray:
-        """Index of page 0 of each (layer, kv) plane: int64 ``[num_layers * 2, 1]``."""
-        return np.arange(self.layout.num_layers * 2, dtype=np.int64)[:, None] * self.layout.num_pages
+        return self.num_kv_descs + self.aux_slots
 
     def kv_indices(self, pages: Sequence[PageId], aux_slot: int | None = None) -> np.ndarray:
-        """Indices of every (layer, kv) block of ``pages``: int64 ``[num_layers * 2 * len(pages)]``,
-        plane-major; with ``aux_slot``, that slot's index appended. Raises ``ValueError`` for a page or slot
-        out of range.
-
-        On the latency path of every chunk, so written into one preallocated array with as few numpy calls as
-        possible (each costs ~10 us with the caches cold, as they are after a forward pass)."""
-        if len(pages) and (min(pages) < 0 or max(pages) >= self.layout.num_pages):
+        """Indices of ``pages``: int64 ``[len(pages)]`` (one descriptor per page), in order; with ``aux_slot``,
+        that slot's index appended. Raises ``ValueError`` for a page or slot out of range."""
+        out = np.empty(len(pages) + (aux_slot is not None), dtype=np.int64)
+        out[:len(pages)] = pages
+        if len(pages) and (out[:len(pages)].min() < 0 or out[:len(pages)].max() >= self.layout.num_pages):
             raise ValueError(f"page ids out of range [0, {self.layout.num_pages})")
-        planes, n = self._plane_starts.shape[0], len(pages)
-        out = np.empty(planes * n + (aux_slot is not None), dtype=np.int64)
-        np.add(self._plane_starts, np.asarray(pages, dtype=np.int64), out=out[:planes * n].reshape(planes, n))
         if aux_slot is not None:
             out[-1] = self.aux_index(aux_slot)
         return out
@@ -58,14 +54,14 @@ class BlockTable:
     def aux_index(self, slot: int) -> int:
         if not 0 <= slot < self.aux_slots:
             raise ValueError(f"aux slot {slot} out of range [0, {self.aux_slots})")
-        return self.num_kv_blocks + slot
+        return self.num_kv_descs + slot
 
     def spans(self, indices: np.ndarray) -> np.ndarray:
         """(address, nbytes) of each index: int64 ``[len(indices), 2]``."""
-        is_aux = indices >= self.num_kv_blocks
-        addr = np.where(is_aux, self.aux_base_ptr + (indices - self.num_kv_blocks) * AUX_SLOT_BYTES,
-                        self.kv_base_ptr + indices * self.layout.block_bytes)
-        nbytes = np.where(is_aux, AUX_SLOT_BYTES, self.layout.block_bytes)
+        is_aux = indices >= self.num_kv_descs
+        addr = np.where(is_aux, self.aux_base_ptr + (indices - self.num_kv_descs) * AUX_SLOT_BYTES,
+                        self.kv_base_ptr + indices * self.kv_desc_bytes)
+        nbytes = np.where(is_aux, AUX_SLOT_BYTES, self.kv_desc_bytes)
         return np.stack([addr, nbytes], axis=1).astype(np.int64)
 
     def descriptors(self, start: int, stop: int, device_id: int = 0) -> np.ndarray:
@@ -73,3 +69,27 @@ class BlockTable:
         device id)."""
         spans = self.spans(np.arange(start, stop, dtype=np.int64))
         return np.hstack([spans, np.full((len(spans), 1), device_id, dtype=np.int64)])
+
+
+class Runs(NamedTuple):
+    """Copies after merging: int64 ``[n]`` source addresses, destination addresses, lengths in bytes."""
+
+    src_addrs: np.ndarray
+    dst_addrs: np.ndarray
+    nbytes: np.ndarray
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
+    """Merges pairwise copies ``src[i] -> dst[i]`` (int64 ``[n, 2]`` (address, nbytes) spans, equal sizes
+    pairwise) into the fewest copies: neighbours contiguous on both sides become one run. Pages a long-running
+    pool hands out are scattered, so this is what turns a prompt's pages into a few large descriptors where
+    the pages happen to be adjacent on both sides. Raises ``ValueError`` when sizes differ pairwise."""
+    if len(src) != len(dst) or not np.array_equal(src[:, 1], dst[:, 1]):
+        raise ValueError("source and destination spans differ in count or size")
+    if len(src) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(empty, empty, empty)
+    ends = src[:-1, 0] + src[:-1, 1]
+    breaks = (src[1:, 0] != ends) | (dst[1:, 0] != dst[:-1, 0] + dst[:-1, 1])
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    return Runs(src[starts, 0].copy(), dst[starts, 0].copy(), np.add.reduceat(src[:, 1], starts))

@@ -7,14 +7,15 @@ from dataclasses import dataclass
 from kv_transfer.layout import KVLayout
 
 ROLES = ("prefill", "decode")
+TRANSPORT_PROTOCOLS = ("tcp", "rdma")
 
 
 @dataclass(frozen=True)
 class KVArgs:
     """Everything a manager needs: its identity, its KV region and layout, the bootstrap, its timeouts.
 
-    ``kv_base_ptr``/``kv_nbytes`` describe the engine's pool ``[num_layers, 2, num_pages, page_size,
-    num_kv_heads, head_dim]``; the caller owns that memory and keeps it alive until ``shutdown()``.
+    ``kv_base_ptr``/``kv_nbytes`` describe the engine's page-major pool ``[num_pages, num_layers, 2, page_size,
+    num_kv_heads, head_dim]`` (``kv_transfer.layout``); the caller owns that memory and keeps it alive until ``shutdown()``.
     """
 
     instance_id: str
@@ -42,6 +43,12 @@ class KVArgs:
     # caller's thread, so the KV's last leg has no hop to a manager thread in it (docs/protocol.md, "Inline
     # progress"); False: all transport work on the manager threads
     inline_progress: bool = True
+    # transport selection below the manager (backend-specific, chosen by configuration): the address peers
+    # reach this instance's transport at, and Mooncake's protocol ("tcp"; "rdma" where RDMA NICs exist) and
+    # device names (RDMA NICs, comma-separated; "" lets Mooncake pick)
+    local_hostname: str = "127.0.0.1"
+    transport_protocol: str = "tcp"
+    transport_device: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -58,5 +65,10 @@ class KVArgs:
                 raise ValueError(f"KVArgs.{name} must be positive")
         if self.aux_slots <= 0:
             raise ValueError("KVArgs.aux_slots must be positive")
+        if self.transport_protocol not in TRANSPORT_PROTOCOLS:
+            raise ValueError(f"KVArgs.transport_protocol must be one of {TRANSPORT_PROTOCOLS}, "
+                             f"got {self.transport_protocol!r}")
+        if not self.local_hostname:
+            raise ValueError("KVArgs.local_hostname must not be empty")
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"KVArgs.mem_type must be DRAM or VRAM, got {self.mem_type!r}")

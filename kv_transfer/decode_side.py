@@ -261,9 +261,11 @@ class DecodeSide:
 
     def _send_cancel(self, receiver: KVReceiver) -> None:
         reason = receiver.failure.reason if receiver.failure else ""
+        peer = receiver.peer
+        assert peer is not None   # the caller checked
         try:
             tag = Tag(TagKind.CANCEL, receiver.room, receiver.xfer_id, 0, reason)
-            self._transport.send_notif(receiver.peer.agent_name, tag.encode())  # type: ignore[union-attr]
+            self._transport.send_notif(peer.agent_name, tag.encode())
             receiver.cancel_sent = True
         except TransportError as exc:
             logger.warning("room %d: cannot send cancel: %s", receiver.room, exc)

@@ -21,8 +21,12 @@ class TransferError(KVTransferError):
 class CompatibilityError(KVTransferError):
     """Two instances disagree on a field of the KV layout; raised at handshake, before any byte moves."""
 
-    def __init__(self, field: str, ours: object, theirs: object) -> None:
-        super().__init__(f"incompatible KV layout: {field} is {ours!r} here but {theirs!r} on the peer")
+    def __init__(self, field: str, ours: object, theirs: object, our_layout: str = "",
+                 their_layout: str = "") -> None:
+        both = f" (here: {our_layout}; peer: {their_layout})" if our_layout or their_layout else ""
+        super().__init__(f"incompatible KV layout: {field} is {ours!r} here but {theirs!r} on the peer{both}")
         self.field = field
         self.ours = ours
         self.theirs = theirs
+        self.our_layout = our_layout
+        self.their_layout = their_layout

@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from kv_transfer.blocks import BlockTable
+from kv_transfer.blocks import BlockTable, merge_runs
 from kv_transfer.transport import Transport, TransportError, XferState
 
 
@@ -82,10 +82,12 @@ class InProcessTransport(Transport):
                    notif: bytes) -> object:
         if peer not in self._peers or not self._fabric.is_attached(peer) or self._table is None:
             raise TransportError(f"agent {peer} was not added or is gone")
-        src, dst = self._table.spans(local_indices), self._peers[peer].spans(remote_indices)
-        if not np.array_equal(src[:, 1], dst[:, 1]):
-            raise TransportError("descriptor sizes differ between the two sides")
-        for (src_ptr, nbytes), (dst_ptr, _) in zip(src.tolist(), dst.tolist()):
+        try:
+            runs = merge_runs(self._table.spans(local_indices), self._peers[peer].spans(remote_indices))
+        except ValueError as exc:
+            raise TransportError(f"descriptors do not match between the two sides: {exc}") from exc
+        for src_ptr, dst_ptr, nbytes in zip(runs.src_addrs.tolist(), runs.dst_addrs.tolist(),
+                                            runs.nbytes.tolist()):
             ctypes.memmove(dst_ptr, src_ptr, nbytes)
         try:
             self._fabric.deliver(self._name, peer, notif)

@@ -1,9 +1,11 @@
 """KV pool layout math (the contract in docs/architecture.md) and the handshake compatibility check.
 
-The pool of one engine instance is one contiguous region:
-``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` (dim 1: 0 = K, 1 = V).
-The block of page ``p`` of layer ``l``, K or V (``kv``), starts at
-``((l * 2 + kv) * num_pages + p) * block_bytes``.
+The pool of one engine instance is one contiguous, page-major region:
+``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (dim 2: 0 = K, 1 = V). Page ``p`` (every
+layer, K and V) is the one contiguous range ``[p * page_bytes, (p + 1) * page_bytes)``; the block of page ``p``
+of layer ``l``, K or V (``kv``), starts at ``((p * num_layers + l) * 2 + kv) * block_bytes``.
+Version history: 1 was layer-major (``[num_layers, 2, num_pages, ...]``, a page was ``2 * num_layers``
+separate blocks); 2 is page-major. The version is part of the compatibility hash.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from kv_transfer.errors import CompatibilityError
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 PageId = int
 
 _ITEMSIZE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
@@ -60,7 +62,11 @@ class KVLayout:
         return self.num_pages * self.page_bytes
 
     def block_offset_bytes(self, layer: int, kv: int, page: PageId) -> int:
-        return ((layer * 2 + kv) * self.num_pages + page) * self.block_bytes
+        return ((page * self.num_layers + layer) * 2 + kv) * self.block_bytes
+
+    def page_offset_bytes(self, page: PageId) -> int:
+        """Byte offset of page ``page``; the page spans ``page_bytes`` from there."""
+        return page * self.page_bytes
 
     def slot_index(self, pages: Sequence[PageId], position: int) -> int:
         """Flat slot index of token ``position`` of a sequence whose page table is ``pages``."""
@@ -86,10 +92,24 @@ def compat_hash(model_id: str, layout: KVLayout) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_compatible(model_id: str, ours: KVLayout, their_model_id: str, theirs: KVLayout) -> None:
-    """Raise ``CompatibilityError`` naming the first field that differs (model id first)."""
+def describe(model_id: str, layout: KVLayout) -> str:
+    """One line naming every compatibility field of a layout and its hash (for errors and logs)."""
+    fields = " ".join(f"{f}={getattr(layout, f)}" for f in COMPAT_FIELDS)
+    return f"model_id={model_id} {fields} hash={compat_hash(model_id, layout)}"
+
+
+def check_compatible(model_id: str, ours: KVLayout, their_model_id: str, theirs: KVLayout,
+                     their_hash: str | None = None) -> None:
+    """Raise ``CompatibilityError`` naming the first field that differs (model id first) and both layouts.
+
+    ``their_hash`` is the compatibility hash the peer registered; when it differs from the hash of what the
+    peer's layout says (a peer computing it differently, e.g. another layout version), that alone fails."""
+    mine, theirs_text = describe(model_id, ours), describe(their_model_id, theirs)
     if model_id != their_model_id:
-        raise CompatibilityError("model_id", model_id, their_model_id)
+        raise CompatibilityError("model_id", model_id, their_model_id, mine, theirs_text)
     for field in COMPAT_FIELDS:
         if getattr(ours, field) != getattr(theirs, field):
-            raise CompatibilityError(field, getattr(ours, field), getattr(theirs, field))
+            raise CompatibilityError(field, getattr(ours, field), getattr(theirs, field), mine, theirs_text)
+    if their_hash is not None and their_hash != compat_hash(model_id, ours):
+        raise CompatibilityError("compat_hash", compat_hash(model_id, ours), their_hash, mine,
+                                 f"{theirs_text} registered hash={their_hash}")

@@ -22,6 +22,7 @@ from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 from bootstrap.messages import InstanceLoad, Registration
 from kv_transfer.auxbuf import AuxBuffer
+from kv_transfer.base import BaseKVManager
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
 from kv_transfer.decode_side import DecodeSide
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_ROOMS_S = 2.0
 
 
-class KVManager:
+class KVManager(BaseKVManager):
     """Constructed cheaply (no threads, no I/O); ``start`` does the work. Thread-safe public methods."""
 
     def __init__(self, args: KVArgs, transport: Transport) -> None:

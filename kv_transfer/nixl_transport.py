@@ -72,7 +72,7 @@ class NixlTransport(Transport):
         self._agent: Any = None
         self._reg_descs: list[object] = []
         self._local_dlists: list[object] = []
-        self._num_kv_blocks = 0
+        self._num_kv_descs = 0
         # agent name → (its prepared lists, its number of KV blocks)
         self._peer_dlists: dict[str, tuple[list[object], int]] = {}
 
@@ -86,33 +86,33 @@ class NixlTransport(Transport):
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
         self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        kv_region = (table.kv_base_ptr, table.num_kv_blocks * table.layout.block_bytes, self._device_id, "")
+        kv_region = (table.kv_base_ptr, table.layout.pool_bytes, self._device_id, "")
         aux_region = (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES, 0, "")
         if self._mem_type == "DRAM":
             self._reg_descs = [self._agent.register_memory([kv_region, aux_region], "DRAM")]
         else:
             self._reg_descs = [self._agent.register_memory([kv_region], self._mem_type),
                                self._agent.register_memory([aux_region], "DRAM")]
-        self._num_kv_blocks = table.num_kv_blocks
+        self._num_kv_descs = table.num_kv_descs
         self._local_dlists = self._prep(LOCAL, table)
 
     def _prep(self, agent: str, table: BlockTable) -> list[object]:
         """[combined] in DRAM mode, [kv, aux] in VRAM mode."""
         if self._mem_type == "DRAM":
             return [self._agent.prep_xfer_dlist(agent, table.descriptors(0, table.num_descriptors), "DRAM")]
-        kv = table.descriptors(0, table.num_kv_blocks, self._device_id)
-        aux = table.descriptors(table.num_kv_blocks, table.num_descriptors)
+        kv = table.descriptors(0, table.num_kv_descs, self._device_id)
+        aux = table.descriptors(table.num_kv_descs, table.num_descriptors)
         return [self._agent.prep_xfer_dlist(agent, kv, self._mem_type),
                 self._agent.prep_xfer_dlist(agent, aux, "DRAM")]
 
     def _select(self, dlists: list[object], indices: np.ndarray,
-                num_kv_blocks: int) -> tuple[object, np.ndarray]:
+                num_kv_descs: int) -> tuple[object, np.ndarray]:
         if len(dlists) == 1:
             return dlists[0], indices
-        if (indices < num_kv_blocks).all():
+        if (indices < num_kv_descs).all():
             return dlists[0], indices
-        if (indices >= num_kv_blocks).all():
-            return dlists[1], indices - num_kv_blocks
+        if (indices >= num_kv_descs).all():
+            return dlists[1], indices - num_kv_descs
         raise TransportError("a write mixes KV blocks and aux slots of different memory types")
 
     def metadata(self) -> bytes:
@@ -122,7 +122,7 @@ class NixlTransport(Transport):
         try:
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            self._peer_dlists[name] = (self._prep(name, table), table.num_kv_blocks)
+            self._peer_dlists[name] = (self._prep(name, table), table.num_kv_descs)
             self._agent.send_notif(name, b"")  # warm-up: opens the connection now, not on the first chunk
         except self._errors as exc:
             raise TransportError(f"cannot add peer: {exc!r}") from exc
@@ -142,7 +142,7 @@ class NixlTransport(Transport):
         if peer not in self._peer_dlists or not self._local_dlists:
             raise TransportError(f"agent {peer} was not added")
         remote_dlists, remote_kv_blocks = self._peer_dlists[peer]
-        local_dlist, local_indices = self._select(self._local_dlists, local_indices, self._num_kv_blocks)
+        local_dlist, local_indices = self._select(self._local_dlists, local_indices, self._num_kv_descs)
         remote_dlist, remote_indices = self._select(remote_dlists, remote_indices, remote_kv_blocks)
         handle = None
         try:

@@ -48,6 +48,7 @@ class PeerTable:
         self._model_id = model_id
         self._layout = layout
         self._peers: dict[str, Peer] = {}
+        self._forgotten: dict[str, str] = {}   # agent name → instance id, of peers forgotten (last 64)
         self.handshakes_total = 0
 
     def get(self, instance_id: str) -> Peer | None:
@@ -84,12 +85,26 @@ class PeerTable:
         peer = self._peers.pop(instance_id, None)
         if peer is not None:
             self._transport.remove_peer(peer.agent_name)
+            self._forgotten[peer.agent_name] = instance_id
+            while len(self._forgotten) > 64:
+                del self._forgotten[next(iter(self._forgotten))]
             logger.info("forgot peer %s (agent %s)", instance_id, peer.agent_name)
+
+    def recover(self, agent_name: str) -> Peer | None:
+        """A forgotten peer that turned out alive with the same agent (it stalled past its registration TTL,
+        e.g. a stopped process, then registered again) is handshaked again; None when ``agent_name`` was never
+        forgotten here. Raises like ``ensure`` (``LookupError`` when the instance now runs another agent)."""
+        instance_id = self._forgotten.get(agent_name)
+        if instance_id is None:
+            return None
+        peer = self.ensure(instance_id, agent_name)
+        self._forgotten.pop(agent_name, None)
+        return peer
 
     def _handshake(self, registration: Registration) -> Peer:
         info = registration.kv_info
         layout = KVLayout.from_json(info["layout"])
-        check_compatible(self._model_id, self._layout, str(info["model_id"]), layout)
+        check_compatible(self._model_id, self._layout, str(info["model_id"]), layout, registration.compat_hash)
         if int(info["aux_slot_bytes"]) != AUX_SLOT_BYTES:
             raise CompatibilityError("aux_slot_bytes", AUX_SLOT_BYTES, info["aux_slot_bytes"])
         table = BlockTable(int(info["kv_base_ptr"]), layout, int(info["aux_base_ptr"]),

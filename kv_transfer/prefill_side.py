@@ -235,9 +235,9 @@ class PrefillSide:
                 sender.inflight.append(handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
             sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
-            kv_blocks = len(chunk.src_pages) * self._table.layout.num_layers * 2   # the rest: aux slots
-            self.metrics.kv_bytes_total += (kv_blocks * self._table.layout.block_bytes
-                                            + (len(local) - kv_blocks) * AUX_SLOT_BYTES)
+            kv_descs = len(chunk.src_pages)   # one per page; the rest: aux slots
+            self.metrics.kv_bytes_total += (kv_descs * self._table.kv_desc_bytes
+                                            + (len(local) - kv_descs) * AUX_SLOT_BYTES)
             self.metrics.chunks_total += 1
 
     # --- progress, notifications, peers ------------------------------------------------------------------
@@ -285,6 +285,7 @@ class PrefillSide:
         sender.inflight = still
 
     def _drain_notifs(self) -> None:
+        unanswered: list[tuple[str, Tag]] = []
         for agent, message in self._transport.get_notifs():
             tag = Tag.decode(message)
             if tag is None or tag.kind != TagKind.CANCEL:
@@ -302,8 +303,21 @@ class PrefillSide:
                     del self._pending[tag.room]
                 try:
                     self._transport.send_notif(agent, done.encode())
-                except TransportError as exc:
-                    logger.warning("room %d: cannot answer cancel: %s", tag.room, exc)
+                except TransportError:
+                    unanswered.append((agent, done))
+        for agent, done in unanswered:
+            self._answer_forgotten(agent, done)
+
+    def _answer_forgotten(self, agent: str, done: Tag) -> None:
+        """A cancel from a peer we forgot (its registration expired while it stalled, then it came back with
+        the same agent): handshake again and answer, or the decode side could never free the room's pages."""
+        try:
+            peer = self._peers.recover(agent)
+            if peer is None:
+                raise TransportError(f"agent {agent} is unknown here")
+            self._transport.send_notif(peer.agent_name, done.encode())
+        except (CompatibilityError, LookupError, TransportError, BootstrapError) as exc:
+            logger.warning("room %d: cannot answer cancel: %s", done.room, exc)
 
     def _check_peers(self, now_s: float) -> None:
         if now_s < self._next_peer_check_s:

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from kv_transfer.aux import AuxData
+from kv_transfer.base import BaseKVReceiver
 from kv_transfer.errors import TransferError
 from kv_transfer.layout import PageId
 from kv_transfer.peers import Peer
@@ -29,7 +30,7 @@ from kv_transfer.timings import ReceiverTimings
 Room = int
 
 
-class KVReceiver:
+class KVReceiver(BaseKVReceiver):
     """Handle of one room on the decode side. Every public method is cheap and thread-safe (one manager lock).
 
     The attributes below the public methods are owned by the manager thread (read/written under the lock).

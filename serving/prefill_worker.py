@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from bootstrap.messages import InstanceLoad
-from kv_transfer import AuxData, KVPoll, KVSender, TransferError
+from kv_transfer import AuxData, BaseKVManager, BaseKVSender, KVPoll, TransferError
 from serving.colocated import Tokenizer
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent, RequestFailed
@@ -41,7 +41,7 @@ class _Job:
     pd: PDRequest
     token_ids: list[int]
     sink: ResponseSink
-    sender: KVSender | None = None
+    sender: BaseKVSender | None = None
     first_send_s: float | None = None
     last_send_s: float | None = None
     failed: str | None = None
@@ -51,14 +51,14 @@ class _Job:
 class PrefillWorker:
     """Runs prefill for rooms and sends their KV; one instance per Triton model instance."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: object, page_size: int,
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: BaseKVManager, page_size: int,
                  room_aborts: RoomAborts, name: str = "prefill", metrics: ServingMetrics | None = None) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 
         Args:
             loop: loop of a prefill-mode engine (not started).
             tokenizer: the engine's tokenizer.
-            kv_manager: a prefill-role ``kv_transfer.KVManager`` (``create_sender``), not started.
+            kv_manager: a prefill-role ``kv_transfer.BaseKVManager`` (``create_sender``), not started.
             page_size: tokens per KV page of the engine.
             room_aborts: rooms the orchestrator aborted.
             name: prefix of request ids and thread names.
@@ -112,7 +112,7 @@ class PrefillWorker:
     def on_tick(self) -> bool:
         """Advance every queue by one round; True while something waits on the network."""
         for job in self._intake.take():
-            job.sender = self._kv.create_sender(job.pd.room)  # type: ignore[attr-defined]
+            job.sender = self._kv.create_sender(job.pd.room)
             self._bootstrap[job.request_id] = job
         self._poll_bootstrap()
         self._poll_prefilling()
@@ -242,6 +242,6 @@ class PrefillWorker:
         self._metrics.set_queue_length("inflight", len(self._inflight))
 
 
-def _failure(sender: KVSender, fallback: str | None) -> str:
+def _failure(sender: BaseKVSender, fallback: str | None) -> str:
     failure = sender.failure
     return str(failure) if failure is not None else (fallback or "KV transfer failed")

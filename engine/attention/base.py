@@ -11,7 +11,8 @@ Contract
   attends every query token causally to its sequence's cached tokens plus the chunk's earlier tokens.
 - Shapes: ``q`` ``[num_tokens, num_heads, head_dim]``; ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]``;
   ``layer_kv`` ``[2, num_pages, page_size, num_kv_heads, head_dim]`` (``kv_cache[layer]``, dim 0: 0 = K, 1 =
-  V); output ``[num_tokens, num_heads * head_dim]``. dtype: that of ``q`` (fp32 on CPU; fp16/bf16 on CUDA),
+  V; a strided view of the page-major pool, so pages are not adjacent: never ``view`` it flat, index it by
+  (page, offset) as ``write_kv_slots`` does); output ``[num_tokens, num_heads * head_dim]``. dtype: that of ``q`` (fp32 on CPU; fp16/bf16 on CUDA),
   ``k``, ``v`` and ``layer_kv`` share it. ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
 """
 
@@ -23,6 +24,16 @@ from typing import Any
 import torch
 
 from engine.forward_batch import ForwardBatch
+
+
+def write_kv_slots(layer_kv: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write this step's ``k``/``v`` rows (``[num_tokens, num_kv_heads, head_dim]``) into ``layer_kv``
+    (``[2, num_pages, page_size, num_kv_heads, head_dim]``, strided) at the flat slots ``slot_mapping``
+    (``[num_tokens]`` int64, ``page * page_size + offset``), in place."""
+    page_size = layer_kv.shape[2]
+    index = (torch.div(slot_mapping, page_size, rounding_mode="floor"), slot_mapping % page_size)
+    layer_kv[0].index_put_(index, k)
+    layer_kv[1].index_put_(index, v)
 
 
 class AttentionBackend(ABC):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, write_kv_slots
 from engine.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's documented default workspace size
@@ -109,9 +109,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         """See ``AttentionBackend.forward``; ``scale`` must equal ``head_dim ** -0.5`` (fixed at plan
         time)."""
         num_tokens, num_heads, head_dim = q.shape
-        kv_heads = k.shape[1]
-        layer_kv[0].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        layer_kv[1].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-        kv_pair = (layer_kv[0], layer_kv[1])  # each [num_pages, page_size, kv_heads, head_dim] ("NHD")
+        write_kv_slots(layer_kv, metadata.slot_mapping, k, v)
+        # each [num_pages, page_size, kv_heads, head_dim] ("NHD"), strided between pages (page-major pool)
+        kv_pair = (layer_kv[0], layer_kv[1])
         out = metadata.wrapper.run(q.contiguous(), kv_pair)  # [num_tokens, num_heads, head_dim]
         return out.reshape(num_tokens, num_heads * head_dim)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, write_kv_slots
 from engine.forward_batch import ForwardBatch
 
 # What one more decode bucket costs per layer (a gather and an SDPA call), in gathered pages; measured on
@@ -49,14 +49,15 @@ class KVSource:
     key_len: int
 
     def read(self, layer_kv: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return K and V as ``[batch, kv_heads, key_len, head_dim]`` views (strided, not copied further)."""
+        """Return K and V as ``[batch, kv_heads, key_len, head_dim]`` (copied once: pages of the page-major
+        pool are not adjacent, so their tokens cannot be one strided view)."""
         page_size, kv_heads, head_dim = layer_kv.shape[2:]
         if self.first_page is not None:
             k, v = (layer_kv[i, self.first_page:self.first_page + self.num_pages] for i in (0, 1))
         else:
             k, v = (layer_kv[i].index_select(0, self.pages) for i in (0, 1))
         shape = (batch, self.num_pages * page_size, kv_heads, head_dim)
-        k, v = k.view(shape)[:, :self.key_len], v.view(shape)[:, :self.key_len]
+        k, v = k.reshape(shape)[:, :self.key_len], v.reshape(shape)[:, :self.key_len]
         return k.transpose(1, 2), v.transpose(1, 2)
 
 
@@ -192,9 +193,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        kv_heads = k.shape[1]
-        layer_kv[0].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        layer_kv[1].view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        write_kv_slots(layer_kv, metadata.slot_mapping, k, v)
         decodes = metadata.decodes
         if len(decodes) == 1 and not metadata.prefills and isinstance(decodes[0].rows, slice):
             return self._decode(q, layer_kv, decodes[0], scale)  # rows 0:B are the whole batch

@@ -21,6 +21,20 @@ def test_bench_kv_transfer_prints_its_json_keys() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("kv128_latency_ms", "kv128_overhead_ms", "kv128_memcpy_gbps", "kv128_thread_latency_ms",
-                "kv128_wake_ms", "kv128_write_ms", "desc_prepped_us"):
+                "kv128_wake_ms", "kv128_write_ms", "desc_prepped_us", "layout_v2_gbps", "layout_v1_gbps"):
         assert result[key] > 0, key
     assert result["inline_progress"] is True and result["cold"] is False
+
+
+@pytest.mark.mooncake
+def test_bench_kv_transfer_on_mooncake_prints_its_json_keys_and_where_the_time_goes() -> None:
+    pytest.importorskip("mooncake")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_kv_transfer.py"), "--backend", "mooncake",
+                           "--sizes", "128", "--reps", "1", "--scatter"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("kv128_latency_ms", "kv128_memcpy_gbps", "kv128_thread_latency_ms", "mooncake_raw_one_gbps",
+                "mooncake_raw_pages_gbps", "mooncake_raw_memcpy_gbps"):
+        assert result[key] > 0, key
+    assert result["backend"] == "mooncake" and result["scatter"] is True

@@ -48,15 +48,16 @@ class FakeModel:
         self.num_forwards += 1
         self.num_tokens_seen.append(batch.num_tokens)
         ps = kv_cache.shape[3]
-        flat_k = kv_cache[0, 0].view(-1, kv_cache.shape[4], kv_cache.shape[5])  # [num_slots, heads, dim]
-        flat_k[batch.slot_mapping] = (batch.input_ids + 1).to(kv_cache.dtype)[:, None, None]
+        k0 = kv_cache[0, 0]  # [num_pages, page_size, heads, dim], strided (page-major pool)
+        slots = batch.slot_mapping
+        k0[slots // ps, slots % ps] = (batch.input_ids + 1).to(kv_cache.dtype)[:, None, None]
         rows = []
         ends = torch.cumsum(torch.tensor(batch.query_lens), 0) - 1
         for i, (seq_len, pages) in enumerate(zip(batch.seq_lens, batch.page_tables)):
             if int(ends[i]) not in batch.logits_indices.tolist():
                 continue
-            slots = [pages[t // ps] * ps + t % ps for t in range(seq_len)]
-            total = int((flat_k[slots, 0, 0] - 1).sum().item())
+            seq_pages = [pages[t // ps] for t in range(seq_len)]
+            total = int((k0[seq_pages, [t % ps for t in range(seq_len)], 0, 0] - 1).sum().item())
             row = torch.zeros(VOCAB)
             row[total % VOCAB] = 10.0
             rows.append(row)

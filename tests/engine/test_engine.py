@@ -307,8 +307,8 @@ def test_prebuilt_first_token_already_sent_is_not_repeated():
     want = expected_tokens(prompt, 4)
     e = make_engine(mode="decode")
     e.reserve_request("r", prompt, greedy(4))
-    e.kv_cache[0, 0].view(-1, 1, 2)[e.scheduler.reserved["r"].page_table[0] * PS + 0] = 2  # token 1 -> K = 2
-    e.kv_cache[0, 0].view(-1, 1, 2)[e.scheduler.reserved["r"].page_table[0] * PS + 1] = 3  # token 2 -> K = 3
+    e.kv_cache[0, 0, e.scheduler.reserved["r"].page_table[0], 0] = 2  # token 1 -> K = 2
+    e.kv_cache[0, 0, e.scheduler.reserved["r"].page_table[0], 1] = 3  # token 2 -> K = 3
     e.add_prebuilt_request("r", want[0], -0.1, first_token_sent=True)
     outs = run_all(e)["r"]
     assert tokens(outs) == want[1:] and outs[-1].num_output_tokens == 4

@@ -73,6 +73,21 @@ def test_kv_pool_block_offset_matches_tensor_addresses():
         pool.block_offset(0, 2, 0)
 
 
+def test_kv_pool_is_page_major_one_page_is_one_contiguous_region():
+    """Every (layer, kv) block of page p lies inside [p * page_bytes, (p + 1) * page_bytes): a page moves as one
+    descriptor however scattered the pages are."""
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=4, page_size=16)
+    pool = KVPool(shape, num_pages=5, dtype=torch.float32, device="cpu")
+    assert pool.page_bytes == 2 * 3 * pool.block_bytes
+    for page in range(5):
+        start = pool.page_offset(page)
+        offsets = sorted(pool.block_offset(layer, kv, page) for layer in range(3) for kv in (0, 1))
+        assert offsets == [start + i * pool.block_bytes for i in range(6)]
+    pool.kv_cache[:, :, 3] = 1.0          # writing page 3 through the model's view...
+    touched = torch.nonzero(pool.storage.reshape(5, -1).sum(dim=1)).flatten().tolist()
+    assert touched == [3]                 # ...touches page 3's region only
+
+
 def test_pages_for_bytes_rounds_down():
     shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4)
     page_bytes = shape.page_bytes(torch.float32)

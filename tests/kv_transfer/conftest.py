@@ -1,11 +1,11 @@
 """Fixtures of the KV transfer tests: a bootstrap service on port 0, and prefill/decode sides on each backend
-(in-process: both in this process; nixl: each a real OS process on loopback)."""
+(in-process: both in this process; nixl and mooncake: each a real OS process on loopback)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,8 +13,12 @@ import pytest
 from kv_harness import LocalSide, RemoteSide
 
 from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
+from kv_transfer import unavailable_reason
 
 _ids = itertools.count()
+# a stopped peer must fail a Mooncake write within seconds here (the product's default is 10 s); the spawned
+# side processes inherit it
+os.environ.setdefault("MC_TRANSFER_TIMEOUT", "3")
 
 
 @pytest.fixture(scope="session")
@@ -29,12 +33,14 @@ def bootstrap_url() -> Iterator[str]:
 SideFactory = Callable[..., Any]
 
 
-@pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl)])
+@pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl),
+                                        pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def make_side(request: pytest.FixtureRequest, bootstrap_url: str) -> Iterator[SideFactory]:
     """``make_side(role, instance_id=None, **kv_overrides)``: a started side on this module's backend."""
-    backend = request.param
-    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
-        pytest.skip("nixl is not installed")
+    backend = request.param   # every contract test runs on each backend
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        pytest.skip(reason)
     sides: list[Any] = []
 
     def make(role: str, instance_id: str | None = None, **overrides: Any) -> Any:

@@ -65,8 +65,8 @@ class SideWorker:
     def __init__(self, role: str, instance_id: str, bootstrap_url: str, backend: str,
                  **kv_overrides: Any) -> None:
         layout = kv_overrides.pop("layout", smollm2_layout())
-        # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], float32, host; touched (sentinel)
-        self.pool = np.full((layout.num_layers, 2, layout.num_pages, layout.page_size, layout.num_kv_heads,
+        # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim] (page-major), float32, host; touched
+        self.pool = np.full((layout.num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads,
                              layout.head_dim), SENTINEL, dtype=np.float32)
         self.pages = PageAllocator(layout.num_pages)
         params: dict[str, Any] = {"bootstrap_timeout_s": 2.0, "waiting_timeout_s": 2.0,
@@ -98,7 +98,7 @@ class SideWorker:
         sender = self.manager.create_sender(room)
         pages = self.pages.alloc(-(-num_tokens // PAGE_SIZE), scatter)
         for index, page in enumerate(pages):
-            self.pool[:, :, page] = page_pattern(room, index)
+            self.pool[page] = page_pattern(room, index)
         self.rooms[room] = (sender, pages)
         self.sent_pages[room] = 0
         if sender.poll() != KVPoll.Failed:
@@ -128,7 +128,7 @@ class SideWorker:
     def check_bytes(self, room: int) -> bool:
         """Every destination page holds exactly the prefill pattern."""
         _, pages = self.rooms[room]
-        return all(np.array_equal(self.pool[:, :, page], page_pattern(room, i))
+        return all(np.array_equal(self.pool[page], page_pattern(room, i))
                    for i, page in enumerate(pages))
 
     def aux(self, room: int) -> tuple[int, float, int] | None:
@@ -148,7 +148,7 @@ class SideWorker:
         count."""
         for room, (handle, pages) in list(self.rooms.items()):
             if handle.poll().is_terminal and handle.pages_releasable():
-                self.pool[:, :, pages] = SENTINEL
+                self.pool[pages] = SENTINEL
                 self.pages.free(pages)
                 del self.rooms[room]
         return self.pages.num_free
@@ -156,8 +156,8 @@ class SideWorker:
     def untouched(self) -> bool:
         """Pages owned by no room still hold the sentinel (no stray write landed)."""
         owned = {p for _, pages in self.rooms.values() for p in pages}
-        free = [p for p in range(self.pool.shape[2]) if p not in owned]
-        return bool((self.pool[:, :, free] == SENTINEL).all())
+        free = [p for p in range(self.pool.shape[0]) if p not in owned]
+        return bool((self.pool[free] == SENTINEL).all())
 
     def metrics(self) -> dict[str, int]:
         return self.manager.metrics()

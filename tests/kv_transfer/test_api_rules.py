@@ -3,7 +3,6 @@ the one room with a typed error, configuration is validated."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import time
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from kv_harness import smollm2_layout
 
-from kv_transfer import AuxData, KVArgs, KVManager, KVPoll, TransferError, make_kv_manager
+from kv_transfer import AuxData, KVArgs, KVManager, KVPoll, TransferError, make_kv_manager, unavailable_reason
 
 
 def args_for(pool: np.ndarray, url: str, role: str = "prefill", **changes: object) -> KVArgs:
@@ -38,10 +37,12 @@ def prefill(pool: np.ndarray, bootstrap_url: str) -> Iterator[KVManager]:
     manager.shutdown()
 
 
-@pytest.mark.parametrize("backend", ["inprocess", pytest.param("nixl", marks=pytest.mark.nixl)])
+@pytest.mark.parametrize("backend", ["inprocess", pytest.param("nixl", marks=pytest.mark.nixl),
+                                     pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def test_constructing_a_manager_starts_no_thread(pool: np.ndarray, bootstrap_url: str, backend: str) -> None:
-    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
-        pytest.skip("nixl is not installed")
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        pytest.skip(reason)
     before = threading.active_count(), len(os.listdir("/proc/self/task"))  # Python and native threads
     manager = make_kv_manager(args_for(pool, bootstrap_url), backend)
     assert (threading.active_count(), len(os.listdir("/proc/self/task"))) == before
@@ -135,3 +136,28 @@ def _wait_for(predicate: object, timeout_s: float = 10.0) -> None:
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+def test_a_backend_is_one_registration_and_names_are_unique(pool: np.ndarray, bootstrap_url: str) -> None:
+    """The plugin point: a factory registered under a new name is selectable by that name (what ``kv_backend``
+    in config.pbtxt passes), with nothing else edited; a taken name is refused; an unknown one is an error."""
+    from kv_transfer import BaseKVManager, register_backend
+    from kv_transfer.backends import backend_names
+    from kv_transfer.inprocess import InProcessTransport
+
+    made: list[str] = []
+
+    def factory(args: KVArgs) -> InProcessTransport:
+        made.append(args.instance_id)
+        return InProcessTransport(args.instance_id)
+
+    if "test-plugin" not in backend_names():
+        register_backend("test-plugin", factory)
+    assert "test-plugin" in backend_names() and unavailable_reason("test-plugin") is None
+    manager = make_kv_manager(args_for(pool, bootstrap_url, instance_id="plugin-p"), "test-plugin")
+    assert isinstance(manager, BaseKVManager) and made[-1:] == ["plugin-p"]
+    with pytest.raises(ValueError, match="registered already"):
+        register_backend("test-plugin", factory)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        make_kv_manager(args_for(pool, bootstrap_url), "no-such-backend")
+    assert {"nixl", "mooncake", "inprocess"} <= set(backend_names())

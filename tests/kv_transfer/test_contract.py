@@ -1,4 +1,4 @@
-"""Contract tests of the KV transfer API, run on both backends (in-process; NIXL across two OS processes).
+"""Contract tests of the KV transfer API, run on every backend (in-process; NIXL and Mooncake across two OS processes).
 
 Invariants checked after every case: the decode side holds exactly the prefill bytes (every byte of every
 page) and the aux data; pages not owned by a room were never written; free-page counts on both sides return to
@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+import signal
 from typing import Any
 
 import pytest
 from kv_harness import PAGE_SIZE, wait_for
 
+from bootstrap.client import BootstrapClient
 from kv_transfer import KVPoll
 
 TIMEOUT_S = 10.0
+STOPPED_BOUND_S = 20.0   # MC_TRANSFER_TIMEOUT (3 s in conftest; a write took ~5 s) plus slack for a loaded host
 _rooms = itertools.count(1000)
 
 
@@ -178,7 +182,9 @@ def test_incompatible_layout_fails_before_any_byte_moves(pair: tuple[Any, Any], 
     room = next(_rooms)
     odd.call("open_receiver", room, prefill.instance_id, 20)
     wait_for(lambda: odd.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "compatibility failure")
-    assert "head_dim" in odd.call("failure", room)
+    failure = odd.call("failure", room)
+    assert "head_dim" in failure and "here: " in failure and "peer: " in failure   # both layouts named
+    assert "head_dim=32" in failure and "head_dim=64" in failure
     assert_pages_back(odd, prefill)
 
 
@@ -195,6 +201,42 @@ def test_receiver_killed_mid_transfer(pair: tuple[Any, Any], make_side: Any) -> 
     assert_pages_back(prefill)
     restarted = make_side("decode", instance_id=decode.instance_id)   # same instance id, new agent
     transfer(prefill, restarted, 50, 20)
+
+
+def test_stopped_receiver_is_detected_not_waited_on(pair: tuple[Any, Any], make_side: Any,
+                                                   bootstrap_url: str) -> None:
+    """A decode process stopped (SIGSTOP) mid-transfer: the prefill room ends within a bound instead of
+    waiting forever (Mooncake: the WRITE fails after ``MC_TRANSFER_TIMEOUT``, 3 s here; NIXL: UCX copies into
+    the stopped process's memory and the room may succeed), and prefill's pages come back while decode is still
+    stopped. Decode stays stopped until its registration expired (prefill forgets it) and its WRITE ended; once
+    it continues it registers again with the same agent, and its room still ends with every page back (prefill
+    handshakes again to answer its cancel), and both sides serve again."""
+    if make_side.backend == "inprocess":
+        pytest.skip("needs a peer in its own OS process")
+    prefill, _ = pair
+    decode = make_side("decode")
+    room = open_room(prefill, decode, 64)
+    prefill.call("send", room, 2, False)
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Transferring, TIMEOUT_S, "first chunk at decode")
+    os.kill(decode.process.pid, signal.SIGSTOP)
+    try:
+        prefill.call("send", room, 2, True)
+        wait_for(lambda: prefill.call("poll", room) in (KVPoll.Success, KVPoll.Failed), STOPPED_BOUND_S,
+                 "prefill room ends although decode is stopped")
+        if make_side.backend == "mooncake":
+            assert prefill.call("poll", room) == KVPoll.Failed
+        client = BootstrapClient(bootstrap_url, 1.0)
+        wait_for(lambda: client.get_instance(decode.instance_id) is None, TIMEOUT_S,
+                 "the stopped decode's registration expires")
+        client.close()
+        wait_for(functools.partial(_pages_back, prefill), STOPPED_BOUND_S,
+                 "prefill pages back while decode is still stopped (no WRITE reads them any more)")
+    finally:
+        os.kill(decode.process.pid, signal.SIGCONT)
+    wait_for(lambda: decode.call("poll", room) in (KVPoll.Success, KVPoll.Failed), TIMEOUT_S,
+             "decode room ends once the process continues")
+    assert_pages_back(prefill, decode)
+    transfer(prefill, decode, 50, 20)
 
 
 def test_prefill_restarted_on_the_same_address(pair: tuple[Any, Any], make_side: Any) -> None:

@@ -7,32 +7,36 @@ import ctypes
 import numpy as np
 import pytest
 
-from kv_transfer.blocks import BlockTable
+from kv_transfer.blocks import BlockTable, merge_runs
 from kv_transfer.errors import CompatibilityError
-from kv_transfer.layout import KVLayout, check_compatible, compat_hash
+from kv_transfer.layout import KVLayout, check_compatible, compat_hash, describe
 
 LAYOUT = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8)
 
 
 def test_block_offset_matches_the_tensor_layout() -> None:
-    pool = np.arange(LAYOUT.pool_bytes // 4, dtype=np.float32).reshape(3, 2, 5, 4, 2, 8)
+    """Page-major: [num_pages, num_layers, 2, page_size, kv_heads, head_dim]; a page is one contiguous range."""
+    pool = np.arange(LAYOUT.pool_bytes // 4, dtype=np.float32).reshape(5, 3, 2, 4, 2, 8)
+    flat = pool.reshape(-1).view(np.uint8)
     for layer, kv, page in [(0, 0, 0), (1, 1, 3), (2, 0, 4), (2, 1, 4)]:
         offset = LAYOUT.block_offset_bytes(layer, kv, page)
-        assert pool.reshape(-1).view(np.uint8)[offset:offset + LAYOUT.block_bytes].tobytes() \
-            == pool[layer, kv, page].tobytes()
+        assert flat[offset:offset + LAYOUT.block_bytes].tobytes() == pool[page, layer, kv].tobytes()
+    for page in range(5):
+        offset = LAYOUT.page_offset_bytes(page)
+        assert flat[offset:offset + LAYOUT.page_bytes].tobytes() == pool[page].tobytes()
 
 
 def test_sizes_and_slot_index() -> None:
     assert LAYOUT.block_bytes == 4 * 2 * 8 * 4
-    assert LAYOUT.pool_bytes == 3 * 2 * 5 * LAYOUT.block_bytes
+    assert LAYOUT.pool_bytes == 3 * 2 * 5 * LAYOUT.block_bytes == 5 * LAYOUT.page_bytes
     assert LAYOUT.slot_index([3, 1], 5) == 1 * 4 + 1
     assert [LAYOUT.num_pages_for(n) for n in (1, 4, 5)] == [1, 1, 2]
 
 
 def test_block_table_indices_address_exactly_the_mapped_pages_between_differently_sized_pools() -> None:
     dst_layout = KVLayout(num_layers=3, num_pages=7, page_size=4, num_kv_heads=2, head_dim=8)
-    src = np.random.default_rng(0).random((3, 2, 5, 4, 2, 8), dtype=np.float32)
-    dst = np.zeros((3, 2, 7, 4, 2, 8), dtype=np.float32)
+    src = np.random.default_rng(0).random((5, 3, 2, 4, 2, 8), dtype=np.float32)
+    dst = np.zeros((7, 3, 2, 4, 2, 8), dtype=np.float32)
     aux_src, aux_dst = np.arange(64, dtype=np.uint8), np.zeros(2 * 32, dtype=np.uint8)
     src_table = BlockTable(src.ctypes.data, LAYOUT, aux_src.ctypes.data, 2)
     dst_table = BlockTable(dst.ctypes.data, dst_layout, aux_dst.ctypes.data, 2)
@@ -41,10 +45,10 @@ def test_block_table_indices_address_exactly_the_mapped_pages_between_differentl
     for (s, n), (d, m) in zip(src_table.spans(local).tolist(), dst_table.spans(remote).tolist()):
         assert n == m
         ctypes.memmove(d, s, n)
-    assert np.array_equal(dst[:, :, 6], src[:, :, 0]) and np.array_equal(dst[:, :, 2:4], src[:, :, [3, 4]])
-    assert not dst[:, :, [0, 1, 4, 5]].any()
+    assert np.array_equal(dst[6], src[0]) and np.array_equal(dst[2:4], src[[3, 4]])
+    assert not dst[[0, 1, 4, 5]].any()
     assert np.array_equal(aux_dst[:32], aux_src[32:]) and not aux_dst[32:].any()
-    assert len(src_table.descriptors(0, src_table.num_descriptors)) == 3 * 2 * 5 + 2
+    assert len(src_table.descriptors(0, src_table.num_descriptors)) == 5 + 2   # one per page, one per slot
     with pytest.raises(ValueError):
         src_table.kv_indices([5])
 
@@ -54,13 +58,34 @@ def test_compatibility_names_the_first_differing_field() -> None:
     for field, other in [("head_dim", KVLayout(3, 5, 4, 2, 16)), ("page_size", KVLayout(3, 5, 8, 2, 8)),
                          ("num_layers", KVLayout(4, 5, 4, 2, 8)), ("num_kv_heads", KVLayout(3, 5, 4, 1, 8)),
                          ("dtype", KVLayout(3, 5, 4, 2, 8, "float16")),
-                         ("version", KVLayout(3, 5, 4, 2, 8, version=2))]:
+                         ("version", KVLayout(3, 5, 4, 2, 8, version=1))]:
         with pytest.raises(CompatibilityError) as info:
             check_compatible("m", LAYOUT, "m", other)
         assert info.value.field == field and field in str(info.value)
+        assert describe("m", LAYOUT) in str(info.value) and describe("m", other) in str(info.value)
         assert compat_hash("m", LAYOUT) != compat_hash("m", other)
     with pytest.raises(CompatibilityError, match="model_id"):
         check_compatible("m", LAYOUT, "other", LAYOUT)
+
+
+def test_a_peer_registering_another_hash_is_incompatible_and_named() -> None:
+    with pytest.raises(CompatibilityError) as info:
+        check_compatible("m", LAYOUT, "m", LAYOUT, their_hash="0123456789abcdef")
+    assert info.value.field == "compat_hash" and "0123456789abcdef" in str(info.value)
+    assert compat_hash("m", LAYOUT) in str(info.value)
+    check_compatible("m", LAYOUT, "m", LAYOUT, their_hash=compat_hash("m", LAYOUT))
+
+
+def test_merge_runs_joins_pages_contiguous_on_both_sides_only() -> None:
+    table = BlockTable(1 << 20, LAYOUT, 1 << 30, 4)
+    src, dst = table.spans(table.kv_indices([0, 1, 2, 4])), table.spans(table.kv_indices([3, 4, 0, 1]))
+    runs = merge_runs(src, dst)   # 0->3, 1->4 merge; 2->0 and 4->1 do not (4 does not follow 2 at the source)
+    page = LAYOUT.page_bytes
+    assert runs.nbytes.tolist() == [2 * page, page, page]
+    assert runs.src_addrs.tolist() == [1 << 20, (1 << 20) + 2 * page, (1 << 20) + 4 * page]
+    assert runs.dst_addrs.tolist() == [(1 << 20) + 3 * page, 1 << 20, (1 << 20) + page]
+    with pytest.raises(ValueError):
+        merge_runs(src, table.spans(np.array([table.aux_index(0)] * 4)))
 
 
 def test_layout_validates_its_fields() -> None:

@@ -57,7 +57,8 @@ def test_aux_buffer_hands_out_zeroed_slots_and_reads_back_records() -> None:
 
 def test_inprocess_transport_copies_blocks_then_notifies() -> None:
     fabric = Fabric()
-    layout = KVLayout(num_layers=1, num_pages=4, page_size=1, num_kv_heads=1, head_dim=2)  # 8-byte blocks
+    # 8-byte blocks, 16-byte pages (page-major: page p is bytes [16 p, 16 p + 16), K then V)
+    layout = KVLayout(num_layers=1, num_pages=4, page_size=1, num_kv_heads=1, head_dim=2)
     src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
     aux_src, aux_dst = np.ones(32, dtype=np.uint8), np.zeros(32, dtype=np.uint8)
     src_table = BlockTable(src.ctypes.data, layout, aux_src.ctypes.data, 1)
@@ -68,8 +69,8 @@ def test_inprocess_transport_copies_blocks_then_notifies() -> None:
     peer = left.add_peer(right.metadata(), dst_table)
     local, remote = src_table.kv_indices([1]), dst_table.kv_indices([2])
     assert left.check(left.post_write(peer, local, remote, b"hi")) == XferState.DONE
-    assert np.array_equal(dst[16:24], src[8:16]) and np.array_equal(dst[48:56], src[40:48])
-    assert dst.sum() == src[8:16].sum() + src[40:48].sum()
+    assert np.array_equal(dst[32:48], src[16:32])
+    assert dst.sum() == src[16:32].sum()
     assert right.get_notifs() == [(left.agent_name, b"hi")]
     with pytest.raises(TransportError):
         left.post_write(peer, local, np.array([dst_table.aux_index(0)] * 2), b"size mismatch")

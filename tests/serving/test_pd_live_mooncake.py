@@ -1,0 +1,82 @@
+"""``pd_ensemble`` (1P1D) in a real tritonserver with ``kv_backend: mooncake`` in the prefill and decode
+``config.pbtxt`` (Mooncake's TCP transport on loopback).
+
+Invariants: two concurrent greedy requests stream exactly the colocated engine's text; both workers registered
+Mooncake endpoints at the bootstrap (the KV went over Mooncake, not NIXL) and the prefill side counted the
+bytes; afterwards both pools are back at their size. Kept to two requests: the CI suite runs on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from live_client import metric_value
+from live_prompts import colocated_greedy_texts
+from test_pd_live import GREEDY, PROMPTS, generate
+
+from bootstrap.client import BootstrapClient
+from kv_transfer import unavailable_reason
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.mooncake, pytest.mark.timeout(600),
+              pytest.mark.skipif(unavailable_reason("mooncake") is not None,
+                                 reason=str(unavailable_reason("mooncake")))]
+TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+MOONCAKE_PROMPTS = [PROMPTS[0], PROMPTS[-2]]
+
+
+def make_model_repository(tmp_dir: Path) -> Path:
+    """model_repository's PD models with ``kv_backend`` switched to mooncake (configuration only)."""
+    for name in TRITON_MODELS:
+        shutil.copytree(REPOSITORY / name, tmp_dir / name)
+    for role in ("prefill", "decode"):
+        path = tmp_dir / role / "config.pbtxt"
+        old = '{ key: "kv_backend", value: { string_value: "nixl" } }'
+        assert old in path.read_text(), path
+        path.write_text(path.read_text().replace(old, old.replace("nixl", "mooncake")))
+    return tmp_dir
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    return colocated_greedy_texts(MOONCAKE_PROMPTS, GREEDY)
+
+
+def test_mooncake_pd_streams_the_colocated_text(triton_server, reference) -> None:
+    with ThreadPoolExecutor(len(MOONCAKE_PROMPTS)) as pool:
+        results = list(pool.map(lambda p: generate(triton_server.grpc_url, p), MOONCAKE_PROMPTS))
+    for prompt, res in zip(MOONCAKE_PROMPTS, results):
+        assert res.error is None and res.final_seen, res.error
+        assert res.text == reference[prompt], prompt[:40]
+    url = triton_server.metrics_url
+    assert metric_value(url, "pd_kv_transfer_bytes_total", model="prefill") > 0
+    assert metric_value(url, "pd_kv_transfers_total", model="decode") >= len(MOONCAKE_PROMPTS)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _pools_full(url):
+        time.sleep(0.05)
+    assert _pools_full(url)
+
+
+def test_both_workers_registered_mooncake_endpoints(triton_server) -> None:
+    client = BootstrapClient(triton_server.bootstrap_url, 5.0)
+    try:
+        workers = [i.instance_id for i in client.list_instances() if i.role in ("prefill", "decode")]
+        assert len(workers) == 2, workers
+        for instance_id in workers:
+            registration = client.get_instance(instance_id)
+            assert registration is not None, instance_id
+            metadata = json.loads(registration.agent_metadata)   # Mooncake's: {"agent", "endpoint"}
+            assert metadata["agent"] == registration.agent_name
+            assert metadata["endpoint"].startswith("127.0.0.1:")
+    finally:
+        client.close()
+
+
+def _pools_full(url: str) -> bool:
+    return all(metric_value(url, "pd_kv_free_pages", model=m) == metric_value(url, "pd_kv_total_pages", model=m)
+               for m in ("prefill", "decode"))
