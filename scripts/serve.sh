@@ -90,6 +90,11 @@ server_args+=(
   --metrics-address="$HOST" --metrics-port="$METRICS_PORT"
   --allow-gpu-metrics=false --pinned-memory-pool-byte-size=0
   --exit-timeout-secs="${EXIT_TIMEOUT_S:-20}"
+  # accept the routers' keepalive pings (every 10 s, with or without streams: serving/router/launch.py): with
+  # tritonserver's defaults (no pings without calls, 300 s minimum) it answers them with GOAWAY too_many_pings,
+  # which breaks every stream open on that channel
+  --grpc-keepalive-permit-without-calls=1 --grpc-http2-min-recv-ping-interval-without-data=5000
+  --grpc-http2-max-ping-strikes=0
 )
 if [[ -n "${MODELS:-}" ]]; then
   server_args+=(--model-control-mode=explicit)
