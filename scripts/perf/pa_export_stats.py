@@ -2,7 +2,8 @@
 for decoupled models, but the export holds every response's timestamp, in ns).
 
 A request *ended* when its last response carries a ``finish_reason`` (``"length"`` or ``"stop"``): the models
-put it on the last token's response. Usage::
+put it on the last token's response, when asked (``return_finish_reason``; without it, a last response with
+text counts as the end). Usage::
 
     .venv/bin/python scripts/perf/pa_export_stats.py artifacts/perf_analyzer/colocated/profile_export.json
 """
@@ -23,8 +24,16 @@ _NS = 1e-9
 
 
 def _ended(request: dict[str, Any]) -> bool:
+    """A request ended when its last response carries ``finish_reason`` ``length`` or ``stop``. A client that did
+    not ask for ``finish_reason`` (genai-perf sends no ``return_finish_reason``) gets none: perf_analyzer's export
+    then still lists the output, empty, on every response; a request ended when its last response carries text
+    (the server's last response carries the last tokens)."""
     outputs = request.get("response_outputs") or []
-    return bool(outputs) and str(outputs[-1].get("finish_reason", "")) in ("length", "stop")
+    if not outputs:
+        return False
+    if any(o.get("finish_reason") for o in outputs):
+        return str(outputs[-1].get("finish_reason", "")) in ("length", "stop")
+    return bool(outputs[-1].get("text_output"))
 
 
 def records_from_export(export: dict[str, Any]) -> list[RequestRecord]:
@@ -34,8 +43,9 @@ def records_from_export(export: dict[str, Any]) -> list[RequestRecord]:
         for i, req in enumerate(experiment["requests"]):
             outputs = req.get("response_outputs") or []
             times = [t * _NS for t, out in zip(req["response_timestamps"], outputs) if out.get("text_output")]
-            counts = [int(o["num_output_tokens"]) for o in outputs if "num_output_tokens" in o]   # per response
-            tokens = sum(counts) if counts else len(times)
+            # per response; perf_analyzer lists an output a response did not carry (not asked) as 0
+            counts = [int(o.get("num_output_tokens", 0)) for o in outputs]
+            tokens = sum(counts) if any(counts) else len(times)
             prompt = max((int(o.get("num_input_tokens", 0)) for o in outputs), default=0)
             ended = _ended(req)
             records.append(RequestRecord(
