@@ -358,6 +358,10 @@ class ServeScript:
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         self.bootstrap_url = f"http://127.0.0.1:{bootstrap}"
         self.log_path = log_path
+        names = models.split(",")
+        # a server with its own router and workers is ready once the router sees a prefill and a decode
+        self._router_with_workers = "pd_ensemble" in names and any(n.startswith("prefill") for n in names) \
+            and any(n.startswith("decode") for n in names)
         self._env = {**os.environ, "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
                      "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "BOOTSTRAP_PORT": str(bootstrap),
                      "OPENAI": "0",   # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
@@ -367,14 +371,32 @@ class ServeScript:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float) -> ServeScript:
-        """Starts serve.sh and waits for ``/v2/health/ready``. Raises RuntimeError (serve.sh exited) or
-        TimeoutError (not ready in ``timeout_s``), both with the log's tail."""
+        """Starts serve.sh and waits for ``/v2/health/ready`` and, when it serves pd_ensemble with prefill and
+        decode models, for the router's ``pd_router_ready`` gauge (Triton's readiness says the models loaded,
+        not that the router has seen the workers' first heartbeats: until then it answers "no healthy ...
+        instance"). Raises RuntimeError (serve.sh exited) or TimeoutError (not ready in ``timeout_s``), both
+        with the log's tail."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        start_s = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT, env=self._env,
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_ready(self.http_url, self._proc, timeout_s, self.log_tail)
+        if self._router_with_workers:
+            while not self._router_ready():
+                if time.monotonic() - start_s > timeout_s:
+                    raise TimeoutError(f"pd_router_ready not 1 within {timeout_s:.0f} s:\n{self.log_tail()}")
+                time.sleep(0.2)
         return self
+
+    def _router_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return False
+        return any(line.startswith("pd_router_ready{") and line.rstrip().endswith(" 1")
+                   for line in text.splitlines())
 
     def kill(self) -> None:
         """SIGKILL serve.sh, tritonserver and every stub at once (a server that dies); removes their shm
