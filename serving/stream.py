@@ -15,6 +15,7 @@ implementations never touch their transport after FINAL.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,6 +83,30 @@ class ResponseChunk:
         return self.samples[0].num_output_tokens
 
 
+class ResponseDelta:
+    """What one sample's next response reports beside its text: the tokens generated since the previous
+    response, and their logprobs. Used by ``GenerationStream`` (engine outputs) and the router's responder
+    (child chunks); one thread each."""
+
+    def __init__(self, logprobs_asked: bool) -> None:
+        self._logprobs_asked = logprobs_asked
+        self._num_sent_tokens = 0
+        self._pending: list[TokenLogprob] = []
+
+    def add(self, logprobs: Iterable[TokenLogprob]) -> None:
+        """Logprobs of tokens that arrived and are not sent yet."""
+        self._pending.extend(logprobs)
+
+    def take(self, num_output_tokens: int) -> tuple[int, tuple[TokenLogprob, ...] | None]:
+        """For a response sent now, with ``num_output_tokens`` generated so far: ``(new tokens, their logprobs
+        or None when the request asked for none)``; what it returns counts as sent."""
+        num_new = max(0, num_output_tokens - self._num_sent_tokens)
+        self._num_sent_tokens = max(self._num_sent_tokens, num_output_tokens)
+        logprobs = tuple(self._pending) if self._logprobs_asked else None
+        self._pending.clear()
+        return num_new, logprobs
+
+
 class ResponseSink(Protocol):
     """Where one request's responses go (``triton_io.TritonResponseSink`` in the server).
 
@@ -121,8 +146,7 @@ class GenerationStream:
         self.error: str | None = None
         self.cumulative_logprob = 0.0
         self._text_parts: list[str] = []
-        self._num_sent_tokens = 0
-        self._pending_logprobs: list[TokenLogprob] = []
+        self._delta = ResponseDelta(request.params.logprobs is not None)
 
     def on_event(self, event: LoopEvent) -> bool:
         """Forward one loop event to the sink; returns True when it was the terminal one (FINAL went out)."""
@@ -139,7 +163,7 @@ class GenerationStream:
         self.num_input_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
         self.cumulative_logprob = output.cumulative_logprob
-        self._pending_logprobs.extend(output.new_token_logprobs)
+        self._delta.add(output.new_token_logprobs)
         if output.finished:
             self.done = True
             self.finish_reason = output.finish_reason
@@ -164,9 +188,6 @@ class GenerationStream:
 
     def _chunk(self, text: str) -> ResponseChunk:
         """The response now: ``text`` and the tokens (and their logprobs) since the previous response."""
-        num_new = self.num_output_tokens - self._num_sent_tokens
-        self._num_sent_tokens = self.num_output_tokens
-        logprobs = tuple(self._pending_logprobs) if self.request.params.logprobs is not None else None
-        self._pending_logprobs.clear()
+        num_new, logprobs = self._delta.take(self.num_output_tokens)
         return ResponseChunk.single(text, self.finish_reason if self.done else None, self.num_input_tokens,
                                     self.num_output_tokens, num_new, self.cumulative_logprob, logprobs)

@@ -12,6 +12,7 @@ the live tests' ``triton_server`` fixture and ``bench_triton_overhead.py`` use i
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -442,3 +443,27 @@ class ServeScript:
         for region in regions:
             Path("/dev/shm", region).unlink(missing_ok=True)
         return elapsed, killed
+
+
+@contextlib.contextmanager
+def supervised(server: ServeScript, ready_timeout_s: float, stop_timeout_s: float,
+               clean_stop_s: float) -> Iterator[ServeScript]:
+    """Start ``server``, yield it, stop it; then raise AssertionError when the stop was unclean (killed, or
+    slower than ``clean_stop_s``: a request left without FINAL keeps tritonserver waiting) or when the kernel log
+    (where readable) reports one of its stubs killed by a fault (a stub crashing on its way out leaves no other
+    trace). The live fixtures' teardown."""
+    stubs: list[int] = []
+    kernel_before = kernel_log()
+    try:
+        server.start(ready_timeout_s)
+        stubs = server.stub_pids()
+        yield server
+    finally:
+        elapsed, killed = server.stop(stop_timeout_s)
+    assert not killed and elapsed < clean_stop_s, \
+        f"unclean shutdown ({elapsed:.1f} s, killed={killed}):\n{server.log_tail()}"
+    kernel_after = kernel_log()
+    if kernel_before is not None and kernel_after is not None:
+        seen = set(kernel_before)
+        faults = fault_lines([line for line in kernel_after if line not in seen], stubs)
+        assert not faults, "a python-backend stub died by a fault:\n" + "\n".join(faults)

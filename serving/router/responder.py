@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.outputs import TokenLogprob
 from serving.request import GenerateRequest
-from serving.stream import ResponseChunk, ResponseSink
+from serving.stream import ResponseChunk, ResponseDelta, ResponseSink
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,7 @@ class EnsembleResponder:
         self._request = request
         self._sink = sink
         self._parts: list[str] = []
-        self._num_sent_tokens = 0
-        self._pending_logprobs: list[TokenLogprob] = []
+        self._delta = ResponseDelta(request.params.logprobs is not None)
 
     def emit(self, chunk: OutputChunk) -> None:
         if chunk.error is not None:
@@ -56,7 +55,7 @@ class EnsembleResponder:
         if chunk.final and chunk.finish_reason == "abort" and self._sink.is_cancelled():
             self._sink.close()
             return
-        self._pending_logprobs.extend(chunk.logprobs or ())
+        self._delta.add(chunk.logprobs or ())
         if self._request.stream:
             if chunk.text or chunk.final:
                 self._sink.send(self._response(chunk.text, chunk), final=chunk.final)
@@ -68,9 +67,6 @@ class EnsembleResponder:
 
     def _response(self, text: str, chunk: OutputChunk) -> ResponseChunk:
         """The response now: ``text`` and the tokens (and logprobs) since the previous response."""
-        num_new = max(0, chunk.num_output_tokens - self._num_sent_tokens)
-        self._num_sent_tokens = max(self._num_sent_tokens, chunk.num_output_tokens)
-        logprobs = tuple(self._pending_logprobs) if self._request.params.logprobs is not None else None
-        self._pending_logprobs.clear()
+        num_new, logprobs = self._delta.take(chunk.num_output_tokens)
         return ResponseChunk.single(text, chunk.finish_reason if chunk.final else None, chunk.num_input_tokens,
                                     chunk.num_output_tokens, num_new, chunk.cumulative_logprob, logprobs)

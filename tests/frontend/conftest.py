@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
-from perf.server import ServeScript, fault_lines, free_ports, kernel_log
+from perf.server import ServeScript, free_ports, supervised
 
 READY_TIMEOUT_S = 180.0
 FRONT_READY_TIMEOUT_S = 60.0
@@ -58,19 +58,6 @@ def openai_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     *ports, openai_port = free_ports(5)
     server = ServeScript("pd_ensemble,prefill,decode", tmp_path_factory.mktemp("triton") / "server.log",
                          env={"OPENAI": "1", "OPENAI_PORT": str(openai_port)}, ports=ports)
-    stubs: list[int] = []
-    kernel_before = kernel_log()
-    try:
-        server.start(READY_TIMEOUT_S)
-        stubs = server.stub_pids()
+    with supervised(server, READY_TIMEOUT_S, STOP_TIMEOUT_S, CLEAN_STOP_S):
         _wait_healthy(f"http://127.0.0.1:{openai_port}/health", server, FRONT_READY_TIMEOUT_S)
         yield Stack(server, f"http://127.0.0.1:{openai_port}/v1")
-    finally:
-        elapsed, killed = server.stop(STOP_TIMEOUT_S)
-    assert not killed and elapsed < CLEAN_STOP_S, \
-        f"unclean shutdown ({elapsed:.1f} s, killed={killed}):\n{server.log_tail()}"
-    kernel_after = kernel_log()
-    if kernel_before is not None and kernel_after is not None:
-        seen = set(kernel_before)
-        faults = fault_lines([line for line in kernel_after if line not in seen], stubs)
-        assert not faults, "a python-backend stub died by a fault:\n" + "\n".join(faults)

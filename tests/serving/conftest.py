@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
-from perf.server import ServeScript, fault_lines, kernel_log  # noqa: E402 - needs scripts/ on sys.path
+from perf.server import ServeScript, supervised  # noqa: E402 - needs scripts/ on sys.path
 
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 40.0
@@ -42,18 +42,5 @@ def triton_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     # a module that serves its own repository (e.g. xPyD) builds it here
     repository = make_repository(tmp_path_factory.mktemp("model_repository")) if make_repository else None
     server = ServeScript(models, tmp_path_factory.mktemp("triton") / "server.log", repository)
-    stubs: list[int] = []
-    kernel_before = kernel_log()
-    try:
-        server.start(READY_TIMEOUT_S)
-        stubs = server.stub_pids()
+    with supervised(server, READY_TIMEOUT_S, STOP_TIMEOUT_S, CLEAN_STOP_S):
         yield server
-    finally:
-        elapsed, killed = server.stop(STOP_TIMEOUT_S)
-    assert not killed and elapsed < CLEAN_STOP_S, \
-        f"unclean shutdown ({elapsed:.1f} s, killed={killed}):\n{server.log_tail()}"
-    kernel_after = kernel_log()
-    if kernel_before is not None and kernel_after is not None:
-        seen = set(kernel_before)
-        faults = fault_lines([line for line in kernel_after if line not in seen], stubs)
-        assert not faults, "a python-backend stub died by a fault:\n" + "\n".join(faults)
