@@ -19,7 +19,13 @@ GENAI_PERF="${GENAI_PERF:-$ROOT/tools/bin/genai-perf}"
 [[ -x "$GENAI_PERF" ]] || { echo "no $GENAI_PERF: run scripts/install_perf_tools.sh" >&2; exit 3; }
 [[ -f "$TOKENIZER/tokenizer.json" ]] || { echo "no tokenizer at $TOKENIZER: run scripts/install_perf_tools.sh" >&2; exit 3; }
 mkdir -p "$OUT_DIR"
+# Ask for every optional output the models declare: perf_analyzer's profile export lists each declared output
+# on every response and, for one the response does not carry, writes whatever its buffer held (floats like
+# -3.99e+34 seen; a NaN there left profile_export.json empty in one CI run, and genai-perf failed on it).
+RETURN_ALL=()
+for name in return_finish_reason return_cumulative_logprob return_logprobs return_num_input_tokens \
+            return_num_output_tokens; do RETURN_ALL+=(--extra-inputs "$name:true"); done
 "$GENAI_PERF" profile -m "$MODEL" --backend vllm --streaming -u "127.0.0.1:$GRPC_PORT" \
   --tokenizer "$TOKENIZER" --synthetic-input-tokens-mean "${ISL:-256}" --synthetic-input-tokens-stddev 0 \
   --output-tokens-mean "${OSL:-64}" --random-seed 0 \
-  --artifact-dir "$OUT_DIR" --warmup-request-count 0 "${EXTRA[@]}"
+  --artifact-dir "$OUT_DIR" --warmup-request-count 0 "${RETURN_ALL[@]}" "${EXTRA[@]}"

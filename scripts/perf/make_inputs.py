@@ -1,6 +1,7 @@
 """Write perf_analyzer ``--input-data`` files in the vLLM-backend interface (what ``colocated`` and
 ``pd_ensemble`` take): ``text_input``, ``stream``, ``sampling_parameters`` (JSON), ``exclude_input_in_output``,
-and the ``return_*`` flags of the outputs ``pa_export_stats.py`` reads (finish reason, token counts).
+and every ``return_*`` flag (``pa_export_stats.py`` reads finish reason and token counts; the rest keeps
+perf_analyzer's export free of uninitialized values).
 
 Prompts come from ``perf.workload.make_prompt`` (seeded words, about one token each), so the files are
 reproducible; they are committed under ``scripts/perf/inputs/``. Usage::
@@ -33,7 +34,10 @@ def input_data(num_prompts: int, prompt_tokens: int, max_tokens: int, seed: int)
     params = json.dumps({"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
     return {"data": [{"text_input": [make_prompt(prompt_tokens, seed + i)], "stream": [True],
                       "sampling_parameters": [params], "exclude_input_in_output": [True],
-                      "return_finish_reason": [True], "return_num_input_tokens": [True],
+                      # every optional output (genai_perf.sh says why: perf_analyzer's export of an output
+                      # a response lacks is uninitialized memory)
+                      "return_finish_reason": [True], "return_cumulative_logprob": [True],
+                      "return_logprobs": [True], "return_num_input_tokens": [True],
                       "return_num_output_tokens": [True]}
                      for i in range(num_prompts)]}
 
