@@ -11,7 +11,7 @@ from typing import Any
 
 from serving.config import ConfigError, parse_parameters, read_bootstrap_url, read_grpc_url, validate_endpoint
 
-POLICIES: tuple[str, ...] = ("load_aware", "round_robin")
+POLICIES: tuple[str, ...] = ("cache_aware", "load_aware", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class RouterConfig:
             is served there.
         prefill_models / decode_models: static lists (comma-separated ``model`` or ``model@host:port``);
             empty: every registered instance of the role is a candidate (discovery).
-        policy: ``"load_aware"`` (least queued prompt tokens / most free KV pages) or ``"round_robin"``.
+        policy: ``"cache_aware"`` (default: ``"load_aware"`` with credit for the prefix each instance's cache
+            likely holds), ``"load_aware"`` (least queued prompt tokens / most free KV pages) or
+            ``"round_robin"`` (``serving/router/pairing.py``).
         direct_decode_max_tokens: prompts shorter than this many tokens go to a decode instance alone, which
             prefills them itself (no KV transfer); 0 turns it off.
         tokenizer: model whose tokenizer counts prompt tokens (``serving`` loader names, ``"smollm2"``);
@@ -58,7 +60,7 @@ class RouterConfig:
     grpc_url: str = "127.0.0.1:8001"
     prefill_models: str = ""
     decode_models: str = ""
-    policy: str = "load_aware"
+    policy: str = "cache_aware"
     direct_decode_max_tokens: int = 0
     tokenizer: str = "smollm2"
     max_inflight_requests: int = 256

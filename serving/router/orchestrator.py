@@ -159,7 +159,7 @@ class _Outcome:
 
 class PDOrchestrator:
     def __init__(self, config: RouterConfig, fleet: Fleet, policy: PairingPolicy, launcher: Launcher,
-                 aborter: RoomAborter, count_tokens: Callable[[GenerateRequest], int],
+                 aborter: RoomAborter, count_tokens: Callable[[GenerateRequest], list[int] | int],
                  router_id: Callable[[], str], metrics: RouterMetrics | None = None) -> None:
         """
         Args:
@@ -168,7 +168,8 @@ class PDOrchestrator:
             policy: picks the pair of each attempt.
             launcher: sends child requests.
             aborter: posts room aborts to the bootstrap service.
-            count_tokens: the prompt's token count (after the chat template) of a request.
+            count_tokens: the prompt's token ids (after the chat template) of a request, or only their count
+                (an estimate): the ids let a cache-aware policy match prefixes.
             router_id: the router's current lease id (children carry it).
             metrics: selections, retries, rejections, outcomes; None disables.
         """
@@ -207,7 +208,10 @@ class PDOrchestrator:
 
     async def _serve(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
                      is_cancelled: Callable[[], bool]) -> OutputChunk:
-        demand = Demand(self._count_tokens(routed.request), routed.request.params.max_tokens)
+        tokens = self._count_tokens(routed.request)
+        max_tokens = routed.request.params.max_tokens
+        demand = Demand(tokens, max_tokens) if isinstance(tokens, int) else \
+            Demand(len(tokens), max_tokens, tuple(tokens))
         excluded: set[str] = set()
         last_error = ""
         for attempt in range(1 + self._config.max_retries):

@@ -3,8 +3,10 @@
 ``LoadAwarePairing`` (default): the prefill with the least queued prompt tokens (the work ahead of the new
 prompt, so the least TTFT), and the decode with the most free KV pages among those that can hold prompt +
 max_tokens right now (decode reserves that much up front; one that cannot must queue the request). Ties go
-round robin, so an idle fleet still spreads requests. ``RoundRobinPairing`` cycles through the healthy
-instances of each role. Both may send a prompt shorter than ``direct_decode_max_tokens`` to a decode instance
+round robin, so an idle fleet still spreads requests. ``CacheAwarePairing`` is load aware with credit for the
+prefix each instance is likely to hold in its prefix cache (``PrefixIndex``: the page keys of the prompts this
+router sent there), so a conversation's turns and prompts sharing a system prompt land where their KV already
+is. ``RoundRobinPairing`` cycles through the healthy instances of each role. Both may send a prompt shorter than ``direct_decode_max_tokens`` to a decode instance
 alone (it prefills the prompt itself: no transfer, no prefill queue), as llm-d and Dynamo do for short prompts.
 
 Policies are pure: they see ``Candidate``s (healthy instances with their load) and a ``Demand``, and run on the
@@ -14,19 +16,31 @@ router's event loop thread.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.prefix_cache import PageHash, page_hashes
 from serving.router.fleet import Candidate, Target
 
 
 @dataclass(frozen=True)
 class Demand:
-    """What one request needs: ``prompt_tokens`` (after the chat template) and ``max_tokens``."""
+    """What one request needs: ``prompt_tokens`` (after the chat template) and ``max_tokens``; ``token_ids``,
+    the prompt's token ids when the router tokenized it (empty when it only estimated the count)."""
 
     prompt_tokens: int
     max_tokens: int
+    token_ids: tuple[int, ...] = ()
+
+    def cacheable_page_keys(self, page_size: int) -> list[PageHash]:
+        """Keys of the prompt's pages an engine's prefix cache can share (``engine.prefix_cache`` keys, at most
+        ``(prompt_tokens - 1) // page_size`` pages: the last prompt token is always computed)."""
+        if not self.token_ids or page_size <= 0:
+            return []
+        usable = (len(self.token_ids) - 1) // page_size * page_size
+        return page_hashes(self.token_ids[:usable], page_size, [])
 
     @property
     def tokens_to_reserve(self) -> int:
@@ -98,6 +112,91 @@ class LoadAwarePairing:
         return max(fits or ordered, key=lambda c: (c.free_pages, -c.queued_requests)).target
 
 
+class PrefixIndex:
+    """What this router believes each instance's prefix cache holds: per instance, the page keys (chained, as
+    ``engine.prefix_cache`` computes them) of the prompts it sent there, least recently sent evicted first
+    beyond ``max_pages_per_instance``; an instance that restarted (a new ``Target.epoch``) starts empty. An
+    estimate (SGLang's router keeps an approximate tree of the same kind): it does not see the engine's own
+    evictions or other routers' requests, so it only biases the choice and never decides correctness. Router
+    event loop thread only.
+
+    Args:
+        max_pages_per_instance: keys kept per instance (~ the pages of one instance's KV pool).
+    """
+
+    def __init__(self, max_pages_per_instance: int = 4096) -> None:
+        self._max = max_pages_per_instance
+        self._keys: dict[str, tuple[int, OrderedDict[PageHash, None]]] = {}
+
+    def _held(self, target: Target) -> OrderedDict[PageHash, None] | None:
+        entry = self._keys.get(target.instance_id)
+        return entry[1] if entry is not None and entry[0] == target.epoch else None
+
+    def hit_pages(self, target: Target, keys: Sequence[PageHash]) -> int:
+        """How many leading ``keys`` the instance is believed to hold."""
+        held = self._held(target)
+        n = 0
+        while held and n < len(keys) and keys[n] in held:
+            n += 1
+        return n
+
+    def record(self, target: Target, keys: Sequence[PageHash]) -> None:
+        """The prompt with these page keys was sent to the instance (its engine will cache those pages)."""
+        held = self._held(target)
+        if held is None:
+            held = OrderedDict()
+            self._keys[target.instance_id] = (target.epoch, held)
+        for key in keys:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self._max:
+            held.popitem(last=False)
+
+
+class CacheAwarePairing(LoadAwarePairing):
+    """``LoadAwarePairing`` with prefix-cache credit from a ``PrefixIndex``.
+
+    Prefill: the least work before this prompt's first token, ``queued_prompt_tokens - hit_tokens`` (the prompt
+    tokens a hit lets the instance skip, counted against the queue ahead), so a long shared prefix outweighs a
+    short queue and an idle instance still wins over a busy one with a small hit. Decode: among instances that
+    can hold prompt + max_tokens with the hit pages shared (they need not be allocated), the most
+    ``free_pages + hit_pages``: memory still decides, and the hit (which saves the transfer of those pages)
+    breaks near ties. With no token ids (an estimated count) it is ``LoadAwarePairing``.
+    """
+
+    def __init__(self, direct_decode_max_tokens: int = 0, index: PrefixIndex | None = None) -> None:
+        super().__init__(direct_decode_max_tokens)
+        self.index = index or PrefixIndex()
+
+    def choose(self, prefills: Sequence[Candidate], decodes: Sequence[Candidate], demand: Demand) -> Pair:
+        keys: dict[int, list[PageHash]] = {}
+
+        def page_keys(c: Candidate) -> list[PageHash]:
+            if c.page_size not in keys:
+                keys[c.page_size] = demand.cacheable_page_keys(c.page_size)
+            return keys[c.page_size]
+
+        def hit(c: Candidate) -> int:
+            return self.index.hit_pages(c.target, page_keys(c))
+
+        if not decodes:
+            raise NoInstance("decode")
+        ordered = self._decode_rotation.order(decodes)
+        hits = {c.target.instance_id: hit(c) for c in ordered}
+        fits = [c for c in ordered
+                if c.free_pages >= c.pages_for(demand.tokens_to_reserve) - hits[c.target.instance_id]]
+        decode = max(fits or ordered, key=lambda c: (c.free_pages + hits[c.target.instance_id], -c.queued_requests))
+        self.index.record(decode.target, page_keys(decode))
+        if demand.prompt_tokens < self._direct_max:
+            return Pair(None, decode.target)
+        if not prefills:
+            raise NoInstance("prefill")
+        prefill = min(self._prefill_rotation.order(prefills),
+                      key=lambda c: (c.queued_prompt_tokens - hit(c) * c.page_size, c.queued_requests))
+        self.index.record(prefill.target, page_keys(prefill))
+        return Pair(prefill.target, decode.target)
+
+
 class RoundRobinPairing:
     def __init__(self, direct_decode_max_tokens: int = 0) -> None:
         self._direct_max = direct_decode_max_tokens
@@ -116,7 +215,9 @@ class RoundRobinPairing:
 
 
 def make_policy(name: str, direct_decode_max_tokens: int = 0) -> PairingPolicy:
-    """``"load_aware"`` or ``"round_robin"``. Raises ValueError on another name."""
+    """``"cache_aware"``, ``"load_aware"`` or ``"round_robin"``. Raises ValueError on another name."""
+    if name == "cache_aware":
+        return CacheAwarePairing(direct_decode_max_tokens)
     if name == "load_aware":
         return LoadAwarePairing(direct_decode_max_tokens)
     if name == "round_robin":

@@ -64,8 +64,9 @@ class BootstrapAborter:
 
 
 class TokenCounter:
-    """Prompt tokens of a request, with the fleet's tokenizer (chat template applied when asked); without a
-    tokenizer, an estimate of one token per 3 UTF-8 bytes."""
+    """The prompt's token ids (a list), with the fleet's tokenizer (chat template applied when asked): the
+    workers' own ids, so the cache-aware policy's page keys are the engines'. Without a tokenizer (or when
+    tokenizing fails), only an estimate of the count (an int): one token per 3 UTF-8 bytes."""
 
     def __init__(self, model: str) -> None:
         self._tokenizer: Any = None
@@ -74,12 +75,13 @@ class TokenCounter:
 
             self._tokenizer = load_tokenizer(model)
 
-    def __call__(self, request: GenerateRequest) -> int:
+    def __call__(self, request: GenerateRequest) -> list[int] | int:
         if self._tokenizer is not None:
             from serving.colocated import prompt_token_ids
 
             try:
-                return max(1, len(prompt_token_ids(self._tokenizer, request)))
+                ids = prompt_token_ids(self._tokenizer, request)
+                return ids if ids else 1
             except Exception:   # a template error is the workers' to report; pair by an estimate meanwhile
                 logger.debug("prompt not tokenized; estimating its length", exc_info=True)
         return max(1, len(request.prompt.encode("utf-8")) // 3)
@@ -90,7 +92,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, name: str, model_name: str = "pd_ensemble",
                  metrics: RouterMetricsSink | None = None, launcher: Launcher | None = None,
-                 count_tokens: Callable[[GenerateRequest], int] | None = None) -> None:
+                 count_tokens: Callable[[GenerateRequest], list[int] | int] | None = None) -> None:
         """
         Args:
             config: the router's knobs.
@@ -98,7 +100,7 @@ class Router:
             model_name: the model clients call (registered with the lease).
             metrics: where to publish; None disables.
             launcher: how children are reached; default ``GrpcLauncher``.
-            count_tokens: prompt token counter; default ``TokenCounter(config.tokenizer)``.
+            count_tokens: the prompt's token ids, or only their count; default ``TokenCounter(config.tokenizer)``.
         """
         self.config = config
         self._name = name

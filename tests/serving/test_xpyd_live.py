@@ -29,7 +29,7 @@ def make_model_repository(tmp_dir: Path) -> Path:
     for role in ("prefill", "decode"):
         shutil.copytree(REPOSITORY / role, tmp_dir / f"{role}_1")
         _edit(tmp_dir / f"{role}_1" / "config.pbtxt", f'name: "{role}"', f'name: "{role}_1"')
-    _edit(tmp_dir / "pd_ensemble" / "config.pbtxt", 'string_value: "load_aware"', 'string_value: "round_robin"')
+    _edit(tmp_dir / "pd_ensemble" / "config.pbtxt", 'string_value: "cache_aware"', 'string_value: "round_robin"')
     return tmp_dir
 
 

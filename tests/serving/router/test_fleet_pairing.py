@@ -11,7 +11,8 @@ from router_fakes import fleet_of, status
 from serving.router.admission import Admission, ServerBusy
 from serving.router.config import RouterConfig
 from serving.router.fleet import FleetSnapshot
-from serving.router.pairing import Demand, LoadAwarePairing, NoInstance, RoundRobinPairing
+from serving.router.pairing import (CacheAwarePairing, Demand, LoadAwarePairing, NoInstance, PrefixIndex,
+                                    RoundRobinPairing)
 
 
 def ids(candidates) -> list[str]:
@@ -102,6 +103,83 @@ def test_round_robin_cycles_and_direct_decode_skips_prefill() -> None:
     long = [policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(64, 8)) for _ in range(4)]
     assert [p.prefill.instance_id for p in long if p.prefill] == ["p0@h:1", "p1@h:1", "p0@h:1", "p1@h:1"]
     assert policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(8, 8)).prefill is None
+
+
+def prompt(shared: int, own: int, seed: int) -> Demand:
+    """A prompt of ``shared`` common tokens (a system prompt) and ``own`` tokens of its own."""
+    ids = tuple(range(1, shared + 1)) + tuple(1000 * seed + i for i in range(own))
+    return Demand(len(ids), 16, ids)
+
+
+def choose(policy, fleet, demand):
+    return policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), demand)
+
+
+def test_cache_aware_sends_a_conversation_back_where_its_prefix_is() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"),
+                     status("d1@h:1", "decode"))
+    policy = CacheAwarePairing()
+    first = [choose(policy, fleet, prompt(0, 200, seed)) for seed in range(2)]   # an idle fleet: spread
+    assert {p.prefill.instance_id for p in first} == {"p0@h:1", "p1@h:1"}
+    for seed, pair in enumerate(first):     # the next turn of each conversation: its earlier turn + more
+        ids = prompt(0, 200, seed).token_ids + tuple(range(5000, 5040))
+        again = choose(policy, fleet, Demand(len(ids), 16, ids))
+        assert (again.prefill, again.decode) == (pair.prefill, pair.decode)
+
+
+def test_cache_aware_weighs_the_hit_against_the_queue() -> None:
+    """Prefill: queued tokens minus the tokens a hit skips. A 192-token hit beats a 100-token queue, not a
+    1000-token one."""
+    policy = CacheAwarePairing()
+    warm = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill", queued_tokens=10 ** 6),
+                    status("d0@h:1", "decode"))
+    assert choose(policy, warm, prompt(200, 8, 0)).prefill.instance_id == "p0@h:1"   # p0 now holds the prefix
+    for queued, expected in ((100, "p0@h:1"), (1000, "p1@h:1")):
+        fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=queued), status("p1@h:1", "prefill"),
+                         status("d0@h:1", "decode"))
+        assert choose(policy, fleet, prompt(200, 8, 1)).prefill.instance_id == expected
+
+
+def test_cache_aware_decode_counts_hit_pages_as_free_and_memory_still_decides() -> None:
+    policy = CacheAwarePairing()
+    d0 = status("d0@h:1", "decode", free_pages=100)
+    fleet = fleet_of(status("p0@h:1", "prefill"), d0, status("d1@h:1", "decode", free_pages=10))
+    assert choose(policy, fleet, prompt(320, 8, 0)).decode.instance_id == "d0@h:1"
+    # d1 has far more free pages now: the 20-page hit on d0 does not outweigh 400 free pages
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode", free_pages=100),
+                     status("d1@h:1", "decode", free_pages=500))
+    assert choose(policy, fleet, prompt(320, 8, 1)).decode.instance_id == "d1@h:1"
+    # near a tie the hit decides; and with the hit's 20 pages shared, 22 pages fit in 10 free ones
+    demand = prompt(320, 8, 2)   # 328 prompt + 15 output tokens: 22 pages, the first 20 shareable
+    for d0_free, d1_free in ((30, 40), (10, 20)):
+        policy = CacheAwarePairing()
+        fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode", free_pages=d0_free),
+                         status("d1@h:1", "decode", free_pages=d1_free))
+        d0 = next(c.target for c in fleet.candidates("decode") if c.target.instance_id == "d0@h:1")
+        policy.index.record(d0, demand.cacheable_page_keys(16))
+        assert choose(policy, fleet, demand).decode.instance_id == "d0@h:1"
+
+
+def test_cache_aware_without_token_ids_is_load_aware() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900), status("p1@h:1", "prefill", queued_tokens=10),
+                     status("d0@h:1", "decode", free_pages=40), status("d1@h:1", "decode", free_pages=30))
+    pair = choose(CacheAwarePairing(), fleet, Demand(100, 100))
+    assert pair.prefill.instance_id == "p1@h:1" and pair.decode.instance_id == "d0@h:1"
+
+
+def test_prefix_index_is_bounded_matches_from_the_first_page_and_forgets_a_restart() -> None:
+    from serving.router.fleet import Target
+
+    index = PrefixIndex(max_pages_per_instance=3)
+    t, restarted = Target("d0@h:1", "decode", "h:1", "d0", epoch=1), Target("d0@h:1", "decode", "h:1", "d0", 2)
+    keys = prompt(0, 5 * 16 + 1, 0).cacheable_page_keys(16)
+    assert len(keys) == 5   # 81 tokens: 5 full pages, all shareable (the last token is on page 6)
+    index.record(t, keys[:2])
+    assert index.hit_pages(t, keys) == 2 and index.hit_pages(t, [keys[2], keys[0]]) == 0   # a leading run
+    index.record(t, keys[2:4])    # 4 keys > 3: the least recently sent (the first page) goes
+    assert index.hit_pages(t, keys) == 0
+    assert index.hit_pages(restarted, keys[1:]) == 0 and index.hit_pages(t, keys[1:]) == 3
+    assert prompt(0, 16, 0).cacheable_page_keys(16) == []   # one page: its last token is always computed
 
 
 def test_no_candidate_is_a_typed_error_naming_the_role() -> None:
