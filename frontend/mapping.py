@@ -29,6 +29,7 @@ from frontend.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     SamplingFields,
     TopLogprob,
     Usage,
@@ -139,10 +140,13 @@ def chat_sampling(req: ChatCompletionRequest, default_max_tokens: int) -> dict[s
 
 
 def usage_of(totals: Totals) -> Usage:
-    """``usage`` from the prompt's tokens and the summed new tokens of every sample."""
+    """``usage`` from the prompt's tokens and the summed new tokens of every sample; ``prompt_tokens_details``
+    with the prompt's cached tokens (once, like ``prompt_tokens``) when the server reports them."""
     completion = totals.num_output_tokens
+    cached = totals.num_cached_tokens
     return Usage(prompt_tokens=totals.num_input_tokens, completion_tokens=completion,
-                 total_tokens=totals.num_input_tokens + completion)
+                 total_tokens=totals.num_input_tokens + completion,
+                 prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached))
 
 
 # ---- logprobs --------------------------------------------------------------------------------------------

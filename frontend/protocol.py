@@ -101,10 +101,17 @@ class ChatCompletionRequest(SamplingFields):
 
 # ---- responses --------------------------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` of the prompt came from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None   # None: the server does not say
 
 
 class CompletionLogprobs(BaseModel):

@@ -3,14 +3,15 @@
 Inputs (``request_arrays``): ``text_input`` BYTES [1]; ``stream`` BOOL [1] (always true: the front aggregates
 non-streaming answers itself); ``exclude_input_in_output`` BOOL [1] (true); ``sampling_parameters`` BYTES [1]
 (a JSON object); and, only where the model declares them (``Contract``), ``return_finish_reason``,
-``return_num_input_tokens``, ``return_num_output_tokens`` (always asked) and ``return_logprobs``,
-``return_cumulative_logprob`` (asked when the request wants logprobs).
+``return_num_input_tokens``, ``return_num_output_tokens``, ``return_num_cached_tokens`` (always asked) and
+``return_logprobs``, ``return_cumulative_logprob`` (asked when the request wants logprobs).
 
 Outputs of one response (``ResponseDecoder``), entry ``i`` of each belonging to sample (choice) ``i``:
 ``text_output`` BYTES [n] (text delta), ``finish_reason`` BYTES [n] (``"None"`` or ``""`` until the sample
 ends), ``logprobs`` BYTES [n] (a JSON list, one ``{"<id>": {"logprob", "rank", "decoded_token"}}`` per new
 token, the sampled token first, then its top-k; ``"null"`` when not asked), ``num_input_tokens`` [1],
-``num_output_tokens`` [n]. Models that declare ``return_num_output_tokens`` send new tokens per response;
+``num_output_tokens`` [n], ``num_cached_tokens`` [n] (the sample's prompt tokens the server's prefix cache
+supplied; the same on each of its responses, 0 in a sample's entry until that sample reported). Models that declare ``return_num_output_tokens`` send new tokens per response;
 older ones (no ``return_*`` inputs) send one sample and cumulative INT32 counts, turned into deltas here.
 An absent output means "not asked" and decodes as empty.
 """
@@ -26,8 +27,9 @@ import numpy as np
 JSONValue = str | int | float | bool | list[str] | list[int] | dict[str, float]
 #: Outputs the front may read; absent ones are simply not in a response.
 OUTPUT_NAMES: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                 "logprobs", "cumulative_logprob")
-_ALWAYS_ASKED = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+                                 "num_cached_tokens", "logprobs", "cumulative_logprob")
+_ALWAYS_ASKED = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                 "return_num_cached_tokens")
 _LOGPROB_FLAGS = ("return_logprobs", "return_cumulative_logprob")
 
 
@@ -95,6 +97,7 @@ class SampleDelta:
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` on the sample's last response, else None.
         num_new_tokens: tokens this response added to the sample.
         logprobs: one entry per new token (empty when not asked).
+        num_cached_tokens: the sample's prompt tokens served by the prefix cache; None when not sent.
     """
 
     index: int
@@ -102,6 +105,7 @@ class SampleDelta:
     finish_reason: str | None = None
     num_new_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,13 +145,15 @@ class ResponseDecoder:
         reasons = _strings(values.get("finish_reason"))
         counts = _ints(values.get("num_output_tokens"))
         logprobs = _strings(values.get("logprobs"))
+        cached = _ints(values.get("num_cached_tokens"))
         samples = []
         for i, text in enumerate(texts):
             reason = reasons[i] if i < len(reasons) else ""
             samples.append(SampleDelta(
                 index=i, text=text, finish_reason=None if reason in ("", "None") else reason,
                 num_new_tokens=self._new_tokens(i, counts[i] if i < len(counts) else 0),
-                logprobs=parse_logprobs(logprobs[i]) if i < len(logprobs) else ()))
+                logprobs=parse_logprobs(logprobs[i]) if i < len(logprobs) else (),
+                num_cached_tokens=cached[i] if i < len(cached) else None))
         inputs = _ints(values.get("num_input_tokens"))
         return BackendResponse(tuple(samples), inputs[0] if inputs else None, final)
 
@@ -200,10 +206,12 @@ class SampleTotals:
     finish_reason: str | None = None
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int | None = None
 
 
 class Totals:
-    """Accumulates a request's responses: per-sample text, finish reason, tokens and logprobs; prompt tokens."""
+    """Accumulates a request's responses: per-sample text, finish reason, tokens and logprobs; prompt tokens
+    and the prompt's cached tokens."""
 
     def __init__(self, n: int) -> None:
         self.samples: list[SampleTotals] = [SampleTotals() for _ in range(n)]
@@ -219,10 +227,20 @@ class Totals:
             sample.text.append(delta.text)
             sample.num_tokens += delta.num_new_tokens
             sample.logprobs.extend(delta.logprobs)
+            if delta.num_cached_tokens is not None:
+                sample.num_cached_tokens = max(sample.num_cached_tokens or 0, delta.num_cached_tokens)
             if delta.finish_reason is not None:
                 sample.finish_reason = delta.finish_reason
 
     @property
     def num_output_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """The prompt's tokens served by the server's prefix cache, counted once like the prompt: the least of
+        the samples' (each sample is its own prefill, and a later one may reuse an earlier one's pages); None
+        when the server sent no ``num_cached_tokens``."""
+        counts = [s.num_cached_tokens for s in self.samples if s.num_cached_tokens is not None]
+        return min(counts) if counts else None
 

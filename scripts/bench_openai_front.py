@@ -11,8 +11,8 @@ the same closed-loop schedule (concurrency 1, then 4).
 
 * **direct**: one tritonclient gRPC stream per request (``enable_empty_final_response``) with the asyncio
   client the front itself uses, on one open channel, asking for the outputs the front asks for
-  (``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``, where the model declares
-  them), each response stamped as it is read.
+  (``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``,
+  ``return_num_cached_tokens``, where the model declares them), each response stamped as it is read.
 * **front**: one HTTP/1.1 streaming POST per request (httpx, the HTTP client the openai SDK uses) on a
   keep-alive connection each client slot keeps open, each SSE ``data:`` event carrying text stamped as its
   line arrives.
@@ -63,7 +63,8 @@ REQUEST_TIMEOUT_S = 60.0
 MODEL = "pd_ensemble"
 TARGET_MS = 5.0
 PROMPT_SALT = {"direct": 0, "front": 500_000}   # prompt seed offset per path
-FRONT_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+FRONT_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+               "return_num_cached_tokens")
 
 
 @dataclass(frozen=True)

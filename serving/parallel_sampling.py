@@ -75,7 +75,7 @@ class SampleFanIn:
         """What a response that is about another sample says of sample ``index``: nothing new."""
         last = self._latest[index]
         return SampleOutput("", last.finish_reason, last.num_output_tokens, 0, last.cumulative_logprob,
-                            () if self._logprobs else None)
+                            () if self._logprobs else None, last.num_cached_tokens)
 
     def _send_error(self, message: str) -> None:
         with self._lock:

@@ -18,12 +18,15 @@ Inputs, as ``triton_io.read_inputs`` hands them over (one Python scalar per inpu
                                        ``logprobs`` sampling parameter)
 ``return_num_input_tokens``   bool     send ``num_input_tokens`` (UINT32 ``[1]``)
 ``return_num_output_tokens``  bool     send ``num_output_tokens`` (UINT32 ``[n]``: tokens of this response)
+``return_num_cached_tokens``  bool     send ``num_cached_tokens`` (UINT32 ``[n]``: the sample's prompt tokens
+                                       the prefix cache supplied, i.e. whose prefill was skipped)
 ============================  =======  ==========================================================
 
 Without a ``sampling_parameters`` input, the request's Triton parameters are the sampling parameters (what the
 extra JSON fields of HTTP ``generate`` / ``generate_stream`` become, and what ``tritonclient``'s
 ``parameters=`` sends), as in the vLLM backend; keys starting with ``triton_`` are Triton's own and skipped.
-The ``return_*`` inputs and the outputs they enable follow the vLLM backend's ``docs/additional_outputs.md``.
+The ``return_*`` inputs and the outputs they enable follow the vLLM backend's ``docs/additional_outputs.md``;
+``return_num_cached_tokens`` is ours (that backend has no such output) and follows the same rules.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from engine.sampling import SamplingParams
 
 RawValue = bytes | str | bool
 RETURN_INPUTS: tuple[str, ...] = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-                                  "return_num_input_tokens", "return_num_output_tokens")
+                                  "return_num_input_tokens", "return_num_output_tokens",
+                                  "return_num_cached_tokens")
 INPUT_NAMES: tuple[str, ...] = (
     "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "apply_chat_template",
     *RETURN_INPUTS)
@@ -70,6 +74,7 @@ class OutputOptions:
     logprobs: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    num_cached_tokens: bool = False
 
 
 @dataclass(frozen=True)

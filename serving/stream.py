@@ -39,6 +39,8 @@ class SampleOutput:
             ``num_output_tokens`` output).
         cumulative_logprob: sum of the raw logprobs of the sample's tokens so far.
         logprobs: one entry per token of ``num_new_tokens`` when the request asked for logprobs, else None.
+        num_cached_tokens: the sample's leading prompt tokens whose KV the prefix cache supplied (their prefill
+            was skipped; ``RequestOutput.num_cached_tokens`` of the engine that prefilled it); 0 until known.
     """
 
     text: str = ""
@@ -47,6 +49,7 @@ class SampleOutput:
     num_new_tokens: int = 0
     cumulative_logprob: float = 0.0
     logprobs: tuple[TokenLogprob, ...] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,10 @@ class ResponseChunk:
     @classmethod
     def single(cls, text: str = "", finish_reason: str | None = None, num_input_tokens: int = 0,
                num_output_tokens: int = 0, num_new_tokens: int = 0, cumulative_logprob: float = 0.0,
-               logprobs: tuple[TokenLogprob, ...] | None = None) -> ResponseChunk:
+               logprobs: tuple[TokenLogprob, ...] | None = None, num_cached_tokens: int = 0) -> ResponseChunk:
         """A response of a one-sample request."""
         return cls((SampleOutput(text, finish_reason, num_output_tokens, num_new_tokens, cumulative_logprob,
-                                 logprobs),), num_input_tokens)
+                                 logprobs, num_cached_tokens),), num_input_tokens)
 
     @property
     def text(self) -> str:
@@ -142,6 +145,7 @@ class GenerationStream:
         self.done = False
         self.num_input_tokens = 0
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cumulative_logprob = 0.0
@@ -162,6 +166,7 @@ class GenerationStream:
     def _on_output(self, output: RequestOutput) -> None:
         self.num_input_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
+        self.num_cached_tokens = output.num_cached_tokens
         self.cumulative_logprob = output.cumulative_logprob
         self._delta.add(output.new_token_logprobs)
         if output.finished:
@@ -190,4 +195,5 @@ class GenerationStream:
         """The response now: ``text`` and the tokens (and their logprobs) since the previous response."""
         num_new, logprobs = self._delta.take(self.num_output_tokens)
         return ResponseChunk.single(text, self.finish_reason if self.done else None, self.num_input_tokens,
-                                    self.num_output_tokens, num_new, self.cumulative_logprob, logprobs)
+                                    self.num_output_tokens, num_new, self.cumulative_logprob, logprobs,
+                                    self.num_cached_tokens)

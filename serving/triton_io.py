@@ -7,7 +7,9 @@ Tensors of the LLM convention: inputs are shape ``[1]`` (or ``[1, 1]``); strings
 object arrays, bools as ``np.bool_``. Outputs (the vLLM backend's, ``docs/additional_outputs.md`` there), one
 entry per sample: ``text_output`` (BYTES ``[n]``) always; when asked (``return_*``): ``finish_reason`` (BYTES
 ``[n]``, ``"None"`` until the sample ends), ``cumulative_logprob`` (FP32 ``[n]``), ``logprobs`` (BYTES ``[n]``,
-JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's tokens).
+JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's tokens),
+``num_cached_tokens`` (UINT32 ``[n]``, the sample's prompt tokens served by the prefix cache; ours, not the vLLM
+backend's). Like ``num_input_tokens``, an asked count is on every response.
 
 ``logprobs`` JSON of one sample: a list with one object per token of the response,
 ``{"<token_id>": {"logprob": float, "rank": int, "decoded_token": str}, ...}``: the sampled token first, then
@@ -16,7 +18,8 @@ the top ``logprobs`` tokens not already listed (the vLLM backend's layout); ``nu
 
 Child layout (prefill/decode → the router): one sample; ``text_output``, ``finish_reason``, ``error``, and
 ``logprobs`` (compact JSON, ``logprobs_to_wire``) as UTF-8 in UINT8 tensors; ``num_input_tokens``,
-``num_output_tokens`` (cumulative, INT32 ``[1]``), ``cumulative_logprob`` (FP32 ``[1]``).
+``num_output_tokens`` (cumulative), ``num_cached_tokens`` (the child engine's prefix-cache hit: prefill's is the
+request's, on its first response) as INT32 ``[1]``; ``cumulative_logprob`` (FP32 ``[1]``).
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -
         arrays["num_input_tokens"] = np.array([chunk.num_input_tokens], dtype=np.uint32)
     if options.num_output_tokens:
         arrays["num_output_tokens"] = np.array([s.num_new_tokens for s in samples], dtype=np.uint32)
+    if options.num_cached_tokens:
+        arrays["num_cached_tokens"] = np.array([s.num_cached_tokens for s in samples], dtype=np.uint32)
     return arrays
 
 
@@ -168,6 +173,7 @@ def child_response_arrays(chunk: ResponseChunk, error: str = "") -> dict[str, np
         "finish_reason": utf8_array(sample.finish_reason or ""),
         "num_input_tokens": np.array([chunk.num_input_tokens], dtype=np.int32),
         "num_output_tokens": np.array([sample.num_output_tokens], dtype=np.int32),
+        "num_cached_tokens": np.array([sample.num_cached_tokens], dtype=np.int32),
         "cumulative_logprob": np.array([sample.cumulative_logprob], dtype=np.float32),
         "logprobs": utf8_array(logprobs_to_wire(sample.logprobs)),
         "error": utf8_array(error),

@@ -24,7 +24,7 @@ mkdir -p "$OUT_DIR"
 # -3.99e+34 seen; a NaN there left profile_export.json empty in one CI run, and genai-perf failed on it).
 RETURN_ALL=()
 for name in return_finish_reason return_cumulative_logprob return_logprobs return_num_input_tokens \
-            return_num_output_tokens; do RETURN_ALL+=(--extra-inputs "$name:true"); done
+            return_num_output_tokens return_num_cached_tokens; do RETURN_ALL+=(--extra-inputs "$name:true"); done
 "$GENAI_PERF" profile -m "$MODEL" --backend vllm --streaming -u "127.0.0.1:$GRPC_PORT" \
   --tokenizer "$TOKENIZER" --synthetic-input-tokens-mean "${ISL:-256}" --synthetic-input-tokens-stddev 0 \
   --output-tokens-mean "${OSL:-64}" --random-seed 0 \

@@ -38,7 +38,7 @@ def input_data(num_prompts: int, prompt_tokens: int, max_tokens: int, seed: int)
                       # a response lacks is uninitialized memory)
                       "return_finish_reason": [True], "return_cumulative_logprob": [True],
                       "return_logprobs": [True], "return_num_input_tokens": [True],
-                      "return_num_output_tokens": [True]}
+                      "return_num_output_tokens": [True], "return_num_cached_tokens": [True]}
                      for i in range(num_prompts)]}
 
 

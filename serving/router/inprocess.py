@@ -37,7 +37,8 @@ class _LoopSink:
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         sample = chunk.samples[0]
         self._put(ChildResponse(sample.text, chunk.num_input_tokens, sample.num_output_tokens, sample.finish_reason,
-                                None, final, cumulative_logprob=sample.cumulative_logprob, logprobs=sample.logprobs))
+                                None, final, cumulative_logprob=sample.cumulative_logprob, logprobs=sample.logprobs,
+                                num_cached_tokens=sample.num_cached_tokens))
 
     def send_error(self, message: str) -> None:
         self._put(ChildResponse(error=message, final=True))

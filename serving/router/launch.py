@@ -8,8 +8,8 @@ frees its pages). Why not BLS for the router's own server: docs/architecture.md,
 Child protocol (``serving.pd_request``): inputs ``text_input``, ``sampling_parameters``, ``apply_chat_template``
 (the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` (decode; empty: direct decode),
 ``router_id``; outputs ``text_output``/``finish_reason``/``error``/``logprobs`` as UTF-8 in UINT8 tensors,
-``num_input_tokens`` and ``num_output_tokens`` (INT32), ``cumulative_logprob`` (FP32) (``serving.triton_io``'s
-child layout). A child reports a failure as a FINAL response whose ``error`` is set.
+``num_input_tokens``, ``num_output_tokens`` and ``num_cached_tokens`` (INT32), ``cumulative_logprob`` (FP32)
+(``serving.triton_io``'s child layout). A child reports a failure as a FINAL response whose ``error`` is set.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 Room = int
 CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                  "cumulative_logprob", "logprobs", "error")
+                                  "num_cached_tokens", "cumulative_logprob", "logprobs", "error")
 #: Inputs of the client's request that are forwarded as they are to both children.
 FORWARDED_INPUTS: tuple[str, ...] = ("text_input", "sampling_parameters", "apply_chat_template")
 
@@ -53,6 +53,9 @@ class ChildResponse:
         final: the FINAL flag of the child stream.
         unreachable: the error is the router's: the child could not be reached or its stream broke (the only
             kind of failure that counts against the instance's circuit breaker).
+        num_cached_tokens: prompt tokens the child engine's prefix cache supplied (prefill's: the prompt's
+            cache hit; decode's: its own, which counts only for a direct decode); 0 when the response does not
+            say.
     """
 
     text: str = ""
@@ -64,6 +67,7 @@ class ChildResponse:
     unreachable: bool = False
     cumulative_logprob: float = 0.0
     logprobs: tuple[TokenLogprob, ...] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildRespon
     return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
                          num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
                          final=final, cumulative_logprob=number("cumulative_logprob"),
-                         logprobs=logprobs_from_wire(text("logprobs")))
+                         logprobs=logprobs_from_wire(text("logprobs")), num_cached_tokens=count("num_cached_tokens"))
 
 
 class GrpcLauncher:

@@ -136,6 +136,9 @@ class _MergeState:
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
+    # the prompt's prefix-cache hit, as the child that prefills it reports it (prefill; decode when direct)
+    prefilled_by: str = "prefill"
+    num_cached_tokens: int = 0
     # what came with the finish reason: sent with the final chunk, so that the last response carries the last
     # tokens (the vLLM convention: no response without tokens)
     tail_text: str = ""
@@ -145,7 +148,8 @@ class _MergeState:
         return OutputChunk(text=self.tail_text, final=True, finish_reason=finish_reason,
                            num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens,
                            cumulative_logprob=self.cumulative_logprob,
-                           logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None)
+                           logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None,
+                           num_cached_tokens=self.num_cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -261,7 +265,8 @@ class PDOrchestrator:
         if pair.prefill is not None:
             calls.insert(0, ChildCall("prefill", pair.prefill, room, "", router_id, forwarded))
         readers = [asyncio.ensure_future(self._read(call, events)) for call in calls]
-        state = _MergeState(first_done=pair.prefill is None, prefill_final=pair.prefill is None)
+        direct = pair.prefill is None
+        state = _MergeState(first_done=direct, prefill_final=direct, prefilled_by="decode" if direct else "prefill")
         targets = {call.role: call.target for call in calls}
         try:
             outcome = await self._merge(room, events, state, targets, emit, is_cancelled)
@@ -332,6 +337,8 @@ class PDOrchestrator:
 
     def _accept(self, role: str, response: ChildResponse, state: _MergeState,
                 emit: Callable[[OutputChunk], None]) -> None:
+        if role == state.prefilled_by:
+            state.num_cached_tokens = max(state.num_cached_tokens, response.num_cached_tokens)
         if role == "prefill":
             state.prefill_final = state.prefill_final or response.final
             if not state.first_done and (response.num_output_tokens or response.final):
@@ -364,7 +371,7 @@ class PDOrchestrator:
             state.emitted = state.emitted or bool(response.text)
             emit(OutputChunk(text=response.text, final=False, num_input_tokens=state.num_input_tokens,
                              num_output_tokens=state.num_output_tokens, cumulative_logprob=state.cumulative_logprob,
-                             logprobs=response.logprobs))
+                             logprobs=response.logprobs, num_cached_tokens=state.num_cached_tokens))
 
     def _count_rejected(self, reason: str) -> None:
         if self._metrics is not None:

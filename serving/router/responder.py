@@ -27,6 +27,7 @@ class OutputChunk:
         num_output_tokens: tokens generated so far (cumulative).
         cumulative_logprob: sum of the raw logprobs of those tokens.
         logprobs: logprobs of the tokens this chunk adds, when the request asked for them.
+        num_cached_tokens: prompt tokens the prefix cache of the instance that prefilled supplied.
     """
 
     text: str
@@ -37,6 +38,7 @@ class OutputChunk:
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
     logprobs: tuple[TokenLogprob, ...] | None = None
+    num_cached_tokens: int = 0
 
 
 class EnsembleResponder:
@@ -69,4 +71,5 @@ class EnsembleResponder:
         """The response now: ``text`` and the tokens (and logprobs) since the previous response."""
         num_new, logprobs = self._delta.take(chunk.num_output_tokens)
         return ResponseChunk.single(text, chunk.finish_reason if chunk.final else None, chunk.num_input_tokens,
-                                    chunk.num_output_tokens, num_new, chunk.cumulative_logprob, logprobs)
+                                    chunk.num_output_tokens, num_new, chunk.cumulative_logprob, logprobs,
+                                    chunk.num_cached_tokens)

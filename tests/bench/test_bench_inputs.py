@@ -42,3 +42,22 @@ def test_export_records_carry_ns_timestamps_as_seconds_and_flag_unended_streams(
     assert ended.ok and ended.num_output_tokens == 2 and ended.num_prompt_tokens == 5
     assert abs(ended.ttft_ms - 200.0) < 1e-6 and abs(ended.itls_ms[0] - 50.0) < 1e-6
     assert not open_.ok
+
+
+def test_perf_tools_ask_for_every_optional_output_the_public_models_declare() -> None:
+    """perf_analyzer's export of a declared output that a response lacks is uninitialized memory
+    (``scripts/perf/genai_perf.sh`` says more): its inputs and genai_perf.sh ask for every ``return_*``."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for model in ("pd_ensemble", "colocated"):
+        config = (root / "model_repository" / model / "config.pbtxt").read_text()
+        declared = set(re.findall(r'name: "(return_\w+)"', config))
+        assert "return_num_cached_tokens" in declared
+        script = (root / "scripts/perf/genai_perf.sh").read_text()
+        assert all(re.search(rf"\b{name}\b", script) for name in declared), model
+        for path in sorted((root / "scripts/perf/inputs").glob("*.json")):
+            entries = json.loads(path.read_text())["data"]
+            assert all(declared <= {k for k, v in e.items() if v == [True]} for e in entries), (model, path.name)

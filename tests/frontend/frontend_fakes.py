@@ -56,10 +56,13 @@ class FakeBackend:
 _typed: Backend = FakeBackend()   # the fake implements the seam (mypy checks this line)
 
 
-def text_responses(pieces: Sequence[str], prompt_tokens: int = 5, reason: str = "length") -> list[BackendResponse]:
-    """One sample: one response per piece (one token each), the last with ``reason`` and FINAL."""
+def text_responses(pieces: Sequence[str], prompt_tokens: int = 5, reason: str = "length",
+                   cached_tokens: int | None = None) -> list[BackendResponse]:
+    """One sample: one response per piece (one token each), the last with ``reason`` and FINAL; each with
+    ``cached_tokens`` as its ``num_cached_tokens`` (None: the server sends none)."""
     out = []
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        out.append(BackendResponse((SampleDelta(0, piece, reason if last else None, 1),), prompt_tokens, last))
+        delta = SampleDelta(0, piece, reason if last else None, 1, num_cached_tokens=cached_tokens)
+        out.append(BackendResponse((delta,), prompt_tokens, last))
     return out

@@ -61,6 +61,26 @@ def test_sdk_reads_a_whole_completion() -> None:
     assert backend.sent[0].prompt == "The capital of France is"
 
 
+def test_sdk_reads_cached_tokens_in_usage_whole_and_streamed() -> None:
+    def cached() -> FakeBackend:
+        return FakeBackend(Script(text_responses(["A", "B"], prompt_tokens=40, cached_tokens=32)))
+
+    with client_for(cached()) as http:
+        body = sdk(http).completions.create(model="smol", prompt="p", max_tokens=2)
+    assert body.usage is not None and body.usage.prompt_tokens_details is not None
+    assert body.usage.prompt_tokens == 40 and body.usage.prompt_tokens_details.cached_tokens == 32
+    with client_for(cached()) as http:
+        chunks = list(sdk(http).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "u"}], stream=True,
+            stream_options={"include_usage": True}, max_completion_tokens=2))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 32
+    with client_for(FakeBackend(Script(text_responses(["A"])))) as http:   # a server that does not say
+        raw = http.post("/v1/completions", json={"model": "smol", "prompt": "p", "max_tokens": 1}).json()
+    assert raw["usage"]["prompt_tokens_details"] is None
+
+
 def test_n_choices_stream_by_index() -> None:
     responses = [BackendResponse((SampleDelta(0, "a", None, 1), SampleDelta(1, "b", None, 1)), 3),
                  BackendResponse((SampleDelta(0, "", "stop", 0), SampleDelta(1, "c", "length", 1)), 3, True)]

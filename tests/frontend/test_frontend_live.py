@@ -16,6 +16,7 @@ import json
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -250,6 +251,38 @@ def test_new_contract_penalties_are_applied(client: openai.OpenAI) -> None:
                                                                 frequency_penalty=2.0, presence_penalty=2.0,
                                                                 **params)).choices[0].text
     assert penalised != plain   # a strong penalty changes a repetitive greedy continuation
+
+
+PAGE_SIZE = 16   # the prefill model's page_size
+
+
+def _cached(usage: Any) -> int:
+    assert usage is not None and usage.prompt_tokens_details is not None, usage
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert isinstance(cached, int)
+    return cached
+
+
+def test_a_repeated_long_prompt_reports_cached_tokens_in_usage(client: openai.OpenAI) -> None:
+    """The prefill engine's prefix cache serves a long prompt sent again: usage.prompt_tokens_details says how
+    many prompt tokens it supplied (whole pages, below the prompt), once per request even with n > 1."""
+    words = " ".join(f"Shelf {i} holds a green book." for i in range(12))
+    prompt = f"Note {uuid.uuid4().hex}: {words}"   # unique: nothing cached it before
+    first, again = (client.completions.create(model="pd_ensemble", prompt=prompt, **GREEDY) for _ in range(2))
+    assert first.usage is not None and first.usage.prompt_tokens >= 3 * PAGE_SIZE
+    assert _cached(first.usage) == 0
+    hit = _cached(again.usage)
+    assert 0 < hit < first.usage.prompt_tokens and hit % PAGE_SIZE == 0
+    two = client.completions.create(model="pd_ensemble", prompt=prompt, n=2, **GREEDY)
+    assert _cached(two.usage) == hit, "the prompt's cached tokens count once, like prompt_tokens"
+    messages: Any = [{"role": "user", "content": f"Chat {uuid.uuid4().hex}: {words}"}]
+    usages = [list(client.chat.completions.create(model="pd_ensemble", messages=messages, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY))[-1].usage
+              for _ in range(2)]
+    # the chat template's fixed preamble may already be cached, never the unique message
+    assert _cached(usages[0]) % PAGE_SIZE == 0 and _cached(usages[0]) < _cached(usages[1])
+    assert usages[1] is not None and 0 < _cached(usages[1]) < usages[1].prompt_tokens
+    assert _cached(usages[1]) % PAGE_SIZE == 0
 
 
 def test_serve_sh_role_frontend_starts_only_the_front_and_stops_on_sigterm(openai_stack: Any, tmp_path: Any) -> None:

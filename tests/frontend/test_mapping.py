@@ -96,6 +96,18 @@ def _two_samples() -> Totals:
 def test_usage_is_prompt_tokens_plus_the_new_tokens_of_every_choice() -> None:
     usage = mapping.usage_of(_two_samples())
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 3, 7)
+    assert usage.prompt_tokens_details is None   # the server sent no num_cached_tokens
+
+
+def test_usage_reports_the_prompts_cached_tokens_once_as_openai_defines_them() -> None:
+    totals = Totals(2)
+    totals.add(BackendResponse((SampleDelta(0, "A", None, 1, num_cached_tokens=32),
+                                SampleDelta(1, "B", None, 1, num_cached_tokens=32)), 40))
+    totals.add(BackendResponse((SampleDelta(0, "", "stop", 0, num_cached_tokens=32),
+                                SampleDelta(1, "C", "length", 1, num_cached_tokens=32)), 40, True))
+    usage = mapping.usage_of(totals)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 3, 43)
+    assert usage.model_dump()["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
 def test_whole_answers_have_one_choice_per_sample_by_index() -> None:

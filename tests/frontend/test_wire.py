@@ -12,7 +12,7 @@ from frontend.wire import BackendRequest, Contract, ResponseDecoder, Totals, par
 
 NEW = Contract(frozenset({"text_input", "stream", "sampling_parameters", "exclude_input_in_output",
                           "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
-                          "return_logprobs", "return_cumulative_logprob"}))
+                          "return_logprobs", "return_cumulative_logprob", "return_num_cached_tokens"}))
 OLD = Contract(frozenset({"text_input", "stream", "sampling_parameters", "exclude_input_in_output",
                           "apply_chat_template"}))
 
@@ -31,7 +31,8 @@ def test_request_always_streams_excludes_the_prompt_and_sends_the_sampling_json(
 
 def test_return_flags_are_sent_only_where_declared_and_logprob_flags_only_when_wanted() -> None:
     plain = request_arrays(BackendRequest("r", "p", {}), NEW)
-    assert {"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"} <= set(plain)
+    assert {"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+            "return_num_cached_tokens"} <= set(plain)
     assert "return_logprobs" not in plain
     assert {"return_logprobs", "return_cumulative_logprob"} <= set(request_arrays(BackendRequest("r", "p", {}, True), NEW))
     assert not any(name.startswith("return_") for name in request_arrays(BackendRequest("r", "p", {}, True), OLD))
@@ -57,6 +58,19 @@ def test_new_servers_send_n_entries_with_per_response_counts_and_none_until_the_
     again = ResponseDecoder(NEW)
     assert [d.num_new_tokens for d in again.decode(values, False).samples + again.decode(values, False).samples] == \
         [2, 0, 2, 0]   # per-response counts are never differenced
+
+
+def test_cached_tokens_are_per_sample_and_the_prompt_counts_once_with_the_least_of_them() -> None:
+    decoder, totals = ResponseDecoder(NEW), Totals(2)
+    for texts, cached in ((("a", ""), [32, 0]), (("", "b"), [32, 16]), (("", ""), [32, 16])):
+        values = {"text_output": _bytes(*texts), "num_cached_tokens": np.array(cached, np.uint32)}
+        response = decoder.decode(values, final=False)
+        assert [d.num_cached_tokens for d in response.samples] == cached
+        totals.add(response)
+    assert [s.num_cached_tokens for s in totals.samples] == [32, 16] and totals.num_cached_tokens == 16
+    silent = Totals(1)
+    silent.add(decoder.decode({"text_output": _bytes("x")}, final=True))
+    assert silent.samples[0].num_cached_tokens is None and silent.num_cached_tokens is None
 
 
 def test_an_empty_final_response_has_no_samples_and_absent_outputs_are_empty() -> None:

@@ -3,6 +3,8 @@
 * logprobs through PD equal colocated's (same greedy tokens, logprobs within 1e-4, same top tokens), the first
   token (computed by prefill) included, ``max_tokens=1`` included;
 * the vLLM backend's additional outputs: present only when asked, with its dtypes and per-response meaning;
+* ``num_cached_tokens`` (ours): a long prompt sent again reports the prefix cache's hit (prefill's in PD), whole
+  pages below the prompt length, per sample and on every response;
 * the sampling controls on both paths: penalties change the text in the expected direction (and PD equals
   colocated under them: prefill's first token is penalised like the rest), ``min_tokens`` holds EOS back,
   ``logit_bias``, ``include_stop_str_in_output``, ``n=3`` with a seed gives three reproducible samples;
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import queue
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +35,8 @@ PROMPTS = (
     "def fibonacci(n):\n    ",
 )
 ALL_OUTPUTS = {"return_finish_reason": True, "return_cumulative_logprob": True, "return_logprobs": True,
-               "return_num_input_tokens": True, "return_num_output_tokens": True}
+               "return_num_input_tokens": True, "return_num_output_tokens": True,
+               "return_num_cached_tokens": True}
 NO_OUTPUTS = {name: False for name in ALL_OUTPUTS}
 
 
@@ -132,8 +136,9 @@ def test_additional_outputs_only_when_asked(triton_server, model) -> None:
     assert full.error is None and len(full.outputs) >= 2
     for i, o in enumerate(full.outputs):
         assert set(o) == {"text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
-                          "num_output_tokens"}
+                          "num_output_tokens", "num_cached_tokens"}
         assert o["num_input_tokens"].dtype == np.uint32 and o["num_output_tokens"].dtype == np.uint32
+        assert o["num_cached_tokens"].dtype == np.uint32 and o["num_cached_tokens"].shape == (1,)
         assert o["cumulative_logprob"].dtype == np.float32
         assert o["logprobs"][0] == b"null"   # no logprobs sampling parameter
         last = i == len(full.outputs) - 1
@@ -144,6 +149,35 @@ def test_additional_outputs_only_when_asked(triton_server, model) -> None:
     for name in ALL_OUTPUTS:   # each alone
         res = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(3), stream=False, **{name: True})
         assert res.error is None and set(res.outputs[0]) == {"text_output", name.removeprefix("return_")}
+
+
+PAGE_SIZE = 16   # config.pbtxt's page_size of colocated and prefill
+
+
+def _cached(res: Responses) -> list[list[int]]:
+    """``num_cached_tokens`` of every response, one list of per-sample entries each."""
+    return [o["num_cached_tokens"].reshape(-1).tolist() for o in res.outputs]
+
+
+@pytest.mark.parametrize("model", PATHS)
+def test_a_repeated_long_prompt_reports_the_prefix_caches_hit(triton_server, model) -> None:
+    # unique, so that no earlier request of the module (or of the other path) has cached it
+    prompt = f"Request {uuid.uuid4().hex} on {model}. " + " ".join(f"Room {i} has a blue door." for i in range(12))
+    flags = {"return_num_cached_tokens": True, "return_num_input_tokens": True}
+    first = infer(triton_server.grpc_url, model, prompt, _greedy(4, ignore_eos=True), **flags)
+    again = infer(triton_server.grpc_url, model, prompt, _greedy(4, ignore_eos=True), **flags)
+    assert first.error is None and again.error is None
+    num_prompt = int(first.outputs[0]["num_input_tokens"][0])
+    assert num_prompt >= 3 * PAGE_SIZE
+    assert all(o["num_cached_tokens"].dtype == np.uint32 for o in first.outputs + again.outputs)
+    assert len({c[0] for c in _cached(first)}) == 1 and len({c[0] for c in _cached(again)}) == 1, "every response"
+    hit = _cached(again)[0][0]
+    assert _cached(first)[0][0] == 0
+    assert 0 < hit < num_prompt and hit % PAGE_SIZE == 0 and hit >= num_prompt - 2 * PAGE_SIZE
+    assert again.text() == first.text()
+    # one entry per sample, each a prefill of the now-cached prompt
+    samples = infer(triton_server.grpc_url, model, prompt, {**_greedy(2), "n": 2}, stream=False, **flags)
+    assert samples.error is None and _cached(samples) == [[hit, hit]]
 
 
 @pytest.mark.parametrize("model", PATHS)

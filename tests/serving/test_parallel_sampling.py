@@ -31,6 +31,22 @@ def test_streaming_sends_each_sample_response_with_the_others_empty() -> None:
     assert sink.finals == 1 and chunks[-1].num_input_tokens == 4 and sink.touched_after_final == 0
 
 
+def test_each_entry_carries_its_own_samples_cached_tokens() -> None:
+    sink = RecordingSink()
+    fan = SampleFanIn(sink, 2, stream=True, logprobs=False)
+    a, b = fan.sample_sink(0), fan.sample_sink(1)
+    a.send(ResponseChunk.single("x", None, 40, 1, 1, num_cached_tokens=32), final=False)
+    b.send(ResponseChunk.single("y", None, 40, 1, 1, num_cached_tokens=16), final=False)
+    a.send(ResponseChunk.single("z", "length", 40, 2, 1, num_cached_tokens=32), final=True)
+    # an entry stays 0 until its sample reported, then keeps that sample's value
+    assert [[s.num_cached_tokens for s in c.samples] for c, _ in sink.chunks] == [[32, 0], [32, 16], [32, 16]]
+    whole = RecordingSink()
+    fan = SampleFanIn(whole, 2, stream=False, logprobs=False)
+    for i, cached in ((1, 16), (0, 32)):
+        fan.sample_sink(i).send(ResponseChunk.single("t", "stop", 40, 1, 1, num_cached_tokens=cached), final=True)
+    assert [s.num_cached_tokens for s in whole.chunks[0][0].samples] == [32, 16]
+
+
 def test_non_streaming_sends_one_response_once_every_sample_ended() -> None:
     sink = RecordingSink()
     fan = SampleFanIn(sink, 3, stream=False, logprobs=True)

@@ -53,7 +53,7 @@ class QueueSink:
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         self._put(ChildResponse(chunk.text, chunk.num_input_tokens, chunk.num_output_tokens,
-                                chunk.finish_reason, None, final))
+                                chunk.finish_reason, None, final, num_cached_tokens=chunk.samples[0].num_cached_tokens))
 
     def send_error(self, message: str) -> None:
         self._put(ChildResponse(error=message, final=True))
@@ -199,3 +199,16 @@ def test_client_cancel_mid_stream_frees_both_sides(cluster):
     assert cluster.wait_free(start) == start
     ok = cluster.generate(request(PROMPTS[0]))  # the workers keep serving
     assert ok[-1].error is None
+
+
+def test_a_repeated_prompt_reports_prefills_cache_hit_to_the_client(cluster):
+    """The prefill engine's prefix cache serves a prompt sent again; its hit (whole pages, below the prompt)
+    is on every response the client gets."""
+    prompt = "In a quiet village by the sea, " + " ".join(f"house {i} had a red door," for i in range(12))
+    runs = [cluster.generate(request(prompt, max_tokens=4)) for _ in range(2)]
+    for responses in runs:
+        assert responses[-1].error is None and len({r.num_cached_tokens for r in responses}) == 1
+    first, again = runs[0][-1], runs[1][-1]
+    assert first.num_input_tokens >= 3 * 16 and first.num_cached_tokens == 0
+    assert 0 < again.num_cached_tokens < again.num_input_tokens and again.num_cached_tokens % 16 == 0
+    assert "".join(r.text for r in runs[0]) == "".join(r.text for r in runs[1])

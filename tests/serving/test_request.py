@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.request import GenerateRequest, RequestError, parse_request
+from serving.request import RETURN_INPUTS, GenerateRequest, OutputOptions, RequestError, parse_request
 
 
 def _parse(**inputs: object) -> GenerateRequest:
@@ -33,6 +33,7 @@ def _parse(**inputs: object) -> GenerateRequest:
     ({"stream": b"true"}, "stream"),
     ({"stream": True, "exclude_input_in_output": False}, "exclude_input_in_output"),
     ({"apply_chat_template": b"yes"}, "apply_chat_template"),
+    ({"return_num_cached_tokens": b"true"}, "return_num_cached_tokens"),
     ({"image": b"..."}, "image"),
 ])
 def test_bad_input_names_its_field(inputs: dict[str, object], field: str) -> None:
@@ -40,6 +41,14 @@ def test_bad_input_names_its_field(inputs: dict[str, object], field: str) -> Non
         _parse(**inputs)
     assert info.value.field == field
     assert field in str(info.value)
+
+
+def test_each_return_input_turns_on_its_own_output_only() -> None:
+    assert _parse().outputs == OutputOptions()
+    for name in RETURN_INPUTS:
+        asked = _parse(**{name: True}).outputs
+        assert [f for f, on in vars(asked).items() if on] == [name.removeprefix("return_")], name
+    assert _parse(return_num_cached_tokens=True).outputs == OutputOptions(num_cached_tokens=True)
 
 
 def test_missing_prompt_is_an_error() -> None:

@@ -34,6 +34,15 @@ def test_streaming_sends_one_response_per_delta_and_final_last() -> None:
     assert sink.finals == 1 and sink.chunks[0][0].finish_reason is None
 
 
+def test_every_response_carries_the_engines_cached_prompt_tokens() -> None:
+    sink = RecordingSink()
+    gs = GenerationStream("r", parse_request({"text_input": b"Hi", "stream": True}), sink)
+    for i, text in enumerate(("a", "b")):
+        gs.on_event(RequestOutput("r", [i], [0.0], text, i == 1, "stop" if i == 1 else None, 40, i + 1,
+                                  num_cached_tokens=32))
+    assert [c.samples[0].num_cached_tokens for c, _ in sink.chunks] == [32, 32]
+
+
 def test_streaming_final_may_be_empty() -> None:
     sink = _run(True, ("a", ""))
     assert [(c.text, final) for c, final in sink.chunks] == [("a", False), ("", True)]

@@ -19,7 +19,7 @@ from serving.triton_io import (
     scalars_from_arrays,
 )
 
-ALL = OutputOptions(True, True, True, True, True)
+ALL = OutputOptions(True, True, True, True, True, True)
 
 
 def test_inputs_as_triton_hands_them_over() -> None:
@@ -64,6 +64,14 @@ def test_response_arrays_hold_only_what_was_asked() -> None:
     assert sorted(only) == ["num_input_tokens", "text_output"]
 
 
+def test_num_cached_tokens_is_per_sample_uint32_and_only_when_asked() -> None:
+    chunk = ResponseChunk((SampleOutput("a", None, 1, 1, num_cached_tokens=32), SampleOutput("", None, 0, 0)), 40)
+    assert "num_cached_tokens" not in response_arrays(chunk, OutputOptions(num_input_tokens=True))
+    arrays = response_arrays(chunk, OutputOptions(num_cached_tokens=True))
+    assert sorted(arrays) == ["num_cached_tokens", "text_output"]
+    assert arrays["num_cached_tokens"].dtype == np.uint32 and arrays["num_cached_tokens"].tolist() == [32, 0]
+
+
 def test_one_entry_per_sample() -> None:
     chunk = ResponseChunk((SampleOutput("a", None, 1, 1), SampleOutput("", "length", 4, 0)), 5)
     arrays = response_arrays(chunk, ALL)
@@ -91,6 +99,9 @@ def test_child_layout_round_trips_logprobs() -> None:
     arrays = child_response_arrays(ResponseChunk.single("é", None, 3, 1, 1, -0.25, ENTRIES[:1]))
     assert arrays["text_output"].dtype == np.uint8 and arrays["text_output"].tobytes().decode() == "é"
     assert arrays["cumulative_logprob"].tolist() == [-0.25]
+    assert arrays["num_cached_tokens"].dtype == np.int32 and arrays["num_cached_tokens"].tolist() == [0]
+    cached = child_response_arrays(ResponseChunk.single("x", None, 40, 1, 1, num_cached_tokens=32))
+    assert cached["num_cached_tokens"].tolist() == [32] and cached["num_input_tokens"].tolist() == [40]
     assert logprobs_from_wire(arrays["logprobs"].tobytes().decode()) == ENTRIES[:1]
     with pytest.raises(ValueError):
         logprobs_from_wire("[[1, 2]]")
@@ -108,3 +119,5 @@ def test_parameters_stand_in_for_sampling_parameters() -> None:
 def test_return_inputs_select_outputs() -> None:
     req = parse_request({"text_input": b"x", "return_logprobs": True, "return_num_output_tokens": False})
     assert req.outputs == OutputOptions(logprobs=True)
+    req = parse_request({"text_input": b"x", "return_num_cached_tokens": True})
+    assert req.outputs == OutputOptions(num_cached_tokens=True)

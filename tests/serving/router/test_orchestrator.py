@@ -137,3 +137,22 @@ def test_an_error_about_the_request_is_neither_retried_nor_held_against_the_inst
         assert out[-1].error == rejected
     assert len([c for c in launcher.calls if c.role == "decode"]) == 3   # one attempt each
     assert fleet.health()["decode"] == {"d0@h:1": True}   # still in rotation
+
+
+def test_the_prompts_cache_hit_is_prefills_on_every_chunk_and_decodes_is_ignored() -> None:
+    prefill = [(0.0, ChildResponse(text="A", num_input_tokens=64, num_output_tokens=1, num_cached_tokens=16)),
+               (0.0, ChildResponse(final=True))]   # its last response says 0: the first one counts
+    decode = [(0.0, ChildResponse(text="B", num_input_tokens=64, num_output_tokens=2, num_cached_tokens=48)),
+              (0.0, ChildResponse(text="C", num_input_tokens=64, num_output_tokens=3, final=True,
+                                  finish_reason="length", num_cached_tokens=48))]
+    out, _ = run(ScriptedLauncher({"prefill": prefill, "decode": decode}))
+    assert [c.text for c in out] == ["A", "B", "C"] and [c.num_cached_tokens for c in out] == [16, 16, 16]
+
+
+def test_a_direct_decode_reports_decodes_own_cache_hit() -> None:
+    decode = [(0.0, ChildResponse(text="A", num_input_tokens=7, num_output_tokens=1, num_cached_tokens=16)),
+              (0.0, ChildResponse(text="B", num_input_tokens=7, num_output_tokens=2, final=True,
+                                  finish_reason="stop", num_cached_tokens=16))]
+    launcher = ScriptedLauncher({"decode": decode})
+    out, _ = run(launcher, direct_decode_max_tokens=8)
+    assert [c.role for c in launcher.calls] == ["decode"] and [c.num_cached_tokens for c in out] == [16, 16]
