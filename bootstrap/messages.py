@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_ROOM = 2**63 - 1
 Room = int
 
@@ -116,7 +116,12 @@ class InstanceList:
 
 @dataclass(frozen=True)
 class Destination:
-    """Where prefill instance ``prefill_instance_id`` must write room ``room``'s KV (posted by decode)."""
+    """Where prefill instance ``prefill_instance_id`` must write room ``room``'s KV (posted by decode).
+
+    ``num_cached_tokens`` (a multiple of the page size, below the prompt length): the leading prompt tokens
+    whose KV decode already holds (its prefix cache); prefill writes only the prompt's pages from page
+    ``num_cached_tokens // page_size`` on, page ``i`` of the prompt into ``dst_page_ids[i - that]``.
+    """
 
     room: Room
     prefill_instance_id: str
@@ -125,10 +130,13 @@ class Destination:
     xfer_id: str
     dst_page_ids: list[int]
     aux_slot: int
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.room <= MAX_ROOM:
             raise ValueError(f"room {self.room} is not a 63-bit id")
+        if self.num_cached_tokens < 0:
+            raise ValueError(f"num_cached_tokens {self.num_cached_tokens} is negative")
 
 
 ACCEPTED, ROOM_IN_USE, UNKNOWN_INSTANCE = "accepted", "room_in_use", "unknown_instance"

@@ -34,9 +34,9 @@ class EngineConfig:
         seed: seeds the engine's generator used by requests that give no seed of their own.
         cache_dir: where the model loader keeps its converted weights; None = its default.
         enable_prefix_caching: keep full KV pages of past requests, keyed by their tokens, and let new
-            requests share their longest cached prefix (``engine/prefix_cache.py``). Used in colocated and
-            prefill mode; decode mode ignores it for now (its prompt KV comes from the prefill side and the
-            KV handshake cannot yet say which leading pages decode already holds: docs/architecture.md).
+            requests share their longest cached prefix (``engine/prefix_cache.py``). In every mode: colocated
+            and prefill skip the compute of the cached prefix; decode (``reserve_request``) shares it and
+            tells the prefill side, which then sends only the rest of the prompt's KV.
 
     Raises:
         ValueError: at construction, naming the field, when a value is out of range.
@@ -78,8 +78,8 @@ class EngineConfig:
 
     @property
     def prefix_caching_active(self) -> bool:
-        """Whether the engine runs its prefix cache: enabled and not in decode mode."""
-        return self.enable_prefix_caching and self.mode != "decode"
+        """Whether the engine runs its prefix cache (every mode: ``enable_prefix_caching``)."""
+        return self.enable_prefix_caching
 
     @property
     def pool_bytes(self) -> int:

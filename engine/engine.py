@@ -22,8 +22,8 @@ from engine.errors import EngineError, OutOfPages, RequestRejected
 from engine.kv_pool import KVPool, KVShape
 from engine.model_runner import ModelRunner, SampledToken
 from engine.output_processor import OutputProcessor
-from engine.outputs import FinishReason, PrefillChunk, RequestOutput
-from engine.page_allocator import PageAllocator, PageId
+from engine.outputs import FinishReason, PrefillChunk, RequestOutput, Reservation
+from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -103,12 +103,16 @@ class LLMEngine:
         self._track(seq)
 
     def reserve_request(self, request_id: RequestId, prompt_token_ids: list[int],
-                        params: SamplingParams) -> list[PageId]:
+                        params: SamplingParams) -> Reservation:
         """Decode mode: take the pages for prompt + max_tokens now.
 
+        With the prefix cache on, the prompt's longest cached page-aligned prefix (never its last token) is
+        shared from the cache instead: those pages already hold the right KV and the peer must not write them.
+
         Returns:
-            The first ``ceil(len(prompt_token_ids) / page_size)`` pages of the request, in order: where the
-            prefill side writes the prompt's KV.
+            A ``Reservation``: ``num_cached_tokens`` (the shared prefix) and ``dst_page_ids``, the request's
+            pages from there to the end of the prompt, in order: where the prefill side writes the rest of the
+            prompt's KV.
         Raises:
             EngineError: not in decode mode.
             OutOfPages: the pool is short now (retry later); nothing is taken.
@@ -120,7 +124,10 @@ class LLMEngine:
             raise OutOfPages(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
                                          f"{self.num_free_pages} free")
         self._track(seq)
-        return seq.page_table[:pages_for_tokens(seq.num_prompt_tokens, self.config.page_size)]
+        cached_pages = seq.num_cached_tokens // self.config.page_size
+        return Reservation(seq.page_table[cached_pages:pages_for_tokens(seq.num_prompt_tokens,
+                                                                        self.config.page_size)],
+                           seq.num_cached_tokens)
 
     def add_prebuilt_request(self, request_id: RequestId, first_token_id: int, first_logprob: float,
                              first_token_sent: bool = False) -> None:
@@ -140,6 +147,7 @@ class LLMEngine:
         if seq is None or seq.num_output_tokens > 0:
             raise EngineError(f"request {request_id!r} is not reserved (or was already added)")
         seq.num_computed_tokens = seq.num_prompt_tokens
+        self.scheduler.register_computed(seq)   # the received prompt pages are now cacheable here too
         reason = self.output_processor.append_token(seq, int(first_token_id), float(first_logprob))
         if first_token_sent:
             self.output_processor.mark_emitted(seq)

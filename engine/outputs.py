@@ -11,6 +11,23 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """Decode mode: where a prefill peer must write a reserved request's prompt KV.
+
+    Attributes:
+        dst_page_ids: local pages for the prompt's KV from token ``num_cached_tokens`` on, in order (prompt
+            page ``num_cached_tokens // page_size`` first): ``ceil(prompt / page_size) - num_cached_tokens /
+            page_size`` pages.
+        num_cached_tokens: leading prompt tokens whose KV this engine already holds (its prefix cache; a
+            multiple of the page size, below the prompt length, 0 with the cache off): their pages are shared
+            with other requests and must never be written.
+    """
+
+    dst_page_ids: list[int]
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     """Prefill-mode progress of one request after one chunk.
 

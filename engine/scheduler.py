@@ -62,9 +62,10 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Take the request's pages now and park it in ``reserved``; False (nothing taken) if short.
 
-        Never shares cached pages: a peer writes the whole prompt's KV into them.
+        Shares the prompt's longest cached prefix as admission does (never the last prompt token's page):
+        a peer writes the prompt's KV only into the pages after it (``seq.num_cached_tokens`` says where).
         """
-        if not self._take_pages(seq, shared=[]):
+        if not self._take_pages(seq, self._match(seq)):
             return False
         seq.set_status(SequenceStatus.RESERVED)
         self.reserved[seq.request_id] = seq

@@ -61,8 +61,10 @@ class BaseKVSender(ABC):
     @abstractmethod
     def init(self, num_pages: int) -> None:
         """Caller: the prefill worker, once, before the first ``send``. ``num_pages`` (> 0) is the number of
-        pages the prompt's KV spans. Raises ``TransferError`` (and fails the room) when ``num_pages`` <= 0 or
-        the destination decode published is shorter."""
+        pages the prompt's KV spans (all of them, whatever decode holds already: the sender drops the leading
+        pages decode's destination says it has cached, and sends only the rest). Raises ``TransferError`` (and
+        fails the room) when ``num_pages`` <= 0, or the destination decode published does not fit it (fewer
+        pages than the uncached rest, or a cached count that is not page-aligned or covers the last page)."""
 
     @abstractmethod
     def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:
@@ -110,10 +112,15 @@ class BaseKVReceiver(ABC):
         """A copy of this room's timestamps (``time.monotonic`` seconds)."""
 
     @abstractmethod
-    def init(self, dst_page_ids: Sequence[PageId]) -> None:
-        """Caller: the decode worker, once. ``dst_page_ids`` are the local pages reserved for the prompt's KV
-        (at least the prompt's page count); prefill WRITEs into them, so the caller must not read or free them
-        until ``pages_releasable()``. Raises ``TransferError`` when called twice or with no pages."""
+    def init(self, dst_page_ids: Sequence[PageId], num_cached_tokens: int = 0) -> None:
+        """Caller: the decode worker, once. ``num_cached_tokens`` (a multiple of the page size, below the
+        prompt length; 0 without a prefix cache) is how many leading prompt tokens decode already holds: their
+        pages are decode's own and prefill never writes them. ``dst_page_ids`` are the local pages reserved
+        for the rest of the prompt's KV, prompt page ``num_cached_tokens // page_size`` first (at least the
+        prompt's remaining page count); prefill WRITEs into them, so the caller must not read or free them
+        until ``pages_releasable()``. The prefill side checks both counts against its prompt before a byte
+        moves (a mismatch fails the room on both sides). Raises ``TransferError`` when called twice, with no
+        pages, or with ``num_cached_tokens`` negative or not page-aligned."""
 
     @abstractmethod
     def abort(self, reason: str) -> None:

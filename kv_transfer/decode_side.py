@@ -53,7 +53,8 @@ class DecodeSide:
                         now_s: float) -> KVReceiver:
         with self._lock:
             receiver = KVReceiver(room, prefill_instance_id, self._lock, wake, now_s,
-                                  drain=self.drain_now if self._args.inline_progress else None)
+                                  drain=self.drain_now if self._args.inline_progress else None,
+                                  page_size=self._args.layout.page_size)
             if room in self.receivers:
                 receiver.fail("room already in use on this decode instance")
                 self.metrics.failed_rooms_total += 1
@@ -146,7 +147,8 @@ class DecodeSide:
                     receiver.aux_slot = self._aux.alloc()
             destinations = [(r, Destination(r.room, r.prefill_instance_id, self._args.instance_id,
                                             self._transport.agent_name, r.xfer_id, list(r.dst_page_ids or []),
-                                            r.aux_slot)) for r in ready if r.aux_slot is not None]
+                                            r.aux_slot, r.num_cached_tokens))
+                            for r in ready if r.aux_slot is not None]
             for receiver in ready:
                 receiver.publishing = receiver.aux_slot is not None
                 if receiver.aux_slot is None:
@@ -164,6 +166,7 @@ class DecodeSide:
                 receiver.publishing = False
                 if result.accepted:
                     receiver.published, receiver.progress_s = True, now_s
+                    self.metrics.skipped_pages_total += receiver.num_cached_tokens // self._args.layout.page_size
                     receiver.state = advance(receiver.state, KVPoll.WaitingForInput)
                 elif result.code == ROOM_IN_USE:
                     self._fail(receiver, result.reason)

@@ -12,6 +12,8 @@ class Metrics:
     transfers_total: int = 0         # rooms that reached Success
     failed_rooms_total: int = 0      # rooms that ended Failed (timeouts included)
     timed_out_rooms_total: int = 0   # rooms failed by the bootstrap or waiting timeout
+    skipped_pages_total: int = 0     # prompt pages not sent (prefill) / not received (decode) because decode
+                                     # already held them (its prefix cache)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -51,7 +52,8 @@ class PrefillSide:
     def create_sender(self, room: Room, wake: threading.Event, now_s: float) -> KVSender:
         with self._lock:
             sender = KVSender(room, self._lock, wake, now_s,
-                              post_now=self.post_now if self._args.inline_progress else None)
+                              post_now=self.post_now if self._args.inline_progress else None,
+                              page_size=self._args.layout.page_size)
             if room in self.senders:
                 sender.fail("room already in use on this prefill instance")
                 return sender
@@ -186,6 +188,13 @@ class PrefillSide:
     def _prepare(self, sender: KVSender, chunk: Chunk) -> _Post | None:
         dest, peer = sender.destination, sender.peer
         assert dest is not None and peer is not None
+        # decode holds the prompt's first ``skip`` pages (its prefix cache): drop them from the chunk, and
+        # prompt page i lands in dst_page_ids[i - skip]; a chunk left empty still sends its notification
+        skip = sender.num_skipped_pages
+        drop = min(len(chunk.src_pages), max(0, skip - chunk.dst_start))
+        if skip:
+            self.metrics.skipped_pages_total += drop
+            chunk = replace(chunk, src_pages=chunk.src_pages[drop:], dst_start=chunk.dst_start + drop - skip)
         dst_pages = dest.dst_page_ids[chunk.dst_start:chunk.dst_start + len(chunk.src_pages)]
         if not (chunk.is_last and chunk.aux is not None):
             local, remote = self._table.kv_indices(chunk.src_pages), peer.table.kv_indices(dst_pages)

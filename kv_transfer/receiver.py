@@ -37,8 +37,9 @@ class KVReceiver(BaseKVReceiver):
     """
 
     def __init__(self, room: Room, prefill_instance_id: str, lock: threading.RLock, wake: threading.Event,
-                 created_s: float, drain: Callable[[], None] | None = None) -> None:
+                 created_s: float, drain: Callable[[], None] | None = None, page_size: int = 1) -> None:
         self.room = room
+        self._page_size = page_size
         self.prefill_instance_id = prefill_instance_id
         self._lock = lock
         self._wake = wake
@@ -48,6 +49,7 @@ class KVReceiver(BaseKVReceiver):
         self._failure: TransferError | None = None
         self._aux: AuxData | None = None
         self.dst_page_ids: list[PageId] | None = None
+        self.num_cached_tokens = 0      # leading prompt tokens decode already holds; prefill skips their pages
         self.aux_slot: int | None = None
         self.xfer_id = uuid.uuid4().hex[:12]
         self.peer: Peer | None = None
@@ -92,15 +94,24 @@ class KVReceiver(BaseKVReceiver):
         with self._lock:
             return ReceiverTimings(**vars(self.times))
 
-    def init(self, dst_page_ids: Sequence[PageId]) -> None:
-        """Gives the pages reserved for the prompt's KV (owned by the caller until ``pages_releasable``)."""
+    def init(self, dst_page_ids: Sequence[PageId], num_cached_tokens: int = 0) -> None:
+        """Gives the pages reserved for the prompt's KV from token ``num_cached_tokens`` on (owned by the caller
+        until ``pages_releasable``); the pages of the first ``num_cached_tokens`` tokens are the caller's
+        (prefix cache) and are never written."""
         with self._lock:
             if self.dst_page_ids is not None:
                 raise TransferError(self.room, "init called twice")
+            reason = None
             if not dst_page_ids:
-                self.fail("init with no pages")
-                raise TransferError(self.room, "init with no pages")
+                reason = "init with no pages"
+            elif num_cached_tokens < 0 or num_cached_tokens % self._page_size:
+                reason = (f"num_cached_tokens={num_cached_tokens} is not a non-negative multiple of the page "
+                          f"size {self._page_size}")
+            if reason is not None:
+                self.fail(reason)
+                raise TransferError(self.room, reason)
             self.dst_page_ids = list(dst_page_ids)
+            self.num_cached_tokens = num_cached_tokens
         self._wake.set()
 
     def abort(self, reason: str) -> None:

@@ -52,8 +52,9 @@ class KVSender(BaseKVSender):
     """
 
     def __init__(self, room: Room, lock: threading.RLock, wake: threading.Event, created_s: float,
-                 post_now: Callable[[KVSender], None] | None = None) -> None:
+                 post_now: Callable[[KVSender], None] | None = None, page_size: int = 1) -> None:
         self.room = room
+        self._page_size = page_size
         self._lock = lock
         self._wake = wake
         self._post_now = post_now               # inline progress: posts queued chunks in the caller's thread
@@ -93,15 +94,39 @@ class KVSender(BaseKVSender):
             return SenderTimings(**vars(self.times))
 
     def init(self, num_pages: int) -> None:
-        """Declares how many pages the prompt's KV spans. Raises ``TransferError`` if the destination is
-        shorter."""
+        """Declares how many pages the prompt's KV spans. Raises ``TransferError`` if the destination (with the
+        pages decode already holds) does not match."""
         with self._lock:
             if num_pages <= 0:
                 raise self._fail_and_raise(f"init with {num_pages} pages")
             self.num_pages = num_pages
-            if self.destination is not None and len(self.destination.dst_page_ids) < num_pages:
-                raise self._fail_and_raise(
-                    f"destination has {len(self.destination.dst_page_ids)} pages, prompt needs {num_pages}")
+            reason = self._destination_mismatch()
+            if reason is not None:
+                raise self._fail_and_raise(reason)
+
+    @property
+    def num_skipped_pages(self) -> int:
+        """Leading prompt pages decode already holds (its prefix cache): never written. Lock held or not: the
+        destination is set once."""
+        dest = self.destination
+        return dest.num_cached_tokens // self._page_size if dest is not None else 0
+
+    def _destination_mismatch(self) -> str | None:
+        """Lock held: why the destination cannot take this room's ``num_pages`` (None when it can, or while
+        either is unknown). Both sides agree on every count before a byte moves."""
+        dest = self.destination
+        if dest is None or self.num_pages is None:
+            return None
+        skip, have = self.num_skipped_pages, len(dest.dst_page_ids)
+        if dest.num_cached_tokens % self._page_size:
+            return (f"decode holds {dest.num_cached_tokens} cached tokens, not a multiple of the page size "
+                    f"{self._page_size}")
+        if skip >= self.num_pages:
+            return (f"decode holds {dest.num_cached_tokens} cached tokens ({skip} pages) of a prompt of "
+                    f"{self.num_pages} pages: the last page must be sent")
+        if have < self.num_pages - skip:
+            return (f"destination has {have} pages after {skip} cached ones, prompt needs {self.num_pages}")
+        return None
 
     def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:
         """Queues one chunk; the manager thread posts it, so the copy overlaps the next chunk's forward pass.
@@ -159,9 +184,9 @@ class KVSender(BaseKVSender):
     def attach(self, destination: Destination, peer: Peer) -> None:
         """The decode side's destination arrived; lock held by the caller."""
         self.destination, self.peer = destination, peer
-        if self.num_pages is not None and len(destination.dst_page_ids) < self.num_pages:
-            self.fail(f"destination has {len(destination.dst_page_ids)} pages, prompt needs {self.num_pages}",
-                      notify_peer=True)
+        reason = self._destination_mismatch()
+        if reason is not None:
+            self.fail(reason, notify_peer=True)
             return
         self.state = advance(self.state, KVPoll.WaitingForInput)
 

@@ -5,7 +5,9 @@ Lifecycle of one request (SGLang's decode side), every step but the first on the
 1. ``handle`` (Triton's execute thread): tokenize; the job joins the **prealloc queue**;
 2. prealloc (FIFO): a KV receiver for the room (handshake with the prefill instance, once per peer), then the
    engine reserves pages for prompt + max_tokens (a request that waits for free pages holds up the ones behind
-   it; one that can never fit fails) and ``receiver.init`` tells the prefill instance where to write;
+   it; one that can never fit fails), sharing the prompt's longest prefix its prefix cache holds, and
+   ``receiver.init`` tells the prefill instance where to write and how many leading tokens decode already has
+   (prefill sends only the pages after them);
 3. **transfer queue**: the receiver is polled each tick; at ``Success`` the request joins the **running batch**
    with ``add_prebuilt_request`` (first token from the aux data, no prefill forward) and streams its tokens;
 4. a failure ends the request with an error response; its pages stay reserved until the receiver says no
@@ -23,12 +25,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 from bootstrap.messages import InstanceLoad
 from engine.errors import OutOfPages, RequestRejected
+from engine.outputs import Reservation
+from engine.sampling import SamplingParams
 from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
 from serving.colocated import Tokenizer
-from serving.engine_loop import EngineLoop
+from serving.engine_loop import EngineCore, EngineLoop
 from serving.events import LoopEvent
 from serving.intake import Intake
 from serving.metrics import ServingMetrics
@@ -37,6 +42,22 @@ from serving.room_aborts import RoomAborts
 from serving.stream import GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
+
+
+class DecodeEngineCore(EngineCore, Protocol):
+    """The decode half of ``engine.LLMEngine`` (mode ``decode``) the worker drives, on the loop thread."""
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+    @property
+    def num_total_pages(self) -> int: ...
+
+    def reserve_request(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams) -> Reservation: ...
+
+    def add_prebuilt_request(self, request_id: str, first_token_id: int, first_logprob: float,
+                             first_token_sent: bool = False) -> None: ...
 
 
 @dataclass
@@ -67,7 +88,8 @@ class DecodeWorker:
             page_size: tokens per KV page of the engine (for the reported load).
         """
         self._loop = loop
-        self._engine = loop.engine
+        # the loop's engine runs in decode mode: it has the decode half of ``engine.LLMEngine`` too
+        self._engine = cast(DecodeEngineCore, loop.engine)
         self._kv = kv_manager
         self._room_aborts = room_aborts
         self._name = name
@@ -125,8 +147,8 @@ class DecodeWorker:
             num_queued_requests=len(self._prealloc) + len(self._transfer) + len(self._intake),
             num_running_requests=len(self._running),
             num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prealloc),
-            num_free_pages=max(0, self._engine.num_free_pages - promised),  # type: ignore[attr-defined]
-            num_total_pages=self._engine.num_total_pages, page_size=ps)  # type: ignore[attr-defined]
+            num_free_pages=max(0, self._engine.num_free_pages - promised),
+            num_total_pages=self._engine.num_total_pages, page_size=ps)
 
     def _start_direct(self, job: _Job) -> None:
         """Direct decode: the engine prefills and decodes the request like a colocated one."""
@@ -148,7 +170,7 @@ class DecodeWorker:
             if blocked:
                 continue
             try:
-                pages = self._engine.reserve_request(job.request_id, job.token_ids, job.pd.request.params)
+                reservation = self._engine.reserve_request(job.request_id, job.token_ids, job.pd.request.params)
             except OutOfPages:
                 blocked = True  # FIFO: later requests wait behind the head
                 continue
@@ -157,7 +179,8 @@ class DecodeWorker:
                 self._fail(job, str(e))
                 continue
             job.reserved = True
-            job.receiver.init(pages)
+            # pages of the prompt's cached prefix are decode's own: prefill sends only the rest
+            job.receiver.init(reservation.dst_page_ids, reservation.num_cached_tokens)
             self._prealloc.remove(job)
             self._transfer[job.request_id] = job
 

@@ -216,8 +216,9 @@ def copy_kv(src, src_pages, dst, dst_pages):
 def test_pd_in_one_process_matches_colocated(prompt_len):
     prompt = [1 + i % 4 for i in range(prompt_len)]
     pre, dec = make_engine(mode="prefill", chunk=4, budget=4), make_engine(mode="decode", num_pages=40)
-    dst = dec.reserve_request("r", prompt, greedy(6))
-    assert len(dst) == -(-prompt_len // PS)
+    res = dec.reserve_request("r", prompt, greedy(6))
+    dst = res.dst_page_ids
+    assert len(dst) == -(-prompt_len // PS) and res.num_cached_tokens == 0
     pre.add_request("r", prompt, greedy(6))
     outs = run_all(pre)["r"]
     src = [p for o in outs for p in o.prefill_chunk.page_ids]
@@ -234,7 +235,7 @@ def test_pd_in_one_process_matches_colocated(prompt_len):
 
 def test_decode_reserve_then_abort_before_prebuilt():
     e = make_engine(mode="decode")
-    pages = e.reserve_request("r", [1, 2, 3, 4, 5], greedy(8))  # 12 KV tokens = 3 pages, 2 for the prompt
+    pages = e.reserve_request("r", [1, 2, 3, 4, 5], greedy(8)).dst_page_ids  # 12 KV tokens = 3 pages, 2 prompt
     assert len(pages) == 2 and e.num_free_pages == e.num_total_pages - 3
     e.abort_request("r")
     assert e.num_free_pages == e.num_total_pages
@@ -331,7 +332,7 @@ def test_pd_text_with_first_token_sent_equals_colocated_text(stop):
     col.add_request("r", prompt, greedy(6, stop=stop))
     col_outs = run_all(col)["r"]
     pre, dec = make_engine(mode="prefill"), make_engine(mode="decode")
-    dst = dec.reserve_request("r", prompt, greedy(6, stop=stop))
+    dst = dec.reserve_request("r", prompt, greedy(6, stop=stop)).dst_page_ids
     pre.add_request("r", prompt, greedy(6, stop=stop))
     (last,) = run_all(pre)["r"]
     copy_kv(pre, last.prefill_chunk.page_ids, dec, dst)

@@ -115,7 +115,7 @@ def test_all_prompts_in_one_continuous_batch(loaded, prompts, reference, chunk_s
 def test_prefill_engine_then_decode_engine(loaded, prompts, reference):
     pre = make_engine(loaded, mode="prefill", chunk_size=64, budget=128)
     dec = make_engine(loaded, mode="decode")
-    dst = {rid: dec.reserve_request(rid, p, greedy()) for rid, p in prompts.items()}
+    dst = {rid: dec.reserve_request(rid, p, greedy()).dst_page_ids for rid, p in prompts.items()}
     for rid, p in prompts.items():
         pre.add_request(rid, p, greedy())
     firsts = {}

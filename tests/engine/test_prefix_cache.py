@@ -2,7 +2,8 @@
 admission), then the real SmolLM2 engine: a shared prefix of 0, 1, page_size - 1, page_size, page_size + 1 and
 many pages is reused page-aligned (never the last prompt token) and the output is the cache-off output, greedy
 and seeded; eviction under pressure spares the pages a live request shares; a changed token ends the reuse; a
-prefill engine with the cache on still feeds a decode engine the KV that gives the colocated text.
+prefill engine with the cache on still feeds a decode engine the KV that gives the colocated text; a decode
+engine shares its own cached prefix of a later request and needs only the rest of the prompt's KV.
 """
 
 from __future__ import annotations
@@ -124,6 +125,23 @@ def test_admission_allocates_only_the_unshared_pages_and_leaves_the_last_token()
     assert b.page_table[:2] == a_pages[:2]
     assert len(b.page_table) == 4 and s.pages.num_allocatable == 16 - 4
     assert s.pages.stats().hits_tokens == 8 and s.pages.stats().queries_tokens == 24
+
+
+@pytest.mark.parametrize("enabled, cached", [(True, 12), (False, 0)])
+def test_decode_reserve_shares_the_cached_prefix_only_with_the_cache_on(enabled, cached):
+    s = Scheduler(PrefixCache(PageAllocator(16), enabled=enabled), 4, 64, 64, 8)
+    a = _seq("a", list(range(12)), 1)
+    assert s.reserve(a) and a.num_cached_tokens == 0
+    a.num_computed_tokens = 12          # the prompt KV arrived (add_prebuilt_request)
+    s.register_computed(a)
+    s.start_reserved("a")
+    a_pages = list(a.page_table)
+    s.finish(a)
+    b = _seq("b", list(range(12)) + [99], 3)   # 15 KV tokens: 4 pages, the first 3 cached when enabled
+    assert s.reserve(b)
+    assert b.num_cached_tokens == cached and len(b.page_table) == 4
+    assert (b.page_table[:3] == a_pages[:3]) == enabled
+    assert s.pages.num_allocatable == 16 - 4
 
 
 # --- the real model ---------------------------------------------------------------------------------------
@@ -298,7 +316,9 @@ def test_prefill_cache_on_feeds_decode_the_colocated_text(smollm2, ids):
     prompts = {"p1": ids[:48] + ids[100:110], "p2": ids[:48] + ids[150:163]}
     firsts = {}
     for rid, p in prompts.items():   # one after the other: p2 hits p1's pages
-        dst = dec.reserve_request(rid, p, greedy())
+        reservation = dec.reserve_request(rid, p, greedy())
+        assert reservation.num_cached_tokens == 0   # nothing decoded here yet: decode's cache is empty
+        dst = reservation.dst_page_ids
         pre.add_request(rid, p, greedy())
         outs = run(pre)[rid]
         src = [page for o in outs for page in o.prefill_chunk.page_ids]
@@ -314,4 +334,59 @@ def test_prefill_cache_on_feeds_decode_the_colocated_text(smollm2, ids):
     for rid, p in prompts.items():
         assert [t for o in outs[rid] for t in o.new_token_ids] == generate(colo, rid, p, greedy())[0]
     assert pre.num_free_pages == pre.num_total_pages and dec.num_free_pages == dec.num_total_pages
-    assert pre.prefix_cache_stats().cached_pages > 0 and dec.prefix_cache_stats().cached_pages == 0
+    assert pre.prefix_cache_stats().cached_pages > 0 and dec.prefix_cache_stats().cached_pages > 0
+
+
+def pd_generate(pre: LLMEngine, dec: LLMEngine, rid: str, prompt: list[int],
+                params: SamplingParams) -> tuple[list[int], int, int]:
+    """One request through a prefill and a decode engine, KV copied as the transfer would: only the pages
+    after decode's cached prefix. Returns (tokens, prefill's cached tokens, decode's cached tokens)."""
+    reservation = dec.reserve_request(rid, prompt, params)
+    pre.add_request(rid, prompt, params)
+    outs = run(pre)[rid]
+    src = [page for o in outs for page in o.prefill_chunk.page_ids]
+    skip = reservation.num_cached_tokens // PS
+    assert len(src) - skip == len(reservation.dst_page_ids)
+    held = {p: dec.kv_cache[:, :, p].clone() for p in dec.scheduler.reserved[rid].page_table[:skip]}
+    dec.kv_cache[:, :, torch.tensor(reservation.dst_page_ids, dtype=torch.long)] = \
+        pre.kv_cache[:, :, torch.tensor(src[skip:], dtype=torch.long)]
+    pre.release_request(rid)
+    chunk = outs[-1].prefill_chunk
+    dec.add_prebuilt_request(rid, chunk.first_token_id, chunk.first_logprob)
+    got = [t for o in run(dec)[rid] for t in o.new_token_ids]
+    assert all(torch.equal(dec.kv_cache[:, :, p], kv) for p, kv in held.items())   # shared pages unwritten
+    return got, outs[-1].num_cached_tokens, reservation.num_cached_tokens
+
+
+@needs_model
+@pytest.mark.model
+@pytest.mark.parametrize("shared", [0, 1, PS - 1, PS, PS + 1, 5 * PS])
+def test_decode_shares_its_cached_prefix_and_needs_only_the_rest(smollm2, ids, shared):
+    """Decode's own cache: a second prompt sharing ``shared`` tokens with one decode already served reserves
+    the shared full pages from its cache (page-aligned, never the last prompt token) and takes only the rest of
+    the KV; the text equals colocated with the cache off. Prefill runs with its cache off, so every page it
+    sends was computed for this request."""
+    pre, dec = make(smollm2, cache=False, mode="prefill", chunk=32), make(smollm2, mode="decode")
+    first = ids[:shared] + ids[120:150]
+    second = ids[:shared] + ids[150:167]
+    pd_generate(pre, dec, "a", first, greedy())
+    got, pre_cached, dec_cached = pd_generate(pre, dec, "b", second, greedy())
+    assert pre_cached == 0 and dec_cached == (shared // PS) * PS
+    assert got == generate(make(smollm2, cache=False), "b", second, greedy())[0]
+    assert dec.num_free_pages == dec.num_total_pages and dec.prefix_cache_stats().hits_tokens == dec_cached
+
+
+@needs_model
+@pytest.mark.model
+def test_decode_same_prompt_twice_sends_only_the_last_page(smollm2, ids):
+    """The same 3-page + 5-token prompt twice through PD with both caches on: the second time prefill computes
+    only its uncached tail and decode needs only the pages after its cached prefix (the page of the last prompt
+    token, which is never shared), and the text repeats."""
+    pre, dec = make(smollm2, mode="prefill", chunk=32), make(smollm2, mode="decode")
+    prompt = ids[:3 * PS + 5]
+    a = pd_generate(pre, dec, "a", prompt, greedy())
+    b = pd_generate(pre, dec, "b", prompt, greedy())
+    assert a[1:] == (0, 0) and b[1:] == (3 * PS, 3 * PS) and a[0] == b[0]
+    page_aligned = ids[:4 * PS]           # a page-aligned prompt: the last page is sent, the 3 before are shared
+    pd_generate(pre, dec, "c", page_aligned, greedy())
+    assert pd_generate(pre, dec, "d", page_aligned, greedy())[2] == 3 * PS

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kv_transfer import AuxData, KVArgs, KVLayout, KVPoll, make_kv_manager
+from kv_transfer.errors import TransferError
 
 PAGE_SIZE = 16
 NUM_PAGES = 48
@@ -35,6 +36,11 @@ def page_pattern(room: int, index: int) -> np.ndarray:
     """Content of prompt page ``index`` of ``room``: float32 [layers, 2, page_size, kv_heads, head_dim]."""
     rng = np.random.default_rng((room % 2**32, index))
     return rng.standard_normal((30, 2, PAGE_SIZE, 3, 64), dtype=np.float32)
+
+
+def cached_pattern(room: int, index: int) -> np.ndarray:
+    """Content of decode's own cached page ``index`` of ``room`` (differs from every ``page_pattern``)."""
+    return np.full((30, 2, PAGE_SIZE, 3, 64), 1000.0 + index + (room % 1000) / 1000, dtype=np.float32)
 
 
 class PageAllocator:
@@ -80,6 +86,7 @@ class SideWorker:
         self.manager = make_kv_manager(self.args, backend)
         self.rooms: dict[int, tuple[Any, list[int]]] = {}   # room → (sender or receiver, pages)
         self.sent_pages: dict[int, int] = {}
+        self.cached_pages: dict[int, int] = {}   # decode: room → leading pages standing for its prefix cache
 
     def start(self) -> int:
         self.manager.start()
@@ -102,7 +109,10 @@ class SideWorker:
         self.rooms[room] = (sender, pages)
         self.sent_pages[room] = 0
         if sender.poll() != KVPoll.Failed:
-            sender.init(len(pages))
+            try:
+                sender.init(len(pages))
+            except TransferError:   # the destination came first and does not fit: the room is Failed
+                pass
 
     def send(self, room: int, num_pages: int, is_last: bool, first_token_id: int = 7) -> bool:
         """Sends the next ``num_pages`` pages; returns whether the chunk's WRITE had been posted when ``send``
@@ -118,17 +128,26 @@ class SideWorker:
         self.rooms[room][0].abort(reason)
 
     # --- decode -------------------------------------------------------------------------------------------
-    def open_receiver(self, room: int, prefill_id: str, num_tokens: int, scatter: bool = False) -> None:
+    def open_receiver(self, room: int, prefill_id: str, num_tokens: int, scatter: bool = False,
+                      cached_tokens: int = 0, claim_cached_tokens: int | None = None) -> None:
+        """Reserves the room's pages. The first ``cached_tokens // PAGE_SIZE`` stand for decode's prefix cache:
+        filled with ``cached_pattern`` and not given to the receiver, which is told ``claim_cached_tokens``
+        (default ``cached_tokens``) leading tokens are cached."""
         receiver = self.manager.create_receiver(room, prefill_id)
         pages = self.pages.alloc(-(-num_tokens // PAGE_SIZE), scatter)
+        skip = cached_tokens // PAGE_SIZE
+        for index, page in enumerate(pages[:skip]):
+            self.pool[page] = cached_pattern(room, index)
         self.rooms[room] = (receiver, pages)
+        self.cached_pages[room] = skip
         if receiver.poll() != KVPoll.Failed:
-            receiver.init(pages)
+            receiver.init(pages[skip:], cached_tokens if claim_cached_tokens is None else claim_cached_tokens)
 
     def check_bytes(self, room: int) -> bool:
-        """Every destination page holds exactly the prefill pattern."""
+        """Every destination page holds exactly the prefill pattern; decode's own cached pages hold theirs."""
         _, pages = self.rooms[room]
-        return all(np.array_equal(self.pool[page], page_pattern(room, i))
+        skip = self.cached_pages.get(room, 0)
+        return all(np.array_equal(self.pool[page], cached_pattern(room, i) if i < skip else page_pattern(room, i))
                    for i, page in enumerate(pages))
 
     def aux(self, room: int) -> tuple[int, float, int] | None:

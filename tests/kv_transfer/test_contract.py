@@ -105,6 +105,52 @@ def test_handshake_happens_once_per_peer_not_per_room(make_side: Any) -> None:
     assert decode.call("metrics")["transfers_total"] == 3
 
 
+@pytest.mark.parametrize("num_tokens,cached_tokens,chunk_tokens", [
+    (PAGE_SIZE + 1, PAGE_SIZE, None),           # one cached page, the partial last page sent
+    (4 * PAGE_SIZE, 3 * PAGE_SIZE, None),       # page-aligned prompt: only its last page moves
+    (100, 2 * PAGE_SIZE, 24),                   # chunks: the first ones are all cached (notification only)
+    (100, 5 * PAGE_SIZE, 40),                   # a chunk split by the cached boundary
+])
+def test_decode_cached_prefix_is_skipped(pair: tuple[Any, Any], num_tokens: int, cached_tokens: int,
+                                         chunk_tokens: int | None) -> None:
+    """Decode holds the first ``cached_tokens`` (its prefix cache) and gives only the rest of its pages:
+    prefill is handed every page of the prompt, as always, and sends only the uncached ones, each into its
+    right destination page; decode's own pages are never written."""
+    prefill, decode = pair
+    before = prefill.call("metrics")
+    room = next(_rooms)
+    decode.call("open_receiver", room, prefill.instance_id, num_tokens, False, cached_tokens)
+    prefill.call("open_sender", room, num_tokens)
+    for num_pages, is_last in chunk_plan(num_tokens, chunk_tokens or num_tokens):
+        prefill.call("send", room, num_pages, is_last)
+    finish(prefill, decode, room)
+    after = prefill.call("metrics")
+    skipped = cached_tokens // PAGE_SIZE
+    sent = -(-num_tokens // PAGE_SIZE) - skipped
+    assert after["skipped_pages_total"] - before["skipped_pages_total"] == skipped
+    page_bytes = 30 * 2 * PAGE_SIZE * 3 * 64 * 4
+    assert after["kv_bytes_total"] - before["kv_bytes_total"] - sent * page_bytes < page_bytes  # + aux only
+    assert_pages_back(prefill, decode)
+
+
+@pytest.mark.parametrize("claim", [2 * PAGE_SIZE, 5])   # the whole 2-page prompt; not page-aligned
+def test_decode_cached_count_that_does_not_fit_fails_before_a_byte_moves(pair: tuple[Any, Any],
+                                                                        claim: int) -> None:
+    prefill, decode = pair
+    room = next(_rooms)
+    if claim % PAGE_SIZE:   # refused by the receiver at once
+        with pytest.raises(Exception, match="page size"):
+            decode.call("open_receiver", room, prefill.instance_id, 2 * PAGE_SIZE, False, 0, claim)
+    else:                   # the receiver cannot know the prompt; prefill refuses the destination
+        decode.call("open_receiver", room, prefill.instance_id, 2 * PAGE_SIZE, False, PAGE_SIZE, claim)
+        prefill.call("open_sender", room, 2 * PAGE_SIZE)
+        wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "prefill refuses")
+        assert "the last page must be sent" in prefill.call("failure", room)
+        wait_for(lambda: decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "decode learns it")
+    assert decode.call("poll", room) == KVPoll.Failed
+    assert_pages_back(prefill, decode)
+
+
 def test_two_rooms_interleaved(pair: tuple[Any, Any]) -> None:
     prefill, decode = pair
     room_a = open_room(prefill, decode, 70)

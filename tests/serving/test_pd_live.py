@@ -4,7 +4,8 @@ streaming and HTTP.
 Invariants: 8 concurrent greedy requests of mixed prompt lengths stream exactly the colocated engine's text
 (which test_colocated_live checks against transformers); ``stream=false`` gives one response; every bad input
 gives one error and ends its stream while a concurrent good request completes; a client cancel gives the pages
-back on both instances; the KV really crossed over NIXL. Teardown (conftest) fails the module if the server does
+back on both instances; the KV really crossed over NIXL; a repeated long prompt moves only the page decode's
+prefix cache lacks. Teardown (conftest) fails the module if the server does
 not shut down cleanly, i.e. if any request was left without FINAL.
 """
 
@@ -104,6 +105,56 @@ def test_http_generate_stream(triton_server, reference) -> None:
     assert "".join(e["text_output"] for e in events) == reference[prompt]
     assert events[-1]["finish_reason"] in ("stop", "length")
     assert all(e["num_output_tokens"] >= 1 for e in events)   # the last response carries the last token too
+
+
+#: ~20 pages of tokens that no other prompt here starts with; the variant differs in its first token only
+LOG = "Notes from the keeper's log. " + " ".join(
+    f"Day {i}: the lamp burned {i % 7 + 2} hours, the wind came from the {('north', 'west', 'south')[i % 3]}."
+    for i in range(24))
+LOG_CHANGED = "Letters" + LOG[len("Notes"):]
+
+
+def _counters(server: Any) -> dict[str, float]:
+    url = server.metrics_url
+    return {"bytes": metric_value(url, "pd_kv_transfer_bytes_total", model="prefill"),
+            "transfers": metric_value(url, "pd_kv_transfers_total", model="prefill"),
+            "skipped_prefill": metric_value(url, "pd_kv_skipped_pages_total", model="prefill"),
+            "skipped_decode": metric_value(url, "pd_kv_skipped_pages_total", model="decode"),
+            "hits_prefill": metric_value(url, "pd_prefix_cache_hits_tokens_total", model="prefill"),
+            "hits_decode": metric_value(url, "pd_prefix_cache_hits_tokens_total", model="decode")}
+
+
+def _one_transfer(server: Any, prompt: str) -> tuple[Any, dict[str, float]]:
+    """Runs ``prompt`` alone; returns the result and the counter deltas it caused (waits for the transfer to
+    be counted: the workers publish counters on their loop ticks)."""
+    before = _counters(server)
+    res = generate(server.grpc_url, prompt)
+    _wait_until(lambda: _counters(server)["transfers"] >= before["transfers"] + 1)
+    time.sleep(0.3)   # the decode side publishes on its own tick
+    after = _counters(server)
+    return res, {k: after[k] - before[k] for k in after}
+
+
+def test_same_long_prompt_twice_moves_only_the_uncached_tail(triton_server) -> None:
+    """Issue #12: the second time, decode already holds every page but the one with the last prompt token
+    (never shared): prefill sends only that page (bytes on the metrics), both caches report the hit, and the
+    text is the first text and the colocated engine's. A prompt whose first token differs reuses nothing."""
+    reference = colocated_greedy_texts([LOG, LOG_CHANGED], GREEDY)
+    first, d1 = _one_transfer(triton_server, LOG)
+    second, d2 = _one_transfer(triton_server, LOG)
+    assert first.error is None and second.error is None
+    assert first.text == second.text == reference[LOG]
+    assert d1["skipped_prefill"] == d1["skipped_decode"] == d1["hits_prefill"] == d1["hits_decode"] == 0
+    skipped = d2["skipped_prefill"]
+    assert skipped >= 10 and d2["skipped_decode"] == skipped
+    assert d2["hits_decode"] == d2["hits_prefill"] == 16 * skipped   # page_size 16, page-aligned
+    page_bytes = (d1["bytes"] - d2["bytes"]) / skipped        # the first time: skipped + 1 pages + aux
+    aux_bytes = d2["bytes"] - page_bytes                      # the second time: 1 page + aux
+    assert page_bytes == 30 * 2 * 16 * 3 * 64 * 4 and 0 <= aux_bytes < 4096   # SmolLM2 fp32 layout
+    changed, d3 = _one_transfer(triton_server, LOG_CHANGED)
+    assert changed.error is None and changed.text == reference[LOG_CHANGED]
+    assert d3["skipped_prefill"] == d3["hits_prefill"] == d3["hits_decode"] == 0
+    assert d3["bytes"] >= (skipped + 1) * page_bytes
 
 
 def _free_pages(server: Any) -> tuple[float, float]:

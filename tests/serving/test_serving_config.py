@@ -55,7 +55,7 @@ def test_prefix_caching_is_on_by_default_and_a_parameter_turns_it_off() -> None:
     for text in ("false", "False", "0", "no"):
         cfg = build_worker_config(_sv(enable_prefix_caching=text), environ={})
         assert cfg.enable_prefix_caching is False and not cfg.engine_config("prefill").enable_prefix_caching
-    assert not WorkerConfig().engine_config("decode").prefix_caching_active   # decode mode: off for now
+    assert WorkerConfig().engine_config("decode").prefix_caching_active   # decode shares its cached prefix too
 
 
 def test_instance_device() -> None:
