@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     return a
+
+
+def _page_size() -> int:
+    """``page_size`` of model_repository/decode (the benchmark does not override it)."""
+    config = (REPO_ROOT / "model_repository" / "decode" / "config.pbtxt").read_text()
+    match = re.search(r'key:\s*"page_size",\s*value:\s*\{\s*string_value:\s*"(\d+)"', config)
+    if match is None:
+        raise RuntimeError("model_repository/decode/config.pbtxt has no page_size")
+    return int(match.group(1))
 
 
 def _settled_counters(url: str, models: tuple[str, ...], timeout_s: float = 5.0) -> dict[str, float | None]:
@@ -169,7 +179,8 @@ def _print_ratios(line: Mapping[str, Any]) -> None:
               f"{line[f'{dep}_answers_equal_on_off']}")
     print(f"pd: KV bytes per request cache on / off = {f(line['pd_kv_ratio_on_over_off'])} against "
           f"1 - decode hit rate = {f(line['pd_kv_bound_1_minus_decode_hit'])} "
-          f"(target met: {line['pd_kv_target_met']}); "
+          f"(target met: {line['pd_kv_target_met']}; with prompts rounded up to whole pages: "
+          f"{f(line['pd_kv_bound_page_rounded'])}); "
           f"prefill hit rate {f(line['pd_prefill_hit_rate_on'])}, decode {f(line['pd_decode_hit_rate_on'])}")
 
 
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         results[cfg.name], infos[cfg.name] = run_config(cfg, system, a)
         summaries[cfg.name] = summarize_config(results[cfg.name], cfg.engine_models())
         logger.info("%s: %s", cfg.name, json.dumps(summaries[cfg.name]))
-    line = final_line(summaries, results)
+    line = final_line(summaries, results, page_size=_page_size())
     line["loadavg_1m"] = {name: [info["loadavg_before"][0], info["loadavg_after"][0]]
                           for name, info in infos.items()}
     print(format_table(summaries, line["loadavg_1m"]))

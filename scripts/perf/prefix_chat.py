@@ -237,11 +237,22 @@ def answers_equal(on: Sequence[TurnResult], off: Sequence[TurnResult]) -> str | 
     return f"{sum(a == b for a, b in pairs)}/{len(pairs)}" if pairs else None
 
 
+def page_rounded_bound(results: Sequence[TurnResult], page_size: int) -> float | None:
+    """1 - decode's hit tokens / its prompts' tokens rounded up to whole pages: the KV bytes ratio on / off
+    that sending every page after decode's cached prefix gives. KV moves in pages and a hit is whole pages, so each
+    prompt's last, partly filled page is sent with and without the cache: the ratio is at or above
+    ``1 - hit rate`` (equal only when every prompt fills its last page). None without decode hit counts."""
+    hits = _total(results, "decode_hits")
+    paged_tokens = sum(-(-r.num_prompt_tokens // page_size) * page_size for r in results)
+    return None if hits is None or not paged_tokens else 1.0 - hits / paged_tokens
+
+
 def final_line(summaries: Mapping[str, Mapping[str, Any]],
-               results: Mapping[str, Sequence[TurnResult]]) -> dict[str, Any]:
+               results: Mapping[str, Sequence[TurnResult]], page_size: int = 16) -> dict[str, Any]:
     """The issue's figures: per deployment TTFT p50 turns 2+ on / off (target <= 0.3); for PD, KV bytes per
     request on / off against (1 - decode's hit rate with the cache on) (target: ratio <= that bound; None when
-    decode reports no cache queries: then it has no cache to save bytes with)."""
+    decode reports no cache queries: then it has no cache to save bytes with), and beside it the same bound
+    with prompts rounded up to ``page_size`` pages (``page_rounded_bound``)."""
     line: dict[str, Any] = {}
     for dep in ("pd", "colo"):
         on, off = summaries.get(f"{dep}_on", {}), summaries.get(f"{dep}_off", {})
@@ -261,6 +272,7 @@ def final_line(summaries: Mapping[str, Mapping[str, Any]],
                 pd_kv_ratio_on_over_off=kv_ratio, pd_prefill_hit_rate_on=on.get("prefill_hit_rate"),
                 pd_decode_hit_rate_on=decode_hit, pd_kv_bound_1_minus_decode_hit=bound,
                 pd_kv_target_met=None if kv_ratio is None or bound is None else kv_ratio <= bound,
+                pd_kv_bound_page_rounded=page_rounded_bound(results.get("pd_on", ()), page_size),
                 colo_hit_rate_on=summaries.get("colo_on", {}).get("colocated_hit_rate"))
     return line
 

@@ -20,6 +20,7 @@ from perf.prefix_chat import (
     final_line,
     format_table,
     hit_rate,
+    page_rounded_bound,
     schedule,
     summarize_config,
     system_prompt,
@@ -191,3 +192,14 @@ def test_answers_compare_by_conversation_and_turn() -> None:
     on = [_turn(1, 0, 1.0, 0, 0, 1, "p"), _turn(0, 0, 1.0, 0, 0, 1, "q")]
     off = [_turn(0, 0, 1.0, 0, 0, 1, "q"), _turn(1, 0, 1.0, 0, 0, 1, "p")]
     assert answers_equal(on, off) == "2/2" and answers_equal(on, []) is None
+
+
+def test_page_rounded_bound_sends_each_prompts_partial_last_page() -> None:
+    # 40-token prompt, 32 tokens (2 pages of 16) cached: 3 pages without the cache, 1 with it
+    one = [TurnResult(0, 1, 40, 5.0, {"decode_hits": 32.0, "decode_queries": 40.0}, "a")]
+    assert page_rounded_bound(one, 16) == pytest.approx(1 / 3)
+    assert 1 - 32 / 40 < page_rounded_bound(one, 16)       # 0.2: the token-level bound cannot be reached
+    full = [TurnResult(0, 1, 48, 5.0, {"decode_hits": 32.0, "decode_queries": 48.0}, "a")]
+    assert page_rounded_bound(full, 16) == pytest.approx(1 - 32 / 48)   # a full last page: the bounds agree
+    assert page_rounded_bound([TurnResult(0, 0, 40, 5.0, {"decode_hits": None}, "a")], 16) is None
+    assert bench_prefix_cache_serving._page_size() == 16
