@@ -34,6 +34,8 @@ class RequestRecord:
             token-carrying responses).
         done_s: perf_counter when the final response arrived, in s (``None`` while unfinished).
         error: the error message when the request failed, else ``None``.
+        text: the generated text, the responses' ``text_output`` joined in arrival order (a multi-turn
+            client sends it back in the next turn's prompt).
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class RequestRecord:
     num_output_tokens: int = 0
     done_s: float | None = None
     error: str | None = None
+    text: str = ""
 
     @property
     def ok(self) -> bool:

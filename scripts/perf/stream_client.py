@@ -84,7 +84,9 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
             prompt = _int_output(result, "num_input_tokens")
             if prompt:
                 record.num_prompt_tokens = prompt
-            text = result.as_numpy("text_output") if delta is None else None
+            text = result.as_numpy("text_output")
+            if text is not None and text.size > 0:
+                record.text += text.reshape(-1)[0].decode()   # n = 1: one entry per response
             new_tokens = delta if delta is not None else int(text is not None and text.size > 0)
             if new_tokens > 0:
                 record.token_times_s.append(now)
