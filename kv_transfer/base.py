@@ -59,12 +59,15 @@ class BaseKVSender(ABC):
         """A copy of this room's timestamps (``time.monotonic`` seconds; None where not reached)."""
 
     @abstractmethod
-    def init(self, num_pages: int) -> None:
-        """Caller: the prefill worker, once, before the first ``send``. ``num_pages`` (> 0) is the number of
-        pages the prompt's KV spans (all of them, whatever decode holds already: the sender drops the leading
+    def init(self, num_pages: int, num_tokens: int | None = None) -> None:
+        """Caller: the prefill worker, once, before the first ``send``. ``num_tokens``, when given, is the
+        prompt's length: then only the filled token slots of a partly filled last page are written (the rest of
+        that page holds no KV), so the bytes moved are the prompt's KV and nothing more. ``num_pages`` (> 0) is
+        the number of pages the prompt's KV spans (all of them, whatever decode holds already: the sender drops the leading
         pages decode's destination says it has cached, and sends only the rest). Raises ``TransferError`` (and
-        fails the room) when ``num_pages`` <= 0, or the destination decode published does not fit it (fewer
-        pages than the uncached rest, or a cached count that is not page-aligned or covers the last page)."""
+        fails the room) when ``num_pages`` <= 0 or disagrees with ``num_tokens``, or the destination decode
+        published does not fit it (fewer pages than the uncached rest, or a cached count that is not
+        page-aligned or covers the last page)."""
 
     @abstractmethod
     def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:

@@ -64,6 +64,19 @@ class BlockTable:
         nbytes = np.where(is_aux, AUX_SLOT_BYTES, self.kv_desc_bytes)
         return np.stack([addr, nbytes], axis=1).astype(np.int64)
 
+    def partial_page_spans(self, page: PageId, num_tokens: int) -> np.ndarray:
+        """(address, nbytes) of the first ``num_tokens`` token slots of ``page`` in every (layer, K/V) block:
+        int64 ``[2 * num_layers, 2]``, in address order. A page whose last slots hold no KV yet (a prompt's
+        last page) is sent as these spans instead of the whole page. Raises ``ValueError`` for a page out of
+        range or ``num_tokens`` outside ``[1, page_size]``."""
+        layout = self.layout
+        if not 0 <= page < layout.num_pages or not 1 <= num_tokens <= layout.page_size:
+            raise ValueError(f"page {page} / {num_tokens} tokens out of range")
+        blocks = np.arange(2 * layout.num_layers, dtype=np.int64)
+        addr = self.kv_base_ptr + page * layout.page_bytes + blocks * layout.block_bytes
+        nbytes = np.full_like(addr, num_tokens * (layout.block_bytes // layout.page_size))
+        return np.stack([addr, nbytes], axis=1)
+
     def descriptors(self, start: int, stop: int, device_id: int = 0) -> np.ndarray:
         """Descriptors of indices ``[start, stop)``: int64 ``[stop - start, 3]`` (address, nbytes,
         device id)."""

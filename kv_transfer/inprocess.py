@@ -82,8 +82,15 @@ class InProcessTransport(Transport):
                    notif: bytes) -> object:
         if peer not in self._peers or not self._fabric.is_attached(peer) or self._table is None:
             raise TransportError(f"agent {peer} was not added or is gone")
+        return self.post_write_spans(peer, self._table.spans(local_indices),
+                                     self._peers[peer].spans(remote_indices), notif)
+
+    def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
+                         notif: bytes) -> object:
+        if peer not in self._peers or not self._fabric.is_attached(peer) or self._table is None:
+            raise TransportError(f"agent {peer} was not added or is gone")
         try:
-            runs = merge_runs(self._table.spans(local_indices), self._peers[peer].spans(remote_indices))
+            runs = merge_runs(local_spans, remote_spans)
         except ValueError as exc:
             raise TransportError(f"descriptors do not match between the two sides: {exc}") from exc
         for src_ptr, dst_ptr, nbytes in zip(runs.src_addrs.tolist(), runs.dst_addrs.tolist(),

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class Metrics:
-    kv_bytes_total: int = 0          # bytes posted (prefill) — KV pages plus aux
+    kv_bytes_total: int = 0          # KV bytes posted (prefill): whole pages, and the filled slots of a
+                                     # prompt's partly filled last page (aux data not counted)
     chunks_total: int = 0            # chunks posted (prefill) or received (decode)
     transfers_total: int = 0         # rooms that reached Success
     failed_rooms_total: int = 0      # rooms that ended Failed (timeouts included)

@@ -143,8 +143,16 @@ class MooncakeTransport(Transport):
         target = self._peers.get(peer)
         if target is None or self._table is None:
             raise TransportError(f"agent {peer} was not added")
+        return self.post_write_spans(peer, self._table.spans(local_indices), target.table.spans(remote_indices),
+                                     notif)
+
+    def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
+                         notif: bytes) -> object:
+        target = self._peers.get(peer)
+        if target is None or self._table is None:
+            raise TransportError(f"agent {peer} was not added")
         try:
-            runs = merge_runs(self._table.spans(local_indices), target.table.spans(remote_indices))
+            runs = merge_runs(local_spans, remote_spans)
         except ValueError as exc:
             raise TransportError(str(exc)) from exc
         write = MooncakeWrite(peer, runs.src_addrs.tolist(), runs.dst_addrs.tolist(), runs.nbytes.tolist(),

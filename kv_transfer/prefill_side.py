@@ -20,7 +20,6 @@ import numpy as np
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 from bootstrap.messages import Destination
-from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
@@ -33,7 +32,9 @@ from kv_transfer.tags import Tag, TagKind, chunk_tag
 from kv_transfer.transport import Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
-_Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, 'Tag | None']
+# (sender, chunk, peer, local, remote, tag, KV bytes): local/remote are descriptor indices (int64 [n]) or, for a
+# last chunk whose last page is partly filled, explicit spans (int64 [n, 2] address, nbytes)
+_Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, 'Tag | None', int]
 
 
 class PrefillSide:
@@ -196,9 +197,11 @@ class PrefillSide:
             self.metrics.skipped_pages_total += drop
             chunk = replace(chunk, src_pages=chunk.src_pages[drop:], dst_start=chunk.dst_start + drop - skip)
         dst_pages = dest.dst_page_ids[chunk.dst_start:chunk.dst_start + len(chunk.src_pages)]
+        page_bytes = self._table.kv_desc_bytes
         if not (chunk.is_last and chunk.aux is not None):
             local, remote = self._table.kv_indices(chunk.src_pages), peer.table.kv_indices(dst_pages)
-            return sender, chunk, peer, local, remote, chunk_tag(sender.room, dest.xfer_id, chunk.index, 0)
+            return (sender, chunk, peer, local, remote, chunk_tag(sender.room, dest.xfer_id, chunk.index, 0),
+                    len(chunk.src_pages) * page_bytes)
         slot = self._aux.alloc()
         if slot is None:  # aux_slots bounds the last chunks in flight
             self._fail(sender, "no free aux staging slot (raise KVArgs.aux_slots)")
@@ -206,25 +209,44 @@ class PrefillSide:
         self._aux.write(slot, chunk.aux)
         sender.local_aux_slot = slot
         tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1)
-        if self._args.mem_type == "DRAM":   # one WRITE: the KV blocks and the aux slot
-            return (sender, chunk, peer, self._table.kv_indices(chunk.src_pages, aux_slot=slot),
-                    peer.table.kv_indices(dst_pages, aux_slot=dest.aux_slot), tag)
+        dram = self._args.mem_type == "DRAM"
+        partial = sender.last_page_tokens
+        if partial is not None and chunk.src_pages:
+            # the prompt's last page holds ``partial`` tokens: only those slots are written (the rest of the
+            # page holds no KV yet), as explicit spans in one WRITE with the whole pages before it
+            local = np.concatenate([self._table.spans(self._table.kv_indices(chunk.src_pages[:-1])),
+                                    self._table.partial_page_spans(chunk.src_pages[-1], partial)])
+            remote = np.concatenate([peer.table.spans(peer.table.kv_indices(dst_pages[:-1])),
+                                     peer.table.partial_page_spans(dst_pages[-1], partial)])
+            kv_bytes = int(local[:, 1].sum())
+            if dram:   # one WRITE: the KV spans and the aux slot
+                local = np.concatenate([local, self._table.spans(np.array([self._table.aux_index(slot)]))])
+                remote = np.concatenate([remote, peer.table.spans(np.array([peer.table.aux_index(dest.aux_slot)]))])
+        else:
+            local = self._table.kv_indices(chunk.src_pages, aux_slot=slot if dram else None)
+            remote = peer.table.kv_indices(dst_pages, aux_slot=dest.aux_slot if dram else None)
+            kv_bytes = len(chunk.src_pages) * page_bytes
+        if dram:
+            return sender, chunk, peer, local, remote, tag, kv_bytes
         # KV and aux live in different memory types: the aux WRITE (carrying the last tag) goes out once
         # the KV WRITE is done, so the tag still means "everything has landed"
         sender.aux_post = (np.array([self._table.aux_index(slot)], dtype=np.int64),
                            np.array([peer.table.aux_index(dest.aux_slot)], dtype=np.int64), tag)
-        return (sender, chunk, peer, self._table.kv_indices(chunk.src_pages),
-                peer.table.kv_indices(dst_pages), None)
+        return sender, chunk, peer, local, remote, None, kv_bytes
 
     def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
-              tag: Tag | None) -> None:
+              tag: Tag | None, kv_bytes: int = 0) -> None:
         """Posts one prepared chunk (``sender.posting`` counted it when it left the queue; this uncounts it
         under the same lock that records the handle, so no thread ever sees the chunk neither queued, posting
         nor in flight)."""
         notif = tag.encode() if tag is not None else b""
         post_start_s = time.monotonic()
         try:
-            handle = self._transport.post_write(peer.agent_name, local, remote, notif) if len(local) else None
+            handle = None
+            if len(local) and local.ndim == 2:
+                handle = self._transport.post_write_spans(peer.agent_name, local, remote, notif)
+            elif len(local):
+                handle = self._transport.post_write(peer.agent_name, local, remote, notif)
             if handle is None and tag is not None:
                 self._transport.send_notif(peer.agent_name, notif)
         except TransportError as exc:
@@ -244,9 +266,7 @@ class PrefillSide:
                 sender.inflight.append(handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
             sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
-            kv_descs = len(chunk.src_pages)   # one per page; the rest: aux slots
-            self.metrics.kv_bytes_total += (kv_descs * self._table.kv_desc_bytes
-                                            + (len(local) - kv_descs) * AUX_SLOT_BYTES)
+            self.metrics.kv_bytes_total += kv_bytes   # KV only; the aux slot is not counted
             self.metrics.chunks_total += 1
 
     # --- progress, notifications, peers ------------------------------------------------------------------

@@ -62,6 +62,7 @@ class KVSender(BaseKVSender):
         self.state = KVPoll.Bootstrapping
         self._failure: TransferError | None = None
         self.num_pages: int | None = None
+        self.last_page_tokens: int | None = None   # tokens of a partly filled last prompt page (None: full/unknown)
         self.destination: Destination | None = None
         self.peer: Peer | None = None
         self.queued: deque[Chunk] = deque()
@@ -93,13 +94,18 @@ class KVSender(BaseKVSender):
         with self._lock:
             return SenderTimings(**vars(self.times))
 
-    def init(self, num_pages: int) -> None:
-        """Declares how many pages the prompt's KV spans. Raises ``TransferError`` if the destination (with the
-        pages decode already holds) does not match."""
+    def init(self, num_pages: int, num_tokens: int | None = None) -> None:
+        """Declares how many pages (and, when known, tokens) the prompt's KV spans. Raises ``TransferError`` if
+        they disagree, or the destination (with the pages decode already holds) does not match."""
         with self._lock:
             if num_pages <= 0:
                 raise self._fail_and_raise(f"init with {num_pages} pages")
+            if num_tokens is not None and -(-num_tokens // self._page_size) != num_pages:
+                raise self._fail_and_raise(f"{num_tokens} tokens do not span {num_pages} pages of "
+                                           f"{self._page_size}")
             self.num_pages = num_pages
+            partial = num_tokens - (num_pages - 1) * self._page_size if num_tokens is not None else None
+            self.last_page_tokens = partial if partial is not None and partial < self._page_size else None
             reason = self._destination_mismatch()
             if reason is not None:
                 raise self._fail_and_raise(reason)

@@ -68,6 +68,14 @@ class Transport(ABC):
         Raises ``TransportError`` (nothing was posted)."""
 
     @abstractmethod
+    def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
+                         notif: bytes) -> object:
+        """Posts one WRITE of explicit spans: int64 ``[n, 2]`` (address, nbytes) each, pairwise equal sizes,
+        every span inside the regions ``register`` (here) and ``add_peer`` (there) covered; for what the
+        descriptor index space cannot name (a prompt's partly filled last page). Same contract as
+        ``post_write`` otherwise. Raises ``TransportError`` (nothing was posted)."""
+
+    @abstractmethod
     def check(self, handle: object) -> XferState:
         """Non-blocking progress check of a posted write; ERR means the peer may have got part of it."""
 
@@ -121,6 +129,11 @@ class LockedTransport(Transport):
                    notif: bytes) -> object:
         with self._lock:
             return self._inner.post_write(peer, local_indices, remote_indices, notif)
+
+    def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
+                         notif: bytes) -> object:
+        with self._lock:
+            return self._inner.post_write_spans(peer, local_spans, remote_spans, notif)
 
     def check(self, handle: object) -> XferState:
         with self._lock:

@@ -19,7 +19,8 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
 ``pd_generation_tokens_total``      counter  generated tokens of finished requests
 ``pd_engine_steps_total``           counter  engine steps
 ``pd_engine_step_seconds_total``    counter  time spent in engine steps
-``pd_kv_transfer_bytes_total``      counter  KV bytes posted to decode instances (prefill)
+``pd_kv_transfer_bytes_total``      counter  KV bytes posted to decode instances (prefill): whole pages, and only
+                                             the filled slots of a prompt's last page (aux data not counted)
 ``pd_kv_transfers_total``           counter  rooms whose KV transfer reached Success
 ``pd_kv_failed_rooms_total``        counter  rooms whose KV transfer failed (timeouts included)
 ``pd_kv_timed_out_rooms_total``     counter  rooms failed by the bootstrap or waiting timeout

@@ -4,7 +4,7 @@ Lifecycle of one request (SGLang's prefill side), every step but the first on th
 
 1. ``handle`` (Triton's execute thread): tokenize; the job joins the **bootstrap queue** with a KV sender for
    its room (``Bootstrapping`` until the decode side has posted where to write);
-2. the sender reaches ``WaitingForInput``: ``sender.init(num_pages)``, the request joins the engine's
+2. the sender reaches ``WaitingForInput``: ``sender.init(num_pages, num_tokens)``, the request joins the engine's
    **waiting** queue, then runs with chunked prefill; after each chunk its completed pages go out with
    ``sender.send`` (one-sided NIXL WRITEs into decode's pages);
 3. after the last chunk, the first token goes to the client at once and the job moves to **inflight**: its
@@ -149,7 +149,7 @@ class PrefillWorker:
         assert job.sender is not None
         num_pages = -(-len(job.token_ids) // self._page_size)
         try:
-            job.sender.init(num_pages)
+            job.sender.init(num_pages, len(job.token_ids))   # a partly filled last page: only its filled slots
         except TransferError as e:
             self._end_failed(job, str(e))
             return

@@ -87,6 +87,7 @@ class SideWorker:
         self.rooms: dict[int, tuple[Any, list[int]]] = {}   # room → (sender or receiver, pages)
         self.sent_pages: dict[int, int] = {}
         self.cached_pages: dict[int, int] = {}   # decode: room → leading pages standing for its prefix cache
+        self.num_tokens: dict[int, int] = {}     # decode: room → prompt tokens
 
     def start(self) -> int:
         self.manager.start()
@@ -110,7 +111,7 @@ class SideWorker:
         self.sent_pages[room] = 0
         if sender.poll() != KVPoll.Failed:
             try:
-                sender.init(len(pages))
+                sender.init(len(pages), num_tokens)
             except TransferError:   # the destination came first and does not fit: the room is Failed
                 pass
 
@@ -140,15 +141,27 @@ class SideWorker:
             self.pool[page] = cached_pattern(room, index)
         self.rooms[room] = (receiver, pages)
         self.cached_pages[room] = skip
+        self.num_tokens[room] = num_tokens
         if receiver.poll() != KVPoll.Failed:
             receiver.init(pages[skip:], cached_tokens if claim_cached_tokens is None else claim_cached_tokens)
 
     def check_bytes(self, room: int) -> bool:
-        """Every destination page holds exactly the prefill pattern; decode's own cached pages hold theirs."""
+        """Every destination page holds exactly the prefill pattern (a partly filled last page: in its filled
+        token slots, the others still the sentinel: nothing but the prompt's KV was written); decode's own
+        cached pages hold theirs."""
         _, pages = self.rooms[room]
         skip = self.cached_pages.get(room, 0)
-        return all(np.array_equal(self.pool[page], cached_pattern(room, i) if i < skip else page_pattern(room, i))
-                   for i, page in enumerate(pages))
+        filled = self.num_tokens[room] - (len(pages) - 1) * PAGE_SIZE
+        for i, page in enumerate(pages):
+            want = cached_pattern(room, i) if i < skip else page_pattern(room, i)
+            if i == len(pages) - 1 and i >= skip and filled < PAGE_SIZE:
+                got = self.pool[page]
+                if not (np.array_equal(got[:, :, :filled], want[:, :, :filled])
+                        and (got[:, :, filled:] == SENTINEL).all()):
+                    return False
+            elif not np.array_equal(self.pool[page], want):
+                return False
+        return True
 
     def aux(self, room: int) -> tuple[int, float, int] | None:
         aux = self.rooms[room][0].aux

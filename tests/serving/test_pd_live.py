@@ -137,8 +137,9 @@ def _one_transfer(server: Any, prompt: str) -> tuple[Any, dict[str, float]]:
 
 def test_same_long_prompt_twice_moves_only_the_uncached_tail(triton_server) -> None:
     """Issue #12: the second time, decode already holds every page but the one with the last prompt token
-    (never shared): prefill sends only that page (bytes on the metrics), both caches report the hit, and the
-    text is the first text and the colocated engine's. A prompt whose first token differs reuses nothing."""
+    (never shared): prefill sends only that page's filled slots (bytes on the metrics), both caches report the
+    hit, and the text is the first text and the colocated engine's. A prompt whose first token differs reuses
+    nothing."""
     reference = colocated_greedy_texts([LOG, LOG_CHANGED], GREEDY)
     first, d1 = _one_transfer(triton_server, LOG)
     second, d2 = _one_transfer(triton_server, LOG)
@@ -148,13 +149,14 @@ def test_same_long_prompt_twice_moves_only_the_uncached_tail(triton_server) -> N
     skipped = d2["skipped_prefill"]
     assert skipped >= 10 and d2["skipped_decode"] == skipped
     assert d2["hits_decode"] == d2["hits_prefill"] == 16 * skipped   # page_size 16, page-aligned
-    page_bytes = (d1["bytes"] - d2["bytes"]) / skipped        # the first time: skipped + 1 pages + aux
-    aux_bytes = d2["bytes"] - page_bytes                      # the second time: 1 page + aux
-    assert page_bytes == 30 * 2 * 16 * 3 * 64 * 4 and 0 <= aux_bytes < 4096   # SmolLM2 fp32 layout
+    token_bytes = 30 * 2 * 3 * 64 * 4       # SmolLM2 layout, fp32: one token's K and V of every layer
+    prompt_tokens = d1["bytes"] / token_bytes   # the first time: the whole prompt's KV, nothing more
+    assert prompt_tokens == int(prompt_tokens) and 16 * skipped < prompt_tokens <= 16 * (skipped + 1)
+    assert d2["bytes"] == (prompt_tokens - 16 * skipped) * token_bytes   # only the tail decode lacked
     changed, d3 = _one_transfer(triton_server, LOG_CHANGED)
     assert changed.error is None and changed.text == reference[LOG_CHANGED]
     assert d3["skipped_prefill"] == d3["hits_prefill"] == d3["hits_decode"] == 0
-    assert d3["bytes"] >= (skipped + 1) * page_bytes
+    assert d3["bytes"] >= (prompt_tokens - 8) * token_bytes   # (about) the whole prompt again
 
 
 def _free_pages(server: Any) -> tuple[float, float]:
