@@ -7,6 +7,13 @@ chunk is one ``make_prepped_xfer`` with index lists — NIXL merges runs contigu
 up at handshake with a notification (the first transfer to a new peer otherwise pays ~10 ms of lazy set-up);
 the progress thread is off because the manager thread polls; failures raise (a dead peer gives
 ``nixlRemoteDisconnectError`` from ``transfer``/``check_xfer_state``).
+
+Copy threads (host memory): on one host UCX moves the bytes with ``cma`` (``process_vm_writev``), one kernel
+copy with cached stores in the posting thread, ~0.55x a streaming memcpy of a 4k prompt's 180 MiB here
+(docs/benchmarks.md, "KV transfer"). Where this process may run on two or more cores, the UCX backend gets
+``COPY_THREADS`` dedicated threads (NIXL's ``num_threads``) and a WRITE of at least ``SPLIT_MIN_DESCS``
+descriptors is posted unmerged, so NIXL splits it between them (it splits by descriptor count; a merged run
+is one descriptor). A process pinned to one core (serving's ``cpu_affinity``) keeps the single-thread path.
 """
 
 from __future__ import annotations
@@ -31,6 +38,14 @@ LOCAL = "NIXL_INIT_AGENT"   # nixl's name for "this agent" in prep_xfer_dlist
 # This is the one place the package touches the environment; values already set by the operator win.
 UCX_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_NET_DEVICES": "lo"}
 INFINIBAND_SYSFS = "/sys/class/infiniband"
+#: Dedicated copy threads of the UCX backend where the process may use that many cores (see module docstring).
+COPY_THREADS = 2
+#: Smallest WRITE (descriptors: pages + aux slot) split between the copy threads; smaller ones (a 128-token
+#: chunk is 9) gain less than the hand-off costs.
+SPLIT_MIN_DESCS = 16
+SPLIT_WAIT_S = 0.25      # longest wait of post_write for a split WRITE: the first one to a peer needs the
+#                          peer to progress (the copy threads connect lazily); after it the manager tracks it
+SPLIT_POLL_S = 0.00005
 
 
 def ucx_defaults() -> dict[str, str]:
@@ -61,9 +76,19 @@ def _nixl_errors() -> tuple[type[BaseException], ...]:
     return found + (RuntimeError,)
 
 
+def copy_threads_for(mem_type: str) -> int:
+    """``COPY_THREADS`` for host memory where the calling thread may run on that many cores, else 0 (the
+    backend's plain single-thread path)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return COPY_THREADS if mem_type == "DRAM" and cores >= COPY_THREADS else 0
+
+
 class NixlTransport(Transport):
-    def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0) -> None:
-        """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``."""
+    def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0,
+                 copy_threads: int | None = None) -> None:
+        """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``.
+        ``copy_threads``: the UCX backend's dedicated copy threads; None: ``copy_threads_for(mem_type)`` when
+        ``register`` runs (after serving pinned the process, if it does); 0: none."""
         apply_ucx_defaults()   # before nixl is imported (``_nixl_errors``): UCX reads some at load
         self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
         self._mem_type = mem_type
@@ -75,6 +100,7 @@ class NixlTransport(Transport):
         self._num_kv_descs = 0
         # agent name → (its prepared lists, its number of KV blocks)
         self._peer_dlists: dict[str, tuple[list[object], int]] = {}
+        self._copy_threads = copy_threads
 
     @property
     def agent_name(self) -> str:
@@ -85,7 +111,12 @@ class NixlTransport(Transport):
         in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
-        self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        if self._copy_threads is None:
+            self._copy_threads = copy_threads_for(self._mem_type)
+        self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        params = {"num_threads": str(self._copy_threads),
+                  "split_batch_size": str(SPLIT_MIN_DESCS)} if self._copy_threads > 1 else {}
+        self._agent.create_backend("UCX", params)
         kv_region = (table.kv_base_ptr, table.layout.pool_bytes, self._device_id, "")
         aux_region = (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES, 0, "")
         if self._mem_type == "DRAM":
@@ -146,10 +177,13 @@ class NixlTransport(Transport):
         remote_dlist, remote_indices = self._select(remote_dlists, remote_indices, remote_kv_blocks)
         handle = None
         try:
+            split = (self._copy_threads or 0) > 1 and len(local_indices) >= SPLIT_MIN_DESCS
             handle = self._agent.make_prepped_xfer("WRITE", local_dlist, local_indices, remote_dlist,
-                                                   remote_indices, notif)
+                                                   remote_indices, notif, skip_desc_merge=split)
             if self._agent.transfer(handle) == "ERR":
                 raise TransportError(f"transfer to {peer} returned ERR")
+            if split:
+                self._wait_split(handle)
         except self._errors as exc:
             if handle is not None:
                 self._safe_release(handle)
@@ -165,7 +199,8 @@ class NixlTransport(Transport):
             raise TransportError(f"agent {peer} was not added")
         if len(local_spans) != len(remote_spans) or not np.array_equal(local_spans[:, 1], remote_spans[:, 1]):
             raise TransportError("local and remote spans differ in count or size")
-        device = np.full((len(local_spans), 1), self._device_id if self._mem_type != "DRAM" else 0, dtype=np.int64)
+        device = np.full((len(local_spans), 1), self._device_id if self._mem_type != "DRAM" else 0,
+                         dtype=np.int64)
         handle = None
         try:
             local = self._agent.get_xfer_descs(np.hstack([local_spans, device]), self._mem_type)
@@ -173,11 +208,26 @@ class NixlTransport(Transport):
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
             if self._agent.transfer(handle) == "ERR":
                 raise TransportError(f"transfer to {peer} returned ERR")
+            if (self._copy_threads or 0) > 1 and len(local_spans) >= SPLIT_MIN_DESCS:
+                self._wait_split(handle)   # NIXL may split it between the copy threads, as post_write's
         except self._errors as exc:
             if handle is not None:
                 self._safe_release(handle)
             raise TransportError(f"write to {peer} failed: {exc!r}") from exc
         return handle
+
+    def _wait_split(self, handle: object) -> None:
+        """Waits (sleeping, so the copy threads keep the cores) until a split WRITE is done, up to
+        ``SPLIT_WAIT_S``: NIXL sends its notification only from a ``check_xfer_state`` that sees every chunk
+        done, which would otherwise wait for the manager's next tick. Like the single-thread path, where the
+        copy runs inside ``transfer``, the WRITE is then complete when ``post_write`` returns. Never raises:
+        the WRITE is posted, and a failure shows in the caller's next ``check``."""
+        deadline_s = time.monotonic() + SPLIT_WAIT_S
+        try:
+            while self._agent.check_xfer_state(handle) == "PROC" and time.monotonic() < deadline_s:
+                time.sleep(SPLIT_POLL_S)
+        except self._errors as exc:
+            logger.warning("check_xfer_state of a split write failed: %r", exc)
 
     def check(self, handle: object) -> XferState:
         try:

@@ -3,6 +3,7 @@ to a decode process over a KV backend (NIXL, Mooncake), against a plain memcpy o
 
 Usage: python scripts/bench_kv_transfer.py [--backend nixl,mooncake] [--reps 20] [--scatter]
                                            [--sizes 128,1024,4096] [--cold] [--no-inline]
+                                           [--no-huge-pages]
 The pool is page-major (``kv_transfer.layout`` v2): a page is one contiguous region, so ``--scatter`` (random
 pages on both sides) moves one descriptor per page instead of merging runs.
 Prints one line per size, then a JSON object (last line; with several backends ``{"backends": {name: ...}}``)
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -56,12 +58,22 @@ def _wait(pred, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
+def engine_pool(huge_pages: bool) -> np.ndarray:
+    """A pool allocated as the engine allocates it (``engine.kv_pool.KVPool``: huge pages unless
+    ``--no-huge-pages``), as a flat float32 array; the pool object lives as long as the array."""
+    from engine.kv_pool import KVPool, KVShape
+
+    pool = KVPool(KVShape(num_layers=30, num_kv_heads=3, head_dim=64, page_size=PAGE_SIZE), NUM_PAGES,
+                  torch.float32, "cpu", huge_pages=huge_pages)
+    return pool.storage.numpy().reshape(-1)   # [pool floats]; numpy keeps the tensor (and its memory) alive
+
+
 def worker(role: str, url: str, backend: str, cold: bool, inline: bool,  # type: ignore[no-untyped-def]
-           conn) -> None:
+           huge_pages: bool, conn) -> None:
     """One engine-like process: a KV pool (touched), a manager, commands from the pipe."""
     layout = smollm2_layout(NUM_PAGES)
-    pool = np.random.default_rng(1).random(layout.pool_bytes // 4, dtype=np.float32) if role == "prefill" \
-        else np.ones(layout.pool_bytes // 4, dtype=np.float32)  # touched: first-touch page faults excluded
+    pool = engine_pool(huge_pages)   # touched: first-touch page faults excluded
+    pool[:] = np.random.default_rng(1).random(len(pool), dtype=np.float32) if role == "prefill" else 1.0
     forward = ForwardPass(pool.reshape(NUM_PAGES, -1), cold)   # page-major: [num_pages, page floats]
     args = KVArgs(instance_id=f"{role}-0", role=role, kv_base_ptr=pool.ctypes.data, kv_nbytes=pool.nbytes,
                   layout=layout, model_id="smollm2-135m", bootstrap_url=url, inline_progress=inline)
@@ -124,17 +136,21 @@ def send_room(manager: object, room: int, pages: list[int],
 class MemcpyBaseline:
     """The same bytes copied with a plain memcpy (numpy copyto) between two touched pools in one process, two
     ways: page for page as the transfer moves them (one copy per run of pages), and as one flat copy of the
-    same byte count. The faster of the two is the baseline (the harder target)."""
+    same byte count. The faster of the two is the baseline (the harder target). Also timed: one copy per page
+    (737,280 bytes each), which stays below glibc's non-temporal threshold (``x86_non_temporal_threshold``,
+    114 MiB on this host) and so copies with cached stores, as the kernel's ``process_vm_writev`` does; a
+    single copy of a 4k prompt's 180 MiB is above it and streams with non-temporal stores."""
 
-    def __init__(self, cold: bool) -> None:
-        layout = smollm2_layout(NUM_PAGES)
-        shape = (NUM_PAGES, layout.page_bytes // 4)
-        self.src = np.random.default_rng(0).random(shape, dtype=np.float32)  # [pages, page floats]
-        self.dst = np.ones(shape, dtype=np.float32)
+    def __init__(self, cold: bool, huge_pages: bool) -> None:
+        self.src = engine_pool(huge_pages).reshape(NUM_PAGES, -1)   # [pages, page floats], as the workers'
+        self.src[:] = np.random.default_rng(0).random(self.src.shape, dtype=np.float32)
+        self.dst = engine_pool(huge_pages).reshape(NUM_PAGES, -1)
+        self.dst[:] = 1.0
         self.forward = ForwardPass(self.src, cold)
 
-    def seconds(self, src_pages: list[int], dst_pages: list[int]) -> float:
-        """The source pages are written first, as for the transfer (``ForwardPass``)."""
+    def seconds(self, src_pages: list[int], dst_pages: list[int]) -> tuple[float, float]:
+        """(baseline seconds, one-copy-per-page seconds); each source is written first, as for the transfer
+        (``ForwardPass``)."""
         self.forward(src_pages)
         t0 = time.perf_counter()
         for s, d in runs(src_pages, dst_pages):
@@ -144,7 +160,12 @@ class MemcpyBaseline:
         self.forward.touch(self.src.reshape(-1)[-nfloats:])   # the flat copy's source
         t0 = time.perf_counter()
         np.copyto(self.dst.reshape(-1)[:nfloats], self.src.reshape(-1)[-nfloats:])
-        return min(paged_s, time.perf_counter() - t0)
+        flat_s = time.perf_counter() - t0
+        self.forward(src_pages)
+        t0 = time.perf_counter()
+        for s_page, d_page in zip(src_pages, dst_pages):
+            np.copyto(self.dst[d_page], self.src[s_page])
+        return min(paged_s, flat_s), time.perf_counter() - t0
 
 
 def runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[slice, slice]]:
@@ -182,26 +203,28 @@ def transfer_once(pipes: dict, room: int, src: list[int],  # type: ignore[type-a
     return t1 - t0, {name: stamps[b] - stamps[a] for name, a, b in SEGMENTS}
 
 
-def summarize(key: str, nbytes: int, lat: list[float], mem: list[float],
+def summarize(key: str, nbytes: int, lat: list[float], mem: list[float], mem_page: list[float],
               segs: list[dict]) -> dict:  # type: ignore[type-arg]
-    med, mem_med = statistics.median(lat), statistics.median(mem)
+    med, mem_med, page_med = statistics.median(lat), statistics.median(mem), statistics.median(mem_page)
     breakdown = {f"{key}_{name}_ms": round(statistics.median(s[name] for s in segs) * 1e3, 3)
                  for name, _, _ in SEGMENTS}
     return {**breakdown, f"{key}_bytes": nbytes, f"{key}_gbps": round(nbytes / med / 1e9, 3),
             f"{key}_latency_ms": round(med * 1e3, 3),
             f"{key}_p90_latency_ms": round(sorted(lat)[int(0.9 * (len(lat) - 1))] * 1e3, 3),
             f"{key}_memcpy_gbps": round(nbytes / mem_med / 1e9, 3), f"{key}_ratio": round(mem_med / med, 3),
-            f"{key}_overhead_ms": round((med - mem_med) * 1e3, 3)}
+            f"{key}_overhead_ms": round((med - mem_med) * 1e3, 3),
+            f"{key}_memcpy_page_gbps": round(nbytes / page_med / 1e9, 3),
+            f"{key}_ratio_page": round(page_med / med, 3)}
 
 
-def start_workers(url: str, backend: str, cold: bool,
-                  inline: bool) -> tuple[dict, list]:  # type: ignore[type-arg]
+def start_workers(url: str, backend: str, cold: bool, inline: bool,
+                  huge_pages: bool) -> tuple[dict, list]:  # type: ignore[type-arg]
     ctx = mp.get_context("spawn")
     pipes: dict = {}  # type: ignore[type-arg]
     procs: list = []  # type: ignore[type-arg]
     for role in ("prefill", "decode"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, url, backend, cold, inline, child), daemon=True)
+        proc = ctx.Process(target=worker, args=(role, url, backend, cold, inline, huge_pages, child), daemon=True)
         proc.start()
         pipes[role], procs = parent, procs + [proc]
     for pipe in pipes.values():
@@ -210,46 +233,49 @@ def start_workers(url: str, backend: str, cold: bool,
 
 
 def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, cold: bool,  # type: ignore[type-arg]
-                 first_room: int) -> dict:
+                 first_room: int, huge_pages: bool) -> dict:
     """``reps`` rooms of ``tokens`` tokens (after two warm-up rooms), each followed by the memcpy baseline."""
-    rng, baseline = np.random.default_rng(tokens), MemcpyBaseline(cold)
+    rng, baseline = np.random.default_rng(tokens), MemcpyBaseline(cold, huge_pages)
     num_pages = tokens // PAGE_SIZE
-    lat, mem, segs = [], [], []
+    lat, mem, mem_page, segs = [], [], [], []
     for rep in range(reps + 2):
         src = list(range(num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
         dst = list(range(4, 4 + num_pages)) if not scatter else \
             rng.permutation(NUM_PAGES)[:num_pages].tolist()
         latency_s, seg = transfer_once(pipes, first_room + rep, src, dst)
-        memcpy_s = baseline.seconds(src, dst)   # interleaved: both see the same machine load
+        memcpy_s, page_s = baseline.seconds(src, dst)   # interleaved: both see the same machine load
         if rep >= 2:
             lat.append(latency_s)
             mem.append(memcpy_s)
+            mem_page.append(page_s)
             segs.append(seg)
     key = {128: "kv128", 1024: "kv1k", 4096: "kv4k"}[tokens]
-    out = summarize(key, num_pages * smollm2_layout(NUM_PAGES).page_bytes, lat, mem, segs)
+    out = summarize(key, num_pages * smollm2_layout(NUM_PAGES).page_bytes, lat, mem, mem_page, segs)
     print(f"{tokens:5d} tokens {out[key + '_bytes'] / 2**20:6.1f} MiB: {out[key + '_gbps']:6.2f} GB/s "
           f"(median {out[key + '_latency_ms']:.2f} ms, p90 {out[key + '_p90_latency_ms']:.2f} ms, overhead "
           f"{out[key + '_overhead_ms']:.2f} ms) | memcpy {out[key + '_memcpy_gbps']:6.2f} GB/s | "
-          f"ratio {out[key + '_ratio']:.2f}", flush=True)
+          f"ratio {out[key + '_ratio']:.2f} | memcpy per page {out[key + '_memcpy_page_gbps']:6.2f} GB/s, "
+          f"ratio {out[key + '_ratio_page']:.2f}", flush=True)
     print("      median ms: " + ", ".join(f"{name} {out[f'{key}_{name}_ms']:.3f}" for name, _, _ in SEGMENTS),
           flush=True)
     return out
 
 
 def run(backend: str, reps: int, scatter: bool, sizes: tuple[int, ...] = SIZES_TOKENS, cold: bool = False,
-        inline: bool = True) -> dict:  # type: ignore[type-arg]
+        inline: bool = True, huge_pages: bool = True) -> dict:  # type: ignore[type-arg]
     """Every size with ``inline`` progress; then, when ``inline``, 128 tokens again with all transport work on
     the manager thread (``kv128_thread_*`` keys): the thread hop it saves, measured in the same run."""
     server = BootstrapServer(ServerConfig(port=0))
     server.start()
     result: dict = {"backend": backend, "scatter": scatter, "cold": cold, "inline_progress": inline,
+                    "huge_pages": huge_pages,
                     "loadavg_1m_start": round(os.getloadavg()[0], 2)}
     passes = [(inline, sizes, "")] + ([(False, (128,), "thread_")] if inline and 128 in sizes else [])
     for pass_inline, pass_sizes, prefix in passes:
         print(f"inline_progress={pass_inline}:", flush=True)
-        pipes, procs = start_workers(server.url, backend, cold, pass_inline)
+        pipes, procs = start_workers(server.url, backend, cold, pass_inline, huge_pages)
         for i, tokens in enumerate(pass_sizes):
-            out = measure_size(pipes, tokens, reps, scatter, cold, first_room=1 + 1000 * i)
+            out = measure_size(pipes, tokens, reps, scatter, cold, 1 + 1000 * i, huge_pages)
             result.update({k.replace("kv128_", f"kv128_{prefix}"): v for k, v in out.items()})
         for pipe in pipes.values():
             pipe.send(("stop", 0, None))
@@ -268,8 +294,10 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
     """The page-major pool against the layer-major one it replaced, on the same bytes in the same run: the 4k
     prompt's 256 pages WRITTEN between two NIXL agents of this process (UCX ``cma``, no notification) as one
     descriptor per page (layout v2) and as one per (layer, K/V, page) block, 60 per page (layout v1), pages
-    random on both sides with ``scatter``; interleaved, medians, and memcpy of the same bytes."""
-    from kv_transfer.nixl_transport import apply_ucx_defaults
+    random on both sides with ``scatter``; and v2 again between two agents whose UCX backend has
+    ``COPY_THREADS`` copy threads (``v2t``: NIXL splits the 256 descriptors between them, as NixlTransport does
+    where the process may use two cores); interleaved, medians, and memcpy of the same bytes."""
+    from kv_transfer.nixl_transport import COPY_THREADS, SPLIT_MIN_DESCS, apply_ucx_defaults
 
     apply_ucx_defaults()   # as NixlTransport does: the same UCX as the transfers above
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
@@ -277,16 +305,24 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
     layout = smollm2_layout(NUM_PAGES)
     block, blocks_per_page = layout.block_bytes, layout.num_layers * 2
     pools = [np.ones(layout.pool_bytes, dtype=np.uint8) for _ in range(2)]
-    agents = [nixl_agent(f"layout-{i}", nixl_agent_config(enable_prog_thread=False)) for i in range(2)]
-    for agent, pool in zip(agents, pools):
-        agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
-    agents[0].add_remote_agent(agents[1].get_agent_metadata())
+    threaded = {"num_threads": str(COPY_THREADS), "split_batch_size": str(SPLIT_MIN_DESCS)}
+    pairs = {}
+    for tag, params in (("layout", {}), ("layout-threads", threaded)):
+        agents = [nixl_agent(f"{tag}-{i}", nixl_agent_config(enable_prog_thread=False, backends=[]))
+                  for i in range(2)]
+        for agent, pool in zip(agents, pools):
+            agent.create_backend("UCX", params)
+            agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+        agents[0].add_remote_agent(agents[1].get_agent_metadata())
+        pairs[tag] = agents
     rng, num_pages = np.random.default_rng(11), 4096 // PAGE_SIZE
-    times: dict[str, list[float]] = {"v2": [], "v1": [], "memcpy": []}
+    times: dict[str, list[float]] = {"v2": [], "v1": [], "v2t": [], "memcpy": []}
     for _ in range(reps + 1):
         src = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages)
         dst = rng.permutation(NUM_PAGES)[:num_pages] if scatter else np.arange(num_pages) + 4
-        for name, unit, per_page in (("v2", layout.page_bytes, 1), ("v1", block, blocks_per_page)):
+        for name, unit, per_page in (("v2", layout.page_bytes, 1), ("v1", block, blocks_per_page),
+                                     ("v2t", layout.page_bytes, 1)):
+            agents = pairs["layout-threads" if name == "v2t" else "layout"]
             # v1 addressed block (l, kv, p) at ((l * 2 + kv) * num_pages + p) * block: per page, 60 blocks
             # one plane apart; v2 addresses page p at p * page_bytes
             planes = np.arange(per_page, dtype=np.int64)[:, None] * (NUM_PAGES * block if per_page > 1 else 0)
@@ -296,10 +332,11 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
                      for pool, off in zip(pools, offsets)]
             local, remote = (agents[0].get_xfer_descs(d, "DRAM") for d in descs)
             t0 = time.perf_counter()
-            handle = agents[0].initialize_xfer("WRITE", local, remote, "layout-1", b"")
+            handle = agents[0].initialize_xfer("WRITE", local, remote, agents[1].name, b"")
             agents[0].transfer(handle)
             while agents[0].check_xfer_state(handle) == "PROC":
                 agents[1].get_new_notifs()   # the target's progress (connection set-up needs it)
+                time.sleep(0.00005)          # a sleeping poll, as the managers': the copy threads keep the cores
             times[name].append(time.perf_counter() - t0)
             agents[0].release_xfer_handle(handle)
         t0 = time.perf_counter()
@@ -308,9 +345,12 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
     nbytes = num_pages * layout.page_bytes
     out = {f"layout_{k}_gbps": round(nbytes / statistics.median(v[1:]) / 1e9, 3) for k, v in times.items()}
     out["layout_v2_ratio"] = round(statistics.median(times["memcpy"][1:]) / statistics.median(times["v2"][1:]), 3)
-    out["layout_v1_ratio"] = round(statistics.median(times["memcpy"][1:]) / statistics.median(times["v1"][1:]), 3)
+    for name in ("v1", "v2t"):
+        out[f"layout_{name}_ratio"] = round(statistics.median(times["memcpy"][1:])
+                                            / statistics.median(times[name][1:]), 3)
     print("layouts, 4k tokens{}: page-major (v2) {layout_v2_gbps} GB/s ({layout_v2_ratio}x memcpy), layer-major "
-          "(v1) {layout_v1_gbps} GB/s ({layout_v1_ratio}x), memcpy {layout_memcpy_gbps} GB/s".format(
+          "(v1) {layout_v1_gbps} GB/s ({layout_v1_ratio}x), v2 on copy threads {layout_v2t_gbps} GB/s "
+          "({layout_v2t_ratio}x), memcpy {layout_memcpy_gbps} GB/s".format(
               ", scattered" if scatter else "", **out), flush=True)
     return out
 
@@ -414,6 +454,9 @@ def main() -> None:
     parser.add_argument("--no-inline", action="store_true",
                         help="KVArgs.inline_progress=False: every WRITE and notification on the manager "
                              "thread")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="KV pools (both processes and the memcpy baseline) on 4 KiB pages, as before "
+                             "engine.kv_pool asked for transparent huge pages")
     args = parser.parse_args()
     sizes = tuple(int(t) for t in args.sizes.split(","))
     if not set(sizes) <= set(SIZES_TOKENS):
@@ -424,7 +467,8 @@ def main() -> None:
     results = {}
     for backend in backends:
         print(f"== backend {backend}", flush=True)
-        results[backend] = run(backend, args.reps, args.scatter, sizes, args.cold, not args.no_inline)
+        results[backend] = run(backend, args.reps, args.scatter, sizes, args.cold, not args.no_inline,
+                               not args.no_huge_pages)
     print(json.dumps(results[backends[0]] if len(backends) == 1 else {"backends": results}))
 
 

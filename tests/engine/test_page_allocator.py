@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.kv_pool import KVPool, KVShape
+from engine.kv_pool import HUGE_PAGE_BYTES, KVPool, KVShape
 from engine.page_allocator import PageAllocator
 
 
@@ -86,6 +86,22 @@ def test_kv_pool_is_page_major_one_page_is_one_contiguous_region():
     pool.kv_cache[:, :, 3] = 1.0          # writing page 3 through the model's view...
     touched = torch.nonzero(pool.storage.reshape(5, -1).sum(dim=1)).flatten().tolist()
     assert touched == [3]                 # ...touches page 3's region only
+
+
+def test_kv_pool_host_memory_is_huge_page_aligned_and_same_layout_without():
+    """A CPU pool starts on a 2 MiB boundary (where transparent huge pages can back it) and is zeroed; with
+    ``huge_pages=False`` (torch's allocator) the layout and values are the same."""
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=4, page_size=16)
+    huge = KVPool(shape, num_pages=5, dtype=torch.float16, device="cpu")
+    plain = KVPool(shape, num_pages=5, dtype=torch.float16, device="cpu", huge_pages=False)
+    assert huge.base_ptr % HUGE_PAGE_BYTES == 0
+    assert huge.storage.is_contiguous() and huge.storage.shape == plain.storage.shape
+    assert huge.storage.dtype == torch.float16 and huge.nbytes == plain.nbytes
+    assert torch.count_nonzero(huge.storage) == 0
+    for pool in (huge, plain):
+        pool.kv_cache[1, 0, 2] = 1.0
+    assert torch.equal(huge.storage, plain.storage)
+    assert huge.block_offset(1, 0, 2) == huge.kv_cache[1, 0, 2].data_ptr() - huge.base_ptr
 
 
 def test_pages_for_bytes_rounds_down():
