@@ -236,7 +236,7 @@ async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float, dr
     try:
         await asyncio.wait({reader}, timeout=max(0.0, bounds[bound]))
     finally:
-        responses.cancel()  # the aio form of stop_stream(cancel_requests=True); a no-op after FINAL
+        responses.cancel()  # the aio form of stop_stream(cancel_requests=True); a no-op once the stream closed
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
     outcome = decide_outcome(st.final_seen, st.error, st.cancelled, st.closed, bound)

@@ -93,11 +93,16 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
                 seen_tokens += new_tokens
             if result.get_response().parameters["triton_final_response"].bool_param:
                 record.done_s = now
-                break
+                # no break: our half of the stream is closed already (one request), so the server ends the
+                # stream right after FINAL; cancelling it here instead races tritonserver 2.51's gRPC
+                # frontend, which then (about one time in two) never releases the model and makes the
+                # server's shutdown wait out its whole exit timeout (docs/benchmarks.md, "Prefix cache
+                # (serving)")
     except Exception as exc:  # noqa: BLE001 - grpc errors / timeouts fail this request only
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
-        responses.cancel()
+        if record.done_s is None:
+            responses.cancel()   # an error or a timeout: the server cancels the request
     record.num_output_tokens = seen_tokens
     if record.done_s is None and record.error is None:
         record.error = "stream ended without the final flag"
