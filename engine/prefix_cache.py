@@ -56,6 +56,12 @@ def page_hashes(token_ids: Seq[int], page_size: int, known: list[PageHash]) -> l
     return known
 
 
+def shareable_pages(num_prompt_tokens: int, page_size: int) -> int:
+    """Most leading pages of a prompt a request may share from a prefix cache: full pages that leave at least
+    the last prompt token to compute, whose logits sample the first token (vLLM's rule)."""
+    return max(0, (num_prompt_tokens - 1) // page_size)
+
+
 @dataclass(frozen=True)
 class PrefixCacheStats:
     """Counters of one engine's prefix cache since it started.

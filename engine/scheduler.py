@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.page_allocator import PageId
-from engine.prefix_cache import PrefixCache, page_hashes
+from engine.prefix_cache import PrefixCache, page_hashes, shareable_pages
 from engine.sequence import RequestId, Sequence, SequenceStatus, pages_for_tokens
 
 
@@ -107,7 +107,7 @@ class Scheduler:
         if not self.pages.enabled:
             return []
         keys = page_hashes(seq.token_ids[:seq.num_prompt_tokens], self.page_size, seq.page_hashes)
-        return self.pages.match(keys[:(seq.num_prompt_tokens - 1) // self.page_size])
+        return self.pages.match(keys[:shareable_pages(seq.num_prompt_tokens, self.page_size)])
 
     def _take_pages(self, seq: Sequence, shared: list[PageId]) -> bool:
         num_new = self.pages_needed(seq) - len(shared)

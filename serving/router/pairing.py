@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.prefix_cache import PageHash, page_hashes
+from engine.prefix_cache import PageHash, page_hashes, shareable_pages
 from serving.router.fleet import Candidate, Target
 
 
@@ -35,11 +35,11 @@ class Demand:
     token_ids: tuple[int, ...] = ()
 
     def cacheable_page_keys(self, page_size: int) -> list[PageHash]:
-        """Keys of the prompt's pages an engine's prefix cache can share (``engine.prefix_cache`` keys, at most
-        ``(prompt_tokens - 1) // page_size`` pages: the last prompt token is always computed)."""
+        """Keys of the prompt's pages an engine's prefix cache can share (``engine.prefix_cache`` keys of its
+        ``shareable_pages``: the last prompt token is always computed)."""
         if not self.token_ids or page_size <= 0:
             return []
-        usable = (len(self.token_ids) - 1) // page_size * page_size
+        usable = shareable_pages(len(self.token_ids), page_size) * page_size
         return page_hashes(self.token_ids[:usable], page_size, [])
 
     @property
