@@ -2,7 +2,8 @@
 and decode-only servers on other ports, found by the router at the bootstrap service.
 
 Invariants: greedy text through the router equals the colocated engine's; with a second prefill server (2P1D,
-both serving a model named ``prefill``) both receive requests; ``kill -9`` of one prefill server while requests
+both serving a model named ``prefill``) both receive requests, and a conversation's next turns go back to the
+prefill server holding its prefix (cache-aware pairing); ``kill -9`` of one prefill server while requests
 are in flight: every request that had no first token yet completes on the other one, and every later one goes
 there; started again, it rejoins and serves; every surviving pool is back at its size.
 """
@@ -116,6 +117,31 @@ def test_2p1d_across_servers_uses_both_prefill_servers(fleet: Fleet, reference) 
     assert all(r.error is None and r.text == reference[p] for p, r in zip(PROMPTS * 2, results))
     after = served(fleet.prefill_a, "prefill"), served(fleet.prefill_b, "prefill")
     assert after[0] > before[0] and after[1] > before[1], (before, after)
+
+
+def test_cache_aware_pairing_sends_a_conversation_back_to_its_prefill(fleet: Fleet) -> None:
+    """The default policy (cache_aware) on an idle 2P1D fleet: each next turn of a conversation (its earlier
+    prompt + a question) goes to the prefill server that holds its prefix, not round robin."""
+    fleet.wait_healthy(prefills=2)
+
+    def counts_after(expected_total: float) -> tuple[float, float]:
+        deadline = time.monotonic() + 10.0
+        while True:
+            now = served(fleet.prefill_a, "prefill"), served(fleet.prefill_b, "prefill")
+            if sum(now) >= expected_total or time.monotonic() > deadline:
+                return now
+            time.sleep(0.1)
+
+    convo = "Keeper's log. " + " ".join(f"Day {i}: the lamp burned {i % 5 + 3} hours." for i in range(40))
+    base = counts_after(0)
+    assert fleet.generate(convo).error is None
+    first = counts_after(sum(base) + 1)
+    to_a = first[0] > base[0]
+    for turn in range(3):
+        convo += f" Question {turn}: what came next?"
+        assert fleet.generate(convo).error is None
+    last = counts_after(sum(first) + 3)
+    assert (last[0] - first[0], last[1] - first[1]) == ((3, 0) if to_a else (0, 3)), (base, first, last)
 
 
 def test_killing_a_prefill_server_fails_over_and_it_rejoins_when_restarted(fleet: Fleet, reference) -> None:
