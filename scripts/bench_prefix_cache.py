@@ -17,24 +17,12 @@ import argparse
 import statistics
 import time
 
+# the serving benchmark's workload text (scripts/ is on sys.path: this script's folder)
+from perf.prefix_chat import SYSTEM_TEXT as _SYSTEM
+from perf.prefix_chat import USER_MESSAGES as _USER
+
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.model import LoadedModel, load_model
-
-_SYSTEM = (
-    "You are a careful assistant for a museum of maritime history. Answer questions about lighthouses, "
-    "their keepers, the lenses and lamps they used, the ships they guided and the storms they survived. "
-    "Be precise about dates and places, say when a fact is uncertain, and keep answers short. "
-)
-_USER = [
-    "Who kept the light at the northern cape in the winter storms?",
-    "How far could the beam of a Fresnel lens be seen on a clear night?",
-    "What did keepers burn in their lamps before electricity arrived?",
-    "Why were so many towers painted with stripes of red and white?",
-    "How did supply boats reach the rock when the sea was rough?",
-    "When did the last keeper leave the island lighthouse, and why?",
-    "Which ships were lost on the reef before the tower was built?",
-    "How does an automatic light know when the night has begun?",
-]
 
 
 def ttfts(engine: LLMEngine, loaded: LoadedModel, args: argparse.Namespace) -> dict[int, list[float]]:

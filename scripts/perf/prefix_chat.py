@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from perf.server import Deployment
 from perf.stats import percentile
 
-# the text of scripts/bench_prefix_cache.py (a unit test keeps them equal; that script imports torch)
+# the workload text, shared with scripts/bench_prefix_cache.py (the in-process engine benchmark)
 SYSTEM_TEXT = (
     "You are a careful assistant for a museum of maritime history. Answer questions about lighthouses, "
     "their keepers, the lenses and lamps they used, the ships they guided and the storms they survived. "

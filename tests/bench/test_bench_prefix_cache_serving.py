@@ -42,11 +42,13 @@ class WordTokenizer:
 
 
 def test_workload_text_is_the_in_process_benchmarks() -> None:
+    """One copy of the workload text: the in-process engine benchmark imports this one."""
     tree = ast.parse((SCRIPTS / "bench_prefix_cache.py").read_text())
-    consts = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-              for t in node.targets if isinstance(t, ast.Name) and t.id in ("_SYSTEM", "_USER")}
-    assert consts["_SYSTEM"] == SYSTEM_TEXT
-    assert tuple(consts["_USER"]) == USER_MESSAGES
+    imported = {alias.name for node in tree.body if isinstance(node, ast.ImportFrom) and node.module == "perf.prefix_chat"
+                for alias in node.names}
+    assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    assert {"SYSTEM_TEXT", "USER_MESSAGES"} <= imported and not {"_SYSTEM", "_USER"} & assigned
 
 
 def test_system_prompt_is_cut_to_the_token_count_even_beyond_one_copy() -> None:
