@@ -18,10 +18,13 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument("--registration-ttl-s", type=float, default=10.0,
                         help="drop an instance that has not heartbeated for this long")
     parser.add_argument("--room-ttl-s", type=float, default=600.0)
+    parser.add_argument("--ignore-sigint", action="store_true",
+                        help="stop on SIGTERM only (scripts/serve.sh: outlive a Ctrl-C until the models stopped)")
     args = parser.parse_args(argv)
     return ServerConfig(host=args.host, port=args.port,
                         registry=RegistryConfig(registration_ttl_s=args.registration_ttl_s,
-                                                room_ttl_s=args.room_ttl_s))
+                                                room_ttl_s=args.room_ttl_s),
+                        ignore_sigint=args.ignore_sigint)
 
 
 def main(argv: list[str] | None = None) -> None:

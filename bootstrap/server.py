@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -56,6 +57,7 @@ class ServerConfig:
     port: int = 8998                  # 0: pick a free port (tests)
     expire_interval_s: float = 0.5
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    ignore_sigint: bool = False       # the standalone process stops on SIGTERM only (``run_forever``)
 
 
 def _reply(message: object, status: int = 200) -> web.Response:
@@ -253,6 +255,25 @@ async def _start_site(registry: Registry, config: ServerConfig) -> web.AppRunner
 
 
 def run_forever(config: ServerConfig) -> None:
-    """Serve in the calling thread until interrupted (the standalone process)."""
-    web.run_app(build_app(Registry(config.registry), config), host=config.host, port=config.port,
-                access_log=None, print=lambda msg: logger.info("%s", msg))
+    """Serve in the calling thread (the standalone process) until SIGTERM, or SIGINT unless
+    ``config.ignore_sigint``. ``scripts/serve.sh`` sets that: a Ctrl-C reaches every process of its group at
+    once, and the fleet's rendezvous must outlive the models that deregister from it while they stop; serve.sh
+    stops it (SIGTERM) after tritonserver."""
+    async def serve() -> None:
+        runner = web.AppRunner(build_app(Registry(config.registry), config), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, config.host, config.port).start()
+        logger.info("======== Running on http://%s:%d ========", config.host, config.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        if config.ignore_sigint:
+            loop.add_signal_handler(signal.SIGINT, lambda: logger.info("SIGINT ignored: stopped by SIGTERM"))
+        else:
+            loop.add_signal_handler(signal.SIGINT, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())

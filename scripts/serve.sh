@@ -125,7 +125,8 @@ trap 'stop_all' EXIT
 
 if [[ "$BOOTSTRAP" == 1 ]]; then
   say "bootstrap service on $PD_BOOTSTRAP_URL"
-  python3 -m bootstrap --host "$HOST" --port "$BOOTSTRAP_PORT" &
+  # --ignore-sigint: a Ctrl-C reaches the whole group at once; stop_all TERMs it after tritonserver
+  python3 -m bootstrap --host "$HOST" --port "$BOOTSTRAP_PORT" --ignore-sigint &
   pids+=($!)
 fi
 
