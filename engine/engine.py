@@ -133,7 +133,9 @@ class LLMEngine:
                              first_token_sent: bool = False) -> None:
         """Decode mode: the prompt KV is in the reserved pages; continue from ``first_token_id``.
 
-        The first token is reported in the request's next output, unless ``first_token_sent``: then the
+        A seeded sampling request continues its seed's random stream past the first token's draw, so its tokens
+        are the colocated engine's for the same seed. The first token is reported in the request's next output,
+        unless ``first_token_sent``: then the
         prefill side already sent it (its id and the text a prefill-mode engine emits for it) and the outputs
         here carry only what follows; ``num_output_tokens`` still counts it. If the first token already
         finishes the request (EOS, a stop token or string, ``max_tokens == 1``) the request finishes at the
@@ -148,6 +150,12 @@ class LLMEngine:
             raise EngineError(f"request {request_id!r} is not reserved (or was already added)")
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.scheduler.register_computed(seq)   # the received prompt pages are now cacheable here too
+        if seq.params.seed is not None and not seq.params.greedy:
+            # the prefill engine drew the first token from this seed's generator; draw what that sample took
+            # (one exponential per vocabulary entry: engine.sampling._sample_row) so the tokens after it are
+            # the ones a colocated engine draws from the same seed
+            torch.empty(self.model_config.vocab_size, dtype=torch.float32,
+                        device=self.config.device).exponential_(generator=seq.generator)
         reason = self.output_processor.append_token(seq, int(first_token_id), float(first_logprob))
         if first_token_sent:
             self.output_processor.mark_emitted(seq)

@@ -425,5 +425,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    # exactly one exponential per vocabulary entry per token: a decode engine replays this draw for the first
+    # token a prefill engine sampled (LLMEngine.add_prebuilt_request)
     race = torch.empty_like(probs).exponential_(generator=generator)
     return int(torch.argmax(probs / race))

@@ -130,3 +130,25 @@ def test_prefill_engine_then_decode_engine(loaded, prompts, reference):
     outs = run(dec)
     assert {rid: token_ids(o) for rid, o in outs.items()} == reference
     assert pre.num_free_pages == pre.num_total_pages and dec.num_free_pages == dec.num_total_pages
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=NEW_TOKENS, temperature=1.2, top_k=40, seed=123, ignore_eos=True),
+])
+def test_seeded_sampling_through_prefill_and_decode_engines_is_colocated(loaded, prompts, params):
+    """A seeded sampling request gives the same tokens split over a prefill and a decode engine (prefill draws
+    the first token, decode the rest) as in one colocated engine."""
+    rid, prompt = next(iter(prompts.items()))
+    colo = make_engine(loaded)
+    colo.add_request(rid, prompt, params)
+    want = token_ids(run(colo)[rid])
+    pre, dec = make_engine(loaded, mode="prefill"), make_engine(loaded, mode="decode")
+    dst = dec.reserve_request(rid, prompt, params).dst_page_ids
+    pre.add_request(rid, prompt, params)
+    outs = run(pre)[rid]
+    src = [page for o in outs for page in o.prefill_chunk.page_ids]
+    dec.kv_cache[:, :, torch.tensor(dst)] = pre.kv_cache[:, :, torch.tensor(src)]
+    chunk = outs[-1].prefill_chunk
+    dec.add_prebuilt_request(rid, chunk.first_token_id, chunk.first_logprob)
+    assert token_ids(run(dec)[rid]) == want

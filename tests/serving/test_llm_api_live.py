@@ -221,6 +221,13 @@ def test_penalties_change_the_text_the_same_way_on_both_paths(triton_server, key
     assert len(set(texts["colocated"].split())) >= len(set(plain.split()))
 
 
+def test_seeded_sampling_gives_the_same_text_on_both_paths(triton_server) -> None:
+    """Prefill draws the first token from the seed, decode the rest: the same stream of draws as colocated."""
+    params = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True}
+    texts = {m: infer(triton_server.grpc_url, m, PROMPTS[1], params).text() for m in PATHS}
+    assert texts["pd_ensemble"] == texts["colocated"] and texts["colocated"]
+
+
 @pytest.mark.parametrize("model", PATHS)
 def test_min_tokens_holds_eos_back(triton_server, model) -> None:
     eos_bias = {"2": 100.0}   # SmolLM2-Instruct's EOS, <|im_end|>
