@@ -7,6 +7,8 @@ import json
 import queue
 import re
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,3 +116,15 @@ def metric_value(metrics_url: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(2))
     raise KeyError(f"{name}{labels} not on {metrics_url}")
+
+
+def streams_match_reference(generate: Callable[[str], StreamResult], prompts: Sequence[str],
+                            reference: dict[str, str]) -> list[StreamResult]:
+    """Run every prompt at once (one thread each) through ``generate``; assert each stream ended with FINAL, no
+    error and exactly the reference text. Returns the results, in ``prompts`` order."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(generate, prompts))
+    for prompt, res in zip(prompts, results):
+        assert res.error is None and res.final_seen, res.error
+        assert res.text == reference[prompt], prompt[:40]
+    return results

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from live_client import StreamResult, grpc_generate, make_inputs, metric_value
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
 from live_prompts import PROMPTS as BASE_PROMPTS
 from live_prompts import colocated_greedy_texts
 from perf.server import ServeScript
@@ -100,11 +100,7 @@ def wait_pools_full(*servers: tuple[ServeScript, str], timeout_s: float = 40.0) 
 
 def test_router_prefill_and_decode_in_three_servers_give_the_colocated_text(fleet: Fleet, reference) -> None:
     fleet.wait_healthy(prefills=1)
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(fleet.generate, PROMPTS))
-    for prompt, res in zip(PROMPTS, results):
-        assert res.error is None and res.final_seen, res.error
-        assert res.text == reference[prompt], prompt[:40]
+    streams_match_reference(fleet.generate, PROMPTS, reference)
     assert served(fleet.prefill_a, "prefill") == len(PROMPTS)
 
 

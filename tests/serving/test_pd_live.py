@@ -17,9 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from live_client import grpc_generate, http_generate_stream, make_inputs, metric_value
-from live_prompts import PROMPTS as BASE_PROMPTS
+from live_client import (
+    grpc_generate,
+    http_generate_stream,
+    make_inputs,
+    metric_value,
+    streams_match_reference,
+)
 from live_prompts import BAD_INPUTS, colocated_greedy_texts
+from live_prompts import PROMPTS as BASE_PROMPTS
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
@@ -44,11 +50,8 @@ def generate(url: str, prompt: str | bytes, params: Any = None, **kwargs: Any) -
 
 def test_eight_concurrent_streams_match_the_colocated_engine(triton_server, reference) -> None:
     assert len(PROMPTS) == 8
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(lambda p: generate(triton_server.grpc_url, p), PROMPTS))
-    for prompt, res in zip(PROMPTS, results):
-        assert res.error is None and res.final_seen, res.error
-        assert res.text == reference[prompt], prompt[:40]
+    results = streams_match_reference(lambda p: generate(triton_server.grpc_url, p), PROMPTS, reference)
+    for res in results:
         assert res.finish_reasons[-1] in ("stop", "length") and not any(res.finish_reasons[:-1])
         assert res.num_output_tokens == sorted(res.num_output_tokens)
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from live_client import metric_value
+from live_client import metric_value, streams_match_reference
 from live_prompts import colocated_greedy_texts
 from test_pd_live import GREEDY, PROMPTS, generate
 
@@ -48,11 +47,7 @@ def reference() -> dict[str, str]:
 
 
 def test_mooncake_pd_streams_the_colocated_text(triton_server, reference) -> None:
-    with ThreadPoolExecutor(len(MOONCAKE_PROMPTS)) as pool:
-        results = list(pool.map(lambda p: generate(triton_server.grpc_url, p), MOONCAKE_PROMPTS))
-    for prompt, res in zip(MOONCAKE_PROMPTS, results):
-        assert res.error is None and res.final_seen, res.error
-        assert res.text == reference[prompt], prompt[:40]
+    streams_match_reference(lambda p: generate(triton_server.grpc_url, p), MOONCAKE_PROMPTS, reference)
     url = triton_server.metrics_url
     assert metric_value(url, "pd_kv_transfer_bytes_total", model="prefill") > 0
     assert metric_value(url, "pd_kv_transfers_total", model="decode") >= len(MOONCAKE_PROMPTS)

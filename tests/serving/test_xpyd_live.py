@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from live_client import metric_value
+from live_client import metric_value, streams_match_reference
 from test_pd_live import GREEDY, PROMPTS, generate, reference  # noqa: F401  (reference is a fixture)
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
@@ -40,11 +39,7 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def test_2p2d_serves_every_pair_with_the_same_text(triton_server, reference) -> None:  # noqa: F811
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(lambda p: generate(triton_server.grpc_url, p), PROMPTS))
-    for prompt, res in zip(PROMPTS, results):
-        assert res.error is None and res.final_seen, res.error
-        assert res.text == reference[prompt], prompt[:40]
+    streams_match_reference(lambda p: generate(triton_server.grpc_url, p), PROMPTS, reference)
     url = triton_server.metrics_url
     served = {(m, i): metric_value(url, "pd_requests_total", model=m, instance=i, outcome="finished")
               for m, i in (("prefill", "prefill_0_0"), ("prefill_1", "prefill_1_0_0"),
