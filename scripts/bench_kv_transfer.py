@@ -7,8 +7,8 @@ Usage: python scripts/bench_kv_transfer.py [--backend nixl,mooncake] [--reps 20]
 The pool is page-major (``kv_transfer.layout`` v2): a page is one contiguous region, so ``--scatter`` (random
 pages on both sides) moves one descriptor per page instead of merging runs.
 Prints one line per size, then a JSON object (last line; with several backends ``{"backends": {name: ...}}``)
-with kv4k_gbps, memcpy_gbps, kv4k_ratio,
-kv128_latency_ms, kv128_overhead_ms, ... Latency is from ``send(is_last=True)`` in the prefill process to the
+with kv4k_gbps, memcpy_gbps, kv4k_ratio, kv4k_ratio_ceiling (against the cached-store ceiling, see
+``MemcpyBaseline``), kv4k_ceiling_ratio (that ceiling over memcpy), kv128_latency_ms, kv128_overhead_ms, ... Latency is from ``send(is_last=True)`` in the prefill process to the
 receiver's ``Success`` in the decode process (CLOCK_MONOTONIC is shared by processes); overhead is latency
 minus the memcpy time of the same bytes. Per size it also prints the median of each segment of that latency
 (``kv128_wake_ms`` ...; see ``SEGMENTS``, from ``sender.timings`` / ``receiver.timings``): medians of parts do
@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +44,9 @@ from kv_transfer import AuxData, KVArgs, KVLayout, KVPoll, make_kv_manager
 PAGE_SIZE = 16
 SIZES_TOKENS = (128, 1024, 4096)
 NUM_PAGES = 4096 // PAGE_SIZE + 8
+#: Threads of the cached-store ceiling (``MemcpyBaseline``): as many as NIXL's copy threads
+#: (``kv_transfer.nixl_transport.COPY_THREADS``) where the host has the cores for them.
+CEILING_THREADS = 2
 
 
 def smollm2_layout(num_pages: int) -> KVLayout:
@@ -139,7 +143,10 @@ class MemcpyBaseline:
     same byte count. The faster of the two is the baseline (the harder target). Also timed: one copy per page
     (737,280 bytes each), which stays below glibc's non-temporal threshold (``x86_non_temporal_threshold``,
     114 MiB on this host) and so copies with cached stores, as the kernel's ``process_vm_writev`` does; a
-    single copy of a 4k prompt's 180 MiB is above it and streams with non-temporal stores."""
+    single copy of a 4k prompt's 180 MiB is above it and streams with non-temporal stores. And the same
+    page-for-page copy split between ``CEILING_THREADS`` threads (numpy releases the GIL): the fastest a copy
+    with cached stores on as many threads as NIXL's copy threads moves these bytes here, which bounds what
+    UCX ``cma`` (a kernel copy with cached stores, openucx/ucx#8227) can reach."""
 
     def __init__(self, cold: bool, huge_pages: bool) -> None:
         self.src = engine_pool(huge_pages).reshape(NUM_PAGES, -1)   # [pages, page floats], as the workers'
@@ -148,9 +155,9 @@ class MemcpyBaseline:
         self.dst[:] = 1.0
         self.forward = ForwardPass(self.src, cold)
 
-    def seconds(self, src_pages: list[int], dst_pages: list[int]) -> tuple[float, float]:
-        """(baseline seconds, one-copy-per-page seconds); each source is written first, as for the transfer
-        (``ForwardPass``)."""
+    def seconds(self, src_pages: list[int], dst_pages: list[int]) -> tuple[float, float, float]:
+        """(baseline seconds, one-copy-per-page seconds, one copy per page on ``CEILING_THREADS`` threads
+        seconds); each source is written first, as for the transfer (``ForwardPass``)."""
         self.forward(src_pages)
         t0 = time.perf_counter()
         for s, d in runs(src_pages, dst_pages):
@@ -165,7 +172,22 @@ class MemcpyBaseline:
         t0 = time.perf_counter()
         for s_page, d_page in zip(src_pages, dst_pages):
             np.copyto(self.dst[d_page], self.src[s_page])
-        return min(paged_s, flat_s), time.perf_counter() - t0
+        page_s = time.perf_counter() - t0
+        self.forward(src_pages)
+        pairs = list(zip(src_pages, dst_pages))
+        step = -(-len(pairs) // CEILING_THREADS)
+        threads = [threading.Thread(target=self._copy_pages, args=(pairs[i:i + step],))
+                   for i in range(0, len(pairs), step)]
+        t0 = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return min(paged_s, flat_s), page_s, time.perf_counter() - t0
+
+    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        for s_page, d_page in pairs:
+            np.copyto(self.dst[d_page], self.src[s_page])
 
 
 def runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[slice, slice]]:
@@ -204,8 +226,9 @@ def transfer_once(pipes: dict, room: int, src: list[int],  # type: ignore[type-a
 
 
 def summarize(key: str, nbytes: int, lat: list[float], mem: list[float], mem_page: list[float],
-              segs: list[dict]) -> dict:  # type: ignore[type-arg]
+              mem_ceiling: list[float], segs: list[dict]) -> dict:  # type: ignore[type-arg]
     med, mem_med, page_med = statistics.median(lat), statistics.median(mem), statistics.median(mem_page)
+    ceiling_med = statistics.median(mem_ceiling)
     breakdown = {f"{key}_{name}_ms": round(statistics.median(s[name] for s in segs) * 1e3, 3)
                  for name, _, _ in SEGMENTS}
     return {**breakdown, f"{key}_bytes": nbytes, f"{key}_gbps": round(nbytes / med / 1e9, 3),
@@ -214,7 +237,10 @@ def summarize(key: str, nbytes: int, lat: list[float], mem: list[float], mem_pag
             f"{key}_memcpy_gbps": round(nbytes / mem_med / 1e9, 3), f"{key}_ratio": round(mem_med / med, 3),
             f"{key}_overhead_ms": round((med - mem_med) * 1e3, 3),
             f"{key}_memcpy_page_gbps": round(nbytes / page_med / 1e9, 3),
-            f"{key}_ratio_page": round(page_med / med, 3)}
+            f"{key}_ratio_page": round(page_med / med, 3),
+            f"{key}_memcpy_ceiling_gbps": round(nbytes / ceiling_med / 1e9, 3),
+            f"{key}_ceiling_ratio": round(mem_med / ceiling_med, 3),
+            f"{key}_ratio_ceiling": round(ceiling_med / med, 3)}
 
 
 def start_workers(url: str, backend: str, cold: bool, inline: bool,
@@ -237,25 +263,29 @@ def measure_size(pipes: dict, tokens: int, reps: int, scatter: bool, cold: bool,
     """``reps`` rooms of ``tokens`` tokens (after two warm-up rooms), each followed by the memcpy baseline."""
     rng, baseline = np.random.default_rng(tokens), MemcpyBaseline(cold, huge_pages)
     num_pages = tokens // PAGE_SIZE
-    lat, mem, mem_page, segs = [], [], [], []
+    lat, mem, mem_page, mem_ceiling, segs = [], [], [], [], []
     for rep in range(reps + 2):
         src = list(range(num_pages)) if not scatter else rng.permutation(NUM_PAGES)[:num_pages].tolist()
         dst = list(range(4, 4 + num_pages)) if not scatter else \
             rng.permutation(NUM_PAGES)[:num_pages].tolist()
         latency_s, seg = transfer_once(pipes, first_room + rep, src, dst)
-        memcpy_s, page_s = baseline.seconds(src, dst)   # interleaved: both see the same machine load
+        memcpy_s, page_s, ceiling_s = baseline.seconds(src, dst)   # interleaved: both see the same load
         if rep >= 2:
             lat.append(latency_s)
             mem.append(memcpy_s)
             mem_page.append(page_s)
+            mem_ceiling.append(ceiling_s)
             segs.append(seg)
     key = {128: "kv128", 1024: "kv1k", 4096: "kv4k"}[tokens]
-    out = summarize(key, num_pages * smollm2_layout(NUM_PAGES).page_bytes, lat, mem, mem_page, segs)
+    out = summarize(key, num_pages * smollm2_layout(NUM_PAGES).page_bytes, lat, mem, mem_page,
+                    mem_ceiling, segs)
     print(f"{tokens:5d} tokens {out[key + '_bytes'] / 2**20:6.1f} MiB: {out[key + '_gbps']:6.2f} GB/s "
           f"(median {out[key + '_latency_ms']:.2f} ms, p90 {out[key + '_p90_latency_ms']:.2f} ms, overhead "
           f"{out[key + '_overhead_ms']:.2f} ms) | memcpy {out[key + '_memcpy_gbps']:6.2f} GB/s | "
           f"ratio {out[key + '_ratio']:.2f} | memcpy per page {out[key + '_memcpy_page_gbps']:6.2f} GB/s, "
-          f"ratio {out[key + '_ratio_page']:.2f}", flush=True)
+          f"ratio {out[key + '_ratio_page']:.2f} | cached-store ceiling ({CEILING_THREADS} threads) "
+          f"{out[key + '_memcpy_ceiling_gbps']:6.2f} GB/s = {out[key + '_ceiling_ratio']:.2f}x memcpy, ratio "
+          f"{out[key + '_ratio_ceiling']:.2f}", flush=True)
     print("      median ms: " + ", ".join(f"{name} {out[f'{key}_{name}_ms']:.3f}" for name, _, _ in SEGMENTS),
           flush=True)
     return out
