@@ -22,7 +22,8 @@ def test_bench_kv_transfer_prints_its_json_keys() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("kv128_latency_ms", "kv128_overhead_ms", "kv128_memcpy_gbps", "kv128_thread_latency_ms",
                 "kv128_wake_ms", "kv128_write_ms", "desc_prepped_us", "layout_v2_gbps", "layout_v1_gbps",
-                "kv128_memcpy_page_gbps", "kv128_ratio_page", "layout_v2t_gbps"):
+                "kv128_memcpy_page_gbps", "kv128_ratio_page", "layout_v2t_gbps", "kv128_memcpy_ceiling_gbps",
+                "kv128_ceiling_ratio", "kv128_ratio_ceiling"):
         assert result[key] > 0, key
     assert result["inline_progress"] is True and result["cold"] is False and result["huge_pages"] is True
 
