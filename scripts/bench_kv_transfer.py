@@ -8,9 +8,9 @@ The pool is page-major (``kv_transfer.layout`` v2): a page is one contiguous reg
 pages on both sides) moves one descriptor per page instead of merging runs.
 Prints one line per size, then a JSON object (last line; with several backends ``{"backends": {name: ...}}``)
 with kv4k_gbps, memcpy_gbps, kv4k_ratio, kv4k_ratio_ceiling (against the cached-store ceiling, see
-``MemcpyBaseline``), kv4k_ceiling_ratio (that ceiling over memcpy), kv128_latency_ms, kv128_overhead_ms, ... Latency is from ``send(is_last=True)`` in the prefill process to the
-receiver's ``Success`` in the decode process (CLOCK_MONOTONIC is shared by processes); overhead is latency
-minus the memcpy time of the same bytes. Per size it also prints the median of each segment of that latency
+``MemcpyBaseline``), kv4k_ceiling_ratio (that ceiling over memcpy), kv128_latency_ms, kv128_overhead_ms, ...
+Latency is from ``send(is_last=True)`` in the prefill process to the receiver's ``Success`` in the decode
+process (CLOCK_MONOTONIC is shared by processes); overhead is latency minus the memcpy time of the same bytes. Per size it also prints the median of each segment of that latency
 (``kv128_wake_ms`` ...; see ``SEGMENTS``, from ``sender.timings`` / ``receiver.timings``): medians of parts do
 not add up to the median of the whole.
 
