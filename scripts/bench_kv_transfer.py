@@ -10,9 +10,9 @@ Prints one line per size, then a JSON object (last line; with several backends `
 with kv4k_gbps, memcpy_gbps, kv4k_ratio, kv4k_ratio_ceiling (against the cached-store ceiling, see
 ``MemcpyBaseline``), kv4k_ceiling_ratio (that ceiling over memcpy), kv128_latency_ms, kv128_overhead_ms, ...
 Latency is from ``send(is_last=True)`` in the prefill process to the receiver's ``Success`` in the decode
-process (CLOCK_MONOTONIC is shared by processes); overhead is latency minus the memcpy time of the same bytes. Per size it also prints the median of each segment of that latency
-(``kv128_wake_ms`` ...; see ``SEGMENTS``, from ``sender.timings`` / ``receiver.timings``): medians of parts do
-not add up to the median of the whole.
+process (CLOCK_MONOTONIC is shared by processes); overhead is latency minus the memcpy time of the same bytes.
+Per size it also prints the median of each segment of that latency (``kv128_wake_ms`` ...; see ``SEGMENTS``,
+from ``sender.timings`` / ``receiver.timings``): medians of parts do not add up to the median of the whole.
 
 Cache state: as in serving, where ``send`` follows the forward pass that wrote the chunk's KV, each room's
 source pages are written with fresh values right before ``send``, and the memcpy baseline's source pages right
