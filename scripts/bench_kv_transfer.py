@@ -168,13 +168,12 @@ class MemcpyBaseline:
         t0 = time.perf_counter()
         np.copyto(self.dst.reshape(-1)[:nfloats], self.src.reshape(-1)[-nfloats:])
         flat_s = time.perf_counter() - t0
+        pairs = list(zip(src_pages, dst_pages))
         self.forward(src_pages)
         t0 = time.perf_counter()
-        for s_page, d_page in zip(src_pages, dst_pages):
-            np.copyto(self.dst[d_page], self.src[s_page])
+        self._copy_pages(pairs)
         page_s = time.perf_counter() - t0
         self.forward(src_pages)
-        pairs = list(zip(src_pages, dst_pages))
         step = -(-len(pairs) // CEILING_THREADS)
         threads = [threading.Thread(target=self._copy_pages, args=(pairs[i:i + step],))
                    for i in range(0, len(pairs), step)]
