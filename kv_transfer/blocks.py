@@ -77,6 +77,16 @@ class BlockTable:
         nbytes = np.full_like(addr, num_tokens * (layout.block_bytes // layout.page_size))
         return np.stack([addr, nbytes], axis=1)
 
+    def pages_spans(self, pages: Sequence[PageId], last_page_tokens: int) -> np.ndarray:
+        """(address, nbytes) of ``pages`` whose last page holds only ``last_page_tokens`` tokens: the whole
+        pages before it (one span each), then that page's filled slots (``partial_page_spans``): int64
+        ``[len(pages) - 1 + 2 * num_layers, 2]``. Raises ``ValueError`` as ``kv_indices`` and
+        ``partial_page_spans`` do, and for no pages."""
+        if not pages:
+            raise ValueError("no pages")
+        return np.concatenate([self.spans(self.kv_indices(pages[:-1])),
+                               self.partial_page_spans(pages[-1], last_page_tokens)])
+
     def descriptors(self, start: int, stop: int, device_id: int = 0) -> np.ndarray:
         """Descriptors of indices ``[start, stop)``: int64 ``[stop - start, 3]`` (address, nbytes,
         device id)."""

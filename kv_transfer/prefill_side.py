@@ -214,10 +214,8 @@ class PrefillSide:
         if partial is not None and chunk.src_pages:
             # the prompt's last page holds ``partial`` tokens: only those slots are written (the rest of the
             # page holds no KV yet), as explicit spans in one WRITE with the whole pages before it
-            local = np.concatenate([self._table.spans(self._table.kv_indices(chunk.src_pages[:-1])),
-                                    self._table.partial_page_spans(chunk.src_pages[-1], partial)])
-            remote = np.concatenate([peer.table.spans(peer.table.kv_indices(dst_pages[:-1])),
-                                     peer.table.partial_page_spans(dst_pages[-1], partial)])
+            local = self._table.pages_spans(chunk.src_pages, partial)
+            remote = peer.table.pages_spans(dst_pages, partial)
             kv_bytes = int(local[:, 1].sum())
             if dram:   # one WRITE: the KV spans and the aux slot
                 local = np.concatenate([local, self._table.spans(np.array([self._table.aux_index(slot)]))])
