@@ -1,6 +1,7 @@
-"""HTTP client of the bootstrap service; every call has a timeout and raises ``BootstrapError`` on failure.
+"""HTTP client of a rendezvous (one instance's own, ``bootstrap.rendezvous``); every call has a timeout and raises
+``BootstrapError`` on failure (``RendezvousRefused`` when nothing listens there any more).
 
-Not thread-safe: one client per thread (a KV manager uses its own from its background thread).
+Not thread-safe: one client per thread (a KV manager's thread keeps a ``ClientPool``, one client per peer URL).
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from urllib.parse import quote
 
 import requests
 
-from bootstrap.errors import BootstrapError
+from bootstrap.errors import BootstrapError, RendezvousRefused
 from bootstrap.messages import (
-    AbortLog,
     Destination,
     DestinationBatch,
     Heartbeat,
@@ -22,7 +22,6 @@ from bootstrap.messages import (
     PostResult,
     Registration,
     Room,
-    RoomAbort,
     RoomRelease,
     RoomReleased,
     decode,
@@ -33,10 +32,15 @@ M = TypeVar("M")
 
 
 class BootstrapClient:
-    def __init__(self, base_url: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 2.0, secret: bytes | None = None) -> None:
+        """``secret``: the fleet secret; every request is then signed (``bootstrap.auth.HmacAuth``)."""
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s
         self._session = requests.Session()
+        if secret is not None:
+            from bootstrap.auth import HmacAuth
+
+            self._session.auth = HmacAuth(secret)
 
     def register(self, registration: Registration) -> None:
         self._call("POST", "/v1/instances", registration, Registration)
@@ -76,19 +80,6 @@ class BootstrapClient:
         assert released is not None
         return released
 
-    def abort_room(self, room: Room, reason: str = "") -> None:
-        """Appends ``room`` to the service's abort log (the orchestrator's way to stop both halves)."""
-        self._call("POST", "/v1/rooms/abort", RoomAbort(room, reason), RoomAbort)
-
-    def aborted_rooms(self, after: int = -1, wait_s: float = 0.0) -> AbortLog:
-        """Rooms aborted and routers gone since cursor ``after`` (-1: every retained one), with the cursor for
-        the next call (``last_seq``). With ``wait_s`` > 0 the service holds the call until there is news or
-        ``wait_s`` seconds (at most 30) have passed: a long poll, answered at once when there is news."""
-        log = self._call("GET", f"/v1/aborts?after={int(after)}&wait_s={wait_s:g}", None, AbortLog,
-                         timeout_s=self._timeout_s + wait_s)
-        assert log is not None
-        return log
-
     def close(self) -> None:
         self._session.close()
 
@@ -106,8 +97,56 @@ class BootstrapClient:
         try:
             kwargs.setdefault("timeout", self._timeout_s)
             return self._session.request(method, self._base_url + path, **kwargs)  # type: ignore[arg-type]
+        except requests.ConnectionError as exc:
+            if _refused(exc):
+                raise RendezvousRefused(f"{method} {self._base_url}{path}: connection refused") from exc
+            raise BootstrapError(f"{method} {self._base_url}{path}: {exc}") from exc
         except requests.RequestException as exc:
-            raise BootstrapError(f"{method} {path}: {exc}") from exc
+            raise BootstrapError(f"{method} {self._base_url}{path}: {exc}") from exc
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+
+class ClientPool:
+    """One ``BootstrapClient`` per rendezvous URL (a manager talks to each peer's own rendezvous); the owner's
+    thread only, like the clients."""
+
+    def __init__(self, timeout_s: float = 2.0, secret: bytes | None = None) -> None:
+        self._timeout_s = timeout_s
+        self._secret = secret
+        self._clients: dict[str, BootstrapClient] = {}
+
+    def get(self, url: str) -> BootstrapClient:
+        """The client of rendezvous ``url`` (``http://host:port``); raises ``BootstrapError`` on an empty URL."""
+        if not url:
+            raise BootstrapError("no rendezvous URL for this peer")
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = BootstrapClient(url, self._timeout_s, self._secret)
+        return client
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+def _refused(exc: BaseException) -> bool:
+    """True when the cause chain holds a ``ConnectionRefusedError`` (nothing listens at the port)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        todo.extend([e.__cause__, e.__context__, *[a for a in getattr(e, "args", ()) if isinstance(a, BaseException)],
+                     getattr(e, "reason", None) if isinstance(getattr(e, "reason", None), BaseException) else None])
+    return "Connection refused" in str(exc)
 
 
 def _path(instance_id: str) -> str:

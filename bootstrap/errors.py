@@ -4,4 +4,9 @@ from __future__ import annotations
 
 
 class BootstrapError(Exception):
-    """The bootstrap service could not be reached, answered an error, or sent a message we cannot read."""
+    """A rendezvous could not be reached, answered an error, or sent a message we cannot read."""
+
+
+class RendezvousRefused(BootstrapError):
+    """Nothing listens at the rendezvous address any more (connection refused): the instance that hosted it is
+    gone (its process died or stopped). A timeout is not this: a slow or partitioned peer may come back."""

@@ -1,4 +1,7 @@
-"""Typed, versioned JSON messages of the bootstrap rendezvous (no pickle; agent metadata travels base64).
+"""Typed, versioned JSON messages of the rendezvous (no pickle; agent metadata travels base64).
+
+Every PD instance hosts its own rendezvous server (``bootstrap.rendezvous``): its registration, and the rooms
+decode instances post to it when it is a prefill instance. Peers reach it at ``Registration.rendezvous_url``.
 
 Every message travels in an envelope ``{"version", "schema", "type", "body"}``. ``version`` is
 ``PROTOCOL_VERSION``; ``schema`` is a hash over every message's field names, so two builds that disagree on a
@@ -15,14 +18,14 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_ROOM = 2**63 - 1
 Room = int
 
 
-ROLES: tuple[str, ...] = ("prefill", "decode", "router")
-#: Roles that hold a KV pool (and a NIXL agent); a ``router`` registers only to hold its lease.
-KV_ROLES: tuple[str, ...] = ("prefill", "decode")
+ROLES: tuple[str, ...] = ("prefill", "decode")
+#: Roles that hold a KV pool (and a NIXL agent): every role that has a rendezvous.
+KV_ROLES: tuple[str, ...] = ROLES
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,9 @@ class Registration:
 
     ``epoch`` changes on every start of the instance; ``agent_name`` is unique per epoch. ``address`` is the
     Triton gRPC endpoint (``host:port``) that serves ``model_name``: the router sends requests there. ``kv_info``
-    is the KV layer's own JSON (layout, model id, region addresses); the bootstrap never interprets it. A
-    ``router`` registration has no agent (empty strings) and only holds the router's lease: when it expires,
-    every worker drops the rooms that router opened (``AbortLog.routers``).
+    is the KV layer's own JSON (layout, model id, region addresses); the rendezvous never interprets it.
+    ``rendezvous_url`` (``http://host:port``) is the instance's own rendezvous server, where peers fetch this
+    registration and decode instances post destinations.
     """
 
     instance_id: str
@@ -68,6 +71,7 @@ class Registration:
     kv_info: dict[str, Any] = field(default_factory=dict)
     model_name: str = ""
     load: InstanceLoad = field(default_factory=InstanceLoad)
+    rendezvous_url: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -95,7 +99,7 @@ class Heartbeat:
 class InstanceStatus:
     """One entry of the fleet listing: a registration without its agent metadata, and its freshness.
 
-    ``age_s``: seconds since the service last heard from the instance (register or heartbeat).
+    ``age_s``: seconds since the rendezvous last heard from the instance (its own load report, every 0.5 s).
     """
 
     instance_id: str
@@ -105,6 +109,7 @@ class InstanceStatus:
     model_name: str
     load: InstanceLoad
     age_s: float
+    rendezvous_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,9 @@ class InstanceList:
 
 @dataclass(frozen=True)
 class Destination:
-    """Where prefill instance ``prefill_instance_id`` must write room ``room``'s KV (posted by decode).
+    """Where prefill instance ``prefill_instance_id`` must write room ``room``'s KV (posted by decode to the
+    prefill instance's own rendezvous). ``decode_rendezvous_url`` is decode's rendezvous server: prefill fetches
+    decode's registration there for the handshake and checks there that decode is still alive.
 
     ``num_cached_tokens`` (a multiple of the page size, below the prompt length): the leading prompt tokens
     whose KV decode already holds (its prefix cache); prefill writes only the prompt's pages from page
@@ -131,6 +138,7 @@ class Destination:
     dst_page_ids: list[int]
     aux_slot: int
     num_cached_tokens: int = 0
+    decode_rendezvous_url: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.room <= MAX_ROOM:
@@ -179,27 +187,8 @@ class RoomReleased:
     delivered: bool
 
 
-@dataclass(frozen=True)
-class RoomAbort:
-    """A third party (the orchestrator) gives room ``room`` up; workers follow the abort log."""
-
-    room: Room
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class AbortLog:
-    """Rooms aborted and routers gone (lease expired or deregistered) after the cursor the caller sent;
-    ``last_seq`` is the cursor for the next call. A worker drops every room whose router is in ``routers``."""
-
-    rooms: list[Room]
-    last_seq: int
-    routers: list[str] = field(default_factory=list)
-
-
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased, RoomAbort,
-    AbortLog, InstanceLoad, InstanceStatus, InstanceList)}
+    Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased, InstanceLoad, InstanceStatus, InstanceList)}
 _SCHEMA = {name: [f.name for f in fields(cls)] for name, cls in sorted(MESSAGE_TYPES.items())}
 SCHEMA_HASH = hashlib.sha256(json.dumps(_SCHEMA).encode()).hexdigest()[:12]
 

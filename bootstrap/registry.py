@@ -1,24 +1,22 @@
-"""Registry state of the bootstrap service: pure bookkeeping, no I/O, time passed in by the caller.
+"""Registry state of one instance's rendezvous: pure bookkeeping, no I/O, time passed in by the caller.
 
-Lifecycle of a room in the registry:
-1. decode posts a ``Destination`` for room R to prefill instance P (rejected if R is in use, or P unknown);
-2. P fetches its batch of new destinations; R is marked delivered;
+Each PD instance hosts its own rendezvous (``bootstrap.rendezvous``), so its registry holds one registration,
+its own (kept fresh by the instance's load reports), and, on a prefill instance, the rooms decode instances
+posted to it. Lifecycle of a room:
+1. decode posts a ``Destination`` for room R to prefill instance P (rejected if R is in use, or P is not the
+   prefill instance registered here);
+2. P takes its batch of new destinations; R is marked delivered;
 3. decode releases R when its receiver is done (or has failed); R may then be used again.
-Separately, an abort log: anyone (the orchestrator) may append "room R aborted"; workers read it with a
-cursor. The log also says "router X gone" when a router's lease (its registration) expires or is deregistered:
-workers then drop every room that router opened, so a dead router never strands pages.
-A room also disappears when either instance's registration expires or the instance re-registers with a new
-epoch (a restart), and after ``room_ttl_s`` in any case, so a crashed decode cannot leak it.
+A room also disappears when P re-registers with a new epoch (a restart), and after ``room_ttl_s`` in any case,
+so a crashed decode cannot leak it.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, replace
 
 from bootstrap.messages import (
     ACCEPTED,
-    KV_ROLES,
     ROOM_IN_USE,
     UNKNOWN_INSTANCE,
     Destination,
@@ -61,9 +59,6 @@ class Registry:
         self._config = config
         self._instances: dict[str, _Instance] = {}
         self._rooms: dict[Room, _RoomRecord] = {}
-        # (seq, room or None, gone router id or None, time), seq increasing
-        self._aborts: deque[tuple[int, Room | None, str | None, float]] = deque()
-        self._next_seq = 0
 
     def register(self, registration: Registration, now_s: float) -> None:
         old = self._instances.get(registration.instance_id)
@@ -92,7 +87,7 @@ class Registry:
     def instances(self, now_s: float, role: str = "") -> list[InstanceStatus]:
         """Every registered instance (of ``role`` when given), without agent metadata, oldest id first."""
         return [InstanceStatus(r.instance_id, r.role, r.epoch, r.address, r.model_name, r.load,
-                               max(0.0, now_s - e.last_seen_s))
+                               max(0.0, now_s - e.last_seen_s), r.rendezvous_url)
                 for e in sorted(self._instances.values(), key=lambda e: e.registration.instance_id)
                 for r in (e.registration,) if not role or r.role == role]
 
@@ -105,10 +100,6 @@ class Registry:
         if prefill is None or prefill.registration.role != "prefill":
             return PostResult(destination.room, UNKNOWN_INSTANCE,
                               f"unknown prefill instance {destination.prefill_instance_id}")
-        decode = self._instances.get(destination.decode_instance_id)
-        if decode is None or decode.registration.role not in KV_ROLES:
-            return PostResult(destination.room, UNKNOWN_INSTANCE,
-                              f"unknown decode instance {destination.decode_instance_id}")
         if destination.room in self._rooms:
             return PostResult(destination.room, ROOM_IN_USE, f"room {destination.room} is already in use")
         self._rooms[destination.room] = _RoomRecord(destination, now_s)
@@ -130,18 +121,6 @@ class Registry:
         del self._rooms[room]
         return RoomReleased(room, known=True, delivered=record.delivered)
 
-    def abort_room(self, room: Room, now_s: float) -> int:
-        """Appends ``room`` to the abort log; returns its sequence number."""
-        return self._log(room, None, now_s)
-
-    def aborts_after(self, seq: int) -> tuple[list[Room], int, list[str]]:
-        """Rooms aborted and routers gone with a sequence number above ``seq`` (-1: all retained), and the
-        newest number."""
-        entries = [(room, router) for s, room, router, _ in self._aborts if s > seq]
-        rooms = [room for room, _ in entries if room is not None]
-        routers = [router for _, router in entries if router is not None]
-        return rooms, max(seq, self._next_seq - 1), routers
-
     def expire(self, now_s: float) -> list[str]:
         """Drop silent instances (and their rooms) and stale rooms; returns the dropped instance ids."""
         ttl_s = self._config.registration_ttl_s
@@ -150,20 +129,11 @@ class Registry:
             self._drop(instance_id, now_s)
         for room in [r for r, rec in self._rooms.items() if now_s - rec.created_s > self._config.room_ttl_s]:
             del self._rooms[room]
-        while self._aborts and now_s - self._aborts[0][3] > self._config.room_ttl_s:
-            self._aborts.popleft()
         return dead
 
-    def _log(self, room: Room | None, router: str | None, now_s: float) -> int:
-        self._aborts.append((self._next_seq, room, router, now_s))
-        self._next_seq += 1
-        return self._next_seq - 1
-
     def _drop(self, instance_id: str, now_s: float) -> None:
-        entry = self._instances.pop(instance_id)
+        self._instances.pop(instance_id)
         self._drop_rooms_of(instance_id)
-        if entry.registration.role == "router":
-            self._log(None, instance_id, now_s)
 
     @property
     def num_instances(self) -> int:

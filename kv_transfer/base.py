@@ -12,7 +12,7 @@ room only (``failure`` then holds a ``TransferError`` naming the room and the re
 
 Threads: every method of the three handles is thread-safe and cheap (no network round trip; at most a post of
 a WRITE with ``KVArgs.inline_progress``); callers are the serving layer's engine-loop and request threads. The
-work behind them (bootstrap polling, handshakes, transfer tracking, timeouts) runs on the manager's own thread,
+work behind them (destinations, handshakes, transfer tracking, timeouts) runs on the manager's own thread,
 started by ``start`` and stopped by ``shutdown``.
 
 Pages: the caller owns its KV pool (``KVArgs.kv_base_ptr``, laid out as ``kv_transfer.layout`` says) and every
@@ -152,13 +152,14 @@ class BaseKVManager(ABC):
     @abstractmethod
     def start(self) -> None:
         """Caller: the worker's start, once. Registers the KV memory with the transport (once, for the
-        manager's lifetime), registers at the bootstrap, starts the manager thread. Raises ``BootstrapError``
-        (bootstrap unreachable), ``TransportError`` (the backend cannot start), ``RuntimeError`` (twice)."""
+        manager's lifetime), starts the instance's own rendezvous server and registers there, starts the manager
+        thread. Raises ``BootstrapError`` (the rendezvous cannot listen), ``TransportError`` (the backend cannot
+        start), ``RuntimeError`` (twice)."""
 
     @abstractmethod
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Caller: the worker's stop. Idempotent; blocks at most ~``timeout_s``. Fails open rooms (peers are
-        told), deregisters, closes the transport. The caller keeps the KV memory alive until it returned."""
+        told), stops the rendezvous, closes the transport. The caller keeps the KV memory alive until it returned."""
 
     @abstractmethod
     def create_sender(self, room: Room) -> BaseKVSender:
@@ -166,9 +167,16 @@ class BaseKVManager(ABC):
         at once when the room is open here already)."""
 
     @abstractmethod
-    def create_receiver(self, room: Room, prefill_instance_id: str) -> BaseKVReceiver:
+    def create_receiver(self, room: Room, prefill_instance_id: str, prefill_rendezvous_url: str) -> BaseKVReceiver:
         """Decode role only (``TypeError`` otherwise): the receiver of ``room``, fed by
-        ``prefill_instance_id``."""
+        ``prefill_instance_id``, whose own rendezvous is at ``prefill_rendezvous_url`` (``http://host:port``, as
+        the router learned it): the handshake, the destination and the release go there."""
+
+    @property
+    @abstractmethod
+    def rendezvous_url(self) -> str:
+        """This instance's own rendezvous (``http://host:port``; after ``start``): routers hand it to decode
+        instances paired with this one."""
 
     @abstractmethod
     def metrics(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ TRANSPORT_PROTOCOLS = ("tcp", "rdma")
 
 @dataclass(frozen=True)
 class KVArgs:
-    """Everything a manager needs: its identity, its KV region and layout, the bootstrap, its timeouts.
+    """Everything a manager needs: its identity, its KV region and layout, its rendezvous, its timeouts.
 
     ``kv_base_ptr``/``kv_nbytes`` describe the engine's page-major pool ``[num_pages, num_layers, 2, page_size,
     num_kv_heads, head_dim]`` (``kv_transfer.layout``); the caller owns that memory and keeps it alive until ``shutdown()``.
@@ -24,16 +24,19 @@ class KVArgs:
     kv_nbytes: int
     layout: KVLayout
     model_id: str
-    bootstrap_url: str
     bootstrap_timeout_s: float = 30.0      # prefill: decode never posted a destination; decode: no prefill
     waiting_timeout_s: float = 30.0        # decode: no chunk for this long after the destination went out
     mem_type: str = "DRAM"                 # "VRAM" for a CUDA pool
     device_id: int = 0
     address: str = ""                      # Triton gRPC endpoint (host:port) serving ``model_name``: routers send
-    model_name: str = ""                   # requests there (registered with the bootstrap, never used here)
+    model_name: str = ""                   # requests there (in our registration, never used here)
     aux_slots: int = 1024                  # concurrent rooms per instance
     heartbeat_interval_s: float = 1.0
-    peer_check_interval_s: float = 1.0     # how often peers with open rooms are checked at the bootstrap
+    peer_check_interval_s: float = 1.0     # how often peers with open rooms are checked at their rendezvous
+    peer_lost_s: float = 10.0              # a peer whose rendezvous does not answer this long is lost (a refused
+                                           # connection: at once)
+    rendezvous_port: int = 0               # our rendezvous server's port on ``local_hostname`` (0: a free one)
+    fleet_secret: bytes | None = None      # HMAC key of rendezvous calls (bootstrap.auth); None: loopback only
     bootstrap_poll_interval_s: float = 0.005   # prefill: destination polling while a sender waits
     idle_poll_interval_s: float = 0.1          # prefill: destination polling with no sender waiting
     active_tick_s: float = 0.0002          # thread wait while transfers are open
@@ -44,7 +47,7 @@ class KVArgs:
     # progress"); False: all transport work on the manager threads
     inline_progress: bool = True
     # transport selection below the manager (backend-specific, chosen by configuration): the address peers
-    # reach this instance's transport at, and Mooncake's protocol ("tcp"; "rdma" where RDMA NICs exist) and
+    # reach this instance's transport and rendezvous at, and Mooncake's protocol ("tcp"; "rdma" where RDMA NICs exist) and
     # device names (RDMA NICs, comma-separated; "" lets Mooncake pick)
     local_hostname: str = "127.0.0.1"
     transport_protocol: str = "tcp"
@@ -59,7 +62,7 @@ class KVArgs:
         if self.kv_base_ptr <= 0:
             raise ValueError("KVArgs.kv_base_ptr must be a valid address")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
-                     "peer_check_interval_s", "bootstrap_poll_interval_s", "idle_poll_interval_s",
+                     "peer_check_interval_s", "peer_lost_s", "bootstrap_poll_interval_s", "idle_poll_interval_s",
                      "active_tick_s", "idle_tick_s", "http_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVArgs.{name} must be positive")

@@ -1,7 +1,9 @@
 """The decode manager thread's work: handshake with prefill peers, publish destinations, collect chunks,
 time rooms out, cancel and release.
 
-Bootstrap calls happen on the manager thread; so do transport calls, except the notification draining
+Every rendezvous call goes to the prefill instance's own rendezvous (``KVReceiver.prefill_rendezvous_url``,
+from the router's request): a refused connection there means the prefill process is gone, so the room fails at
+once instead of waiting for a timeout. Rendezvous calls happen on the manager thread; so do transport calls, except the notification draining
 that ``drain_now`` does for callers of ``KVReceiver.poll`` (``KVArgs.inline_progress``). Receivers are touched
 under the manager lock.
 """
@@ -13,9 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from bootstrap.client import BootstrapClient
-from bootstrap.errors import BootstrapError
-from bootstrap.messages import ROOM_IN_USE, Destination
+from bootstrap.client import ClientPool
+from bootstrap.errors import BootstrapError, RendezvousRefused
+from bootstrap.messages import Destination
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError
@@ -35,9 +37,10 @@ INLINE_ACTIVE_TICK_S = 0.005      # thread wait while rooms are open, with inlin
 
 
 class DecodeSide:
-    def __init__(self, args: KVArgs, transport: Transport, client: BootstrapClient, peers: PeerTable,
-                 aux: AuxBuffer, lock: threading.RLock) -> None:
-        self._args, self._transport, self._client, self._peers = args, transport, client, peers
+    def __init__(self, args: KVArgs, transport: Transport, clients: ClientPool, peers: PeerTable,
+                 aux: AuxBuffer, lock: threading.RLock, rendezvous_url: str) -> None:
+        self._args, self._transport, self._clients, self._peers = args, transport, clients, peers
+        self._rendezvous_url = rendezvous_url   # ours: prefill fetches our registration there
         self._aux, self._lock = aux, lock
         self.metrics = Metrics()
         self.receivers: dict[Room, KVReceiver] = {}
@@ -49,10 +52,11 @@ class DecodeSide:
         self._wait_s = args.idle_tick_s
         self._last_inline_drain_s = 0.0
 
-    def create_receiver(self, room: Room, prefill_instance_id: str, wake: threading.Event,
-                        now_s: float) -> KVReceiver:
+    def create_receiver(self, room: Room, prefill_instance_id: str, prefill_rendezvous_url: str,
+                        wake: threading.Event, now_s: float) -> KVReceiver:
         with self._lock:
             receiver = KVReceiver(room, prefill_instance_id, self._lock, wake, now_s,
+                                  prefill_rendezvous_url=prefill_rendezvous_url,
                                   drain=self.drain_now if self._args.inline_progress else None,
                                   page_size=self._args.layout.page_size)
             if room in self.receivers:
@@ -80,7 +84,7 @@ class DecodeSide:
         self._publish(now_s)
         with self._lock:
             self._timeouts(now_s)
-        if now_s >= self._next_release_s:   # bootstrap HTTP in batches, away from the moment a room completes
+        if now_s >= self._next_release_s:   # rendezvous HTTP in batches, away from the moment a room completes
             self._next_release_s = now_s + RELEASE_INTERVAL_S
             self._cancel_and_release()
         self._check_peers(now_s)
@@ -105,7 +109,7 @@ class DecodeSide:
                 receiver.fail("decode manager shut down")
         while now_fn() < deadline_s:
             self._drain_notifs(now_fn())
-            # an unreachable bootstrap is not waited for: it drops this instance's rooms when the
+            # an unreachable prefill rendezvous is not waited for: it drops this instance's rooms when the
             # registration goes (deregistered next, or expired)
             self._cancel_and_release(give_up_unreachable=True)
             with self._lock:
@@ -117,21 +121,28 @@ class DecodeSide:
     # --- handshake and publication --------------------------------------------------------------------
     def _handshake(self, now_s: float) -> None:
         with self._lock:
-            wanted = {r.prefill_instance_id for r in self.receivers.values()
+            wanted = {r.prefill_instance_id: r.prefill_rendezvous_url for r in self.receivers.values()
                       if r.state == KVPoll.Bootstrapping and r.peer is None}
-        for instance_id in wanted:
+        for instance_id, url in wanted.items():
             if now_s < self._retry_at_s.get(instance_id, 0.0):
                 continue
+            old = self._peers.get(instance_id)
             try:
-                peer = self._peers.ensure(instance_id)
+                peer = self._peers.ensure(instance_id, url)
             except CompatibilityError as exc:
                 self._fail_bootstrapping(instance_id, f"incompatible prefill instance: {exc}")
                 continue
-            except (LookupError, TransportError, BootstrapError) as exc:
+            except (RendezvousRefused, LookupError) as exc:
+                # nothing listens there, or another instance does: the prefill named by the router is gone
+                self._fail_bootstrapping(instance_id, f"prefill instance {instance_id} unreachable: {exc}")
+                continue
+            except (TransportError, BootstrapError) as exc:
                 logger.info("handshake with prefill %s not possible yet: %s", instance_id, exc)
                 self._retry_at_s[instance_id] = now_s + RETRY_S
                 continue
             with self._lock:
+                if old is not None and old.agent_name != peer.agent_name:
+                    self._on_peer_lost(old.agent_name, "prefill instance restarted")
                 for receiver in self.receivers.values():
                     if receiver.prefill_instance_id == instance_id and receiver.peer is None:
                         receiver.peer = peer
@@ -147,7 +158,7 @@ class DecodeSide:
                     receiver.aux_slot = self._aux.alloc()
             destinations = [(r, Destination(r.room, r.prefill_instance_id, self._args.instance_id,
                                             self._transport.agent_name, r.xfer_id, list(r.dst_page_ids or []),
-                                            r.aux_slot, r.num_cached_tokens))
+                                            r.aux_slot, r.num_cached_tokens, self._rendezvous_url))
                             for r in ready if r.aux_slot is not None]
             for receiver in ready:
                 receiver.publishing = receiver.aux_slot is not None
@@ -155,7 +166,12 @@ class DecodeSide:
                     self._fail(receiver, "no free aux slot")
         for receiver, destination in destinations:
             try:
-                result = self._client.post_destination(destination)
+                result = self._clients.get(receiver.prefill_rendezvous_url).post_destination(destination)
+            except RendezvousRefused as exc:
+                with self._lock:
+                    receiver.publishing = False
+                    self._fail(receiver, f"prefill instance unreachable: {exc}")
+                continue
             except BootstrapError as exc:
                 logger.warning("room %d: cannot post destination: %s", receiver.room, exc)
                 self._publish_retry_at_s[receiver.room] = now_s + RETRY_S
@@ -168,10 +184,8 @@ class DecodeSide:
                     receiver.published, receiver.progress_s = True, now_s
                     self.metrics.skipped_pages_total += receiver.num_cached_tokens // self._args.layout.page_size
                     receiver.state = advance(receiver.state, KVPoll.WaitingForInput)
-                elif result.code == ROOM_IN_USE:
+                else:   # room in use, or that rendezvous is not (any more) this prefill instance's
                     self._fail(receiver, result.reason)
-                else:
-                    self._publish_retry_at_s[receiver.room] = now_s + RETRY_S
             if result.accepted and receiver.peer and result.prefill_agent_name != receiver.peer.agent_name:
                 self._rehandshake(receiver, result.prefill_agent_name)
 
@@ -181,7 +195,8 @@ class DecodeSide:
         old = receiver.peer
         assert old is not None
         try:
-            peer = self._peers.ensure(receiver.prefill_instance_id, expected_agent=agent_name)
+            peer = self._peers.ensure(receiver.prefill_instance_id, receiver.prefill_rendezvous_url,
+                                      expected_agent=agent_name)
         except (CompatibilityError, LookupError, TransportError, BootstrapError) as exc:
             with self._lock:
                 self._fail(receiver, f"prefill instance restarted and the handshake failed: {exc}")
@@ -247,9 +262,15 @@ class DecodeSide:
                     if r.published and not r.room_released and r.state.is_terminal]
         for receiver in todo:
             try:
-                released = self._client.release_room(receiver.room, self._args.instance_id)
+                released = self._clients.get(receiver.prefill_rendezvous_url).release_room(
+                    receiver.room, self._args.instance_id)
+            except RendezvousRefused:
+                with self._lock:   # the prefill process is gone: nothing can write into these pages any more
+                    receiver.room_released = True
+                    receiver.writer_done = True
+                continue
             except BootstrapError as exc:
-                logger.warning("room %d: cannot release at the bootstrap: %s", receiver.room, exc)
+                logger.warning("room %d: cannot release at prefill's rendezvous: %s", receiver.room, exc)
                 if give_up_unreachable:
                     with self._lock:
                         receiver.room_released = True
@@ -282,15 +303,15 @@ class DecodeSide:
                       if r.peer is not None and not r.writer_done and not r.closed}
         for instance_id, peer in in_use.items():
             try:
-                alive = self._peers.check_alive(instance_id)
+                alive = self._peers.check_alive(instance_id, now_s)
             except BootstrapError as exc:
                 logger.warning("cannot check prefill %s: %s", instance_id, exc)
                 continue
             if alive:
                 continue
             with self._lock:
-                self._on_peer_lost(peer.agent_name,
-                                   "prefill instance lost (registration expired or restarted)")
+                self._on_peer_lost(peer.agent_name, "prefill instance lost (its rendezvous refused us, forgot it "
+                                                    "or stayed silent, or it restarted)")
 
     def _on_peer_lost(self, agent_name: str, reason: str) -> None:
         """Rooms published to a dead agent fail (their writer is gone); unpublished ones handshake again."""

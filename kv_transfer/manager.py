@@ -1,14 +1,16 @@
-"""One KV manager per engine instance: owns the transport agent, the registered regions, the bootstrap
-registration and the one background thread that does the transfer work (with ``KVArgs.inline_progress``,
+"""One KV manager per engine instance: owns the transport agent, the registered regions, the instance's own
+rendezvous (``bootstrap.rendezvous``: its registration, and on prefill the rooms decode posts to it) and the one
+background thread that does the transfer work (with ``KVArgs.inline_progress``,
 ``send`` posts its WRITE and ``poll`` drains notifications in the caller's thread; the thread does the rest).
 
 Threads: ``start()`` starts the thread ``kv-<role>-<instance>``; it loops until ``shutdown()`` sets the stop
 event, each round: heartbeat (every ``heartbeat_interval_s``), the role's tick (bootstrap polling,
 notification draining, transfer polling, timeouts, cleanup), then a wait on the wake event (set by
-sender/receiver calls) with a timeout, so timeouts and cleanup also run when no new work arrives. The role's
-tick is told whether the event was set since the last round (the decode side keeps rounds nobody woke cheap).
-Shutdown order: stop the thread, fail open rooms and tell the peers, deregister at the bootstrap, close the
-agent. The caller keeps the KV memory alive until ``shutdown()`` returned.
+sender/receiver calls, and by the rendezvous when a destination arrives) with a timeout, so timeouts and cleanup
+also run when no new work arrives. The role's tick is told whether the event was set since the last round (the
+decode side keeps rounds nobody woke cheap; the prefill side takes new destinations at once).
+Shutdown order: stop the thread, fail open rooms and tell the peers, deregister and stop the rendezvous, close
+the agent. The caller keeps the KV memory alive until ``shutdown()`` returned.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from bootstrap.client import BootstrapClient
-from bootstrap.errors import BootstrapError
+from bootstrap.client import ClientPool
 from bootstrap.messages import InstanceLoad, Registration
+from bootstrap.rendezvous import Rendezvous, RendezvousConfig
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.base import BaseKVManager
 from kv_transfer.blocks import BlockTable
@@ -50,11 +52,11 @@ class KVManager(BaseKVManager):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._aux = AuxBuffer(args.aux_slots)
-        self._client = BootstrapClient(args.bootstrap_url, args.http_timeout_s)
-        self._peers = PeerTable(self._client, self._transport, args.model_id, args.layout)
-        side_cls = PrefillSide if args.role == "prefill" else DecodeSide
-        self._side: PrefillSide | DecodeSide = side_cls(args, self._transport, self._client, self._peers,
-                                                        self._aux, self._lock)
+        self._rendezvous = Rendezvous(RendezvousConfig(host=args.local_hostname, port=args.rendezvous_port,
+                                                       secret=args.fleet_secret), on_destination=self._wake.set)
+        self._clients = ClientPool(args.http_timeout_s, args.fleet_secret)
+        self._peers = PeerTable(self._clients, self._transport, args.model_id, args.layout, args.peer_lost_s)
+        self._side: PrefillSide | DecodeSide | None = None   # built in start(): decode needs our rendezvous URL
         self.epoch = 0
         self._next_heartbeat_s = 0.0
         self._load: Callable[[], InstanceLoad | None] = lambda: None
@@ -69,26 +71,41 @@ class KVManager(BaseKVManager):
     def agent_name(self) -> str:
         return self._transport.agent_name
 
-    def start(self) -> None:
-        """Registers the KV and aux regions, registers at the bootstrap, starts the thread.
+    @property
+    def rendezvous_url(self) -> str:
+        """``http://host:port`` of this instance's rendezvous (after ``start``): what routers pass to decode."""
+        return self._rendezvous.url
 
-        Raises ``BootstrapError`` when the bootstrap cannot be reached."""
+    def start(self) -> None:
+        """Registers the KV and aux regions with the transport, starts the rendezvous server and registers
+        there, starts the thread.
+
+        Raises ``BootstrapError`` when the rendezvous cannot listen (address in use or not this host's; a
+        non-loopback address without a fleet secret)."""
         if self._thread is not None:
             raise RuntimeError("KVManager.start called twice")
         self._transport.register(BlockTable(self.args.kv_base_ptr, self.args.layout, self._aux.base_ptr,
                                             self.args.aux_slots))
+        self._rendezvous.start(name=f"rendezvous-{self.args.instance_id}")
+        if self.args.role == "prefill":
+            self._side = PrefillSide(self.args, self._transport, self._rendezvous, self._peers, self._aux,
+                                     self._lock)
+        else:
+            self._side = DecodeSide(self.args, self._transport, self._clients, self._peers, self._aux, self._lock,
+                                    self._rendezvous.url)
         self.epoch = time.time_ns()
-        self._client.register(self._registration())
+        self._rendezvous.register(self._registration())
         self._next_heartbeat_s = time.monotonic() + self.args.heartbeat_interval_s
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.args.role}-{self.args.instance_id}",
                                         daemon=True)
         self._thread.start()
-        logger.info("kv manager %s (%s) started, agent %s", self.args.instance_id, self.args.role,
-                    self.agent_name)
+        logger.info("kv manager %s (%s) started, agent %s, rendezvous %s", self.args.instance_id, self.args.role,
+                    self.agent_name, self._rendezvous.url)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Idempotent. Stops the thread, fails open rooms (peers are told), deregisters, closes the agent."""
-        if self._thread is None:
+        """Idempotent. Stops the thread, fails open rooms (peers are told), deregisters and stops the rendezvous,
+        closes the agent."""
+        if self._thread is None or self._side is None:
             return
         self._stop.set()
         self._wake.set()
@@ -96,33 +113,35 @@ class KVManager(BaseKVManager):
         # open rooms get at most SHUTDOWN_ROOMS_S for their WRITEs and the peers' answers: at a server stop every
         # instance shuts down at once, so no peer answers and a longer wait only holds the server's exit
         self._side.shutdown(time.monotonic() + min(timeout_s / 2, SHUTDOWN_ROOMS_S), time.monotonic)
-        try:
-            self._client.deregister(self.args.instance_id, self.epoch)
-        except BootstrapError as exc:
-            logger.warning("deregister failed: %s", exc)
+        self._rendezvous.deregister(self.args.instance_id, self.epoch)
+        self._rendezvous.stop()
         self._transport.close()
-        self._client.close()
+        self._clients.close()
         self._thread = None
 
     def create_sender(self, room: Room) -> KVSender:
         """Prefill role only: the sender of room ``room`` (Failed at once if the room is open here
         already)."""
         if not isinstance(self._side, PrefillSide):
-            raise TypeError("create_sender on a decode manager")
+            raise TypeError("create_sender on a decode manager (or before start)")
         sender = self._side.create_sender(room, self._wake, time.monotonic())
         self._wake.set()
         return sender
 
-    def create_receiver(self, room: Room, prefill_instance_id: str) -> KVReceiver:
-        """Decode role only: the receiver of room ``room``, fed by ``prefill_instance_id``."""
+    def create_receiver(self, room: Room, prefill_instance_id: str, prefill_rendezvous_url: str) -> KVReceiver:
+        """Decode role only: the receiver of room ``room``, fed by ``prefill_instance_id``, whose rendezvous is
+        at ``prefill_rendezvous_url``."""
         if not isinstance(self._side, DecodeSide):
-            raise TypeError("create_receiver on a prefill manager")
-        receiver = self._side.create_receiver(room, prefill_instance_id, self._wake, time.monotonic())
+            raise TypeError("create_receiver on a prefill manager (or before start)")
+        receiver = self._side.create_receiver(room, prefill_instance_id, prefill_rendezvous_url, self._wake,
+                                              time.monotonic())
         self._wake.set()
         return receiver
 
     def metrics(self) -> dict[str, int]:
         with self._lock:
+            if self._side is None:
+                return {}
             out = self._side.metrics.as_dict()
             out["open_rooms"] = self._side.open_rooms
             out["free_aux_slots"] = self._aux.num_free
@@ -137,7 +156,8 @@ class KVManager(BaseKVManager):
             compat_hash=compat_hash(self.args.model_id, self.args.layout), address=self.args.address,
             kv_info=kv_info(self.args.model_id, self.args.layout, self.args.kv_base_ptr, self._aux.base_ptr,
                             self.args.aux_slots),
-            model_name=self.args.model_name, load=self._load() or InstanceLoad())
+            model_name=self.args.model_name, load=self._load() or InstanceLoad(),
+            rendezvous_url=self._rendezvous.url)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -148,6 +168,7 @@ class KVManager(BaseKVManager):
             wait_s = self.args.idle_tick_s
             try:
                 self._heartbeat(now_s)
+                assert self._side is not None
                 wait_s = self._side.tick(now_s, woken)
             except Exception:
                 logger.exception("kv manager %s: tick failed", self.args.instance_id)
@@ -157,9 +178,5 @@ class KVManager(BaseKVManager):
         if now_s < self._next_heartbeat_s:
             return
         self._next_heartbeat_s = now_s + self.args.heartbeat_interval_s
-        try:
-            if not self._client.heartbeat(self.args.instance_id, self.epoch, self._load()):
-                logger.warning("bootstrap forgot %s; registering again", self.args.instance_id)
-                self._client.register(self._registration())
-        except BootstrapError as exc:
-            logger.warning("heartbeat failed: %s", exc)
+        if not self._rendezvous.report_load(self.args.instance_id, self.epoch, self._load()):
+            self._rendezvous.register(self._registration())   # it expired (the thread stalled past the TTL)

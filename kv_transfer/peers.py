@@ -1,7 +1,10 @@
-"""Peers of a manager: handshake once per peer (fetch registration, check compatibility, load the agent).
+"""Peers of a manager: handshake once per peer (fetch its registration from the peer's own rendezvous, check
+compatibility, load the agent).
 
 A peer is cached by instance id and re-handshaked only when its registration shows a new agent (a restart).
-Called from the manager thread only.
+Liveness is asked of the peer itself: its rendezvous lives in its process, so a refused connection means the
+process is gone (declared lost at once), while a peer that does not answer (a stall, a partition) is declared
+lost only after ``peer_lost_s`` without an answer. Called from the manager thread only.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from bootstrap.client import BootstrapClient
+from bootstrap.client import ClientPool
+from bootstrap.errors import BootstrapError, RendezvousRefused
 from bootstrap.messages import Registration
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
@@ -34,6 +38,7 @@ class Peer:
     agent_name: str
     epoch: int
     table: BlockTable   # the peer's memory, in its own index space
+    rendezvous_url: str = ""
 
     @property
     def layout(self) -> KVLayout:
@@ -41,41 +46,58 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, client: BootstrapClient, transport: Transport, model_id: str,
-                 layout: KVLayout) -> None:
-        self._client = client
+    def __init__(self, clients: ClientPool, transport: Transport, model_id: str,
+                 layout: KVLayout, peer_lost_s: float = 10.0) -> None:
+        self._clients = clients
         self._transport = transport
         self._model_id = model_id
         self._layout = layout
+        self._peer_lost_s = peer_lost_s
         self._peers: dict[str, Peer] = {}
-        self._forgotten: dict[str, str] = {}   # agent name → instance id, of peers forgotten (last 64)
+        # agent name → (instance id, rendezvous URL), of peers forgotten (last 64)
+        self._forgotten: dict[str, tuple[str, str]] = {}
+        self._silent_since_s: dict[str, float] = {}   # instance id → first unanswered liveness check
         self.handshakes_total = 0
 
     def get(self, instance_id: str) -> Peer | None:
         return self._peers.get(instance_id)
 
-    def ensure(self, instance_id: str, expected_agent: str | None = None) -> Peer:
-        """The handshaked peer; handshakes on first use or when ``expected_agent`` differs from the cached
-        one. Raises ``LookupError`` (not registered), ``CompatibilityError``, ``TransportError``,
-        ``BootstrapError``.
+    def ensure(self, instance_id: str, rendezvous_url: str, expected_agent: str | None = None) -> Peer:
+        """The handshaked peer; handshakes on first use, when ``expected_agent`` differs from the cached one, or
+        when the peer now lives at another rendezvous URL (a restart). Raises ``LookupError`` (not registered
+        there), ``CompatibilityError``, ``TransportError``, ``BootstrapError`` (``RendezvousRefused``: nothing
+        listens at ``rendezvous_url``).
         """
         peer = self._peers.get(instance_id)
-        if peer is not None and (expected_agent is None or peer.agent_name == expected_agent):
+        if peer is not None and (expected_agent is None or peer.agent_name == expected_agent) \
+                and (not rendezvous_url or peer.rendezvous_url == rendezvous_url):
             return peer
-        registration = self._client.get_instance(instance_id)
+        url = rendezvous_url or (peer.rendezvous_url if peer is not None else "")
+        registration = self._clients.get(url).get_instance(instance_id)
         if registration is None:
             raise LookupError(f"instance {instance_id} is not registered")
         if expected_agent is not None and registration.agent_name != expected_agent:
             raise LookupError(f"instance {instance_id} now runs agent {registration.agent_name}, "
                               f"not {expected_agent}")
-        return self._handshake(registration)
+        return self._handshake(registration, url)
 
-    def check_alive(self, instance_id: str) -> bool:
-        """False (and the peer forgotten) when the instance is gone or restarted since the handshake."""
+    def check_alive(self, instance_id: str, now_s: float) -> bool:
+        """False (and the peer forgotten) when the instance is gone or restarted since the handshake: its
+        rendezvous refuses connections, no longer knows it or names another agent, or has not answered for
+        ``peer_lost_s``. Raises ``BootstrapError`` for an unanswered check within that grace (unknown yet)."""
         peer = self._peers.get(instance_id)
         if peer is None:
             return False
-        registration = self._client.get_instance(instance_id)
+        try:
+            registration = self._clients.get(peer.rendezvous_url).get_instance(instance_id)
+        except RendezvousRefused:
+            registration = None
+        except BootstrapError:
+            since_s = self._silent_since_s.setdefault(instance_id, now_s)
+            if now_s - since_s < self._peer_lost_s:
+                raise
+            registration = None
+        self._silent_since_s.pop(instance_id, None)
         if registration is not None and registration.agent_name == peer.agent_name:
             return True
         self.forget(instance_id)
@@ -85,7 +107,8 @@ class PeerTable:
         peer = self._peers.pop(instance_id, None)
         if peer is not None:
             self._transport.remove_peer(peer.agent_name)
-            self._forgotten[peer.agent_name] = instance_id
+            self._forgotten[peer.agent_name] = (instance_id, peer.rendezvous_url)
+            self._silent_since_s.pop(instance_id, None)
             while len(self._forgotten) > 64:
                 del self._forgotten[next(iter(self._forgotten))]
             logger.info("forgot peer %s (agent %s)", instance_id, peer.agent_name)
@@ -94,14 +117,15 @@ class PeerTable:
         """A forgotten peer that turned out alive with the same agent (it stalled past its registration TTL,
         e.g. a stopped process, then registered again) is handshaked again; None when ``agent_name`` was never
         forgotten here. Raises like ``ensure`` (``LookupError`` when the instance now runs another agent)."""
-        instance_id = self._forgotten.get(agent_name)
-        if instance_id is None:
+        forgotten = self._forgotten.get(agent_name)
+        if forgotten is None:
             return None
-        peer = self.ensure(instance_id, agent_name)
+        instance_id, url = forgotten
+        peer = self.ensure(instance_id, url, agent_name)
         self._forgotten.pop(agent_name, None)
         return peer
 
-    def _handshake(self, registration: Registration) -> Peer:
+    def _handshake(self, registration: Registration, rendezvous_url: str) -> Peer:
         info = registration.kv_info
         layout = KVLayout.from_json(info["layout"])
         check_compatible(self._model_id, self._layout, str(info["model_id"]), layout, registration.compat_hash)
@@ -111,7 +135,7 @@ class PeerTable:
                            int(info["aux_slots"]))
         self.forget(registration.instance_id)
         agent_name = self._transport.add_peer(registration.agent_metadata, table)
-        peer = Peer(registration.instance_id, agent_name, registration.epoch, table)
+        peer = Peer(registration.instance_id, agent_name, registration.epoch, table, rendezvous_url)
         self._peers[registration.instance_id] = peer
         self.handshakes_total += 1
         logger.info("handshake with %s done (agent %s, epoch %d)", peer.instance_id, agent_name, peer.epoch)

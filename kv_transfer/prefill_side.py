@@ -1,6 +1,8 @@
-"""The prefill manager thread's work: fetch destinations, post chunk WRITEs, track them, answer cancels.
+"""The prefill manager thread's work: take destinations, post chunk WRITEs, track them, answer cancels.
 
-Bootstrap calls happen on the manager thread; so do transport calls, except the last chunk's WRITE, which
+Destinations arrive at this instance's own rendezvous (``bootstrap.rendezvous``, a thread of this process),
+which wakes the manager thread; the thread takes them in-process. Rendezvous calls to decode instances (their
+registration for the handshake, liveness checks) happen on the manager thread; so do transport calls, except the last chunk's WRITE, which
 ``post_now`` posts from the caller of ``send`` (``KVArgs.inline_progress``). Senders are touched under the
 manager lock.
 Rooms aborted before their destination arrived are remembered (``_tombstones``) so that the decode side is
@@ -17,8 +19,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from bootstrap.client import BootstrapClient
+from bootstrap.client import ClientPool
 from bootstrap.errors import BootstrapError
+from bootstrap.rendezvous import Rendezvous
 from bootstrap.messages import Destination
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.blocks import BlockTable
@@ -38,9 +41,9 @@ _Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, 'Tag | None', int]
 
 
 class PrefillSide:
-    def __init__(self, args: KVArgs, transport: Transport, client: BootstrapClient, peers: PeerTable,
+    def __init__(self, args: KVArgs, transport: Transport, rendezvous: Rendezvous, peers: PeerTable,
                  aux: AuxBuffer, lock: threading.RLock) -> None:
-        self._args, self._transport, self._client, self._peers = args, transport, client, peers
+        self._args, self._transport, self._rendezvous, self._peers = args, transport, rendezvous, peers
         self._table = BlockTable(args.kv_base_ptr, args.layout, aux.base_ptr, aux.num_slots)
         self._aux, self._lock = aux, lock
         self.metrics = Metrics()
@@ -71,7 +74,7 @@ class PrefillSide:
         self._drain_notifs()
         with self._lock:
             self._progress()
-        self._poll_destinations(now_s)
+        self._poll_destinations(now_s, woken)
         self._check_peers(now_s)
         with self._lock:
             return self._next_wait_s()
@@ -89,18 +92,16 @@ class PrefillSide:
             threading.Event().wait(0.001)
 
     # --- destinations -------------------------------------------------------------------------------------
-    def _poll_destinations(self, now_s: float) -> None:
-        if now_s < self._next_poll_s:
+    def _poll_destinations(self, now_s: float, woken: bool) -> None:
+        """Takes new destinations from our rendezvous (in-process): at once when woken (a destination's arrival
+        wakes the thread), else on the poll interval."""
+        if now_s < self._next_poll_s and not woken:
             return
         with self._lock:
             waiting = any(s.state == KVPoll.Bootstrapping for s in self.senders.values())
         interval_s = self._args.bootstrap_poll_interval_s if waiting else self._args.idle_poll_interval_s
         self._next_poll_s = now_s + interval_s
-        try:
-            destinations = self._client.take_destinations(self._args.instance_id)
-        except BootstrapError as exc:
-            logger.warning("cannot fetch destinations: %s", exc)
-            return
+        destinations = self._rendezvous.take_destinations(self._args.instance_id)
         for destination in destinations:
             self._accept(destination, now_s)
 
@@ -108,7 +109,7 @@ class PrefillSide:
         room = dest.room
         try:
             old = self._peers.get(dest.decode_instance_id)
-            peer = self._peers.ensure(dest.decode_instance_id, dest.decode_agent_name)
+            peer = self._peers.ensure(dest.decode_instance_id, dest.decode_rendezvous_url, dest.decode_agent_name)
         except (CompatibilityError, LookupError, TransportError, BootstrapError) as exc:
             logger.error("room %d: handshake with decode %s failed: %s", room, dest.decode_instance_id, exc)
             with self._lock:
@@ -355,13 +356,14 @@ class PrefillSide:
                       if s.peer is not None and not s.state.is_terminal}
         for instance_id, peer in in_use.items():
             try:
-                alive = self._peers.check_alive(instance_id)
+                alive = self._peers.check_alive(instance_id, now_s)
             except BootstrapError as exc:
                 logger.warning("cannot check decode %s: %s", instance_id, exc)
                 continue
             if not alive:
                 with self._lock:
-                    self._fail_peer(peer, "decode instance lost (registration expired or restarted)")
+                    self._fail_peer(peer, "decode instance lost (its rendezvous refused us, forgot it or stayed "
+                                          "silent, or it restarted)")
 
     def _fail_peer(self, peer: Peer, reason: str) -> None:
         for sender in self.senders.values():

@@ -1,7 +1,7 @@
 """Decode side, one ``KVReceiver`` per request (room).
 
 Lifecycle of a room on the decode side:
-1. ``manager.create_receiver(room, prefill_instance_id)``  → Bootstrapping; the thread handshakes with the
+1. ``manager.create_receiver(room, prefill_instance_id, prefill_rendezvous_url)``  → Bootstrapping; the thread handshakes with the
    prefill instance once per peer (compatibility checked before any byte moves)
 2. ``init(dst_page_ids)``: the pages the decode engine reserved; an aux slot is taken; the thread posts the
    destination to the bootstrap (a room already in use fails this receiver only)   → WaitingForInput
@@ -37,10 +37,12 @@ class KVReceiver(BaseKVReceiver):
     """
 
     def __init__(self, room: Room, prefill_instance_id: str, lock: threading.RLock, wake: threading.Event,
-                 created_s: float, drain: Callable[[], None] | None = None, page_size: int = 1) -> None:
+                 created_s: float, drain: Callable[[], None] | None = None, page_size: int = 1,
+                 prefill_rendezvous_url: str = "") -> None:
         self.room = room
         self._page_size = page_size
         self.prefill_instance_id = prefill_instance_id
+        self.prefill_rendezvous_url = prefill_rendezvous_url   # the prefill instance's own rendezvous
         self._lock = lock
         self._wake = wake
         self._drain = drain             # inline progress: reads arrived notifications in the caller's thread
@@ -54,7 +56,7 @@ class KVReceiver(BaseKVReceiver):
         self.xfer_id = uuid.uuid4().hex[:12]
         self.peer: Peer | None = None
         self.publishing = False         # a POST of our destination is under way
-        self.published = False          # the bootstrap holds our destination
+        self.published = False          # prefill's rendezvous holds our destination
         self.room_released = False      # ...and no longer does
         self.writer_done = False        # the prefill side will never write for this room again
         self.cancel_sent = False

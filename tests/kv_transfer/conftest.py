@@ -1,5 +1,5 @@
-"""Fixtures of the KV transfer tests: a bootstrap service on port 0, and prefill/decode sides on each backend
-(in-process: both in this process; nixl and mooncake: each a real OS process on loopback)."""
+"""Fixtures of the KV transfer tests: prefill/decode sides on each backend (in-process: both in this process; nixl
+and mooncake: each a real OS process on loopback), each hosting its own rendezvous on a free port."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from kv_harness import LocalSide, RemoteSide
 
-from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
 from kv_transfer import unavailable_reason
 
 _ids = itertools.count()
@@ -21,21 +20,12 @@ _ids = itertools.count()
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "3")
 
 
-@pytest.fixture(scope="session")
-def bootstrap_url() -> Iterator[str]:
-    server = BootstrapServer(ServerConfig(port=0, expire_interval_s=0.1,
-                                          registry=RegistryConfig(registration_ttl_s=1.0)))
-    server.start()
-    yield server.url
-    server.stop()
-
-
 SideFactory = Callable[..., Any]
 
 
 @pytest.fixture(scope="module", params=["inprocess", pytest.param("nixl", marks=pytest.mark.nixl),
                                         pytest.param("mooncake", marks=pytest.mark.mooncake)])
-def make_side(request: pytest.FixtureRequest, bootstrap_url: str) -> Iterator[SideFactory]:
+def make_side(request: pytest.FixtureRequest) -> Iterator[SideFactory]:
     """``make_side(role, instance_id=None, **kv_overrides)``: a started side on this module's backend."""
     backend = request.param   # every contract test runs on each backend
     reason = unavailable_reason(backend)
@@ -46,8 +36,9 @@ def make_side(request: pytest.FixtureRequest, bootstrap_url: str) -> Iterator[Si
     def make(role: str, instance_id: str | None = None, **overrides: Any) -> Any:
         instance_id = instance_id or f"{role}-{backend}-{next(_ids)}"
         cls = LocalSide if backend == "inprocess" else RemoteSide
-        side = cls(role, instance_id, bootstrap_url, backend, **overrides)
+        side = cls(role, instance_id, backend, **overrides)
         side.start_free = side.call("start")
+        side.rendezvous_url = side.call("rendezvous_url")
         sides.append(side)
         return side
 

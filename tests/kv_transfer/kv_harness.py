@@ -68,21 +68,19 @@ class PageAllocator:
 class SideWorker:
     """One engine-like instance. Methods take and return plain data so they can be called over a pipe."""
 
-    def __init__(self, role: str, instance_id: str, bootstrap_url: str, backend: str,
-                 **kv_overrides: Any) -> None:
+    def __init__(self, role: str, instance_id: str, backend: str, **kv_overrides: Any) -> None:
         layout = kv_overrides.pop("layout", smollm2_layout())
         # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim] (page-major), float32, host; touched
         self.pool = np.full((layout.num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads,
                              layout.head_dim), SENTINEL, dtype=np.float32)
         self.pages = PageAllocator(layout.num_pages)
         params: dict[str, Any] = {"bootstrap_timeout_s": 2.0, "waiting_timeout_s": 2.0,
-                                  "heartbeat_interval_s": 0.2, "peer_check_interval_s": 0.2,
+                                  "heartbeat_interval_s": 0.2, "peer_check_interval_s": 0.2, "peer_lost_s": 1.0,
                                   "http_timeout_s": 1.0}
         params.update(kv_overrides)
         self.args = KVArgs(instance_id=instance_id, role=role, kv_base_ptr=self.pool.ctypes.data,
                            kv_nbytes=self.pool.nbytes, layout=layout,
-                           model_id=params.pop("model_id", MODEL_ID),
-                           bootstrap_url=bootstrap_url, **params)
+                           model_id=params.pop("model_id", MODEL_ID), **params)
         self.manager = make_kv_manager(self.args, backend)
         self.rooms: dict[int, tuple[Any, list[int]]] = {}   # room → (sender or receiver, pages)
         self.sent_pages: dict[int, int] = {}
@@ -93,13 +91,17 @@ class SideWorker:
         self.manager.start()
         return self.pages.num_free
 
+    def rendezvous_url(self) -> str:
+        return self.manager.rendezvous_url
+
     def stop(self) -> None:
         self.manager.shutdown()
 
     def crash(self) -> None:
-        """In-process stand-in for a killed process: the agent vanishes, nobody is told."""
+        """In-process stand-in for a killed process: the agent and the rendezvous vanish, nobody is told."""
         self.manager._stop.set()
         self.manager._transport.close()
+        self.manager._rendezvous.stop()
 
     # --- prefill ------------------------------------------------------------------------------------------
     def open_sender(self, room: int, num_tokens: int, scatter: bool = False) -> None:
@@ -129,12 +131,12 @@ class SideWorker:
         self.rooms[room][0].abort(reason)
 
     # --- decode -------------------------------------------------------------------------------------------
-    def open_receiver(self, room: int, prefill_id: str, num_tokens: int, scatter: bool = False,
+    def open_receiver(self, room: int, prefill_id: str, prefill_url: str, num_tokens: int, scatter: bool = False,
                       cached_tokens: int = 0, claim_cached_tokens: int | None = None) -> None:
         """Reserves the room's pages. The first ``cached_tokens // PAGE_SIZE`` stand for decode's prefix cache:
         filled with ``cached_pattern`` and not given to the receiver, which is told ``claim_cached_tokens``
         (default ``cached_tokens``) leading tokens are cached."""
-        receiver = self.manager.create_receiver(room, prefill_id)
+        receiver = self.manager.create_receiver(room, prefill_id, prefill_url)
         pages = self.pages.alloc(-(-num_tokens // PAGE_SIZE), scatter)
         skip = cached_tokens // PAGE_SIZE
         for index, page in enumerate(pages[:skip]):
@@ -202,6 +204,7 @@ class LocalSide:
         self.worker = SideWorker(*args, **kwargs)
         self.instance_id: str = args[1]
         self.start_free = 0   # set by the fixture from ``start()``
+        self.rendezvous_url = ""   # set by the fixture after ``start()``
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
@@ -228,6 +231,7 @@ class RemoteSide:
     def __init__(self, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> None:
         self.instance_id: str = args[1]
         self.start_free = 0   # set by the fixture from ``start()``
+        self.rendezvous_url = ""   # set by the fixture after ``start()``
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._timeout_s = timeout_s

@@ -15,10 +15,10 @@ from kv_harness import smollm2_layout
 from kv_transfer import AuxData, KVArgs, KVManager, KVPoll, TransferError, make_kv_manager, unavailable_reason
 
 
-def args_for(pool: np.ndarray, url: str, role: str = "prefill", **changes: object) -> KVArgs:
+def args_for(pool: np.ndarray, role: str = "prefill", **changes: object) -> KVArgs:
     fields: dict[str, object] = {"instance_id": f"rules-{role}", "role": role,
                                  "kv_base_ptr": pool.ctypes.data, "kv_nbytes": pool.nbytes,
-                                 "layout": smollm2_layout(num_pages=4), "model_id": "m", "bootstrap_url": url}
+                                 "layout": smollm2_layout(num_pages=4), "model_id": "m"}
     fields.update(changes)
     return KVArgs(**fields)  # type: ignore[arg-type]
 
@@ -30,8 +30,8 @@ def pool() -> np.ndarray:
 
 
 @pytest.fixture
-def prefill(pool: np.ndarray, bootstrap_url: str) -> Iterator[KVManager]:
-    manager = make_kv_manager(args_for(pool, bootstrap_url), "inprocess")
+def prefill(pool: np.ndarray) -> Iterator[KVManager]:
+    manager = make_kv_manager(args_for(pool), "inprocess")
     manager.start()
     yield manager
     manager.shutdown()
@@ -39,12 +39,12 @@ def prefill(pool: np.ndarray, bootstrap_url: str) -> Iterator[KVManager]:
 
 @pytest.mark.parametrize("backend", ["inprocess", pytest.param("nixl", marks=pytest.mark.nixl),
                                      pytest.param("mooncake", marks=pytest.mark.mooncake)])
-def test_constructing_a_manager_starts_no_thread(pool: np.ndarray, bootstrap_url: str, backend: str) -> None:
+def test_constructing_a_manager_starts_no_thread(pool: np.ndarray, backend: str) -> None:
     reason = unavailable_reason(backend)
     if reason is not None:
         pytest.skip(reason)
     before = threading.active_count(), len(os.listdir("/proc/self/task"))  # Python and native threads
-    manager = make_kv_manager(args_for(pool, bootstrap_url), backend)
+    manager = make_kv_manager(args_for(pool), backend)
     assert (threading.active_count(), len(os.listdir("/proc/self/task"))) == before
     manager.shutdown()  # a never-started manager shuts down as a no-op
 
@@ -75,27 +75,27 @@ def test_a_second_sender_for_an_open_room_fails_alone(prefill: KVManager) -> Non
     assert "in use" in str(second.failure)
 
 
-def test_role_mismatch_and_bad_config_are_refused(pool: np.ndarray, bootstrap_url: str,
+def test_role_mismatch_and_bad_config_are_refused(pool: np.ndarray,
                                                   prefill: KVManager) -> None:
     with pytest.raises(TypeError):
         prefill.create_receiver(1, "x")
     with pytest.raises(ValueError, match="kv_nbytes"):
-        args_for(pool[:-1], bootstrap_url)
+        args_for(pool[:-1])
     with pytest.raises(ValueError, match="role"):
-        args_for(pool, bootstrap_url, role="both")
+        args_for(pool, role="both")
     with pytest.raises(ValueError, match="waiting_timeout_s"):
-        args_for(pool, bootstrap_url, waiting_timeout_s=0)
+        args_for(pool, waiting_timeout_s=0)
     with pytest.raises(ValueError, match="backend"):
-        make_kv_manager(args_for(pool, bootstrap_url), "tcp")
+        make_kv_manager(args_for(pool), "tcp")
 
 
-def test_an_unexpected_error_while_posting_fails_that_room_only(pool: np.ndarray, bootstrap_url: str) -> None:
+def test_an_unexpected_error_while_posting_fails_that_room_only(pool: np.ndarray) -> None:
     """The last chunk is posted in the caller's thread (an engine loop in serving): an unexpected error there
     (here the transport raises a RuntimeError once) must not escape ``send``; that room fails on both sides with
     its pages releasable, and the next room moves its KV."""
     decode_pool = np.zeros_like(pool)   # referenced until the end: the prefill side writes into it
-    prefill = make_kv_manager(args_for(pool, bootstrap_url, instance_id="boom-p"), "inprocess")
-    decode = make_kv_manager(args_for(decode_pool, bootstrap_url, role="decode", instance_id="boom-d"),
+    prefill = make_kv_manager(args_for(pool, instance_id="boom-p"), "inprocess")
+    decode = make_kv_manager(args_for(decode_pool, role="decode", instance_id="boom-d"),
                              "inprocess")
     prefill.start()
     decode.start()
@@ -112,7 +112,7 @@ def test_an_unexpected_error_while_posting_fails_that_room_only(pool: np.ndarray
     try:
         handles = {}
         for room, pages in ((11, [0, 1]), (12, [2, 3])):
-            receiver = decode.create_receiver(room, "boom-p")
+            receiver = decode.create_receiver(room, "boom-p", prefill.rendezvous_url)
             receiver.init(pages)
             sender = prefill.create_sender(room)
             sender.init(2)
@@ -138,7 +138,7 @@ def _wait_for(predicate: object, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_a_backend_is_one_registration_and_names_are_unique(pool: np.ndarray, bootstrap_url: str) -> None:
+def test_a_backend_is_one_registration_and_names_are_unique(pool: np.ndarray) -> None:
     """The plugin point: a factory registered under a new name is selectable by that name (what ``kv_backend``
     in config.pbtxt passes), with nothing else edited; a taken name is refused; an unknown one is an error."""
     from kv_transfer import BaseKVManager, register_backend
@@ -154,10 +154,10 @@ def test_a_backend_is_one_registration_and_names_are_unique(pool: np.ndarray, bo
     if "test-plugin" not in backend_names():
         register_backend("test-plugin", factory)
     assert "test-plugin" in backend_names() and unavailable_reason("test-plugin") is None
-    manager = make_kv_manager(args_for(pool, bootstrap_url, instance_id="plugin-p"), "test-plugin")
+    manager = make_kv_manager(args_for(pool, instance_id="plugin-p"), "test-plugin")
     assert isinstance(manager, BaseKVManager) and made[-1:] == ["plugin-p"]
     with pytest.raises(ValueError, match="registered already"):
         register_backend("test-plugin", factory)
     with pytest.raises(ValueError, match="backend must be one of"):
-        make_kv_manager(args_for(pool, bootstrap_url), "no-such-backend")
+        make_kv_manager(args_for(pool), "no-such-backend")
     assert {"nixl", "mooncake", "inprocess"} <= set(backend_names())

@@ -1,0 +1,90 @@
+"""Wire messages (versioned envelopes) and one instance's own rendezvous server with its client, on port 0."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from bootstrap import BootstrapClient, BootstrapError, Rendezvous, RendezvousConfig, RendezvousRefused
+from bootstrap.messages import Destination, DestinationBatch, InstanceLoad, Registration, decode, encode
+
+
+def test_messages_round_trip_through_the_envelope() -> None:
+    registration = Registration("p0", "prefill", 3, "p0#3", Registration.encode_metadata(b"\x00\xffmeta"),
+                                "h", "127.0.0.1:1", {"layout": {"page_size": 16}}, rendezvous_url="http://h:1")
+    assert decode(encode(registration), Registration) == registration
+    assert decode(encode(registration), Registration).agent_metadata == b"\x00\xffmeta"
+    batch = DestinationBatch([Destination(1, "p0", "d0", "d0#1", "x", [3, 4], 2, 0, "http://d:2")])
+    assert decode(encode(batch), DestinationBatch) == batch
+
+
+@pytest.mark.parametrize("change", [{"version": 3}, {"schema": "other"}, {"type": "Heartbeat"}])
+def test_a_mismatched_envelope_is_refused(change: dict) -> None:  # type: ignore[type-arg]
+    envelope = json.loads(encode(Destination(1, "p0", "d0", "a", "x", [1], 0)))
+    envelope.update(change)
+    with pytest.raises(BootstrapError):
+        decode(json.dumps(envelope), Destination)
+
+
+@pytest.fixture
+def prefill_rendezvous() -> Iterator[tuple[Rendezvous, threading.Event]]:
+    woken = threading.Event()
+    rendezvous = Rendezvous(RendezvousConfig(port=0), on_destination=woken.set)
+    assert rendezvous.start() > 0
+    rendezvous.register(Registration("p0", "prefill", 1, "p0#1", "", "h", rendezvous_url=rendezvous.url))
+    yield rendezvous, woken
+    rendezvous.stop()
+
+
+def test_a_prefill_rendezvous_takes_rooms_and_wakes_its_owner(
+        prefill_rendezvous: tuple[Rendezvous, threading.Event]) -> None:
+    """Decode posts to prefill's own rendezvous; the owner is woken and takes the destination in-process, once;
+    a second post of the room is refused; decode's release says prefill had it."""
+    rendezvous, woken = prefill_rendezvous
+    client = BootstrapClient(rendezvous.url, timeout_s=2.0)
+    assert client.get_instance("p0").agent_name == "p0#1"  # type: ignore[union-attr]
+    assert client.get_instance("d0") is None   # a rendezvous knows only its own instance
+    first = client.post_destination(Destination(7, "p0", "d0", "d0#1", "x", [1], 0, 0, "http://d0:1"))
+    assert first.accepted and first.prefill_agent_name == "p0#1" and woken.is_set()
+    assert not client.post_destination(Destination(7, "p0", "d0", "d0#1", "y", [2], 1)).accepted
+    assert [d.decode_rendezvous_url for d in rendezvous.take_destinations("p0")] == ["http://d0:1"]
+    assert rendezvous.take_destinations("p0") == []
+    assert client.release_room(7, "d0").delivered
+    client.close()
+
+
+def test_the_listing_is_the_instance_with_its_latest_load(
+        prefill_rendezvous: tuple[Rendezvous, threading.Event]) -> None:
+    rendezvous, _ = prefill_rendezvous
+    load = InstanceLoad(num_queued_requests=2, num_free_pages=3, num_total_pages=4, page_size=16)
+    assert rendezvous.report_load("p0", 1, load) and not rendezvous.report_load("p0", 2, load)
+    client = BootstrapClient(rendezvous.url, timeout_s=2.0)
+    [status] = client.list_instances()
+    assert status.instance_id == "p0" and status.load == load and status.rendezvous_url == rendezvous.url
+    client.close()
+
+
+def test_a_stopped_rendezvous_is_refused_and_a_silent_one_times_out() -> None:
+    """Refused (nothing listens: the process is gone) and a timeout (a peer that does not answer) are told
+    apart: the first is ``RendezvousRefused``, the second a plain ``BootstrapError``."""
+    rendezvous = Rendezvous(RendezvousConfig(port=0))
+    rendezvous.start()
+    url = rendezvous.url
+    rendezvous.stop()
+    with pytest.raises(RendezvousRefused):
+        BootstrapClient(url, timeout_s=1.0).get_instance("p0")
+    with socket.socket() as silent:   # accepts connections (backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        with pytest.raises(BootstrapError) as raised:
+            BootstrapClient(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.3).get_instance("p0")
+        assert not isinstance(raised.value, RendezvousRefused)
+
+
+def test_a_non_loopback_bind_needs_the_fleet_secret() -> None:
+    with pytest.raises(BootstrapError, match="PD_FLEET_SECRET"):
+        Rendezvous(RendezvousConfig(host="0.0.0.0", port=0)).start()
