@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
@@ -31,3 +31,18 @@ def auth_middleware(secret: bytes | None) -> Callable[..., Awaitable[web.StreamR
                           ) -> web.StreamResponse:
         return await handler(request)
     return passthrough
+
+
+def load_fleet_secret(environ: Mapping[str, str]) -> bytes | None:
+    value, path = environ.get("PD_FLEET_SECRET", ""), environ.get("PD_FLEET_SECRET_FILE", "")
+    if value and path:
+        raise AuthError("set PD_FLEET_SECRET or PD_FLEET_SECRET_FILE, not both")
+    if path:
+        try:
+            text = open(path, encoding="utf-8").read().strip()
+        except OSError as e:
+            raise AuthError(f"cannot read PD_FLEET_SECRET_FILE {path}: {e}") from None
+        if not text:
+            raise AuthError(f"PD_FLEET_SECRET_FILE {path} is empty")
+        return text.encode()
+    return value.encode() if value else None

@@ -139,6 +139,9 @@ class BaseKVManager(ABC):
     """One per engine instance and role. Constructed cheaply (no threads, no I/O); ``start`` does the work.
     Public methods are thread-safe."""
 
+    #: changes with every start of the instance (``time.time_ns()`` taken by ``start``); 0 before it
+    epoch: int = 0
+
     @property
     @abstractmethod
     def agent_name(self) -> str:

@@ -5,20 +5,27 @@
 #   MODELS=colocated scripts/serve.sh      # serve a subset (comma-separated; explicit model control)
 #   scripts/serve.sh --log-verbose=1       # extra arguments go to tritonserver
 #
-# One role per host (PD across servers; the bootstrap service runs once per fleet):
-#   ROLE=router  BOOTSTRAP=1 scripts/serve.sh                          # pd_ensemble + the fleet's bootstrap
-#   ROLE=prefill PD_BOOTSTRAP_URL=http://<router host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
-#   ROLE=decode  PD_BOOTSTRAP_URL=http://<router host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
+# Nothing else is needed on one host: the router (pd_ensemble) pairs the prefill/decode models of its own server,
+# and every PD instance hosts its own rendezvous. This script is a convenience: plain
+# `tritonserver --model-repository=model_repository` (venv python first on PATH, the repo on PYTHONPATH) works too.
+#
+# One role per host (PD across servers): the fleet's members find each other through a membership registry,
+# the embedded one (ROLE=registry, its own launcher) or etcd (PD_REGISTRY_URL=etcd://host:2379):
+#   ROLE=registry scripts/serve.sh                                        # python -m bootstrap.membership
+#   ROLE=router  PD_REGISTRY_URL=http://<registry host>:8998 scripts/serve.sh
+#   ROLE=prefill PD_REGISTRY_URL=http://<registry host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
+#   ROLE=decode  PD_REGISTRY_URL=http://<registry host>:8998 ADVERTISE_HOST=<this host> scripts/serve.sh
 #   ROLE=frontend GRPC_URL=<router host>:8001 scripts/serve.sh      # only the OpenAI front (python -m frontend)
+# Losing the registry freezes membership only: routers keep pairing the instances they know.
 #
 # The OpenAI-compatible front (frontend/, its own process) starts with ROLE=all and ROLE=frontend on OPENAI_PORT
 # (9000), in front of OPENAI_MODEL (default pd_ensemble; colocated when MODELS names it but not pd_ensemble).
 #
-# Env: HTTP_PORT (8000), GRPC_PORT (8001), METRICS_PORT (8002), BOOTSTRAP_PORT (8998), HOST (127.0.0.1: the
+# Env: HTTP_PORT (8000), GRPC_PORT (8001), METRICS_PORT (8002), REGISTRY_PORT (8998), HOST (127.0.0.1: the
 #      address tritonserver listens on), ADVERTISE_HOST (HOST: how other hosts reach this one),
 #      ROLE (all | router | prefill | decode; default all), MODELS (default: every model of the role),
-#      BOOTSTRAP (1: start the bootstrap service here; default 1 for ROLE=all, else 0 and PD_BOOTSTRAP_URL names
-#      the fleet's), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh),
+#      PD_REGISTRY_URL (the fleet's registry; empty: none), PD_FLEET_SECRET / PD_FLEET_SECRET_FILE (required
+#      when anything binds a non-loopback address), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh),
 #      OPENAI (1: start the OpenAI front; default 1 for ROLE=all and frontend, else 0), OPENAI_PORT (9000),
 #      OPENAI_MODEL, OPENAI_SERVED_MODEL_NAME (the name clients use; default OPENAI_MODEL), GRPC_URL (the
 #      tritonserver the front calls; default HOST:GRPC_PORT).
@@ -30,21 +37,22 @@ HOST="${HOST:-127.0.0.1}"
 HTTP_PORT="${HTTP_PORT:-8000}"
 GRPC_PORT="${GRPC_PORT:-8001}"
 METRICS_PORT="${METRICS_PORT:-8002}"
-BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
+REGISTRY_PORT="${REGISTRY_PORT:-8998}"
 MODEL_REPOSITORY="${MODEL_REPOSITORY:-$ROOT/model_repository}"
 VENV="${VENV:-$ROOT/.venv}"
 ROLE="${ROLE:-all}"
 OPENAI_PORT="${OPENAI_PORT:-9000}"
 case "$ROLE" in
-  all) BOOTSTRAP="${BOOTSTRAP:-1}"; OPENAI="${OPENAI:-1}" ;;
-  frontend) BOOTSTRAP=0; OPENAI=1 ;;
-  router) MODELS="${MODELS:-pd_ensemble}"; BOOTSTRAP="${BOOTSTRAP:-0}" ;;
-  prefill|decode) BOOTSTRAP="${BOOTSTRAP:-0}"
+  all) OPENAI="${OPENAI:-1}" ;;
+  frontend) OPENAI=1 ;;
+  registry) OPENAI=0 ;;
+  router) MODELS="${MODELS:-pd_ensemble}" ;;
+  prefill|decode)
     if [[ -z "${MODELS:-}" ]]; then   # every model of the role in the repository (prefill, prefill_1, ...)
       MODELS="$(grep -l "^name: \"$ROLE\(_[0-9a-z]*\)\?\"" "$MODEL_REPOSITORY"/*/config.pbtxt \
                 | xargs -n1 dirname | xargs -n1 basename | paste -sd, -)"
     fi ;;
-  *) echo "[serve] ROLE must be all, router, prefill, decode or frontend, got '$ROLE'" >&2; exit 2 ;;
+  *) echo "[serve] ROLE must be all, router, prefill, decode, frontend or registry, got '$ROLE'" >&2; exit 2 ;;
 esac
 OPENAI="${OPENAI:-0}"
 GRPC_URL="${GRPC_URL:-$HOST:$GRPC_PORT}"
@@ -71,8 +79,7 @@ export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 # Without RDMA devices, keep UCX's ib module out: with the system's libibverbs installed it loads a second
 # libnl-route-3 beside nixl's bundled one, and every NIXL process segfaults at exit (kv_transfer/nixl_transport.py).
 if [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then export UCX_MODULES="${UCX_MODULES:-^ib}"; fi
-export PD_BOOTSTRAP_URL="${PD_BOOTSTRAP_URL:-http://${ADVERTISE_HOST:-$HOST}:$BOOTSTRAP_PORT}"
-# How routers (in this server or others) reach this server's models: registered with the bootstrap service.
+# How routers (in this server or others) reach this server's models: what they announce and describe.
 export PD_GRPC_URL="${PD_GRPC_URL:-${ADVERTISE_HOST:-$HOST}:$GRPC_PORT}"
 
 server_args=()
@@ -90,11 +97,6 @@ server_args+=(
   --metrics-address="$HOST" --metrics-port="$METRICS_PORT"
   --allow-gpu-metrics=false --pinned-memory-pool-byte-size=0
   --exit-timeout-secs="${EXIT_TIMEOUT_S:-20}"
-  # accept the routers' keepalive pings (every 10 s, with or without streams: serving/router/launch.py): with
-  # tritonserver's defaults (no pings without calls, 300 s minimum) it answers them with GOAWAY too_many_pings,
-  # which breaks every stream open on that channel
-  --grpc-keepalive-permit-without-calls=1 --grpc-http2-min-recv-ping-interval-without-data=5000
-  --grpc-http2-max-ping-strikes=0
 )
 if [[ -n "${MODELS:-}" ]]; then
   server_args+=(--model-control-mode=explicit)
@@ -104,8 +106,8 @@ fi
 
 pids=()
 stopping=0
-# stop_all: TERM what was started here, newest first (tritonserver before the bootstrap service, so the models
-# deregister from a live rendezvous), each given up to 25 s, then KILL; idempotent.
+# stop_all: TERM what was started here, newest first (tritonserver before the registry, so the models withdraw
+# from a live registry), each given up to 25 s, then KILL; idempotent.
 stop_all() {
   [[ $stopping == 1 ]] && return
   stopping=1
@@ -123,16 +125,16 @@ trap 'stop_all; exit 130' INT
 trap 'stop_all; exit 143' TERM
 trap 'stop_all' EXIT
 
-if [[ "$BOOTSTRAP" == 1 ]]; then
-  say "bootstrap service on $PD_BOOTSTRAP_URL"
-  # --ignore-sigint: a Ctrl-C reaches the whole group at once; stop_all TERMs it after tritonserver
-  python3 -m bootstrap --host "$HOST" --port "$BOOTSTRAP_PORT" --ignore-sigint &
-  pids+=($!)
+if [[ "$ROLE" == registry ]]; then
+  say "membership registry on http://$HOST:$REGISTRY_PORT"
+  exec python3 -m bootstrap.membership --host "$HOST" --port "$REGISTRY_PORT"
 fi
 
+triton_pid=""
 if [[ "$ROLE" != frontend ]]; then
   say "$TRITONSERVER ${server_args[*]} $*"
   "$TRITONSERVER" "${server_args[@]}" "$@" &
+  triton_pid=$!
   pids+=($!)
 fi
 
@@ -143,10 +145,15 @@ if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
   pids+=($!)
 fi
 
-# Foreground until tritonserver (or the bootstrap service, or the front) exits; its status is ours.
+# Foreground until tritonserver exits (or, without one, the front); its status is ours. The front's death does
+# not stop tritonserver: one role never takes down another.
 set +e
-wait -n "${pids[@]}"
+if [[ -n "$triton_pid" ]]; then
+  wait "$triton_pid"
+else
+  wait -n "${pids[@]}"
+fi
 status=$?
 set -e
-say "a child exited with status $status"
+say "tritonserver${triton_pid:+ ($triton_pid)} exited with status $status"
 exit "$status"

@@ -2,8 +2,10 @@
 
 This module is the only place in ``serving/`` that reads environment variables:
 
-* ``PD_BOOTSTRAP_URL`` overrides the ``bootstrap_url`` parameter (``scripts/serve.sh`` sets it from
-  ``BOOTSTRAP_PORT``), so one model repository serves on any port;
+* ``PD_REGISTRY_URL`` overrides the ``registry_url`` parameter: the fleet's membership registry (``http://``:
+  the embedded registry service, ``etcd://``: etcd; empty: none, a router pairs the workers of its own server);
+* ``PD_FLEET_SECRET`` / ``PD_FLEET_SECRET_FILE`` (read by ``bootstrap.auth.load_fleet_secret``, called from
+  here only): the fleet secret that signs rendezvous and registry calls;
 * ``PD_GRPC_URL`` overrides the ``grpc_url`` parameter: the ``host:port`` at which this tritonserver's gRPC
   endpoint is reached by routers (``scripts/serve.sh`` sets it from ``ADVERTISE_HOST`` and ``GRPC_PORT``).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine.config import DTYPES, EngineConfig
@@ -21,7 +23,8 @@ from kv_transfer.config import TRANSPORT_PROTOCOLS
 
 KV_BACKENDS: tuple[str, ...] = backend_names()   # kv_transfer.backends registers them
 KV_PROTOCOLS = TRANSPORT_PROTOCOLS
-BOOTSTRAP_URL_ENV = "PD_BOOTSTRAP_URL"
+REGISTRY_URL_ENV = "PD_REGISTRY_URL"
+REGISTRY_SCHEMES: tuple[str, ...] = ("http://", "https://", "etcd://")
 GRPC_URL_ENV = "PD_GRPC_URL"
 
 
@@ -50,14 +53,19 @@ class WorkerConfig:
         chunk_size: most prompt tokens of one request per engine step (chunked prefill).
         max_num_batched_tokens: per-step token budget over the whole batch.
         num_threads: torch intra-op threads of the engine.
-        bootstrap_url: rendezvous service of the PD workers (``http://host:port``).
+        registry_url: the fleet's membership registry (``http://host:port``, ``etcd://host:port[,...]``), where
+            PD workers announce themselves and routers watch the fleet; empty (the default): none, a router then
+            pairs the workers of its own tritonserver (found through Triton's repository index).
+        rendezvous_port: port of the instance's own rendezvous server (PD workers), on the host of
+            ``grpc_url``; 0 (the default) picks a free one (routers learn it from the instance).
         kv_backend: a registered KV backend (``kv_transfer.backends``): ``"nixl"``, ``"mooncake"`` or
             ``"inprocess"`` (PD workers only).
         kv_protocol: the transport's protocol where the backend has a choice (Mooncake): ``"tcp"``, or
             ``"rdma"`` where RDMA NICs exist.
         kv_device: RDMA device names for ``kv_protocol="rdma"`` (comma-separated; empty: the backend picks).
-        grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers register
-            it with the bootstrap service; Triton's default port is 8001).
+        grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers announce
+            it; Triton's default port is 8001); its host is also where the KV transport and the rendezvous
+            listen.
         bootstrap_timeout_s: how long a PD request may wait for its peer to show up at the rendezvous.
         waiting_timeout_s: how long a PD request may wait for its KV once the transfer was set up.
         idle_wait_s: longest block of the engine loop on its input queue when there is nothing to do.
@@ -66,7 +74,9 @@ class WorkerConfig:
         cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
             no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.
         enable_prefix_caching: the engine's prefix cache (``EngineConfig.enable_prefix_caching``): on by
-            default; ``"false"`` turns it off. Colocated and prefill workers use it; decode ignores it for now.
+            default; ``"false"`` turns it off. Colocated, prefill and decode workers all use it (decode shares
+            its cached prefix and prefill then sends only the rest).
+        fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
 
     Raises:
         ConfigError: at construction, naming the parameter, when a value is out of range.
@@ -78,7 +88,8 @@ class WorkerConfig:
     chunk_size: int = 512
     max_num_batched_tokens: int = 512
     num_threads: int = 1
-    bootstrap_url: str = "http://127.0.0.1:8998"
+    registry_url: str = ""
+    rendezvous_port: int = 0
     kv_backend: str = "nixl"
     kv_protocol: str = "tcp"
     kv_device: str = ""
@@ -90,6 +101,7 @@ class WorkerConfig:
     device: str = "cpu"
     cpu_affinity: str = ""
     enable_prefix_caching: bool = True
+    fleet_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads"):
@@ -104,8 +116,9 @@ class WorkerConfig:
             raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         if self.kv_protocol not in KV_PROTOCOLS:
             raise ConfigError("kv_protocol", f"must be one of {KV_PROTOCOLS}, got {self.kv_protocol!r}")
-        if not self.bootstrap_url.startswith(("http://", "https://")):
-            raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
+        validate_registry_url("registry_url", self.registry_url)
+        if not 0 <= self.rendezvous_port < 65536:
+            raise ConfigError("rendezvous_port", f"must be 0..65535, got {self.rendezvous_port}")
         validate_endpoint("grpc_url", self.grpc_url)
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -158,10 +171,27 @@ def apply_cpu_affinity(config: WorkerConfig) -> None:
         raise ConfigError("cpu_affinity", f"cannot pin to cores {sorted(config.cpu_cores)}: {e}") from None
 
 
-def read_bootstrap_url(configured: str, environ: Mapping[str, str] | None = None) -> str:
-    """The bootstrap URL: ``PD_BOOTSTRAP_URL`` from the environment when set, else ``configured``."""
+def read_registry_url(configured: str, environ: Mapping[str, str] | None = None) -> str:
+    """The membership registry: ``PD_REGISTRY_URL`` from the environment when set, else ``configured``."""
     env = os.environ if environ is None else environ
-    return env.get(BOOTSTRAP_URL_ENV) or configured
+    return env.get(REGISTRY_URL_ENV, configured)
+
+
+def read_fleet_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The fleet secret (``PD_FLEET_SECRET`` or ``PD_FLEET_SECRET_FILE``); None when neither is set. Raises
+    ``ConfigError`` when the file cannot be read or both are set."""
+    from bootstrap.auth import AuthError, load_fleet_secret
+
+    try:
+        return load_fleet_secret(os.environ if environ is None else environ)
+    except AuthError as e:
+        raise ConfigError("PD_FLEET_SECRET", str(e)) from None
+
+
+def validate_registry_url(param: str, url: str) -> None:
+    """Raise ``ConfigError(param)`` unless ``url`` is empty or ``http(s)://`` / ``etcd://``."""
+    if url and not url.startswith(REGISTRY_SCHEMES):
+        raise ConfigError(param, f"must be empty, http://host:port or etcd://host:port[,...], got {url!r}")
 
 
 def read_grpc_url(configured: str, environ: Mapping[str, str] | None = None) -> str:
@@ -212,10 +242,10 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    values = parse_parameters(parameters, WorkerConfig, skip=("device",))
+    values = parse_parameters(parameters, WorkerConfig, skip=("device", "fleet_secret"))
     config = WorkerConfig(**values, device=device)
-    return replace(config, bootstrap_url=read_bootstrap_url(config.bootstrap_url, environ),
-                   grpc_url=read_grpc_url(config.grpc_url, environ))
+    return replace(config, registry_url=read_registry_url(config.registry_url, environ),
+                   grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ))
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:

@@ -13,8 +13,8 @@ Lifecycle of one request (SGLang's decode side), every step but the first on the
 4. a failure ends the request with an error response; its pages stay reserved until the receiver says no
    write can land any more (``pages_releasable``), then the engine frees them.
 
-Client cancel and orchestrator aborts (``RoomAborts``: aborted rooms, routers whose lease ended) are checked
-every tick in every queue.
+Client cancel (Triton's cancellation: the router cancelled its child stream, or its connection dropped) is
+checked every tick in every queue.
 
 **Direct decode** (a request without ``prefill_instance``): no room handshake and no transfer; the job goes
 straight to the engine (``EngineLoop.submit``), which prefills the prompt in this instance and streams every
@@ -38,7 +38,6 @@ from serving.events import LoopEvent
 from serving.intake import Intake
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
-from serving.room_aborts import RoomAborts
 from serving.stream import GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class _Job:
 class DecodeWorker:
     """Receives KV for rooms and decodes them in one continuous batch."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: BaseKVManager, room_aborts: RoomAborts,
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: BaseKVManager,
                  name: str = "decode", metrics: ServingMetrics | None = None, page_size: int = 16) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 
@@ -82,7 +81,6 @@ class DecodeWorker:
             loop: loop of a decode-mode engine (not started).
             tokenizer: the engine's tokenizer.
             kv_manager: a decode-role ``kv_transfer.BaseKVManager`` (``create_receiver``), not started.
-            room_aborts: rooms the orchestrator aborted.
             name: prefix of request ids.
             metrics: where to publish queue lengths and outcomes; None disables.
             page_size: tokens per KV page of the engine (for the reported load).
@@ -91,7 +89,6 @@ class DecodeWorker:
         # the loop's engine runs in decode mode: it has the decode half of ``engine.LLMEngine`` too
         self._engine = cast(DecodeEngineCore, loop.engine)
         self._kv = kv_manager
-        self._room_aborts = room_aborts
         self._name = name
         self._metrics = metrics
         self._intake: Intake[_Job] = Intake(loop, tokenizer, name)
@@ -129,7 +126,7 @@ class DecodeWorker:
             if job.pd.direct:
                 self._start_direct(job)
                 continue
-            job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance)
+            job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance, job.pd.prefill_rendezvous)
             self._prealloc.append(job)
         self._poll_prealloc()
         self._poll_transfer()
@@ -238,10 +235,6 @@ class DecodeWorker:
         self._count("failed", job)
 
     def _cancel_reason(self, job: _Job) -> str | None:
-        if self._room_aborts.is_aborted(job.pd.room):
-            return f"room {job.pd.room} aborted by the orchestrator"
-        if self._room_aborts.router_gone(job.pd.router_id):
-            return f"router {job.pd.router_id} is gone (its lease ended)"
         if job.stream.sink.is_cancelled():
             return "cancelled by the client"
         return None

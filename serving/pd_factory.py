@@ -1,8 +1,10 @@
-"""Builds the PD workers: engine + engine loop + KV manager + room-abort feed, wired for one model instance.
+"""Builds the PD workers: engine + engine loop + KV manager (with the instance's own rendezvous), wired for one
+model instance, and announced to the fleet's membership registry when one is configured.
 
-Start order (``PDWorkerHandle.start``): KV manager (registers the KV region with its transport and the instance with the
-bootstrap service), abort feed, engine loop. Stop order, the reverse: engine loop (requests in flight end with
-an error and FINAL), abort feed, KV manager (fails open rooms, tells the peers, deregisters).
+Start order (``PDWorkerHandle.start``): KV manager (registers the KV region with its transport, starts the
+instance's rendezvous), engine loop, then the membership announcement (routers may pair it from then on). Stop
+order, the reverse: withdraw from the membership, engine loop (requests in flight end with an error and FINAL),
+KV manager (fails open rooms, tells the peers, stops the rendezvous).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from serving.decode_worker import DecodeWorker
 from serving.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.prefill_worker import PrefillWorker
-from serving.room_aborts import RoomAborts
 
 if TYPE_CHECKING:
     from engine import LLMEngine
@@ -38,7 +39,8 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
                       num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype)
     on_gpu = config.device.startswith("cuda")
     return KVArgs(instance_id=instance_id, role=role, kv_base_ptr=pool.base_ptr, kv_nbytes=pool.nbytes,
-                  layout=layout, model_id=engine.model_config.model_id, bootstrap_url=config.bootstrap_url,
+                  layout=layout, model_id=engine.model_config.model_id,
+                  rendezvous_port=config.rendezvous_port, fleet_secret=config.fleet_secret,
                   bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
                   mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
                   heartbeat_interval_s=HEARTBEAT_INTERVAL_S, local_hostname=config.grpc_url.rsplit(":", 1)[0],
@@ -81,14 +83,17 @@ class PDWorkerHandle:
     worker: PrefillWorker | DecodeWorker
     loop: EngineLoop
     kv_manager: BaseKVManager
-    room_aborts: RoomAborts
     _stop_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopped: bool = False
 
     def start(self) -> None:
         self.kv_manager.start()
-        self.room_aborts.start()
         self.loop.start()
+
+    @property
+    def kv_manager_epoch(self) -> int:
+        """The KV manager's epoch (after ``start``): changes with every start of the instance."""
+        return self.kv_manager.epoch
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Idempotent and thread-safe (the server watch and ``finalize`` may both call it): a second call waits
@@ -99,15 +104,14 @@ class PDWorkerHandle:
             self._stopped = True
             stopped = self.loop.stop(timeout_s)
             self.worker.fail_all("the worker is shutting down")
-            self.room_aborts.stop(timeout_s)
             self.kv_manager.shutdown(timeout_s)
             return stopped
 
 
 def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
                      metrics: ServingMetrics | None = None, model_name: str = "") -> PDWorkerHandle:
-    """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started), registered at the
-    bootstrap service as ``instance_id`` serving ``model_name`` at ``config.grpc_url``.
+    """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started), known to its peers as
+    ``instance_id`` serving ``model_name`` at ``config.grpc_url``.
 
     Raises:
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
@@ -120,19 +124,16 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
     engine = LLMEngine(config.engine_config(role))
     loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
     kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name), backend=config.kv_backend)
-    workers: list[PrefillWorker | DecodeWorker] = []  # the abort feed polls fast only while the worker is busy
-    room_aborts = RoomAborts(config.bootstrap_url, instance_id, busy=lambda: workers[0].num_active() > 0)
     worker: PrefillWorker | DecodeWorker
     if role == "prefill":
-        worker = PrefillWorker(loop, engine.tokenizer, kv_manager, config.page_size, room_aborts,
-                               name=instance_id, metrics=metrics)
+        worker = PrefillWorker(loop, engine.tokenizer, kv_manager, config.page_size, name=instance_id,
+                               metrics=metrics)
     else:
-        worker = DecodeWorker(loop, engine.tokenizer, kv_manager, room_aborts, name=instance_id, metrics=metrics,
+        worker = DecodeWorker(loop, engine.tokenizer, kv_manager, name=instance_id, metrics=metrics,
                               page_size=config.page_size)
-    workers.append(worker)
     kv_manager.set_load_source(lambda: worker.load)
     if metrics is not None:
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
-    return PDWorkerHandle(worker, loop, kv_manager, room_aborts)
+    return PDWorkerHandle(worker, loop, kv_manager)

@@ -5,12 +5,17 @@
 
 =====================  =======  ==============================================================================
 ``bootstrap_room``     INT64    the room both halves of the request meet in, ``0 <= room < 2**63``
-``prefill_instance``   STRING   decode only: the instance id of the prefill instance that computes the KV (as
-                                registered at the bootstrap service); empty or absent: **direct decode**, the
-                                decode instance prefills the prompt itself and streams every token
-``router_id``          STRING   optional: the lease id of the router that sent the request; when that lease
-                                ends (the router died or stopped), the worker drops the request
+``prefill_instance``   STRING   decode only: the instance id of the prefill instance that computes the KV;
+                                empty or absent: **direct decode**, the decode instance prefills the prompt
+                                itself and streams every token
+``prefill_rendezvous`` STRING   decode only, with ``prefill_instance``: that instance's own rendezvous
+                                (``http://host:port``), where decode posts the room's destination
+``pd_control``         STRING   ``"describe"``: no generation; one response whose ``text_output`` is this
+                                instance's ``InstanceCard`` JSON (how a router of the same server finds it)
 =====================  =======  ==============================================================================
+
+A router that dies or cancels a child stream needs no message of its own: Triton cancels the child request
+(also when the router's connection drops), and the worker aborts the room and tells its peer.
 
 Children always stream: prefill answers with the first token, then FINAL once its KV has been sent; decode
 answers with one response per text delta of the tokens after the first one (direct decode: from the first).
@@ -18,8 +23,9 @@ answers with one response per text delta of the tokens after the first one (dire
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -27,7 +33,46 @@ from serving.request import GenerateRequest, RequestError, parse_request
 
 Room = int
 MAX_ROOM = 2**63 - 1
-PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "router_id")
+PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous")
+CONTROL_INPUT = "pd_control"
+DESCRIBE = "describe"
+CARD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class InstanceCard:
+    """What a PD worker says of itself when asked (``pd_control = "describe"``): how a router finds the
+    instance's rendezvous (where its load, health and registration are) when no registry announces it.
+
+    Attributes:
+        instance_id: ``<model>@<grpc host:port>``, fleet-unique.
+        role: ``"prefill"`` or ``"decode"``.
+        model_name: the Triton model that serves it.
+        address: the Triton gRPC endpoint (``host:port``) routers send its requests to.
+        rendezvous_url: its own rendezvous (``http://host:port``).
+        epoch: changes on every start of the instance (``time.time_ns()`` of its KV manager's start).
+    """
+
+    instance_id: str
+    role: str
+    model_name: str
+    address: str
+    rendezvous_url: str
+    epoch: int
+
+    def to_json(self) -> str:
+        return json.dumps({"version": CARD_VERSION, **asdict(self)})
+
+    @classmethod
+    def from_json(cls, text: str) -> InstanceCard:
+        """Raises ``ValueError`` on another version or a malformed card."""
+        try:
+            body = json.loads(text)
+            if body.pop("version", None) != CARD_VERSION:
+                raise ValueError(f"instance card version is not {CARD_VERSION}")
+            return cls(**body)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed instance card: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -38,13 +83,13 @@ class PDRequest:
         request: the client's request (always treated as streaming, the prompt never echoed).
         room: the bootstrap room.
         prefill_instance: decode only: which prefill instance writes this room's KV; empty: direct decode.
-        router_id: lease id of the sending router (empty: none named).
+        prefill_rendezvous: decode only: that prefill instance's rendezvous URL.
     """
 
     request: GenerateRequest
     room: Room
     prefill_instance: str = ""
-    router_id: str = ""
+    prefill_rendezvous: str = ""
 
     @property
     def direct(self) -> bool:
@@ -57,8 +102,8 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
 
     Args:
         llm_inputs: the LLM-convention inputs (``triton_io.read_inputs``).
-        pd_inputs: ``bootstrap_room`` (int64, one element), ``router_id`` (bytes, optional) and, for decode,
-            ``prefill_instance`` (bytes; empty or absent: direct decode).
+        pd_inputs: ``bootstrap_room`` (int64, one element) and, for decode, ``prefill_instance`` (bytes; empty
+            or absent: direct decode) with ``prefill_rendezvous`` (bytes, required with ``prefill_instance``).
     Raises:
         RequestError: naming the offending input.
     """
@@ -71,8 +116,13 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
     room = int(room_array[0])
     if not 0 <= room <= MAX_ROOM:
         raise RequestError("bootstrap_room", f"must be a 63-bit id, got {room}")
-    return PDRequest(request=request, room=room, prefill_instance=_optional_text(pd_inputs, "prefill_instance"),
-                     router_id=_optional_text(pd_inputs, "router_id"))
+    prefill_instance = _optional_text(pd_inputs, "prefill_instance")
+    prefill_rendezvous = _optional_text(pd_inputs, "prefill_rendezvous")
+    if prefill_instance and not prefill_rendezvous.startswith(("http://", "https://")):
+        raise RequestError("prefill_rendezvous", "must be the prefill instance's rendezvous URL (http://host:port) "
+                           "when prefill_instance is set")
+    return PDRequest(request=request, room=room, prefill_instance=prefill_instance,
+                     prefill_rendezvous=prefill_rendezvous)
 
 
 def _optional_text(pd_inputs: Mapping[str, np.ndarray], name: str) -> str:

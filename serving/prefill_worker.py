@@ -11,7 +11,7 @@ Lifecycle of one request (SGLang's prefill side), every step but the first on th
    pages stay held until the sender reports ``Success`` (every WRITE done) or ``Failed`` with no WRITE in
    flight; then the engine frees them and the stream ends with FINAL.
 
-A failure anywhere (bootstrap timeout, decode cancelled, room aborted by the orchestrator, client cancel,
+A failure anywhere (bootstrap timeout, decode cancelled or gone, client cancel (the router's too),
 engine rejection) ends that request with an error response and FINAL, and nothing else.
 """
 
@@ -29,7 +29,6 @@ from serving.events import LoopEvent, RequestFailed
 from serving.intake import Intake
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
-from serving.room_aborts import RoomAborts
 from serving.stream import ResponseChunk, ResponseSink
 
 logger = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ class PrefillWorker:
     """Runs prefill for rooms and sends their KV; one instance per Triton model instance."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: BaseKVManager, page_size: int,
-                 room_aborts: RoomAborts, name: str = "prefill", metrics: ServingMetrics | None = None) -> None:
+                 name: str = "prefill", metrics: ServingMetrics | None = None) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 
         Args:
@@ -60,14 +59,12 @@ class PrefillWorker:
             tokenizer: the engine's tokenizer.
             kv_manager: a prefill-role ``kv_transfer.BaseKVManager`` (``create_sender``), not started.
             page_size: tokens per KV page of the engine.
-            room_aborts: rooms the orchestrator aborted.
             name: prefix of request ids and thread names.
             metrics: where to publish queue lengths and outcomes; None disables.
         """
         self._loop = loop
         self._kv = kv_manager
         self._page_size = page_size
-        self._room_aborts = room_aborts
         self._name = name
         self._metrics = metrics
         self._intake: Intake[_Job] = Intake(loop, tokenizer, name)
@@ -218,10 +215,6 @@ class PrefillWorker:
                 self._end_failed(job, _failure(job.sender, None))
 
     def _cancel_reason(self, job: _Job) -> str | None:
-        if self._room_aborts.is_aborted(job.pd.room):
-            return f"room {job.pd.room} aborted by the orchestrator"
-        if self._room_aborts.router_gone(job.pd.router_id):
-            return f"router {job.pd.router_id} is gone (its lease ended)"
         if job.sink.is_cancelled():
             return "cancelled by the client"
         return None

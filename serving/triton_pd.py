@@ -7,9 +7,11 @@ worker, then the response thread once it sent their FINALs, then destroy the cus
 (``ServingMetrics.close``: a metric outliving ``finalize`` segfaults the stub when it tears down).
 Responses leave through the instance's ``ResponseDispatcher`` thread: the engine loop never waits on Triton.
 
-Identity: a PD model runs exactly one instance, registered at the bootstrap service as
-``<model name>@<grpc_url>`` (fleet-unique: two servers may both serve a model named ``prefill``), with the
-Triton gRPC endpoint routers reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter).
+Identity: a PD model runs exactly one instance, known to the fleet as ``<model name>@<grpc_url>``
+(fleet-unique: two servers may both serve a model named ``prefill``), with the Triton gRPC endpoint routers
+reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter). A request with ``pd_control =
+"describe"`` is answered at once with the instance's ``InstanceCard`` (its rendezvous URL): how a router of the
+same tritonserver finds it with no registry.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import numpy as np
 from serving.config import ConfigError, apply_cpu_affinity, build_worker_config, instance_device
 from serving.metrics import ServingMetrics
 from serving.orphan_watch import OrphanWatch
-from serving.pd_request import PD_INPUT_NAMES, parse_pd_request
+from serving.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, InstanceCard, parse_pd_request
+from serving.request import RequestError
+from serving.stream import ResponseChunk
 from serving.server_watch import ServerShutdownWatch
 from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
 
@@ -55,7 +59,7 @@ def decoupled_config(args: dict[str, Any], model: str) -> dict[str, Any]:
 def read_pd_inputs(request: Any) -> dict[str, np.ndarray]:
     """``bootstrap_room`` / ``prefill_instance`` of one child request, as numpy arrays (absent ones left out)."""
     arrays = {}
-    for name in PD_INPUT_NAMES:
+    for name in (*PD_INPUT_NAMES, CONTROL_INPUT):
         tensor = pb_utils().get_input_tensor_by_name(request, name)
         if tensor is not None:
             arrays[name] = tensor.as_numpy()
@@ -84,6 +88,8 @@ class PDChildModel:
         self._responses.start()
         self._handle = create_pd_worker(self.ROLE, config, instance_id, self._metrics, model_name=model_name)
         self._handle.start()
+        self._card = InstanceCard(instance_id, self.ROLE, model_name, config.grpc_url,
+                                  self._handle.kv_manager.rendezvous_url, self._handle.kv_manager_epoch)
         self._orphan_watch = OrphanWatch(args["model_instance_name"]).start()
         self._server_watch = ServerShutdownWatch(args["model_instance_name"], config.grpc_url,
                                                  self._stop_worker).start()
@@ -96,7 +102,15 @@ class PDChildModel:
         answer_each(requests, self._handle_one, self._responses, child=True)
 
     def _handle_one(self, request: Any, sink: TritonResponseSink) -> None:
-        pd = parse_pd_request(read_inputs(request), read_pd_inputs(request))
+        pd_inputs = read_pd_inputs(request)
+        if CONTROL_INPUT in pd_inputs:
+            command = np.asarray(pd_inputs[CONTROL_INPUT]).reshape(-1)[0]
+            command = command.decode() if isinstance(command, bytes) else str(command)
+            if command != DESCRIBE:
+                raise RequestError(CONTROL_INPUT, f"unknown command {command!r} (known: {DESCRIBE!r})")
+            sink.send(ResponseChunk.single(text=self._card.to_json()), final=True)
+            return
+        pd = parse_pd_request(read_inputs(request), pd_inputs)
         self._handle.worker.handle(pd, sink)
 
     def finalize(self) -> None:

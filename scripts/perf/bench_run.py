@@ -88,7 +88,7 @@ def deployments_for(cfg: BenchConfig) -> list[Deployment]:
             out.append(Deployment(name="pd", entry_model="pd_ensemble",
                                   models=("prefill", "decode", "pd_ensemble"),
                                   overrides={"prefill": {"num_threads": "1"}, "decode": {"num_threads": "1"}},
-                                  cpus={"prefill": (0,), "decode": (1,)}, needs_bootstrap=True))
+                                  cpus={"prefill": (0,), "decode": (1,)}))
         elif model == "colocated":
             out.append(Deployment(name="colo", entry_model="colocated", models=("colocated",),
                                   overrides={"colocated": {"num_threads": str(cfg.colo_threads)}},
@@ -186,7 +186,7 @@ def run_deployment(cfg: BenchConfig, deployment: Deployment) -> DeploymentOutcom
     ports = ServerPorts(http=base, grpc=base + 1, metrics=base + 2)
     outcome = DeploymentOutcome()
     outcome.summary["loadavg_1m_before"] = os.getloadavg()[0]  # other work on the machine skews figures
-    with RunningServer(deployment, ports, cfg.log_dir, bootstrap_port=base + 3) as server:
+    with RunningServer(deployment, ports, cfg.log_dir) as server:
         outcome.summary["pinned_cpus"] = server.pinned
         warm = chat_phase(1, 2, 32, 4, seed=cfg.seed + 999)
         run_phase_sync(ports.grpc_url, deployment.entry_model, warm, cfg.request_timeout_s)

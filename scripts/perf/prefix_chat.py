@@ -131,7 +131,7 @@ class CacheConfig:
                               models=("prefill", "decode", "pd_ensemble"),
                               overrides={"prefill": {"num_threads": "1", **cache},
                                          "decode": {"num_threads": "1", **cache}},
-                              cpus={"prefill": (0,), "decode": (1,)}, needs_bootstrap=True)
+                              cpus={"prefill": (0,), "decode": (1,)})
         return Deployment(name=self.name, entry_model="colocated", models=("colocated",),
                           overrides={"colocated": {"num_threads": str(colo_threads), **cache}},
                           cpus={"colocated": (0, 1)})

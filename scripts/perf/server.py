@@ -62,7 +62,6 @@ class Deployment:
         models: every model to load.
         overrides: model → {parameter key → string value} written into its ``config.pbtxt``.
         cpus: model → CPU ids its stub process is pinned to after loading (absent: not pinned).
-        needs_bootstrap: start ``python -m bootstrap`` first (PD).
     """
 
     name: str
@@ -70,7 +69,6 @@ class Deployment:
     models: tuple[str, ...]
     overrides: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    needs_bootstrap: bool = False
 
 
 def tritonserver_paths() -> tuple[Path, Path]:
@@ -182,13 +180,12 @@ def ucx_defaults() -> dict[str, str]:
     return defaults()
 
 
-def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts, bootstrap_port: int) -> dict[str, str]:
+def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts) -> dict[str, str]:
     """Environment of the server, as ``scripts/serve.sh`` sets it: this venv's python first on PATH (the stub
-    runs ``python3``), the repo importable, the bootstrap URL, the server's own gRPC endpoint (PD workers register
-    it; the router reaches them there) and UCX settings of PD workers."""
+    runs ``python3``), the repo importable, the server's own gRPC endpoint (PD workers say it in their card; the
+    router reaches them there) and UCX settings of PD workers."""
     env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "PD_BOOTSTRAP_URL": f"http://127.0.0.1:{bootstrap_port}",
-                "PD_GRPC_URL": ports.grpc_url,
+    env.update({"PYTHONUNBUFFERED": "1", "PD_GRPC_URL": ports.grpc_url,
                 **{key: env.get(key, value) for key, value in ucx_defaults().items()}})
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{REPO_ROOT}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
@@ -196,14 +193,13 @@ def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts, bootstra
 
 
 class RunningServer:
-    """A started server (and bootstrap); ``stop()`` ends both. Use as a context manager."""
+    """A started server; ``stop()`` ends it. Use as a context manager."""
 
-    def __init__(self, deployment: Deployment, ports: ServerPorts, log_dir: Path, bootstrap_port: int,
+    def __init__(self, deployment: Deployment, ports: ServerPorts, log_dir: Path,
                  ready_timeout_s: float = 300.0) -> None:
         self.deployment = deployment
         self.ports = ports
         self._log_dir = log_dir
-        self._bootstrap_port = bootstrap_port
         self._ready_timeout_s = ready_timeout_s
         self._procs: list[subprocess.Popen[bytes]] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -217,15 +213,12 @@ class RunningServer:
         return proc
 
     def start(self) -> RunningServer:
-        """Start bootstrap (if needed) and the server, wait for ready, pin stubs. Raises RuntimeError (the
+        """Start the server, wait for ready, pin stubs. Raises RuntimeError (the
         server exited) or TimeoutError (not ready in time)."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
         repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
-        env = server_env(repo, self.deployment.models, self.ports, self._bootstrap_port)
-        if self.deployment.needs_bootstrap:
-            self._spawn([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port",
-                         str(self._bootstrap_port)], env, f"bootstrap-{self.deployment.name}.log")
+        env = server_env(repo, self.deployment.models, self.ports)
         server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
         wait_ready(f"http://127.0.0.1:{self.ports.http}", server, self._ready_timeout_s)
         for model, cpus in self.deployment.cpus.items():
@@ -236,7 +229,7 @@ class RunningServer:
         return self
 
     def check_alive(self, during: str) -> None:
-        """Raise RuntimeError when the server (or bootstrap) has exited: figures after that are not figures."""
+        """Raise RuntimeError when the server has exited: figures after that are not figures."""
         for proc in self._procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"{self.deployment.name}: server process {proc.pid} exited with "
@@ -346,25 +339,26 @@ class ServeScript:
     """``scripts/serve.sh`` with ``models`` (comma-separated) on free loopback ports, in its own process group,
     its output in ``log_path``; ``model_repository`` replaces ``model_repository/`` when given.
 
-    Attributes: ``http_url``, ``metrics_url``, ``bootstrap_url`` (``http://...``), ``grpc_url`` (``host:port``,
+    Attributes: ``http_url``, ``metrics_url``, ``registry_url`` (``http://...``: where ``ROLE=registry`` listens),
+    ``grpc_url`` (``host:port``,
     for tritonclient.grpc), ``log_path``."""
 
     def __init__(self, models: str, log_path: Path, model_repository: Path | None = None,
                  env: Mapping[str, str] | None = None, ports: Sequence[int] | None = None) -> None:
-        """``env``: extra environment of serve.sh (``ROLE``, ``BOOTSTRAP``, ``PD_BOOTSTRAP_URL``, ...);
-        ``ports``: (http, grpc, metrics, bootstrap) to reuse (a restarted server), else free ones."""
-        http, grpc, metrics, bootstrap = ports or free_ports(4)
-        self.ports = (http, grpc, metrics, bootstrap)
+        """``env``: extra environment of serve.sh (``ROLE``, ``PD_REGISTRY_URL``, ...);
+        ``ports``: (http, grpc, metrics, registry) to reuse (a restarted server), else free ones."""
+        http, grpc, metrics, registry = ports or free_ports(4)
+        self.ports = (http, grpc, metrics, registry)
         self.http_url, self.grpc_url = f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-        self.bootstrap_url = f"http://127.0.0.1:{bootstrap}"
+        self.registry_url = f"http://127.0.0.1:{registry}"
         self.log_path = log_path
         names = models.split(",")
         # a server with its own router and workers is ready once the router sees a prefill and a decode
         self._router_with_workers = "pd_ensemble" in names and any(n.startswith("prefill") for n in names) \
             and any(n.startswith("decode") for n in names)
         self._env = {**os.environ, "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
-                     "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "BOOTSTRAP_PORT": str(bootstrap),
+                     "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "REGISTRY_PORT": str(registry),
                      "OPENAI": "0",   # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
                      **(env or {})}
         if model_repository is not None:

@@ -1,15 +1,23 @@
 """``RouterConfig``: the knobs of one router (``pd_ensemble`` instance), built once from its model parameters.
 
-Environment variables are read in ``serving.config`` only (``PD_BOOTSTRAP_URL``, ``PD_GRPC_URL``).
+Environment variables are read in ``serving.config`` only (``PD_REGISTRY_URL``, ``PD_GRPC_URL``, the fleet secret).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from serving.config import ConfigError, parse_parameters, read_bootstrap_url, read_grpc_url, validate_endpoint
+from serving.config import (
+    ConfigError,
+    parse_parameters,
+    read_fleet_secret,
+    read_grpc_url,
+    read_registry_url,
+    validate_endpoint,
+    validate_registry_url,
+)
 
 POLICIES: tuple[str, ...] = ("cache_aware", "load_aware", "round_robin")
 
@@ -28,11 +36,14 @@ class RouterConfig:
     """Knobs of one router, fixed for its lifetime.
 
     Attributes:
-        bootstrap_url: the fleet's rendezvous service (``http://host:port``): discovery, leases, aborts.
+        registry_url: the fleet's membership registry (``http://host:port``: the embedded registry service;
+            ``etcd://host:port[,...]``: etcd); empty (the default): no registry, the fleet is the PD workers of
+            this router's own tritonserver (Triton's repository index). Losing the registry freezes membership
+            only: the router keeps its last view and asks each instance's own rendezvous for its health.
         grpc_url: this tritonserver's own gRPC endpoint (``host:port``); a bare model name of a static list
-            is served there.
+            is served there, and without a registry the fleet is found there.
         prefill_models / decode_models: static lists (comma-separated ``model`` or ``model@host:port``);
-            empty: every registered instance of the role is a candidate (discovery).
+            empty: every instance of the role the fleet holds is a candidate (discovery).
         policy: ``"cache_aware"`` (default: ``"load_aware"`` with credit for the prefix each instance's cache
             likely holds), ``"load_aware"`` (least queued prompt tokens / most free KV pages) or
             ``"round_robin"`` (``serving/router/pairing.py``).
@@ -45,18 +56,17 @@ class RouterConfig:
         queue_timeout_s: longest wait for admission before "server busy", seconds.
         request_idle_timeout_s: a request whose children say nothing for this long is aborted, seconds.
         max_retries: attempts on another pair after a failure before the first token (0: none).
-        fleet_refresh_s: how often the fleet is read from the bootstrap service, seconds.
+        fleet_refresh_s: how often the membership is read and each instance's load asked, seconds.
         instance_stale_s: an instance not heard from for this long is out of rotation, seconds.
         breaker_failures: consecutive failures that take an instance out of rotation.
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
-        lease_interval_s: how often the router renews its lease at the bootstrap service, seconds.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
 
     Raises:
         ConfigError: at construction, naming the parameter.
     """
 
-    bootstrap_url: str = "http://127.0.0.1:8998"
+    registry_url: str = ""
     grpc_url: str = "127.0.0.1:8001"
     prefill_models: str = ""
     decode_models: str = ""
@@ -72,8 +82,8 @@ class RouterConfig:
     instance_stale_s: float = 3.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
-    lease_interval_s: float = 1.0
     health_port: int = 0
+    fleet_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -85,13 +95,12 @@ class RouterConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         for name in ("queue_timeout_s", "request_idle_timeout_s", "fleet_refresh_s", "instance_stale_s",
-                     "breaker_cooldown_s", "lease_interval_s"):
+                     "breaker_cooldown_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
         if not 0 <= self.health_port <= 65535:
             raise ConfigError("health_port", f"must be a port number, got {self.health_port}")
-        if not self.bootstrap_url.startswith(("http://", "https://")):
-            raise ConfigError("bootstrap_url", f"must be an http(s) URL, got {self.bootstrap_url!r}")
+        validate_registry_url("registry_url", self.registry_url)
         validate_endpoint("grpc_url", self.grpc_url)
         self.static_targets("prefill_models")
         self.static_targets("decode_models")
@@ -117,12 +126,14 @@ class RouterConfig:
 
 def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RouterConfig:
     """The router config from ``model_config["parameters"]`` (``{"key": {"string_value": "..."}}`` or plain
-    strings); ``PD_BOOTSTRAP_URL`` / ``PD_GRPC_URL`` override ``bootstrap_url`` / ``grpc_url``.
+    strings); ``PD_REGISTRY_URL`` / ``PD_GRPC_URL`` override ``registry_url`` / ``grpc_url``; the fleet secret
+    comes from the environment only.
 
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    values = parse_parameters(parameters, RouterConfig)
-    values["bootstrap_url"] = read_bootstrap_url(values.get("bootstrap_url", RouterConfig.bootstrap_url), environ)
+    values = parse_parameters(parameters, RouterConfig, skip=("fleet_secret",))
+    values["registry_url"] = read_registry_url(values.get("registry_url", RouterConfig.registry_url), environ)
+    values["fleet_secret"] = read_fleet_secret(environ)
     values["grpc_url"] = read_grpc_url(values.get("grpc_url", RouterConfig.grpc_url), environ)
     return RouterConfig(**values)

@@ -1,10 +1,13 @@
-"""The instances a router can pair: discovered at the bootstrap service (or a static list), with their load,
-freshness and a circuit breaker each.
+"""The instances a router can pair: the members of the fleet (``serving.router.discovery``: this server's PD
+models, or a membership registry; optionally a static list), with their load, freshness and a circuit breaker
+each.
 
-Threads: ``FleetWatcher`` owns the thread ``router-fleet-<router>``, which reads ``GET /v1/instances`` every
-``fleet_refresh_s`` and renews the router's lease (``RouterLease``); it swaps in an immutable ``FleetSnapshot``
-(one reference assignment). Everything else (``Fleet.candidates``, breakers, the router's own pending
-assignments) runs on the router's event loop thread only, so it takes no lock.
+Threads: ``FleetWatcher`` owns the thread ``router-fleet-<router>``, which every ``fleet_refresh_s`` reads the
+members and asks each member's own rendezvous for its status (``GET /v1/instances``: load, epoch); it swaps in
+an immutable ``FleetSnapshot`` (one reference assignment). A member whose rendezvous refuses the connection (its
+process is gone) leaves the snapshot at once; one that does not answer keeps its last status until it is stale
+(``instance_stale_s``). Everything else (``Fleet.candidates``, breakers, the router's own pending assignments)
+runs on the router's event loop thread only, so it takes no lock.
 
 Load between two reports: an instance reports its load with every heartbeat (``InstanceLoad``), so a burst of
 requests routed within one heartbeat would all see the same numbers. The router therefore adds what it itself
@@ -20,11 +23,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
 from bootstrap.client import BootstrapClient
-from bootstrap.errors import BootstrapError
+from bootstrap.errors import BootstrapError, RendezvousRefused
 from bootstrap.messages import InstanceLoad, InstanceStatus
 from serving.router.config import RouterConfig, TargetSpec
-from serving.router.lease import RouterLease
+from serving.router.discovery import FleetMember, MemberSource
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ class Target:
     endpoint: str
     model_name: str
     epoch: int = 0
+    rendezvous_url: str = ""   # the instance's own rendezvous: a decode child is told its prefill's
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class FleetSnapshot:
-    """What the last successful read of the bootstrap service said; ``taken_s`` is ``time.monotonic()``."""
+    """The members' last statuses; ``taken_s`` is ``time.monotonic()`` of the reading, and each status's
+    ``age_s`` counts from its instance's last answer (so a member that stopped answering ages out)."""
 
     instances: tuple[InstanceStatus, ...] = ()
     taken_s: float = 0.0
@@ -127,7 +135,7 @@ class Fleet:
         self._static = {role: config.static_targets(f"{role}_models") for role in ("prefill", "decode")}
 
     def update(self, snapshot: FleetSnapshot) -> None:
-        """Swap in a newer reading of the bootstrap service (any thread: one reference assignment)."""
+        """Swap in a newer reading of the fleet (any thread: one reference assignment)."""
         self._snapshot = snapshot
 
     def candidates(self, role: str, exclude: frozenset[InstanceId] = frozenset()) -> list[Candidate]:
@@ -210,71 +218,106 @@ class Fleet:
         load: InstanceLoad = status.load
         pending_pages = sum(-(-p.tokens_to_reserve // load.page_size) if load.page_size else 0
                             for p in state.pending)
-        target = Target(status.instance_id, status.role, status.address, status.model_name, status.epoch)
+        target = Target(status.instance_id, status.role, status.address, status.model_name, status.epoch,
+                        status.rendezvous_url)
         return Candidate(target, load.num_queued_requests + len(state.pending),
                          load.num_queued_prompt_tokens + sum(p.prompt_tokens for p in state.pending),
                          load.num_free_pages - pending_pages, load.num_total_pages, load.page_size)
 
 
 class FleetWatcher:
-    """Keeps a ``Fleet`` fresh from the bootstrap service and the router's lease renewed, on its own thread.
+    """Keeps a ``Fleet`` fresh from a ``MemberSource`` and the members' own rendezvous, on its own thread.
 
-    The constructor starts nothing; ``start`` registers the lease and starts the thread; ``stop`` ends the
-    thread (within ``timeout_s``) and deregisters the lease, so workers drop this router's rooms at once.
+    The constructor starts nothing; ``start`` reads the fleet once and starts the thread; ``stop`` ends it
+    (within ``timeout_s``).
     """
 
-    def __init__(self, fleet: Fleet, config: RouterConfig, lease: RouterLease,
-                 on_refresh: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, fleet: Fleet, config: RouterConfig, source: MemberSource, name: str,
+                 on_refresh: Callable[[], None] = lambda: None, poll_timeout_s: float = 0.5) -> None:
         """
         Args:
-            fleet: updated after every successful read.
-            config: ``bootstrap_url``, ``fleet_refresh_s``, ``lease_interval_s``.
-            lease: this router's registration (renewed every ``lease_interval_s``).
-            on_refresh: called on the watcher thread after each read (e.g. to wake the metrics).
+            fleet: updated after every reading.
+            config: ``fleet_refresh_s``, the fleet secret.
+            source: who the members are.
+            name: the router's name (the thread's).
+            on_refresh: called on the watcher thread after each reading (e.g. to wake the metrics).
+            poll_timeout_s: how long one member's rendezvous may take to answer.
         """
         self._fleet = fleet
         self._config = config
-        self._lease = lease
+        self._source = source
+        self._name = name
         self._on_refresh = on_refresh
+        self._poll_timeout_s = poll_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix=f"router-poll-{name}")
+        self._clients: dict[str, BootstrapClient] = {}   # rendezvous URL → client (one poll per URL at a time)
+        self._last: dict[InstanceId, tuple[InstanceStatus, float]] = {}   # last status and when it was heard
 
     def start(self) -> None:
-        """Register the lease (a failure is retried by the thread) and start the thread."""
+        """Read the fleet once (a failure is retried by the thread) and start the thread."""
         if self._thread is not None:
             raise RuntimeError("FleetWatcher already started")
-        self._lease.renew()
-        self._refresh(BootstrapClient(self._config.bootstrap_url, timeout_s=2.0))
-        self._thread = threading.Thread(target=self._run, name=f"router-fleet-{self._lease.router_id}",
-                                        daemon=True)
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name=f"router-fleet-{self._name}", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self._lease.release()
-
-    def _run(self) -> None:
-        client = BootstrapClient(self._config.bootstrap_url, timeout_s=2.0)
-        next_lease_s = time.monotonic() + self._config.lease_interval_s
-        try:
-            while not self._stop.wait(self._config.fleet_refresh_s):
-                self._refresh(client)
-                if time.monotonic() >= next_lease_s:
-                    next_lease_s = time.monotonic() + self._config.lease_interval_s
-                    self._lease.renew()
-        finally:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._source.close()
+        for client in self._clients.values():
             client.close()
 
-    def _refresh(self, client: BootstrapClient) -> None:
-        try:
-            instances = client.list_instances()
-        except BootstrapError as e:
-            logger.warning("fleet not refreshed (bootstrap service): %s", e)
-            return
-        self._fleet.update(FleetSnapshot(tuple(instances), time.monotonic()))
+    def _run(self) -> None:
+        while not self._stop.wait(self._config.fleet_refresh_s):
+            try:
+                self.refresh()
+            except Exception:   # the watcher must outlive any one bad reading
+                logger.exception("fleet refresh failed")
+
+    def refresh(self) -> None:
+        """One reading: the members, then every member's status from its own rendezvous (in parallel)."""
+        members, _fresh = self._source.members()
+        now_s = time.monotonic()
+        results = list(self._pool.map(self._poll, members))
+        current: dict[InstanceId, tuple[InstanceStatus, float]] = {}
+        for member, status in zip(members, results, strict=True):
+            if status is None:   # refused: the process is gone; learn the member anew
+                self._source.forget(member.instance_id)
+            elif isinstance(status, InstanceStatus):
+                current[member.instance_id] = (status, now_s)
+            elif member.instance_id in self._last:   # no answer: keep the last status until it is stale
+                current[member.instance_id] = self._last[member.instance_id]
+        self._last = current
+        statuses = tuple(replace(status, age_s=status.age_s + (now_s - heard_s))
+                         for status, heard_s in current.values())
+        self._fleet.update(FleetSnapshot(statuses, now_s))
         try:
             self._on_refresh()
         except Exception:
             logger.exception("fleet refresh hook failed")
+
+    def _poll(self, member: FleetMember) -> InstanceStatus | None | BootstrapError:
+        """The member's status (None: refused; the error: no answer) as its rendezvous reports it, with the
+        member's address as the router reaches it."""
+        client = self._clients.get(member.rendezvous_url)
+        if client is None:
+            client = self._clients.setdefault(member.rendezvous_url, BootstrapClient(
+                member.rendezvous_url, self._poll_timeout_s, self._config.fleet_secret))
+        try:
+            statuses = client.list_instances()
+        except RendezvousRefused:
+            logger.warning("fleet member %s is gone (its rendezvous %s refused)", member.instance_id,
+                           member.rendezvous_url)
+            return None
+        except BootstrapError as e:
+            return e
+        for status in statuses:
+            if status.instance_id == member.instance_id:
+                return replace(status, address=member.address, model_name=member.model_name,
+                               rendezvous_url=member.rendezvous_url)
+        return None   # another instance lives there now (a restart on the same port): describe it again

@@ -6,8 +6,8 @@ stream cancels exactly that request (Triton then reports ``is_cancelled()`` to t
 frees its pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC".
 
 Child protocol (``serving.pd_request``): inputs ``text_input``, ``sampling_parameters``, ``apply_chat_template``
-(the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` (decode; empty: direct decode),
-``router_id``; outputs ``text_output``/``finish_reason``/``error``/``logprobs`` as UTF-8 in UINT8 tensors,
+(the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` and ``prefill_rendezvous`` (decode;
+empty: direct decode); outputs ``text_output``/``finish_reason``/``error``/``logprobs`` as UTF-8 in UINT8 tensors,
 ``num_input_tokens``, ``num_output_tokens`` and ``num_cached_tokens`` (INT32), ``cumulative_logprob`` (FP32)
 (``serving.triton_io``'s child layout). A child reports a failure as a FINAL response whose ``error`` is set.
 """
@@ -79,7 +79,7 @@ class ChildCall:
         target: the instance that serves it.
         room: the bootstrap room of the attempt.
         prefill_instance: decode only: the paired prefill's instance id; empty: direct decode.
-        router_id: the router's lease id (workers drop the request when that lease ends).
+        prefill_rendezvous: decode only: the paired prefill's own rendezvous URL.
         inputs: the client's forwarded inputs (``FORWARDED_INPUTS``), as parsed scalars.
     """
 
@@ -87,7 +87,7 @@ class ChildCall:
     target: Target
     room: Room
     prefill_instance: str
-    router_id: str
+    prefill_rendezvous: str
     inputs: Mapping[str, RawValue] = field(default_factory=dict)
 
 
@@ -118,9 +118,9 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
             arrays[name] = (np.array([value], dtype=np.bool_) if isinstance(value, bool) else
                             np.array([value if isinstance(value, bytes) else str(value).encode()], dtype=np.object_))
     arrays["bootstrap_room"] = np.array([call.room], dtype=np.int64)
-    arrays["router_id"] = np.array([call.router_id.encode()], dtype=np.object_)
     if call.role == "decode":
         arrays["prefill_instance"] = np.array([call.prefill_instance.encode()], dtype=np.object_)
+        arrays["prefill_rendezvous"] = np.array([call.prefill_rendezvous.encode()], dtype=np.object_)
     return arrays
 
 
@@ -152,10 +152,13 @@ def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildRespon
 class GrpcLauncher:
     """Child requests over tritonclient's asyncio gRPC client; one channel per endpoint, one stream per call.
 
-    Keepalive pings (every ``keepalive_s``) make a dead host's streams fail instead of hanging.
+    Keepalive pings every ``keepalive_s`` (300 s: tritonserver's default policy refuses pings more often than
+    every 5 minutes, or on a channel without calls, with GOAWAY ``too_many_pings``), so plain tritonserver needs
+    no ``--grpc-*`` flags. A dead host is noticed sooner by the fleet watcher (its rendezvous stops answering)
+    and by ``request_idle_timeout_s``.
     """
 
-    def __init__(self, keepalive_s: float = 10.0) -> None:
+    def __init__(self, keepalive_s: float = 300.0) -> None:
         self._keepalive_s = keepalive_s
         self._clients: dict[str, Any] = {}
 
@@ -167,7 +170,7 @@ class GrpcLauncher:
 
             ms = int(self._keepalive_s * 1000)
             client = InferenceServerClient(endpoint, keepalive_options=KeepAliveOptions(
-                keepalive_time_ms=ms, keepalive_timeout_ms=ms, keepalive_permit_without_calls=True))
+                keepalive_time_ms=ms, keepalive_timeout_ms=20_000, keepalive_permit_without_calls=False))
             self._clients[endpoint] = client
         return client
 

@@ -10,8 +10,8 @@
 5. **merge**: prefill's first token first, then decode's tokens in order (decode responses that arrive earlier
    are held back);
 6. **end** with exactly one final chunk: success; a client cancel; a failure. On a cancel or a failure both
-   child streams are cancelled and the room is aborted at the bootstrap service, so both instances drop it and
-   free its pages. A failure **before the first token** reached the client is retried once on another pair
+   child streams are cancelled: Triton tells both children, which drop the room (telling each other over the KV
+   transport) and free its pages. A failure **before the first token** reached the client is retried once on another pair
    (the instance that failed is excluded); after the first token it ends the request with the error. An error
    about the request itself (bad input, rejected by the engine) is never retried. Successes, unreachable
    children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and errors a
@@ -58,14 +58,6 @@ REQUEST_ERROR_MARKERS: tuple[str, ...] = ("invalid input ", "invalid sampling pa
 def is_request_error(message: str) -> bool:
     """True when a child's error message is about the request, not the instance."""
     return any(marker in message for marker in REQUEST_ERROR_MARKERS)
-
-
-class RoomAborter(Protocol):
-    """Posts a room's abort to the bootstrap service (both instances follow its abort log)."""
-
-    async def abort(self, room: Room, reason: str) -> None:
-        """Never raises (a failure is logged: the child streams were cancelled anyway)."""
-        ...
 
 
 class RouterMetrics(Protocol):
@@ -163,27 +155,23 @@ class _Outcome:
 
 class PDOrchestrator:
     def __init__(self, config: RouterConfig, fleet: Fleet, policy: PairingPolicy, launcher: Launcher,
-                 aborter: RoomAborter, count_tokens: Callable[[GenerateRequest], list[int] | int],
-                 router_id: Callable[[], str], metrics: RouterMetrics | None = None) -> None:
+                 count_tokens: Callable[[GenerateRequest], list[int] | int],
+                 metrics: RouterMetrics | None = None) -> None:
         """
         Args:
             config: admission bounds, retries, idle timeout.
             fleet: healthy candidates and their breakers.
             policy: picks the pair of each attempt.
-            launcher: sends child requests.
-            aborter: posts room aborts to the bootstrap service.
+            launcher: sends child requests (closing a stream cancels that child).
             count_tokens: the prompt's token ids (after the chat template) of a request, or only their count
                 (an estimate): the ids let a cache-aware policy match prefixes.
-            router_id: the router's current lease id (children carry it).
             metrics: selections, retries, rejections, outcomes; None disables.
         """
         self._config = config
         self._fleet = fleet
         self._policy = policy
         self._launcher = launcher
-        self._aborter = aborter
         self._count_tokens = count_tokens
-        self._router_id = router_id
         self._metrics = metrics
         self.admission = Admission(config.max_inflight_requests, config.max_queued_requests,
                                    config.queue_timeout_s)
@@ -258,12 +246,12 @@ class PDOrchestrator:
     async def _attempt(self, pair: Pair, room: Room, routed: RoutedRequest, demand: Demand,
                        emit: Callable[[OutputChunk], None], is_cancelled: Callable[[], bool]) -> _Outcome:
         events: asyncio.Queue[tuple[str, ChildResponse]] = asyncio.Queue()
-        router_id = self._router_id()
         forwarded = routed.forwarded
-        prefill_id = pair.prefill.instance_id if pair.prefill is not None else ""
-        calls = [ChildCall("decode", pair.decode, room, prefill_id, router_id, forwarded)]
-        if pair.prefill is not None:
-            calls.insert(0, ChildCall("prefill", pair.prefill, room, "", router_id, forwarded))
+        prefill = pair.prefill
+        calls = [ChildCall("decode", pair.decode, room, prefill.instance_id if prefill else "",
+                           prefill.rendezvous_url if prefill else "", forwarded)]
+        if prefill is not None:
+            calls.insert(0, ChildCall("prefill", prefill, room, "", "", forwarded))
         readers = [asyncio.ensure_future(self._read(call, events)) for call in calls]
         direct = pair.prefill is None
         state = _MergeState(first_done=direct, prefill_final=direct, prefilled_by="decode" if direct else "prefill")
@@ -274,9 +262,6 @@ class PDOrchestrator:
             for reader in readers:
                 reader.cancel()   # ends (cancels) child streams still open
             await asyncio.gather(*readers, return_exceptions=True)
-        if outcome.final is None or outcome.final.error is not None or outcome.final.finish_reason == "abort":
-            reason = outcome.error or (outcome.final.error if outcome.final else None) or "cancelled by the client"
-            await self._aborter.abort(room, reason)
         return outcome
 
     async def _read(self, call: ChildCall, events: asyncio.Queue[tuple[str, ChildResponse]]) -> None:

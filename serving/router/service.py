@@ -8,13 +8,14 @@ Threads (owner ``Router``; started by ``start``, stopped by ``stop`` in reverse 
 =========================  ========================================================================================
 ``router-loop-<name>``     the asyncio loop: every orchestration, the gRPC child streams, the readiness endpoint,
                            the metrics publisher
-``router-fleet-<id>``      ``FleetWatcher``: reads the fleet from the bootstrap service, renews the lease
-``router-aborts``          posts room aborts to the bootstrap service (one blocking HTTP client)
+``router-fleet-<name>``    ``FleetWatcher``: reads the members, asks each member's rendezvous for its load
+``router-poll-<name>_*``   the watcher's pool: one member's rendezvous poll each
 =========================  ========================================================================================
 
 Shutdown (``stop``): refuse new requests; cancel every orchestration (each ends its client stream with an error
-and FINAL, and cancels its child streams); stop the fleet watcher and release the lease (workers drop this
-router's rooms at once); close the gRPC channels; stop the loop.
+and FINAL, and cancels its child streams: Triton tells each child, which aborts its room and frees its pages);
+stop the fleet watcher; close the gRPC channels; stop the loop. A router that dies instead needs no cleanup of
+its own: its connections drop, and Triton cancels its children the same way.
 """
 
 from __future__ import annotations
@@ -25,16 +26,13 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bootstrap.client import BootstrapClient
-from bootstrap.errors import BootstrapError
 from serving.request import GenerateRequest
 from serving.router.config import RouterConfig
+from serving.router.discovery import LocalServerMembers, MemberSource
 from serving.router.fleet import Fleet, FleetWatcher
 from serving.router.launch import GrpcLauncher, Launcher
-from serving.router.lease import RouterLease
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
@@ -43,24 +41,6 @@ from serving.router.responder import OutputChunk
 logger = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 0.25
-
-
-class BootstrapAborter:
-    """``RoomAborter`` over the bootstrap service, on one thread of its own (the client is blocking)."""
-
-    def __init__(self, bootstrap_url: str) -> None:
-        self._client = BootstrapClient(bootstrap_url, timeout_s=2.0)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="router-aborts")
-
-    async def abort(self, room: int, reason: str) -> None:
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._client.abort_room, room, reason)
-        except BootstrapError as e:
-            logger.warning("room=%d: abort not delivered to the bootstrap service: %s", room, e)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._client.close()
 
 
 class TokenCounter:
@@ -92,24 +72,24 @@ class Router:
 
     def __init__(self, config: RouterConfig, name: str, model_name: str = "pd_ensemble",
                  metrics: RouterMetricsSink | None = None, launcher: Launcher | None = None,
-                 count_tokens: Callable[[GenerateRequest], list[int] | int] | None = None) -> None:
+                 count_tokens: Callable[[GenerateRequest], list[int] | int] | None = None,
+                 members: MemberSource | None = None) -> None:
         """
         Args:
             config: the router's knobs.
-            name: the Triton instance name (thread names, lease id prefix).
-            model_name: the model clients call (registered with the lease).
+            name: the Triton instance name (thread names, logs).
+            model_name: the model clients call.
             metrics: where to publish; None disables.
             launcher: how children are reached; default ``GrpcLauncher``.
             count_tokens: the prompt's token ids, or only their count; default ``TokenCounter(config.tokenizer)``.
+            members: who the fleet is; default ``make_member_source(config)``.
         """
         self.config = config
         self._name = name
         self._metrics = metrics
         self.fleet = Fleet(config)
-        self.lease = RouterLease(config.bootstrap_url, name, config.grpc_url, model_name)
-        self._watcher = FleetWatcher(self.fleet, config, self.lease)
+        self._watcher = FleetWatcher(self.fleet, config, members or make_member_source(config), name)
         self._launcher: Launcher = launcher or GrpcLauncher()
-        self._aborter = BootstrapAborter(config.bootstrap_url)
         self._count_tokens = count_tokens
         self.orchestrator: PDOrchestrator | None = None
         self._loop = asyncio.new_event_loop()
@@ -120,19 +100,19 @@ class Router:
         self._stop_lock = threading.Lock()
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Load the tokenizer, register the lease, read the fleet, start the loop thread (and the readiness
-        endpoint when ``health_port`` is set). Raises RuntimeError when the loop does not come up in time."""
+        """Load the tokenizer, read the fleet, start the loop thread (and the readiness endpoint when
+        ``health_port`` is set). Raises RuntimeError when the loop does not come up in time."""
         count = self._count_tokens or TokenCounter(self.config.tokenizer)
         self.orchestrator = PDOrchestrator(self.config, self.fleet, make_policy(self.config.policy,
-                                           self.config.direct_decode_max_tokens), self._launcher, self._aborter,
-                                           count, lambda: self.lease.router_id, self._metrics)
+                                           self.config.direct_decode_max_tokens), self._launcher,
+                                           count, self._metrics)
         self._watcher.start()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"router-loop-{self._name}",
                                         daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start_async(), self._loop).result(timeout_s)
         self._accepting = True
-        logger.info("router %s up: policy=%s fleet=%s", self.lease.router_id, self.config.policy,
+        logger.info("router %s up: policy=%s fleet=%s", self._name, self.config.policy,
                     self.fleet.health())
 
     async def _start_async(self) -> None:
@@ -172,7 +152,6 @@ class Router:
         except (concurrent.futures.TimeoutError, RuntimeError):
             logger.error("router %s: in-flight requests did not end within %.0f s", self._name, timeout_s)
         self._watcher.stop(timeout_s)
-        self._aborter.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
         self._thread = None
@@ -210,7 +189,7 @@ class Router:
     async def _ready_handler(self, request: Any) -> Any:
         from aiohttp import web
 
-        body = {"ready": self.fleet.ready(), "router_id": self.lease.router_id, "instances": self.fleet.health()}
+        body = {"ready": self.fleet.ready(), "router": self._name, "instances": self.fleet.health()}
         return web.Response(text=json.dumps(body), status=200 if body["ready"] else 503,
                             content_type="application/json")
 
@@ -218,3 +197,13 @@ class Router:
         from aiohttp import web
 
         return web.Response(text="ok")
+
+
+def make_member_source(config: RouterConfig) -> MemberSource:
+    """The fleet's members: the membership registry at ``config.registry_url`` when one is set, else the PD
+    models of this router's own tritonserver (``config.grpc_url``)."""
+    if config.registry_url:
+        from serving.router.registry_members import RegistryMembers
+
+        return RegistryMembers(config.registry_url, config.fleet_secret)
+    return LocalServerMembers(config.grpc_url)

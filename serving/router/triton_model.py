@@ -3,8 +3,9 @@
 initialize: parameters → ``RouterConfig`` (an unknown key or a bad value fails the load, naming it) → a started
 ``Router`` (its own event loop thread) and the instance's response thread. execute: parse each request (a bad
 input gets one error response with FINAL) and hand it to the router; nothing blocks Triton's thread.
-finalize: stop the router (requests in flight end with an error and FINAL; its lease is released, so workers
-drop its rooms), then the response thread once it has sent those FINALs, then the custom metrics.
+finalize: stop the router (requests in flight end with an error and FINAL; their child streams are cancelled,
+so the workers drop their rooms), then the response thread once it has sent those FINALs, then the custom
+metrics.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def test_override_replaces_an_existing_parameter_and_appends_a_missing_one() -> 
 
 def test_pd_pins_prefill_and_decode_to_separate_cores_and_colocated_gets_both() -> None:
     pd, colo = deployments_for(_cfg(("pd_ensemble", "colocated")))
-    assert pd.cpus == {"prefill": (0,), "decode": (1,)} and pd.needs_bootstrap
+    assert pd.cpus == {"prefill": (0,), "decode": (1,)}
     assert colo.cpus == {"colocated": (0, 1)}
     assert colo.overrides["colocated"]["num_threads"] == "2"
 

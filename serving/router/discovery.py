@@ -1,0 +1,165 @@
+"""Where a router's fleet comes from: the members of the fleet (who), before their load and health (how).
+
+Two sources, one ``MemberSource`` seam:
+
+- ``LocalServerMembers`` (no registry, the default): the PD workers of the router's own tritonserver. Triton's
+  repository index lists the READY models; a model whose inputs include ``pd_control`` is a PD worker, and a
+  ``describe`` request (``serving.pd_request.InstanceCard``) tells its instance id, role and rendezvous URL. This
+  is what makes plain ``tritonserver --model-repository`` work with nothing beside it.
+- ``RegistryMembers``: the fleet's membership registry (``bootstrap.membership``: the embedded registry service
+  or etcd), for fleets across servers. Losing the registry freezes the member list; it does not empty it.
+
+Either way the router then asks each member's own rendezvous for its load and health (``FleetWatcher``), so no
+central process sits between a router and the instances it pairs.
+
+Threads: a source is called from the fleet watcher's thread only (``members``, ``forget``, ``close``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from serving.pd_request import CONTROL_INPUT, DESCRIBE, InstanceCard
+
+logger = logging.getLogger(__name__)
+
+DESCRIBE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class FleetMember:
+    """One member of the fleet as a router needs it before asking for its load.
+
+    Attributes:
+        instance_id: ``<model>@<grpc host:port>``, fleet-unique.
+        role: ``"prefill"`` or ``"decode"``.
+        address: Triton gRPC endpoint (``host:port``) that serves ``model_name``.
+        model_name: the Triton model.
+        rendezvous_url: the instance's own rendezvous (``http://host:port``): load, health, registration.
+        epoch: changes on every start of the instance.
+    """
+
+    instance_id: str
+    role: str
+    address: str
+    model_name: str
+    rendezvous_url: str
+    epoch: int = 0
+
+
+class MemberSource(Protocol):
+    """The members of the fleet; called on the fleet watcher's thread only."""
+
+    def members(self) -> tuple[list[FleetMember], bool]:
+        """The members known now and whether the source answered (False: the last known members, frozen).
+        Blocks at most a few seconds; never raises."""
+        ...
+
+    def forget(self, instance_id: str) -> None:
+        """The member's rendezvous refused a connection (its process is gone): learn it anew next time."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalServerMembers:
+    """The PD workers of one tritonserver (the router's own), found through its repository index."""
+
+    def __init__(self, grpc_url: str, timeout_s: float = DESCRIBE_TIMEOUT_S) -> None:
+        self._grpc_url = grpc_url
+        self._timeout_s = timeout_s
+        self._client: Any = None
+        self._cards: dict[str, InstanceCard] = {}   # model name → its card
+        self._not_pd: set[str] = set()              # READY models without a pd_control input
+        self._last: list[FleetMember] = []
+
+    def members(self) -> tuple[list[FleetMember], bool]:
+        try:
+            ready = self._ready_models()
+        except Exception as e:   # the server is stopping or unreachable: keep the last view
+            logger.warning("repository index of %s not read: %s", self._grpc_url, e)
+            return list(self._last), False
+        for gone in set(self._cards) - ready:
+            del self._cards[gone]
+        self._not_pd &= ready
+        for model in sorted(ready - set(self._cards) - self._not_pd):
+            self._learn(model)
+        self._last = [FleetMember(c.instance_id, c.role, c.address, c.model_name, c.rendezvous_url, c.epoch)
+                      for c in self._cards.values()]
+        return list(self._last), True
+
+    def forget(self, instance_id: str) -> None:
+        for model, card in list(self._cards.items()):
+            if card.instance_id == instance_id:
+                del self._cards[model]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _grpc(self) -> Any:
+        if self._client is None:
+            import tritonclient.grpc as grpcclient
+
+            self._client = grpcclient.InferenceServerClient(self._grpc_url)
+        return self._client
+
+    def _ready_models(self) -> set[str]:
+        index = self._grpc().get_model_repository_index(as_json=True, client_timeout=self._timeout_s)
+        return {m["name"] for m in index.get("models", []) if m.get("state") == "READY"}
+
+    def _learn(self, model: str) -> None:
+        try:
+            metadata = self._grpc().get_model_metadata(model, as_json=True, client_timeout=self._timeout_s)
+            if CONTROL_INPUT not in {i["name"] for i in metadata.get("inputs", [])}:
+                self._not_pd.add(model)
+                return
+            card = describe(self._grpc(), model, self._timeout_s)
+        except Exception as e:   # loading, unloading or a dead stub: asked again next round
+            logger.info("PD model %s not described yet: %s", model, e)
+            return
+        if card.address != self._grpc_url:
+            logger.info("%s says it is served at %s; this router reaches it at %s", model, card.address,
+                        self._grpc_url)
+        self._cards[model] = card
+        logger.info("fleet member %s (%s) at rendezvous %s", card.instance_id, card.role, card.rendezvous_url)
+
+
+def describe(client: Any, model: str, timeout_s: float) -> InstanceCard:
+    """Ask PD worker ``model`` for its card over one gRPC stream (the model is decoupled). The stream is
+    half-closed only after the FINAL flag (cancelling right after FINAL keeps tritonserver 2.51 from unloading
+    the model later). Raises ``TimeoutError``, ``ValueError`` (a bad card) or the client's errors."""
+    from tritonclient.grpc import InferInput
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        inputs = [InferInput("text_input", [1], "BYTES"), InferInput(CONTROL_INPUT, [1], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([b""], dtype=np.object_))
+        inputs[1].set_data_from_numpy(np.array([DESCRIBE.encode()], dtype=np.object_))
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        deadline = time.monotonic() + timeout_s
+        card: InstanceCard | None = None
+        while True:
+            result, error = answers.get(timeout=max(0.01, deadline - time.monotonic()))
+            if error is not None:
+                raise RuntimeError(f"describe {model}: {error}")
+            text = result.as_numpy("text_output")
+            if text is not None and np.size(text):
+                card = InstanceCard.from_json(np.asarray(text).astype(np.uint8).tobytes().decode())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    except queue.Empty:
+        raise TimeoutError(f"describe {model}: no answer within {timeout_s:g} s") from None
+    finally:
+        client.stop_stream(cancel_requests=False)
+    if card is None:
+        raise ValueError(f"describe {model}: the answer held no card")
+    return card
