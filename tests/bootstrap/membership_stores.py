@@ -41,7 +41,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> fl
     return time.monotonic() - start
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PD_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
@@ -82,7 +82,7 @@ class RegistryProcess(_Process):
         self._workdir, self._secret = workdir, secret
 
     def start(self) -> None:
-        env = _env({"PD_FLEET_SECRET": self._secret.decode()} if self._secret else None)
+        env = child_env({"PD_FLEET_SECRET": self._secret.decode()} if self._secret else None)
         self._spawn([sys.executable, "-m", "bootstrap.membership", "--port", str(self.port)], env,
                     self._workdir / "registry.log")
         wait_until(self._healthy, 20.0, f"registry on {self.url} healthy")
@@ -111,7 +111,7 @@ class EtcdProcess(_Process):
         self._spawn([ETCD, "--name", "t", "--data-dir", str(self._workdir / "etcd-data"),
                      "--listen-client-urls", client, "--advertise-client-urls", client,
                      "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                     "--initial-cluster", f"t={peer}", "--log-level", "warn"], _env(),
+                     "--initial-cluster", f"t={peer}", "--log-level", "warn"], child_env(),
                     self._workdir / "etcd.log")
         wait_until(self._healthy, 20.0, f"etcd on {self.endpoint} healthy")
 
@@ -124,7 +124,7 @@ class EtcdProcess(_Process):
     def etcdctl(self, *args: str, user: str = "") -> str:
         assert ETCDCTL is not None, NO_ETCD
         argv = [ETCDCTL, f"--endpoints=http://{self.endpoint}", *([f"--user={user}"] if user else []), *args]
-        done = subprocess.run(argv, env=_env({"ETCDCTL_API": "3"}), capture_output=True, text=True, timeout=30)
+        done = subprocess.run(argv, env=child_env({"ETCDCTL_API": "3"}), capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, f"etcdctl {' '.join(args)}: {done.stderr}"
         return done.stdout
 
@@ -134,7 +134,7 @@ class WorkerProcess(_Process):
 
     def start(self, url: str, instance_id: str, role: str, ttl_s: float, workdir: Path,
               secret: bytes | None = None) -> None:
-        env = _env({"PD_FLEET_SECRET": secret.decode()} if secret else None)
+        env = child_env({"PD_FLEET_SECRET": secret.decode()} if secret else None)
         self._spawn([sys.executable, __file__, url, instance_id, role, str(ttl_s)], env,
                     workdir / f"worker-{instance_id.replace('/', '_')}.log")
 
