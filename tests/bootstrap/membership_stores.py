@@ -22,7 +22,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 ETCD = shutil.which("etcd")
 ETCDCTL = shutil.which("etcdctl")
-NO_ETCD = "the etcd binary is not installed (scripts/setup.sh installs Debian's etcd-server as root)"
+NO_ETCD = ("the etcd or etcdctl binary is not installed (scripts/setup.sh installs Debian's etcd-server and "
+           "etcd-client as root)")
 
 
 def free_port() -> int:

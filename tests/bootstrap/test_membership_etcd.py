@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from bootstrap.membership import EtcdMembership, EtcdOptions, Member, make_membership
-from membership_stores import ETCD, NO_ETCD, EtcdProcess, wait_until
+from membership_stores import ETCD, ETCDCTL, NO_ETCD, EtcdProcess, wait_until
 
-pytestmark = pytest.mark.skipif(ETCD is None, reason=NO_ETCD)
+pytestmark = pytest.mark.skipif(ETCD is None or ETCDCTL is None, reason=NO_ETCD)
 
 
 @pytest.fixture
