@@ -32,6 +32,7 @@ from pathlib import Path
 
 import requests
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 AUTH_HEADER = "X-PD-Fleet-Auth"
 SCHEME = "v1"
@@ -40,7 +41,6 @@ SECRET_FILE_ENV = "PD_FLEET_SECRET_FILE"
 DEFAULT_MAX_SKEW_S = 30.0
 EXEMPT_ROUTES = frozenset({("GET", "/health")})   # liveness probes carry no secret
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 class AuthError(Exception):

@@ -29,7 +29,7 @@ def make_membership(url: str, secret: bytes | None,
     """
     if not url:
         return None
-    if url.startswith("http://") or url.startswith("https://"):
+    if url.startswith(("http://", "https://")):
         return RegistryMembership(url, secret)
     if url.startswith("etcd://"):
         return EtcdMembership(EtcdOptions.from_url(url, environ))

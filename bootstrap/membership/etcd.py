@@ -43,6 +43,7 @@ class EtcdMembership(Membership):
         self._lease_failed = ViewState(logger, "etcd://" + ",".join(options.endpoints) + " (leases)")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._watch_client: EtcdClient | None = None    # the watch thread's, so that stop can interrupt it
 
     def start(self) -> None:
         if self._threads:
@@ -54,6 +55,8 @@ class EtcdMembership(Membership):
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        if self._watch_client is not None:
+            self._watch_client.interrupt()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -133,7 +136,7 @@ class EtcdMembership(Membership):
     # -- view -----------------------------------------------------------------------------------------------
 
     def _watch_loop(self) -> None:
-        client = EtcdClient(self._options)
+        client = self._watch_client = EtcdClient(self._options)
         members: dict[str, Member] = {}
         revision, reread = 0, True
         try:
@@ -153,6 +156,8 @@ class EtcdMembership(Membership):
                 except WatchCompacted:
                     reread = True
                 except (requests.RequestException, MembershipError, ValueError, KeyError) as exc:
+                    if self._stop.is_set():
+                        break   # interrupted by stop()
                     self._state.mark_failed(str(exc))
                     reread = True
                     self._stop.wait(self._retry_s)

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import requests
 import urllib3
 
 from bootstrap.membership.member import MembershipError
 
+JsonObject = dict[str, Any]   # a gateway message, as json.loads gives it
 CODE_NOT_FOUND = 5
 CODE_UNAUTHENTICATED = 16
 
@@ -113,9 +116,21 @@ class EtcdClient:
             self._session.cert = (options.cert, options.key)
         self._endpoint = 0
         self._token = ""
+        self._stream: requests.Response | None = None   # the open watch stream, for ``interrupt``
 
     def close(self) -> None:
         self._session.close()
+
+    def interrupt(self) -> None:
+        """Ends an open ``watch`` at once (its read raises); callable from another thread. Without urllib3's
+        ``shutdown`` (urllib3 < 2.3) the watch ends at its next idle timeout instead."""
+        stream = self._stream
+        shutdown = getattr(stream.raw, "shutdown", None) if stream is not None else None
+        if shutdown is not None:
+            try:
+                shutdown()
+            except (OSError, ValueError, RuntimeError):
+                pass   # the stream closed meanwhile: nothing to interrupt
 
     def _url(self, path: str) -> str:
         return f"{self._options.scheme}://{self._options.endpoints[self._endpoint]}{path}"
@@ -128,7 +143,7 @@ class EtcdClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": self._token} if self._token else {}
 
-    def _post_once(self, path: str, body: Mapping[str, object]) -> dict[str, object]:
+    def _post_once(self, path: str, body: JsonObject) -> JsonObject:
         response = self._session.post(self._url(path), json=body, headers=self._headers(),
                                       timeout=self._options.timeout_s)
         answer = response.json() if response.content else {}
@@ -136,7 +151,7 @@ class EtcdClient:
             raise _error(path, answer, response.status_code)
         return dict(answer)
 
-    def post(self, path: str, body: Mapping[str, object]) -> dict[str, object]:
+    def post(self, path: str, body: JsonObject) -> JsonObject:
         """One gateway call, on the next endpoint after a connection failure, logged in again after 401."""
         for attempt in range(len(self._options.endpoints)):
             try:
@@ -159,13 +174,13 @@ class EtcdClient:
     def range_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix`` and the store's revision at the read."""
         answer = self.post("/v3/kv/range", {"key": b64(prefix), "range_end": b64(prefix_end(prefix))})
-        kvs = [_kv(kv) for kv in answer.get("kvs", [])]  # type: ignore[union-attr]
-        return kvs, int(answer["header"]["revision"])  # type: ignore[index]
+        kvs = [_kv(kv) for kv in answer.get("kvs", [])]
+        return kvs, int(answer["header"]["revision"])
 
     def get(self, key: str) -> str | None:
         answer = self.post("/v3/kv/range", {"key": b64(key)})
         kvs = answer.get("kvs", [])
-        return _kv(kvs[0]).value if kvs else None  # type: ignore[index]
+        return _kv(kvs[0]).value if kvs else None
 
     def put(self, key: str, value: str, lease_id: int = 0) -> None:
         self.post("/v3/kv/put", {"key": b64(key), "value": b64(value), "lease": str(lease_id)})
@@ -175,12 +190,12 @@ class EtcdClient:
 
     def grant(self, ttl_s: float) -> int:
         """A new lease of ``ttl_s`` seconds (rounded up to whole seconds); its id."""
-        return int(self.post("/v3/lease/grant", {"TTL": str(max(1, int(-(-ttl_s // 1))))})["ID"])  # type: ignore[call-overload]
+        return int(self.post("/v3/lease/grant", {"TTL": str(max(1, math.ceil(ttl_s)))})["ID"])
 
     def keepalive(self, lease_id: int) -> int:
         """Renews the lease; its remaining TTL in seconds, 0 when etcd no longer knows it (expired)."""
         result = self.post("/v3/lease/keepalive", {"ID": str(lease_id)}).get("result", {})
-        return int(result.get("TTL", 0))  # type: ignore[union-attr]
+        return int(result.get("TTL", 0))
 
     def revoke(self, lease_id: int) -> None:
         """Ends the lease and deletes its keys; an unknown lease is not an error."""
@@ -200,10 +215,11 @@ class EtcdClient:
                                    "start_revision": str(start_revision)}}
         with self._session.post(self._url("/v3/watch"), json=body, headers=self._headers(), stream=True,
                                 timeout=(self._options.timeout_s, idle_s)) as response:
+            self._stream = response
             if response.status_code != 200:
                 raise _error("/v3/watch", response.json(), response.status_code)
             try:
-                for line in response.iter_lines(chunk_size=None):
+                for line in response.iter_lines(chunk_size=None):  # type: ignore[call-overload]  # None: as the chunks come
                     if line:
                         yield _watch_events(json.loads(line))
             except EtcdError as exc:
@@ -214,17 +230,19 @@ class EtcdClient:
                 if exc.args and isinstance(exc.args[0], urllib3.exceptions.ReadTimeoutError):
                     return
                 raise
+            finally:
+                self._stream = None
         raise EtcdError("the watch stream ended (etcd stopped?)")
 
 
-def _kv(kv: Mapping[str, str]) -> KeyValue:
+def _kv(kv: JsonObject) -> KeyValue:
     return KeyValue(unb64(kv["key"]), unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)))
 
 
-def _watch_events(message: Mapping[str, object]) -> list[WatchEvent]:
+def _watch_events(message: JsonObject) -> list[WatchEvent]:
     if "error" in message:
         raise _error("/v3/watch", message, 0)
-    result: dict = message.get("result", {})  # type: ignore[assignment]
+    result: JsonObject = message.get("result", {})
     if int(result.get("compact_revision", 0)):
         raise WatchCompacted(f"watch start revision compacted (now {result['compact_revision']})")
     if result.get("canceled"):
@@ -233,9 +251,9 @@ def _watch_events(message: Mapping[str, object]) -> list[WatchEvent]:
     return [WatchEvent(e.get("type") == "DELETE", _kv(e["kv"])) for e in result.get("events", [])]
 
 
-def _error(path: str, answer: Mapping[str, object], status: int) -> EtcdError:
+def _error(path: str, answer: JsonObject, status: int) -> EtcdError:
     message = str(answer.get("message") or answer.get("error") or f"HTTP {status}")
-    code = int(answer.get("code", 0))  # type: ignore[call-overload]
+    code = int(answer.get("code", 0))
     if "user name is empty" in message:
         message += " (etcd has auth enabled: set PD_ETCD_USER and PD_ETCD_PASSWORD)"
     return EtcdError(f"etcd {path}: {message}", code)

@@ -125,7 +125,8 @@ class EtcdProcess(_Process):
     def etcdctl(self, *args: str, user: str = "") -> str:
         assert ETCDCTL is not None, NO_ETCD
         argv = [ETCDCTL, f"--endpoints=http://{self.endpoint}", *([f"--user={user}"] if user else []), *args]
-        done = subprocess.run(argv, env=child_env({"ETCDCTL_API": "3"}), capture_output=True, text=True, timeout=30)
+        done = subprocess.run(argv, env=child_env({"ETCDCTL_API": "3"}), capture_output=True, text=True, timeout=30,
+                              check=False)
         assert done.returncode == 0, f"etcdctl {' '.join(args)}: {done.stderr}"
         return done.stdout
 

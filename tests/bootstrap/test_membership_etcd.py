@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from membership_stores import ETCD, ETCDCTL, NO_ETCD, EtcdProcess, wait_until
 
 from bootstrap.membership import EtcdMembership, EtcdOptions, Member, make_membership
-from membership_stores import ETCD, ETCDCTL, NO_ETCD, EtcdProcess, wait_until
 
 pytestmark = pytest.mark.skipif(ETCD is None or ETCDCTL is None, reason=NO_ETCD)
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from membership_stores import ETCD, NO_ETCD, EtcdProcess, RegistryProcess, WorkerProcess, wait_until
 
 from bootstrap.membership import Member, Membership, make_membership
-from membership_stores import ETCD, NO_ETCD, EtcdProcess, RegistryProcess, WorkerProcess, wait_until
 
 SECRET = b"fleet secret of the membership tests"
 TTL_S = 2.0
