@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from membership_stores import ETCD, ETCDCTL, NO_ETCD, EtcdProcess, wait_until
+from membership_stores import ETCD, ETCDCTL, NO_ETCD, EtcdProcess, free_port, wait_until
 
 from bootstrap.membership import EtcdMembership, EtcdOptions, Member, make_membership
 
@@ -59,6 +59,13 @@ def test_etcd_auth_admits_the_right_password_and_names_the_missing_one(
                        "the wrong password told why")
         assert not anonymous.view().fresh and not wrong.view().fresh
         assert _ids(member) == {"d0@127.0.0.1:8001"}, "the anonymous announce did not get in"
+        etcd.kill()     # a restarted etcd forgets its simple tokens: the client must log in again
+        etcd.start()
+        wait_until(lambda: member.view().fresh and _ids(member) == {"d0@127.0.0.1:8001"}, 8.0,
+                   "logged in again after etcd's restart")
+        member.announce(_member("d1"), ttl_s=2.0)
+        wait_until(lambda: _ids(member) == {"d0@127.0.0.1:8001", "d1@127.0.0.1:8001"}, 5.0,
+                   "a put with the new token")
     finally:
         for m in (member, anonymous, wrong):
             m.stop()
@@ -95,3 +102,15 @@ def test_a_wiped_etcd_gets_every_member_back(etcd: EtcdProcess, tmp_path: Path) 
     finally:
         for worker in workers:
             worker.stop()
+
+
+def test_a_dead_endpoint_is_skipped_for_the_next_one(etcd: EtcdProcess) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    worker = EtcdMembership(EtcdOptions((dead, etcd.endpoint)))
+    worker.announce(_member("d2"), ttl_s=2.0)
+    worker.start()
+    try:
+        wait_until(lambda: worker.view().fresh and _ids(worker) == {"d2@127.0.0.1:8001"}, 5.0,
+                   "announced and watched through the second endpoint")
+    finally:
+        worker.stop()
