@@ -27,6 +27,7 @@ import os
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -111,23 +112,24 @@ def verify(secret: bytes, method: str, path_qs: str, body: bytes, header: str | 
 
 
 class _ReplayGuard:
-    """The (timestamp, nonce) pairs accepted within the skew window; a pair seen twice is a replay.
-
-    Thread-safe; memory is bounded by the request rate times twice the window."""
+    """The (timestamp, nonce) pairs accepted while ``verify`` would still accept their timestamp; a pair seen
+    twice is a replay. Thread-safe; O(1) amortized per request; memory: the request rate times the window."""
 
     def __init__(self, window_s: float) -> None:
         self._window_s = window_s
-        self._seen: dict[tuple[int, str], float] = {}
+        self._seen: set[tuple[int, str]] = set()
+        self._order: deque[tuple[float, tuple[int, str]]] = deque()   # (forget after, pair), arrival order
         self._lock = threading.Lock()
 
     def admit(self, header: str, now_s: float) -> None:
         t, nonce, _ = _parse(header)
         with self._lock:
-            if len(self._seen) > 1024:
-                self._seen = {k: v for k, v in self._seen.items() if now_s - v <= 2 * self._window_s}
+            while self._order and self._order[0][0] < now_s:
+                self._seen.discard(self._order.popleft()[1])
             if (t, nonce) in self._seen:
                 raise AuthError("replayed request (this signature was already used)")
-            self._seen[(t, nonce)] = now_s
+            self._seen.add((t, nonce))
+            self._order.append((t + self._window_s + 1.0, (t, nonce)))
 
 
 def auth_middleware(secret: bytes | None, max_skew_s: float = DEFAULT_MAX_SKEW_S,

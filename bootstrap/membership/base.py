@@ -85,7 +85,7 @@ class ViewState:
             self._view = MembershipView(self._view.members, False, self._view.updated_s)
             first, self._outage = not self._outage, True
         if first:
-            self._logger.warning("membership store %s unreachable (%s): keeping the last view of %d members "
+            self._logger.warning("membership store %s failed (%s): keeping the last view of %d members "
                                  "and retrying", self._store, reason, len(self._view.members))
 
 

@@ -17,6 +17,7 @@ from bootstrap.auth import (
     AUTH_HEADER,
     AuthError,
     HmacAuth,
+    _ReplayGuard,
     auth_middleware,
     check_bind,
     load_fleet_secret,
@@ -153,6 +154,15 @@ def test_middleware_refuses_a_wrong_secret_and_a_replay(secured: _App) -> None:
     header = first.request.headers[AUTH_HEADER]
     replay = requests.post(secured.url("/echo"), data=b"x", headers={AUTH_HEADER: header}, timeout=5)
     assert replay.status_code == 401 and "replayed" in replay.json()["error"]
+
+
+def test_the_replay_guard_forgets_a_signature_once_verify_would_refuse_its_timestamp() -> None:
+    guard = _ReplayGuard(30.0)
+    header = sign(SECRET, "GET", "/v1/members", b"", NOW)
+    guard.admit(header, NOW)
+    with pytest.raises(AuthError, match="replayed request"):
+        guard.admit(header, NOW + 30.0)
+    guard.admit(header, NOW + 31.5)   # forgotten (bounded memory): verify refuses this timestamp by now
 
 
 def test_middleware_refuses_a_signature_for_another_body(secured: _App) -> None:
