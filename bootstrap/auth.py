@@ -35,6 +35,8 @@ import requests
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from bootstrap.errors import BootstrapError
+
 AUTH_HEADER = "X-PD-Fleet-Auth"
 SCHEME = "v1"
 SECRET_ENV = "PD_FLEET_SECRET"
@@ -44,7 +46,7 @@ EXEMPT_ROUTES = frozenset({("GET", "/health")})   # liveness probes carry no sec
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class AuthError(Exception):
+class AuthError(BootstrapError):
     """A message failed authentication, or the fleet secret is misconfigured; ``str()`` says which."""
 
 
