@@ -15,7 +15,7 @@ from membership_stores import ETCD, NO_ETCD, EtcdProcess, RegistryProcess, Worke
 from bootstrap.membership import Member, Membership, make_membership
 
 SECRET = b"fleet secret of the membership tests"
-TTL_S = 2.0
+TTL_S = 3.0   # seconds; the bounds below leave room for a loaded machine
 
 
 @pytest.fixture(params=["registry", "etcd"])
@@ -106,7 +106,7 @@ def test_a_killed_store_freezes_the_views_and_a_restarted_one_recovers_them(
     wait_until(lambda: all(not c.view().fresh for c in fleet.clients), 5.0, "every view marked stale")
     assert fleet.all_see(ids, fresh=False), "a stale view keeps the last members"
     late, _ = fleet.join("decode7@127.0.0.1:907", "decode")      # announcing during the outage never raises
-    time.sleep(3 * TTL_S)                                         # longer than every TTL: keep retrying
+    time.sleep(2 * TTL_S)                                         # longer than every TTL: keep retrying
     assert all(s == ids for s in fleet.ids_seen()[:-1]) and not late.view().fresh
     store.start()
     took_s = wait_until(lambda: fleet.all_see(ids | {"decode7@127.0.0.1:907"}), 10.0,
