@@ -40,7 +40,7 @@ class EtcdMembership(Membership):
         self._tick_s, self._watch_idle_s, self._retry_s = tick_s, watch_idle_s, retry_s
         self._announced = Announcements()
         self._state = ViewState(logger, "etcd://" + ",".join(options.endpoints))
-        self._lease_failed = ViewState(logger, "etcd://" + ",".join(options.endpoints) + " (leases)")
+        self._lease_health = ViewState(logger, "etcd://" + ",".join(options.endpoints) + " (leases)")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watch_client: EtcdClient | None = None    # the watch thread's, so that stop can interrupt it
@@ -87,7 +87,7 @@ class EtcdMembership(Membership):
                 try:
                     self._lease_tick(client)
                 except (requests.RequestException, MembershipError, ValueError, KeyError) as exc:
-                    self._lease_failed.mark_failed(str(exc))
+                    self._lease_health.mark_failed(str(exc))
                 self._stop.wait(self._tick_s)
         finally:
             client.close()
@@ -105,7 +105,7 @@ class EtcdMembership(Membership):
                 else:
                     logger.warning("etcd lost the lease of %s: registering it again", entry.member.instance_id)
                     self._register(client, entry)
-        self._lease_failed.touch()
+        self._lease_health.touch()
 
     def _register(self, client: EtcdClient, entry: Announced) -> None:
         member, key = entry.member, PREFIX + entry.member.instance_id
