@@ -38,7 +38,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bootstrap import BootstrapServer, ServerConfig
 from kv_transfer import AuxData, KVArgs, KVLayout, KVPoll, make_kv_manager
 
 PAGE_SIZE = 16
@@ -72,25 +71,26 @@ def engine_pool(huge_pages: bool) -> np.ndarray:
     return pool.storage.numpy().reshape(-1)   # [pool floats]; numpy keeps the tensor (and its memory) alive
 
 
-def worker(role: str, url: str, backend: str, cold: bool, inline: bool,  # type: ignore[no-untyped-def]
+def worker(role: str, prefill_url: str, backend: str, cold: bool, inline: bool,  # type: ignore[no-untyped-def]
            huge_pages: bool, conn) -> None:
-    """One engine-like process: a KV pool (touched), a manager, commands from the pipe."""
+    """One engine-like process: a KV pool (touched), a manager with its own rendezvous, commands from the pipe;
+    ``prefill_url``: decode only, the prefill process's rendezvous."""
     layout = smollm2_layout(NUM_PAGES)
     pool = engine_pool(huge_pages)   # touched: first-touch page faults excluded
     pool[:] = np.random.default_rng(1).random(len(pool), dtype=np.float32) if role == "prefill" else 1.0
     forward = ForwardPass(pool.reshape(NUM_PAGES, -1), cold)   # page-major: [num_pages, page floats]
     args = KVArgs(instance_id=f"{role}-0", role=role, kv_base_ptr=pool.ctypes.data, kv_nbytes=pool.nbytes,
-                  layout=layout, model_id="smollm2-135m", bootstrap_url=url, inline_progress=inline)
+                  layout=layout, model_id="smollm2-135m", inline_progress=inline)
     manager = make_kv_manager(args, backend)
     manager.start()
-    conn.send("ready")
+    conn.send(("ready", manager.rendezvous_url))
     rooms: dict = {}
     while True:
         cmd, room, pages = conn.recv()
         if cmd == "stop":
             break
         if cmd == "recv":
-            receiver = rooms[room] = manager.create_receiver(room, "prefill-0")
+            receiver = rooms[room] = manager.create_receiver(room, "prefill-0", prefill_url)
             receiver.init(pages)
             conn.send(_wait(lambda r=receiver: r.poll() >= KVPoll.WaitingForInput, 10))
         elif cmd == "wait":
@@ -242,18 +242,23 @@ def summarize(key: str, nbytes: int, lat: list[float], mem: list[float], mem_pag
             f"{key}_ratio_ceiling": round(ceiling_med / med, 3)}
 
 
-def start_workers(url: str, backend: str, cold: bool, inline: bool,
+def start_workers(backend: str, cold: bool, inline: bool,
                   huge_pages: bool) -> tuple[dict, list]:  # type: ignore[type-arg]
+    """Prefill, then decode (told prefill's rendezvous URL, as a router tells it in-band)."""
     ctx = mp.get_context("spawn")
     pipes: dict = {}  # type: ignore[type-arg]
     procs: list = []  # type: ignore[type-arg]
+    prefill_url = ""
     for role in ("prefill", "decode"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, url, backend, cold, inline, huge_pages, child), daemon=True)
+        proc = ctx.Process(target=worker, args=(role, prefill_url, backend, cold, inline, huge_pages, child),
+                           daemon=True)
         proc.start()
         pipes[role], procs = parent, procs + [proc]
-    for pipe in pipes.values():
-        assert pipe.poll(60) and pipe.recv() == "ready"
+        assert parent.poll(60)
+        ready, url = parent.recv()
+        assert ready == "ready"
+        prefill_url = prefill_url or url
     return pipes, procs
 
 
@@ -294,15 +299,13 @@ def run(backend: str, reps: int, scatter: bool, sizes: tuple[int, ...] = SIZES_T
         inline: bool = True, huge_pages: bool = True) -> dict:  # type: ignore[type-arg]
     """Every size with ``inline`` progress; then, when ``inline``, 128 tokens again with all transport work on
     the manager thread (``kv128_thread_*`` keys): the thread hop it saves, measured in the same run."""
-    server = BootstrapServer(ServerConfig(port=0))
-    server.start()
     result: dict = {"backend": backend, "scatter": scatter, "cold": cold, "inline_progress": inline,
                     "huge_pages": huge_pages,
                     "loadavg_1m_start": round(os.getloadavg()[0], 2)}
     passes = [(inline, sizes, "")] + ([(False, (128,), "thread_")] if inline and 128 in sizes else [])
     for pass_inline, pass_sizes, prefix in passes:
         print(f"inline_progress={pass_inline}:", flush=True)
-        pipes, procs = start_workers(server.url, backend, cold, pass_inline, huge_pages)
+        pipes, procs = start_workers(backend, cold, pass_inline, huge_pages)
         for i, tokens in enumerate(pass_sizes):
             out = measure_size(pipes, tokens, reps, scatter, cold, 1 + 1000 * i, huge_pages)
             result.update({k.replace("kv128_", f"kv128_{prefix}"): v for k, v in out.items()})
@@ -312,7 +315,6 @@ def run(backend: str, reps: int, scatter: bool, sizes: tuple[int, ...] = SIZES_T
             proc.join(30)
     result["memcpy_gbps"] = result.get("kv4k_memcpy_gbps")
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    server.stop()
     result.update(compare_descriptor_modes() if backend == "nixl" else mooncake_raw(scatter))
     if backend == "nixl":
         result.update(compare_layouts(scatter, max(2, min(reps, 8))))

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from bootstrap.membership import Member, Membership, make_membership
 from kv_transfer import BaseKVManager, KVArgs, KVLayout, make_kv_manager
 from serving.config import WorkerConfig
 from serving.decode_worker import DecodeWorker
@@ -27,8 +28,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-#: Heartbeat period of a PD worker, seconds: it carries the load the router pairs by.
+#: Load report period of a PD worker to its own rendezvous, seconds: routers read the load there.
 HEARTBEAT_INTERVAL_S = 0.5
+#: How long the registry keeps a worker that stopped renewing (a killed process), seconds. Routers notice a dead
+#: worker sooner: its rendezvous refuses their next poll.
+MEMBER_TTL_S = 10.0
 
 
 def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str, model_name: str = "") -> KVArgs:
@@ -83,12 +87,23 @@ class PDWorkerHandle:
     worker: PrefillWorker | DecodeWorker
     loop: EngineLoop
     kv_manager: BaseKVManager
+    membership: Membership | None = None   # the fleet's registry (None: none configured)
+    announced: Member | None = None        # what this worker announced there (after ``start``)
+    instance_id: str = ""
+    model_name: str = ""
+    grpc_url: str = ""
     _stop_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopped: bool = False
 
     def start(self) -> None:
         self.kv_manager.start()
         self.loop.start()
+        if self.membership is not None:   # routers may pair it from now on
+            role = "prefill" if isinstance(self.worker, PrefillWorker) else "decode"
+            self.announced = Member(self.instance_id, role, self.grpc_url, self.model_name,
+                                    self.kv_manager.rendezvous_url, self.kv_manager.epoch)
+            self.membership.announce(self.announced, ttl_s=MEMBER_TTL_S)
+            self.membership.start()
 
     @property
     def kv_manager_epoch(self) -> int:
@@ -102,6 +117,8 @@ class PDWorkerHandle:
             if self._stopped:
                 return True
             self._stopped = True
+            if self.membership is not None:   # no router pairs it any more (within one refresh)
+                self.membership.stop(min(timeout_s, 2.0))
             stopped = self.loop.stop(timeout_s)
             self.worker.fail_all("the worker is shutting down")
             self.kv_manager.shutdown(timeout_s)
@@ -136,4 +153,5 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
-    return PDWorkerHandle(worker, loop, kv_manager)
+    return PDWorkerHandle(worker, loop, kv_manager, make_membership(config.registry_url, config.fleet_secret),
+                          instance_id=instance_id, model_name=model_name, grpc_url=config.grpc_url)

@@ -67,7 +67,7 @@ class InProcessLauncher:
             raise ChildUnavailable(f"no worker {call.target.instance_id} in this process")
         request = replace(parse_request(dict(call.inputs)), stream=True, exclude_input_in_output=True)
         sink = _LoopSink(asyncio.get_running_loop())
-        worker.handle(PDRequest(request, call.room, call.prefill_instance, call.router_id), sink)
+        worker.handle(PDRequest(request, call.room, call.prefill_instance, call.prefill_rendezvous), sink)
         finished = False
         try:
             while not finished:

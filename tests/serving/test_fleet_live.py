@@ -1,5 +1,6 @@
-"""PD across tritonservers: a router-only server (``pd_ensemble`` + the fleet's bootstrap service), prefill-only
-and decode-only servers on other ports, found by the router at the bootstrap service.
+"""PD across tritonservers: a membership registry (``python -m bootstrap.membership``, its own process), a
+router-only server (``pd_ensemble``), prefill-only and decode-only servers on other ports, which announce
+themselves at the registry; the router finds them there and asks each one's own rendezvous for its load.
 
 Invariants: greedy text through the router equals the colocated engine's; with a second prefill server (2P1D,
 both serving a model named ``prefill``) both receive requests, and a conversation's next turns go back to the
@@ -10,6 +11,8 @@ there; started again, it rejoins and serves; every surviving pool is back at its
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,7 @@ import pytest
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
 from live_prompts import PROMPTS as BASE_PROMPTS
 from live_prompts import colocated_greedy_texts
-from perf.server import ServeScript
+from perf.server import REPO_ROOT, ServeScript, free_ports
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
 GREEDY = {"max_tokens": "12", "temperature": "0"}
@@ -33,8 +36,10 @@ READY_S = 240.0
 class Fleet:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.router = ServeScript("pd_ensemble", tmp / "router.log", env={"ROLE": "router", "BOOTSTRAP": "1"})
-        env = {"PD_BOOTSTRAP_URL": self.router.bootstrap_url}
+        self.registry_port = free_ports(1)[0]
+        self.registry: subprocess.Popen[bytes] | None = None
+        env = {"PD_REGISTRY_URL": f"http://127.0.0.1:{self.registry_port}"}
+        self.router = ServeScript("pd_ensemble", tmp / "router.log", env={**env, "ROLE": "router"})
         self.decode = ServeScript("decode", tmp / "decode.log", env={**env, "ROLE": "decode"})
         self.prefill_a = ServeScript("prefill", tmp / "prefill_a.log", env={**env, "ROLE": "prefill"})
         self.prefill_b = ServeScript("prefill", tmp / "prefill_b.log", env={**env, "ROLE": "prefill"})
@@ -56,9 +61,33 @@ class Fleet:
     def generate(self, prompt: str) -> StreamResult:
         return grpc_generate(self.router.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
 
+    def start_registry(self) -> None:
+        """The registry in its own process (as ``ROLE=registry scripts/serve.sh`` runs it); ready when it
+        answers ``/health``."""
+        log = open(self.tmp / "registry.log", "ab")  # noqa: SIM115 - the child owns it
+        self.registry = subprocess.Popen([sys.executable, "-m", "bootstrap.membership", "--host", "127.0.0.1",
+                                          "--port", str(self.registry_port), "--ttl-s", "5"],
+                                         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if __import__("requests").get(f"http://127.0.0.1:{self.registry_port}/health", timeout=1).ok:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("the registry did not start")
+
+    def stop_registry(self, kill: bool = False) -> None:
+        if self.registry is not None:
+            self.registry.kill() if kill else self.registry.terminate()
+            self.registry.wait(10)
+            self.registry = None
+
     def stop(self) -> None:
         for server in (self.prefill_b, self.prefill_a, self.decode, self.router):
             server.stop(40.0)
+        self.stop_registry()
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +95,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     pytest.importorskip("pytriton")
     f = Fleet(tmp_path_factory.mktemp("fleet"))
     try:
+        f.start_registry()
         f.router.start(READY_S)
         f.decode.start(READY_S)
         f.prefill_a.start(READY_S)
@@ -175,34 +205,53 @@ def test_killing_a_prefill_server_fails_over_and_it_rejoins_when_restarted(fleet
     wait_pools_full((fleet.decode, "decode"), (fleet.prefill_b, "prefill"), (restarted, "prefill"))
 
 
-def test_a_router_that_stops_answering_loses_its_lease_and_the_workers_free_its_pages(fleet: Fleet,
-                                                                                    reference) -> None:
-    """SIGSTOP of the router's stub: its gRPC connections stay open (no cancel reaches the children), only its
-    lease stops being renewed. Within the registration TTL (10 s) the workers drop its requests and free every
-    page; resumed, the router registers a new lease and serves again."""
-    import os
-    import signal
-
+def test_the_registry_killed_idle_and_mid_load_freezes_membership_only(fleet: Fleet, reference) -> None:
+    """``kill -9`` of the registry, idle and then while requests run: every request succeeds with the colocated
+    text (the router keeps its last view and asks each instance's own rendezvous), with no wait; restarted
+    empty, the workers announce themselves again and the router still sees the whole fleet."""
     fleet.wait_healthy(prefills=2)
-    router_stub = next(pid for pid in fleet.router.stub_pids()
-                       if b"pd_ensemble" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    fleet.stop_registry(kill=True)
+    started = time.monotonic()
+    idle = [fleet.generate(p) for p in PROMPTS[:2]]
+    assert all(r.error is None and r.text == reference[p] for p, r in zip(PROMPTS[:2], idle))
+    assert time.monotonic() - started < 30.0
+    fleet.start_registry()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(fleet.generate, p) for p in PROMPTS]
+        time.sleep(0.5)
+        fleet.stop_registry(kill=True)
+        results = [f.result(timeout=300) for f in futures]
+    assert all(r.error is None and r.text == reference[p] for p, r in zip(PROMPTS, results)), \
+        [r.error for r in results]
+    fleet.start_registry()
+    time.sleep(3.0)   # the workers' next renewal registers them again
+    fleet.wait_healthy(prefills=2)
+    assert fleet.generate(PROMPTS[0]).text == reference[PROMPTS[0]]
+
+
+def test_a_killed_router_server_frees_every_page_and_a_restarted_one_serves(fleet: Fleet, reference) -> None:
+    """``kill -9`` of the router's server while it streams: its gRPC connections drop, Triton cancels its child
+    requests on the worker servers, and the workers drop the rooms and free every page within seconds (no
+    lease needed); the router started again on the same ports finds the fleet in the registry and serves."""
+    fleet.wait_healthy(prefills=2)
     params = {"max_tokens": "2000", "temperature": "0", "ignore_eos": "true"}
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(grpc_generate, fleet.router.grpc_url, make_inputs(p, params), "pd_ensemble")
                    for p in PROMPTS[:3]]
         time.sleep(4.0)   # decoding
         assert not pools_full((fleet.decode, "decode"))
-        os.kill(router_stub, signal.SIGSTOP)
-        try:
-            stopped_s = time.monotonic()
-            wait_pools_full((fleet.decode, "decode"), (fleet.prefill_b, "prefill"), (fleet.prefill_a, "prefill"),
-                            timeout_s=30.0)
-            freed_after_s = time.monotonic() - stopped_s
-        finally:
-            os.kill(router_stub, signal.SIGCONT)
+        killed_s = time.monotonic()
+        fleet.router.kill()
+        wait_pools_full((fleet.decode, "decode"), (fleet.prefill_b, "prefill"), (fleet.prefill_a, "prefill"),
+                        timeout_s=30.0)
+        freed_after_s = time.monotonic() - killed_s
         results = [f.result(timeout=120) for f in futures]
-    assert freed_after_s < 25.0, freed_after_s
-    assert all(r.error for r in results), [r.error for r in results]   # the workers dropped them
+    assert freed_after_s < 10.0, freed_after_s
+    assert all(r.error for r in results), [r.error for r in results]   # their router is gone
+    restarted = ServeScript("pd_ensemble", fleet.tmp / "router2.log", env={**fleet.env, "ROLE": "router"},
+                            ports=fleet.router.ports)
+    fleet.router = restarted
+    restarted.start(READY_S)
     fleet.wait_healthy(prefills=2)
     again = fleet.generate(PROMPTS[0])
     assert again.error is None and again.text == reference[PROMPTS[0]]

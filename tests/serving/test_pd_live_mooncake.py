@@ -19,6 +19,7 @@ from live_prompts import colocated_greedy_texts
 from test_pd_live import GREEDY, PROMPTS, generate
 
 from bootstrap.client import BootstrapClient
+from serving.router.discovery import LocalServerMembers
 from kv_transfer import unavailable_reason
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.mooncake, pytest.mark.timeout(600),
@@ -58,18 +59,24 @@ def test_mooncake_pd_streams_the_colocated_text(triton_server, reference) -> Non
 
 
 def test_both_workers_registered_mooncake_endpoints(triton_server) -> None:
-    client = BootstrapClient(triton_server.bootstrap_url, 5.0)
+    """Each worker's own rendezvous (found as the router finds it: repository index + describe) holds its
+    registration with Mooncake's agent metadata."""
+    source = LocalServerMembers(triton_server.grpc_url)
     try:
-        workers = [i.instance_id for i in client.list_instances() if i.role in ("prefill", "decode")]
-        assert len(workers) == 2, workers
-        for instance_id in workers:
-            registration = client.get_instance(instance_id)
-            assert registration is not None, instance_id
-            metadata = json.loads(registration.agent_metadata)   # Mooncake's: {"agent", "endpoint"}
-            assert metadata["agent"] == registration.agent_name
-            assert metadata["endpoint"].startswith("127.0.0.1:")
+        members, fresh = source.members()
     finally:
-        client.close()
+        source.close()
+    assert fresh and sorted(m.role for m in members) == ["decode", "prefill"], members
+    for member in members:
+        client = BootstrapClient(member.rendezvous_url, 5.0)
+        try:
+            registration = client.get_instance(member.instance_id)
+        finally:
+            client.close()
+        assert registration is not None, member
+        metadata = json.loads(registration.agent_metadata)   # Mooncake's: {"agent", "endpoint"}
+        assert metadata["agent"] == registration.agent_name
+        assert metadata["endpoint"].startswith("127.0.0.1:")
 
 
 def _pools_full(url: str) -> bool:

@@ -1,6 +1,6 @@
 """The PD serving path without Triton: the router's orchestrator (in-process launcher) → prefill worker + decode
-worker (real engines on SmolLM2, real KV transfer through a bootstrap service on port 0), on the in-process and
-the NIXL backend.
+worker (real engines on SmolLM2, real KV transfer, each worker with its own rendezvous on a free port), on the
+in-process, NIXL and Mooncake backends.
 
 Invariants: the merged stream equals the colocated engine's greedy output; every request ends with exactly
 one FINAL; after every way a request can end, the free-page counts of both engines are back at their start.
@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bootstrap import BootstrapServer, RegistryConfig, ServerConfig
 from bootstrap.client import BootstrapClient
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
@@ -32,7 +31,6 @@ from serving.router.launch import ChildResponse
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
 from serving.router.responder import EnsembleResponder
-from serving.router.service import BootstrapAborter
 from serving.stream import ResponseChunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
@@ -80,21 +78,20 @@ class QueueSink:
 
 class Cluster:
     """1P1D in this process, plus the router's orchestrator calling the workers through the in-process launcher
-    (the fleet as the bootstrap service lists it)."""
+    (the fleet as the workers' own rendezvous report it)."""
 
-    def __init__(self, prefill: PDWorkerHandle, decode: PDWorkerHandle, ids: tuple[str, str],
-                 bootstrap_url: str) -> None:
+    def __init__(self, prefill: PDWorkerHandle, decode: PDWorkerHandle, ids: tuple[str, str]) -> None:
         self.prefill, self.decode = prefill, decode
-        config = RouterConfig(bootstrap_url=bootstrap_url, tokenizer="")
+        config = RouterConfig(tokenizer="")
         self.fleet = Fleet(config)
-        self.client = BootstrapClient(bootstrap_url)
-        self.aborter = BootstrapAborter(bootstrap_url)
+        self.clients = [BootstrapClient(h.kv_manager.rendezvous_url) for h in (prefill, decode)]
         launcher = InProcessLauncher({ids[0]: prefill.worker, ids[1]: decode.worker})
-        self.orchestrator = PDOrchestrator(config, self.fleet, make_policy("load_aware"), launcher, self.aborter,
-                                           lambda request: len(request.prompt) // 3 + 1, lambda: "test-router")
+        self.orchestrator = PDOrchestrator(config, self.fleet, make_policy("load_aware"), launcher,
+                                           lambda request: len(request.prompt) // 3 + 1)
 
     def generate(self, inputs: dict[str, str | bool], cancel_after_s: float | None = None) -> list[ChildResponse]:
-        self.fleet.update(FleetSnapshot(tuple(self.client.list_instances()), time.monotonic()))
+        statuses = tuple(s for client in self.clients for s in client.list_instances())
+        self.fleet.update(FleetSnapshot(statuses, time.monotonic()))
         client = QueueSink()
         start = time.monotonic()
         routed = RoutedRequest(parse_request(inputs), inputs)
@@ -121,19 +118,16 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     reason = unavailable_reason(request.param)
     if reason is not None:
         pytest.skip(reason)
-    server = BootstrapServer(ServerConfig(port=0, registry=RegistryConfig(registration_ttl_s=5.0)))
-    server.start()
     config = WorkerConfig(num_pages=128, chunk_size=32, max_num_batched_tokens=64, kv_backend=request.param,
-                          bootstrap_url=server.url, bootstrap_timeout_s=5.0, waiting_timeout_s=5.0)
+                          bootstrap_timeout_s=5.0, waiting_timeout_s=5.0)
     ids = ("prefill@127.0.0.1:1", f"decode-{request.param}@127.0.0.1:1")
     prefill = create_pd_worker("prefill", config, ids[0])
     decode = create_pd_worker("decode", config, ids[1])
     prefill.start()
     decode.start()
-    yield Cluster(prefill, decode, ids, server.url)
+    yield Cluster(prefill, decode, ids)
     decode.stop()
     prefill.stop()
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ def test_defaults_and_string_values() -> None:
     (_sv(num_pages="0"), "num_pages"),
     (_sv(bogus="1"), "bogus"),
     (_sv(kv_backend="tcp"), "kv_backend"),
-    (_sv(bootstrap_url="127.0.0.1:8998"), "bootstrap_url"),
+    (_sv(registry_url="127.0.0.1:8998"), "registry_url"),
+    (_sv(rendezvous_port="70000"), "rendezvous_port"),
     (_sv(chunk_size="1024", max_num_batched_tokens="512"), "max_num_batched_tokens"),
     (_sv(waiting_timeout_s="-1"), "waiting_timeout_s"),
     (_sv(dtype="int8"), "dtype"),
@@ -39,9 +40,11 @@ def test_bad_parameter_is_named(params: dict[str, dict[str, str]], param: str) -
     assert info.value.param == param
 
 
-def test_environment_overrides_bootstrap_url() -> None:
-    cfg = build_worker_config({}, environ={"PD_BOOTSTRAP_URL": "http://127.0.0.1:9100"})
-    assert cfg.bootstrap_url == "http://127.0.0.1:9100"
+def test_environment_overrides_registry_url_and_carries_the_fleet_secret() -> None:
+    cfg = build_worker_config({}, environ={"PD_REGISTRY_URL": "etcd://127.0.0.1:2379", "PD_FLEET_SECRET": "s3"})
+    assert cfg.registry_url == "etcd://127.0.0.1:2379" and cfg.fleet_secret == b"s3"
+    assert "s3" not in repr(cfg)   # never logged
+    assert build_worker_config({}, environ={}).registry_url == ""   # no registry by default: plain Triton
 
 
 def test_engine_config_carries_the_knobs() -> None:

@@ -1,5 +1,5 @@
 """2P2D on one tritonserver: two prefill models (``prefill``, ``prefill_1``) and two decode models (``decode``,
-``decode_1``), behind one ``pd_ensemble`` that finds them at the bootstrap service (no static list) and pairs
+``decode_1``), behind one ``pd_ensemble`` that finds them in its own server's repository index (no static list) and pairs
 them round robin.
 
 Invariants: every request streams the colocated engine's greedy text whichever pair served it; both prefill

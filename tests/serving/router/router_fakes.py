@@ -43,20 +43,13 @@ class ScriptedLauncher:
         pass
 
 
-class RecordingAborter:
-    def __init__(self) -> None:
-        self.aborted: list[tuple[int, str]] = []
-
-    async def abort(self, room: int, reason: str) -> None:
-        self.aborted.append((room, reason))
-
-
 def status(instance_id: str, role: str, free_pages: int = 100, queued_tokens: int = 0, age_s: float = 0.0,
            epoch: int = 1, model: str = "") -> InstanceStatus:
     model = model or instance_id.split("@")[0]
     return InstanceStatus(instance_id, role, epoch, "127.0.0.1:8001", model,
                           InstanceLoad(num_queued_prompt_tokens=queued_tokens, num_free_pages=free_pages,
-                                       num_total_pages=max(free_pages, 100), page_size=16), age_s)
+                                       num_total_pages=max(free_pages, 100), page_size=16), age_s,
+                          f"http://{instance_id.split('@')[0]}:1")
 
 
 def fleet_of(*statuses: InstanceStatus, config: RouterConfig | None = None,

@@ -1,11 +1,11 @@
-"""PDOrchestrator: one request's merge, failover and aborts, over a scripted launcher; one invariant a test."""
+"""PDOrchestrator: one request's merge, failover and cancellation, over a scripted launcher; one invariant a test."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from router_fakes import RecordingAborter, ScriptedLauncher, fleet_of, status, unavailable
+from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
 
 from serving.request import GenerateRequest
 from serving.router.config import RouterConfig
@@ -27,11 +27,10 @@ OK_DECODE = [(0.0, tok("B", 2)), (0.0, tok("C", 3, final=True, finish_reason="le
 
 
 def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=None,
-        **config: object) -> tuple[list[OutputChunk], RecordingAborter]:
-    aborter = RecordingAborter()
+        **config: object) -> tuple[list[OutputChunk], ScriptedLauncher]:
     cfg = RouterConfig(**{"policy": "round_robin", **config})  # type: ignore[arg-type]
     orchestrator = PDOrchestrator(cfg, fleet or fleet_of(*FLEET, config=cfg), make_policy(cfg.policy, cfg.direct_decode_max_tokens), launcher,
-                                  aborter, lambda request: 7, lambda: "router-a")
+                                  lambda request: 7)
     out: list[OutputChunk] = []
     start = time.monotonic()
 
@@ -42,39 +41,40 @@ def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=N
     asyncio.run(orchestrator.generate(routed, out.append, cancelled))
     assert sum(c.final for c in out) == 1 and out[-1].final, "exactly one final chunk, last"
     assert len(orchestrator.rooms) == 0
-    return out, aborter
+    return out, launcher
 
 
 def test_first_token_comes_first_even_when_decode_answers_earlier() -> None:
     launcher = ScriptedLauncher({"prefill": [(0.1, tok("A", 1)), (0.0, ChildResponse(final=True))],
                                  "decode": OK_DECODE})
-    out, aborter = run(launcher)
+    out, _ = run(launcher)
     assert [c.text for c in out] == ["A", "B", "C"]   # the last tokens come with the final chunk
     assert out[-1].finish_reason == "length" and (out[-1].num_input_tokens, out[-1].num_output_tokens) == (7, 3)
     rooms = {c.room for c in launcher.calls}
-    assert len(rooms) == 1 and aborter.aborted == []
+    assert len(rooms) == 1 and launcher.cancelled == []
     decode = next(c for c in launcher.calls if c.role == "decode")
     prefill = next(c for c in launcher.calls if c.role == "prefill")
-    assert decode.prefill_instance == prefill.target.instance_id and decode.router_id == "router-a"
+    assert decode.prefill_instance == prefill.target.instance_id
+    assert decode.prefill_rendezvous == prefill.target.rendezvous_url == "http://p0:1"   # in-band rendezvous
 
 
 def test_a_prefill_that_fails_before_the_first_token_is_retried_once_on_another_pair() -> None:
     launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE},
                                 by_instance={"p0@h:1": [(0.0, unavailable())]})
-    out, aborter = run(launcher)
+    out, _ = run(launcher)
     assert out[-1].error is None and [c.text for c in out] == ["A", "B", "C"]
     prefills = [c.target.instance_id for c in launcher.calls if c.role == "prefill"]
     assert prefills == ["p0@h:1", "p1@h:1"]
     rooms = [c.room for c in launcher.calls if c.role == "prefill"]
-    assert rooms[0] != rooms[1] and [room for room, _ in aborter.aborted] == [rooms[0]]
+    assert rooms[0] != rooms[1] and [c.room for c in launcher.cancelled] == [rooms[0]]   # the failed pair's decode
 
 
 def test_a_failure_after_the_first_token_ends_the_request_with_the_error() -> None:
     launcher = ScriptedLauncher({"prefill": OK_PREFILL,
                                  "decode": [(0.05, tok("B", 2)), (0.0, ChildResponse(error="decode died", final=True))]})
-    out, aborter = run(launcher)
+    out, _ = run(launcher)
     assert [c.text for c in out if not c.final] == ["A", "B"] and out[-1].error == "decode died"
-    assert len({c.room for c in launcher.calls}) == 1 and len(aborter.aborted) == 1
+    assert len({c.room for c in launcher.calls}) == 1
 
 
 def test_with_no_other_pair_left_the_error_reaches_the_client() -> None:
@@ -92,18 +92,17 @@ def test_retries_zero_means_the_first_failure_is_final() -> None:
 def test_client_cancel_aborts_the_room_and_cancels_both_streams() -> None:
     launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1))], "decode": [(5.0, tok("B", 2, final=True))]})
     start = time.monotonic()
-    out, aborter = run(launcher, cancel_after_s=0.1)
+    out, _ = run(launcher, cancel_after_s=0.1)
     assert time.monotonic() - start < 3.0 and out[-1].finish_reason == "abort"
-    assert len(aborter.aborted) == 1 and "cancel" in aborter.aborted[0][1]
     assert {c.role for c in launcher.cancelled} == {"prefill", "decode"}
 
 
 def test_children_that_go_silent_end_the_request_after_the_idle_timeout() -> None:
     launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1))], "decode": [(30.0, tok("B", 2, final=True))]})
     start = time.monotonic()
-    out, aborter = run(launcher, request_idle_timeout_s=0.3)
+    out, _ = run(launcher, request_idle_timeout_s=0.3)
     assert time.monotonic() - start < 5.0 and "no response" in (out[-1].error or "")
-    assert len(aborter.aborted) == 1
+    assert {c.role for c in launcher.cancelled} == {"prefill", "decode"}
 
 
 def test_a_launcher_bug_is_an_error_for_that_request_not_a_hang() -> None:
