@@ -194,10 +194,48 @@ def validate_registry_url(param: str, url: str) -> None:
         raise ConfigError(param, f"must be empty, http://host:port or etcd://host:port[,...], got {url!r}")
 
 
-def read_grpc_url(configured: str, environ: Mapping[str, str] | None = None) -> str:
-    """This server's gRPC endpoint as others reach it: ``PD_GRPC_URL`` when set, else ``configured``."""
+DEFAULT_GRPC_URL = "127.0.0.1:8001"
+
+
+def read_grpc_url(configured: str, environ: Mapping[str, str] | None = None,
+                  server_argv: list[str] | None = None) -> str:
+    """This server's gRPC endpoint as others reach it: ``PD_GRPC_URL`` when set; else ``configured`` when the
+    model config names one; else what the tritonserver running this stub listens on (its ``--grpc-port`` and
+    ``--grpc-address``, read from the parent process's command line: plain ``tritonserver`` on any port needs no
+    setting); else Triton's default, ``127.0.0.1:8001``.
+
+    ``server_argv``: the server's command line (tests); None reads ``/proc/<parent pid>/cmdline``."""
     env = os.environ if environ is None else environ
-    return env.get(GRPC_URL_ENV) or configured
+    if env.get(GRPC_URL_ENV):
+        return env[GRPC_URL_ENV]
+    if configured and configured != DEFAULT_GRPC_URL:
+        return configured
+    return server_grpc_endpoint(_parent_argv() if server_argv is None else server_argv) or DEFAULT_GRPC_URL
+
+
+def server_grpc_endpoint(argv: list[str]) -> str | None:
+    """``host:port`` of a tritonserver command line's gRPC service (``--grpc-port``, default 8001; the address
+    ``--grpc-address``, a wildcard or none meaning loopback for the same host); None when ``argv`` is no
+    tritonserver's."""
+    if not argv or not os.path.basename(argv[0]).startswith("tritonserver"):
+        return None
+    options: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--grpc-port") or arg.startswith("--grpc-address"):
+            name, eq, value = arg.partition("=")
+            options[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    host = options.get("--grpc-address", "")
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+    return f"{host}:{options.get('--grpc-port', '8001')}"
+
+
+def _parent_argv() -> list[str]:
+    """The parent process's command line (a python-backend stub's parent is its tritonserver); [] if unreadable."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
 
 
 def validate_endpoint(param: str, endpoint: str) -> None:
