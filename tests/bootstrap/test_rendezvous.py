@@ -88,3 +88,29 @@ def test_a_stopped_rendezvous_is_refused_and_a_silent_one_times_out() -> None:
 def test_a_non_loopback_bind_needs_the_fleet_secret() -> None:
     with pytest.raises(BootstrapError, match="PD_FLEET_SECRET"):
         Rendezvous(RendezvousConfig(host="0.0.0.0", port=0)).start()
+
+
+def test_without_the_fleet_secret_no_caller_can_post_release_or_read_a_room() -> None:
+    """A rendezvous with a fleet secret refuses every unsigned (or wrongly signed) call with HTTP 401 naming the
+    reason: nobody outside the fleet can point a prefill instance's KV at its own memory, release another
+    decode's room or read the registration; the fleet's own signed calls work."""
+    secret = b"fleet-secret"
+    rendezvous = Rendezvous(RendezvousConfig(host="0.0.0.0", port=0, advertise_host="127.0.0.1", secret=secret))
+    rendezvous.start()
+    rendezvous.register(Registration("p0", "prefill", 1, "p0#1", "", "h", rendezvous_url=rendezvous.url))
+    try:
+        for client in (BootstrapClient(rendezvous.url, 2.0), BootstrapClient(rendezvous.url, 2.0, b"wrong")):
+            with pytest.raises(BootstrapError, match="401"):
+                client.post_destination(Destination(9, "p0", "evil", "evil#1", "x", [1], 0, 0, "http://evil:1"))
+            with pytest.raises(BootstrapError, match="401"):
+                client.release_room(9, "d0")
+            with pytest.raises(BootstrapError, match="401"):
+                client.get_instance("p0")
+            client.close()
+        assert rendezvous.take_destinations("p0") == []
+        fleet = BootstrapClient(rendezvous.url, 2.0, secret)
+        assert fleet.post_destination(Destination(9, "p0", "d0", "d0#1", "x", [1], 0, 0, "http://d0:1")).accepted
+        assert fleet.release_room(9, "d0").known
+        fleet.close()
+    finally:
+        rendezvous.stop()

@@ -29,6 +29,7 @@ class StreamResult:
     error: str | None = None
     final_seen: bool = False
     first_text_s: float | None = None   # time.monotonic() when the first text arrived
+    end_s: float | None = None          # time.monotonic() when the stream ended (FINAL, an error or a cancel)
 
     @property
     def text(self) -> str:
@@ -72,9 +73,11 @@ def grpc_generate(url: str, inputs: list[grpcclient.InferInput], model: str = "c
             res, err = events.get(timeout=RESPONSE_TIMEOUT_S)
             if err is not None:
                 result.error = str(err)
+                result.end_s = time.monotonic()
                 return result
             _record(result, res)
             if result.final_seen:
+                result.end_s = time.monotonic()
                 return result
             if cancel_after is not None and len(result.texts) >= cancel_after:
                 client.stop_stream(cancel_requests=True)

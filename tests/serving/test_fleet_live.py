@@ -41,6 +41,7 @@ class Fleet:
         env = {"PD_REGISTRY_URL": f"http://127.0.0.1:{self.registry_port}"}
         self.router = ServeScript("pd_ensemble", tmp / "router.log", env={**env, "ROLE": "router"})
         self.decode = ServeScript("decode", tmp / "decode.log", env={**env, "ROLE": "decode"})
+        self.decode_b = ServeScript("decode", tmp / "decode_b.log", env={**env, "ROLE": "decode"})
         self.prefill_a = ServeScript("prefill", tmp / "prefill_a.log", env={**env, "ROLE": "prefill"})
         self.prefill_b = ServeScript("prefill", tmp / "prefill_b.log", env={**env, "ROLE": "prefill"})
         self.env = env
@@ -85,7 +86,7 @@ class Fleet:
             self.registry = None
 
     def stop(self) -> None:
-        for server in (self.prefill_b, self.prefill_a, self.decode, self.router):
+        for server in (self.prefill_b, self.prefill_a, self.decode_b, self.decode, self.router):
             server.stop(40.0)
         self.stop_registry()
 
@@ -203,6 +204,37 @@ def test_killing_a_prefill_server_fails_over_and_it_rejoins_when_restarted(fleet
     assert all(r.error is None and r.text == reference[p] for p, r in zip(PROMPTS, again))
     assert served(restarted, "prefill") >= 1
     wait_pools_full((fleet.decode, "decode"), (fleet.prefill_b, "prefill"), (restarted, "prefill"))
+
+
+def test_killing_a_decode_server_fails_its_requests_fast_and_new_ones_succeed(fleet: Fleet, reference) -> None:
+    """2P2D: ``kill -9`` of one decode server while both decode. Every stream ends; those on the dead server end
+    within seconds with an error (no bootstrap timeout), the others with the colocated text; new requests all
+    succeed on the surviving decode server right away, and every surviving pool comes back full."""
+    fleet.decode_b.start(READY_S)
+    fleet.wait_healthy(prefills=2, decodes=2)
+    params = {"max_tokens": "200", "temperature": "0", "ignore_eos": "true"}
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(grpc_generate, fleet.router.grpc_url, make_inputs(p, params), "pd_ensemble")
+                   for p in PROMPTS[:6]]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:   # kill while decode B streams tokens
+            if metric_value(fleet.decode_b.metrics_url, "pd_queue_requests", model="decode", queue="running"):
+                break
+            time.sleep(0.05)
+        killed_s = time.monotonic()
+        fleet.decode_b.kill()
+        results = [f.result(timeout=300) for f in futures]
+    failed = [r for r in results if r.error]
+    assert all(r.final_seen or r.error for r in results), "every stream ends"
+    assert failed, "decode B held requests when it was killed"
+    for res in failed:
+        assert res.end_s is not None and res.end_s - killed_s < 20.0, (res.error, res.end_s - killed_s)
+    started = time.monotonic()
+    later = [fleet.generate(p) for p in PROMPTS[:4]]
+    assert all(r.error is None and r.text == reference[p] for p, r in zip(PROMPTS[:4], later)), \
+        [r.error for r in later]
+    assert time.monotonic() - started < 120.0
+    wait_pools_full((fleet.decode, "decode"), (fleet.prefill_a, "prefill"), (fleet.prefill_b, "prefill"))
 
 
 def test_the_registry_killed_idle_and_mid_load_freezes_membership_only(fleet: Fleet, reference) -> None:
