@@ -7,7 +7,7 @@ Pinning uses ``sched_setaffinity`` on every thread of a model's stub process (``
 whatever the model does itself.
 
 ``ServeScript`` runs ``scripts/serve.sh`` itself instead (the README's command, set-up skipped) on free ports:
-the live tests' ``triton_server`` fixture and ``bench_triton_overhead.py`` use it.
+the live tests' ``triton_server`` fixture and the serving benchmarks use it.
 """
 
 from __future__ import annotations
