@@ -145,14 +145,21 @@ LOG_CHANGED = "Letters" + LOG[len("Notes"):]
 
 
 def _counters(server: Any) -> dict[str, float]:
-    url = server.metrics_url
-    return {"bytes": metric_value(url, "pd_kv_transfer_bytes_total", model="prefill"),
-            "transfers": metric_value(url, "pd_kv_transfers_total", model="prefill"),
-            "transfers_decode": metric_value(url, "pd_kv_transfers_total", model="decode"),
-            "skipped_prefill": metric_value(url, "pd_kv_skipped_pages_total", model="prefill"),
-            "skipped_decode": metric_value(url, "pd_kv_skipped_pages_total", model="decode"),
-            "hits_prefill": metric_value(url, "pd_prefix_cache_hits_tokens_total", model="prefill"),
-            "hits_decode": metric_value(url, "pd_prefix_cache_hits_tokens_total", model="decode")}
+    """The KV and prefix-cache counters of both instances (a series not published yet reads 0: the workers
+    publish a counter once it first moves)."""
+    def value(name: str, model: str) -> float:
+        try:
+            return metric_value(server.metrics_url, name, model=model)
+        except KeyError:
+            return 0.0
+
+    return {"bytes": value("pd_kv_transfer_bytes_total", "prefill"),
+            "transfers": value("pd_kv_transfers_total", "prefill"),
+            "transfers_decode": value("pd_kv_transfers_total", "decode"),
+            "skipped_prefill": value("pd_kv_skipped_pages_total", "prefill"),
+            "skipped_decode": value("pd_kv_skipped_pages_total", "decode"),
+            "hits_prefill": value("pd_prefix_cache_hits_tokens_total", "prefill"),
+            "hits_decode": value("pd_prefix_cache_hits_tokens_total", "decode")}
 
 
 def _one_transfer(server: Any, prompt: str) -> tuple[Any, dict[str, float]]:
