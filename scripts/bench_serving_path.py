@@ -52,7 +52,8 @@ REQUEST_TIMEOUT_S = 300.0
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="'tiny' (built here, seeded) or a model name/folder ('smollm2')")
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (built here, seeded) or a model name or folder ('smollm2')")
     p.add_argument("--seed", type=int, default=0, help="the tiny model's weights")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
@@ -105,16 +106,17 @@ def _checked(records: list[RequestRecord], what: str) -> list[RequestRecord]:
 
 
 def served(url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
-    """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, through ``model``."""
+    """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, via ``model``."""
     def spec(name: str, max_tokens: int, slot: int) -> RequestSpec:
         return RequestSpec(request_id=f"{model}-{name}", kind="decode", prompt=PROMPT, num_prompt_tokens=1,
                            max_tokens=max_tokens, slot=slot)
 
-    _checked(run_phase_sync(url, model, Phase("warmup", (spec("warmup", 4, 0),)), REQUEST_TIMEOUT_S), "warmup")
-    single = _checked(run_phase_sync(url, model, Phase("single", tuple(
-        spec(f"single-{i}", args.tokens, 0) for i in range(args.single_requests))), REQUEST_TIMEOUT_S), "1 stream")
-    many = _checked(run_phase_sync(url, model, Phase("streams", tuple(
-        spec(f"stream-{i}", args.tokens, i) for i in range(args.streams))), REQUEST_TIMEOUT_S), "streams")
+    def run(name: str, specs: tuple[RequestSpec, ...]) -> list[RequestRecord]:
+        return _checked(run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S), f"{model} {name}")
+
+    run("warmup", (spec("warmup", 4, 0),))
+    single = run("single", tuple(spec(f"single-{i}", args.tokens, 0) for i in range(args.single_requests)))
+    many = run("streams", tuple(spec(f"stream-{i}", args.tokens, i) for i in range(args.streams)))
     return {"itl_p50_ms": percentile([g for r in single for g in r.itls_ms], 50),
             "ttft_p50_ms": percentile([r.ttft_ms for r in single], 50),
             "tok_s": sum(r.num_output_tokens for r in many) / run_duration_s(many)}
