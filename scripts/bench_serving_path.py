@@ -75,27 +75,31 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def engine_alone(model: str, args: argparse.Namespace) -> dict[str, float]:
-    """ITL p50 at batch 1 (ms per step after the first token) and tokens/s of ``streams`` requests at once, on
-    the engine the served models run (same page size, chunking, one torch thread)."""
+    """ITL p50 at batch 1 (ms per step after the first token), this process's CPU time per batch-1 step (ms:
+    far below the ITL when the machine is contended and the loop waits for a core) and tokens/s of ``streams``
+    requests at once, on the engine the served models run (same page size, chunking, one torch thread)."""
     engine = LLMEngine(EngineConfig(model=model, num_pages=1024, num_threads=1))
     prompt = engine.tokenizer.encode(PROMPT)
     engine.add_request("warmup", prompt, greedy(4))
     while engine.has_unfinished():
         engine.step()
     step_times: list[float] = []
+    cpu_start_s = time.process_time()
     for i in range(args.single_requests):
         engine.add_request(f"single-{i}", prompt, greedy(args.tokens))
         while engine.has_unfinished():
             if any(o.new_token_ids for o in engine.step()):
                 step_times.append(time.perf_counter())
         step_times.append(float("nan"))   # no gap across requests
+    cpu_ms_per_step = (time.process_time() - cpu_start_s) * 1e3 / max(1, len(step_times) - args.single_requests)
     gaps = [(b - a) * 1e3 for a, b in zip(step_times, step_times[1:]) if a == a and b == b]
     for i in range(args.streams):
         engine.add_request(f"batch-{i}", prompt, greedy(args.tokens))
     start, tokens = time.perf_counter(), 0
     while engine.has_unfinished():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return {"itl_p50_ms": percentile(gaps, 50), "tok_s": tokens / (time.perf_counter() - start)}
+    return {"itl_p50_ms": percentile(gaps, 50), "tok_s": tokens / (time.perf_counter() - start),
+            "cpu_ms_per_step": cpu_ms_per_step}
 
 
 def _checked(records: list[RequestRecord], what: str) -> list[RequestRecord]:
@@ -141,7 +145,7 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
     figures: dict[str, float] = {}
     engine = engine_alone(model, args)
     figures.update({f"engine_{k}": v for k, v in engine.items()})
-    print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms                      "
+    print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms  (CPU {engine['cpu_ms_per_step']:5.2f} ms/step)  "
           f"{engine['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
     http, grpc, metrics, bootstrap = free_ports(4)
     deployment = Deployment(name="path", entry_model="pd_ensemble", models=(*ENGINE_MODELS, "pd_ensemble"),
