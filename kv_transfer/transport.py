@@ -1,7 +1,8 @@
 """The byte-moving seam under a KV manager: one-sided WRITEs plus small notifications between agents.
 
-Two implementations pass the same contract tests: ``NixlTransport`` (UCX over NIXL; host or GPU memory) and
-``InProcessTransport`` (memmove between managers living in one process).
+Three implementations pass the same contract tests: ``NixlTransport`` (UCX over NIXL; host or GPU memory),
+``MooncakeTransport`` (Mooncake's transfer engine; TCP, RDMA by configuration) and ``InProcessTransport`` (memmove
+between managers living in one process).
 
 Threading: an implementation does no locking of its own. The manager wraps it in ``LockedTransport``, which
 serialises every call, because two threads use it: the manager's background thread, and with

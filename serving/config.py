@@ -74,8 +74,8 @@ class WorkerConfig:
         cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
             no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.
         enable_prefix_caching: the engine's prefix cache (``EngineConfig.enable_prefix_caching``): on by
-            default; ``"false"`` turns it off. Colocated, prefill and decode workers all use it (decode shares
-            its cached prefix and prefill then sends only the rest).
+            default; ``"false"`` turns it off. Every worker uses it: decode shares the pages it already holds
+            and prefill sends only the rest of the prompt's KV.
         fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
 
     Raises:

@@ -1,13 +1,14 @@
 """Pairing policies: which prefill and which decode instance serve one request.
 
-``LoadAwarePairing`` (default): the prefill with the least queued prompt tokens (the work ahead of the new
-prompt, so the least TTFT), and the decode with the most free KV pages among those that can hold prompt +
-max_tokens right now (decode reserves that much up front; one that cannot must queue the request). Ties go
-round robin, so an idle fleet still spreads requests. ``CacheAwarePairing`` is load aware with credit for the
-prefix each instance is likely to hold in its prefix cache (``PrefixIndex``: the page keys of the prompts this
-router sent there), so a conversation's turns and prompts sharing a system prompt land where their KV already
-is. ``RoundRobinPairing`` cycles through the healthy instances of each role. Both may send a prompt shorter than ``direct_decode_max_tokens`` to a decode instance
-alone (it prefills the prompt itself: no transfer, no prefill queue), as llm-d and Dynamo do for short prompts.
+``LoadAwarePairing``: the prefill with the least queued prompt tokens (the work ahead of the new prompt, so
+the least TTFT), and the decode with the most free KV pages among those that can hold prompt + max_tokens right
+now (decode reserves that much up front; one that cannot must queue the request). Ties go round robin, so an
+idle fleet still spreads requests. ``CacheAwarePairing`` (the default, ``RouterConfig.policy``) is load aware
+with credit for the prefix each instance is likely to hold in its prefix cache (``PrefixIndex``: the page keys
+of the prompts this router sent there), so a conversation's turns and prompts sharing a system prompt land where
+their KV already is. ``RoundRobinPairing`` cycles through the healthy instances of each role. Each may send a
+prompt shorter than ``direct_decode_max_tokens`` to a decode instance alone (it prefills the prompt itself: no
+transfer, no prefill queue), as llm-d and Dynamo do for short prompts.
 
 Policies are pure: they see ``Candidate``s (healthy instances with their load) and a ``Demand``, and run on the
 router's event loop thread.

@@ -3,8 +3,9 @@ scripts/bench_prefix_cache_serving.py): workload, deployments, counters, figures
 
 from __future__ import annotations
 
-import ast
+import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import bench_prefix_cache_serving
 import pytest
@@ -27,7 +28,6 @@ from perf.prefix_chat import (
 )
 from perf.server import build_model_repository
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 class WordTokenizer:
@@ -41,14 +41,45 @@ class WordTokenizer:
         return "".join(self.words[i] for i in ids)
 
 
-def test_workload_text_is_the_in_process_benchmarks() -> None:
-    """One copy of the workload text: the in-process engine benchmark imports this one."""
-    tree = ast.parse((SCRIPTS / "bench_prefix_cache.py").read_text())
-    imported = {alias.name for node in tree.body if isinstance(node, ast.ImportFrom) and node.module == "perf.prefix_chat"
-                for alias in node.names}
-    assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
-                if isinstance(t, ast.Name)}
-    assert {"SYSTEM_TEXT", "USER_MESSAGES"} <= imported and not {"_SYSTEM", "_USER"} & assigned
+class CharTokenizer:
+    """One token per character (``ord``), so decoding a prompt gives its exact text back."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+class RecordingEngine:
+    """Stands in for ``LLMEngine`` in ``bench_prefix_cache.ttfts``: records every prompt, answers one "!" token."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+        self._unfinished = False
+
+    def add_request(self, request_id: str, prompt: list[int], params: object) -> None:
+        self.prompts.append("".join(map(chr, prompt)))
+        self._unfinished = True
+
+    def has_unfinished(self) -> bool:
+        return self._unfinished
+
+    def step(self) -> list[SimpleNamespace]:
+        self._unfinished = False
+        return [SimpleNamespace(new_token_ids=[ord("!")])]
+
+
+def test_the_in_process_benchmark_sends_this_workloads_text() -> None:
+    """One copy of the workload text: the prompts ``bench_prefix_cache.py`` sends start with this module's
+    system text and carry its user messages, turn after turn (run with a recording engine)."""
+    import bench_prefix_cache
+
+    engine = RecordingEngine()
+    args = argparse.Namespace(conversations=2, turns=2, system_tokens=300, output_tokens=1)
+    bench_prefix_cache.ttfts(engine, SimpleNamespace(tokenizer=CharTokenizer()), args)  # type: ignore[arg-type]
+    system = (SYSTEM_TEXT * 8)[:300]
+    assert len(engine.prompts) == 4 and all(p.startswith(system) for p in engine.prompts)
+    first, second, again = engine.prompts[0], engine.prompts[1], engine.prompts[2]   # conv 0, conv 1, conv 0
+    assert first.endswith(USER_MESSAGES[0]) and second.endswith(USER_MESSAGES[1])
+    assert again.startswith(first + "!") and again.endswith(USER_MESSAGES[1])
 
 
 def test_system_prompt_is_cut_to_the_token_count_even_beyond_one_copy() -> None:

@@ -6,8 +6,9 @@ completion equals its gRPC text for the same prompt; ``usage`` equals the server
 with a system message are sent as the model's template renders them; bad requests get OpenAI's error body and a
 fitting status; a client that disconnects (streaming or not) gets its KV pages back on both instances.
 
-Tests marked ``NEW_CONTRACT`` use the server's newer outputs (``n``, ``logprobs``, penalties): they skip, naming
-the reason, while the server answers "unknown parameter" for them.
+``n``, logprobs (completions and streamed chat) and penalties reach the server and change what it returns; a
+server that answers "unknown parameter" for one of them fails the test (the front and the server both implement
+them).
 """
 
 from __future__ import annotations
@@ -203,20 +204,10 @@ def test_a_non_streaming_client_that_leaves_gives_the_pages_back(openai_stack: A
     assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
 
 
-# ---- the server's newer contract (n, logprobs, penalties): they skip on a server that predates them --------
+# ---- n, logprobs, penalties: the front forwards them and the server applies them ---------------------------
 
-def _new_contract(call: Callable[[], Any]) -> Any:
-    try:
-        return call()
-    except openai.BadRequestError as e:
-        if "unknown parameter" in str(e):
-            pytest.skip(f"NEW_CONTRACT: the server does not know this parameter yet: {e.body['message'][:80]}")  # type: ignore[index]
-        raise
-
-
-def test_new_contract_n_choices_by_index(client: openai.OpenAI) -> None:
-    body = _new_contract(lambda: client.completions.create(model="pd_ensemble", prompt="The capital of France is",
-                                                           n=2, **GREEDY))
+def test_n_choices_by_index(client: openai.OpenAI) -> None:
+    body = client.completions.create(model="pd_ensemble", prompt="The capital of France is", n=2, **GREEDY)
     single = client.completions.create(model="pd_ensemble", prompt="The capital of France is", **GREEDY)
     assert sorted(c.index for c in body.choices) == [0, 1]
     assert all(c.text == single.choices[0].text for c in body.choices)   # greedy: both samples alike
@@ -224,9 +215,8 @@ def test_new_contract_n_choices_by_index(client: openai.OpenAI) -> None:
     assert body.usage.prompt_tokens == single.usage.prompt_tokens
 
 
-def test_new_contract_completion_logprobs(client: openai.OpenAI) -> None:
-    body = _new_contract(lambda: client.completions.create(model="pd_ensemble", prompt="The capital of France is",
-                                                           logprobs=2, **GREEDY))
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    body = client.completions.create(model="pd_ensemble", prompt="The capital of France is", logprobs=2, **GREEDY)
     lp = body.choices[0].logprobs
     assert len(lp.tokens) == body.usage.completion_tokens and "".join(lp.tokens) == body.choices[0].text
     assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(top) <= 3 for top in lp.top_logprobs)
@@ -235,21 +225,20 @@ def test_new_contract_completion_logprobs(client: openai.OpenAI) -> None:
     assert all(max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
-def test_new_contract_chat_logprobs_streamed(client: openai.OpenAI) -> None:
-    chunks = _new_contract(lambda: list(client.chat.completions.create(
+def test_chat_logprobs_streamed(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
         model="pd_ensemble", messages=[{"role": "user", "content": QUESTION}], logprobs=True, top_logprobs=2,
-        stream=True, stream_options={"include_usage": True}, **GREEDY)))
+        stream=True, stream_options={"include_usage": True}, **GREEDY))
     content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert len(content) == chunks[-1].usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in content)
 
 
-def test_new_contract_penalties_are_applied(client: openai.OpenAI) -> None:
+def test_penalties_are_applied(client: openai.OpenAI) -> None:
     prompt, params = "Repeat after me: la la la la la la", dict[str, Any](max_tokens=16, temperature=0)
     plain = client.completions.create(model="pd_ensemble", prompt=prompt, **params).choices[0].text
-    penalised = _new_contract(lambda: client.completions.create(model="pd_ensemble", prompt=prompt,
-                                                                frequency_penalty=2.0, presence_penalty=2.0,
-                                                                **params)).choices[0].text
+    penalised = client.completions.create(model="pd_ensemble", prompt=prompt, frequency_penalty=2.0,
+                                          presence_penalty=2.0, **params).choices[0].text
     assert penalised != plain   # a strong penalty changes a repetitive greedy continuation
 
 

@@ -117,14 +117,15 @@ class SideWorker:
             except TransferError:   # the destination came first and does not fit: the room is Failed
                 pass
 
-    def send(self, room: int, num_pages: int, is_last: bool, first_token_id: int = 7) -> bool:
-        """Sends the next ``num_pages`` pages; returns whether the chunk's WRITE had been posted when ``send``
-        returned (inline progress)."""
+    def send(self, room: int, num_pages: int, is_last: bool, first_token_id: int = 7,
+             aux_room: int | None = None) -> bool:
+        """Sends the next ``num_pages`` pages (the last chunk with aux data naming ``aux_room``, default
+        ``room``); returns whether the chunk's WRITE had been posted when ``send`` returned (inline progress)."""
         sender, pages = self.rooms[room]
         start = self.sent_pages[room]
         self.sent_pages[room] = start + num_pages
-        sender.send(pages[start:start + num_pages], is_last,
-                    AuxData(first_token_id, -0.25, room) if is_last else None)
+        aux = AuxData(first_token_id, -0.25, room if aux_room is None else aux_room) if is_last else None
+        sender.send(pages[start:start + num_pages], is_last, aux)
         return sender.timings.posted_s is not None
 
     def abort(self, room: int, reason: str = "test") -> None:
@@ -164,6 +165,11 @@ class SideWorker:
             elif not np.array_equal(self.pool[page], want):
                 return False
         return True
+
+    def page_landed(self, room: int, index: int) -> bool:
+        """Decode: destination page ``index`` of ``room`` holds the prefill pattern of that prompt page (a
+        read of this process's pool only: no call into the KV manager)."""
+        return bool(np.array_equal(self.pool[self.rooms[room][1][index]], page_pattern(room, index)))
 
     def aux(self, room: int) -> tuple[int, float, int] | None:
         aux = self.rooms[room][0].aux

@@ -297,13 +297,46 @@ def test_prefill_restarted_on_the_same_address(pair: tuple[Any, Any], make_side:
     assert_pages_back(decode, restarted)
 
 
-def test_split_aux_write_for_device_memory(make_side: Any, pair: tuple[Any, Any]) -> None:
-    """With KV in device memory the aux slot (host memory) is written after the KV WRITE completes; the result
-    must be the same. Runs on the in-process backend only: NIXL VRAM needs a GPU."""
+def test_split_aux_write_path_moves_every_byte_in_process(make_side: Any, pair: tuple[Any, Any]) -> None:
+    """The split aux path (taken when the KV is not in host memory: the aux slot, in host memory, is written
+    after the KV WRITE completes) moves every byte and the aux data, as the one-WRITE path does. In process
+    only, where ``mem_type="VRAM"`` is a flag over host memory: real device memory is not exercised here (NIXL
+    VRAM registration needs CUDA)."""
     if make_side.backend != "inprocess":
         pytest.skip("NIXL VRAM registration needs CUDA")
     _, decode = pair
     prefill = make_side("prefill", mem_type="VRAM")
+    transfer(prefill, decode, 40, 16)
+
+
+def test_a_non_final_chunk_lands_while_the_caller_computes(pair: tuple[Any, Any]) -> None:
+    """Chunked prefill overlaps the transfer with compute: after ``send`` of a non-final chunk returns, that
+    chunk's KV reaches decode's pages while prefill's caller thread makes no further KV call (it is computing
+    the next chunk), i.e. before the last chunk is computed and sent."""
+    prefill, decode = pair
+    room = open_room(prefill, decode, 100)
+    plan = chunk_plan(100, 48)    # 3 whole pages, 3 more, then the partly filled last page
+    prefill.call("send", room, plan[0][0], False)
+    wait_for(lambda: all(decode.call("page_landed", room, i) for i in range(plan[0][0])), TIMEOUT_S,
+             "the first chunk's pages at decode before the next send")
+    assert not decode.call("page_landed", room, plan[0][0])   # the next chunk's first page: not sent yet
+    for num_pages, is_last in plan[1:]:
+        prefill.call("send", room, num_pages, is_last)
+    finish(prefill, decode, room)
+    assert_pages_back(prefill, decode)
+
+
+def test_aux_data_of_another_room_fails_the_room_at_decode(pair: tuple[Any, Any]) -> None:
+    """Decode accepts a room only if its aux slot holds this room's id: a last WRITE whose aux data names
+    another room fails the room at decode (every KV byte landed, still Failed), its pages come back on both
+    sides, and the next room succeeds."""
+    prefill, decode = pair
+    room = open_room(prefill, decode, 40)
+    prefill.call("send", room, 2, False)
+    prefill.call("send", room, 1, True, 7, room + 1)
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "decode rejects the aux data")
+    assert "aux" in decode.call("failure", room) and decode.call("aux", room) is None
+    assert_pages_back(prefill, decode)
     transfer(prefill, decode, 40, 16)
 
 

@@ -4,14 +4,15 @@ streaming and HTTP.
 Invariants: 8 concurrent greedy requests of mixed prompt lengths stream exactly the colocated engine's text
 (which test_colocated_live checks against transformers); ``stream=false`` gives one response; every bad input
 gives one error and ends its stream while a concurrent good request completes; a client cancel gives the pages
-back on both instances; the KV really crossed over NIXL; a repeated long prompt moves only the page decode's
-prefix cache lacks. Teardown (conftest) fails the module if the server does
-not shut down cleanly, i.e. if any request was left without FINAL.
+back on both instances; a fresh prompt moves exactly its KV bytes over NIXL (tokens x bytes per token); a
+repeated long prompt moves only the page decode's prefix cache lacks. Teardown (conftest) fails the module if
+the server does not shut down cleanly, i.e. if any request was left without FINAL.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +27,16 @@ from live_client import (
 )
 from live_prompts import BAD_INPUTS, colocated_greedy_texts
 from live_prompts import PROMPTS as BASE_PROMPTS
+
+from engine.model.hf_folder import read_hf_config
+from engine.model.loader import (
+    SMOLLM2_MODEL_ID,
+    convert_gguf_cached,
+    default_cache_root,
+    load_tokenizer,
+    smollm2_gguf_path,
+)
+from kv_transfer import KVLayout
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
@@ -56,10 +67,26 @@ def test_eight_concurrent_streams_match_the_colocated_engine(triton_server, refe
         assert res.num_output_tokens == sorted(res.num_output_tokens)
 
 
+def _token_kv_bytes() -> int:
+    """One token's K and V of every layer, in bytes, in the prefill model's KV layout (SmolLM2, fp32)."""
+    folder = convert_gguf_cached(smollm2_gguf_path(), SMOLLM2_MODEL_ID, default_cache_root())
+    config = read_hf_config(folder / "config.json", SMOLLM2_MODEL_ID)
+    layout = KVLayout(num_layers=config.num_layers, num_pages=1, page_size=1, num_kv_heads=config.num_kv_heads,
+                      head_dim=config.head_dim, dtype="float32")
+    return layout.page_bytes
+
+
 def test_kv_crossed_over_nixl(triton_server) -> None:
-    sent = metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill")
-    received = metric_value(triton_server.metrics_url, "pd_kv_transfers_total", model="decode")
-    assert sent > 0 and received >= len(PROMPTS)
+    """A prompt no prefix cache can hold (its first token is fresh) moves exactly its own KV: prefill counts
+    prompt tokens x one token's KV bytes (nothing skipped, nothing more), and one transfer on each side."""
+    prompt = f"{uuid.uuid4().hex} The lighthouse keeper wrote down the weather every evening, " * 3
+    num_tokens = len(load_tokenizer("smollm2").encode(prompt))
+    res, moved = _one_transfer(triton_server, prompt)
+    assert res.error is None and res.final_seen and res.text
+    assert num_tokens > 2 * 16   # several pages and a partly filled last one: spans, not whole pages only
+    assert moved["skipped_prefill"] == moved["skipped_decode"] == moved["hits_decode"] == moved["hits_prefill"] == 0
+    assert moved["bytes"] == num_tokens * _token_kv_bytes()
+    assert moved["transfers"] == moved["transfers_decode"] == 1
 
 
 def test_non_streaming_is_one_response_with_the_prompt_first(triton_server, reference) -> None:
@@ -118,13 +145,21 @@ LOG_CHANGED = "Letters" + LOG[len("Notes"):]
 
 
 def _counters(server: Any) -> dict[str, float]:
-    url = server.metrics_url
-    return {"bytes": metric_value(url, "pd_kv_transfer_bytes_total", model="prefill"),
-            "transfers": metric_value(url, "pd_kv_transfers_total", model="prefill"),
-            "skipped_prefill": metric_value(url, "pd_kv_skipped_pages_total", model="prefill"),
-            "skipped_decode": metric_value(url, "pd_kv_skipped_pages_total", model="decode"),
-            "hits_prefill": metric_value(url, "pd_prefix_cache_hits_tokens_total", model="prefill"),
-            "hits_decode": metric_value(url, "pd_prefix_cache_hits_tokens_total", model="decode")}
+    """The KV and prefix-cache counters of both instances (a series not published yet reads 0: the workers
+    publish a counter once it first moves)."""
+    def value(name: str, model: str) -> float:
+        try:
+            return metric_value(server.metrics_url, name, model=model)
+        except KeyError:
+            return 0.0
+
+    return {"bytes": value("pd_kv_transfer_bytes_total", "prefill"),
+            "transfers": value("pd_kv_transfers_total", "prefill"),
+            "transfers_decode": value("pd_kv_transfers_total", "decode"),
+            "skipped_prefill": value("pd_kv_skipped_pages_total", "prefill"),
+            "skipped_decode": value("pd_kv_skipped_pages_total", "decode"),
+            "hits_prefill": value("pd_prefix_cache_hits_tokens_total", "prefill"),
+            "hits_decode": value("pd_prefix_cache_hits_tokens_total", "decode")}
 
 
 def _one_transfer(server: Any, prompt: str) -> tuple[Any, dict[str, float]]:
@@ -132,7 +167,8 @@ def _one_transfer(server: Any, prompt: str) -> tuple[Any, dict[str, float]]:
     be counted: the workers publish counters on their loop ticks)."""
     before = _counters(server)
     res = generate(server.grpc_url, prompt)
-    _wait_until(lambda: _counters(server)["transfers"] >= before["transfers"] + 1)
+    _wait_until(lambda: _counters(server)["transfers"] >= before["transfers"] + 1
+                and _counters(server)["transfers_decode"] >= before["transfers_decode"] + 1)
     time.sleep(0.3)   # the decode side publishes on its own tick
     after = _counters(server)
     return res, {k: after[k] - before[k] for k in after}

@@ -29,7 +29,7 @@ from serving.router.fleet import Fleet, FleetSnapshot
 from serving.router.inprocess import InProcessLauncher
 from serving.router.launch import ChildResponse
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
-from serving.router.pairing import make_policy
+from serving.router.pairing import PairingPolicy, make_policy
 from serving.router.responder import EnsembleResponder
 from serving.stream import ResponseChunk
 
@@ -85,17 +85,23 @@ class Cluster:
         config = RouterConfig(tokenizer="")
         self.fleet = Fleet(config)
         self.clients = [BootstrapClient(h.kv_manager.rendezvous_url) for h in (prefill, decode)]
-        launcher = InProcessLauncher({ids[0]: prefill.worker, ids[1]: decode.worker})
-        self.orchestrator = PDOrchestrator(config, self.fleet, make_policy("load_aware"), launcher,
-                                           lambda request: len(request.prompt) // 3 + 1)
+        self._config = config
+        self._launcher = InProcessLauncher({ids[0]: prefill.worker, ids[1]: decode.worker})
+        self.orchestrator = self.make_orchestrator(make_policy("load_aware"))
 
-    def generate(self, inputs: dict[str, str | bool], cancel_after_s: float | None = None) -> list[ChildResponse]:
+    def make_orchestrator(self, policy: PairingPolicy) -> PDOrchestrator:
+        """An orchestrator over this cluster's fleet and workers that pairs with ``policy``."""
+        return PDOrchestrator(self._config, self.fleet, policy, self._launcher,
+                              lambda request: len(request.prompt) // 3 + 1)
+
+    def generate(self, inputs: dict[str, str | bool], cancel_after_s: float | None = None,
+                 orchestrator: PDOrchestrator | None = None) -> list[ChildResponse]:
         statuses = tuple(s for client in self.clients for s in client.list_instances())
         self.fleet.update(FleetSnapshot(statuses, time.monotonic()))
         client = QueueSink()
         start = time.monotonic()
         routed = RoutedRequest(parse_request(inputs), inputs)
-        asyncio.run(self.orchestrator.generate(
+        asyncio.run((orchestrator or self.orchestrator).generate(
             routed, EnsembleResponder(routed.request, client).emit,
             lambda: cancel_after_s is not None and time.monotonic() - start > cancel_after_s))
         return list(client.responses.queue)
@@ -206,3 +212,22 @@ def test_a_repeated_prompt_reports_prefills_cache_hit_to_the_client(cluster):
     assert first.num_input_tokens >= 3 * 16 and first.num_cached_tokens == 0
     assert 0 < again.num_cached_tokens < again.num_input_tokens and again.num_cached_tokens % 16 == 0
     assert "".join(r.text for r in runs[0]) == "".join(r.text for r in runs[1])
+
+
+def test_direct_decode_prefills_on_decode_alone(cluster, colocated_texts):
+    """A prompt shorter than ``direct_decode_max_tokens`` goes to decode alone (``DecodeWorker._start_direct``):
+    decode prefills it and streams every token, the first included, so the text is the colocated engine's; no
+    KV moves, the prefill engine never sees the prompt, and decode's pages come back."""
+    direct = cluster.make_orchestrator(make_policy("load_aware", direct_decode_max_tokens=10_000))
+    start = cluster.free_pages()
+    chunks_before = [h.kv_manager.metrics()["chunks_total"] for h in (cluster.prefill, cluster.decode)]
+    queried_before = cluster.prefill.loop.engine.prefix_cache_stats().queries_tokens
+    prompt = PROMPTS[1]
+    responses = cluster.generate(request(prompt), orchestrator=direct)
+    assert responses[-1].final and sum(r.final for r in responses) == 1
+    assert responses[-1].error is None, responses[-1].error
+    assert "".join(r.text for r in responses) == colocated_texts[prompt]
+    assert responses[-1].num_output_tokens == 24 or responses[-1].finish_reason == "stop"
+    assert [h.kv_manager.metrics()["chunks_total"] for h in (cluster.prefill, cluster.decode)] == chunks_before
+    assert cluster.prefill.loop.engine.prefix_cache_stats().queries_tokens == queried_before
+    assert cluster.wait_free(start) == start

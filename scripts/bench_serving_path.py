@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Serving-path benchmark: what the serving path itself costs, with compute made nearly free.
+
+Builds a tiny random Llama (``perf/tiny_model.py``: SmolLM2's config with 1 layer, hidden 64; its tokenizer),
+serves it from one tritonserver (``colocated``, ``prefill``, ``decode``, ``pd_ensemble`` over NIXL, the model
+repository's ``model`` parameter pointing at the tiny folder; ``perf/server.py``'s harness), and measures in one
+run, greedy, ``ignore_eos``, a tiny prompt:
+
+* engine alone (offline, same model and engine settings as served): ITL p50 at 1 stream (time per decode step),
+  tokens/s at ``--streams`` requests x ``--tokens`` new tokens submitted at once;
+* ``colocated`` and ``pd_ensemble`` over gRPC streaming (``perf/stream_client.py``): ITL p50 and TTFT p50 at
+  1 stream (``--single-requests`` requests one after another), streamed tokens/s at ``--streams`` concurrent
+  streams x ``--tokens`` tokens (tokens / first send to last FINAL);
+
+then the ratios: PD tok/s / colocated, colocated tok/s / engine, ITL - engine ITL (each path), PD TTFT -
+colocated TTFT (ms). Every figure line carries the 1-minute load average: on a shared machine the figures are
+contended. The last line is one JSON object with every figure (``*_ms``, ``*_tok_s``) and ratio.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_serving_path.py            # 32 streams x 128 tokens
+    PYTHONPATH=. .venv/bin/python scripts/bench_serving_path.py --quick    # CI smoke: 4 x 16
+    PYTHONPATH=. .venv/bin/python scripts/bench_serving_path.py --model smollm2   # the real model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent
+if str(SCRIPTS.parent) not in sys.path:   # the project's packages (engine, serving)
+    sys.path.insert(0, str(SCRIPTS.parent))
+
+from perf.server import Deployment, RunningServer, ServerPorts, free_ports  # noqa: E402
+from perf.stats import RequestRecord, percentile, run_duration_s  # noqa: E402
+from perf.stream_client import run_phase_sync  # noqa: E402
+from perf.tiny_model import build_tiny_llama  # noqa: E402
+from perf.workload import Phase, RequestSpec  # noqa: E402
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+PROMPT = "Hi"
+ENGINE_MODELS = ("colocated", "prefill", "decode")
+REQUEST_TIMEOUT_S = 300.0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (built here, seeded) or a model name or folder ('smollm2')")
+    p.add_argument("--seed", type=int, default=0, help="the tiny model's weights")
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--single-requests", type=int, default=8, help="1-stream requests (ITL, TTFT)")
+    p.add_argument("--quick", action="store_true", help="CI smoke: 4 streams x 16 tokens, 2 single requests")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
+    args = p.parse_args()
+    if args.quick:
+        args.streams, args.tokens, args.single_requests = 4, 16, 2
+    return args
+
+
+def load_1m() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def engine_alone(model: str, args: argparse.Namespace) -> dict[str, float]:
+    """ITL p50 at batch 1 (ms per step after the first token), this process's CPU time per batch-1 step (ms:
+    far below the ITL when the machine is contended and the loop waits for a core) and tokens/s of ``streams``
+    requests at once, on the engine the served models run (same page size, chunking, one torch thread)."""
+    engine = LLMEngine(EngineConfig(model=model, num_pages=1024, num_threads=1))
+    prompt = engine.tokenizer.encode(PROMPT)
+    engine.add_request("warmup", prompt, greedy(4))
+    while engine.has_unfinished():
+        engine.step()
+    step_times: list[float] = []
+    cpu_start_s = time.process_time()
+    for i in range(args.single_requests):
+        engine.add_request(f"single-{i}", prompt, greedy(args.tokens))
+        while engine.has_unfinished():
+            if any(o.new_token_ids for o in engine.step()):
+                step_times.append(time.perf_counter())
+        step_times.append(float("nan"))   # no gap across requests
+    cpu_ms_per_step = (time.process_time() - cpu_start_s) * 1e3 / max(1, len(step_times) - args.single_requests)
+    gaps = [(b - a) * 1e3 for a, b in zip(step_times, step_times[1:]) if a == a and b == b]
+    for i in range(args.streams):
+        engine.add_request(f"batch-{i}", prompt, greedy(args.tokens))
+    start, tokens = time.perf_counter(), 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    return {"itl_p50_ms": percentile(gaps, 50), "tok_s": tokens / (time.perf_counter() - start),
+            "cpu_ms_per_step": cpu_ms_per_step}
+
+
+def _checked(records: list[RequestRecord], what: str) -> list[RequestRecord]:
+    failed = [r for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"{what}: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
+    return records
+
+
+def served(url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
+    """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, via ``model``."""
+    def spec(name: str, max_tokens: int, slot: int) -> RequestSpec:
+        return RequestSpec(request_id=f"{model}-{name}", kind="decode", prompt=PROMPT, num_prompt_tokens=1,
+                           max_tokens=max_tokens, slot=slot)
+
+    def run(name: str, specs: tuple[RequestSpec, ...]) -> list[RequestRecord]:
+        return _checked(run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S), f"{model} {name}")
+
+    run("warmup", (spec("warmup", 4, 0),))
+    single = run("single", tuple(spec(f"single-{i}", args.tokens, 0) for i in range(args.single_requests)))
+    many = run("streams", tuple(spec(f"stream-{i}", args.tokens, i) for i in range(args.streams)))
+    return {"itl_p50_ms": percentile([g for r in single for g in r.itls_ms], 50),
+            "ttft_p50_ms": percentile([r.ttft_ms for r in single], 50),
+            "tok_s": sum(r.num_output_tokens for r in many) / run_duration_s(many)}
+
+
+def ratios(fig: dict[str, float]) -> dict[str, float]:
+    """The comparisons, from the unrounded figures: rates as quotients, latencies as differences (ms)."""
+    return {"pd_over_colocated_tok_s": fig["pd_tok_s"] / fig["colocated_tok_s"],
+            "colocated_over_engine_tok_s": fig["colocated_tok_s"] / fig["engine_tok_s"],
+            "colocated_itl_minus_engine_ms": fig["colocated_itl_p50_ms"] - fig["engine_itl_p50_ms"],
+            "pd_itl_minus_engine_ms": fig["pd_itl_p50_ms"] - fig["engine_itl_p50_ms"],
+            "pd_ttft_minus_colocated_ms": fig["pd_ttft_p50_ms"] - fig["colocated_ttft_p50_ms"]}
+
+
+def commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=SCRIPTS, capture_output=True, text=True,
+                          check=False)
+    return proc.stdout.strip() or "unknown"
+
+
+def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    engine = engine_alone(model, args)
+    figures.update({f"engine_{k}": v for k, v in engine.items()})
+    print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms  (CPU {engine['cpu_ms_per_step']:5.2f} ms/step)  "
+          f"{engine['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
+    http, grpc, metrics, bootstrap = free_ports(4)
+    deployment = Deployment(name="path", entry_model="pd_ensemble", models=(*ENGINE_MODELS, "pd_ensemble"),
+                            overrides={m: {"model": model} for m in ENGINE_MODELS}, needs_bootstrap=True)
+    ports = ServerPorts(http=http, grpc=grpc, metrics=metrics)
+    with RunningServer(deployment, ports, log_dir, bootstrap) as server:
+        for name, entry in (("colocated", "colocated"), ("pd", "pd_ensemble")):
+            path = served(ports.grpc_url, entry, args)
+            server.check_alive(entry)
+            figures.update({f"{name}_{k}": v for k, v in path.items()})
+            print(f"{entry:<17} ITL p50 {path['itl_p50_ms']:7.2f} ms  TTFT p50 {path['ttft_p50_ms']:7.2f} ms  "
+                  f"{path['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
+    return figures
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-serving-path-") as tmp:
+        model = str(build_tiny_llama(Path(tmp) / "tiny", args.seed)) if args.model == "tiny" else args.model
+        figures = measure(model, args, args.log_dir or Path(tmp) / "logs")
+    compared = ratios(figures)
+    print(f"PD / colocated tok/s {compared['pd_over_colocated_tok_s']:.2f}; colocated / engine tok/s "
+          f"{compared['colocated_over_engine_tok_s']:.2f}; ITL - engine: colocated "
+          f"{compared['colocated_itl_minus_engine_ms']:+.2f} ms, PD {compared['pd_itl_minus_engine_ms']:+.2f} ms; "
+          f"PD TTFT - colocated TTFT {compared['pd_ttft_minus_colocated_ms']:+.1f} ms", flush=True)
+    out: dict[str, Any] = {k: round(v, 3) for k, v in {**figures, **compared}.items()}
+    out.update(model=args.model, streams=args.streams, tokens=args.tokens, single_requests=args.single_requests,
+               load_1m=load_1m(), commit=commit())
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
