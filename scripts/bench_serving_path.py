@@ -147,11 +147,11 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
     figures.update({f"engine_{k}": v for k, v in engine.items()})
     print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms  (CPU {engine['cpu_ms_per_step']:5.2f} ms/step)  "
           f"{engine['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
-    http, grpc, metrics, bootstrap = free_ports(4)
+    http, grpc, metrics = free_ports(3)
     deployment = Deployment(name="path", entry_model="pd_ensemble", models=(*ENGINE_MODELS, "pd_ensemble"),
-                            overrides={m: {"model": model} for m in ENGINE_MODELS}, needs_bootstrap=True)
+                            overrides={m: {"model": model} for m in ENGINE_MODELS})
     ports = ServerPorts(http=http, grpc=grpc, metrics=metrics)
-    with RunningServer(deployment, ports, log_dir, bootstrap) as server:
+    with RunningServer(deployment, ports, log_dir) as server:
         for name, entry in (("colocated", "colocated"), ("pd", "pd_ensemble")):
             path = served(ports.grpc_url, entry, args)
             server.check_alive(entry)
