@@ -1,15 +1,19 @@
 """``PrefillWorker``: the prefill half of PD disaggregation, on one engine in prefill mode.
 
-Lifecycle of one request (SGLang's prefill side), every step but the first on the engine loop thread:
+Lifecycle of one request, every step but the first on the engine loop thread:
 
-1. ``handle`` (Triton's execute thread): tokenize; the job joins the **bootstrap queue** with a KV sender for
-   its room (``Bootstrapping`` until the decode side has posted where to write);
-2. the sender reaches ``WaitingForInput``: ``sender.init(num_pages, num_tokens)``, the request joins the engine's
-   **waiting** queue, then runs with chunked prefill; after each chunk its completed pages go out with
-   ``sender.send`` (one-sided NIXL WRITEs into decode's pages);
+1. ``handle`` (Triton's execute thread): tokenize; the job is queued for the loop;
+2. the loop opens a KV sender for its room (``Bootstrapping`` until the decode side has posted where to write),
+   declares the prompt's pages (``sender.init(num_pages, num_tokens)``) and submits the request at once: it
+   joins the engine's **waiting** queue and runs with chunked prefill **while decode reserves its pages and
+   posts the destination**, so the rendezvous is off the first token's path (vLLM's and Dynamo's prefill runs
+   first too; SGLang's prefill waits in a bootstrap queue for decode's pages). After each chunk its completed
+   pages go to ``sender.send``: posted as one-sided WRITEs into decode's pages once the destination is known,
+   queued until then (the manager thread posts them when it arrives);
 3. after the last chunk, the first token goes to the client at once and the job moves to **inflight**: its
    pages stay held until the sender reports ``Success`` (every WRITE done) or ``Failed`` with no WRITE in
-   flight; then the engine frees them and the stream ends with FINAL.
+   flight; then the engine frees them and the stream ends with FINAL. A destination that never comes fails the
+   room after ``bootstrap_timeout_s`` and frees the pages.
 
 A failure anywhere (bootstrap timeout, decode cancelled or gone, client cancel (the router's too),
 engine rejection) ends that request with an error response and FINAL, and nothing else.
@@ -68,7 +72,6 @@ class PrefillWorker:
         self._name = name
         self._metrics = metrics
         self._intake: Intake[_Job] = Intake(loop, tokenizer, name)
-        self._bootstrap: dict[str, _Job] = {}
         self._prefilling: dict[str, _Job] = {}
         self._inflight: dict[str, _Job] = {}
         self._transfer_s_total = 0.0
@@ -82,13 +85,13 @@ class PrefillWorker:
         return self._intake.accept(pd, sink, lambda request_id, token_ids: _Job(request_id, pd, token_ids, sink))
 
     def num_active(self) -> int:
-        return len(self._intake) + len(self._bootstrap) + len(self._prefilling) + len(self._inflight)
+        return len(self._intake) + len(self._prefilling) + len(self._inflight)
 
     def fail_all(self, reason: str) -> None:
         """After the loop stopped: end every request still queued here with an error response (FINAL)."""
-        jobs = self._intake.take() + [*self._bootstrap.values(), *self._prefilling.values(),
+        jobs = self._intake.take() + [*self._prefilling.values(),
                                       *self._inflight.values()]
-        self._bootstrap, self._prefilling, self._inflight = {}, {}, {}
+        self._prefilling, self._inflight = {}, {}
         for job in jobs:
             if job.sender is not None:
                 job.sender.abort(reason)
@@ -110,37 +113,25 @@ class PrefillWorker:
         """Advance every queue by one round; True while something waits on the network."""
         for job in self._intake.take():
             job.sender = self._kv.create_sender(job.pd.room)
-            self._bootstrap[job.request_id] = job
-        self._poll_bootstrap()
+            if job.sender.poll() == KVPoll.Failed:   # the room is open here already
+                self._end_failed(job, _failure(job.sender, None))
+            else:
+                self._start_prefill(job)
         self._poll_prefilling()
         self._poll_inflight()
         self._publish()
         self.load = self._load()
-        return bool(self._bootstrap or self._inflight)
+        return bool(self._prefilling or self._inflight)
 
     def _load(self) -> InstanceLoad:
-        """Queued: bootstrap queue (+ jobs not taken yet); running: prefilling; queued prompt tokens: both."""
-        waiting = list(self._bootstrap.values())
+        """Queued: jobs not taken by the loop yet; running: prefilling (in the engine); queued prompt tokens: the
+        prefilling jobs' prompts."""
         engine = self._loop.engine
         return InstanceLoad(
-            num_queued_requests=len(waiting) + len(self._intake), num_running_requests=len(self._prefilling),
-            num_queued_prompt_tokens=sum(len(j.token_ids) for j in (*waiting, *self._prefilling.values())),
+            num_queued_requests=len(self._intake), num_running_requests=len(self._prefilling),
+            num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prefilling.values()),
             num_free_pages=engine.num_free_pages, num_total_pages=engine.num_total_pages,  # type: ignore[attr-defined]
             page_size=self._page_size)
-
-    def _poll_bootstrap(self) -> None:
-        for job in list(self._bootstrap.values()):
-            assert job.sender is not None
-            reason = self._cancel_reason(job)
-            if reason is not None:
-                job.sender.abort(reason)
-            state = job.sender.poll()
-            if state == KVPoll.Failed:
-                del self._bootstrap[job.request_id]
-                self._end_failed(job, _failure(job.sender, reason))
-            elif state >= KVPoll.WaitingForInput:
-                del self._bootstrap[job.request_id]
-                self._start_prefill(job)
 
     def _start_prefill(self, job: _Job) -> None:
         assert job.sender is not None
@@ -231,7 +222,9 @@ class PrefillWorker:
     def _publish(self) -> None:
         if self._metrics is None:
             return
-        self._metrics.set_queue_length("bootstrap", len(self._bootstrap))
+        waiting = sum(1 for j in (*self._prefilling.values(), *self._inflight.values())
+                      if j.sender is not None and j.sender.poll() == KVPoll.Bootstrapping)
+        self._metrics.set_queue_length("bootstrap", waiting)   # rooms whose destination has not come yet
         self._metrics.set_queue_length("prefilling", len(self._prefilling))
         self._metrics.set_queue_length("inflight", len(self._inflight))
 
