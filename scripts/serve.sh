@@ -96,10 +96,15 @@ server_args+=(
   --grpc-keepalive-permit-without-calls=1 --grpc-http2-min-recv-ping-interval-without-data=5000
   --grpc-http2-max-ping-strikes=0
 )
+# Explicit model control always (every model of the repository: --load-model=*): a model whose python stub died
+# is reloaded through the repository API by the stub's guardian (docs/healing.md); with the default mode (none)
+# tritonserver refuses that, and the guardian can only end the server.
+server_args+=(--model-control-mode=explicit)
 if [[ -n "${MODELS:-}" ]]; then
-  server_args+=(--model-control-mode=explicit)
   IFS=',' read -ra models <<< "$MODELS"
   for m in "${models[@]}"; do server_args+=(--load-model="$m"); done
+else
+  server_args+=(--load-model='*')
 fi
 
 pids=()

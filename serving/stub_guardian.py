@@ -1,0 +1,212 @@
+"""``python -m serving.stub_guardian``: replace a dead python-backend stub (the process ``serving.stub_guard``
+starts for each engine model's stub).
+
+Lifecycle of one guardian:
+
+1. It reads its stdin, the pipe only its stub writes, until end-of-file.
+2. ``finalize`` read first: the model is being unloaded or the server stops; it exits.
+3. End-of-file alone: the stub died. If tritonserver is gone or exiting too, nothing to heal; it exits.
+4. Explicit model control: unload the model through the repository API (from then on Triton reports it not
+   ready: the truth), then load it again: a new stub (with its own guardian) serves within the load time
+   (15-20 s for SmolLM2 on this CPU). A failed load is retried (``LOAD_ATTEMPTS``, ``RETRY_S`` apart).
+5. Any other control mode (``none``, the plain ``tritonserver --model-repository``, or ``poll``) refuses the
+   repository API. The model can never serve again in this server, yet Triton would say it is ready for good; so
+   the guardian ends the server: SIGTERM (every other model ends its requests with an error and FINAL: their
+   server watch), then, once every other stub of the server is gone (or after ``DRAIN_TIMEOUT_S``), SIGKILL.
+   tritonserver 2.51 would otherwise wait its whole exit timeout for the dead model: the responses of the
+   requests the stub held are never released (r24.10 python backend), so that model version never unloads. The
+   deployment's supervisor (Kubernetes, systemd, docker's restart policy) starts the server again.
+
+Logs go to stderr, which is the stub's: the server log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+logger = logging.getLogger("serving.stub_guardian")
+
+FINALIZE = b"finalize\n"
+LOAD_ATTEMPTS = 3
+RETRY_S = 5.0
+DRAIN_TIMEOUT_S = 30.0
+REFUSED = "not allowed"   # tritonserver: "explicit model load / unload is not allowed if polling is enabled"
+
+
+@dataclass(frozen=True)
+class GuardedStub:
+    """The stub one guardian watches.
+
+    Attributes:
+        model: the Triton model the stub serves.
+        grpc_url: ``host:port`` of the server's gRPC endpoint.
+        server_pid: tritonserver's pid (the stub's parent).
+        stub_pid: the stub's pid.
+        shm_region: the stub's shared-memory region name (removed once a server the guardian ended is gone).
+    """
+
+    model: str
+    grpc_url: str
+    server_pid: int
+    stub_pid: int
+    shm_region: str = ""
+
+
+class Repository(Protocol):
+    """Triton's health and repository API, as the guardian uses it (tritonclient.grpc in production)."""
+
+    def is_live(self) -> bool:
+        """Server liveness; raises when unreachable or exiting."""
+        ...
+
+    def unload(self, model: str) -> None:
+        """Unload ``model``; raises ``RepositoryRefused`` when the control mode forbids it, else any error."""
+        ...
+
+    def load(self, model: str) -> None:
+        """Load ``model`` (blocks until loaded); raises on failure."""
+        ...
+
+
+class RepositoryRefused(Exception):
+    """The server's model control mode does not allow the repository API (``none`` or ``poll``)."""
+
+
+def stub_ended_on_purpose(stream: BinaryIO) -> bool:
+    """Blocks until ``stream`` (the stub's pipe) ends; True when the stub wrote ``finalize`` first."""
+    seen = b""
+    while chunk := stream.read(64):
+        seen += chunk
+    return FINALIZE in seen
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def heal(stub: GuardedStub, repository: Repository, end_server: Callable[[GuardedStub], None],
+         sleep: Callable[[float], None] = time.sleep) -> str:
+    """After the stub died: reload its model, or end the server where the repository API is refused.
+
+    Returns the outcome: ``"reloaded"``, ``"server gone"`` (nothing to heal), ``"server ended"`` or
+    ``"load failed"`` (every attempt failed; the model stays unloaded, which Triton reports truthfully).
+    """
+    try:
+        if not process_alive(stub.server_pid) or not repository.is_live():
+            return "server gone"
+    except Exception:   # unreachable or "Server exiting": the server is going away with its stub
+        return "server gone"
+    try:
+        repository.unload(stub.model)
+    except RepositoryRefused:
+        logger.error("%s: the model's stub (pid %d) died and this server's model control mode cannot reload it; "
+                     "ending tritonserver (pid %d) for its supervisor to restart", stub.model, stub.stub_pid,
+                     stub.server_pid)
+        end_server(stub)
+        return "server ended"
+    except Exception as e:   # the server is going away
+        logger.warning("%s: unload after the stub's death failed: %s", stub.model, e)
+        return "server gone"
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        try:
+            repository.load(stub.model)
+            return "reloaded"
+        except Exception as e:
+            logger.error("%s: reload %d/%d failed: %s", stub.model, attempt, LOAD_ATTEMPTS, e)
+            if attempt < LOAD_ATTEMPTS:
+                sleep(RETRY_S)
+    return "load failed"
+
+
+def end_server(stub: GuardedStub, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """SIGTERM tritonserver; SIGKILL it once its other stubs are gone (they finalized) or after
+    ``drain_timeout_s``; then remove the dead stub's shared-memory region."""
+    os.kill(stub.server_pid, signal.SIGTERM)
+    deadline = time.monotonic() + drain_timeout_s
+    while process_alive(stub.server_pid) and time.monotonic() < deadline:
+        if not any(process_alive(pid) for pid in stub_children(stub.server_pid)):
+            break
+        time.sleep(0.2)
+    if process_alive(stub.server_pid):
+        os.kill(stub.server_pid, signal.SIGKILL)
+    if stub.shm_region:
+        Path("/dev/shm", stub.shm_region).unlink(missing_ok=True)
+
+
+def stub_children(server_pid: int, proc: Path = Path("/proc")) -> Iterable[int]:
+    """PIDs of the python-backend stubs whose parent is ``server_pid``."""
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rpartition(")")[2].split()[1]) != server_pid:
+                continue
+            if b"triton_python_backend_stub" in (entry / "cmdline").read_bytes():
+                yield int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+class GrpcRepository:
+    """``Repository`` over tritonclient.grpc."""
+
+    def __init__(self, grpc_url: str, timeout_s: float = 5.0) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self._client = grpcclient.InferenceServerClient(grpc_url)
+        self._timeout_s = timeout_s
+
+    def is_live(self) -> bool:
+        return bool(self._client.is_server_live(client_timeout=self._timeout_s))
+
+    def unload(self, model: str) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            self._client.unload_model(model, client_timeout=self._timeout_s)
+        except InferenceServerException as e:
+            if REFUSED in str(e.message()):
+                raise RepositoryRefused(str(e.message())) from None
+            raise
+
+    def load(self, model: str) -> None:
+        self._client.load_model(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--grpc-url", required=True)
+    parser.add_argument("--server-pid", type=int, required=True)
+    parser.add_argument("--stub-pid", type=int, required=True)
+    parser.add_argument("--shm-region", default="")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C of serve.sh's group is the server's to handle
+    stub = GuardedStub(args.model, args.grpc_url, args.server_pid, args.stub_pid, args.shm_region)
+    if stub_ended_on_purpose(sys.stdin.buffer):
+        return 0
+    died_s = time.monotonic()
+    logger.error("%s: its stub (pid %d) died; healing", stub.model, stub.stub_pid)
+    outcome = heal(stub, GrpcRepository(stub.grpc_url), end_server)
+    logger.warning("%s: %s %.1f s after the stub's death", stub.model, outcome, time.monotonic() - died_s)
+    return 0 if outcome in ("reloaded", "server gone", "server ended") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
