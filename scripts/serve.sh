@@ -108,18 +108,33 @@ else
 fi
 
 pids=()
+triton_pid=""
 stopping=0
+# live_stubs PID: how many python-backend stubs (not zombies) PID still runs
+live_stubs() { ps -o stat=,comm= --ppid "$1" 2>/dev/null | grep -c '^[^Z][^ ]* *triton_python' || true; }
 # stop_all: TERM what was started here, newest first (tritonserver before the bootstrap service, so the models
-# deregister from a live rendezvous), each given up to 25 s, then KILL; idempotent.
+# deregister from a live rendezvous), each given up to 25 s, then KILL; idempotent. tritonserver is also KILLed
+# once it has run 2 s without any model stub: every model finalized, and what it still waits for is a model
+# version whose stub was killed (tritonserver 2.51 never frees the requests that stub held: docs/healing.md).
 stop_all() {
   [[ $stopping == 1 ]] && return
   stopping=1
   say "stopping ${pids[*]:-nothing}"
-  local i pid
+  local i pid idle
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
     pid=${pids[i]}
     kill -TERM "$pid" 2>/dev/null || continue
-    for _ in $(seq 250); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    idle=0
+    for _ in $(seq 250); do
+      kill -0 "$pid" 2>/dev/null || break
+      if [[ "$pid" == "$triton_pid" && "$(live_stubs "$pid")" == 0 ]]; then
+        idle=$((idle + 1))
+        if ((idle >= 20)); then say "tritonserver waits with no model stub left: SIGKILL"; break; fi
+      else
+        idle=0
+      fi
+      sleep 0.1
+    done
     kill -KILL "$pid" 2>/dev/null || true
   done
   wait 2>/dev/null || true
@@ -138,6 +153,7 @@ fi
 if [[ "$ROLE" != frontend ]]; then
   say "$TRITONSERVER ${server_args[*]} $*"
   "$TRITONSERVER" "${server_args[@]}" "$@" &
+  triton_pid=$!
   pids+=($!)
 fi
 
