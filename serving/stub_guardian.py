@@ -5,7 +5,8 @@ Lifecycle of one guardian:
 
 1. It reads its stdin, the pipe only its stub writes, until end-of-file.
 2. ``finalize`` read first: the model is being unloaded or the server stops; it exits.
-3. End-of-file alone: the stub died. If tritonserver is gone or exiting too, nothing to heal; it exits.
+3. End-of-file alone: the stub died. If tritonserver is gone or exiting too, or the model is not READY (an
+   unload under way: Triton itself kills a stub that does not answer its finalize), nothing to heal; it exits.
 4. Explicit model control: unload the model through the repository API (from then on Triton reports it not
    ready: the truth), then load it again: a new stub (with its own guardian) serves within the load time
    (15-20 s for SmolLM2 on this CPU). A failed load is retried (``LOAD_ATTEMPTS``, ``RETRY_S`` apart).
@@ -68,6 +69,10 @@ class Repository(Protocol):
         """Server liveness; raises when unreachable or exiting."""
         ...
 
+    def is_model_ready(self, model: str) -> bool:
+        """Whether Triton reports ``model`` READY; raises when unreachable."""
+        ...
+
     def unload(self, model: str) -> None:
         """Unload ``model``; raises ``RepositoryRefused`` when the control mode forbids it, else any error."""
         ...
@@ -102,12 +107,14 @@ def heal(stub: GuardedStub, repository: Repository, end_server: Callable[[Guarde
          sleep: Callable[[float], None] = time.sleep) -> str:
     """After the stub died: reload its model, or end the server where the repository API is refused.
 
-    Returns the outcome: ``"reloaded"``, ``"server gone"`` (nothing to heal), ``"server ended"`` or
-    ``"load failed"`` (every attempt failed; the model stays unloaded, which Triton reports truthfully).
+    Returns the outcome: ``"reloaded"``, ``"server gone"`` or ``"not serving"`` (nothing to heal), ``"server
+    ended"`` or ``"load failed"`` (every attempt failed; the model stays unloaded, which Triton reports truthfully).
     """
     try:
         if not process_alive(stub.server_pid) or not repository.is_live():
             return "server gone"
+        if not repository.is_model_ready(stub.model):
+            return "not serving"
     except Exception:   # unreachable or "Server exiting": the server is going away with its stub
         return "server gone"
     try:
@@ -174,6 +181,9 @@ class GrpcRepository:
     def is_live(self) -> bool:
         return bool(self._client.is_server_live(client_timeout=self._timeout_s))
 
+    def is_model_ready(self, model: str) -> bool:
+        return bool(self._client.is_model_ready(model, client_timeout=self._timeout_s))
+
     def unload(self, model: str) -> None:
         from tritonclient.utils import InferenceServerException
 
@@ -205,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.error("%s: its stub (pid %d) died; healing", stub.model, stub.stub_pid)
     outcome = heal(stub, GrpcRepository(stub.grpc_url), end_server)
     logger.warning("%s: %s %.1f s after the stub's death", stub.model, outcome, time.monotonic() - died_s)
-    return 0 if outcome in ("reloaded", "server gone", "server ended") else 1
+    return 0 if outcome != "load failed" else 1
 
 
 if __name__ == "__main__":

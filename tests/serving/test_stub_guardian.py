@@ -23,14 +23,17 @@ STUB = GuardedStub("prefill", "127.0.0.1:1", server_pid=os.getpid(), stub_pid=1)
 class FakeRepository:
     """Records the repository calls; ``refuse`` plays control mode none, ``load_failures`` failed loads."""
 
-    def __init__(self, live: bool = True, refuse: bool = False, load_failures: int = 0) -> None:
-        self.live, self.refuse, self.load_failures = live, refuse, load_failures
+    def __init__(self, live: bool = True, refuse: bool = False, load_failures: int = 0, ready: bool = True) -> None:
+        self.live, self.refuse, self.load_failures, self.ready = live, refuse, load_failures, ready
         self.calls: list[str] = []
 
     def is_live(self) -> bool:
         if not self.live:
             raise ConnectionError("Server exiting")
         return True
+
+    def is_model_ready(self, model: str) -> bool:
+        return self.ready
 
     def unload(self, model: str) -> None:
         self.calls.append(f"unload {model}")
@@ -78,6 +81,13 @@ def test_nothing_is_healed_on_a_server_that_is_exiting_or_gone() -> None:
     assert run_heal(repository) == ("server gone", [])
     gone = GuardedStub("prefill", "127.0.0.1:1", server_pid=2**22 + 1, stub_pid=1)
     assert run_heal(FakeRepository(), gone) == ("server gone", [])
+    assert repository.calls == []
+
+
+def test_a_model_being_unloaded_is_not_reloaded() -> None:
+    """Triton kills a stub that does not answer its finalize: that unload is the operator's, not a death."""
+    repository = FakeRepository(ready=False)
+    assert run_heal(repository) == ("not serving", [])
     assert repository.calls == []
 
 
