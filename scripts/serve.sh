@@ -21,7 +21,8 @@
 #      the fleet's), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh),
 #      OPENAI (1: start the OpenAI front; default 1 for ROLE=all and frontend, else 0), OPENAI_PORT (9000),
 #      OPENAI_MODEL, OPENAI_SERVED_MODEL_NAME (the name clients use; default OPENAI_MODEL), GRPC_URL (the
-#      tritonserver the front calls; default HOST:GRPC_PORT).
+#      tritonserver the front calls; default HOST:GRPC_PORT), RESTART (1: start tritonserver again when it exits
+#      after RESTART_MIN_UP_S (30) seconds up; 0: exit with it).
 # Uses a tritonserver found on PATH (NGC container) when there is one, else the one in the nvidia-pytriton wheel.
 set -euo pipefail
 
@@ -150,12 +151,19 @@ if [[ "$BOOTSTRAP" == 1 ]]; then
   pids+=($!)
 fi
 
-if [[ "$ROLE" != frontend ]]; then
+triton_index=-1
+triton_started_s=0
+# start_triton ARGS...: tritonserver in the background, at its place in pids (stop_all stops it before the
+# bootstrap service)
+start_triton() {
   say "$TRITONSERVER ${server_args[*]} $*"
   "$TRITONSERVER" "${server_args[@]}" "$@" &
   triton_pid=$!
-  pids+=($!)
-fi
+  triton_started_s=$SECONDS
+  if ((triton_index < 0)); then triton_index=${#pids[@]}; fi
+  pids[triton_index]=$triton_pid
+}
+if [[ "$ROLE" != frontend ]]; then start_triton "$@"; fi
 
 if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
   say "OpenAI front on http://$HOST:$OPENAI_PORT/v1 -> $OPENAI_MODEL at $GRPC_URL"
@@ -164,10 +172,21 @@ if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
   pids+=($!)
 fi
 
-# Foreground until tritonserver (or the bootstrap service, or the front) exits; its status is ours.
+# Foreground until the bootstrap service or the front exits, or tritonserver exits in its first RESTART_MIN_UP_S
+# (a start-up failure); its status is ours. A tritonserver that exits after that (a model's stub died and its
+# guardian ended the server, docs/healing.md; a crash) is started again, unless RESTART=0.
 set +e
-wait -n "${pids[@]}"
-status=$?
+while true; do
+  wait -n "${pids[@]}"
+  status=$?
+  if [[ "$ROLE" != frontend && "${RESTART:-1}" == 1 ]] && ! kill -0 "$triton_pid" 2>/dev/null \
+      && ((SECONDS - triton_started_s >= ${RESTART_MIN_UP_S:-30})); then
+    say "tritonserver exited with status $status after $((SECONDS - triton_started_s)) s: starting it again"
+    start_triton "$@"
+    continue
+  fi
+  break
+done
 set -e
 say "a child exited with status $status"
 exit "$status"

@@ -1,5 +1,5 @@
-"""``python -m serving.stub_guardian``: replace a dead python-backend stub (the process ``serving.stub_guard``
-starts for each engine model's stub).
+"""``python -m serving.stub_guardian``: end a tritonserver whose python-backend stub died, for its supervisor to
+start it again (the process ``serving.stub_guard`` starts for each engine model's stub).
 
 Lifecycle of one guardian:
 
@@ -7,16 +7,16 @@ Lifecycle of one guardian:
 2. ``finalize`` read first: the model is being unloaded or the server stops; it exits.
 3. End-of-file alone: the stub died. If tritonserver is gone or exiting too, or the model is not READY (an
    unload under way: Triton itself kills a stub that does not answer its finalize), nothing to heal; it exits.
-4. Explicit model control: unload the model through the repository API (from then on Triton reports it not
-   ready: the truth), then load it again: a new stub (with its own guardian) serves within the load time
-   (15-20 s for SmolLM2 on this CPU). A failed load is retried (``LOAD_ATTEMPTS``, ``RETRY_S`` apart).
-5. Any other control mode (``none``, the plain ``tritonserver --model-repository``, or ``poll``) refuses the
-   repository API. The model can never serve again in this server, yet Triton would say it is ready for good; so
-   the guardian ends the server: SIGTERM (every other model ends its requests with an error and FINAL: their
-   server watch), then, once every other stub of the server is gone (or after ``DRAIN_TIMEOUT_S``), SIGKILL.
-   tritonserver 2.51 would otherwise wait its whole exit timeout for the dead model: the responses of the
-   requests the stub held are never released (r24.10 python backend), so that model version never unloads. The
-   deployment's supervisor (Kubernetes, systemd, docker's restart policy) starts the server again.
+4. Otherwise the model can never serve again in this server (tritonserver 2.51 never restarts the stub of a
+   decoupled model), yet Triton reports it READY for good. The guardian ends the server: SIGTERM (the other
+   models end their requests with an error and FINAL: their server watch), then SIGKILL once every other stub of
+   the server is gone (or after ``DRAIN_TIMEOUT_S``): tritonserver would otherwise wait its whole exit timeout
+   for the dead model's requests, whose responses it never releases, or abort while freeing that instance. The
+   supervisor (serve.sh, Kubernetes, systemd, docker's restart policy) starts the server again.
+
+Why not reload the model through the repository API (explicit model control): it works, but destroying the dead
+stub's instance corrupted tritonserver's heap in 2 of 3 PD runs here (``malloc_consolidate(): unaligned fastbin
+chunk detected`` on the next request, then a hang in Triton's signal handler): docs/healing.md.
 
 Logs go to stderr, which is the stub's: the server log.
 """
@@ -37,10 +37,7 @@ from typing import BinaryIO, Protocol
 logger = logging.getLogger("serving.stub_guardian")
 
 FINALIZE = b"finalize\n"
-LOAD_ATTEMPTS = 3
-RETRY_S = 5.0
 DRAIN_TIMEOUT_S = 30.0
-REFUSED = "not allowed"   # tritonserver: "explicit model load / unload is not allowed if polling is enabled"
 
 
 @dataclass(frozen=True)
@@ -62,8 +59,8 @@ class GuardedStub:
     shm_region: str = ""
 
 
-class Repository(Protocol):
-    """Triton's health and repository API, as the guardian uses it (tritonclient.grpc in production)."""
+class Health(Protocol):
+    """Triton's health API, as the guardian uses it (tritonclient.grpc in production)."""
 
     def is_live(self) -> bool:
         """Server liveness; raises when unreachable or exiting."""
@@ -72,18 +69,6 @@ class Repository(Protocol):
     def is_model_ready(self, model: str) -> bool:
         """Whether Triton reports ``model`` READY; raises when unreachable."""
         ...
-
-    def unload(self, model: str) -> None:
-        """Unload ``model``; raises ``RepositoryRefused`` when the control mode forbids it, else any error."""
-        ...
-
-    def load(self, model: str) -> None:
-        """Load ``model`` (blocks until loaded); raises on failure."""
-        ...
-
-
-class RepositoryRefused(Exception):
-    """The server's model control mode does not allow the repository API (``none`` or ``poll``)."""
 
 
 def stub_ended_on_purpose(stream: BinaryIO) -> bool:
@@ -103,40 +88,22 @@ def process_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
-def heal(stub: GuardedStub, repository: Repository, end_server: Callable[[GuardedStub], None],
-         sleep: Callable[[float], None] = time.sleep) -> str:
-    """After the stub died: reload its model, or end the server where the repository API is refused.
+def heal(stub: GuardedStub, health: Health, end_server: Callable[[GuardedStub], None]) -> str:
+    """After the stub died: end its server unless there is nothing to heal.
 
-    Returns the outcome: ``"reloaded"``, ``"server gone"`` or ``"not serving"`` (nothing to heal), ``"server
-    ended"`` or ``"load failed"`` (every attempt failed; the model stays unloaded, which Triton reports truthfully).
+    Returns the outcome: ``"server ended"``, or ``"server gone"`` / ``"not serving"`` (nothing to heal).
     """
     try:
-        if not process_alive(stub.server_pid) or not repository.is_live():
+        if not process_alive(stub.server_pid) or not health.is_live():
             return "server gone"
-        if not repository.is_model_ready(stub.model):
+        if not health.is_model_ready(stub.model):
             return "not serving"
     except Exception:   # unreachable or "Server exiting": the server is going away with its stub
         return "server gone"
-    try:
-        repository.unload(stub.model)
-    except RepositoryRefused:
-        logger.error("%s: the model's stub (pid %d) died and this server's model control mode cannot reload it; "
-                     "ending tritonserver (pid %d) for its supervisor to restart", stub.model, stub.stub_pid,
-                     stub.server_pid)
-        end_server(stub)
-        return "server ended"
-    except Exception as e:   # the server is going away
-        logger.warning("%s: unload after the stub's death failed: %s", stub.model, e)
-        return "server gone"
-    for attempt in range(1, LOAD_ATTEMPTS + 1):
-        try:
-            repository.load(stub.model)
-            return "reloaded"
-        except Exception as e:
-            logger.error("%s: reload %d/%d failed: %s", stub.model, attempt, LOAD_ATTEMPTS, e)
-            if attempt < LOAD_ATTEMPTS:
-                sleep(RETRY_S)
-    return "load failed"
+    logger.error("%s: the model's stub (pid %d) died and tritonserver cannot start it again; ending tritonserver "
+                 "(pid %d) for its supervisor to restart", stub.model, stub.stub_pid, stub.server_pid)
+    end_server(stub)
+    return "server ended"
 
 
 def end_server(stub: GuardedStub, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
@@ -169,8 +136,8 @@ def stub_children(server_pid: int, proc: Path = Path("/proc")) -> Iterable[int]:
             continue
 
 
-class GrpcRepository:
-    """``Repository`` over tritonclient.grpc."""
+class GrpcHealth:
+    """``Health`` over tritonclient.grpc."""
 
     def __init__(self, grpc_url: str, timeout_s: float = 5.0) -> None:
         import tritonclient.grpc as grpcclient
@@ -183,19 +150,6 @@ class GrpcRepository:
 
     def is_model_ready(self, model: str) -> bool:
         return bool(self._client.is_model_ready(model, client_timeout=self._timeout_s))
-
-    def unload(self, model: str) -> None:
-        from tritonclient.utils import InferenceServerException
-
-        try:
-            self._client.unload_model(model, client_timeout=self._timeout_s)
-        except InferenceServerException as e:
-            if REFUSED in str(e.message()):
-                raise RepositoryRefused(str(e.message())) from None
-            raise
-
-    def load(self, model: str) -> None:
-        self._client.load_model(model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     died_s = time.monotonic()
     logger.error("%s: its stub (pid %d) died; healing", stub.model, stub.stub_pid)
-    outcome = heal(stub, GrpcRepository(stub.grpc_url), end_server)
+    outcome = heal(stub, GrpcHealth(stub.grpc_url), end_server)
     logger.warning("%s: %s %.1f s after the stub's death", stub.model, outcome, time.monotonic() - died_s)
-    return 0 if outcome != "load failed" else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The stub guardian: a stub's end on purpose is no death; a dead stub's model is unloaded then loaded again
-(explicit model control), or its server is ended where the repository API is refused; nothing is healed on a
-server that is gone. A real guardian process sees its stub's death through the pipe at once."""
+"""The stub guardian: a stub's end on purpose is no death; a dead stub's server is ended for its supervisor to
+restart, unless the server is gone or exiting, or the model is being unloaded. A real guardian process sees its
+stub's death through the pipe at once."""
 
 from __future__ import annotations
 
@@ -13,19 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from serving.stub_guardian import (FINALIZE, GuardedStub, RepositoryRefused, heal, process_alive,
-                                   stub_ended_on_purpose)
+from serving.stub_guardian import FINALIZE, GuardedStub, heal, process_alive, stub_ended_on_purpose
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = GuardedStub("prefill", "127.0.0.1:1", server_pid=os.getpid(), stub_pid=1)
 
 
-class FakeRepository:
-    """Records the repository calls; ``refuse`` plays control mode none, ``load_failures`` failed loads."""
+class FakeHealth:
+    """Triton's health answers: ``live`` False plays "Server exiting", ``ready`` False an unload under way."""
 
-    def __init__(self, live: bool = True, refuse: bool = False, load_failures: int = 0, ready: bool = True) -> None:
-        self.live, self.refuse, self.load_failures, self.ready = live, refuse, load_failures, ready
-        self.calls: list[str] = []
+    def __init__(self, live: bool = True, ready: bool = True) -> None:
+        self.live, self.ready = live, ready
 
     def is_live(self) -> bool:
         if not self.live:
@@ -35,21 +33,10 @@ class FakeRepository:
     def is_model_ready(self, model: str) -> bool:
         return self.ready
 
-    def unload(self, model: str) -> None:
-        self.calls.append(f"unload {model}")
-        if self.refuse:
-            raise RepositoryRefused("explicit model load / unload is not allowed if polling is enabled")
 
-    def load(self, model: str) -> None:
-        self.calls.append(f"load {model}")
-        if self.load_failures:
-            self.load_failures -= 1
-            raise RuntimeError("load failed")
-
-
-def run_heal(repository: FakeRepository, stub: GuardedStub = STUB) -> tuple[str, list[GuardedStub]]:
+def run_heal(health: FakeHealth, stub: GuardedStub = STUB) -> tuple[str, list[GuardedStub]]:
     ended: list[GuardedStub] = []
-    return heal(stub, repository, ended.append, sleep=lambda s: None), ended
+    return heal(stub, health, ended.append), ended
 
 
 def test_finalize_before_the_pipe_ends_is_an_end_on_purpose() -> None:
@@ -57,38 +44,19 @@ def test_finalize_before_the_pipe_ends_is_an_end_on_purpose() -> None:
     assert not stub_ended_on_purpose(io.BytesIO(b""))
 
 
-def test_a_dead_stub_is_unloaded_then_loaded_again() -> None:
-    repository = FakeRepository()
-    assert run_heal(repository) == ("reloaded", [])
-    assert repository.calls == ["unload prefill", "load prefill"]
-
-
-def test_a_failed_load_is_retried_then_given_up() -> None:
-    repository = FakeRepository(load_failures=1)
-    assert run_heal(repository)[0] == "reloaded"
-    assert repository.calls == ["unload prefill", "load prefill", "load prefill"]
-    assert run_heal(FakeRepository(load_failures=5))[0] == "load failed"
-
-
-def test_without_the_repository_api_the_server_is_ended() -> None:
-    repository = FakeRepository(refuse=True)
-    assert run_heal(repository) == ("server ended", [STUB])
-    assert repository.calls == ["unload prefill"]
+def test_a_dead_stub_of_a_ready_model_ends_its_server() -> None:
+    assert run_heal(FakeHealth()) == ("server ended", [STUB])
 
 
 def test_nothing_is_healed_on_a_server_that_is_exiting_or_gone() -> None:
-    repository = FakeRepository(live=False)
-    assert run_heal(repository) == ("server gone", [])
+    assert run_heal(FakeHealth(live=False)) == ("server gone", [])
     gone = GuardedStub("prefill", "127.0.0.1:1", server_pid=2**22 + 1, stub_pid=1)
-    assert run_heal(FakeRepository(), gone) == ("server gone", [])
-    assert repository.calls == []
+    assert run_heal(FakeHealth(), gone) == ("server gone", [])
 
 
-def test_a_model_being_unloaded_is_not_reloaded() -> None:
+def test_a_model_being_unloaded_is_not_healed() -> None:
     """Triton kills a stub that does not answer its finalize: that unload is the operator's, not a death."""
-    repository = FakeRepository(ready=False)
-    assert run_heal(repository) == ("not serving", [])
-    assert repository.calls == []
+    assert run_heal(FakeHealth(ready=False)) == ("not serving", [])
 
 
 @pytest.mark.timeout(60)
