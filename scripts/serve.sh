@@ -97,9 +97,8 @@ server_args+=(
   --grpc-keepalive-permit-without-calls=1 --grpc-http2-min-recv-ping-interval-without-data=5000
   --grpc-http2-max-ping-strikes=0
 )
-# Explicit model control always (every model of the repository: --load-model=*): a model whose python stub died
-# is reloaded through the repository API by the stub's guardian (docs/healing.md); with the default mode (none)
-# tritonserver refuses that, and the guardian can only end the server.
+# Explicit model control always (every model of the repository: --load-model=*), so that an operator can load,
+# unload or reload one model through the repository API without touching the others (docs/healing.md).
 server_args+=(--model-control-mode=explicit)
 if [[ -n "${MODELS:-}" ]]; then
   IFS=',' read -ra models <<< "$MODELS"

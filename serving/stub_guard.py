@@ -40,7 +40,7 @@ class StubGuard:
     def __init__(self, model_name: str, grpc_url: str) -> None:
         """
         Args:
-            model_name: the Triton model this stub serves (what the guardian reloads).
+            model_name: the Triton model this stub serves (the guardian checks it is READY).
             grpc_url: ``host:port`` of this tritonserver's gRPC endpoint (``WorkerConfig.grpc_url``).
         """
         self._model_name = model_name
