@@ -28,7 +28,8 @@
 #      when anything binds a non-loopback address), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh),
 #      OPENAI (1: start the OpenAI front; default 1 for ROLE=all and frontend, else 0), OPENAI_PORT (9000),
 #      OPENAI_MODEL, OPENAI_SERVED_MODEL_NAME (the name clients use; default OPENAI_MODEL), GRPC_URL (the
-#      tritonserver the front calls; default HOST:GRPC_PORT).
+#      tritonserver the front calls; default HOST:GRPC_PORT), RESTART (1: start tritonserver again when it exits
+#      after RESTART_MIN_UP_S (30) seconds up; 0: exit with it).
 # Uses a tritonserver found on PATH (NGC container) when there is one, else the one in the nvidia-pytriton wheel.
 set -euo pipefail
 
@@ -98,25 +99,44 @@ server_args+=(
   --allow-gpu-metrics=false --pinned-memory-pool-byte-size=0
   --exit-timeout-secs="${EXIT_TIMEOUT_S:-20}"
 )
+# Explicit model control always (every model of the repository: --load-model=*), so that an operator can load,
+# unload or reload one model through the repository API without touching the others (docs/healing.md).
+server_args+=(--model-control-mode=explicit)
 if [[ -n "${MODELS:-}" ]]; then
-  server_args+=(--model-control-mode=explicit)
   IFS=',' read -ra models <<< "$MODELS"
   for m in "${models[@]}"; do server_args+=(--load-model="$m"); done
+else
+  server_args+=(--load-model='*')
 fi
 
 pids=()
+triton_pid=""
 stopping=0
-# stop_all: TERM what was started here, newest first (tritonserver before the registry, so the models withdraw
-# from a live registry), each given up to 25 s, then KILL; idempotent.
+# live_stubs PID: how many python-backend stubs (not zombies) PID still runs
+live_stubs() { ps -o stat=,comm= --ppid "$1" 2>/dev/null | grep -c '^[^Z][^ ]* *triton_python' || true; }
+# stop_all: TERM what was started here, newest first, each given up to 25 s, then KILL; idempotent. tritonserver
+# is also KILLed once it has run 2 s without any model stub: every model finalized, and what it still waits for
+# is a model version whose stub was killed (tritonserver 2.51 never frees the requests that stub held:
+# docs/healing.md).
 stop_all() {
   [[ $stopping == 1 ]] && return
   stopping=1
   say "stopping ${pids[*]:-nothing}"
-  local i pid
+  local i pid idle
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
     pid=${pids[i]}
     kill -TERM "$pid" 2>/dev/null || continue
-    for _ in $(seq 250); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    idle=0
+    for _ in $(seq 250); do
+      kill -0 "$pid" 2>/dev/null || break
+      if [[ "$pid" == "$triton_pid" && "$(live_stubs "$pid")" == 0 ]]; then
+        idle=$((idle + 1))
+        if ((idle >= 20)); then say "tritonserver waits with no model stub left: SIGKILL"; break; fi
+      else
+        idle=0
+      fi
+      sleep 0.1
+    done
     kill -KILL "$pid" 2>/dev/null || true
   done
   wait 2>/dev/null || true
@@ -130,13 +150,19 @@ if [[ "$ROLE" == registry ]]; then
   exec python3 -m bootstrap.membership --host "$HOST" --port "$REGISTRY_PORT"
 fi
 
+triton_index=-1
+triton_started_s=0
 triton_pid=""
-if [[ "$ROLE" != frontend ]]; then
+# start_triton ARGS...: tritonserver in the background, at its place in pids
+start_triton() {
   say "$TRITONSERVER ${server_args[*]} $*"
   "$TRITONSERVER" "${server_args[@]}" "$@" &
   triton_pid=$!
-  pids+=($!)
-fi
+  triton_started_s=$SECONDS
+  if ((triton_index < 0)); then triton_index=${#pids[@]}; fi
+  pids[triton_index]=$triton_pid
+}
+if [[ "$ROLE" != frontend ]]; then start_triton "$@"; fi
 
 if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
   say "OpenAI front on http://$HOST:$OPENAI_PORT/v1 -> $OPENAI_MODEL at $GRPC_URL"
@@ -145,15 +171,22 @@ if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
   pids+=($!)
 fi
 
-# Foreground until tritonserver exits (or, without one, the front); its status is ours. The front's death does
-# not stop tritonserver: one role never takes down another.
+# Foreground until tritonserver exits in its first RESTART_MIN_UP_S (a start-up failure) or, without one, the
+# front exits; its status is ours. A tritonserver that exits after that (a model's stub died and its guardian
+# ended the server, docs/healing.md; a crash) is started again, unless RESTART=0. The front's death does not stop
+# tritonserver: one role never takes down another.
 set +e
-if [[ -n "$triton_pid" ]]; then
-  wait "$triton_pid"
-else
-  wait -n "${pids[@]}"
-fi
-status=$?
+while true; do
+  if [[ -n "$triton_pid" ]]; then wait "$triton_pid"; else wait -n "${pids[@]}"; fi
+  status=$?
+  if [[ -n "$triton_pid" && "${RESTART:-1}" == 1 ]] && ! kill -0 "$triton_pid" 2>/dev/null \
+      && ((SECONDS - triton_started_s >= ${RESTART_MIN_UP_S:-30})); then
+    say "tritonserver exited with status $status after $((SECONDS - triton_started_s)) s: starting it again"
+    start_triton "$@"
+    continue
+  fi
+  break
+done
 set -e
 say "tritonserver${triton_pid:+ ($triton_pid)} exited with status $status"
 exit "$status"

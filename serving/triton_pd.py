@@ -31,6 +31,7 @@ from serving.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, Instance
 from serving.request import RequestError
 from serving.stream import ResponseChunk
 from serving.server_watch import ServerShutdownWatch
+from serving.stub_guard import StubGuard
 from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils, read_inputs
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class PDChildModel:
         self._orphan_watch = OrphanWatch(args["model_instance_name"]).start()
         self._server_watch = ServerShutdownWatch(args["model_instance_name"], config.grpc_url,
                                                  self._stop_worker).start()
+        self._stub_guard = StubGuard(model_name, config.grpc_url).start()   # a dead stub gets replaced
         logger.info("%s ready as %s instance %s: %s", args["model_instance_name"], self.ROLE, instance_id, config)
 
     def _stop_worker(self) -> None:
@@ -115,6 +117,7 @@ class PDChildModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
+        self._stub_guard.stop()   # first: this stub's end is no death to heal
         self._server_watch.stop()
         self._orphan_watch.stop()
         self._handle.stop(STOP_TIMEOUT_S)

@@ -461,3 +461,39 @@ def supervised(server: ServeScript, ready_timeout_s: float, stop_timeout_s: floa
         seen = set(kernel_before)
         faults = fault_lines([line for line in kernel_after if line not in seen], stubs)
         assert not faults, "a python-backend stub died by a fault:\n" + "\n".join(faults)
+
+
+class RegistryProcess:
+    """The fleet's membership registry in its own process (``python -m bootstrap.membership``, as
+    ``ROLE=registry scripts/serve.sh`` runs it) on a free loopback port; ``url`` is what ``PD_REGISTRY_URL``
+    takes. ``start`` waits for ``/health``; ``stop(kill=True)`` is a ``kill -9``. Startable again after a stop."""
+
+    def __init__(self, log_path: Path, ttl_s: float = 5.0, port: int | None = None) -> None:
+        self.port = port or free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log_path, self._ttl_s = log_path, ttl_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> RegistryProcess:
+        log = open(self._log_path, "ab")  # noqa: SIM115 - the child owns it until it exits
+        self._proc = subprocess.Popen([sys.executable, "-m", "bootstrap.membership", "--host", "127.0.0.1",
+                                       "--port", str(self.port), "--ttl-s", str(self._ttl_s)],
+                                      cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the registry exited with {self._proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"the registry did not answer within {timeout_s:.0f} s")
+
+    def stop(self, kill: bool = False) -> None:
+        if self._proc is not None:
+            self._proc.kill() if kill else self._proc.terminate()
+            self._proc.wait(10)
+            self._proc = None

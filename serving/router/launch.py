@@ -14,7 +14,6 @@ empty: direct decode); outputs ``text_output``/``finish_reason``/``error``/``log
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,10 +22,10 @@ import numpy as np
 
 from engine.outputs import TokenLogprob
 from serving.request import RawValue
+from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 from serving.triton_io import logprobs_from_wire
 
-logger = logging.getLogger(__name__)
 
 Room = int
 CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
@@ -150,29 +149,16 @@ def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildRespon
 
 
 class GrpcLauncher:
-    """Child requests over tritonclient's asyncio gRPC client; one channel per endpoint, one stream per call.
-
-    Keepalive pings every ``keepalive_s`` (300 s: tritonserver's default policy refuses pings more often than
-    every 5 minutes, or on a channel without calls, with GOAWAY ``too_many_pings``), so plain tritonserver needs
-    no ``--grpc-*`` flags. A dead host is noticed sooner by the fleet watcher (its rendezvous stops answering)
-    and by ``request_idle_timeout_s``.
+    """Child requests over tritonclient's asyncio gRPC client; one channel per endpoint (``ChannelPool``: a
+    channel that failed to connect is replaced, so a restarted server is reached on the next call), one stream
+    per call. Keepalive pings every ``keepalive_s`` (300 s: tritonserver's default policy refuses pings more
+    often than every 5 minutes, or on a channel without calls, with GOAWAY ``too_many_pings``), so plain
+    tritonserver needs no ``--grpc-*`` flags. A dead host is noticed sooner by the fleet watcher (its rendezvous
+    stops answering) and by ``request_idle_timeout_s``.
     """
 
     def __init__(self, keepalive_s: float = 300.0) -> None:
-        self._keepalive_s = keepalive_s
-        self._clients: dict[str, Any] = {}
-
-    def _client(self, endpoint: str) -> Any:
-        client = self._clients.get(endpoint)
-        if client is None:
-            from tritonclient.grpc import KeepAliveOptions
-            from tritonclient.grpc.aio import InferenceServerClient
-
-            ms = int(self._keepalive_s * 1000)
-            client = InferenceServerClient(endpoint, keepalive_options=KeepAliveOptions(
-                keepalive_time_ms=ms, keepalive_timeout_ms=20_000, keepalive_permit_without_calls=False))
-            self._clients[endpoint] = client
-        return client
+        self._channels = ChannelPool(keepalive_s)
 
     async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
         import asyncio
@@ -196,7 +182,8 @@ class GrpcLauncher:
             yield request
             await ended.wait()   # keep our half open until the child's FINAL: closing it ends the stream
 
-        responses = self._client(call.target.endpoint).stream_infer(requests())
+        channel = self._channels.acquire(call.target.endpoint)
+        responses = channel.client.stream_infer(requests())
         finished = False
         try:
             async for result, error in responses:
@@ -214,20 +201,18 @@ class GrpcLauncher:
                     return
             raise ChildUnavailable(f"{call.role} {call.target.instance_id}: stream ended without FINAL")
         except (grpc.RpcError, InferenceServerException) as e:
+            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._channels.retire(channel)   # no reconnect backoff left over for the next call
             raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint} "
                                    f"unreachable: {_rpc_message(e)}") from None
         finally:
             ended.set()
             if not finished:
                 responses.cancel()   # Triton cancels the child request: it aborts and frees its pages
+            self._channels.release(channel)
 
     async def close(self) -> None:
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            try:
-                await client.close()
-            except Exception:   # closing is best effort at shutdown
-                logger.debug("closing a gRPC channel failed", exc_info=True)
+        await self._channels.close()
 
 
 def _rpc_message(error: BaseException) -> str:

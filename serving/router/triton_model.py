@@ -22,6 +22,7 @@ from serving.router.orchestrator import RoutedRequest
 from serving.router.responder import EnsembleResponder
 from serving.router.service import Router
 from serving.server_watch import ServerShutdownWatch
+from serving.stub_guard import StubGuard
 from serving.stream import ResponseSink
 from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, parse_client_request, pb_utils
 from serving.triton_pd import decoupled_config, setup_logging, teardown_logging
@@ -47,6 +48,7 @@ class RouterModel:
         self._orphan_watch = OrphanWatch(instance).start()
         self._server_watch = ServerShutdownWatch(instance, config.grpc_url,
                                                  lambda: self._router.stop(STOP_TIMEOUT_S)).start()
+        self._stub_guard = StubGuard(model_name, config.grpc_url).start()   # a dead stub gets replaced
         logger.info("%s ready: %s", instance, config)
 
     def execute(self, requests: list[Any]) -> None:
@@ -68,6 +70,7 @@ class RouterModel:
         self._router.submit(routed, EnsembleResponder(routed.request, sink).emit, sink.is_cancelled)
 
     def finalize(self) -> None:
+        self._stub_guard.stop()   # first: this stub's end is no death to heal
         self._server_watch.stop()
         self._orphan_watch.stop()
         self._router.stop(STOP_TIMEOUT_S)

@@ -11,8 +11,6 @@ there; started again, it rejoins and serves; every surviving pool is back at its
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +20,7 @@ import pytest
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
 from live_prompts import PROMPTS as BASE_PROMPTS
 from live_prompts import colocated_greedy_texts
-from perf.server import REPO_ROOT, ServeScript, free_ports
+from perf.server import RegistryProcess, ServeScript
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
 GREEDY = {"max_tokens": "12", "temperature": "0"}
@@ -36,9 +34,8 @@ READY_S = 240.0
 class Fleet:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.registry_port = free_ports(1)[0]
-        self.registry: subprocess.Popen[bytes] | None = None
-        env = {"PD_REGISTRY_URL": f"http://127.0.0.1:{self.registry_port}"}
+        self.registry = RegistryProcess(tmp / "registry.log")
+        env = {"PD_REGISTRY_URL": self.registry.url}
         self.router = ServeScript("pd_ensemble", tmp / "router.log", env={**env, "ROLE": "router"})
         self.decode = ServeScript("decode", tmp / "decode.log", env={**env, "ROLE": "decode"})
         self.decode_b = ServeScript("decode", tmp / "decode_b.log", env={**env, "ROLE": "decode"})
@@ -63,27 +60,10 @@ class Fleet:
         return grpc_generate(self.router.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
 
     def start_registry(self) -> None:
-        """The registry in its own process (as ``ROLE=registry scripts/serve.sh`` runs it); ready when it
-        answers ``/health``."""
-        log = open(self.tmp / "registry.log", "ab")  # noqa: SIM115 - the child owns it
-        self.registry = subprocess.Popen([sys.executable, "-m", "bootstrap.membership", "--host", "127.0.0.1",
-                                          "--port", str(self.registry_port), "--ttl-s", "5"],
-                                         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if __import__("requests").get(f"http://127.0.0.1:{self.registry_port}/health", timeout=1).ok:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("the registry did not start")
+        self.registry.start()
 
     def stop_registry(self, kill: bool = False) -> None:
-        if self.registry is not None:
-            self.registry.kill() if kill else self.registry.terminate()
-            self.registry.wait(10)
-            self.registry = None
+        self.registry.stop(kill)
 
     def stop(self) -> None:
         for server in (self.prefill_b, self.prefill_a, self.decode_b, self.decode, self.router):

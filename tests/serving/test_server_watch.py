@@ -1,4 +1,4 @@
-"""ServerShutdownWatch: armed by one "ready", fires once after consecutive misses, never before it was armed."""
+"""ServerShutdownWatch: armed by one "live", fires once after consecutive misses, never before it was armed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def run(answers: list[object], misses: int = 2) -> int:
     calls = []
     script = iter(answers)
 
-    def is_ready() -> bool:
+    def is_live() -> bool:
         try:
             answer = next(script)
         except StopIteration:
@@ -24,17 +24,17 @@ def run(answers: list[object], misses: int = 2) -> int:
         return bool(answer)
 
     watch = ServerShutdownWatch("t", "127.0.0.1:1", lambda: (calls.append(1), fired.set()), interval_s=0.001,
-                                misses=misses, is_ready=is_ready).start()
+                                misses=misses, is_live=is_live).start()
     fired.wait(5)
     watch.stop()
     return len(calls)
 
 
-def test_not_ready_before_ever_ready_is_loading_not_shutdown() -> None:
+def test_not_live_before_ever_live_is_start_up_not_shutdown() -> None:
     assert run([False] * 20) == 0
 
 
-def test_two_misses_after_ready_mean_shutdown_once() -> None:
+def test_two_misses_after_live_mean_shutdown_once() -> None:
     assert run([True, False, OSError("refused"), False, False]) == 1
 
 

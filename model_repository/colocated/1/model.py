@@ -21,6 +21,7 @@ from serving.config import apply_cpu_affinity, build_worker_config, instance_dev
 from serving.metrics import ServingMetrics
 from serving.orphan_watch import OrphanWatch
 from serving.server_watch import ServerShutdownWatch
+from serving.stub_guard import StubGuard
 from serving.triton_io import answer_each, new_dispatcher, parse_client_request
 
 logger = logging.getLogger("model_repository.colocated")
@@ -49,6 +50,7 @@ class TritonPythonModel:
         # a server stop ends the requests in flight at once (tritonserver waits for them before finalize)
         self._server_watch = ServerShutdownWatch(instance, config.grpc_url,
                                                  self._stop_worker).start()
+        self._stub_guard = StubGuard(args["model_name"], config.grpc_url).start()   # a dead stub gets replaced
         logger.info("%s ready: %s", instance, config)
 
     def _stop_worker(self) -> None:
@@ -60,6 +62,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("stopping (%d requests in flight)", self._worker.num_active())
+        self._stub_guard.stop()   # first: this stub's end is no death to heal
         self._server_watch.stop()
         self._orphan_watch.stop()
         self._worker.stop(STOP_TIMEOUT_S)

@@ -1,0 +1,116 @@
+"""``ChannelPool``: the router's gRPC clients, one per endpoint, replaced after a connection failure.
+
+A gRPC channel whose server died keeps reconnecting with exponential backoff (1 s, 1.6 s, 2.6 s, ... up to
+120 s by default); while it waits, every call on it fails at once with "UNAVAILABLE: failed to connect to all
+addresses", so a server restarted on the same address was not reached for 2.7-3.8 s after it was ready. Two
+measures: a call that fails with UNAVAILABLE at the transport (``retire``) takes its channel out of the pool, so
+the next call to that endpoint opens a fresh channel, which connects at once; and every channel's reconnect
+backoff is short (``RECONNECT_BACKOFF_MS``), for the streams still open on a channel when its server comes back.
+A retired channel is closed once its last stream ended (closing it earlier would cancel streams that may still
+be served). Everything runs on the router's event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: (initial, max) reconnect backoff of a channel, ms (gRPC's defaults: 1000, 120000)
+RECONNECT_BACKOFF_MS: tuple[int, int] = (100, 1000)
+
+
+@dataclass
+class Channel:
+    """One pooled client.
+
+    Attributes:
+        endpoint: ``host:port``.
+        client: a ``tritonclient.grpc.aio.InferenceServerClient``.
+        streams: calls open on it now.
+        retired: taken out of the pool; closed when ``streams`` drops to 0.
+    """
+
+    endpoint: str
+    client: Any
+    streams: int = 0
+    retired: bool = False
+
+
+class ChannelPool:
+    """gRPC clients by endpoint; ``acquire``/``release`` around every call, ``retire`` after UNAVAILABLE."""
+
+    def __init__(self, keepalive_s: float = 300.0, connect: Callable[[str, list[tuple[str, int]]], Any] | None = None
+                 ) -> None:
+        """
+        Args:
+            keepalive_s: keepalive ping interval (300 s: tritonserver's default ping policy answers more frequent
+                pings, or pings on a channel without calls, with GOAWAY ``too_many_pings``); a ping unanswered
+                for 20 s fails the channel's streams.
+            connect: (endpoint, channel args) → client; default: ``tritonclient.grpc.aio.InferenceServerClient``.
+        """
+        self._keepalive_ms = int(keepalive_s * 1000)
+        self._connect = connect or _triton_client
+        self._channels: dict[str, Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def channel_args(self) -> list[tuple[str, int]]:
+        """Options of every channel: tritonclient's defaults, our keepalive, a short reconnect backoff."""
+        from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
+
+        initial_ms, max_ms = RECONNECT_BACKOFF_MS
+        return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.keepalive_time_ms", self._keepalive_ms), ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 2),
+                ("grpc.initial_reconnect_backoff_ms", initial_ms), ("grpc.min_reconnect_backoff_ms", initial_ms),
+                ("grpc.max_reconnect_backoff_ms", max_ms)]
+
+    def acquire(self, endpoint: str) -> Channel:
+        """The pooled channel of ``endpoint`` (opened when there is none), its stream count raised by one."""
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = Channel(endpoint, self._connect(endpoint, self.channel_args()))
+            self._channels[endpoint] = channel
+        channel.streams += 1
+        return channel
+
+    def release(self, channel: Channel) -> None:
+        """One call on ``channel`` ended; a retired channel is closed after its last call."""
+        channel.streams -= 1
+        if channel.retired and channel.streams == 0:
+            task = asyncio.get_running_loop().create_task(_close(channel))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def retire(self, channel: Channel) -> None:
+        """A call on ``channel`` failed with UNAVAILABLE: the next call to its endpoint opens a new channel."""
+        if self._channels.get(channel.endpoint) is channel:
+            del self._channels[channel.endpoint]
+            logger.info("gRPC channel to %s reset after a connection failure", channel.endpoint)
+        channel.retired = True
+
+    async def close(self) -> None:
+        """Close every channel (after every call ended)."""
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await _close(channel)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _triton_client(endpoint: str, channel_args: list[tuple[str, int]]) -> Any:
+    from tritonclient.grpc.aio import InferenceServerClient
+
+    return InferenceServerClient(endpoint, channel_args=channel_args)
+
+
+async def _close(channel: Channel) -> None:
+    try:
+        await channel.client.close()
+    except Exception:   # closing is best effort
+        logger.debug("closing the gRPC channel to %s failed", channel.endpoint, exc_info=True)
