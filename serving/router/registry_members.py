@@ -1,6 +1,8 @@
 """``RegistryMembers``: the fleet's members as its membership registry announces them (``bootstrap.membership``:
 the embedded registry service or etcd). The registry's loss freezes the member list (its last view), it never
-empties it: the fleet watcher keeps asking each known member's own rendezvous for its health.
+empties it: the fleet watcher keeps asking each known member's own rendezvous for its health. A member the
+registry stops listing stays a member for ``grace_s`` more (a registry restarted empty lists the fleet again
+within one renewal); one whose rendezvous refuses a connection leaves at once (``forget``).
 
 Threads: the membership client runs its own thread; ``members`` (the fleet watcher's thread) only reads its view.
 """
@@ -8,19 +10,25 @@ Threads: the membership client runs its own thread; ``members`` (the fleet watch
 from __future__ import annotations
 
 import logging
+import time
 
 from bootstrap.membership import Membership, MembershipError, make_membership
 from serving.router.discovery import FleetMember
 
 logger = logging.getLogger(__name__)
 KV_ROLES = ("prefill", "decode")
+#: How long a member the registry no longer lists is kept: longer than the workers' renewal period (a third of
+#: their 10 s TTL), so a registry restarted empty never empties the fleet, seconds.
+GRACE_S = 10.0
 
 
 class RegistryMembers:
     """A ``MemberSource`` over a started ``Membership`` client."""
 
-    def __init__(self, registry_url: str, secret: bytes | None) -> None:
+    def __init__(self, registry_url: str, secret: bytes | None, grace_s: float = GRACE_S) -> None:
         """Raises ``MembershipError`` for a URL no backend takes."""
+        self._grace_s = grace_s
+        self._seen: dict[str, tuple[FleetMember, float]] = {}   # instance id → member, last listed (monotonic)
         membership: Membership | None = make_membership(registry_url, secret)
         if membership is None:
             raise MembershipError("RegistryMembers needs a registry URL")
@@ -28,12 +36,19 @@ class RegistryMembers:
         self._membership.start()
 
     def members(self) -> tuple[list[FleetMember], bool]:
-        view = self._membership.view()
-        return [FleetMember(m.instance_id, m.role, m.address, m.model_name, m.rendezvous_url, m.epoch)
-                for m in view.members if m.role in KV_ROLES and m.rendezvous_url], view.fresh
+        view, now_s = self._membership.view(), time.monotonic()
+        for m in view.members:
+            if m.role in KV_ROLES and m.rendezvous_url:
+                member = FleetMember(m.instance_id, m.role, m.address, m.model_name, m.rendezvous_url, m.epoch)
+                self._seen[m.instance_id] = (member, now_s)
+        for instance_id, (_, seen_s) in list(self._seen.items()):
+            if now_s - seen_s > self._grace_s:
+                del self._seen[instance_id]
+        return [member for member, _ in self._seen.values()], view.fresh
 
     def forget(self, instance_id: str) -> None:
-        """Nothing to learn anew: the registry's next view says whether the instance came back."""
+        """Its rendezvous refused: gone until the registry lists it again (a restart announces itself anew)."""
+        self._seen.pop(instance_id, None)
 
     def close(self) -> None:
         self._membership.stop()
