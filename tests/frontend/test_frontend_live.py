@@ -336,3 +336,30 @@ def test_concurrent_streams_where_half_leave_early(openai_stack: Any) -> None:
         results = list(pool.map(one, [True, False, True, False]))
     assert results == [None, 24, None, 24]
     assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
+
+
+def test_zz_killing_the_front_loses_only_its_own_clients(openai_stack: Any) -> None:
+    """``kill -9`` of the OpenAI front mid-stream (run last: the front is gone after it): its client's stream
+    breaks, and nothing else does: tritonserver keeps serving ``pd_ensemble`` over gRPC (serve.sh waits on
+    tritonserver, not on the front), and every KV page comes back."""
+    import os
+    import signal
+    import subprocess
+
+    server = openai_stack.server
+    total = _pages(server, "pd_kv_total_pages")
+    port = openai_stack.openai_url.rsplit(":", 1)[1].split("/")[0]
+    front = subprocess.run(["pgrep", "-f", f"-m frontend .*--port {port}"], capture_output=True, text=True)
+    [front_pid] = [int(pid) for pid in front.stdout.split()]
+    client = openai.OpenAI(base_url=openai_stack.openai_url, api_key="unused", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(
+        model="pd_ensemble", messages=[{"role": "user", "content": "Tell me about rivers."}], stream=True,
+        max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    os.kill(front_pid, signal.SIGKILL)
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in stream:
+            pass
+    text, _, _ = grpc_reference(server.grpc_url, "The capital of France is", {"max_tokens": 8, "temperature": 0})
+    assert text
+    assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
