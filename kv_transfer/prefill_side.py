@@ -388,7 +388,11 @@ class PrefillSide:
         return len(self.senders)
 
     def _next_wait_s(self) -> float:
-        if any(s.inflight or s.queued or s.posting or s.state.is_terminal for s in self.senders.values()):
+        """Short rounds only while a WRITE is under way or could be posted: chunks queued before decode's
+        destination arrived wait for it (its arrival wakes the thread), so prefill's compute is not robbed of a
+        core by a spinning thread meanwhile."""
+        if any(s.inflight or (s.queued and s.destination is not None) or s.posting or s.state.is_terminal
+               for s in self.senders.values()):
             return self._args.active_tick_s
         if any(s.state == KVPoll.Bootstrapping for s in self.senders.values()):
             return self._args.bootstrap_poll_interval_s
