@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import EngineError, OutOfPages, RequestRejected
+from engine.errors import EngineError, InvalidSamplingParams, OutOfPages, RequestRejected
 from engine.kv_pool import KVPool, KVShape
 from engine.model_runner import ModelRunner, SampledToken
 from engine.output_processor import OutputProcessor
@@ -121,9 +121,8 @@ class LLMEngine:
 
         Raises:
             RequestRejected: duplicate id, empty prompt, token out of vocabulary, longer than
-                ``max_model_len``, or more pages than the whole pool.
-            InvalidSamplingParams: ``params.structured`` cannot be compiled (compiled here unless
-                ``prepare_request`` did it before).
+                ``max_model_len``, more pages than the whole pool, or ``params.structured`` cannot be compiled
+                (compiled here, on the engine thread, unless ``prepare_request`` compiled it before).
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         self.scheduler.add(seq)
@@ -282,7 +281,11 @@ class LLMEngine:
             generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params, reserved, generator)
         if params.structured is not None:
-            seq.grammar = GrammarState(self.grammars.compile(params.structured), request_id)
+            try:
+                compiled = self.grammars.compile(params.structured)
+            except InvalidSamplingParams as e:  # RequestRejected: every caller fails just this request
+                raise RequestRejected(request_id, str(e)) from None
+            seq.grammar = GrammarState(compiled, request_id)
         if self.scheduler.pages_needed(seq) > self.num_total_pages:
             raise RequestRejected(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
                                               f"the pool has {self.num_total_pages}")
