@@ -383,6 +383,8 @@ class Sampler:
             if masked:
                 assert masks is not None
                 row = apply_mask(row, masks[i])
+                if not bool(torch.isfinite(row).any()):  # min_tokens forbids the only tokens the grammar allows
+                    row = apply_mask(logits[i], masks[i])  # the grammar wins
             token_ids[i] = int(torch.argmax(row)) if p.greedy else _sample_row(row, p, generators[i])
         log_norm = torch.logsumexp(logits, dim=-1)
         chosen = torch.gather(logits, 1, token_ids[:, None]).squeeze(1)

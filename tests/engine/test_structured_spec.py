@@ -155,3 +155,14 @@ def test_sampler_applies_the_mask_after_logit_bias():
     sampled = Sampler()(logits[:1], [SamplingParams(temperature=1.0, structured=StructuredSpec("regex", "a"))],
                         gens[:1], None, masks[:1])
     assert sampled.token_ids == [5]
+
+
+def test_grammar_wins_when_min_tokens_forbids_every_allowed_token():
+    vocab = 64
+    masks = allocate_masks(1, vocab)
+    masks[0] = 0
+    masks[0, 0] = 1 << 3  # only token 3 (the EOS here) is allowed
+    p = SamplingParams(temperature=0.7, min_tokens=5, structured=StructuredSpec("regex", "a"))
+    result = Sampler(eos_token_ids=[3])(torch.zeros(1, vocab), [p], [torch.Generator().manual_seed(0)],
+                                        None, masks)
+    assert result.token_ids == [3]
