@@ -29,7 +29,7 @@ from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestId, Sequence, pages_for_tokens
-from engine.structured import GrammarCompiler, GrammarState, vocab_of
+from engine.structured import GrammarCompiler, GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,8 @@ class LLMEngine:
         """The structured-outputs compiler for this model's vocabulary (built on first use; any thread)."""
         with self._grammars_lock:
             if self._grammars is None:
-                encoded, vocab_type = vocab_of(self.tokenizer.backend)
-                self._grammars = GrammarCompiler(encoded, sorted(self._eos_token_ids), vocab_type,
-                                                 vocab_size=self.model_config.vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                                 sorted(self._eos_token_ids))
             return self._grammars
 
     def prepare_request(self, params: SamplingParams) -> None:

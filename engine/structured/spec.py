@@ -15,21 +15,19 @@ field              value                        the output is
 =================  ===========================  ========================================================
 
 Options accepted next to the constraint: ``disable_any_whitespace`` (JSON without free whitespace between
-tokens: the compact form), ``disable_fallback`` and ``disable_additional_properties`` (no effect here: there
-is one backend, and undeclared properties are never generated, xgrammar's strict mode), ``backend``
-(``"xgrammar"``, ``"auto"`` or absent). Anything else (``whitespace_pattern``, ``structural_tag``, an unknown
-key) is refused by name.
+tokens: the compact form), ``disable_fallback`` (no effect: there is one backend), ``backend`` (``"guidance"``,
+``"auto"`` or absent). Anything else (``whitespace_pattern``, ``structural_tag``,
+``disable_additional_properties``, an unknown key) is refused by name.
 
-A spec is validated when it is parsed (``parse_structured``): the constraint is turned into a grammar without a
-tokenizer (cheap, milliseconds) so a bad schema, regex or grammar is refused with the field named, wherever the
-request is parsed (router, colocated, prefill, decode). The tokenizer-specific compile happens later
-(``engine.structured.compiler``).
+A spec is validated when it is parsed (``parse_structured``): the constraint is turned into an llguidance grammar
+and checked without a tokenizer (cheap, milliseconds) so a bad schema, regex or grammar is refused with the field
+named, wherever the request is parsed (router, colocated, prefill, decode). The tokenizer-specific part happens
+later (``engine.structured.compiler``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,12 +38,11 @@ SpecKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 #: The sampling-parameter keys that carry a structured-outputs object (vLLM's names, newest first).
 SPEC_KEYS: tuple[str, ...] = ("structured_outputs", "guided_decoding")
 _KINDS: tuple[SpecKind, ...] = ("json", "json_object", "regex", "choice", "grammar")
-_BOOL_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
-_BACKENDS = ("xgrammar", "auto")
+_BOOL_OPTIONS = ("disable_any_whitespace", "disable_fallback")
+_BACKENDS = ("guidance", "auto")
 _REFUSED = {"whitespace_pattern": "a custom whitespace pattern is not supported",
-            "structural_tag": "structural tags are not supported"}
-#: xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: "; the client needs only the rest.
-_NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
+            "structural_tag": "structural tags are not supported",
+            "disable_additional_properties": "set additionalProperties: false in the schema instead"}
 
 
 @dataclass(frozen=True)
@@ -84,8 +81,7 @@ def parse_structured(key: str, raw: Any) -> StructuredSpec | None:
         The spec, or None when no constraint is set.
     Raises:
         InvalidSamplingParams: ``<key>.<field>`` for an unknown or unsupported field, two constraints at once, a
-            value of the wrong type, or a schema / regex / grammar xgrammar cannot turn into a grammar (its
-            message, without its source location).
+            value of the wrong type, or a schema / regex / grammar llguidance refuses (its message).
     """
     values = _as_object(key, raw)
     set_fields = {k: v for k, v in values.items() if v is not None and v is not False}
@@ -113,42 +109,46 @@ def parse_structured(key: str, raw: Any) -> StructuredSpec | None:
     return spec
 
 
-def validate(spec: StructuredSpec, field_name: str) -> None:
-    """Build ``spec``'s grammar without a tokenizer (xgrammar ``Grammar``), to refuse a bad spec early.
+def validate(spec: StructuredSpec, field_name: str) -> str:
+    """``spec``'s llguidance grammar, checked without a tokenizer, to refuse a bad spec early.
 
     Raises:
-        InvalidSamplingParams: ``field_name`` with xgrammar's message.
+        InvalidSamplingParams: ``field_name`` with llguidance's message.
     """
+    from llguidance import LLMatcher
+
     try:
-        to_grammar(spec)
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own InvalidJSONError
-        raise InvalidSamplingParams(field_name, f"cannot be compiled: {native_message(e)}") from None
+        grammar = to_grammar(spec)
+    except Exception as e:  # llguidance raises ValueError / RuntimeError while building some grammars
+        raise InvalidSamplingParams(field_name, f"cannot be compiled: {first_line(e)}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidSamplingParams(field_name, f"cannot be compiled: {first_line(error)}")
+    return grammar
 
 
-def to_grammar(spec: StructuredSpec) -> Any:
-    """The tokenizer-free ``xgrammar.Grammar`` of ``spec``. Raises whatever xgrammar raises for a bad spec."""
-    import xgrammar
+def to_grammar(spec: StructuredSpec) -> str:
+    """The llguidance grammar (its JSON text) of ``spec``. Raises what llguidance raises for some bad specs;
+    others give a grammar that ``LLMatcher.validate_grammar`` reports."""
+    from llguidance import LLMatcher, grammar_from
 
-    if spec.kind == "json":
-        return xgrammar.Grammar.from_json_schema(spec.value, any_whitespace=spec.any_whitespace)
-    if spec.kind == "json_object":
-        return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
+    if spec.kind in ("json", "json_object"):
+        options: dict[str, Any] = {"whitespace_flexible": spec.any_whitespace}
+        if not spec.any_whitespace:
+            options.update(item_separator=",", key_separator=":")
+        schema = spec.value if spec.kind == "json" else '{"type": "object"}'
+        return LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
     if spec.kind == "regex":
-        return xgrammar.Grammar.from_regex(spec.value)
+        return LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":
-        return xgrammar.Grammar.from_ebnf(choice_ebnf(json.loads(spec.value)))
-    return xgrammar.Grammar.from_ebnf(spec.value)
+        return grammar_from("choice", spec.value)
+    return grammar_from("grammar", spec.value)  # GBNF (root ::= ...) or Lark (start: ...)
 
 
-def choice_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar whose sentences are exactly ``choices`` (each a JSON-escaped string literal)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def native_message(error: BaseException) -> str:
-    """xgrammar's error text without its timestamp and C++ source location."""
+def first_line(error: object) -> str:
+    """The first non-empty line of an error or message."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return _NATIVE_PREFIX.sub("", lines[0]) if lines else type(error).__name__
+    return lines[0] if lines else type(error).__name__
 
 
 def _as_object(key: str, raw: Any) -> Mapping[str, Any]:
