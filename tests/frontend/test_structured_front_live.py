@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
 MODEL = "pd_ensemble"
+READY_TIMEOUT_S = 600.0  # three engines load slowly on a loaded 2-core host
 
 
 class City(BaseModel):

@@ -23,6 +23,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode", "colocated")
 PATHS = ("pd_ensemble", "colocated")
+READY_TIMEOUT_S = 600.0  # four engines load slowly on a loaded 2-core host
 ORDER = {
     "type": "object",
     "properties": {
