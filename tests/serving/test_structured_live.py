@@ -69,7 +69,7 @@ def check(constraint: dict[str, Any], text: str) -> None:
 
 def run(url: str, model: str, prompt: str, constraint: dict[str, Any], key: str = "structured_outputs",
         **sampling: Any) -> tuple[str, str]:
-    params = {"max_tokens": 96, "temperature": 0, key: constraint, **sampling}
+    params = {"max_tokens": 200, "temperature": 0, key: constraint, **sampling}
     res = infer(url, model, prompt, params, apply_chat_template=True, return_finish_reason=True)
     assert res.error is None, res.error
     return res.text(), res.outputs[-1]["finish_reason"][0].decode()
