@@ -3,7 +3,8 @@
 ``response_format``: ``text`` (or absent) → no constraint; ``json_object`` → ``{"json_object": true}``;
 ``json_schema`` → ``{"json": <json_schema.schema>}`` (``strict`` or not: the output always follows the schema,
 xgrammar's strict mode: no properties beyond the declared ones). ``tool_choice`` ``required`` or a named
-function → ``{"json": tools.call_schema(plan)}``. Both at once (a response format and a forced tool call) are
+function → ``{"json": tools.call_schema(plan), "disable_any_whitespace": true}`` (compact: a small model
+otherwise spends its tokens on whitespace). Both at once (a response format and a forced tool call) are
 refused: an answer cannot be both. The object goes to the server in ``sampling_parameters.structured_outputs``
 (vLLM's name); the server compiles it and refuses a schema it cannot compile with a 400 naming
 ``response_format`` or ``tools`` (``frontend.errors.from_triton_message``).
@@ -31,7 +32,7 @@ def chat_constraint(response_format: ResponseFormat | None, plan: ToolPlan | Non
         raise unsupported("response_format", "together with tool_choice 'required' or a named function")
     if forced:
         assert plan is not None
-        return {"json": call_schema(plan)}
+        return {"json": call_schema(plan), "disable_any_whitespace": True}
     if kind == "text":
         return None
     if kind == "json_object":

@@ -109,12 +109,13 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
     """The JSON schema a constrained answer must follow (``required`` / named)."""
     functions = [f for f in plan.functions if plan.mode != "named" or f["name"] == plan.named]
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-              "required": ["name", "arguments"]} for f in functions]
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
     array: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
     if not plan.parallel:
         array["maxItems"] = 1
-    return {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"]}
+    return {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
+            "additionalProperties": False}
 
 
 def parse_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]] | None:

@@ -90,7 +90,7 @@ def one_stream(url: str, model: str, params: dict[str, Any]) -> tuple[float, flo
     inputs.append(flag)
     events: queue.Queue[tuple[Any, Any, float]] = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda r, e: events.put((r, e, time.perf_counter())))
+    client.start_stream(callback=lambda result, error: events.put((result, error, time.perf_counter())))
     start = time.perf_counter()
     stamps: list[tuple[float, int]] = []
     try:

@@ -23,7 +23,7 @@ READY_TIMEOUT_S = 600.0  # three engines load slowly on a loaded 2-core host
 class City(BaseModel):
     name: str = Field(max_length=30)
     country: Literal["France", "Italy", "Spain"]
-    population_millions: float = Field(ge=0, le=50)
+    population_millions: int = Field(ge=0, le=50)   # a float: SmolLM2 writes digits until max_tokens
 
 
 class GetWeather(BaseModel):

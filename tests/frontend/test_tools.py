@@ -56,6 +56,7 @@ def test_required_constrains_to_calls_of_declared_tools(parallel: bool) -> None:
     one = {"name": "get_weather", "arguments": {"city": "Paris"}}
     jsonschema.validate({"tool_calls": [one]}, schema)
     for bad in ({"tool_calls": []}, {"tool_calls": [{"name": "nope", "arguments": {}}]},
+                {"tool_calls": [{**one, "description": "x"}]},
                 {"tool_calls": [{"name": "get_weather", "arguments": {"unit": "c"}}]}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
