@@ -5,7 +5,7 @@ a JSON-schema constraint on ``colocated`` and ``pd_ensemble`` (1P1D over NIXL), 
 Part 1 (in process, SmolLM2's vocabulary): building the vocabulary description once; compiling a JSON schema
 cold and cached; filling one token mask and accepting one token, per token, over a valid answer's tokens.
 Part 2 (a real tritonserver from ``scripts/serve.sh``, the real SmolLM2): ``--requests`` sequential streaming
-chat requests per (model, constraint), greedy, ``max_tokens`` tokens; TTFT = first response, ITL = mean gap
+chat requests per (model, constraint), the two constraints interleaved, greedy, ``max_tokens`` tokens; TTFT = first response, ITL = mean gap
 between later responses divided by the tokens they carry. Each figure is printed next to its unconstrained
 baseline from the same run (``ratio``), with ``os.getloadavg()``.
 
@@ -124,14 +124,20 @@ def bench_serving(requests: int, max_tokens: int) -> list[dict[str, Any]]:
     server.start(600)
     try:
         for model in ("colocated", "pd_ensemble"):
-            for label, extra in (("free", {}), ("json_schema", {"structured_outputs": {"json": SCHEMA}})):
-                params = {"max_tokens": max_tokens, "temperature": 0, **extra}
-                one_stream(server.grpc_url, model, params)  # warm-up (and, constrained, the cold compile)
-                runs = [one_stream(server.grpc_url, model, params) for _ in range(requests)]
+            variants = {"free": {}, "json_schema": {"structured_outputs": {"json": SCHEMA}}}
+            params = {label: {"max_tokens": max_tokens, "temperature": 0, **extra}
+                      for label, extra in variants.items()}
+            for label in variants:  # warm-up (and, constrained, the cold compile)
+                one_stream(server.grpc_url, model, params[label])
+            runs: dict[str, list[tuple[float, float, int]]] = {label: [] for label in variants}
+            for _ in range(requests):  # interleaved, so that a drift of the host's load hits both alike
+                for label in variants:
+                    runs[label].append(one_stream(server.grpc_url, model, params[label]))
+            for label, got in runs.items():
                 rows.append({"model": model, "constraint": label,
-                             "ttft_ms": statistics.median(r[0] for r in runs) * 1e3,
-                             "itl_ms": statistics.median(r[1] for r in runs) * 1e3,
-                             "tokens": statistics.median(r[2] for r in runs), "loadavg": load()})
+                             "ttft_ms": statistics.median(r[0] for r in got) * 1e3,
+                             "itl_ms": statistics.median(r[1] for r in got) * 1e3,
+                             "tokens": statistics.median(r[2] for r in got), "loadavg": load()})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         server.stop(60.0)
