@@ -1,8 +1,8 @@
 """A chat request's output constraint: ``response_format`` and constrained tool calls → ``structured_outputs``.
 
 ``response_format``: ``text`` (or absent) → no constraint; ``json_object`` → ``{"json_object": true}``;
-``json_schema`` → ``{"json": <json_schema.schema>}`` (``strict`` or not: the output always follows the schema,
-xgrammar's strict mode: no properties beyond the declared ones). ``tool_choice`` ``required`` or a named
+``json_schema`` → ``{"json": <json_schema.schema>}`` (``strict`` or not: the output always follows the schema;
+OpenAI's strict schemas, and the SDK's from pydantic models, set ``additionalProperties: false`` themselves). ``tool_choice`` ``required`` or a named
 function → ``{"json": tools.call_schema(plan), "disable_any_whitespace": true}`` (compact: a small model
 otherwise spends its tokens on whitespace). Both at once (a response format and a forced tool call) are
 refused: an answer cannot be both. The object goes to the server in ``sampling_parameters.structured_outputs``
