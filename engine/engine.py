@@ -13,12 +13,13 @@ stop conditions and returns one ``RequestOutput`` per request that progressed. R
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import EngineError, OutOfPages, RequestRejected
+from engine.errors import EngineError, InvalidSamplingParams, OutOfPages, RequestRejected
 from engine.kv_pool import KVPool, KVShape
 from engine.model_runner import ModelRunner, SampledToken
 from engine.output_processor import OutputProcessor
@@ -28,6 +29,7 @@ from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestId, Sequence, pages_for_tokens
+from engine.structured import GrammarCompiler, GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +66,14 @@ class LLMEngine:
         self.scheduler = Scheduler(pages, config.page_size, config.chunk_size,
                                    config.max_num_batched_tokens, config.max_running_requests)
         eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
+        self._eos_token_ids = eos
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, eos)
         self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer),
                                                 lambda token_id: self.tokenizer.decode([token_id], False))
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self._requests: dict[RequestId, Sequence] = {}
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._finish_next: list[tuple[Sequence, FinishReason]] = []
         logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d prefix_caching=%s", config.mode,
                     num_pages, config.page_size, self.kv_pool.nbytes, pages.enabled)
@@ -91,12 +96,32 @@ class LLMEngine:
         """True while a step has work: queued, running, or a prebuilt request about to finish."""
         return self.scheduler.has_work() or bool(self._finish_next)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-outputs compiler for this model's vocabulary (built on first use; any thread)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                                 sorted(self._eos_token_ids))
+            return self._grammars
+
+    def prepare_request(self, params: SamplingParams) -> None:
+        """Compile ``params.structured`` now (any thread, e.g. the one admitting the request), so that
+        ``add_request`` / ``reserve_request`` on the engine thread find it compiled; no-op without one.
+
+        Raises:
+            InvalidSamplingParams: the spec cannot be compiled for this vocabulary (naming its field).
+        """
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
+
     def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; it starts when its pages (prompt + max_tokens) are free.
 
         Raises:
             RequestRejected: duplicate id, empty prompt, token out of vocabulary, longer than
-                ``max_model_len``, or more pages than the whole pool.
+                ``max_model_len``, more pages than the whole pool, or ``params.structured`` cannot be compiled
+                (compiled here, on the engine thread, unless ``prepare_request`` compiled it before).
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         self.scheduler.add(seq)
@@ -156,6 +181,9 @@ class LLMEngine:
             # the ones a colocated engine draws from the same seed
             torch.empty(self.model_config.vocab_size, dtype=torch.float32,
                         device=self.config.device).exponential_(generator=seq.generator)
+        if seq.grammar is not None:
+            # the prefill engine sampled the first token under the same grammar: move this fresh state past it
+            seq.grammar.accept(int(first_token_id))
         reason = self.output_processor.append_token(seq, int(first_token_id), float(first_logprob))
         if first_token_sent:
             self.output_processor.mark_emitted(seq)
@@ -203,6 +231,8 @@ class LLMEngine:
         seq = item.seq
         reason = None
         if sampled is not None:
+            if seq.grammar is not None:
+                seq.grammar.accept(sampled.token_id)
             reason = self.output_processor.append_sampled(seq, sampled)
         if self.config.mode == "prefill":
             return self._prefill_output(seq, sampled, reason)
@@ -249,6 +279,12 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params, reserved, generator)
+        if params.structured is not None:
+            try:
+                compiled = self.grammars.compile(params.structured)
+            except InvalidSamplingParams as e:  # RequestRejected: every caller fails just this request
+                raise RequestRejected(request_id, str(e)) from None
+            seq.grammar = GrammarState(compiled, request_id)
         if self.scheduler.pages_needed(seq) > self.num_total_pages:
             raise RequestRejected(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
                                               f"the pool has {self.num_total_pages}")

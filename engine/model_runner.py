@@ -11,6 +11,7 @@ from engine.forward_batch import ForwardBatch
 from engine.sampling import Sampler, TokenHistory, TopLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, pages_for_tokens
+from engine.structured.matcher import fill_masks
 
 
 class CausalLM(Protocol):
@@ -65,8 +66,9 @@ class ModelRunner:
             if not samplers:
                 return []
             histories = [s.history if s.params.processes_logits else _NO_HISTORY for s in samplers]
+            masks = fill_masks([s.grammar for s in samplers], int(logits.shape[-1]))
             result = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers],
-                                  histories)
+                                  histories, masks)
         return [SampledToken(s, t, lp, top)
                 for s, t, lp, top in zip(samplers, result.token_ids, result.logprobs, result.top)]
 

@@ -7,7 +7,8 @@ Per row, the sampler applies, in vLLM's order: ``logit_bias``; ``min_tokens`` (E
 masked while fewer tokens were generated); ``repetition_penalty`` (prompt and output tokens: a positive logit
 is divided by it, a negative one multiplied, as in CTRL, Keskar et al. 2019); ``frequency_penalty`` and
 ``presence_penalty`` (output tokens only: ``logit -= frequency * count + presence * (count > 0)``, as in
-OpenAI's API); then greedy argmax, or temperature, ``min_p`` (drop tokens below ``min_p`` times the top
+OpenAI's API); then the structured-outputs token mask (``structured``: tokens its grammar does not allow next
+get ``-inf``; ``engine.structured``); then greedy argmax, or temperature, ``min_p`` (drop tokens below ``min_p`` times the top
 token's probability), top-k, top-p and a draw.
 
 Logprobs: the reported logprob of a chosen token (and the top ``logprobs`` alternatives, with ranks) is taken
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidSamplingParams
+from engine.structured.matcher import apply_mask
+from engine.structured.spec import SPEC_KEYS, StructuredSpec, parse_structured
 
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
@@ -42,13 +45,11 @@ ACCEPTED_AT_DEFAULT: dict[str, object] = {
 }
 #: vLLM sampling keys this engine does not implement: a request naming one is refused with this reason.
 UNSUPPORTED: dict[str, str] = {
-    "guided_decoding": "guided decoding is not supported",
-    "structured_outputs": "structured outputs (guided decoding) are not supported",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
-    "response_format": "structured outputs (guided decoding) are not supported",
+    "guided_json": "OpenAI-server extra field: use structured_outputs.json",
+    "guided_regex": "OpenAI-server extra field: use structured_outputs.regex",
+    "guided_choice": "OpenAI-server extra field: use structured_outputs.choice",
+    "guided_grammar": "OpenAI-server extra field: use structured_outputs.grammar",
+    "response_format": "OpenAI-server field: use structured_outputs.json or structured_outputs.json_object",
     "lora_name": "LoRA adapters are not supported",
     "lora_request": "LoRA adapters are not supported",
     "prompt_logprobs": "prompt logprobs are not supported",
@@ -90,6 +91,8 @@ class SamplingParams:
             requests (``for_sample``), the engine itself runs ``n == 1`` only.
         logit_bias: ``(token_id, bias)`` pairs added to the logits (bias in [-100, 100]); given as a mapping
             ``{token_id: bias}`` (ids may be strings, as in JSON), stored sorted as a tuple.
+        structured: the output's constraint (JSON schema, JSON object, regex, choice, grammar), or None; given
+            on the wire as vLLM's ``structured_outputs`` (or ``guided_decoding``) object.
 
     Raises:
         InvalidSamplingParams: naming the first parameter whose value is out of range.
@@ -112,6 +115,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -202,9 +206,16 @@ class SamplingParams:
             InvalidSamplingParams: an unknown key, a key this engine does not implement (``UNSUPPORTED``, or
                 one of ``ACCEPTED_AT_DEFAULT`` at another value), a value of the wrong type, or out of range.
         """
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"structured"}
         kwargs: dict[str, Any] = {}
+        specs = [k for k in SPEC_KEYS if d.get(k) is not None]
+        if len(specs) > 1:
+            raise InvalidSamplingParams(specs[1], f"give one of {list(SPEC_KEYS)}, not both")
         for key, value in d.items():
+            if key in SPEC_KEYS:
+                if value is not None:
+                    kwargs["structured"] = parse_structured(key, value)
+                continue
             if key in UNSUPPORTED:
                 if value is None:
                     continue
@@ -216,7 +227,7 @@ class SamplingParams:
                     raise InvalidSamplingParams(key, f"not supported by this server except at {default!r}")
                 continue
             if key not in known:
-                raise InvalidSamplingParams(key, f"unknown parameter (known: {sorted(known)})")
+                raise InvalidSamplingParams(key, f"unknown parameter (known: {sorted(known | set(SPEC_KEYS))})")
             if value is not None:
                 kwargs[key] = _PARSERS[key](key, value)
         return cls(**kwargs)
@@ -344,7 +355,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator],
-                 histories: Sequence[TokenHistory] | None = None) -> SampleResult:
+                 histories: Sequence[TokenHistory] | None = None,
+                 masks: torch.Tensor | None = None) -> SampleResult:
         """Sample.
 
         Args:
@@ -353,18 +365,26 @@ class Sampler:
             generators: one per row, on ``logits.device``; used by non-greedy rows only.
             histories: one per row: the tokens penalties and ``min_tokens`` see; None: no row has any (every
                 row is then sampled as if its prompt and output were empty).
+            masks: ``[num_rows, ceil(vocab_size / 32)]`` int32 allowed-token bitmask (``engine.structured``),
+                applied to the rows whose params carry ``structured``, after the penalties; None: no mask.
         Returns:
             ``SampleResult`` with ``num_rows`` tokens and logprobs (and top logprobs where asked).
         """
         logits = logits.float()
         token_ids = torch.argmax(logits, dim=-1)
         for i, p in enumerate(params):
-            if p.greedy and not p.processes_logits:
+            masked = masks is not None and p.structured is not None
+            if p.greedy and not p.processes_logits and not masked:
                 continue
             row = logits[i]
             if p.processes_logits:
                 history = histories[i] if histories is not None else TokenHistory((), ())
                 row = self._process(row, p, history)
+            if masked:
+                assert masks is not None
+                row = apply_mask(row, masks[i])
+                if not bool(torch.isfinite(row).any()):  # min_tokens forbids the only tokens the grammar allows
+                    row = apply_mask(logits[i], masks[i])  # the grammar wins
             token_ids[i] = int(torch.argmax(row)) if p.greedy else _sample_row(row, p, generators[i])
         log_norm = torch.logsumexp(logits, dim=-1)
         chosen = torch.gather(logits, 1, token_ids[:, None]).squeeze(1)

@@ -21,6 +21,7 @@ from engine.outputs import FinishReason, TokenLogprob
 from engine.page_allocator import PageId
 from engine.prefix_cache import PageHash
 from engine.sampling import SamplingParams, TokenHistory
+from engine.structured.matcher import GrammarState
 
 RequestId = str
 
@@ -56,6 +57,8 @@ class Sequence:
         output_logprobs: raw logprob of each generated token.
         output_token_logprobs: logprob details of each generated token (only when ``params.logprobs`` is set).
         cumulative_logprob: sum of ``output_logprobs``.
+        grammar: the structured-outputs state (``params.structured``), moved past every sampled token; None
+            without a constraint.
     """
 
     def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
@@ -78,6 +81,7 @@ class Sequence:
         self.num_sent_pages = 0
         self.num_emitted_tokens = 0
         self.generator = generator
+        self.grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,7 @@ from frontend.protocol import (
     ModelCard,
     ModelList,
 )
+from frontend.tool_stream import ToolCallStream
 from frontend.wire import BackendRequest, BackendResponse, Totals
 
 logger = logging.getLogger(__name__)
@@ -128,19 +129,22 @@ def create_app(config: FrontendConfig, backend: Backend, renderer: ChatRenderer)
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = check_model(body.model)
-        prompt = renderer.render(mapping.chat_messages(body))
+        plan = mapping.tool_plan(body)
+        prompt = renderer.render(mapping.chat_messages(body, plan))
         top = (body.top_logprobs or 0) if body.logprobs else None
         backend_request = BackendRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt,
-                                         mapping.chat_sampling(body, config.default_max_tokens), top is not None)
+                                         mapping.chat_sampling(body, config.default_max_tokens, plan),
+                                         top is not None)
         stream = generate(backend, backend_request, "messages")
         now, rid, n = int(time.time()), backend_request.request_id, backend_request.n
         if not body.stream:
             totals = await until_disconnected(request, collect(stream, n))
-            return json_response(mapping.chat_response(totals, rid, now, model, top))
+            return json_response(mapping.chat_response(totals, rid, now, model, top, plan))
         first = await until_disconnected(request, anext(stream))
+        calls = ToolCallStream(plan) if plan is not None and plan.mode != "none" else None
 
         def chunk(r: BackendResponse) -> ChatCompletionChunk | None:
-            return mapping.chat_chunk(r, rid, now, model, top)
+            return mapping.chat_chunk(r, rid, now, model, top, calls)
 
         def usage(totals: Totals) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=now, model=model, choices=[], usage=mapping.usage_of(totals))

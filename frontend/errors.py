@@ -23,7 +23,10 @@ from frontend.protocol import ErrorBody, ErrorInfo
 
 _INVALID_INPUT = re.compile(r"invalid input '([^']+)': (.*)", re.DOTALL)
 #: Triton input names → the OpenAI field the client sent.
-_INPUT_TO_FIELD = {"text_input": "prompt", "sampling_parameters.logprobs": "logprobs"}
+_INPUT_TO_FIELD = {"text_input": "prompt", "sampling_parameters.logprobs": "logprobs",
+                   # the front sends response_format (and forced tool calls) as structured_outputs
+                   "sampling_parameters.structured_outputs.json": "response_format",
+                   "sampling_parameters.structured_outputs.json_object": "response_format"}
 
 
 class OpenAIError(Exception):

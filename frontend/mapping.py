@@ -5,13 +5,16 @@ Request mapping: ``max_tokens`` (chat: ``max_completion_tokens`` first) → ``ma
 max_tokens up front); ``temperature`` (absent: 1.0, OpenAI's default), ``top_p``, ``seed``, ``stop``, ``n``
 (> 1 only), penalties (non-neutral only), ``logit_bias`` and vLLM's extensions pass through; completions
 ``logprobs: k`` and chat ``logprobs: true`` + ``top_logprobs: k`` → ``logprobs: k``. Only keys the client set are
-sent, so a server that predates a key still serves every request that does not use it.
+sent, so a server that predates a key still serves every request that does not use it. Chat ``response_format``
+and forced tool calls become ``structured_outputs`` (``frontend.structured``); tools are described in the system
+message and answers parsed back into ``tool_calls`` (``frontend.tools``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from frontend import tools
 from frontend.errors import bad_request, unsupported
 from frontend.protocol import (
     AssistantMessage,
@@ -31,9 +34,13 @@ from frontend.protocol import (
     CompletionResponse,
     PromptTokensDetails,
     SamplingFields,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from frontend.structured import chat_constraint
+from frontend.tool_stream import ToolCallStream
 from frontend.wire import BackendResponse, JSONValue, TokenLogprob, Totals
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -102,28 +109,41 @@ def completion_sampling(req: CompletionRequest) -> dict[str, JSONValue]:
     return sampling_parameters(req, max_tokens, req.logprobs)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def tool_plan(req: ChatCompletionRequest) -> tools.ToolPlan | None:
+    """The request's tools and ``tool_choice`` (None without tools). Raises OpenAIError (400)."""
+    return tools.plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def chat_messages(req: ChatCompletionRequest, plan: tools.ToolPlan | None = None) -> list[dict[str, str]]:
     """The messages as ``{"role", "content"}`` dicts for the chat template (``developer`` → ``system``; text
-    parts joined). Raises OpenAIError (400) naming an unsupported field."""
+    parts joined; earlier tool calls and tool results as text, the tools described in the system message unless
+    ``tool_choice`` is none). Raises OpenAIError (400) naming an unsupported field."""
     _check_stream_options(req)
-    for name in ("tools", "functions", "audio", "prediction", "reasoning_effort"):
+    for name in ("functions", "audio", "prediction", "reasoning_effort"):
         if getattr(req, name):
             raise unsupported(name)
-    if req.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported("response_format", f"type {req.response_format.type!r} (only 'text')")
     if req.modalities not in (None, ["text"]):
         raise unsupported("modalities", "only ['text']")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    return [_message(i, m) for i, m in enumerate(req.messages)]
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    if plan is not None and plan.mode != "none":
+        described = tools.system_prompt(plan)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{described}"}
+        else:
+            messages.insert(0, {"role": "system", "content": described})
+    return messages
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, str]:
     where = f"messages[{index}]"
-    if message.role in ("tool", "function") or message.tool_calls:
-        raise unsupported(f"{where}.role", "tool messages and tool calls")
+    if message.role == "function":
+        raise unsupported(f"{where}.role", "'function' (use 'tool')")
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        return {"role": "assistant", "content": tools.history_text(message.tool_calls)}
     content = message.content
     if isinstance(content, list):
         if any(part.type != "text" or part.text is None for part in content):
@@ -133,10 +153,17 @@ def _message(index: int, message: ChatMessage) -> dict[str, str]:
     return {"role": role, "content": content or ""}
 
 
-def chat_sampling(req: ChatCompletionRequest, default_max_tokens: int) -> dict[str, JSONValue]:
+def chat_sampling(req: ChatCompletionRequest, default_max_tokens: int,
+                  plan: tools.ToolPlan | None = None) -> dict[str, JSONValue]:
+    """The chat request's ``sampling_parameters``, with ``structured_outputs`` when its answer is constrained.
+    Raises OpenAIError (400) as ``sampling_parameters`` and ``chat_constraint``."""
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    return sampling_parameters(req, max_tokens, top)
+    params = sampling_parameters(req, max_tokens, top)
+    constraint = chat_constraint(req.response_format, plan)
+    if constraint is not None:
+        params["structured_outputs"] = constraint
+    return params
 
 
 def usage_of(totals: Totals) -> Usage:
@@ -186,11 +213,18 @@ def completion_response(totals: Totals, request_id: str, created: int, model: st
 
 
 def chat_response(totals: Totals, request_id: str, created: int, model: str,
-                  top_logprobs: int | None) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(s.text)),
-                          finish_reason=s.finish_reason,
-                          logprobs=None if top_logprobs is None else chat_logprobs(s.logprobs, top_logprobs))
-               for i, s in enumerate(totals.samples)]
+                  top_logprobs: int | None, plan: tools.ToolPlan | None = None) -> ChatCompletionResponse:
+    """The whole chat answer; with tools (not ``none``), an answer that is a tool call becomes ``tool_calls``
+    (content null, finish reason ``tool_calls``)."""
+    choices = []
+    for i, s in enumerate(totals.samples):
+        text = "".join(s.text)
+        calls = tools.parse_calls(text, plan) if plan is not None and plan.mode != "none" else None
+        message = AssistantMessage(content=text) if calls is None else \
+            AssistantMessage(content=None, tool_calls=[ToolCall.model_validate(c) for c in calls])
+        choices.append(ChatChoice(index=i, message=message,
+                                  finish_reason=s.finish_reason if calls is None else "tool_calls",
+                                  logprobs=None if top_logprobs is None else chat_logprobs(s.logprobs, top_logprobs)))
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage_of(totals))
 
@@ -204,11 +238,23 @@ def chat_role_chunk(n: int, request_id: str, created: int, model: str) -> ChatCo
 
 
 def chat_chunk(response: BackendResponse, request_id: str, created: int, model: str,
-               top_logprobs: int | None) -> ChatCompletionChunk | None:
-    """The chunk of one backend response: the choices it changed; None when it changed none."""
-    choices = [ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text), finish_reason=d.finish_reason,
-                               logprobs=None if top_logprobs is None else chat_logprobs(d.logprobs, top_logprobs))
-               for d in response.samples if d.text or d.finish_reason or d.logprobs]
+               top_logprobs: int | None, calls: ToolCallStream | None = None) -> ChatCompletionChunk | None:
+    """The chunk of one backend response: the choices it changed; None when it changed none. ``calls``: the
+    request's tool-call filter (text held back while it may be a tool call; ``frontend.tool_stream``)."""
+    choices = []
+    for d in response.samples:
+        if not (d.text or d.finish_reason or d.logprobs):
+            continue
+        logprobs = None if top_logprobs is None else chat_logprobs(d.logprobs, top_logprobs)
+        if calls is None:
+            delta, finish = ChatDelta(content=d.text), d.finish_reason
+        else:
+            out = calls.feed(d.index, d.text, d.finish_reason)
+            tool_calls = None if out.tool_calls is None else [ToolCallDelta.model_validate(c) for c in out.tool_calls]
+            delta, finish = ChatDelta(content=out.content, tool_calls=tool_calls), out.finish_reason
+            if out.content is None and tool_calls is None and finish is None and logprobs is None:
+                continue
+        choices.append(ChatChunkChoice(index=d.index, delta=delta, finish_reason=finish, logprobs=logprobs))
     return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices) if choices else None
 
 

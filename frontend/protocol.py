@@ -2,7 +2,7 @@
 
 Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" with 400): a field we cannot
 honour is an error naming it, never silently ignored. Fields that OpenAI defines but this server cannot honour
-(``tools``, ``response_format`` other than text, ``suffix``, ``echo``, ...) are declared so that
+(``functions``, ``audio``, ``suffix``, ``echo``, ...) are declared so that
 ``mapping.check_supported`` can name them in a 400. vLLM's sampling extensions (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``) are
 accepted too: genai-perf and vLLM clients send them.
@@ -73,8 +73,11 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict", ...}}``."""
+
     model_config = ConfigDict(extra="allow")
     type: str
+    json_schema: dict[str, object] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,9 +159,27 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str   # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    """A streamed tool call: ``index`` orders the calls of one choice (sent whole here, in one delta)."""
+
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -180,6 +201,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -22,12 +22,13 @@ import threading
 from dataclasses import replace
 from typing import Protocol
 
+from engine.errors import InvalidSamplingParams
 from serving.config import WorkerConfig
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.parallel_sampling import SampleFanIn
-from serving.request import GenerateRequest
+from serving.request import GenerateRequest, RequestError
 from serving.stream import GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ class ColocatedWorker:
         except Exception as e:  # noqa: BLE001 (a template or tokenizer error concerns this request only)
             logger.warning("request %s: tokenization failed: %s", request_id, e)
             sink.send_error(f"tokenization failed: {e}")
+            return request_id
+        try:
+            self._loop.prepare(request.params)  # the grammar compiles here, not on the engine thread
+        except InvalidSamplingParams as e:
+            sink.send_error(str(RequestError(f"sampling_parameters.{e.param}", e.reason)))
             return request_id
         n = request.params.n
         if n == 1:

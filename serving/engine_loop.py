@@ -42,6 +42,10 @@ class EngineCore(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
+    def prepare_request(self, params: SamplingParams) -> None:
+        """Any thread: compile ``params.structured`` (raises ``InvalidSamplingParams``); called only when set."""
+        ...
+
     def abort_request(self, request_id: str) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -152,6 +156,16 @@ class EngineLoop:
             LoopStopped: the loop is not running; ``on_event`` will never be called.
         """
         self._put(_Submit(request_id, list(prompt_token_ids), params, on_event))
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Caller's thread (admission): compile the request's structured-outputs grammar now, so the loop thread
+        finds it compiled and a slow or bad spec holds up only its own request. No-op without one.
+
+        Raises:
+            InvalidSamplingParams: the spec cannot be compiled for this model's vocabulary (naming its field).
+        """
+        if params.structured is not None:
+            self.engine.prepare_request(params)
 
     def abort(self, request_id: RequestId, reason: str = "aborted by caller") -> None:
         """Queue an abort: the engine frees the request's pages and its callback gets ``RequestAborted``.

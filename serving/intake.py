@@ -7,16 +7,19 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from engine.errors import InvalidSamplingParams
 from serving.colocated import Tokenizer, prompt_token_ids
 from serving.engine_loop import EngineLoop
 from serving.pd_request import PDRequest
+from serving.request import RequestError
 from serving.stream import ResponseSink
 
 J = TypeVar("J")
 
 
 class Intake(Generic[J]):
-    """Tokenizes on the caller's thread, queues the job, wakes the loop; the loop thread ``take``s the jobs."""
+    """Tokenizes (and compiles a structured-outputs grammar) on the caller's thread, queues the job, wakes the
+    loop; the loop thread ``take``s the jobs."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, name: str) -> None:
         """
@@ -33,13 +36,18 @@ class Intake(Generic[J]):
         self._jobs: list[J] = []
 
     def accept(self, pd: PDRequest, sink: ResponseSink, make_job: Callable[[str, list[int]], J]) -> str:
-        """Queue ``make_job(request_id, prompt_token_ids)``; on a tokenizer error or a stopped loop, answer
-        ``sink`` with an error instead. Never raises. Returns the request id."""
+        """Queue ``make_job(request_id, prompt_token_ids)``; on a tokenizer error, a grammar that cannot be
+        compiled or a stopped loop, answer ``sink`` with an error instead. Never raises. Returns the request id."""
         request_id = f"{self._name}-{next(self._ids)}"
         try:
             token_ids = prompt_token_ids(self._tokenizer, pd.request)
         except Exception as e:  # a template or tokenizer error concerns this request only
             sink.send_error(f"tokenization failed: {e}")
+            return request_id
+        try:
+            self._loop.prepare(pd.request.params)
+        except InvalidSamplingParams as e:
+            sink.send_error(str(RequestError(f"sampling_parameters.{e.param}", e.reason)))
             return request_id
         if not self._loop.running:
             sink.send_error(f"{self._name} is not running")

@@ -6,8 +6,9 @@ Inputs, as ``triton_io.read_inputs`` hands them over (one Python scalar per inpu
 ``text_input``                bytes    the prompt, UTF-8, required, non-empty
 ``stream``                    bool     one response per text delta (default false)
 ``sampling_parameters``       bytes    JSON object: max_tokens, temperature, top_p, top_k, seed, stop,
-                                       stop_token_ids, ignore_eos; values may be strings (``"32"``,
-                                       ``"true"``) as genai-perf sends them
+                                       stop_token_ids, ignore_eos, ..., and vLLM's ``structured_outputs``
+                                       (or ``guided_decoding``) object (``engine.structured.spec``); values
+                                       may be strings (``"32"``, ``"true"``) as genai-perf sends them
 ``exclude_input_in_output``   bool     non-streaming: default false, the prompt is prepended to
                                        ``text_output``; streaming: the prompt is never sent, and an explicit
                                        false is an error (as in the vLLM backend)

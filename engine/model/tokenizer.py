@@ -77,6 +77,11 @@ class Tokenizer:
             raise ModelLoadError(str(cfg_file), "no eos token in the model or tokenizer config")
         return cls(backend, template, ids, _token_str(cfg.get("bos_token")), eos)
 
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (its vocabulary feeds the structured-outputs compiler)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in ``text`` map to their ids."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

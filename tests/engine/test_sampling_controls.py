@@ -117,7 +117,7 @@ def test_string_values_parse_like_genai_perf_sends_them():
     assert p.logit_bias == ((7, -2.5),)
 
 
-@pytest.mark.parametrize("key", ["guided_decoding", "structured_outputs", "lora_name", "prompt_logprobs",
+@pytest.mark.parametrize("key", ["guided_json", "response_format", "lora_name", "prompt_logprobs",
                                  "bad_words", "allowed_token_ids"])
 def test_unsupported_keys_are_refused_by_name(key):
     with pytest.raises(InvalidSamplingParams, match="not supported") as e:

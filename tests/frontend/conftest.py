@@ -50,7 +50,7 @@ def _wait_healthy(url: str, server: ServeScript, timeout_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def openai_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def openai_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         import pytriton  # noqa: F401  (the tritonserver binary ships in nvidia-pytriton)
     except ImportError:
@@ -58,6 +58,7 @@ def openai_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     *ports, openai_port = free_ports(5)
     server = ServeScript("pd_ensemble,prefill,decode", tmp_path_factory.mktemp("triton") / "server.log",
                          env={"OPENAI": "1", "OPENAI_PORT": str(openai_port)}, ports=ports)
-    with supervised(server, READY_TIMEOUT_S, STOP_TIMEOUT_S, CLEAN_STOP_S):
+    ready_timeout_s = getattr(request.module, "READY_TIMEOUT_S", READY_TIMEOUT_S)  # a module may ask longer
+    with supervised(server, ready_timeout_s, STOP_TIMEOUT_S, CLEAN_STOP_S):
         _wait_healthy(f"http://127.0.0.1:{openai_port}/health", server, FRONT_READY_TIMEOUT_S)
         yield Stack(server, f"http://127.0.0.1:{openai_port}/v1")

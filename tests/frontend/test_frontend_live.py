@@ -148,8 +148,8 @@ def test_bad_requests_get_openais_error_body(openai_stack: Any, client: openai.O
     assert server_side.value.status_code == 400 and server_side.value.param == "top_k"   # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(model="pd_ensemble", messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert unsupported.value.body["param"] == "tools"  # type: ignore[index]
+                                       tools=[{"type": "retrieval"}])  # type: ignore[list-item]
+    assert unsupported.value.body["param"] == "tools[0].type"  # type: ignore[index]
     resp = requests.post(f"{openai_stack.openai_url}/chat/completions", timeout=30,
                          json={"model": "pd_ensemble", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
     assert resp.status_code == 400 and set(resp.json()["error"]) == {"message", "type", "param", "code"}

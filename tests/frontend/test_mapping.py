@@ -51,18 +51,22 @@ def test_chat_max_completion_tokens_wins_and_logprobs_need_the_flag() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tool_choice": "required"}, "tool_choice"),   # without tools
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),   # without stream
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
      "messages[0].content"),
 ])
 def test_chat_fields_we_cannot_honour_are_400_naming_the_field(fields: dict[str, object], param: str) -> None:
     with pytest.raises(OpenAIError) as e:
-        mapping.chat_messages(chat(**fields))
+        req = chat(**fields)
+        plan = mapping.tool_plan(req)
+        mapping.chat_messages(req, plan)
+        mapping.chat_sampling(req, 100, plan)
     assert (e.value.status, e.value.type, e.value.param) == (400, "invalid_request_error", param)
 
 

@@ -42,5 +42,6 @@ def triton_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     # a module that serves its own repository (e.g. xPyD) builds it here
     repository = make_repository(tmp_path_factory.mktemp("model_repository")) if make_repository else None
     server = ServeScript(models, tmp_path_factory.mktemp("triton") / "server.log", repository)
-    with supervised(server, READY_TIMEOUT_S, STOP_TIMEOUT_S, CLEAN_STOP_S):
+    ready_timeout_s = getattr(request.module, "READY_TIMEOUT_S", READY_TIMEOUT_S)  # a module may load more
+    with supervised(server, ready_timeout_s, STOP_TIMEOUT_S, CLEAN_STOP_S):
         yield server

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from engine.errors import RequestRejected
+from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from serving.engine_loop import EngineCore
@@ -33,6 +33,14 @@ class FakeEngine:
         self.calls = {"has_unfinished": 0, "step": 0}
         self.fail_next_step = False
         self.thread_ids: set[int] = set()
+        self.prepare_thread_ids: set[int] = set()
+
+    def prepare_request(self, params: SamplingParams) -> None:
+        """Compiles nothing; refuses a spec whose regex is ``"reject-me"`` (as a grammar the vocabulary cannot
+        compile would be)."""
+        self.prepare_thread_ids.add(threading.get_ident())
+        if params.structured is not None and params.structured.value == "reject-me":
+            raise InvalidSamplingParams("structured_outputs.regex", "cannot be compiled: refused by the fake")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.thread_ids.add(threading.get_ident())

@@ -278,7 +278,8 @@ def test_n_samples_with_a_seed_are_reproducible(triton_server, model, stream) ->
 
 @pytest.mark.parametrize("model", PATHS)
 def test_unsupported_and_bad_keys_fail_by_name(triton_server, model) -> None:
-    for params, needle in [({"guided_decoding": {"json": {}}}, "guided_decoding"),
+    for params, needle in [({"guided_json": {}}, "guided_json"),
+                           ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
                            ({"lora_name": "x"}, "lora_name"), ({"logprobs": 21}, "logprobs"),
                            ({"n": 0}, "sampling_parameters.n"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
         res = infer(triton_server.grpc_url, model, "Hi", params)
