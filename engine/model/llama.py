@@ -133,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
         """
         from engine.model.weights import WeightMapper
 
-        WeightMapper(self.config, state_dict, source, self.dtype, self.device, self.weight_quant).load_into(self)
+        mapper = WeightMapper(self.config, state_dict, source, self.dtype, self.device, self.weight_quant)
+        mapper.load_into(self)
 
     def streamed_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every layer's products and the LM head (the embedding

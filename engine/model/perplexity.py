@@ -38,12 +38,12 @@ def perplexity(model: LlamaForCausalLM, token_ids: list[int], page_size: int = 1
     if not 2 <= n <= cfg.max_position_embeddings:
         raise ValueError(f"need 2..{cfg.max_position_embeddings} tokens, got {n}")
     num_pages = -(-n // page_size)
-    kv = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
-                     device=model.device)
+    kv = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                     dtype=model.dtype, device=model.device)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=model.device)
     positions = torch.arange(n, dtype=torch.int64, device=model.device)
-    batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=positions, query_lens=[n], seq_lens=[n],
-                         page_tables=[list(range(num_pages))], logits_indices=positions[:-1])
+    batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=positions, query_lens=[n],
+                         seq_lens=[n], page_tables=[list(range(num_pages))], logits_indices=positions[:-1])
     with torch.inference_mode():
         logits = model.forward(batch, kv)  # [n - 1, vocab] float32
         nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="mean")

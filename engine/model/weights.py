@@ -46,7 +46,8 @@ class WeightMapper:
         self.used.add(name)
         return t
 
-    def _set(self, module: torch.nn.Module, attr: str, parts: list[torch.Tensor], product: bool = False) -> None:
+    def _set(self, module: torch.nn.Module, attr: str, parts: list[torch.Tensor],
+             product: bool = False) -> None:
         """Make ``module.attr`` the concatenation of ``parts``, in the model's dtype/device; no copy when
         the parts are adjacent in memory and already of that dtype/device. A ``product`` weight becomes an
         ``Int8Weight`` when quantizing."""
@@ -77,7 +78,8 @@ class WeightMapper:
                                           self.take(p + "self_attn.v_proj.bias", (c.kv_size,))])
         self._set(layer, "o_proj", [self.take(p + "self_attn.o_proj.weight", (h, c.q_size))], True)
         self._set(layer, "gate_up_proj", [self.take(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                                          self.take(p + "mlp.up_proj.weight", (c.intermediate_size, h))], True)
+                                          self.take(p + "mlp.up_proj.weight", (c.intermediate_size, h))],
+                  True)
         self._set(layer, "down_proj", [self.take(p + "mlp.down_proj.weight", (h, c.intermediate_size))], True)
 
     def load_into(self, model: "LlamaForCausalLM") -> None:
@@ -92,7 +94,7 @@ class WeightMapper:
         self._set(model, "norm", [self.take("model.norm.weight", (c.hidden_size,))])
         if c.tie_word_embeddings:
             if isinstance(model.embed_tokens, Int8Weight):
-                delattr(model, "lm_head")  # still the placeholder Parameter; a module cannot replace it in place
+                delattr(model, "lm_head")  # the placeholder Parameter: a module cannot replace it in place
             model.lm_head = model.embed_tokens
             self.used.add("lm_head.weight")  # some checkpoints store the tied copy; it is not needed
         else:

@@ -41,7 +41,8 @@ def test_kernels_build_where_the_cpu_has_avx2():
 @pytest.mark.parametrize("m", [1, 3, SMALL_BATCH_ROWS])
 def test_bf16_kernel_equals_the_fp32_product_of_the_same_weights(m):
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(m, 77, generator=gen), torch.randn(37, 77, generator=gen).bfloat16()  # tails in N and K
+    x = torch.randn(m, 77, generator=gen)
+    w = torch.randn(37, 77, generator=gen).bfloat16()  # 37 x 77: tails in N and K
     y = _kernels().bf16(x, w)
     torch.testing.assert_close(y, F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
 
@@ -52,7 +53,8 @@ def test_int8_kernel_equals_the_dequantized_product(m):
     x = torch.randn(m, 83, generator=gen)
     q = torch.randint(-127, 128, (41, 83), dtype=torch.int8, generator=gen)
     scale = torch.rand(41, generator=gen)
-    torch.testing.assert_close(_kernels().int8(x, q, scale), F.linear(x, q.float()) * scale, rtol=1e-5, atol=1e-4)
+    expected = F.linear(x, q.float()) * scale
+    torch.testing.assert_close(_kernels().int8(x, q, scale), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_int8_quantization_error_is_at_most_half_a_step_and_zero_rows_survive():
@@ -64,7 +66,8 @@ def test_int8_quantization_error_is_at_most_half_a_step_and_zero_rows_survive():
     assert torch.equal(q.dequantize(torch.float32)[3], torch.zeros(64))
 
 
-@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, False), (torch.float32, True),
+                                         (torch.bfloat16, True)])
 def test_a_decode_row_does_not_depend_on_its_batch(dtype, quant):
     """On the kernels, row i of a small batch equals the product of row i alone, bit for bit (fp32 dense
     products stay on torch's BLAS, which gives no such promise)."""
@@ -82,7 +85,8 @@ def test_a_decode_row_does_not_depend_on_its_batch(dtype, quant):
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH_ROWS + 1])
 def test_linear_with_bias_matches_torch_on_both_paths(rows):
     gen = torch.Generator().manual_seed(4)
-    x, w, b = torch.randn(rows, 32, generator=gen), torch.randn(24, 32, generator=gen), torch.randn(24, generator=gen)
+    x, w = torch.randn(rows, 32, generator=gen), torch.randn(24, 32, generator=gen)
+    b = torch.randn(24, generator=gen)
     int8 = Int8Weight.quantize(w)
     torch.testing.assert_close(linear(x, int8, b), F.linear(x, int8.dequantize(torch.float32), b),
                                rtol=1e-5, atol=1e-4)
@@ -123,7 +127,7 @@ def _logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("dtype,weight_quant", MODES)
 def test_tiny_model_logits_stay_close_to_fp32(dtype, weight_quant, tie):
-    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 8, 41]  # 20 rows: batched path
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 8, 41]  # 20 rows: torch
     model = _tiny_model(dtype, weight_quant, tie)
     ref = _logits(_tiny_model("float32", "none", tie), ids)
     got = _logits(model, ids)
@@ -136,7 +140,7 @@ def test_tiny_model_logits_stay_close_to_fp32(dtype, weight_quant, tie):
         assert isinstance(layer.gate_up_proj, Int8Weight) and isinstance(model.lm_head, Int8Weight)
         assert (model.lm_head is model.embed_tokens) == tie
     else:
-        assert layer.gate_up_proj.dtype == getattr(torch, dtype) and model.lm_head.dtype == getattr(torch, dtype)
+        assert layer.gate_up_proj.dtype == model.lm_head.dtype == getattr(torch, dtype)
 
 
 @pytest.mark.parametrize("dtype,weight_quant", MODES)
@@ -185,7 +189,8 @@ def test_prefill_then_decode_engines_equal_colocated_exactly(dtype, weight_quant
         src = [page for o in outs for page in o.prefill_chunk.page_ids]
         dec.kv_cache[:, :, torch.tensor(dst[rid])] = pre.kv_cache[:, :, torch.tensor(src)]
         pre.release_request(rid)
-        dec.add_prebuilt_request(rid, outs[-1].prefill_chunk.first_token_id, outs[-1].prefill_chunk.first_logprob)
+        last = outs[-1].prefill_chunk
+        dec.add_prebuilt_request(rid, last.first_token_id, last.first_logprob)
     got = {rid: ([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.new_logprobs])
            for rid, outs in _run(dec).items()}
     assert {rid: t for rid, (t, _) in got.items()} == {rid: t for rid, (t, _) in expected.items()}

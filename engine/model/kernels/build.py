@@ -4,8 +4,8 @@ Why a kernel of our own: on AVX2-only CPUs (no AVX-512, no AMX) torch's CPU path
 (``F.linear`` in bf16, ``aten._weight_int8pack_mm``) are bound by their conversion loops, not by memory, and
 oneDNN's prepacked bf16 weights (``mkldnn._reorder_linear_weight``) refuse to run without AVX-512; the
 measurements are in docs/benchmarks.md ("Weight dtypes"). The library is compiled with the system C compiler
-(``cc``, ~1 s) into ``<cache root>/kernels/gemv_avx2-<source hash>.so``, written to a temporary name and renamed,
-so concurrent builders never load a half-written file. ctypes releases the GIL for the call.
+(``cc``, ~1 s) into ``<cache root>/kernels/gemv_avx2-<source hash>.so``, written to a temporary name and
+renamed, so concurrent builders never load a half-written file. ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class GemvKernels:
             fn.restype = None
 
     def bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, K]`` float32 contiguous, ``weight`` ``[N, K]`` bfloat16 contiguous -> ``[M, N]`` float32."""
+        """``x`` ``[M, K]`` float32, ``weight`` ``[N, K]`` bfloat16, both contiguous -> ``[M, N]`` float32."""
         y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         self._lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), x.shape[0], weight.shape[0],
                             x.shape[1])

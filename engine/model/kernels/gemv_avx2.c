@@ -69,7 +69,8 @@ void gemv_##name(const float *x, const wtype *w, const float *scale, float *y,  
         for (int64_t m = 0; m < M; m++) {                                                               \
             const float *xm = x + m * K;                                                                \
             __m256 a = _mm256_setzero_ps();                                                             \
-            for (int64_t k = 0; k < K8; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), LOAD8(wn + k), a); \
+            for (int64_t k = 0; k < K8; k += 8)                                                         \
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), LOAD8(wn + k), a);                         \
             float s = hsum8(a);                                                                         \
             for (int64_t k = K8; k < K; k++) s += xm[k] * LOAD1(wn[k]);                                 \
             y[m * N + n] = scale ? s * scale[n] : s;                                                    \
