@@ -59,6 +59,8 @@ class WeightMapper:
             setattr(module, attr, Int8Weight.quantize(joined.to(device=self.device)))
             return
         tensor = joined.to(device=self.device, dtype=self.dtype)
+        if self.quantize and tensor.data_ptr() == joined.data_ptr():
+            tensor = tensor.clone()  # a view would keep the whole float file mapped and resident
         if self.dtype == torch.bfloat16 and tensor.dim() == 2:
             tensor = tensor.contiguous()  # the bf16 decode kernel reads rows back to back
         setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
