@@ -9,6 +9,7 @@ Mode = Literal["colocated", "prefill", "decode"]
 
 MODES: tuple[str, ...] = ("colocated", "prefill", "decode")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+WEIGHT_QUANTS: tuple[str, ...] = ("none", "int8")  # engine.model.linear.WEIGHT_QUANTS
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
@@ -31,6 +32,8 @@ class EngineConfig:
         num_threads: ``torch.set_num_threads`` at engine start.
         device: torch device string (``"cpu"``, ``"cuda:0"``).
         dtype: weights and KV dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``).
+        weight_quant: ``"none"`` (weights in ``dtype``) or ``"int8"`` (weight-only int8 per output channel,
+            quantized at load; activations and KV stay in ``dtype``); see ``engine/model/linear.py``.
         seed: seeds the engine's generator used by requests that give no seed of their own.
         cache_dir: where the model loader keeps its converted weights; None = its default.
         enable_prefix_caching: keep full KV pages of past requests, keyed by their tokens, and let new
@@ -54,6 +57,7 @@ class EngineConfig:
     num_threads: int = 1
     device: str = "cpu"
     dtype: str = "float32"
+    weight_quant: str = "none"
     seed: int = 0
     cache_dir: str | None = None
     enable_prefix_caching: bool = True
@@ -63,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {self.weight_quant!r}")
         for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests",
                      "num_threads"):
             _require_positive(name, getattr(self, name))

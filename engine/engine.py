@@ -329,7 +329,7 @@ def _load_model(config: EngineConfig) -> Any:
     from engine.model import load_model
 
     return load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device,
-                      cache_dir=config.cache_dir)
+                      cache_dir=config.cache_dir, weight_quant=config.weight_quant)
 
 
 def _make_detokenizer(tokenizer: Any) -> Any:

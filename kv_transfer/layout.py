@@ -35,6 +35,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "float32"
     version: int = LAYOUT_VERSION
+    weight_quant: str = "none"  # the producing weights' format: KV of int8 weights differs from fp32's
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
@@ -83,7 +84,7 @@ class KVLayout:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__})
 
 
-COMPAT_FIELDS = ("version", "dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
+COMPAT_FIELDS = ("version", "dtype", "weight_quant", "page_size", "num_layers", "num_kv_heads", "head_dim")
 
 
 def compat_hash(model_id: str, layout: KVLayout) -> str:

@@ -7,6 +7,12 @@
 Usage: ``python scripts/bench_engine.py [--num-threads 1]``. The last line printed is a JSON object with
 ``decode_b1_tok_s``, ``decode_b1_hf_tok_s``, ``decode_b1_ratio``, ``mixed_tok_s``, ``mixed_hf_tok_s``,
 ``mixed_ratio``, ``peak_rss_mb``.
+
+``--formats float32:none,bfloat16:none,float32:int8`` instead compares the engine's weight formats
+(``dtype:weight_quant``; no transformers): each in its own process (its own peak RSS), giving (a) and (b)
+plus the memory-bandwidth limit of (a) (weight bytes per step / memcpy bandwidth measured in the same
+process), the fraction of it reached, and perplexity on the shipped public-domain text
+(``engine.model.perplexity``); ratios against the first format. See ``bench_weight_formats.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ def parse_args() -> argparse.Namespace:
                         "(damps noise from other processes on a shared machine)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--formats", default="",
+                   help="compare weight formats, e.g. float32:none,bfloat16:none,float32:int8 "
+                        "(dtype:weight_quant; the first is the baseline)")
+    p.add_argument("--one-format", default="", help=argparse.SUPPRESS)  # a child process of --formats
+    p.add_argument("--ppl-tokens", type=int, default=512, help="tokens of the perplexity text (--formats)")
     return p.parse_args()
 
 
@@ -51,9 +62,10 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def engine_decode_b1(loaded, prompt: list[int], n: int) -> float:
-    """Decode tokens/s at batch 1, timed from the first token to the last."""
-    engine = LLMEngine(EngineConfig(num_pages=64, num_threads=torch.get_num_threads()), loaded)
+def engine_decode_b1(loaded, prompt: list[int], n: int, **formats: str) -> float:
+    """Decode tokens/s at batch 1, timed from the first token to the last (``formats``: ``dtype``,
+    ``weight_quant`` of ``loaded``)."""
+    engine = LLMEngine(EngineConfig(num_pages=64, num_threads=torch.get_num_threads(), **formats), loaded)
     engine.add_request("b1", prompt, greedy(n))
     engine.step()  # prefill + first token
     start, steps = time.perf_counter(), 0
@@ -63,10 +75,10 @@ def engine_decode_b1(loaded, prompt: list[int], n: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def engine_mixed(loaded, prompts: list[list[int]], n: int, args: argparse.Namespace) -> float:
+def engine_mixed(loaded, prompts: list[list[int]], n: int, args: argparse.Namespace, **formats: str) -> float:
     """Output tokens/s over a whole continuous-batching run of ``prompts``."""
     cfg = EngineConfig(num_pages=1024, chunk_size=args.chunk_size, num_threads=args.num_threads,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens, **formats)
     engine = LLMEngine(cfg, loaded)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -92,6 +104,11 @@ def hf_generate_s(hf, prompts: list[list[int]], n: int, pad_id: int) -> float:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.num_threads)
+    if args.formats or args.one_format:
+        from bench_weight_formats import run_formats
+
+        run_formats(args, engine_decode_b1, engine_mixed, make_prompts)
+        return
     from transformers import AutoModelForCausalLM
 
     from engine.model import load_model

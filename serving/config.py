@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig
 from kv_transfer.backends import backend_names
 from kv_transfer.config import TRANSPORT_PROTOCOLS
 
@@ -69,7 +69,10 @@ class WorkerConfig:
         bootstrap_timeout_s: how long a PD request may wait for its peer to show up at the rendezvous.
         waiting_timeout_s: how long a PD request may wait for its KV once the transfer was set up.
         idle_wait_s: longest block of the engine loop on its input queue when there is nothing to do.
-        dtype: weights and KV dtype (``"float32"`` on CPU; ``"bfloat16"``/``"float16"`` on GPUs).
+        dtype: weights and KV dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
+        weight_quant: ``"none"`` or ``"int8"`` (weight-only int8, quantized at load; ``EngineConfig``). The
+            shipped configs keep ``float32``/``none`` (token-exact with transformers); docs/benchmarks.md
+            ("Weight dtypes") gives the fastest mode whose quality holds on each machine.
         device: torch device of the engine; set from the Triton instance (``instance_device``), not a parameter.
         cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
             no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.
@@ -98,6 +101,7 @@ class WorkerConfig:
     waiting_timeout_s: float = 120.0
     idle_wait_s: float = 0.1
     dtype: str = "float32"
+    weight_quant: str = "none"
     device: str = "cpu"
     cpu_affinity: str = ""
     enable_prefix_caching: bool = True
@@ -122,6 +126,8 @@ class WorkerConfig:
         validate_endpoint("grpc_url", self.grpc_url)
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ConfigError("weight_quant", f"must be one of {WEIGHT_QUANTS}, got {self.weight_quant!r}")
         try:
             cores = self.cpu_cores
         except ValueError:
@@ -147,7 +153,7 @@ class WorkerConfig:
         return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,  # type: ignore[arg-type]
                             num_pages=self.num_pages, chunk_size=self.chunk_size,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
-                            device=self.device, dtype=self.dtype,
+                            device=self.device, dtype=self.dtype, weight_quant=self.weight_quant,
                             enable_prefix_caching=self.enable_prefix_caching)
 
 

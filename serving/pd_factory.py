@@ -40,7 +40,8 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
     head_dim]``, one contiguous region), registered as ``model_name`` served at ``config.grpc_url``."""
     pool = engine.kv_pool
     layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
-                      num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype)
+                      num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype,
+                      weight_quant=config.weight_quant)
     on_gpu = config.device.startswith("cuda")
     return KVArgs(instance_id=instance_id, role=role, kv_base_ptr=pool.base_ptr, kv_nbytes=pool.nbytes,
                   layout=layout, model_id=engine.model_config.model_id,

@@ -4,7 +4,8 @@ Architecture (Touvron et al. 2023, "LLaMA"; HF ``modeling_llama`` naming): token
 ``x + Attn(RMSNorm(x))`` then ``x + MLP(RMSNorm(x))``; final RMSNorm; LM head (optionally tied to the
 embedding). Attention uses RoPE (``rope.py``) and grouped-query heads (Ainslie et al. 2023) through an
 ``AttentionBackend``; the MLP is SwiGLU (Shazeer 2020): ``down(silu(gate(x)) * up(x))``. For speed, q/k/v are
-one matmul and gate/up are one matmul; ``load_weights`` concatenates the HF tensors accordingly.
+one matmul and gate/up are one matmul; ``load_weights`` concatenates the HF tensors accordingly. With
+``weight_quant="int8"`` the five products per layer and the LM head hold ``linear.Int8Weight``s instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.model.config import ModelConfig
+from engine.model.linear import WEIGHT_QUANTS, embedding, linear, weight_bytes
 from engine.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -47,16 +49,16 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         n = h.shape[0]
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         qk_width = cfg.q_size + cfg.kv_size
         qk = qkv[:, :qk_width].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, qk_width:].view(n, cfg.num_kv_heads, cfg.head_dim)
         attn = backend.forward(q, k, v, layer_kv, metadata, self.scale)
-        h = h + F.linear(attn, self.o_proj)
+        h = h + linear(attn, self.o_proj)
         x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -65,14 +67,24 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the model's shapes.
         attention_backend: paged attention implementation; the CPU torch backend when omitted.
-        dtype, device: where ``load_weights`` puts the parameters (fp32 / CPU by default).
+        dtype, device: where ``load_weights`` puts the parameters (fp32 / CPU by default); activations and the
+            KV cache use ``dtype`` too.
+        weight_quant: ``"none"`` or ``"int8"`` (``linear.WEIGHT_QUANTS``): the format ``load_weights`` gives
+            the linear layers and the LM head.
+
+    Raises:
+        ValueError: ``weight_quant`` is not one of ``WEIGHT_QUANTS``.
     """
 
     def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 weight_quant: str = "none") -> None:
         super().__init__()
+        if weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
         self.config = config
         self.dtype = dtype
+        self.weight_quant = weight_quant
         self.device = torch.device(device)
         self.attention_backend = attention_backend or TorchAttentionBackend()
         self.attention_backend.bind(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
@@ -98,12 +110,12 @@ class LlamaForCausalLM(nn.Module):
         """
         cfg = self.config
         metadata = self.attention_backend.prepare(batch, int(kv_cache.shape[3]))
-        h = F.embedding(batch.input_ids, self.embed_tokens)
+        h = embedding(batch.input_ids, self.embed_tokens, self.dtype)
         cos, sin = self.rotary.tables(batch.positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata)
         h = F.rms_norm(h[batch.logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], source: str | None = None) -> None:
         """Take HF-named tensors (``model.layers.N.self_attn.q_proj.weight``, ...) as the fused parameters.
@@ -121,4 +133,12 @@ class LlamaForCausalLM(nn.Module):
         """
         from engine.model.weights import WeightMapper
 
-        WeightMapper(self.config, state_dict, source, self.dtype, self.device).load_into(self)
+        mapper = WeightMapper(self.config, state_dict, source, self.dtype, self.device, self.weight_quant)
+        mapper.load_into(self)
+
+    def streamed_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every layer's products and the LM head (the embedding
+        lookup reads one row per token and is left out)."""
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return sum(weight_bytes(getattr(layer, n)) for layer in self.layers for n in names) + \
+            weight_bytes(self.lm_head)

@@ -133,7 +133,7 @@ def load_tokenizer(model: str = SMOLLM2_NAME, cache_dir: str | Path | None = Non
 
 def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
-               cache_dir: str | Path | None = None) -> LoadedModel:
+               cache_dir: str | Path | None = None, weight_quant: str = "none") -> LoadedModel:
     """Load a Llama / Qwen2 / Mistral model for the engine.
 
     Args:
@@ -142,12 +142,15 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
         dtype: parameter dtype (fp32 on CPU).
         device: where the parameters live; the attention backend is chosen for it (``select_backend``).
         cache_dir: root of GGUF conversion caches; default ``default_cache_root()``.
+        weight_quant: ``"none"`` or ``"int8"`` (weight-only, quantized here from the float weights; see
+            ``engine.model.linear``).
 
     Returns:
         ``LoadedModel`` with the model in eval mode, its config and tokenizer.
 
     Raises:
         ModelLoadError: one error for every way a model can be missing or malformed, naming the file.
+        ValueError: ``weight_quant`` is unknown.
     """
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     folder = _resolve_folder(model, cache_root)
@@ -156,7 +159,8 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
     tensors = read_safetensors(folder)
     files = sorted(folder.glob("*.safetensors"))
     source = str(files[0]) if len(files) == 1 else str(folder)
-    net = LlamaForCausalLM(config, select_backend(device, dtype), dtype=dtype, device=device)
+    net = LlamaForCausalLM(config, select_backend(device, dtype), dtype=dtype, device=device,
+                           weight_quant=weight_quant)
     net.load_weights(tensors, source=source)
     net.eval()
     return LoadedModel(net, config, tokenizer, folder)

@@ -8,6 +8,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
+from engine.model.linear import Int8Weight
 from engine.model.safetensors_io import adjacent_view
 
 if TYPE_CHECKING:
@@ -19,12 +20,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class WeightMapper:
     """Takes tensors out of an HF state dict by name, checking each shape against the config.
 
-    Every name taken is recorded; names left over at the end are reported as unexpected.
+    Every name taken is recorded; names left over at the end are reported as unexpected. With
+    ``weight_quant="int8"`` the products' weights and the LM head (with a tied embedding) become
+    ``Int8Weight``s, quantized from the float tensors here.
     """
 
     def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, weight_quant: str = "none") -> None:
         self.cfg = cfg
+        self.quantize = weight_quant == "int8"
         self.dtype = dtype
         self.device = device
         self.tensors = state_dict
@@ -42,14 +46,24 @@ class WeightMapper:
         self.used.add(name)
         return t
 
-    def _set(self, module: torch.nn.Module, attr: str, parts: list[torch.Tensor]) -> None:
+    def _set(self, module: torch.nn.Module, attr: str, parts: list[torch.Tensor],
+             product: bool = False) -> None:
         """Make ``module.attr`` the concatenation of ``parts``, in the model's dtype/device; no copy when
-        the parts are adjacent in memory and already of that dtype/device."""
+        the parts are adjacent in memory and already of that dtype/device. A ``product`` weight becomes an
+        ``Int8Weight`` when quantizing."""
         joined = adjacent_view(parts) if len(parts) > 1 else parts[0]
         if joined is None:
             joined = torch.cat(parts, dim=0)
-        setattr(module, attr, torch.nn.Parameter(joined.to(device=self.device, dtype=self.dtype),
-                                                 requires_grad=False))
+        if product and self.quantize:
+            delattr(module, attr)  # a registered Parameter cannot be replaced by a module in place
+            setattr(module, attr, Int8Weight.quantize(joined.to(device=self.device)))
+            return
+        tensor = joined.to(device=self.device, dtype=self.dtype)
+        if self.quantize and tensor.data_ptr() == joined.data_ptr():
+            tensor = tensor.clone()  # a view would keep the whole float file mapped and resident
+        if self.dtype == torch.bfloat16 and tensor.dim() == 2:
+            tensor = tensor.contiguous()  # the bf16 decode kernel reads rows back to back
+        setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
 
     def _layer(self, model: "LlamaForCausalLM", i: int) -> None:
         c = self.cfg
@@ -59,30 +73,34 @@ class WeightMapper:
         self._set(layer, "post_norm", [self.take(p + "post_attention_layernorm.weight", (h,))])
         self._set(layer, "qkv_proj", [self.take(p + "self_attn.q_proj.weight", (c.q_size, h)),
                                       self.take(p + "self_attn.k_proj.weight", (c.kv_size, h)),
-                                      self.take(p + "self_attn.v_proj.weight", (c.kv_size, h))])
+                                      self.take(p + "self_attn.v_proj.weight", (c.kv_size, h))], True)
         if layer.qkv_bias is not None:
             self._set(layer, "qkv_bias", [self.take(p + "self_attn.q_proj.bias", (c.q_size,)),
                                           self.take(p + "self_attn.k_proj.bias", (c.kv_size,)),
                                           self.take(p + "self_attn.v_proj.bias", (c.kv_size,))])
-        self._set(layer, "o_proj", [self.take(p + "self_attn.o_proj.weight", (h, c.q_size))])
+        self._set(layer, "o_proj", [self.take(p + "self_attn.o_proj.weight", (h, c.q_size))], True)
         self._set(layer, "gate_up_proj", [self.take(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                                          self.take(p + "mlp.up_proj.weight", (c.intermediate_size, h))])
-        self._set(layer, "down_proj", [self.take(p + "mlp.down_proj.weight", (h, c.intermediate_size))])
+                                          self.take(p + "mlp.up_proj.weight", (c.intermediate_size, h))],
+                  True)
+        self._set(layer, "down_proj", [self.take(p + "mlp.down_proj.weight", (h, c.intermediate_size))], True)
 
     def load_into(self, model: "LlamaForCausalLM") -> None:
         """Set every parameter of ``model`` (views of the given tensors when dtype/device allow); raises
         ModelLoadError on a missing, misshapen or unknown tensor."""
         c = self.cfg
         vocab_shape = (c.vocab_size, c.hidden_size)
-        self._set(model, "embed_tokens", [self.take("model.embed_tokens.weight", vocab_shape)])
+        self._set(model, "embed_tokens", [self.take("model.embed_tokens.weight", vocab_shape)],
+                  c.tie_word_embeddings)
         for i in range(c.num_layers):
             self._layer(model, i)
         self._set(model, "norm", [self.take("model.norm.weight", (c.hidden_size,))])
         if c.tie_word_embeddings:
+            if isinstance(model.embed_tokens, Int8Weight):
+                delattr(model, "lm_head")  # the placeholder Parameter: a module cannot replace it in place
             model.lm_head = model.embed_tokens
             self.used.add("lm_head.weight")  # some checkpoints store the tied copy; it is not needed
         else:
-            self._set(model, "lm_head", [self.take("lm_head.weight", vocab_shape)])
+            self._set(model, "lm_head", [self.take("lm_head.weight", vocab_shape)], True)
         extra = sorted(n for n in self.tensors if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
         if extra:
             raise ModelLoadError(self.source, f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in "

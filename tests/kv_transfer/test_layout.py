@@ -58,6 +58,7 @@ def test_compatibility_names_the_first_differing_field() -> None:
     for field, other in [("head_dim", KVLayout(3, 5, 4, 2, 16)), ("page_size", KVLayout(3, 5, 8, 2, 8)),
                          ("num_layers", KVLayout(4, 5, 4, 2, 8)), ("num_kv_heads", KVLayout(3, 5, 4, 1, 8)),
                          ("dtype", KVLayout(3, 5, 4, 2, 8, "float16")),
+                         ("weight_quant", KVLayout(3, 5, 4, 2, 8, weight_quant="int8")),
                          ("version", KVLayout(3, 5, 4, 2, 8, version=1))]:
         with pytest.raises(CompatibilityError) as info:
             check_compatible("m", LAYOUT, "m", other)
@@ -86,6 +87,13 @@ def test_merge_runs_joins_pages_contiguous_on_both_sides_only() -> None:
     assert runs.dst_addrs.tolist() == [(1 << 20) + 3 * page, 1 << 20, (1 << 20) + page]
     with pytest.raises(ValueError):
         merge_runs(src, table.spans(np.array([table.aux_index(0)] * 4)))
+
+
+def test_a_bf16_pool_halves_the_bytes_of_an_fp32_one_and_round_trips() -> None:
+    bf16 = KVLayout(3, 5, 4, 2, 8, "bfloat16", weight_quant="int8")
+    assert bf16.itemsize_bytes * 2 == LAYOUT.itemsize_bytes
+    assert bf16.page_bytes * 2 == LAYOUT.page_bytes
+    assert KVLayout.from_json(bf16.to_json()) == bf16
 
 
 def test_layout_validates_its_fields() -> None:

@@ -26,9 +26,10 @@ BAD_INPUTS: dict[str, tuple[str, dict[str, object] | str, dict[str, bool]]] = {
 }
 
 
-def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str]) -> dict[str, str]:
+def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], **worker: str) -> dict[str, str]:
     """Text of every prompt from one colocated engine run in-process, all prompts in one continuous batch
-    (the reference the live tests compare a server's streams with)."""
+    (the reference the live tests compare a server's streams with); ``worker``: WorkerConfig fields of the
+    served models (``dtype``, ``weight_quant``)."""
     import json
     import time
 
@@ -37,7 +38,8 @@ def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str]) -> dict
     from serving.config import WorkerConfig
     from serving.request import parse_request
 
-    engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
+    config = WorkerConfig(num_pages=256, **worker)  # type: ignore[arg-type]
+    engine = LLMEngine(config.engine_config("colocated"))
     texts: dict[str, str] = {}
     for i, prompt in enumerate(prompts):
         req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(sampling)})

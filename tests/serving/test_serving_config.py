@@ -31,6 +31,7 @@ def test_defaults_and_string_values() -> None:
     (_sv(chunk_size="1024", max_num_batched_tokens="512"), "max_num_batched_tokens"),
     (_sv(waiting_timeout_s="-1"), "waiting_timeout_s"),
     (_sv(dtype="int8"), "dtype"),
+    (_sv(weight_quant="int4"), "weight_quant"),
     (_sv(device="cuda:0"), "device"),
     (_sv(enable_prefix_caching="maybe"), "enable_prefix_caching"),
 ])
@@ -68,6 +69,7 @@ def test_instance_device() -> None:
     assert instance_device("CPU", 0) == "cpu"
     cfg = build_worker_config(_sv(dtype="bfloat16"), environ={}, device="cuda:1")
     assert cfg.engine_config("prefill").device == "cuda:1" and cfg.engine_config("prefill").dtype == "bfloat16"
+    assert build_worker_config(_sv(weight_quant="int8"), environ={}).engine_config("decode").weight_quant == "int8"
 
 
 def test_cpu_affinity_parses_validates_and_pins() -> None:

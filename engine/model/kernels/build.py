@@ -1,0 +1,97 @@
+"""Build ``gemv_avx2.c`` once per source version into the model cache and call it through ctypes.
+
+Why a kernel of our own: on AVX2-only CPUs (no AVX-512, no AMX) torch's CPU paths for a one-row product
+(``F.linear`` in bf16, ``aten._weight_int8pack_mm``) are bound by their conversion loops, not by memory, and
+oneDNN's prepacked bf16 weights (``mkldnn._reorder_linear_weight``) refuse to run without AVX-512; the
+measurements are in docs/benchmarks.md ("Weight dtypes"). The library is compiled with the system C compiler
+(``cc``, ~1 s) into ``<cache root>/kernels/gemv_avx2-<source hash>.so``, written to a temporary name and
+renamed, so concurrent builders never load a half-written file. ctypes releases the GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("gemv_avx2.c")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+
+
+class GemvKernels:
+    """The two entry points of the built library; every call is single-threaded and synchronous.
+
+    Both compute ``y[M, N] = x[M, K] @ W[N, K].T`` (times ``scale[N]`` for int8) in float32 accumulation.
+    """
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._lib = library
+        for fn in (library.gemv_bf16, library.gemv_int8):
+            fn.argtypes = _ARGTYPES
+            fn.restype = None
+
+    def bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` float32, ``weight`` ``[N, K]`` bfloat16, both contiguous -> ``[M, N]`` float32."""
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        self._lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), x.shape[0], weight.shape[0],
+                            x.shape[1])
+        return y
+
+    def int8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` float32, ``weight`` ``[N, K]`` int8, ``scale`` ``[N]`` float32, all contiguous ->
+        ``[M, N]`` float32."""
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        self._lib.gemv_int8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), x.shape[0],
+                            weight.shape[0], x.shape[1])
+        return y
+
+
+def _cpu_supported() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _build(target: Path) -> None:
+    compiler = shutil.which("cc")
+    if compiler is None:
+        raise OSError("no C compiler (cc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def gemv_kernels() -> GemvKernels | None:
+    """The built kernels, or None (logged once) when this CPU lacks AVX2/FMA or building fails; callers then
+    use torch's own products. Thread-safe after the first call returns (the result is cached)."""
+    if not _cpu_supported():
+        logger.info("gemv kernels off: CPU capability %s lacks AVX2", torch.backends.cpu.get_cpu_capability())
+        return None
+    from engine.model.loader import default_cache_root
+
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    target = default_cache_root() / "kernels" / f"gemv_avx2-{digest}.so"
+    try:
+        if not target.is_file():
+            _build(target)
+        return GemvKernels(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("gemv kernels unavailable (%s); using torch's products", exc)
+        return None

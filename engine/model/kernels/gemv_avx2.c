@@ -1,0 +1,83 @@
+/* Small-batch matrix products for memory-bound decode on AVX2 + FMA CPUs (no AVX-512, no AMX).
+ *
+ * y[m, n] = sum_k x[m, k] * W[n, k] (* scale[n])   for m < M, n < N, k < K
+ *
+ * x and y are row-major float32; W is row-major [N, K] in bfloat16 (uint16 bit patterns) or int8 with one
+ * float32 scale per output row. Each weight element is read from memory once per call: four weight rows are
+ * streamed together against every x row while they sit in L1, so at M = 1 the loop runs at the memory
+ * bandwidth of the weight bytes (half of fp32's for bf16, a quarter for int8). Single-threaded; the caller
+ * owns every buffer. Built by engine/model/kernels/build.py with -O3 -mavx2 -mfma.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline __m256 load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } c = { (uint32_t)v << 16 };
+    return c.f;
+}
+
+#define ROWS 4
+
+/* Defines gemv_<name>(x, w, scale, y, M, N, K): LOAD8 reads 8 weights as floats, LOAD1 one weight. */
+#define DEFINE_GEMV(name, wtype, LOAD8, LOAD1)                                                          \
+void gemv_##name(const float *x, const wtype *w, const float *scale, float *y,                          \
+                 int64_t M, int64_t N, int64_t K) {                                                     \
+    int64_t K8 = K & ~(int64_t)7;                                                                      \
+    int64_t n = 0;                                                                                      \
+    for (; n + ROWS <= N; n += ROWS) {                                                                  \
+        const wtype *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                          \
+        for (int64_t m = 0; m < M; m++) {                                                               \
+            const float *xm = x + m * K;                                                                \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
+            for (int64_t k = 0; k < K8; k += 8) {                                                       \
+                __m256 xv = _mm256_loadu_ps(xm + k);                                                    \
+                a0 = _mm256_fmadd_ps(xv, LOAD8(w0 + k), a0);                                            \
+                a1 = _mm256_fmadd_ps(xv, LOAD8(w1 + k), a1);                                            \
+                a2 = _mm256_fmadd_ps(xv, LOAD8(w2 + k), a2);                                            \
+                a3 = _mm256_fmadd_ps(xv, LOAD8(w3 + k), a3);                                            \
+            }                                                                                           \
+            float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);                       \
+            for (int64_t k = K8; k < K; k++) {                                                          \
+                s0 += xm[k] * LOAD1(w0[k]); s1 += xm[k] * LOAD1(w1[k]);                                 \
+                s2 += xm[k] * LOAD1(w2[k]); s3 += xm[k] * LOAD1(w3[k]);                                 \
+            }                                                                                           \
+            float *ym = y + m * N + n;                                                                  \
+            ym[0] = s0; ym[1] = s1; ym[2] = s2; ym[3] = s3;                                             \
+            if (scale) { ym[0] *= scale[n]; ym[1] *= scale[n + 1]; ym[2] *= scale[n + 2];               \
+                         ym[3] *= scale[n + 3]; }                                                       \
+        }                                                                                               \
+    }                                                                                                   \
+    for (; n < N; n++) {                                                                                \
+        const wtype *wn = w + n * K;                                                                    \
+        for (int64_t m = 0; m < M; m++) {                                                               \
+            const float *xm = x + m * K;                                                                \
+            __m256 a = _mm256_setzero_ps();                                                             \
+            for (int64_t k = 0; k < K8; k += 8)                                                         \
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), LOAD8(wn + k), a);                         \
+            float s = hsum8(a);                                                                         \
+            for (int64_t k = K8; k < K; k++) s += xm[k] * LOAD1(wn[k]);                                 \
+            y[m * N + n] = scale ? s * scale[n] : s;                                                    \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+#define I8_TO_F32(v) ((float)(v))
+DEFINE_GEMV(bf16, uint16_t, load_bf16x8, bf16_to_f32)
+DEFINE_GEMV(int8, int8_t, load_i8x8, I8_TO_F32)

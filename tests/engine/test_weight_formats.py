@@ -1,0 +1,205 @@
+"""Weight formats (``engine/model/linear.py``, ``engine/model/kernels/``): the AVX2 kernels compute the same
+products as torch, int8 quantization stays within half a step, a tiny seeded Llama gives logits close to
+fp32's in every (dtype, weight_quant) mode, and prefill + decode engines equal a colocated engine exactly in
+every mode (same kernels on both sides)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.forward_batch import ForwardBatch
+from engine.model import LlamaForCausalLM, ModelConfig
+from engine.model.kernels import gemv_kernels
+from engine.model.linear import SMALL_BATCH_ROWS, Int8Weight, linear
+from engine.model.perplexity import perplexity
+from tests.engine.engine_fakes import VOCAB, FakeTokenizer
+
+MODES = [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8")]
+_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
+
+
+def _kernels():
+    kernels = gemv_kernels()
+    if kernels is None:
+        pytest.skip("no AVX2 CPU or no C compiler: the kernels are not built here")
+    return kernels
+
+
+def test_kernels_build_where_the_cpu_has_avx2():
+    """On an AVX2 CPU with a C compiler the kernels must build (a silent fallback would hide a slow path)."""
+    if not _AVX2:
+        pytest.skip("not an AVX2 CPU with cc")
+    assert gemv_kernels() is not None
+
+
+@pytest.mark.parametrize("m", [1, 3, SMALL_BATCH_ROWS])
+def test_bf16_kernel_equals_the_fp32_product_of_the_same_weights(m):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, 77, generator=gen)
+    w = torch.randn(37, 77, generator=gen).bfloat16()  # 37 x 77: tails in N and K
+    y = _kernels().bf16(x, w)
+    torch.testing.assert_close(y, F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 5, SMALL_BATCH_ROWS])
+def test_int8_kernel_equals_the_dequantized_product(m):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, 83, generator=gen)
+    q = torch.randint(-127, 128, (41, 83), dtype=torch.int8, generator=gen)
+    scale = torch.rand(41, generator=gen)
+    expected = F.linear(x, q.float()) * scale
+    torch.testing.assert_close(_kernels().int8(x, q, scale), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_quantization_error_is_at_most_half_a_step_and_zero_rows_survive():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    w[3] = 0
+    q = Int8Weight.quantize(w)
+    assert q.qweight.dtype == torch.int8 and q.scale.shape == (16,)
+    assert torch.all((q.dequantize(torch.float32) - w).abs() <= q.scale[:, None] / 2 + 1e-7)
+    assert torch.equal(q.dequantize(torch.float32)[3], torch.zeros(64))
+
+
+@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, False), (torch.float32, True),
+                                         (torch.bfloat16, True)])
+def test_a_decode_row_does_not_depend_on_its_batch(dtype, quant):
+    """On the kernels, row i of a small batch equals the product of row i alone, bit for bit (fp32 dense
+    products stay on torch's BLAS, which gives no such promise)."""
+    _kernels()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen).to(dtype)
+    weight = Int8Weight.quantize(w) if quant else w
+    x = torch.randn(SMALL_BATCH_ROWS, 64, generator=gen).to(dtype)
+    batched = linear(x, weight)
+    assert batched.dtype == dtype and batched.shape == (SMALL_BATCH_ROWS, 48)
+    for i in (0, 7, SMALL_BATCH_ROWS - 1):
+        assert torch.equal(linear(x[i:i + 1], weight), batched[i:i + 1])
+
+
+@pytest.mark.parametrize("rows", [1, SMALL_BATCH_ROWS + 1])
+def test_linear_with_bias_matches_torch_on_both_paths(rows):
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(rows, 32, generator=gen), torch.randn(24, 32, generator=gen)
+    b = torch.randn(24, generator=gen)
+    int8 = Int8Weight.quantize(w)
+    torch.testing.assert_close(linear(x, int8, b), F.linear(x, int8.dequantize(torch.float32), b),
+                               rtol=1e-5, atol=1e-4)
+    y = linear(x.bfloat16(), w.bfloat16(), b.bfloat16())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x, w, b), rtol=0.05, atol=0.1)
+
+
+def _tiny_model(dtype: str, weight_quant: str, tie: bool = True) -> LlamaForCausalLM:
+    cfg = ModelConfig(architecture="llama", num_layers=2, hidden_size=64, intermediate_size=96,
+                      num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=VOCAB, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=tie, attention_bias=False,
+                      max_position_embeddings=256, bos_token_id=None, eos_token_ids=(0,), model_id="tiny")
+    gen = torch.Generator().manual_seed(5)
+    h, i, q, kv = 64, 96, 64, 32
+    shapes = {"model.embed_tokens.weight": (VOCAB, h), "model.norm.weight": (h,)}
+    for n in range(2):
+        p = f"model.layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)})
+    if not tie:
+        shapes["lm_head.weight"] = (VOCAB, h)
+    model = LlamaForCausalLM(cfg, dtype=getattr(torch, dtype), weight_quant=weight_quant)
+    model.load_weights({k: torch.randn(*s, generator=gen) * 0.3 for k, s in sorted(shapes.items())})
+    return model.eval()
+
+
+def _logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    n, cfg = len(ids), model.config
+    kv = torch.zeros(cfg.num_layers, 2, 4, 8, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    pos = torch.arange(n)
+    return model(ForwardBatch(torch.tensor(ids), pos, pos, [n], [n], [[0, 1, 2, 3]], pos), kv)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("dtype,weight_quant", MODES)
+def test_tiny_model_logits_stay_close_to_fp32(dtype, weight_quant, tie):
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 8, 41]  # 20 rows: torch
+    model = _tiny_model(dtype, weight_quant, tie)
+    ref = _logits(_tiny_model("float32", "none", tie), ids)
+    got = _logits(model, ids)
+    assert got.dtype == torch.float32 and got.shape == (len(ids), VOCAB)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    last = _logits(model, ids[:1])  # one row: the decode kernels
+    assert (last - ref[:1]).abs().max() < 0.05 * ref.abs().max()
+    layer = model.layers[0]
+    if weight_quant == "int8":
+        assert isinstance(layer.gate_up_proj, Int8Weight) and isinstance(model.lm_head, Int8Weight)
+        assert (model.lm_head is model.embed_tokens) == tie
+    else:
+        assert layer.gate_up_proj.dtype == model.lm_head.dtype == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("dtype,weight_quant", MODES)
+def test_perplexity_is_exp_of_the_mean_next_token_loss(dtype, weight_quant):
+    model, ids = _tiny_model(dtype, weight_quant), [5, 9, 2, 77, 31, 4, 60, 18, 12]
+    logits = _logits(model, ids)[:-1]
+    expected = torch.exp(F.cross_entropy(logits, torch.tensor(ids[1:]))).item()
+    assert perplexity(model, ids, page_size=4) == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(ValueError, match="tokens"):
+        perplexity(model, [1])
+
+
+def _engine(dtype: str, weight_quant: str, mode: str, model: LlamaForCausalLM) -> LLMEngine:
+    loaded = SimpleNamespace(model=model, config=model.config, tokenizer=FakeTokenizer())
+    cfg = EngineConfig(mode=mode, page_size=4, num_pages=64, chunk_size=8, max_num_batched_tokens=32,
+                       dtype=dtype, weight_quant=weight_quant)
+    return LLMEngine(cfg, loaded)
+
+
+def _run(engine: LLMEngine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+@pytest.mark.parametrize("dtype,weight_quant", MODES)
+def test_prefill_then_decode_engines_equal_colocated_exactly(dtype, weight_quant):
+    """Same tokens in every mode; logprobs equal up to float rounding (the two runs batch different rows
+    together, and attention's sums depend on the batch; the products on the kernels do not)."""
+    model = _tiny_model(dtype, weight_quant)
+    prompts = {"a": [7, 3, 9], "b": list(range(10, 23)), "c": [42] * 9}
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    colo = _engine(dtype, weight_quant, "colocated", model)
+    for rid, p in prompts.items():
+        colo.add_request(rid, p, greedy)
+    expected = {rid: ([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.new_logprobs])
+                for rid, outs in _run(colo).items()}
+    pre, dec = _engine(dtype, weight_quant, "prefill", model), _engine(dtype, weight_quant, "decode", model)
+    assert pre.kv_cache.dtype == getattr(torch, dtype)
+    dst = {rid: dec.reserve_request(rid, p, greedy).dst_page_ids for rid, p in prompts.items()}
+    for rid, p in prompts.items():
+        pre.add_request(rid, p, greedy)
+    for rid, outs in _run(pre).items():
+        src = [page for o in outs for page in o.prefill_chunk.page_ids]
+        dec.kv_cache[:, :, torch.tensor(dst[rid])] = pre.kv_cache[:, :, torch.tensor(src)]
+        pre.release_request(rid)
+        last = outs[-1].prefill_chunk
+        dec.add_prebuilt_request(rid, last.first_token_id, last.first_logprob)
+    got = {rid: ([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.new_logprobs])
+           for rid, outs in _run(dec).items()}
+    assert {rid: t for rid, (t, _) in got.items()} == {rid: t for rid, (t, _) in expected.items()}
+    for rid, (_, logprobs) in got.items():  # attention batches rows differently in the two runs
+        assert logprobs == pytest.approx(expected[rid][1], abs=1e-4)
+
+
+def test_unknown_weight_quant_is_refused_by_name():
+    with pytest.raises(ValueError, match="weight_quant"):
+        EngineConfig(weight_quant="int3")
+    with pytest.raises(ValueError, match="weight_quant"):
+        _tiny_model("float32", "fp4")

@@ -1,0 +1,47 @@
+"""``pd_ensemble`` with ``dtype: bfloat16`` and ``weight_quant: int8`` on both prefill and decode: the KV
+crosses in bf16 (half of fp32's bytes per page) and the streams equal a colocated engine of the same format
+run in-process, i.e. prefill and decode run the same kernels as colocated."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from live_client import grpc_generate, make_inputs, metric_value, streams_match_reference
+from live_prompts import PROMPTS, colocated_greedy_texts
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
+TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+FORMAT = {"dtype": "bfloat16", "weight_quant": "int8"}
+SHIPPED = {"dtype": "float32", "weight_quant": "none"}  # the values in model_repository
+GREEDY = {"max_tokens": "16", "temperature": "0"}
+
+
+def make_model_repository(tmp_dir: Path) -> Path:
+    """model_repository with prefill and decode switched from ``SHIPPED`` to ``FORMAT``."""
+    for name in TRITON_MODELS:
+        shutil.copytree(REPOSITORY / name, tmp_dir / name)
+    for role in ("prefill", "decode"):
+        path = tmp_dir / role / "config.pbtxt"
+        text = path.read_text()
+        for key, value in FORMAT.items():
+            shipped = f'{{ key: "{key}", value: {{ string_value: "{SHIPPED[key]}" }} }}'
+            assert shipped in text, (path, shipped)
+            text = text.replace(shipped, shipped.replace(f'"{SHIPPED[key]}"', f'"{value}"'))
+        path.write_text(text)
+    return tmp_dir
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    return colocated_greedy_texts(PROMPTS, GREEDY, **FORMAT)
+
+
+def test_bf16_int8_streams_equal_the_colocated_engine_and_kv_crosses(triton_server, reference) -> None:
+    def generate(prompt: str):
+        return grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
+
+    streams_match_reference(generate, PROMPTS, reference)
+    assert metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
