@@ -24,7 +24,7 @@ from kv_transfer.peers import PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.receiver import KVReceiver, Room
 from kv_transfer.tags import Tag, TagKind
-from kv_transfer.transport import Transport, TransportError
+from kv_transfer.transport import PeerUnreachable, Transport, TransportError
 
 logger = logging.getLogger(__name__)
 RETRY_S = 0.05
@@ -126,6 +126,9 @@ class DecodeSide:
                 peer = self._peers.ensure(instance_id)
             except CompatibilityError as exc:
                 self._fail_bootstrapping(instance_id, f"incompatible prefill instance: {exc}")
+                continue
+            except PeerUnreachable as exc:   # a retry would fail the same way until the rooms time out
+                self._fail_bootstrapping(instance_id, f"prefill instance unreachable: {exc}")
                 continue
             except (LookupError, TransportError, BootstrapError) as exc:
                 logger.info("handshake with prefill %s not possible yet: %s", instance_id, exc)
