@@ -5,6 +5,7 @@ namespace, link or process behind, after an exception or after its owner was kil
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -124,3 +125,14 @@ def test_link_down_refuses_at_once_and_up_heals(make_fleet: MakeFleet) -> None:
     after = fleet["a"].counters()
     assert after.tx_bytes - before.tx_bytes >= 4 << 20
     assert os.path.exists(f"/sys/class/net/{fleet['a'].port}")
+
+
+def test_transport_settings_follow_the_host_address(make_fleet: MakeFleet) -> None:
+    """Inside a host, its own address selects ``eth0`` for UCX (``kv_transfer.network``)."""
+    fleet = make_fleet(["a"])
+    code = ("import json, sys; from kv_transfer import network\n"
+            "print(json.dumps(network.ucx_settings(sys.argv[1], network_only=True, rdma=False)))")
+    out = fleet["a"].run(["python", "-c", code, fleet["a"].address])
+    assert out.returncode == 0, out.stderr
+    settings = json.loads(out.stdout)
+    assert settings["UCX_NET_DEVICES"] == "eth0" and settings["UCX_TLS"] == "tcp,self"
