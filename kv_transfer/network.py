@@ -12,8 +12,8 @@ The operator gives one thing, the address peers reach this instance at (``KVArgs
   never take shared memory or ``cma``: ``tcp,self`` without RDMA devices, ``^sm`` with them. Only needed where
   "hosts" share one kernel (network namespaces, ``scripts/fleet/netns.py``): on separate machines UCX has no
   shared-memory path between them anyway.
-* ``UCX_TCP_TUNING``: socket buffers and a larger TCP segment for the TCP transport, applied whenever the
-  advertised address is not loopback (docs/multihost.md has what each moved).
+* No UCX TCP tuning: socket buffers, segment sizes and polling were tried against raw TCP on one link and none
+  moved the figures beyond the noise of this (shared) machine (docs/multihost.md, "Tuning").
 
 Settings the operator put in the environment always win (``os.environ.setdefault``). This module reads the
 environment (``apply``, ``reachability_warnings``); ``kv_transfer.nixl_transport`` is its only caller that
@@ -34,8 +34,6 @@ INFINIBAND_SYSFS = "/sys/class/infiniband"
 SIOCGIFADDR = 0x8915
 #: UCX's transports that cross a network (UCX_TLS names); any of them in UCX_TLS lets peers on other hosts in.
 NETWORK_TLS = ("tcp", "rc", "rc_x", "rc_v", "ud", "ud_x", "ud_v", "dc", "dc_x", "ib", "all")
-#: UCX TCP settings for a non-loopback address (docs/multihost.md, "Tuning"); the operator's values win.
-UCX_TCP_TUNING: dict[str, str] = {}
 
 
 def has_rdma_devices() -> bool:
@@ -83,8 +81,8 @@ def interface_for(host: str) -> str | None:
 def ucx_settings(local_hostname: str, network_only: bool = False, rdma: bool | None = None) -> dict[str, str]:
     """The UCX variables for an instance that advertises ``local_hostname`` (see the module docstring):
     ``UCX_MM_ERROR_HANDLING=y`` (notifications through shared memory on one host), ``UCX_MODULES=^ib`` without
-    RDMA devices (``kv_transfer.nixl_transport.ucx_defaults`` says why), ``UCX_NET_DEVICES``, ``UCX_TLS``
-    with ``network_only``, and ``UCX_TCP_TUNING`` off loopback. ``rdma``: None asks the kernel."""
+    RDMA devices (``kv_transfer.nixl_transport.ucx_defaults`` says why), ``UCX_NET_DEVICES``, and ``UCX_TLS``
+    with ``network_only``. ``rdma``: None asks the kernel."""
     rdma = has_rdma_devices() if rdma is None else rdma
     settings = {} if network_only else {"UCX_MM_ERROR_HANDLING": "y"}   # unused (and warned about) without sm
     if not rdma:
@@ -94,8 +92,6 @@ def ucx_settings(local_hostname: str, network_only: bool = False, rdma: bool | N
         settings["UCX_NET_DEVICES"] = device
     if network_only:
         settings["UCX_TLS"] = "^sm" if rdma else "tcp,self"
-    if device != LOOPBACK_DEVICE:
-        settings.update(UCX_TCP_TUNING)
     return settings
 
 
