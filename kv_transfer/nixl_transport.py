@@ -90,7 +90,7 @@ class NixlTransport(Transport):
         address peers reach this instance at (its interface is UCX's); ``network_only``: no shared memory or
         cma, even to a peer on this kernel (``kv_transfer.network``)."""
         # before nixl is imported (``_nixl_errors``): UCX reads some at load
-        self._ucx = apply_ucx_defaults(local_hostname, network_only)
+        apply_ucx_defaults(local_hostname, network_only)
         self._hostname = local_hostname
         for warning in network.reachability_warnings(local_hostname):
             logger.warning("%s: %s", instance_id, warning)
@@ -155,8 +155,8 @@ class NixlTransport(Transport):
 
     def add_peer(self, metadata: bytes, table: BlockTable) -> str:
         """Raises ``PeerUnreachable`` when UCX cannot connect (loading the peer's address, or the warm-up
-        message, fails), naming this side's UCX settings; ``TransportError`` otherwise."""
-        name = ""
+        message, fails), naming this side's UCX settings; ``TransportError`` otherwise. A dead peer's stale
+        address fails to load too: the rooms that wanted it fail at once rather than retry."""
         try:
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
