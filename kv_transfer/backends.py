@@ -61,7 +61,8 @@ def make_transport(args: KVArgs, backend: str) -> Transport:
 
 def _nixl(args: KVArgs) -> Transport:
     from kv_transfer.nixl_transport import NixlTransport
-    return NixlTransport(args.instance_id, args.mem_type, args.device_id)
+    return NixlTransport(args.instance_id, args.mem_type, args.device_id, local_hostname=args.local_hostname,
+                         network_only=args.network_only)
 
 
 def _mooncake(args: KVArgs) -> Transport:

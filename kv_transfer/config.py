@@ -47,11 +47,16 @@ class KVArgs:
     # progress"); False: all transport work on the manager threads
     inline_progress: bool = True
     # transport selection below the manager (backend-specific, chosen by configuration): the address peers
-    # reach this instance's transport and rendezvous at, and Mooncake's protocol ("tcp"; "rdma" where RDMA NICs exist) and
+    # reach this instance's transport and rendezvous at (NIXL: its interface becomes UCX_NET_DEVICES,
+    # kv_transfer.network; Mooncake: the address it advertises), and Mooncake's protocol ("tcp"; "rdma" where
+    # RDMA NICs exist) and
     # device names (RDMA NICs, comma-separated; "" lets Mooncake pick)
     local_hostname: str = "127.0.0.1"
     transport_protocol: str = "tcp"
     transport_device: str = ""
+    # True: the transport never takes shared memory or cma, even to a peer on the same kernel (NIXL:
+    # UCX_TLS=tcp,self); for hosts that share one kernel (network namespaces), docs/multihost.md
+    network_only: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -26,7 +26,7 @@ from kv_transfer.peers import PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.receiver import KVReceiver, Room
 from kv_transfer.tags import Tag, TagKind
-from kv_transfer.transport import Transport, TransportError
+from kv_transfer.transport import PeerUnreachable, Transport, TransportError
 
 logger = logging.getLogger(__name__)
 RETRY_S = 0.05
@@ -132,8 +132,9 @@ class DecodeSide:
             except CompatibilityError as exc:
                 self._fail_bootstrapping(instance_id, f"incompatible prefill instance: {exc}")
                 continue
-            except (RendezvousRefused, LookupError) as exc:
-                # nothing listens there, or another instance does: the prefill named by the router is gone
+            except (RendezvousRefused, LookupError, PeerUnreachable) as exc:
+                # nothing listens there, another instance does, or the transport cannot reach it: a retry would
+                # fail the same way until the rooms time out
                 self._fail_bootstrapping(instance_id, f"prefill instance {instance_id} unreachable: {exc}")
                 continue
             except (TransportError, BootstrapError) as exc:

@@ -35,7 +35,8 @@ import numpy as np
 
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable, merge_runs
-from kv_transfer.transport import Transport, TransportError, XferState
+from kv_transfer import network
+from kv_transfer.transport import PeerUnreachable, Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
@@ -94,6 +95,8 @@ class MooncakeTransport(Transport):
         ``TransportError``."""
         for key, value in MOONCAKE_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        for warning in network.reachability_warnings(self._hostname, environ={}):   # no UCX here
+            logger.warning("%s: %s", self._name, warning)
         from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
 
         self._engine = TransferEngine()
@@ -120,9 +123,10 @@ class MooncakeTransport(Transport):
         except (ValueError, KeyError, TypeError) as exc:
             raise TransportError(f"bad mooncake peer metadata: {exc!r}") from exc
         if self._engine.send_probe(endpoint) != 0:
-            raise TransportError(f"mooncake peer {name} at {endpoint} does not answer")
+            raise PeerUnreachable(f"mooncake peer {name} at {endpoint} does not answer (its advertised address "
+                                  "must be reachable from here: docs/multihost.md)")
         if not self._deliver(endpoint, b"hello"):
-            raise TransportError(f"mooncake warm-up message to {name} at {endpoint} failed")
+            raise PeerUnreachable(f"mooncake warm-up message to {name} at {endpoint} failed")
         self.remove_peer(name)
         peer = _Peer(endpoint, table)
         peer.thread = threading.Thread(target=self._write_loop, args=(name, peer), daemon=True,

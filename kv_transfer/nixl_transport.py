@@ -26,18 +26,15 @@ from typing import Any
 
 import numpy as np
 
+from kv_transfer import network
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
-from kv_transfer.transport import Transport, TransportError, XferState
+from kv_transfer.transport import PeerUnreachable, Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
 LOCAL = "NIXL_INIT_AGENT"   # nixl's name for "this agent" in prep_xfer_dlist
 
-# UCX settings for loopback/host memory: notifications through shared memory, TCP pinned to lo.
-# This is the one place the package touches the environment; values already set by the operator win.
-UCX_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_NET_DEVICES": "lo"}
-INFINIBAND_SYSFS = "/sys/class/infiniband"
 #: Dedicated copy threads of the UCX backend where the process may use that many cores (see module docstring).
 COPY_THREADS = 2
 #: Smallest WRITE (descriptors: pages + aux slot) split between the copy threads; smaller ones (a 128-token
@@ -48,25 +45,25 @@ SPLIT_WAIT_S = 0.25      # longest wait of post_write for a split WRITE: the fir
 SPLIT_POLL_S = 0.00005
 
 
-def ucx_defaults() -> dict[str, str]:
-    """``UCX_DEFAULTS``, plus ``UCX_MODULES=^ib`` on a host without RDMA devices.
+def ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) -> dict[str, str]:
+    """The UCX settings for an agent that advertises ``local_hostname`` (``kv_transfer.network.ucx_settings``):
+    the interface owning that address as ``UCX_NET_DEVICES`` (``lo`` for loopback), ``UCX_TLS=tcp,self`` with
+    ``network_only``, ``UCX_MM_ERROR_HANDLING=y``, and ``UCX_MODULES=^ib`` on a host without RDMA devices.
 
-    Why: the nixl-cu12 wheel bundles its own libnl-route-3 (``nixl_cu12.libs/libnl-route-3-<hash>.so``); where
-    the system's libibverbs1 is installed (Mooncake's set-up installs it), UCX's ``ib`` module loads it, and
-    with it the system's libnl-route-3: two copies of libnl in one process, and every process that created a
-    NIXL agent segfaults in the bundled copy at exit (reproduced: 3 of 3 without the setting, 0 of 3 with
+    Why ``^ib``: the nixl-cu12 wheel bundles its own libnl-route-3 (``nixl_cu12.libs/libnl-route-3-<hash>.so``);
+    where the system's libibverbs1 is installed (Mooncake's set-up installs it), UCX's ``ib`` module loads it,
+    and with it the system's libnl-route-3: two copies of libnl in one process, and every process that created
+    a NIXL agent segfaults in the bundled copy at exit (reproduced: 3 of 3 without the setting, 0 of 3 with
     it). Without RDMA devices the ``ib`` module has nothing to offer; with them it is left alone.
     """
-    defaults = dict(UCX_DEFAULTS)
-    if not (os.path.isdir(INFINIBAND_SYSFS) and os.listdir(INFINIBAND_SYSFS)):
-        defaults["UCX_MODULES"] = "^ib"
-    return defaults
+    return network.ucx_settings(local_hostname, network_only)
 
 
-def apply_ucx_defaults() -> None:
-    """``ucx_defaults()`` into ``os.environ`` where the operator set nothing; call before importing nixl."""
-    for key, value in ucx_defaults().items():
-        os.environ.setdefault(key, value)
+def apply_ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) -> dict[str, str]:
+    """``ucx_defaults(...)`` into ``os.environ`` where the operator set nothing (the one place this package
+    writes the environment); call before importing nixl. Returns the values in force for those keys. UCX reads
+    them when an agent's backend is created, so the first agent of a process fixes them for all."""
+    return network.apply(ucx_defaults(local_hostname, network_only))
 
 
 def _nixl_errors() -> tuple[type[BaseException], ...]:
@@ -85,11 +82,18 @@ def copy_threads_for(mem_type: str) -> int:
 
 class NixlTransport(Transport):
     def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0,
-                 copy_threads: int | None = None) -> None:
+                 copy_threads: int | None = None, local_hostname: str = "127.0.0.1",
+                 network_only: bool = False) -> None:
         """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``.
         ``copy_threads``: the UCX backend's dedicated copy threads; None: ``copy_threads_for(mem_type)`` when
-        ``register`` runs (after serving pinned the process, if it does); 0: none."""
-        apply_ucx_defaults()   # before nixl is imported (``_nixl_errors``): UCX reads some at load
+        ``register`` runs (after serving pinned the process, if it does); 0: none. ``local_hostname``: the
+        address peers reach this instance at (its interface is UCX's); ``network_only``: no shared memory or
+        cma, even to a peer on this kernel (``kv_transfer.network``)."""
+        # before nixl is imported (``_nixl_errors``): UCX reads some at load
+        apply_ucx_defaults(local_hostname, network_only)
+        self._hostname = local_hostname
+        for warning in network.reachability_warnings(local_hostname):
+            logger.warning("%s: %s", instance_id, warning)
         self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
         self._mem_type = mem_type
         self._device_id = device_id
@@ -150,14 +154,31 @@ class NixlTransport(Transport):
         return bytes(self._agent.get_agent_metadata())
 
     def add_peer(self, metadata: bytes, table: BlockTable) -> str:
+        """Raises ``PeerUnreachable`` when UCX cannot connect (loading the peer's address, or the warm-up
+        message, fails), naming this side's UCX settings; ``TransportError`` otherwise. A dead peer's stale
+        address fails to load too: the rooms that wanted it fail at once rather than retry."""
         try:
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
+        except self._errors as exc:
+            raise self._unreachable("load the peer's address", exc) from exc
+        try:
             self._peer_dlists[name] = (self._prep(name, table), table.num_kv_descs)
+        except self._errors as exc:
+            self.remove_peer(name)
+            raise TransportError(f"cannot add peer {name}: {exc!r}") from exc
+        try:
             self._agent.send_notif(name, b"")  # warm-up: opens the connection now, not on the first chunk
         except self._errors as exc:
-            raise TransportError(f"cannot add peer: {exc!r}") from exc
+            self.remove_peer(name)
+            raise self._unreachable(f"send to {name}", exc) from exc
         return name
+
+    def _unreachable(self, what: str, exc: BaseException) -> PeerUnreachable:
+        settings = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in ("UCX_TLS", "UCX_NET_DEVICES"))
+        return PeerUnreachable(f"UCX cannot {what}: {exc!r}; this instance advertises {self._hostname} with "
+                               f"{settings} (a peer on another host needs a network transport on the "
+                               "interface of that address: docs/multihost.md)")
 
     def remove_peer(self, agent_name: str) -> None:
         dlists, _ = self._peer_dlists.pop(agent_name, ([], 0))

@@ -31,6 +31,12 @@ class TransportError(Exception):
     """A transport call failed (peer unreachable or dead, unknown agent, backend error)."""
 
 
+class PeerUnreachable(TransportError):
+    """The transport cannot connect to a peer with this instance's configuration (no common transport, no
+    route, the peer's address refuses). Permanent for the rooms that wanted that peer: they fail at once with
+    this message; a later room tries the handshake again. The message names the cause and the settings."""
+
+
 class Transport(ABC):
     """Owns one agent and its registered regions."""
 
@@ -52,7 +58,8 @@ class Transport(ABC):
     def add_peer(self, metadata: bytes, table: BlockTable) -> str:
         """Loads a peer's metadata, prepares its descriptor list ``table``, warms the connection up;
         returns its agent name. Called once per peer (again only after it restarted).
-        Raises ``TransportError``."""
+        Raises ``PeerUnreachable`` (no connection possible: fail the rooms that wanted it) or
+        ``TransportError`` (anything else)."""
 
     @abstractmethod
     def remove_peer(self, agent_name: str) -> None:

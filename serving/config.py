@@ -7,7 +7,8 @@ This module is the only place in ``serving/`` that reads environment variables:
 * ``PD_FLEET_SECRET`` / ``PD_FLEET_SECRET_FILE`` (read by ``bootstrap.auth.load_fleet_secret``, called from
   here only): the fleet secret that signs rendezvous and registry calls;
 * ``PD_GRPC_URL`` overrides the ``grpc_url`` parameter: the ``host:port`` at which this tritonserver's gRPC
-  endpoint is reached by routers (``scripts/serve.sh`` sets it from ``ADVERTISE_HOST`` and ``GRPC_PORT``).
+  endpoint is reached by routers (``scripts/serve.sh`` sets it from ``ADVERTISE_HOST`` and ``GRPC_PORT``);
+* ``PD_KV_NETWORK_ONLY`` (``1``/``0``, ...) overrides the ``kv_network_only`` parameter (docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ KV_PROTOCOLS = TRANSPORT_PROTOCOLS
 REGISTRY_URL_ENV = "PD_REGISTRY_URL"
 REGISTRY_SCHEMES: tuple[str, ...] = ("http://", "https://", "etcd://")
 GRPC_URL_ENV = "PD_GRPC_URL"
+KV_NETWORK_ONLY_ENV = "PD_KV_NETWORK_ONLY"
 
 
 class ConfigError(ValueError):
@@ -63,6 +65,8 @@ class WorkerConfig:
         kv_protocol: the transport's protocol where the backend has a choice (Mooncake): ``"tcp"``, or
             ``"rdma"`` where RDMA NICs exist.
         kv_device: RDMA device names for ``kv_protocol="rdma"`` (comma-separated; empty: the backend picks).
+        kv_network_only: the KV transport never takes shared memory or cma, even to a peer on the same
+            kernel (``KVArgs.network_only``; for hosts that are network namespaces of one machine).
         grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers announce
             it; Triton's default port is 8001); its host is also where the KV transport and the rendezvous
             listen.
@@ -96,6 +100,7 @@ class WorkerConfig:
     kv_backend: str = "nixl"
     kv_protocol: str = "tcp"
     kv_device: str = ""
+    kv_network_only: bool = False
     grpc_url: str = "127.0.0.1:8001"
     bootstrap_timeout_s: float = 120.0
     waiting_timeout_s: float = 120.0
@@ -244,6 +249,14 @@ def _parent_argv() -> list[str]:
         return []
 
 
+def read_kv_network_only(configured: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """``PD_KV_NETWORK_ONLY`` from the environment when set, else ``configured``. Raises ``ConfigError`` for a
+    value that is not a boolean."""
+    env = os.environ if environ is None else environ
+    text = env.get(KV_NETWORK_ONLY_ENV, "").strip()
+    return bool(_parse(KV_NETWORK_ONLY_ENV, "bool", text)) if text else configured
+
+
 def validate_endpoint(param: str, endpoint: str) -> None:
     """Raise ``ConfigError(param)`` unless ``endpoint`` is ``host:port`` with a port in 1..65535."""
     host, _, port = endpoint.rpartition(":")
@@ -289,7 +302,8 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     values = parse_parameters(parameters, WorkerConfig, skip=("device", "fleet_secret"))
     config = WorkerConfig(**values, device=device)
     return replace(config, registry_url=read_registry_url(config.registry_url, environ),
-                   grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ))
+                   grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ),
+                   kv_network_only=read_kv_network_only(config.kv_network_only, environ))
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:

@@ -50,6 +50,7 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
                   mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
                   heartbeat_interval_s=HEARTBEAT_INTERVAL_S, local_hostname=config.grpc_url.rsplit(":", 1)[0],
                   transport_protocol=config.kv_protocol, transport_device=config.kv_device,
+                  network_only=config.kv_network_only,
                   device_id=int(config.device.split(":")[1]) if on_gpu and ":" in config.device else 0)
 
 

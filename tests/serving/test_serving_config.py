@@ -48,6 +48,17 @@ def test_environment_overrides_registry_url_and_carries_the_fleet_secret() -> No
     assert build_worker_config({}, environ={}).registry_url == ""   # no registry by default: plain Triton
 
 
+def test_kv_network_only_is_a_parameter_and_the_environment_overrides_it() -> None:
+    assert build_worker_config({}, environ={}).kv_network_only is False
+    assert build_worker_config(_sv(kv_network_only="true"), environ={}).kv_network_only is True
+    assert build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "1"}).kv_network_only is True
+    assert build_worker_config(_sv(kv_network_only="true"), environ={"PD_KV_NETWORK_ONLY": "0"}).kv_network_only \
+        is False
+    with pytest.raises(ConfigError) as info:
+        build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "maybe"})
+    assert info.value.param == "PD_KV_NETWORK_ONLY"
+
+
 def test_engine_config_carries_the_knobs() -> None:
     ec = WorkerConfig(page_size=8, num_pages=10, chunk_size=64, max_num_batched_tokens=128).engine_config("decode")
     assert (ec.mode, ec.page_size, ec.num_pages, ec.chunk_size, ec.max_num_batched_tokens) == \
