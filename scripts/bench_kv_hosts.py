@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fleet.kv_worker import NUM_PAGES, KVWorker, smollm2_layout  # noqa: E402
 from fleet.netns import Fleet, Host, unavailable_reason  # noqa: E402
-from fleet.registry import start_bootstrap  # noqa: E402
 
 PAGE_SIZE = 16
 TCP_PORT = 5201
@@ -98,7 +97,7 @@ def kv_room(prefill: KVWorker, decode: KVWorker, room: int, src: list[int],
             dst: list[int]) -> tuple[float, dict[str, float]]:
     """One room; seconds from ``send`` at prefill to ``Success`` at decode, and the seconds of each
     ``SEGMENTS``. Raises ``RuntimeError``."""
-    decode.call("recv", (room, dst, prefill.instance_id), 60)
+    decode.call("recv", (room, dst, prefill.instance_id, prefill.rendezvous_url), 60)
     decode.post("wait", (room, 60.0))
     sent = prefill.call("send", (room, src, 60.0, True), 90)
     got = decode.call_raw(90)
@@ -135,7 +134,7 @@ def measure(fleet: Fleet, pairs: list[Pair], tcp: RawTCP, tokens: int, reps: int
     for pair in pairs:
         pair.kv, pair.segs, pair.link = [], [], 0
     for rep in range(reps + 2):   # two warm-up rooms
-        for i, pair in enumerate(pairs):   # rooms are unique per bootstrap service: one range per pair
+        for i, pair in enumerate(pairs):   # rooms are unique per prefill instance: one range per pair
             assert pair.prefill is not None and pair.decode is not None
             before = fleet[pair.src].counters().tx_bytes
             kv_s, seg = kv_room(pair.prefill, pair.decode, first_room + 100_000 * i + rep, src, dst)
@@ -175,7 +174,7 @@ def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float) -> dict[str, Any
 
 def run(backend: str, reps: int, sizes: tuple[int, ...], network_only: bool, rate_mbit: float,
         ucx: dict[str, str], ucx_b: dict[str, str] | None, log_dir: Path) -> dict[str, Any]:
-    """One fleet: ``reg`` (bootstrap), ``pf``/``dc`` (the pair), and with ``ucx_b`` ``pf2``/``dc2`` (a second
+    """One fleet: ``reg`` (unused since the rendezvous moved into the instances), ``pf``/``dc`` (the pair), and with ``ucx_b`` ``pf2``/``dc2`` (a second
     pair with those UCX settings, measured interleaved with the first: an A/B under the same load)."""
     result: dict[str, Any] = {"backend": backend, "network_only": network_only, "rate_mbit": rate_mbit,
                               "ucx": ucx, "loadavg_1m_start": round(os.getloadavg()[0], 2)}
@@ -184,12 +183,11 @@ def run(backend: str, reps: int, sizes: tuple[int, ...], network_only: bool, rat
         result["b_ucx"] = ucx_b
     hosts = ["reg"] + [h for pair in pairs for h in (pair.src, pair.dst)]
     with Fleet(hosts) as fleet, open(log_dir / f"bench_kv_hosts-{backend}.log", "w") as log:
-        url = start_bootstrap(fleet["reg"], log=log)
         for pair in pairs:
             if rate_mbit:
                 fleet[pair.src].throttle(rate_mbit)
-            pair.prefill = KVWorker(fleet[pair.src], "prefill", backend, url, network_only, env=pair.ucx, log=log)
-            pair.decode = KVWorker(fleet[pair.dst], "decode", backend, url, network_only, env=pair.ucx, log=log)
+            pair.prefill = KVWorker(fleet[pair.src], "prefill", backend, network_only, env=pair.ucx, log=log)
+            pair.decode = KVWorker(fleet[pair.dst], "decode", backend, network_only, env=pair.ucx, log=log)
         tcp = RawTCP(fleet["pf"], fleet["dc"])
         result["rtt_ms"] = round(statistics.median(tcp.times_s(0, 200)) * 1e3, 4)
         result["tcp_stream_gbps"] = round((1 << 28) / min(tcp.times_s(1 << 28, 3)) / 1e9, 3)

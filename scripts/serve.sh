@@ -74,9 +74,8 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then "$ROOT/scripts/setup.sh"; fi
 export PATH="$VENV/bin:$PATH"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-# NIXL/UCX between the prefill and decode processes: notifications through shared memory, TCP on loopback only.
-export UCX_MM_ERROR_HANDLING="${UCX_MM_ERROR_HANDLING:-y}"
-export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
+# NIXL/UCX: the KV transport picks its network from the advertised address itself (kv_transfer/network.py:
+# that address's interface becomes UCX_NET_DEVICES, lo on loopback); set UCX_* here only to override it.
 # Without RDMA devices, keep UCX's ib module out: with the system's libibverbs installed it loads a second
 # libnl-route-3 beside nixl's bundled one, and every NIXL process segfaults at exit (kv_transfer/nixl_transport.py).
 if [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then export UCX_MODULES="${UCX_MODULES:-^ib}"; fi

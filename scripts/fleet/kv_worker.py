@@ -63,11 +63,15 @@ def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+#: The fleet secret of the harness's KV workers (a test fleet on a private bridge; never a real deployment's).
+HARNESS_SECRET = "triton-pd-fleet-harness"
+
 class _Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
         from engine.kv_pool import KVPool, KVShape
+        from bootstrap.auth import load_fleet_secret
         from kv_transfer import KVArgs, make_kv_manager
 
         self._pool_owner = KVPool(KVShape(num_layers=30, num_kv_heads=3, head_dim=64, page_size=PAGE_SIZE),
@@ -77,15 +81,15 @@ class _Worker:
         self.pages = flat.reshape(NUM_PAGES, -1)               # [num_pages, page floats], page-major
         kv_args = KVArgs(instance_id=args.instance_id, role=args.role, kv_base_ptr=flat.ctypes.data,
                          kv_nbytes=flat.nbytes, layout=smollm2_layout(), model_id=MODEL_ID,
-                         bootstrap_url=args.bootstrap_url, local_hostname=args.hostname,
+                         local_hostname=args.hostname, fleet_secret=load_fleet_secret(),
                          network_only=args.network_only, waiting_timeout_s=args.waiting_timeout_s,
                          bootstrap_timeout_s=args.waiting_timeout_s)
         self.manager = make_kv_manager(kv_args, args.backend)
         self.rooms: dict[int, Any] = {}
 
-    def recv(self, room: int, pages: list[int], prefill_id: str) -> str:
+    def recv(self, room: int, pages: list[int], prefill_id: str, prefill_url: str) -> str:
         from kv_transfer import KVPoll
-        receiver = self.rooms[room] = self.manager.create_receiver(room, prefill_id)
+        receiver = self.rooms[room] = self.manager.create_receiver(room, prefill_id, prefill_url)
         receiver.init(pages)
         _wait(lambda: receiver.poll() >= KVPoll.WaitingForInput or receiver.poll() == KVPoll.Failed, 30)
         return str(receiver.poll().name)
@@ -116,7 +120,7 @@ class _Worker:
 
     def serve(self, conn: Connection) -> None:
         self.manager.start()
-        conn.send(("ready", self.manager.agent_name))
+        conn.send(("ready", self.manager.agent_name, self.manager.rendezvous_url))
         while True:
             cmd, payload = conn.recv()
             if cmd == "stop":
@@ -140,22 +144,25 @@ class KVWorker:
     ``Host.popen`` (``env``: extra environment, e.g. UCX variables); ``call`` sends one command and waits for
     its answer (``TimeoutError`` past ``timeout_s``)."""
 
-    def __init__(self, host: Any, role: str, backend: str, bootstrap_url: str, network_only: bool = True,
+    def __init__(self, host: Any, role: str, backend: str, network_only: bool = True,
                  instance_id: str = "", waiting_timeout_s: float = 30.0, log: Any = None,
                  env: dict[str, str] | None = None) -> None:
         import multiprocessing as mp
         self.parent, child = mp.Pipe()
         self.instance_id = instance_id or f"{role}-{host.name}"
         argv = [sys.executable, str(Path(__file__).resolve()), "--fd", str(child.fileno()), "--role", role,
-                "--backend", backend, "--bootstrap-url", bootstrap_url, "--hostname", host.address,
+                "--backend", backend, "--hostname", host.address,
                 "--instance-id", self.instance_id, "--waiting-timeout-s", str(waiting_timeout_s)]
         argv += ["--network-only"] if network_only else []
+        # the rendezvous binds the host's own (non-loopback) address: the fleet's calls are signed
+        env = {"PD_FLEET_SECRET": HARNESS_SECRET, **(env or {})}
         self.proc: subprocess.Popen[bytes] = host.popen(argv, env=env, pass_fds=(child.fileno(),), stdout=log,
                                                         stderr=log)
         child.close()
         ready = self.call_raw(120.0)
         assert ready[0] == "ready", ready
         self.agent_name: str = ready[1]
+        self.rendezvous_url: str = ready[2]   # the worker's own rendezvous, on its host's address
 
     def call_raw(self, timeout_s: float) -> Any:
         if not self.parent.poll(timeout_s):
@@ -188,7 +195,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--backend", default="nixl")
-    parser.add_argument("--bootstrap-url", required=True)
     parser.add_argument("--hostname", required=True, help="the address this instance advertises")
     parser.add_argument("--instance-id", required=True)
     parser.add_argument("--network-only", action="store_true")

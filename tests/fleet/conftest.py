@@ -1,6 +1,6 @@
 """Fixtures for tests across network hosts (``scripts/fleet/netns.py``): ``make_fleet`` makes fleets of network
 namespaces and tears them down after the test, whatever its outcome; ``kv_pair`` starts a prefill and a decode
-KV worker on two hosts of a fleet with the bootstrap service on a third. Without root or iproute2 every test
+KV worker on two hosts of a fleet (each with its own rendezvous). Without root or iproute2 every test
 that uses them skips with that reason."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ if str(SCRIPTS_DIR) not in sys.path:
 
 from fleet.kv_worker import KVWorker  # noqa: E402
 from fleet.netns import Fleet, unavailable_reason  # noqa: E402
-from fleet.registry import start_bootstrap  # noqa: E402
 
 
 @pytest.fixture
@@ -40,24 +39,24 @@ def make_fleet() -> Iterator[Callable[[Sequence[str]], Fleet]]:
 
 
 class KVPair:
-    """A fleet ``reg``/``pf``/``dc``: the bootstrap service on ``reg``, a prefill KV worker on ``pf``, a decode
-    KV worker on ``dc``; ``stop`` stops both workers (the fleet's teardown stops the rest)."""
+    """A fleet ``reg``/``pf``/``dc``: a prefill KV worker on ``pf`` and a decode KV worker on ``dc``, each with
+    its own rendezvous on its host's address (``reg`` hosts nothing since the rendezvous moved into the
+    instances); ``stop`` stops both workers (the fleet's teardown stops the rest)."""
 
     def __init__(self, fleet: Fleet, backend: str, network_only: bool = True,
                  env: dict[str, str] | None = None, waiting_timeout_s: float = 30.0,
                  log_path: Path | None = None) -> None:
         self.fleet = fleet
         self.log = open(log_path, "w") if log_path else None   # noqa: SIM115 (closed by stop)
-        url = start_bootstrap(fleet["reg"], log=self.log)
-        self.prefill = KVWorker(fleet["pf"], "prefill", backend, url, network_only, env=env, log=self.log,
+        self.prefill = KVWorker(fleet["pf"], "prefill", backend, network_only, env=env, log=self.log,
                                 waiting_timeout_s=waiting_timeout_s)
-        self.decode = KVWorker(fleet["dc"], "decode", backend, url, network_only, env=env, log=self.log,
+        self.decode = KVWorker(fleet["dc"], "decode", backend, network_only, env=env, log=self.log,
                                waiting_timeout_s=waiting_timeout_s)
 
     def transfer(self, room: int, src: list[int], dst: list[int], timeout_s: float = 60.0) -> tuple[Any, Any]:
         """One room: decode publishes ``dst``, prefill sends ``src`` as one last chunk; returns the
         (prefill, decode) ``RoomResult``s."""
-        self.decode.call("recv", (room, dst, self.prefill.instance_id), timeout_s)
+        self.decode.call("recv", (room, dst, self.prefill.instance_id, self.prefill.rendezvous_url), timeout_s)
         self.decode.post("wait", (room, timeout_s))
         sent = self.prefill.call("send", (room, src, timeout_s, False), timeout_s + 15)
         return sent, self.decode.call_raw(timeout_s + 15)

@@ -45,7 +45,7 @@ def test_unreachable_peer_fails_at_once_naming_the_cause(kv_pair: Callable[..., 
     every instance before): the decode room fails within seconds (no retry until the timeout)."""
     pair = kv_pair("nixl", env={"UCX_NET_DEVICES": "lo"}, waiting_timeout_s=60.0)
     t0 = time.monotonic()
-    state = pair.decode.call("recv", (1, [0], pair.prefill.instance_id), 30)
+    state = pair.decode.call("recv", (1, [0], pair.prefill.instance_id, pair.prefill.rendezvous_url), 30)
     pair.decode.post("wait", (1, 30.0))
     got = pair.decode.call_raw(45)
     assert state == "Failed" and got.state == "Failed" and got.releasable
