@@ -129,6 +129,25 @@ def wait_ready(http_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
     raise TimeoutError(f"tritonserver not ready within {timeout_s:.0f} s:\n{log_tail()}")
 
 
+def wait_router_ready(metrics_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Polls the router's ``pd_router_ready`` gauge until 1 (a prefill and a decode instance in its fleet:
+    Triton's readiness says only that the models loaded). Raises RuntimeError when ``proc`` exits first,
+    TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before its router was ready")
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=2) as resp:
+                text = resp.read().decode()
+            if any(line.startswith("pd_router_ready{") and line.rstrip().endswith(" 1") for line in text.splitlines()):
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"pd_router_ready not 1 within {timeout_s:.0f} s")
+
+
 def stub_pids(model_dir: Path) -> list[int]:
     """PIDs of the python-backend stubs running ``<model_dir>/1/model.py`` (the path names this run's
     private repository, so other servers on the machine never match)."""
@@ -221,6 +240,8 @@ class RunningServer:
         env = server_env(repo, self.deployment.models, self.ports)
         server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
         wait_ready(f"http://127.0.0.1:{self.ports.http}", server, self._ready_timeout_s)
+        if "pd_ensemble" in self.deployment.models:   # the router has found its prefill and decode models
+            wait_router_ready(self.ports.metrics_url, server, self._ready_timeout_s)
         for model, cpus in self.deployment.cpus.items():
             for pid in stub_pids(repo / model):
                 pin_process(pid, cpus)
