@@ -47,7 +47,7 @@ async def start_server(port: int) -> grpc.aio.Server:
 
 async def one_call(launcher: GrpcLauncher, port: int) -> list[Any]:
     target = Target("decode@x", "decode", f"127.0.0.1:{port}", "decode")
-    call = ChildCall("decode", target, room=7, prefill_instance="", router_id="r")
+    call = ChildCall("decode", target, room=7, prefill_instance="", prefill_rendezvous="")
     return [r async for r in launcher.stream(call)]
 
 
