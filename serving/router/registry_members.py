@@ -29,6 +29,7 @@ class RegistryMembers:
         """Raises ``MembershipError`` for a URL no backend takes."""
         self._grace_s = grace_s
         self._seen: dict[str, tuple[FleetMember, float]] = {}   # instance id → member, last listed (monotonic)
+        self._refused: set[tuple[str, int]] = set()   # (instance id, epoch) whose rendezvous refused: gone
         membership: Membership | None = make_membership(registry_url, secret)
         if membership is None:
             raise MembershipError("RegistryMembers needs a registry URL")
@@ -37,8 +38,10 @@ class RegistryMembers:
 
     def members(self) -> tuple[list[FleetMember], bool]:
         view, now_s = self._membership.view(), time.monotonic()
+        listed = {(m.instance_id, m.epoch) for m in view.members}
+        self._refused &= listed   # the registry dropped it (TTL): nothing left to skip
         for m in view.members:
-            if m.role in KV_ROLES and m.rendezvous_url:
+            if m.role in KV_ROLES and m.rendezvous_url and (m.instance_id, m.epoch) not in self._refused:
                 member = FleetMember(m.instance_id, m.role, m.address, m.model_name, m.rendezvous_url, m.epoch)
                 self._seen[m.instance_id] = (member, now_s)
         for instance_id, (_, seen_s) in list(self._seen.items()):
@@ -47,8 +50,11 @@ class RegistryMembers:
         return [member for member, _ in self._seen.values()], view.fresh
 
     def forget(self, instance_id: str) -> None:
-        """Its rendezvous refused: gone until the registry lists it again (a restart announces itself anew)."""
-        self._seen.pop(instance_id, None)
+        """Its rendezvous refused: gone, and not polled again while the registry still lists that epoch (until
+        its TTL ends); a restart announces itself with a new epoch."""
+        seen = self._seen.pop(instance_id, None)
+        if seen is not None:
+            self._refused.add((instance_id, seen[0].epoch))
 
     def close(self) -> None:
         self._membership.stop()
