@@ -107,20 +107,6 @@ def reload_under_traffic(server: ServeScript, model: str) -> tuple[StreamResult,
     return result, traffic.results
 
 
-def test_reloading_prefill_or_decode_never_stops_the_router_or_the_other_loop(triton_server: ServeScript,
-                                                                               reference) -> None:
-    server = triton_server
-    for model in ("prefill", "decode"):
-        long, short = reload_under_traffic(server, model)
-        assert long.error is None and long.final_seen, (model, long.error)   # it ran through the reload
-        assert long.num_output_tokens[-1] == int(LONG["max_tokens"])
-        assert short and all(r.final_seen or r.error for r in short), "every stream ends"
-        assert not [r.error for r in short if r.error and "not running" in r.error], model
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            after = list(pool.map(lambda p: generate(server, p), PROMPTS))
-        assert [(r.error, r.text) for r in after] == [(None, reference[p]) for p in PROMPTS], model
-
-
 def stub_pid(server: ServeScript, model: str) -> int:
     needle = f"/{model}/1/model.py".encode()
     pids = [pid for pid in server.stub_pids() if needle in Path(f"/proc/{pid}/cmdline").read_bytes()]
