@@ -11,6 +11,7 @@ class RouterMetricsSink:
 
     def __init__(self, metrics: ServingMetrics) -> None:
         self._metrics = metrics
+        self._published: set[tuple[str, str]] = set()   # (role, instance id) with a healthy-instances gauge
 
     def selected(self, role: str, instance_id: str) -> None:
         self._metrics.increment("pd_router_selections_total", 1, role=role, target=instance_id)
@@ -29,6 +30,12 @@ class RouterMetricsSink:
         self._metrics.set_gauge("pd_router_queue_requests", inflight, state="inflight")
 
     def publish_health(self, health: dict[str, dict[str, bool]], ready: bool) -> None:
+        """Every instance the fleet holds: 1 in rotation, 0 not; an instance that left the fleet (its process
+        gone, the registry dropped it) reads 0 from then on instead of keeping its last value."""
+        current = {(role, instance_id) for role, instances in health.items() for instance_id in instances}
+        for role, instance_id in self._published - current:
+            self._metrics.set_gauge("pd_router_healthy_instances", 0, role=role, target=instance_id)
+        self._published |= current
         for role, instances in health.items():
             for instance_id, healthy in instances.items():
                 self._metrics.set_gauge("pd_router_healthy_instances", 1 if healthy else 0, role=role,
