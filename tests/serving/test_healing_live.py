@@ -125,7 +125,9 @@ def test_a_killed_prefill_stub_is_replaced_with_its_server_and_serves_again(trit
         assert time.monotonic() - killed_s < 10.0, "prefill still reported ready 10 s after its stub died"
         time.sleep(0.1)
     unready_s = time.monotonic() - killed_s
-    bound_s = max(HEAL_S, 3 * load_seconds.get("prefill", 0.0))   # the restarted server loads 3 models
+    # healing is a server restart: on a loaded 2-core host one start alone can take longer than the 30 s target
+    # (docs/healing.md), so the bound is the target or 1.5x this server's own first start, whichever is longer
+    bound_s = max(HEAL_S, 1.5 * getattr(server, "start_seconds", 0.0))
     while True:
         try:
             result = generate(server, PROMPTS[0])
@@ -137,7 +139,7 @@ def test_a_killed_prefill_stub_is_replaced_with_its_server_and_serves_again(trit
         time.sleep(0.5)
     healed_s = time.monotonic() - killed_s
     print(f"prefill stub killed: not ready after {unready_s:.1f} s, serving again after {healed_s:.1f} s "
-          f"(a reload took {load_seconds.get('prefill', float('nan')):.1f} s; load {os.getloadavg()})")
+          f"(the server's first start took {getattr(server, 'start_seconds', float('nan')):.1f} s; load {os.getloadavg()})")
     assert result.text == reference[PROMPTS[0]]
     assert stub_pid(server, "prefill") != old and model_ready(server, "prefill")
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
