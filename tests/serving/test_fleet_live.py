@@ -193,7 +193,6 @@ def test_killing_a_decode_server_fails_its_requests_fast_and_new_ones_succeed(fl
     fleet.decode_b.start(READY_S)
     fleet.wait_healthy(prefills=2, decodes=2)
     params = {"max_tokens": "200", "temperature": "0", "ignore_eos": "true"}
-    retries_before = metric_value(fleet.router.metrics_url, "pd_router_retries_total")
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(grpc_generate, fleet.router.grpc_url, make_inputs(p, params), "pd_ensemble")
                    for p in PROMPTS[:6]]
@@ -207,10 +206,8 @@ def test_killing_a_decode_server_fails_its_requests_fast_and_new_ones_succeed(fl
         results = [f.result(timeout=300) for f in futures]
     failed = [r for r in results if r.error]
     assert all(r.final_seen or r.error for r in results), "every stream ends"
-    # requests decode B held end with an error past their first token, or are retried on the other pair before it
-    # (pd_router_retries_total); the policy may also have sent none to B (not asserted: the pairing decides)
-    retried = metric_value(fleet.router.metrics_url, "pd_router_retries_total") - retries_before
-    assert retried >= 0
+    # requests decode B held end with an error past their first token, or are retried on the other pair before
+    # it; whether the pairing put any on B before the kill is the policy's choice and not asserted here
     for res in failed:
         assert res.end_s is not None and res.end_s - killed_s < 20.0, (res.error, res.end_s - killed_s)
     started = time.monotonic()
