@@ -29,7 +29,7 @@
 #      OPENAI (1: start the OpenAI front; default 1 for ROLE=all and frontend, else 0), OPENAI_PORT (9000),
 #      OPENAI_MODEL, OPENAI_SERVED_MODEL_NAME (the name clients use; default OPENAI_MODEL), GRPC_URL (the
 #      tritonserver the front calls; default HOST:GRPC_PORT), RESTART (1: start tritonserver again when it exits
-#      after RESTART_MIN_UP_S (30) seconds up; 0: exit with it).
+#      after it had become ready, e.g. a model's stub died; 0: exit with it).
 # Uses a tritonserver found on PATH (NGC container) when there is one, else the one in the nvidia-pytriton wheel.
 set -euo pipefail
 
@@ -139,6 +139,7 @@ stop_all() {
     kill -KILL "$pid" 2>/dev/null || true
   done
   wait 2>/dev/null || true
+  rm -f "${ready_mark:-}"
 }
 trap 'stop_all; exit 130' INT
 trap 'stop_all; exit 143' TERM
@@ -152,6 +153,23 @@ fi
 triton_index=-1
 triton_started_s=0
 triton_pid=""
+ready_mark="$(mktemp "${TMPDIR:-/tmp}/serve-ready.XXXXXX")"
+# mark_ready PID: writes PID to $ready_mark once that tritonserver answers 200 on /v2/health/ready (plain bash
+# /dev/tcp, nothing to install); gives up when PID exits. Whether a server ever became ready is what tells a
+# start-up failure (exit, do not loop) from a later death (start it again).
+mark_ready() {
+  local pid=$1 host=$HOST line
+  [[ "$host" == 0.0.0.0 ]] && host=127.0.0.1
+  while kill -0 "$pid" 2>/dev/null; do
+    if { exec 3<>"/dev/tcp/$host/$HTTP_PORT"; } 2>/dev/null; then
+      printf 'GET /v2/health/ready HTTP/1.0\r\nHost: %s\r\n\r\n' "$host" >&3
+      IFS= read -r -t 5 line <&3 || line=""
+      exec 3>&-
+      if [[ "$line" == *" 200 "* ]]; then echo "$pid" > "$ready_mark"; return 0; fi
+    fi
+    sleep 1
+  done
+}
 # start_triton ARGS...: tritonserver in the background, at its place in pids
 start_triton() {
   say "$TRITONSERVER ${server_args[*]} $*"
@@ -160,6 +178,7 @@ start_triton() {
   triton_started_s=$SECONDS
   if ((triton_index < 0)); then triton_index=${#pids[@]}; fi
   pids[triton_index]=$triton_pid
+  mark_ready "$triton_pid" &
 }
 if [[ "$ROLE" != frontend ]]; then start_triton "$@"; fi
 
@@ -170,7 +189,7 @@ if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
   pids+=($!)
 fi
 
-# Foreground until tritonserver exits in its first RESTART_MIN_UP_S (a start-up failure) or, without one, the
+# Foreground until tritonserver exits before it ever became ready (a start-up failure) or, without one, the
 # front exits; its status is ours. A tritonserver that exits after that (a model's stub died and its guardian
 # ended the server, docs/healing.md; a crash) is started again, unless RESTART=0. The front's death does not stop
 # tritonserver: one role never takes down another.
@@ -179,7 +198,7 @@ while true; do
   if [[ -n "$triton_pid" ]]; then wait "$triton_pid"; else wait -n "${pids[@]}"; fi
   status=$?
   if [[ -n "$triton_pid" && "${RESTART:-1}" == 1 ]] && ! kill -0 "$triton_pid" 2>/dev/null \
-      && ((SECONDS - triton_started_s >= ${RESTART_MIN_UP_S:-30})); then
+      && [[ "$(cat "$ready_mark" 2>/dev/null)" == "$triton_pid" ]]; then
     say "tritonserver exited with status $status after $((SECONDS - triton_started_s)) s: starting it again"
     start_triton "$@"
     continue

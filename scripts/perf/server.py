@@ -443,7 +443,10 @@ class ServeScript:
         proc, self._proc = self._proc, None
         regions = shm_regions_of_group(proc.pid)
         start, killed = time.monotonic(), False
-        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:   # the whole group exited already (serve.sh ended by itself)
+            pass
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -349,7 +349,7 @@ def test_zz_killing_the_front_loses_only_its_own_clients(openai_stack: Any) -> N
     server = openai_stack.server
     total = _pages(server, "pd_kv_total_pages")
     port = openai_stack.openai_url.rsplit(":", 1)[1].split("/")[0]
-    front = subprocess.run(["pgrep", "-f", f"-m frontend .*--port {port}"], capture_output=True, text=True)
+    front = subprocess.run(["pgrep", "-f", "--", f"-m frontend .*--port {port}"], capture_output=True, text=True)
     [front_pid] = [int(pid) for pid in front.stdout.split()]
     client = openai.OpenAI(base_url=openai_stack.openai_url, api_key="unused", max_retries=0, timeout=60)
     stream = client.chat.completions.create(
