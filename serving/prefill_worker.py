@@ -12,7 +12,9 @@ Lifecycle of one request, every step but the first on the engine loop thread:
    queued until then (the manager thread posts them when it arrives);
 3. after the last chunk, the first token goes to the client at once and the job moves to **inflight**: its
    pages stay held until the sender reports ``Success`` (every WRITE done) or ``Failed`` with no WRITE in
-   flight; then the engine frees them and the stream ends with FINAL. A destination that never comes fails the
+   flight; then the engine frees them and the stream ends with FINAL. A cancel (the router's, when the decode
+   half failed) aborts an inflight room too: a decode that died before posting its destination leaves nothing
+   else that would end it before the bootstrap timeout. A destination that never comes fails the
    room after ``bootstrap_timeout_s`` and frees the pages.
 
 A failure anywhere (bootstrap timeout, decode cancelled or gone, client cancel (the router's too),
@@ -189,6 +191,13 @@ class PrefillWorker:
     def _poll_inflight(self) -> None:
         for job in list(self._inflight.values()):
             assert job.sender is not None
+            reason = self._cancel_reason(job)
+            if reason is not None and job.failed is None and job.sender.poll() != KVPoll.Success:
+                # the router cancelled after the first token: its decode half failed or went away (maybe before
+                # it ever posted a destination, so no peer here can report it); the room ends now, not at the
+                # bootstrap timeout, and its pages come back once no WRITE is in flight
+                job.failed = reason
+                job.sender.abort(reason)
             state = job.sender.poll()
             if state not in (KVPoll.Success, KVPoll.Failed) or not job.sender.pages_releasable():
                 continue

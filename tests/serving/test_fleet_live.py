@@ -106,7 +106,19 @@ def wait_pools_full(*servers: tuple[ServeScript, str], timeout_s: float = 40.0) 
     deadline = time.monotonic() + timeout_s
     while not pools_full(*servers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert pools_full(*servers)
+    assert pools_full(*servers), [(s.log_path.name, m, pool_state(s, m)) for s, m in servers]
+
+
+def pool_state(server: ServeScript, model: str) -> dict[str, float]:
+    """Free and total pages, and the worker's queues, for a failure message."""
+    import requests
+
+    state = {name: metric_value(server.metrics_url, name, model=model)
+             for name in ("pd_kv_free_pages", "pd_kv_total_pages")}
+    for line in requests.get(server.metrics_url, timeout=5).text.splitlines():
+        if line.startswith("pd_queue_requests{") and f'model="{model}"' in line:
+            state[line.split("queue=")[1].split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return state
 
 
 def test_router_prefill_and_decode_in_three_servers_give_the_colocated_text(fleet: Fleet, reference) -> None:

@@ -201,6 +201,28 @@ def test_client_cancel_mid_stream_frees_both_sides(cluster):
     assert ok[-1].error is None
 
 
+def test_a_cancel_after_the_first_token_frees_prefill_before_any_destination(cluster):
+    """The router cancels prefill's stream when the decode half fails; a decode that died before posting its
+    destination leaves prefill a room that only the cancel can end: its pages come back at once (well inside
+    ``bootstrap_timeout_s``, 5 s here), with one FINAL."""
+    from serving.pd_request import PDRequest
+
+    start = cluster.free_pages()
+    sink = QueueSink()
+    pd = PDRequest(request=parse_request(request(PROMPTS[0])), room=987654321)
+    cluster.prefill.worker.handle(pd, sink)
+    first = sink.responses.get(timeout=WAIT_S)   # the first token: prefill is done, the room waits for decode
+    assert first.error is None and not first.final and first.num_output_tokens == 1
+    cancelled_s = time.monotonic()
+    sink.cancelled = True
+    last = sink.responses.get(timeout=WAIT_S)
+    assert last.final and sink.finals == 1
+    assert time.monotonic() - cancelled_s < 2.0, f"the room ended only by {last.error}"
+    while cluster.free_pages() != start and time.monotonic() - cancelled_s < 2.0:
+        time.sleep(0.02)
+    assert cluster.free_pages() == start, f"prefill's pages not back {time.monotonic() - cancelled_s:.1f} s after the cancel"
+
+
 def test_a_repeated_prompt_reports_prefills_cache_hit_to_the_client(cluster):
     """The prefill engine's prefix cache serves a prompt sent again; its hit (whole pages, below the prompt)
     is on every response the client gets."""
