@@ -149,58 +149,120 @@ _HISTOGRAMS: dict[str, tuple[str, list[float]]] = {  # name → (description, bu
 }
 
 
+#: How often the flusher thread hands buffered updates to tritonserver, seconds (what a scrape may lag by).
+FLUSH_INTERVAL_S = 0.05
+
+_Key = tuple[str, tuple[tuple[str, str], ...]]   # (metric name, sorted extra labels)
+
+
 class ServingMetrics:
     """The metrics of one model instance. Create once per process (Triton families are process-wide).
+
+    Updates are buffered: ``set_gauge``, ``increment`` and ``observe`` only note the change (any thread, a few
+    microseconds), and a flusher thread (``metrics-<instance>``) hands them to tritonserver every
+    ``flush_interval_s``: a gauge's last value (unchanged values are not sent), a counter's summed increments,
+    every histogram observation. Why: each python-backend ``Metric.set``/``increment``/``observe`` is a round trip
+    to the server process that holds the GIL while it waits (py-spy, tritonserver 2.51: a quarter of a prefill
+    engine loop's GIL time went to gauges set every tick), which delayed first tokens and decode steps.
 
     ``close()`` must run in the model's ``finalize``: a python-backend ``Metric`` or ``MetricFamily`` sends a
     delete message to tritonserver when it is destroyed, and one still alive when the stub tears itself down
     (after ``finalize`` returned) dereferences the stub's freed shared-memory pool (tritonserver 2.51: segfault
-    in ``Metric::SaveToSharedMemory``). Updates after ``close()`` are ignored.
+    in ``Metric::SaveToSharedMemory``). It flushes what is buffered first; updates after ``close()`` are ignored.
     """
 
-    def __init__(self, family_factory: MetricFamilyFactory, model: str, instance: str) -> None:
+    def __init__(self, family_factory: MetricFamilyFactory, model: str, instance: str,
+                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
         """
         Args:
             family_factory: ``pb_utils.MetricFamily`` (or anything with the same interface).
             model: value of the ``model`` label (the Triton model name).
             instance: value of the ``instance`` label (the Triton model instance name).
+            flush_interval_s: period of the flusher thread (started here), seconds.
         """
         self._labels = {"model": model, "instance": instance}
         self._families = {name: family_factory(name=name, description=desc, kind=getattr(family_factory, kind))
                           for name, (kind, desc) in _FAMILIES.items()}
         self._families.update({name: family_factory(name=name, description=desc, kind=family_factory.HISTOGRAM)
                                for name, (desc, _) in _HISTOGRAMS.items()})
-        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
-        self._last_gauge: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        # held by updates and close(): a thread that outlived its stop deadline never keeps a metric alive
-        # past close(), nor sends through one that close() is destroying
+        self._series: dict[_Key, Metric] = {}
+        self._last_gauge: dict[_Key, float] = {}
+        # held while talking to Triton (flush) and by close(): a flush never sends through a metric that close()
+        # is destroying, and nothing keeps a metric alive past close()
         self._lock = threading.Lock()
         self._closed = False
+        # held only to note or take buffered updates: the engine and router threads never wait for a round trip
+        self._pending_lock = threading.Lock()
+        self._accepting = True
+        self._gauges: dict[_Key, float] = {}
+        self._counts: dict[_Key, float] = {}
+        self._observations: list[tuple[_Key, float]] = []
+        self._interval_s = flush_interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"metrics-{instance}", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
-        """Destroy every Triton metric and family now (model ``finalize``; see the class docstring). Idempotent."""
+        """Flush, then destroy every Triton metric and family now (model ``finalize``; see the class docstring).
+        Idempotent."""
+        self._stop.set()
+        with self._pending_lock:
+            self._accepting = False
         with self._lock:
+            if not self._closed:
+                try:
+                    self._flush_locked()
+                except Exception:   # the server may be going away; the metrics are destroyed regardless
+                    logger.exception("metrics: last flush failed")
             self._closed = True
             self._series.clear()     # each Metric is deleted at tritonserver here, while the stub still runs
             self._families.clear()
             self._last_gauge.clear()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
 
-    def _metric(self, name: str, extra: Mapping[str, str]) -> tuple[Metric, tuple[tuple[str, str], ...]]:
-        key = (name, tuple(sorted(extra.items())))
+    def flush(self) -> None:
+        """Hand every buffered update to tritonserver now (the flusher thread does it every interval)."""
+        with self._lock:
+            if not self._closed:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        with self._pending_lock:
+            gauges, counts, observations = self._gauges, self._counts, self._observations
+            self._gauges, self._counts, self._observations = {}, {}, []
+        for key, value in gauges.items():
+            if self._last_gauge.get(key) != value:
+                self._metric(key).set(value)
+                self._last_gauge[key] = value
+        for key, value in counts.items():
+            self._metric(key).increment(value)
+        for key, value in observations:
+            self._metric(key).observe(value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.flush()
+            except Exception:   # one bad round trip must not end the metrics of this instance
+                logger.exception("metrics: flush failed")
+
+    def _metric(self, key: _Key) -> Metric:
         metric = self._series.get(key)
         if metric is None:
-            labels = {**self._labels, **extra}
+            name = key[0]
+            labels = {**self._labels, **dict(key[1])}
             family = self._families[name]
             metric = (family.Metric(labels=labels, buckets=_HISTOGRAMS[name][1]) if name in _HISTOGRAMS
                       else family.Metric(labels=labels))
             self._series[key] = metric
-        return metric, key[1]
+        return metric
 
     def observe(self, name: str, value: float) -> None:
         """Add one observation to a histogram (one of ``_HISTOGRAMS``' names)."""
-        with self._lock:
-            if not self._closed:
-                self._metric(name, {})[0].observe(float(value))
+        with self._pending_lock:
+            if self._accepting:
+                self._observations.append(((name, ()), float(value)))
 
     def request_timing(self, ttft_s: float | None, e2e_s: float, num_prompt_tokens: int,
                        num_output_tokens: int, tpot_s: float | None) -> None:
@@ -214,22 +276,23 @@ class ServingMetrics:
         self.observe("pd_request_generation_tokens", num_output_tokens)
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:
-        """Set a gauge (one of this module's names); a value equal to the last one is not sent again."""
-        with self._lock:
-            if self._closed:
-                return
-            metric, label_key = self._metric(name, labels)
-            if self._last_gauge.get((name, label_key)) != value:
-                metric.set(float(value))
-                self._last_gauge[(name, label_key)] = value
+        """Set a gauge (one of this module's names); a value equal to the last one sent is not sent again."""
+        if name not in _FAMILIES:
+            raise KeyError(f"unknown metric {name!r}")
+        with self._pending_lock:
+            if self._accepting:
+                self._gauges[(name, tuple(sorted(labels.items())))] = float(value)
 
     def increment(self, name: str, value: float = 1.0, **labels: str) -> None:
         """Add ``value`` (>= 0) to a counter (one of this module's names)."""
         if value <= 0:
             return
-        with self._lock:
-            if not self._closed:
-                self._metric(name, labels)[0].increment(float(value))
+        if name not in _FAMILIES:
+            raise KeyError(f"unknown metric {name!r}")
+        key = (name, tuple(sorted(labels.items())))
+        with self._pending_lock:
+            if self._accepting:
+                self._counts[key] = self._counts.get(key, 0.0) + float(value)
 
     def set_queue_length(self, queue: str, num_requests: int) -> None:
         """``pd_queue_requests{queue=...}``: requests currently held in ``queue``."""

@@ -80,6 +80,9 @@ def test_cancel_frees_pages_and_sends_one_bare_final(setup) -> None:
     assert other.finals == 1 and other.chunks[-1][0].finish_reason == "length"
     assert engine.num_free_pages == engine.num_total_pages and worker.num_active() == 0
     key = tuple(sorted({"model": "colocated", "instance": "colocated_0", "outcome": "cancelled"}.items()))
+    deadline = time.monotonic() + 5   # the metrics' flusher thread sends it within its interval
+    while key not in FakeFamily.registry["pd_requests_total"].series and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert FakeFamily.registry["pd_requests_total"].series[key].value() == 1
 
 

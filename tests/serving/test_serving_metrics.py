@@ -9,13 +9,20 @@ from serving_fakes import FakeFamily
 from serving.metrics import ServingMetrics
 
 
+_live: list[ServingMetrics] = []   # what ``_series`` flushes before it reads
+
+
 @pytest.fixture
 def metrics() -> ServingMetrics:
     FakeFamily.registry.clear()
-    return ServingMetrics(FakeFamily, model="colocated", instance="colocated_0")
+    _live.clear()
+    _live.append(ServingMetrics(FakeFamily, model="colocated", instance="colocated_0"))
+    return _live[0]
 
 
 def _series(name: str, **labels: str) -> float:
+    for metrics in _live:
+        metrics.flush()
     key = tuple(sorted({"model": "colocated", "instance": "colocated_0", **labels}.items()))
     return FakeFamily.registry[name].series[key].value()
 
@@ -54,6 +61,7 @@ def test_close_destroys_every_triton_metric_now() -> None:
     metrics = ServingMetrics(FakeFamily, model="colocated", instance="colocated_0")
     metrics.set_kv_pages(10, 64)
     metrics.request_done("finished", 5, 3)
+    metrics.flush()   # the series exist at Triton once the buffered updates went out
     families = [weakref.ref(f) for f in FakeFamily.registry.values()]
     series = [weakref.ref(m) for f in FakeFamily.registry.values() for m in f.series.values()]
     FakeFamily.registry.clear()   # the fake's own index; Triton keeps none in the stub's Python heap
@@ -70,6 +78,32 @@ def test_close_destroys_every_triton_metric_now() -> None:
     assert FakeFamily.registry == {}
 
 
+def test_updates_are_buffered_and_the_flusher_sends_them() -> None:
+    """``set_gauge``/``increment`` never talk to Triton on the caller's thread: the flusher thread sends a gauge's
+    last value once and a counter's summed increments, within its interval; ``close`` sends what is left."""
+    import time
+
+    FakeFamily.registry.clear()
+    metrics = ServingMetrics(FakeFamily, model="colocated", instance="colocated_0", flush_interval_s=0.05)
+    for free in (5, 6, 7):
+        metrics.set_kv_pages(free, 64)
+    for _ in range(3):
+        metrics.request_done("finished", 2, 1)
+    key = tuple(sorted({"model": "colocated", "instance": "colocated_0"}.items()))
+    deadline = time.monotonic() + 5
+    while "pd_kv_free_pages" not in FakeFamily.registry or key not in FakeFamily.registry["pd_kv_free_pages"].series:
+        assert time.monotonic() < deadline, "the flusher sent nothing"
+        time.sleep(0.01)
+    time.sleep(0.1)
+    free = FakeFamily.registry["pd_kv_free_pages"].series[key]
+    assert (free.value(), free.writes) == (7, 1)
+    finished = FakeFamily.registry["pd_requests_total"].series[tuple(sorted({**dict(key), "outcome": "finished"}.items()))]
+    assert finished.value() == 3
+    metrics.increment("pd_engine_steps_total", 4)
+    metrics.close()
+    assert FakeFamily.registry["pd_engine_steps_total"].series[key].value() == 4
+
+
 def test_histograms_get_vllm_buckets_and_observations() -> None:
     from serving.metrics import _HISTOGRAMS, _1_2_5_buckets
 
@@ -77,6 +111,7 @@ def test_histograms_get_vllm_buckets_and_observations() -> None:
     metrics = ServingMetrics(FakeFamily, model="m", instance="i")
     metrics.request_timing(0.2, 1.5, 12, 30, 0.04)
     metrics.request_timing(None, 0.1, 3, 0, None)
+    metrics.flush()
     series = {name: FakeFamily.registry[name].series[(("instance", "i"), ("model", "m"))] for name in _HISTOGRAMS}
     assert series["pd_time_to_first_token_seconds"].observations == [0.2]
     assert series["pd_time_per_output_token_seconds"].observations == [0.04]
