@@ -208,7 +208,7 @@ def test_killing_a_decode_server_fails_its_requests_fast_and_new_ones_succeed(fl
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(grpc_generate, fleet.router.grpc_url, make_inputs(p, params), "pd_ensemble")
                    for p in PROMPTS[:6]]
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 30   # the pairing may keep B idle: the invariants below hold either way
         while time.monotonic() < deadline:   # kill while decode B streams tokens
             if metric_value(fleet.decode_b.metrics_url, "pd_queue_requests", model="decode", queue="running"):
                 break
