@@ -231,7 +231,7 @@ async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float, dr
         responses = client.stream_infer(one_request(), stream_timeout=timeout_s + GRPC_GRACE_S)
     except Exception as exc:  # noqa: BLE001 - a stream that cannot even open fails this request only
         st.error = _grpc_error_text(exc)
-        return SoakRecord(spec, st.record, Outcome.ERROR, st.error)
+        return SoakRecord(spec, st.record, Outcome.ERROR, st.error, ended_s=time.perf_counter())
     reader = asyncio.create_task(_read(responses, st, spec.cancel_after_responses))
     try:
         await asyncio.wait({reader}, timeout=max(0.0, bounds[bound]))
@@ -245,7 +245,7 @@ async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float, dr
                      "stream closed" if st.closed else f"{timeout_s:.0f} s deadline")
     elif outcome is Outcome.ERROR and is_stub_unhealthy(st.error or ""):
         logger.error("%s: %s", spec.request_id, st.error)
-    return SoakRecord(spec, st.record, outcome, st.error, st.num_responses)
+    return SoakRecord(spec, st.record, outcome, st.error, st.num_responses, time.perf_counter())
 
 
 class SoakRun:

@@ -392,12 +392,9 @@ class ServeScript:
         not that the router has seen the workers' first heartbeats: until then it answers "no healthy ...
         instance"). Raises RuntimeError (serve.sh exited) or TimeoutError (not ready in ``timeout_s``), both
         with the log's tail."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         start_s = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT, env=self._env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_ready(self.http_url, self._proc, timeout_s, self.log_tail)
+        proc = self.start_background()
+        wait_ready(self.http_url, proc, timeout_s, self.log_tail)
         self.start_seconds = time.monotonic() - start_s   # how long a start takes here (tests scale bounds by it)
         if self._router_with_workers:
             while not self._router_ready():
@@ -405,6 +402,14 @@ class ServeScript:
                     raise TimeoutError(f"pd_router_ready not 1 within {timeout_s:.0f} s:\n{self.log_tail()}")
                 time.sleep(0.2)
         return self
+
+    def start_background(self) -> subprocess.Popen[bytes]:
+        """Starts serve.sh and returns at once (``ROLE=frontend`` runs no tritonserver to wait for)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT, env=self._env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self._proc
 
     def _router_ready(self) -> bool:
         try:

@@ -154,6 +154,7 @@ class SoakRecord:
     outcome: Outcome
     error: str | None = None
     num_responses: int = 0
+    ended_s: float = 0.0   # perf_counter when the client stopped waiting (FINAL, error, cancel or deadline)
 
 
 def decide_outcome(final_seen: bool, error: str | None, cancelled: bool, stream_closed: bool,
