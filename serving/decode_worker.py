@@ -18,7 +18,9 @@ checked every tick in every queue.
 
 **Direct decode** (a request without ``prefill_instance``): no room handshake and no transfer; the job goes
 straight to the engine (``EngineLoop.submit``), which prefills the prompt in this instance and streams every
-token, as the colocated engine does. The router sends short prompts this way (``direct_decode_max_tokens``).
+token, as the colocated engine does. The router sends short prompts this way (``direct_decode_max_tokens``),
+and migrated requests (``resume_token_ids``: the engine prefills the prompt with the tokens already sent and
+streams only the ones after them).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class DecodeWorker:
         """Direct decode: the engine prefills and decodes the request like a colocated one."""
         self._running[job.request_id] = job
         self._loop.submit(job.request_id, job.token_ids, job.pd.request.params,
-                          lambda event: self._on_event(job, event))
+                          lambda event: self._on_event(job, event), job.pd.resume_token_ids)
 
     def _poll_prealloc(self) -> None:
         blocked = False
