@@ -31,7 +31,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.outputs import TokenLogprob
 from serving.request import GenerateRequest, RawValue, sample_sampling
@@ -152,6 +152,13 @@ class _MergeState:
                            num_cached_tokens=self.num_cached_tokens)
 
 
+class _ChildInputs(NamedTuple):
+    """What a migration needs to start a child: the forwarded inputs and the request's demand."""
+
+    forwarded: dict[str, RawValue]
+    demand: Demand
+
+
 @dataclass(frozen=True)
 class _Outcome:
     """How one attempt ended: ``final`` for the client, or a failure on ``culprit`` to retry (nothing reached
@@ -267,14 +274,15 @@ class PDOrchestrator:
         direct = prefill is None
         state = _MergeState(first_done=direct, prefill_final=direct, prefilled_by="decode" if direct else "prefill")
         try:
-            return await self._merge(room, children, state, targets, (forwarded, demand), emit, is_cancelled)
+            return await self._merge(room, children, state, targets, _ChildInputs(forwarded, demand), emit,
+                                     is_cancelled)
         finally:
             await children.cancel_all()   # ends (cancels) child streams still open
             for extra in state.rooms:
                 self.rooms.release(extra)
 
     async def _merge(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
-                     request: tuple[dict[str, RawValue], Demand], emit: Callable[[OutputChunk], None],
+                     request: _ChildInputs, emit: Callable[[OutputChunk], None],
                      is_cancelled: Callable[[], bool]) -> _Outcome:
         idle_timeout_s = self._config.request_idle_timeout_s
         last_event_s = time.monotonic()
@@ -325,10 +333,10 @@ class PDOrchestrator:
         return _Outcome(error=error, culprit=culprit)   # nothing reached the client yet: retry elsewhere
 
     async def _migrate(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
-                       request: tuple[dict[str, RawValue], Demand], failure: _Outcome) -> _Outcome:
+                       request: _ChildInputs, failure: _Outcome) -> _Outcome:
         """Move the request to a direct decode that resumes from the tokens sent (``migration.py``); returns
         ``failure`` when it did (the merge goes on), else the final error for the client."""
-        migration, (forwarded, demand) = state.migration, request
+        migration, demand = state.migration, request.demand
         assert failure.culprit is not None
         migration.failed.add(failure.culprit.instance_id)
         await children.cancel_all()   # a prefill still sending KV, or a decode that reported an error
@@ -362,7 +370,7 @@ class PDOrchestrator:
         logger.warning("room=%d: %s; migrating (%d/%d) to decode %s as room=%d with %d tokens sent", room,
                        failure.error, migration.num_migrations, self._config.migration_limit,
                        target.instance_id, new_room, len(sent))
-        children.start(ChildCall("decode", target, new_room, "", "", forwarded, resume_token_ids=sent))
+        children.start(ChildCall("decode", target, new_room, "", "", request.forwarded, resume_token_ids=sent))
         return failure
 
     def _accept(self, role: str, response: ChildResponse, state: _MergeState,
