@@ -27,7 +27,6 @@ from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 from serving.triton_io import logprobs_from_wire
 
-
 Room = int
 CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                                   "num_cached_tokens", "cumulative_logprob", "logprobs", "output_token_ids",

@@ -36,9 +36,9 @@ from typing import NamedTuple, Protocol
 from engine.outputs import TokenLogprob
 from serving.request import GenerateRequest, RawValue, sample_sampling
 from serving.router.admission import Admission, ServerBusy
+from serving.router.children import ChildStreams
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, Target
-from serving.router.children import ChildStreams
 from serving.router.launch import FORWARDED_INPUTS, ChildCall, ChildResponse, Launcher
 from serving.router.migration import MigrationState, pick_decode
 from serving.router.pairing import Demand, NoInstance, Pair, PairingPolicy
