@@ -5,7 +5,8 @@ Dynamo's ``--migration-limit`` idea, on this project's wire (docs/architecture.m
 1. every child response carries the ids of its new tokens (``output_token_ids``); the merge keeps all the ids
    it forwarded to the client, in order (prefill's first token, then decode's);
 2. a child failure that is not about the request itself (unreachable, a broken stream, an error a child
-   reports: its KV transfer failed, its engine died) after the first token, while the request has not ended,
+   reports: its KV transfer failed, its engine died; silence for ``request_idle_timeout_s``) after the first
+   token, while the request has not ended,
    cancels the request's open children (a prefill still sending KV frees its pages) and starts a **direct
    decode** on another decode instance (``pick_decode``; every instance that failed this request excluded)
    with ``resume_token_ids`` = those ids: it prefills prompt + ids and streams only the tokens after them;

@@ -298,7 +298,14 @@ class PDOrchestrator:
                                  state.prefill_final, state.decode_final)
                     for target in targets.values():
                         self._fleet.record(target, ok=False)
-                    return _Outcome(final=OutputChunk(text="", final=True, error=reason), error=reason)
+                    if not (state.first_done and state.finish_reason is None and self._config.migration_limit > 0):
+                        return _Outcome(final=OutputChunk(text="", final=True, error=reason), error=reason)
+                    # a decode that hangs (a host cut off without a reset) is as gone as a dead one
+                    outcome = await self._migrate(room, children, state, targets, request,
+                                                  _Outcome(error=reason, culprit=targets["decode"], migrate=True))
+                    if not outcome.migrate:
+                        return outcome
+                    last_event_s = time.monotonic()
                 continue
             if not children.is_current(call):
                 continue   # a child cancelled by a migration

@@ -111,3 +111,13 @@ def test_children_that_send_no_token_ids_are_not_migrated() -> None:
     launcher = ScriptedLauncher({"prefill": old, "decode": [(0.02, unavailable("d down"))]})
     out, _ = run(launcher, fleet=fleet_of(*FLEET))
     assert "token ids" in (out[-1].error or "") and len([c for c in launcher.calls if c.role == "decode"]) == 1
+
+
+def test_a_decode_that_goes_silent_after_the_first_token_is_migrated_after_the_idle_timeout() -> None:
+    silent = [(0.0, tok("B", 2, (11,), -1.0)), (30.0, tok("C", 3, (12,), -1.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": silent},
+                                resumed=[[(0.0, tok("C", 3, (12,), -0.5, True, "length"))]])
+    start = time.monotonic()
+    out, _ = run(launcher, fleet=fleet_of(*FLEET), request_idle_timeout_s=0.3)
+    assert time.monotonic() - start < 5.0 and out[-1].error is None and "".join(c.text for c in out) == "ABC"
+    assert [c.resume_token_ids for c in launcher.calls if c.role == "decode"] == [(), (10, 11)]
