@@ -45,12 +45,15 @@ class BreakingLauncher(InProcessLauncher):
         super().__init__(workers)   # type: ignore[arg-type]
         self.break_after = break_after
         self.broken: list[ChildCall] = []
+        self.resumed: list[ChildCall] = []
 
     async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
         breaks = (self.break_after is not None and call.role == "decode" and not call.resume_token_ids
                   and not self.broken)
         if breaks:
             self.broken.append(call)
+        if call.resume_token_ids:
+            self.resumed.append(call)
         count = 0
         async for response in super().stream(call):
             if breaks and count == self.break_after:
@@ -165,7 +168,10 @@ def test_a_broken_decode_stream_migrates_and_the_client_gets_the_uninterrupted_o
     start = free_pages(workers)
     reference, _, _ = generate(workers, sampling, None)
     migrated, launcher, metrics = generate(workers, sampling, break_after)
-    assert launcher.broken and metrics.count == 1
+    assert launcher.broken and metrics.count == 1 and len(launcher.resumed) == 1
+    # the first token (prefill's), plus those of the responses decode sent before its stream broke
+    sent = launcher.resumed[0].resume_token_ids
+    assert len(sent) == 1 if break_after == 0 else len(sent) >= 1 + break_after
     assert migrated.text == reference.text
     last, ref_last = migrated.chunks[-1].samples[0], reference.chunks[-1].samples[0]
     assert (last.num_output_tokens, last.finish_reason) == (ref_last.num_output_tokens, ref_last.finish_reason)
