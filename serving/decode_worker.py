@@ -243,7 +243,9 @@ class DecodeWorker:
 
     def _count(self, outcome: str, job: _Job) -> None:
         if self._metrics is not None:
-            self._metrics.request_done(outcome, len(job.token_ids), job.stream.num_output_tokens)
+            # a migrated request's resumed tokens were generated (and counted) where it came from
+            generated = max(0, job.stream.num_output_tokens - len(job.pd.resume_token_ids))
+            self._metrics.request_done(outcome, len(job.token_ids), generated)
 
     def _publish(self) -> None:
         if self._metrics is None:
