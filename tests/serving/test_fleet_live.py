@@ -213,6 +213,8 @@ def test_killing_a_decode_server_migrates_its_streams_and_new_ones_succeed(fleet
             b_streaming = bool(metric_value(fleet.decode_b.metrics_url, "pd_queue_requests", model="decode",
                                             queue="running"))
             time.sleep(0.05)
+        if b_streaming:
+            time.sleep(2.0)   # a few tokens in: its streams migrate mid-stream, not at their first token
         fleet.decode_b.kill()
         results = [f.result(timeout=600) for f in futures]
     assert all(r.final_seen for r in results), [r.error for r in results]
