@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import FinishReason, PrefillChunk, RequestOutput, Reservation
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
+from engine.resume import check_resumed, replay_outputs
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestId, Sequence, pages_for_tokens
@@ -115,17 +117,37 @@ class LLMEngine:
         if params.structured is not None:
             self.grammars.compile(params.structured)
 
-    def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
+                    resumed_output_ids: Iterable[int] = ()) -> None:
         """Queue a request; it starts when its pages (prompt + max_tokens) are free.
+
+        ``resumed_output_ids`` (not in prefill mode): tokens this request already generated elsewhere and sent
+        to the client (a migrated request, ``engine.resume``): they count as outputs (``num_output_tokens``,
+        stop rules, penalties) but are neither sampled nor reported again; their logprobs count as 0.0 in
+        ``cumulative_logprob``. The prompt and these tokens are prefilled together.
 
         Raises:
             RequestRejected: duplicate id, empty prompt, token out of vocabulary, longer than
                 ``max_model_len``, more pages than the whole pool, or ``params.structured`` cannot be compiled
-                (compiled here, on the engine thread, unless ``prepare_request`` compiled it before).
+                (compiled here, on the engine thread, unless ``prepare_request`` compiled it before); resumed
+                tokens in prefill mode, out of vocabulary, not fewer than ``max_tokens``, outside the grammar,
+                or already ending the request.
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        self.scheduler.add(seq)
+        resumed = [int(t) for t in resumed_output_ids]
+        if resumed:
+            if self.config.mode == "prefill":
+                raise RequestRejected(request_id, "a prefill-mode engine does not resume requests")
+            check_resumed(seq, resumed, self.model_config.vocab_size)
         self._track(seq)
+        if resumed:
+            try:
+                replay_outputs(seq, resumed, self.output_processor, self.model_config.vocab_size,
+                               self.config.device)
+            except RequestRejected:
+                self._untrack(request_id)
+                raise
+        self.scheduler.add(seq)
 
     def reserve_request(self, request_id: RequestId, prompt_token_ids: list[int],
                         params: SamplingParams) -> Reservation:

@@ -131,7 +131,7 @@ class Scheduler:
         seq.num_registered_pages = num_full
 
     def _add_chunk(self, batch: list[ScheduledSeq], seq: Sequence, budget: int) -> int:
-        n = min(self.chunk_size, budget, seq.num_prompt_tokens - seq.num_computed_tokens)
+        n = min(self.chunk_size, budget, seq.num_prefill_tokens - seq.num_computed_tokens)
         batch.append(ScheduledSeq(seq, n))
         return n
 

@@ -45,6 +45,9 @@ class Sequence:
     Attributes:
         token_ids: prompt followed by the generated tokens.
         num_computed_tokens: tokens whose KV is in the pool.
+        num_prefill_tokens: leading tokens computed as a prefill (in chunks, no sampling before the last one):
+            the prompt, plus the generated tokens a resumed request arrived with (``LLMEngine.add_request``'s
+            ``resumed_output_ids``).
         num_cached_tokens: leading prompt tokens whose KV came from the prefix cache at admission (whole
             pages, at most ``num_prompt_tokens - 1``).
         page_hashes: prefix-cache keys of the sequence's first full pages, in order (filled lazily).
@@ -69,6 +72,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_reserved_tokens = num_reserved_tokens
         self.num_computed_tokens = 0
+        self.num_prefill_tokens = self.num_prompt_tokens
         self.num_cached_tokens = 0
         self.page_hashes: list[PageHash] = []
         self.num_registered_pages = 0
@@ -102,8 +106,8 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        """True until the whole prompt's KV is computed."""
-        return self.num_computed_tokens < self.num_prompt_tokens
+        """True until the KV of the whole prompt (and of the resumed tokens) is computed."""
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

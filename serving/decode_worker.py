@@ -18,7 +18,9 @@ checked every tick in every queue.
 
 **Direct decode** (a request without ``prefill_instance``): no room handshake and no transfer; the job goes
 straight to the engine (``EngineLoop.submit``), which prefills the prompt in this instance and streams every
-token, as the colocated engine does. The router sends short prompts this way (``direct_decode_max_tokens``).
+token, as the colocated engine does. The router sends short prompts this way (``direct_decode_max_tokens``),
+and migrated requests (``resume_token_ids``: the engine prefills the prompt with the tokens already sent and
+streams only the ones after them).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class DecodeWorker:
         """Direct decode: the engine prefills and decodes the request like a colocated one."""
         self._running[job.request_id] = job
         self._loop.submit(job.request_id, job.token_ids, job.pd.request.params,
-                          lambda event: self._on_event(job, event))
+                          lambda event: self._on_event(job, event), job.pd.resume_token_ids)
 
     def _poll_prealloc(self) -> None:
         blocked = False
@@ -241,7 +243,9 @@ class DecodeWorker:
 
     def _count(self, outcome: str, job: _Job) -> None:
         if self._metrics is not None:
-            self._metrics.request_done(outcome, len(job.token_ids), job.stream.num_output_tokens)
+            # a migrated request's resumed tokens were generated (and counted) where it came from
+            generated = max(0, job.stream.num_output_tokens - len(job.pd.resume_token_ids))
+            self._metrics.request_done(outcome, len(job.token_ids), generated)
 
     def _publish(self) -> None:
         if self._metrics is None:

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 class EngineCore(Protocol):
     """The part of ``engine.LLMEngine`` the loop drives (all calls on the loop thread)."""
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resumed_output_ids: Iterable[int] = ()) -> None: ...
 
     def prepare_request(self, params: SamplingParams) -> None:
         """Any thread: compile ``params.structured`` (raises ``InvalidSamplingParams``); called only when set."""
@@ -77,6 +78,7 @@ class _Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     on_event: OnEvent
+    resumed_output_ids: tuple[int, ...] = ()
 
 
 _Command = _Submit | Callable[[], None] | None  # None only wakes the thread
@@ -146,8 +148,11 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
-               on_event: OnEvent) -> None:
+               on_event: OnEvent, resumed_output_ids: tuple[int, ...] = ()) -> None:
         """Queue a new request; it joins the batch before the next step.
+
+        ``resumed_output_ids``: tokens the request already generated and sent elsewhere (a migrated request;
+        ``LLMEngine.add_request``); its outputs carry only what follows them.
 
         ``on_event`` is called on the loop thread with each ``RequestOutput`` and exactly one terminal event.
         Engine rejections (``RequestRejected``, a duplicate id) arrive there as ``RequestFailed``.
@@ -155,7 +160,7 @@ class EngineLoop:
         Raises:
             LoopStopped: the loop is not running; ``on_event`` will never be called.
         """
-        self._put(_Submit(request_id, list(prompt_token_ids), params, on_event))
+        self._put(_Submit(request_id, list(prompt_token_ids), params, on_event, tuple(resumed_output_ids)))
 
     def prepare(self, params: SamplingParams) -> None:
         """Caller's thread (admission): compile the request's structured-outputs grammar now, so the loop thread
@@ -264,7 +269,11 @@ class EngineLoop:
             self._deliver(s.on_event, RequestFailed(s.request_id, RequestRejected(s.request_id, "duplicate id")))
             return
         try:
-            self.engine.add_request(s.request_id, s.prompt_token_ids, s.params)
+            if s.resumed_output_ids:
+                self.engine.add_request(s.request_id, s.prompt_token_ids, s.params,
+                                        resumed_output_ids=s.resumed_output_ids)
+            else:
+                self.engine.add_request(s.request_id, s.prompt_token_ids, s.params)
         except Exception as e:  # an engine error concerns this request only
             if not isinstance(e, EngineError):
                 logger.exception("%s: add_request(%s) failed unexpectedly", self._name, s.request_id)

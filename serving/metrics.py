@@ -32,6 +32,7 @@ stays importable without Triton). Every metric carries the labels ``model`` and 
                                              ``queued``, ``inflight``)
 ``pd_router_selections_total``      counter  router: requests sent per instance (labels ``role``, ``target``)
 ``pd_router_retries_total``         counter  router: attempts retried on another pair before the first token
+``pd_router_migrations_total``      counter  router: requests moved to another decode instance after the first token
 ``pd_router_rejections_total``      counter  router: requests refused (label ``reason``: ``busy``,
                                              ``no_prefill``, ``no_decode``)
 ``pd_router_requests_total``        counter  router: requests ended (label ``outcome``)
@@ -114,6 +115,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
                                  "(inflight)"),
     "pd_router_selections_total": ("COUNTER", "Router: requests sent per instance"),
     "pd_router_retries_total": ("COUNTER", "Router: attempts retried on another pair before the first token"),
+    "pd_router_migrations_total": ("COUNTER", "Router: requests moved to another decode instance after the first "
+                                              "token"),
     "pd_router_rejections_total": ("COUNTER", "Router: requests refused (busy, no healthy instance)"),
     "pd_router_requests_total": ("COUNTER", "Router: requests ended, by outcome"),
     "pd_router_healthy_instances": ("GAUGE", "Router: 1 while the instance is in rotation"),

@@ -10,6 +10,10 @@
                                 itself and streams every token
 ``prefill_rendezvous`` STRING   decode only, with ``prefill_instance``: that instance's own rendezvous
                                 (``http://host:port``), where decode posts the room's destination
+``resume_token_ids``   INT32    decode only, ``[k]``, ``1 <= k < max_tokens``, no ``prefill_instance``: a
+                                **migrated** request: the tokens it already generated (on a decode instance that
+                                failed) and sent to the client; a direct decode that prefills the prompt and
+                                these tokens and streams only what follows them
 ``pd_control``         STRING   ``"describe"``: no generation; one response whose ``text_output`` is this
                                 instance's ``InstanceCard`` JSON (how a router of the same server finds it)
 =====================  =======  ==============================================================================
@@ -33,7 +37,7 @@ from serving.request import GenerateRequest, RequestError, parse_request
 
 Room = int
 MAX_ROOM = 2**63 - 1
-PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous")
+PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous", "resume_token_ids")
 CONTROL_INPUT = "pd_control"
 DESCRIBE = "describe"
 CARD_VERSION = 1
@@ -84,12 +88,15 @@ class PDRequest:
         room: the bootstrap room.
         prefill_instance: decode only: which prefill instance writes this room's KV; empty: direct decode.
         prefill_rendezvous: decode only: that prefill instance's rendezvous URL.
+        resume_token_ids: decode only, direct: tokens already generated and sent (a migrated request); empty:
+            a new request.
     """
 
     request: GenerateRequest
     room: Room
     prefill_instance: str = ""
     prefill_rendezvous: str = ""
+    resume_token_ids: tuple[int, ...] = ()
 
     @property
     def direct(self) -> bool:
@@ -103,7 +110,8 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
     Args:
         llm_inputs: the LLM-convention inputs (``triton_io.read_inputs``).
         pd_inputs: ``bootstrap_room`` (int64, one element) and, for decode, ``prefill_instance`` (bytes; empty
-            or absent: direct decode) with ``prefill_rendezvous`` (bytes, required with ``prefill_instance``).
+            or absent: direct decode) with ``prefill_rendezvous`` (bytes, required with ``prefill_instance``), and
+            ``resume_token_ids`` (integers ``[k]``, direct decode only).
     Raises:
         RequestError: naming the offending input.
     """
@@ -121,8 +129,26 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
     if prefill_instance and not prefill_rendezvous.startswith(("http://", "https://")):
         raise RequestError("prefill_rendezvous", "must be the prefill instance's rendezvous URL (http://host:port) "
                            "when prefill_instance is set")
+    resume = _resume_token_ids(pd_inputs, request.params.max_tokens)
+    if resume and prefill_instance:
+        raise RequestError("resume_token_ids", "resumes a direct decode: send it without prefill_instance")
     return PDRequest(request=request, room=room, prefill_instance=prefill_instance,
-                     prefill_rendezvous=prefill_rendezvous)
+                     prefill_rendezvous=prefill_rendezvous, resume_token_ids=resume)
+
+
+def _resume_token_ids(pd_inputs: Mapping[str, np.ndarray], max_tokens: int) -> tuple[int, ...]:
+    raw = pd_inputs.get("resume_token_ids")
+    if raw is None:
+        return ()
+    array = np.asarray(raw)
+    if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
+        raise RequestError("resume_token_ids", f"must be a non-empty list of token ids, got shape "
+                                               f"{tuple(array.shape)} of {array.dtype}")
+    if array.size >= max_tokens:
+        raise RequestError("resume_token_ids", f"{array.size} tokens leave none of max_tokens {max_tokens}")
+    if int(array.min()) < 0:
+        raise RequestError("resume_token_ids", "token ids must be >= 0")
+    return tuple(int(t) for t in array)
 
 
 def _optional_text(pd_inputs: Mapping[str, np.ndarray], name: str) -> str:

@@ -185,7 +185,8 @@ class PrefillWorker:
             job.cumulative_logprob = event.cumulative_logprob
             logprobs = tuple(event.new_token_logprobs) if job.pd.request.params.logprobs is not None else None
             job.sink.send(ResponseChunk.single(event.new_text, chunk.finish_reason, event.num_prompt_tokens, 1, 1,
-                                               event.cumulative_logprob, logprobs, event.num_cached_tokens),
+                                               event.cumulative_logprob, logprobs, event.num_cached_tokens,
+                                               tuple(event.new_token_ids)),
                           final=False)
 
     def _poll_inflight(self) -> None:

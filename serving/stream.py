@@ -41,6 +41,8 @@ class SampleOutput:
         logprobs: one entry per token of ``num_new_tokens`` when the request asked for logprobs, else None.
         num_cached_tokens: the sample's leading prompt tokens whose KV the prefix cache supplied (their prefill
             was skipped; ``RequestOutput.num_cached_tokens`` of the engine that prefilled it); 0 until known.
+        token_ids: the ids of the tokens generated since the previous response (those ``num_new_tokens``
+            counts, when the engine reported them), for the router to resume the request elsewhere.
     """
 
     text: str = ""
@@ -50,6 +52,7 @@ class SampleOutput:
     cumulative_logprob: float = 0.0
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_cached_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,11 @@ class ResponseChunk:
     @classmethod
     def single(cls, text: str = "", finish_reason: str | None = None, num_input_tokens: int = 0,
                num_output_tokens: int = 0, num_new_tokens: int = 0, cumulative_logprob: float = 0.0,
-               logprobs: tuple[TokenLogprob, ...] | None = None, num_cached_tokens: int = 0) -> ResponseChunk:
+               logprobs: tuple[TokenLogprob, ...] | None = None, num_cached_tokens: int = 0,
+               token_ids: tuple[int, ...] = ()) -> ResponseChunk:
         """A response of a one-sample request."""
         return cls((SampleOutput(text, finish_reason, num_output_tokens, num_new_tokens, cumulative_logprob,
-                                 logprobs, num_cached_tokens),), num_input_tokens)
+                                 logprobs, num_cached_tokens, token_ids),), num_input_tokens)
 
     @property
     def text(self) -> str:
@@ -88,17 +92,25 @@ class ResponseChunk:
 
 class ResponseDelta:
     """What one sample's next response reports beside its text: the tokens generated since the previous
-    response, and their logprobs. Used by ``GenerationStream`` (engine outputs) and the router's responder
-    (child chunks); one thread each."""
+    response, their logprobs and (engine outputs only) their ids. Used by ``GenerationStream`` (engine
+    outputs) and the router's responder (child chunks); one thread each."""
 
     def __init__(self, logprobs_asked: bool) -> None:
         self._logprobs_asked = logprobs_asked
         self._num_sent_tokens = 0
         self._pending: list[TokenLogprob] = []
+        self._pending_ids: list[int] = []
 
-    def add(self, logprobs: Iterable[TokenLogprob]) -> None:
-        """Logprobs of tokens that arrived and are not sent yet."""
+    def add(self, logprobs: Iterable[TokenLogprob], token_ids: Iterable[int] = ()) -> None:
+        """Logprobs and ids of tokens that arrived and are not sent yet."""
         self._pending.extend(logprobs)
+        self._pending_ids.extend(token_ids)
+
+    def take_token_ids(self) -> tuple[int, ...]:
+        """The ids added since the previous call, in order; they count as sent."""
+        ids = tuple(self._pending_ids)
+        self._pending_ids.clear()
+        return ids
 
     def take(self, num_output_tokens: int) -> tuple[int, tuple[TokenLogprob, ...] | None]:
         """For a response sent now, with ``num_output_tokens`` generated so far: ``(new tokens, their logprobs
@@ -168,7 +180,7 @@ class GenerationStream:
         self.num_output_tokens = output.num_output_tokens
         self.num_cached_tokens = output.num_cached_tokens
         self.cumulative_logprob = output.cumulative_logprob
-        self._delta.add(output.new_token_logprobs)
+        self._delta.add(output.new_token_logprobs, output.new_token_ids)
         if output.finished:
             self.done = True
             self.finish_reason = output.finish_reason
@@ -196,4 +208,4 @@ class GenerationStream:
         num_new, logprobs = self._delta.take(self.num_output_tokens)
         return ResponseChunk.single(text, self.finish_reason if self.done else None, self.num_input_tokens,
                                     self.num_output_tokens, num_new, self.cumulative_logprob, logprobs,
-                                    self.num_cached_tokens)
+                                    self.num_cached_tokens, self._delta.take_token_ids())

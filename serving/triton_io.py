@@ -19,7 +19,9 @@ the top ``logprobs`` tokens not already listed (the vLLM backend's layout); ``nu
 Child layout (prefill/decode → the router): one sample; ``text_output``, ``finish_reason``, ``error``, and
 ``logprobs`` (compact JSON, ``logprobs_to_wire``) as UTF-8 in UINT8 tensors; ``num_input_tokens``,
 ``num_output_tokens`` (cumulative), ``num_cached_tokens`` (the child engine's prefix-cache hit: prefill's is the
-request's, on its first response) as INT32 ``[1]``; ``cumulative_logprob`` (FP32 ``[1]``).
+request's, on its first response) as INT32 ``[1]``; ``cumulative_logprob`` (FP32 ``[1]``); ``output_token_ids``
+(INT32 ``[k]``, maybe ``k = 0``: the ids of the tokens generated since the previous response; prefill's first
+response: the first token), so that the router can resume the request on another decode instance.
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ def child_response_arrays(chunk: ResponseChunk, error: str = "") -> dict[str, np
         "num_cached_tokens": np.array([sample.num_cached_tokens], dtype=np.int32),
         "cumulative_logprob": np.array([sample.cumulative_logprob], dtype=np.float32),
         "logprobs": utf8_array(logprobs_to_wire(sample.logprobs)),
+        "output_token_ids": np.array(sample.token_ids, dtype=np.int32),
         "error": utf8_array(error),
     }
 

@@ -56,6 +56,9 @@ class RouterConfig:
         queue_timeout_s: longest wait for admission before "server busy", seconds.
         request_idle_timeout_s: a request whose children say nothing for this long is aborted, seconds.
         max_retries: attempts on another pair after a failure before the first token (0: none).
+        migration_limit: times one request may move to another decode instance when its children fail after
+            the first token reached the client (a direct decode that resumes from the tokens already sent); 0:
+            such a failure ends the request with the error.
         fleet_refresh_s: how often the membership is read and each instance's load asked, seconds.
         instance_stale_s: an instance not heard from for this long is out of rotation, seconds.
         breaker_failures: consecutive failures that take an instance out of rotation.
@@ -78,6 +81,7 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     request_idle_timeout_s: float = 300.0
     max_retries: int = 1
+    migration_limit: int = 3
     fleet_refresh_s: float = 0.25
     instance_stale_s: float = 3.0
     breaker_failures: int = 3
@@ -91,7 +95,7 @@ class RouterConfig:
         for name in ("max_inflight_requests", "breaker_failures"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        for name in ("max_queued_requests", "max_retries", "direct_decode_max_tokens"):
+        for name in ("max_queued_requests", "max_retries", "migration_limit", "direct_decode_max_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         for name in ("queue_timeout_s", "request_idle_timeout_s", "fleet_refresh_s", "instance_stale_s",

@@ -38,7 +38,7 @@ class _LoopSink:
         sample = chunk.samples[0]
         self._put(ChildResponse(sample.text, chunk.num_input_tokens, sample.num_output_tokens, sample.finish_reason,
                                 None, final, cumulative_logprob=sample.cumulative_logprob, logprobs=sample.logprobs,
-                                num_cached_tokens=sample.num_cached_tokens))
+                                num_cached_tokens=sample.num_cached_tokens, token_ids=sample.token_ids))
 
     def send_error(self, message: str) -> None:
         self._put(ChildResponse(error=message, final=True))
@@ -67,7 +67,8 @@ class InProcessLauncher:
             raise ChildUnavailable(f"no worker {call.target.instance_id} in this process")
         request = replace(parse_request(dict(call.inputs)), stream=True, exclude_input_in_output=True)
         sink = _LoopSink(asyncio.get_running_loop())
-        worker.handle(PDRequest(request, call.room, call.prefill_instance, call.prefill_rendezvous), sink)
+        worker.handle(PDRequest(request, call.room, call.prefill_instance, call.prefill_rendezvous,
+                                call.resume_token_ids), sink)
         finished = False
         try:
             while not finished:

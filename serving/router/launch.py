@@ -8,8 +8,9 @@ frees its pages). Why not BLS for the router's own server: docs/architecture.md,
 Child protocol (``serving.pd_request``): inputs ``text_input``, ``sampling_parameters``, ``apply_chat_template``
 (the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` and ``prefill_rendezvous`` (decode;
 empty: direct decode); outputs ``text_output``/``finish_reason``/``error``/``logprobs`` as UTF-8 in UINT8 tensors,
-``num_input_tokens``, ``num_output_tokens`` and ``num_cached_tokens`` (INT32), ``cumulative_logprob`` (FP32)
-(``serving.triton_io``'s child layout). A child reports a failure as a FINAL response whose ``error`` is set.
+``num_input_tokens``, ``num_output_tokens`` and ``num_cached_tokens`` (INT32), ``cumulative_logprob`` (FP32),
+``output_token_ids`` (INT32 ``[k]``) (``serving.triton_io``'s child layout); a migrated decode child also gets
+``resume_token_ids`` (INT32 ``[k]``). A child reports a failure as a FINAL response whose ``error`` is set.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 from serving.triton_io import logprobs_from_wire
 
-
 Room = int
 CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                  "num_cached_tokens", "cumulative_logprob", "logprobs", "error")
+                                  "num_cached_tokens", "cumulative_logprob", "logprobs", "output_token_ids",
+                                  "error")
 #: Inputs of the client's request that are forwarded as they are to both children.
 FORWARDED_INPUTS: tuple[str, ...] = ("text_input", "sampling_parameters", "apply_chat_template")
 
@@ -55,6 +56,8 @@ class ChildResponse:
         num_cached_tokens: prompt tokens the child engine's prefix cache supplied (prefill's: the prompt's
             cache hit; decode's: its own, which counts only for a direct decode); 0 when the response does not
             say.
+        token_ids: ids of this response's new tokens (prefill's first response: the first token; decode's:
+            the tokens after the first, or after the resumed ones), in order.
     """
 
     text: str = ""
@@ -67,6 +70,7 @@ class ChildResponse:
     cumulative_logprob: float = 0.0
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_cached_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class ChildCall:
         prefill_instance: decode only: the paired prefill's instance id; empty: direct decode.
         prefill_rendezvous: decode only: the paired prefill's own rendezvous URL.
         inputs: the client's forwarded inputs (``FORWARDED_INPUTS``), as parsed scalars.
+        resume_token_ids: decode only, direct: the tokens already sent to the client (a migration); empty: a
+            new request.
     """
 
     role: str
@@ -88,6 +94,7 @@ class ChildCall:
     prefill_instance: str
     prefill_rendezvous: str
     inputs: Mapping[str, RawValue] = field(default_factory=dict)
+    resume_token_ids: tuple[int, ...] = ()
 
 
 class ChildUnavailable(Exception):
@@ -109,7 +116,7 @@ class Launcher(Protocol):
 
 
 def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
-    """The child request's input arrays, by input name (shape ``[1]`` each)."""
+    """The child request's input arrays, by input name (shape ``[1]`` each; ``resume_token_ids``: ``[k]``)."""
     arrays: dict[str, np.ndarray] = {}
     for name in FORWARDED_INPUTS:
         if name in call.inputs:
@@ -120,6 +127,8 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
     if call.role == "decode":
         arrays["prefill_instance"] = np.array([call.prefill_instance.encode()], dtype=np.object_)
         arrays["prefill_rendezvous"] = np.array([call.prefill_rendezvous.encode()], dtype=np.object_)
+        if call.resume_token_ids:
+            arrays["resume_token_ids"] = np.array(call.resume_token_ids, dtype=np.int32)
     return arrays
 
 
@@ -140,12 +149,17 @@ def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildRespon
         array = values.get(name)
         return 0.0 if array is None or np.size(array) == 0 else float(np.asarray(array).reshape(-1)[0])
 
+    def ids(name: str) -> tuple[int, ...]:
+        array = values.get(name)
+        return () if array is None else tuple(int(t) for t in np.asarray(array).reshape(-1))
+
     if text("error"):
         return ChildResponse(error=text("error"), final=True)
     return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
                          num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
                          final=final, cumulative_logprob=number("cumulative_logprob"),
-                         logprobs=logprobs_from_wire(text("logprobs")), num_cached_tokens=count("num_cached_tokens"))
+                         logprobs=logprobs_from_wire(text("logprobs")), num_cached_tokens=count("num_cached_tokens"),
+                         token_ids=ids("output_token_ids"))
 
 
 class GrpcLauncher:

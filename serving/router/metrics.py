@@ -19,6 +19,9 @@ class RouterMetricsSink:
     def retried(self) -> None:
         self._metrics.increment("pd_router_retries_total", 1)
 
+    def migrated(self) -> None:
+        self._metrics.increment("pd_router_migrations_total", 1)
+
     def rejected(self, reason: str) -> None:
         self._metrics.increment("pd_router_rejections_total", 1, reason=reason)
 

@@ -12,10 +12,12 @@
 6. **end** with exactly one final chunk: success; a client cancel; a failure. On a cancel or a failure both
    child streams are cancelled: Triton tells both children, which drop the room (telling each other over the KV
    transport) and free its pages. A failure **before the first token** reached the client is retried once on another pair
-   (the instance that failed is excluded); after the first token it ends the request with the error. An error
-   about the request itself (bad input, rejected by the engine) is never retried. Successes, unreachable
-   children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and errors a
-   child reports do not.
+   (the instance that failed is excluded); after the first token the request **migrates** (``migration.py``):
+   the open children are cancelled and a direct decode on another decode instance resumes it from the tokens
+   already sent, into the same client stream, up to ``migration_limit`` times, then the error ends it. An error
+   about the request itself (bad input, rejected by the engine) is never retried nor migrated. Successes,
+   unreachable children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and
+   errors a child reports do not.
 
 Event loop thread only: ``generate`` is a coroutine; one runs per request.
 """
@@ -29,14 +31,16 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.outputs import TokenLogprob
 from serving.request import GenerateRequest, RawValue, sample_sampling
 from serving.router.admission import Admission, ServerBusy
+from serving.router.children import ChildStreams
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, Target
-from serving.router.launch import FORWARDED_INPUTS, ChildCall, ChildResponse, ChildUnavailable, Launcher
+from serving.router.launch import FORWARDED_INPUTS, ChildCall, ChildResponse, Launcher
+from serving.router.migration import MigrationState, pick_decode
 from serving.router.pairing import Demand, NoInstance, Pair, PairingPolicy
 from serving.router.responder import OutputChunk
 
@@ -66,6 +70,8 @@ class RouterMetrics(Protocol):
     def selected(self, role: str, instance_id: str) -> None: ...
 
     def retried(self) -> None: ...
+
+    def migrated(self) -> None: ...
 
     def rejected(self, reason: str) -> None: ...
 
@@ -135,6 +141,8 @@ class _MergeState:
     # tokens (the vLLM convention: no response without tokens)
     tail_text: str = ""
     tail_logprobs: list[TokenLogprob] | None = None
+    migration: MigrationState = field(default_factory=MigrationState)
+    rooms: list[Room] = field(default_factory=list)   # the rooms of migrated children, released at the end
 
     def final_chunk(self, finish_reason: str | None) -> OutputChunk:
         return OutputChunk(text=self.tail_text, final=True, finish_reason=finish_reason,
@@ -144,13 +152,22 @@ class _MergeState:
                            num_cached_tokens=self.num_cached_tokens)
 
 
+class _ChildInputs(NamedTuple):
+    """What a migration needs to start a child: the forwarded inputs and the request's demand."""
+
+    forwarded: dict[str, RawValue]
+    demand: Demand
+
+
 @dataclass(frozen=True)
 class _Outcome:
-    """How one attempt ended: ``final`` for the client, or a retryable failure on ``culprit``."""
+    """How one attempt ended: ``final`` for the client, or a failure on ``culprit`` to retry (nothing reached
+    the client) or, with ``migrate``, to migrate (the first token did)."""
 
     final: OutputChunk | None = None
     error: str = ""
     culprit: Target | None = None
+    migrate: bool = False
 
 
 class PDOrchestrator:
@@ -245,42 +262,27 @@ class PDOrchestrator:
 
     async def _attempt(self, pair: Pair, room: Room, routed: RoutedRequest, demand: Demand,
                        emit: Callable[[OutputChunk], None], is_cancelled: Callable[[], bool]) -> _Outcome:
-        events: asyncio.Queue[tuple[str, ChildResponse]] = asyncio.Queue()
         forwarded = routed.forwarded
         prefill = pair.prefill
-        calls = [ChildCall("decode", pair.decode, room, prefill.instance_id if prefill else "",
-                           prefill.rendezvous_url if prefill else "", forwarded)]
+        children = ChildStreams(self._launcher)
+        targets = {"decode": pair.decode}
         if prefill is not None:
-            calls.insert(0, ChildCall("prefill", prefill, room, "", "", forwarded))
-        readers = [asyncio.ensure_future(self._read(call, events)) for call in calls]
-        direct = pair.prefill is None
+            targets["prefill"] = prefill
+            children.start(ChildCall("prefill", prefill, room, "", "", forwarded))
+        children.start(ChildCall("decode", pair.decode, room, prefill.instance_id if prefill else "",
+                                 prefill.rendezvous_url if prefill else "", forwarded))
+        direct = prefill is None
         state = _MergeState(first_done=direct, prefill_final=direct, prefilled_by="decode" if direct else "prefill")
-        targets = {call.role: call.target for call in calls}
         try:
-            outcome = await self._merge(room, events, state, targets, emit, is_cancelled)
+            return await self._merge(room, children, state, targets, _ChildInputs(forwarded, demand), emit,
+                                     is_cancelled)
         finally:
-            for reader in readers:
-                reader.cancel()   # ends (cancels) child streams still open
-            await asyncio.gather(*readers, return_exceptions=True)
-        return outcome
+            await children.cancel_all()   # ends (cancels) child streams still open
+            for extra in state.rooms:
+                self.rooms.release(extra)
 
-    async def _read(self, call: ChildCall, events: asyncio.Queue[tuple[str, ChildResponse]]) -> None:
-        try:
-            async for response in self._launcher.stream(call):
-                events.put_nowait((call.role, response))
-                if response.final:
-                    return
-            events.put_nowait((call.role, ChildResponse(final=True)))
-        except ChildUnavailable as e:
-            events.put_nowait((call.role, ChildResponse(error=str(e), final=True, unreachable=True)))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:   # a launcher bug fails this attempt, never the loop
-            logger.exception("room=%d: %s stream failed", call.room, call.role)
-            events.put_nowait((call.role, ChildResponse(error=f"{call.role} failed: {e}", final=True)))
-
-    async def _merge(self, room: Room, events: asyncio.Queue[tuple[str, ChildResponse]], state: _MergeState,
-                     targets: dict[str, Target], emit: Callable[[OutputChunk], None],
+    async def _merge(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
+                     request: _ChildInputs, emit: Callable[[OutputChunk], None],
                      is_cancelled: Callable[[], bool]) -> _Outcome:
         idle_timeout_s = self._config.request_idle_timeout_s
         last_event_s = time.monotonic()
@@ -288,7 +290,7 @@ class PDOrchestrator:
             if is_cancelled():
                 return _Outcome(final=state.final_chunk("abort"))
             try:
-                role, response = await asyncio.wait_for(events.get(), CANCEL_POLL_INTERVAL_S)
+                call, response = await asyncio.wait_for(children.events.get(), CANCEL_POLL_INTERVAL_S)
             except asyncio.TimeoutError:
                 if time.monotonic() - last_event_s > idle_timeout_s:
                     reason = f"no response from prefill or decode for {idle_timeout_s:g} s"
@@ -296,12 +298,27 @@ class PDOrchestrator:
                                  state.prefill_final, state.decode_final)
                     for target in targets.values():
                         self._fleet.record(target, ok=False)
-                    return _Outcome(final=OutputChunk(text="", final=True, error=reason), error=reason)
+                    if not (state.first_done and state.finish_reason is None and self._config.migration_limit > 0):
+                        return _Outcome(final=OutputChunk(text="", final=True, error=reason), error=reason)
+                    # a decode that hangs (a host cut off without a reset) is as gone as a dead one
+                    outcome = await self._migrate(room, children, state, targets, request,
+                                                  _Outcome(error=reason, culprit=targets["decode"], migrate=True))
+                    if not outcome.migrate:
+                        return outcome
+                    last_event_s = time.monotonic()
                 continue
+            if not children.is_current(call):
+                continue   # a child cancelled by a migration
             last_event_s = time.monotonic()
-            if response.error is not None:
-                return self._failed(room, role, response, state, targets)
-            self._accept(role, response, state, emit)
+            if response.error is None:
+                self._accept(call.role, response, state, emit)
+                continue
+            outcome = self._failed(room, call.role, response, state, targets)
+            if outcome.migrate:
+                outcome = await self._migrate(room, children, state, targets, request, outcome)
+            if outcome.migrate:
+                continue
+            return outcome
         for target in targets.values():
             self._fleet.record(target, ok=True)
         return _Outcome(final=state.final_chunk(state.finish_reason))
@@ -316,9 +333,52 @@ class PDOrchestrator:
             # only an instance the router cannot reach counts against its breaker: errors a child reports
             # (a KV timeout under load, its peer failing) say little about the child itself
             self._fleet.record(culprit, ok=False)
+        if state.first_done and state.finish_reason is None and self._config.migration_limit > 0:
+            return _Outcome(error=error, culprit=culprit, migrate=True)   # the client has tokens: move on
         if state.emitted:
             return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
         return _Outcome(error=error, culprit=culprit)   # nothing reached the client yet: retry elsewhere
+
+    async def _migrate(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
+                       request: _ChildInputs, failure: _Outcome) -> _Outcome:
+        """Move the request to a direct decode that resumes from the tokens sent (``migration.py``); returns
+        ``failure`` when it did (the merge goes on), else the final error for the client."""
+        migration, demand = state.migration, request.demand
+        assert failure.culprit is not None
+        migration.failed.add(failure.culprit.instance_id)
+        await children.cancel_all()   # a prefill still sending KV, or a decode that reported an error
+        sent = tuple(migration.token_ids)
+
+        def give_up(why: str) -> _Outcome:
+            error = f"{failure.error} ({why})"
+            logger.warning("room=%d: not migrated: %s", room, why)
+            return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
+
+        if migration.num_migrations >= self._config.migration_limit:
+            return give_up(f"migrated {migration.num_migrations} times: migration_limit reached")
+        if not sent or len(sent) != state.num_output_tokens:
+            return give_up(f"the children reported {len(sent)} token ids of {state.num_output_tokens} tokens")
+        try:
+            target = pick_decode(self._fleet.candidates("decode", frozenset(migration.failed)),
+                                 demand.tokens_to_reserve)
+        except NoInstance:
+            return give_up("no other decode instance to migrate to")
+        self._fleet.note_assigned(target, demand.prompt_tokens + len(sent), demand.tokens_to_reserve)
+        if self._metrics is not None:
+            self._metrics.selected("decode", target.instance_id)
+            self._metrics.migrated()
+        migration.num_migrations += 1
+        migration.logprob_base = state.cumulative_logprob
+        new_room = self.rooms.allocate()
+        state.rooms.append(new_room)
+        state.prefill_final, state.decode_final = True, False
+        targets.clear()
+        targets["decode"] = target
+        logger.warning("room=%d: %s; migrating (%d/%d) to decode %s as room=%d with %d tokens sent", room,
+                       failure.error, migration.num_migrations, self._config.migration_limit,
+                       target.instance_id, new_room, len(sent))
+        children.start(ChildCall("decode", target, new_room, "", "", request.forwarded, resume_token_ids=sent))
+        return failure
 
     def _accept(self, role: str, response: ChildResponse, state: _MergeState,
                 emit: Callable[[OutputChunk], None]) -> None:
@@ -342,9 +402,11 @@ class PDOrchestrator:
     @staticmethod
     def _forward(response: ChildResponse, state: _MergeState, emit: Callable[[OutputChunk], None]) -> None:
         state.num_input_tokens = max(state.num_input_tokens, response.num_input_tokens)
+        state.migration.token_ids.extend(response.token_ids)
         if response.num_output_tokens >= state.num_output_tokens:
             state.num_output_tokens = response.num_output_tokens
-            state.cumulative_logprob = response.cumulative_logprob
+            # a resumed child counts the tokens it was resumed with as 0.0
+            state.cumulative_logprob = state.migration.logprob_base + response.cumulative_logprob
         if response.finish_reason is not None or state.finish_reason is not None:
             # the request's last tokens: they go out with the final chunk
             state.finish_reason = state.finish_reason or response.finish_reason

@@ -136,3 +136,23 @@ def test_pd_tokens_equal_colocated_tokens(engines, constraint, text, sampling):
     for attempt in range(2):  # the second time decode's prefix cache holds the prompt's pages
         got = pd_tokens(engines, f"pd-{tag}-{attempt}", prompt, p)
         assert got == expected, (attempt, col.tokenizer.decode(got), col.tokenizer.decode(expected))
+
+
+@pytest.mark.parametrize("constraint, text", [CONSTRAINTS[0], CONSTRAINTS[2]])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 11}])
+def test_a_resumed_request_continues_under_its_grammar_with_the_uninterrupted_tokens(engines, constraint, text,
+                                                                                      sampling):
+    """A migrated request (``add_request(..., resumed_output_ids)``) moves its grammar past the resumed tokens:
+    the tokens after them equal the uninterrupted run's (a grammar left behind would mask other tokens)."""
+    col = engines["colocated"]
+    prompt = prompt_ids(col, text)
+    p = params(constraint, max_tokens=40, **sampling)
+    tag = f"resume-{len(constraint)}-{hash(text) & 0xffff}-{sampling['temperature']}"
+    col.add_request(tag, prompt, p)
+    full = run(col)[tag]
+    expected = [t for o in full for t in o.new_token_ids]
+    k = len(expected) // 2
+    col.add_request(f"{tag}-r", prompt, p, resumed_output_ids=expected[:k])
+    resumed = run(col)[f"{tag}-r"]
+    assert expected[:k] + [t for o in resumed for t in o.new_token_ids] == expected
+    assert resumed[-1].finish_reason == full[-1].finish_reason

@@ -3,8 +3,10 @@ backend (and genai-perf) expect."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from serving.pd_request import parse_pd_request
 from serving.request import RETURN_INPUTS, GenerateRequest, OutputOptions, RequestError, parse_request
 
 
@@ -86,3 +88,26 @@ def test_streaming_never_echoes_the_prompt() -> None:
 def test_text_and_flags_parse() -> None:
     req = _parse(text_input="Grüße".encode(), apply_chat_template=True, stream=False)
     assert req.prompt == "Grüße" and req.apply_chat_template
+
+
+@pytest.mark.parametrize("resume, extra, why", [
+    (np.array([], dtype=np.int32), {}, "non-empty"),
+    (np.array([[1, 2]], dtype=np.int32), {}, "non-empty"),
+    (np.array([1.5]), {}, "non-empty"),
+    (np.array([-1], dtype=np.int32), {}, ">= 0"),
+    (np.arange(16, dtype=np.int32), {}, "leave none"),
+    (np.array([3], dtype=np.int32), {"prefill_instance": np.array([b"p@h:1"], dtype=np.object_),
+                                     "prefill_rendezvous": np.array([b"http://p:1"], dtype=np.object_)},
+     "direct decode"),
+])
+def test_bad_resume_token_ids_name_the_input(resume: np.ndarray, extra: dict, why: str) -> None:
+    pd_inputs = {"bootstrap_room": np.array([7], dtype=np.int64), "resume_token_ids": resume, **extra}
+    with pytest.raises(RequestError, match=f"resume_token_ids.*{why}"):
+        parse_pd_request({"text_input": b"Hi", "sampling_parameters": b'{"max_tokens": 16}'}, pd_inputs)
+
+
+def test_resume_token_ids_make_a_direct_decode_that_resumes() -> None:
+    pd = parse_pd_request({"text_input": b"Hi", "sampling_parameters": b'{"max_tokens": 16}'},
+                          {"bootstrap_room": np.array([7], dtype=np.int64),
+                           "resume_token_ids": np.array([4, 5], dtype=np.int32)})
+    assert pd.direct and pd.resume_token_ids == (4, 5)

@@ -74,3 +74,8 @@ def test_cancelled_stream_ends_with_bare_final() -> None:
     gs.cancelled = True
     assert gs.on_event(RequestFailed("r", RequestAborted("r", "cancelled"))) is True
     assert sink.finals == 1 and not sink.errors and not sink.chunks
+
+
+def test_token_ids_of_outputs_without_text_go_out_with_the_next_response() -> None:
+    sink = _run(True, ("a", "", "", "b", ""))
+    assert [c.samples[0].token_ids for c, _ in sink.chunks] == [(0,), (1, 2, 3), (4,)]

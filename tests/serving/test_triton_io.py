@@ -121,3 +121,18 @@ def test_return_inputs_select_outputs() -> None:
     assert req.outputs == OutputOptions(logprobs=True)
     req = parse_request({"text_input": b"x", "return_num_cached_tokens": True})
     assert req.outputs == OutputOptions(num_cached_tokens=True)
+
+
+def test_child_token_ids_round_trip_as_int32_and_resume_ids_travel_to_decode_only() -> None:
+    from serving.router.fleet import Target
+    from serving.router.launch import ChildCall, child_arrays, child_response
+
+    arrays = child_response_arrays(ResponseChunk.single("ab", None, 3, 4, 2, token_ids=(7, 9)))
+    assert arrays["output_token_ids"].dtype == np.int32 and arrays["output_token_ids"].tolist() == [7, 9]
+    assert child_response(arrays, final=False).token_ids == (7, 9)
+    assert child_response(child_response_arrays(ResponseChunk.single("")), final=True).token_ids == ()
+    target = Target("d0@h:1", "decode", "127.0.0.1:8001", "decode", rendezvous_url="http://d0:1")
+    call = ChildCall("decode", target, 5, "", "", {"text_input": "hi"}, resume_token_ids=(4, 5, 6))
+    sent = child_arrays(call)
+    assert sent["resume_token_ids"].dtype == np.int32 and sent["resume_token_ids"].tolist() == [4, 5, 6]
+    assert "resume_token_ids" not in child_arrays(ChildCall("decode", target, 5, "", "", {"text_input": "hi"}))

@@ -15,18 +15,23 @@ Script = list[tuple[float, "ChildResponse | Exception"]]
 
 
 class ScriptedLauncher:
-    """``Launcher`` whose streams play scripts; records every call and every stream that was cancelled."""
+    """``Launcher`` whose streams play scripts; records every call and every stream that was cancelled.
+
+    A decode call with ``resume_token_ids`` (a migration) plays the next script of ``resumed``."""
 
     def __init__(self, scripts: dict[str, Script] | None = None,
-                 by_instance: dict[str, Script] | None = None) -> None:
+                 by_instance: dict[str, Script] | None = None, resumed: list[Script] | None = None) -> None:
         self.scripts = scripts or {}
         self.by_instance = by_instance or {}
+        self.resumed = list(resumed or [])
         self.calls: list[ChildCall] = []
         self.cancelled: list[ChildCall] = []
 
     async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
         self.calls.append(call)
         script = self.by_instance.get(call.target.instance_id, self.scripts.get(call.role, []))
+        if call.resume_token_ids:
+            script = self.resumed.pop(0)
         finished = False
         try:
             for delay_s, item in script:

@@ -69,10 +69,10 @@ def test_a_prefill_that_fails_before_the_first_token_is_retried_once_on_another_
     assert rooms[0] != rooms[1] and [c.room for c in launcher.cancelled] == [rooms[0]]   # the failed pair's decode
 
 
-def test_a_failure_after_the_first_token_ends_the_request_with_the_error() -> None:
+def test_without_migration_a_failure_after_the_first_token_ends_the_request_with_the_error() -> None:
     launcher = ScriptedLauncher({"prefill": OK_PREFILL,
                                  "decode": [(0.05, tok("B", 2)), (0.0, ChildResponse(error="decode died", final=True))]})
-    out, _ = run(launcher)
+    out, _ = run(launcher, migration_limit=0)
     assert [c.text for c in out if not c.final] == ["A", "B"] and out[-1].error == "decode died"
     assert len({c.room for c in launcher.calls}) == 1
 

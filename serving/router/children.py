@@ -1,0 +1,63 @@
+"""``ChildStreams``: the child streams one request has open, each read by its own task into one queue.
+
+The merge loop of ``PDOrchestrator`` reads ``(call, response)`` events from ``events``. A call that was
+replaced (a migration cancels the open children and starts a direct decode elsewhere) may still have events in
+the queue: ``is_current`` tells them apart, so the merge drops them.
+
+Event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable, Launcher
+
+logger = logging.getLogger(__name__)
+
+Event = tuple[ChildCall, ChildResponse]
+
+
+class ChildStreams:
+    """Starts child calls through ``launcher`` and cancels them; every stream ends with a FINAL event (an
+    unreachable child or a broken stream becomes an ``unreachable`` error response)."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self._launcher = launcher
+        self._current: dict[str, ChildCall] = {}   # role -> its live call
+        self._readers: list[asyncio.Future[None]] = []
+
+    def start(self, call: ChildCall) -> None:
+        """Send ``call`` now; it becomes the current call of its role."""
+        self._current[call.role] = call
+        self._readers.append(asyncio.ensure_future(self._read(call)))
+
+    def is_current(self, call: ChildCall) -> bool:
+        """False for a call that was cancelled or replaced: its late events are stale."""
+        return self._current.get(call.role) is call
+
+    async def cancel_all(self) -> None:
+        """Cancel every open stream (Triton cancels those children: they abort and free their pages) and wait
+        for the readers to end; queued events of these calls become stale."""
+        self._current.clear()
+        readers, self._readers = self._readers, []
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _read(self, call: ChildCall) -> None:
+        try:
+            async for response in self._launcher.stream(call):
+                self.events.put_nowait((call, response))
+                if response.final:
+                    return
+            self.events.put_nowait((call, ChildResponse(final=True)))
+        except ChildUnavailable as e:
+            self.events.put_nowait((call, ChildResponse(error=str(e), final=True, unreachable=True)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # a launcher bug fails this child, never the loop
+            logger.exception("room=%d: %s stream failed", call.room, call.role)
+            self.events.put_nowait((call, ChildResponse(error=f"{call.role} failed: {e}", final=True)))

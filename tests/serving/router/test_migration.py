@@ -1,0 +1,123 @@
+"""PDOrchestrator migration: a child failure after the first token reached the client moves the request to a
+direct decode elsewhere that resumes from the token ids sent; the client sees every token once, one FINAL,
+consistent counts and logprobs; the limit and a cancel end it cleanly. Over a scripted launcher."""
+
+from __future__ import annotations
+
+import time
+
+from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
+from test_orchestrator import run
+
+from engine.outputs import TokenLogprob
+from serving.router.launch import ChildResponse
+
+FLEET = (status("p0@h:1", "prefill"), status("d0@h:1", "decode"), status("d1@h:1", "decode"),
+         status("d2@h:1", "decode"))
+
+
+def tok(text: str, n: int, ids: tuple[int, ...], cum: float, final: bool = False,
+        finish_reason: str | None = None) -> ChildResponse:
+    """A child response of ``ids`` (logprob -0.5 each) with ``n`` tokens so far."""
+    return ChildResponse(text=text, num_input_tokens=7, num_output_tokens=n, final=final, finish_reason=finish_reason,
+                         cumulative_logprob=cum, token_ids=ids,
+                         logprobs=tuple(TokenLogprob(t, -0.5, 1, text, ()) for t in ids))
+
+
+PREFILL = [(0.0, tok("A", 1, (10,), -0.5)), (0.0, ChildResponse(final=True))]
+DIES_AFTER_3 = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (0.0, unavailable("d down"))]
+# a resumed child counts the resumed tokens in num_output_tokens and as 0.0 in cumulative_logprob
+RESUMED_AFTER_3 = [(0.0, tok("D", 4, (13,), -0.5)), (0.0, tok("E", 5, (14,), -1.0, True, "length"))]
+
+
+def logprob_ids(out) -> list[int]:
+    return [lp.token_id for c in out for lp in (c.logprobs or ())]
+
+
+def test_a_decode_that_dies_after_three_tokens_is_resumed_elsewhere_and_the_client_sees_each_token_once() -> None:
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": DIES_AFTER_3, "d1@h:1": DIES_AFTER_3,
+                                                                   "d2@h:1": DIES_AFTER_3},
+                                resumed=[RESUMED_AFTER_3])
+    out, _ = run(launcher, fleet=fleet_of(*FLEET))
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
+    assert out[-1].finish_reason == "length" and out[-1].num_output_tokens == 5
+    assert abs(out[-1].cumulative_logprob - -2.5) < 1e-9
+    assert logprob_ids(out) == [10, 11, 12, 13, 14]
+    decodes = [c for c in launcher.calls if c.role == "decode"]
+    assert len(decodes) == 2 and decodes[1].resume_token_ids == (10, 11, 12)
+    assert decodes[1].prefill_instance == "" and decodes[1].target.instance_id != decodes[0].target.instance_id
+    assert decodes[1].room != decodes[0].room
+
+
+def test_a_decode_that_dies_while_waiting_for_kv_migrates_with_the_first_token_and_the_prefill_is_cancelled() -> None:
+    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1, (10,), -0.5)), (5.0, ChildResponse(final=True))],
+                                 "decode": [(0.05, unavailable("d down"))]},
+                                resumed=[[(0.0, tok("B", 2, (11,), -0.5)), (0.0, tok("C", 3, (12,), -1.0, True, "stop"))]])
+    start = time.monotonic()
+    out, _ = run(launcher, fleet=fleet_of(*FLEET), max_retries=0)
+    assert time.monotonic() - start < 3.0 and out[-1].error is None and "".join(c.text for c in out) == "ABC"
+    assert [c.resume_token_ids for c in launcher.calls if c.role == "decode"] == [(), (10,)]
+    # the prefill was still sending KV to the dead decode (the fake counts the broken decode stream too)
+    assert sorted(c.role for c in launcher.cancelled) == ["decode", "prefill"]
+    assert all(not c.resume_token_ids for c in launcher.cancelled)
+    assert logprob_ids(out) == [10, 11, 12] and abs(out[-1].cumulative_logprob - -1.5) < 1e-9
+
+
+def test_a_decode_error_that_is_not_about_the_request_migrates_too() -> None:
+    dies = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)),
+            (0.0, ChildResponse(error="decode engine step failed", final=True))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": dies}, resumed=[RESUMED_AFTER_3])
+    out, _ = run(launcher, fleet=fleet_of(*FLEET))
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
+
+
+def test_when_the_resumed_decode_dies_too_the_next_migration_resumes_from_everything_sent() -> None:
+    again = [(0.0, tok("D", 4, (13,), -0.5)), (0.0, unavailable("d down again"))]
+    last = [(0.0, tok("E", 5, (14,), -0.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": DIES_AFTER_3}, resumed=[again, last])
+    out, _ = run(launcher, fleet=fleet_of(*FLEET))
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
+    decodes = [c for c in launcher.calls if c.role == "decode"]
+    assert [c.resume_token_ids for c in decodes] == [(), (10, 11, 12), (10, 11, 12, 13)]
+    assert len({c.target.instance_id for c in decodes}) == 3   # a decode that failed is never picked again
+    assert abs(out[-1].cumulative_logprob - -2.5) < 1e-9 and logprob_ids(out) == [10, 11, 12, 13, 14]
+
+
+def test_the_migration_limit_ends_the_request_with_one_error_and_no_repeated_text() -> None:
+    dies = [(0.0, tok("D", 4, (13,), -0.5)), (0.0, unavailable("d down again"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": DIES_AFTER_3}, resumed=[dies])
+    out, _ = run(launcher, fleet=fleet_of(*FLEET), migration_limit=1)
+    assert "".join(c.text for c in out) == "ABCD" and "migration_limit" in (out[-1].error or "")
+    assert len([c for c in launcher.calls if c.role == "decode"]) == 2
+
+
+def test_with_no_other_decode_the_client_gets_the_error() -> None:
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": DIES_AFTER_3})
+    out, _ = run(launcher, fleet=fleet_of(FLEET[0], FLEET[1]))
+    assert "".join(c.text for c in out) == "ABC" and "no other decode" in (out[-1].error or "")
+
+
+def test_a_client_cancel_during_the_migrated_decode_cancels_it() -> None:
+    slow = [(5.0, tok("D", 4, (13,), -0.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": DIES_AFTER_3}, resumed=[slow])
+    start = time.monotonic()
+    out, _ = run(launcher, fleet=fleet_of(*FLEET), cancel_after_s=0.3)
+    assert time.monotonic() - start < 3.0 and out[-1].finish_reason == "abort"
+    assert (10, 11, 12) in [c.resume_token_ids for c in launcher.cancelled]
+
+
+def test_children_that_send_no_token_ids_are_not_migrated() -> None:
+    old = [(0.0, ChildResponse(text="A", num_input_tokens=7, num_output_tokens=1)), (0.0, ChildResponse(final=True))]
+    launcher = ScriptedLauncher({"prefill": old, "decode": [(0.02, unavailable("d down"))]})
+    out, _ = run(launcher, fleet=fleet_of(*FLEET))
+    assert "token ids" in (out[-1].error or "") and len([c for c in launcher.calls if c.role == "decode"]) == 1
+
+
+def test_a_decode_that_goes_silent_after_the_first_token_is_migrated_after_the_idle_timeout() -> None:
+    silent = [(0.0, tok("B", 2, (11,), -1.0)), (30.0, tok("C", 3, (12,), -1.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": silent},
+                                resumed=[[(0.0, tok("C", 3, (12,), -0.5, True, "length"))]])
+    start = time.monotonic()
+    out, _ = run(launcher, fleet=fleet_of(*FLEET), request_idle_timeout_s=0.3)
+    assert time.monotonic() - start < 5.0 and out[-1].error is None and "".join(c.text for c in out) == "ABC"
+    assert [c.resume_token_ids for c in launcher.calls if c.role == "decode"] == [(), (10, 11)]
