@@ -108,6 +108,11 @@ class ResponseDispatcher:
     def queued(self) -> int:
         return self._ops.qsize()
 
+    def open_streams(self) -> list[str]:
+        """Names of the streams that have not sent FINAL yet (any thread; for diagnostics)."""
+        with self._open_lock:
+            return [h.name for h in self._open.values() if not h.done]
+
     def _run(self) -> None:
         next_poll_s = time.monotonic() + self._poll_s
         while True:

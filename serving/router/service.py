@@ -132,7 +132,7 @@ class Router:
         once (also when the router stops meanwhile). Raises RuntimeError when the router is not running."""
         if not self._accepting:
             raise RuntimeError("the router is not running")
-        self._loop.call_soon_threadsafe(lambda: self._spawn(self._serve(routed, emit, is_cancelled)))
+        self._loop.call_soon_threadsafe(self._start_request, routed, FinalOnce(emit), is_cancelled)
 
     def ready(self) -> bool:
         """True while at least one prefill and one decode instance are in rotation."""
@@ -165,10 +165,23 @@ class Router:
             await self._health_runner.cleanup()
         await self._launcher.close()
 
-    def _spawn(self, coroutine: Any) -> None:
+    def _spawn(self, coroutine: Any) -> asyncio.Task[None]:
         task = self._loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _start_request(self, routed: RoutedRequest, emit: FinalOnce,
+                       is_cancelled: Callable[[], bool]) -> None:
+        """Loop thread. A request that arrives as the router stops, or whose task is cancelled before it ever
+        ran (its ``_serve`` then never starts, so its ``except`` never runs), still gets its final chunk: the
+        client's stream must end with FINAL, and tritonserver does not finish unloading the model while a
+        decoupled request's stream is open (a stop under load took the whole 20 s exit timeout)."""
+        if not self._accepting:
+            emit.fail("the router is shutting down")
+            return
+        task = self._spawn(self._serve(routed, emit, is_cancelled))
+        task.add_done_callback(lambda _: emit.fail("the router is shutting down"))
 
     async def _serve(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
                      is_cancelled: Callable[[], bool]) -> None:
@@ -197,6 +210,25 @@ class Router:
         from aiohttp import web
 
         return web.Response(text="ok")
+
+
+class FinalOnce:
+    """An ``emit`` that passes chunks on until the final one and drops anything after it; ``fail`` sends an
+    error final unless a final went out already. Loop thread only."""
+
+    def __init__(self, emit: Callable[[OutputChunk], None]) -> None:
+        self._emit = emit
+        self.done = False
+
+    def __call__(self, chunk: OutputChunk) -> None:
+        if self.done:
+            return
+        self.done = chunk.final
+        self._emit(chunk)
+
+    def fail(self, reason: str) -> None:
+        if not self.done:
+            self(OutputChunk(text="", final=True, error=reason))
 
 
 def make_member_source(config: RouterConfig) -> MemberSource:

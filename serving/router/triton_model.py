@@ -10,7 +10,9 @@ metrics.
 
 from __future__ import annotations
 
+import gc
 import logging
+import time
 from typing import Any
 
 from serving.metrics import ServingMetrics
@@ -46,10 +48,25 @@ class RouterModel:
         self._router = Router(config, instance, model_name, RouterMetricsSink(self._metrics))
         self._router.start()
         self._orphan_watch = OrphanWatch(instance).start()
-        self._server_watch = ServerShutdownWatch(instance, config.grpc_url,
-                                                 lambda: self._router.stop(STOP_TIMEOUT_S)).start()
+        self._server_watch = ServerShutdownWatch(instance, config.grpc_url, self._stop_for_shutdown).start()
         self._stub_guard = StubGuard(model_name, config.grpc_url).start()   # a dead stub gets replaced
         logger.info("%s ready: %s", instance, config)
+
+    def _stop_for_shutdown(self) -> None:
+        """The server is stopping: end every request now (tritonserver unloads a decoupled model only once each
+        of its streams sent FINAL), and name any stream still open after that."""
+        self._router.stop(STOP_TIMEOUT_S)
+        # a failed request's traceback keeps its frames (and their response senders) in reference cycles; a
+        # python-backend response sender frees its request's response factory only when it is destroyed, and
+        # tritonserver unloads the model only once every factory is gone (a stop after failures took the whole
+        # 20 s exit timeout): collect them now
+        gc.collect()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while self._responses.open_streams() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self._responses.open_streams()
+        if left:
+            logger.error("%d streams still without FINAL after the router stopped: %s", len(left), left[:20])
 
     def execute(self, requests: list[Any]) -> None:
         answer_each(requests, self._handle_one, self._responses, timing=self._metrics)
