@@ -1,6 +1,7 @@
 """Whole servers across network hosts (issue #21): ``scripts/serve.sh`` per host, as the README's "Across servers"
 commands say (``tests/fleet/serve_hosts.py``): registry on ``reg``, router on ``rt``, prefill on ``pf``, decode on
-``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL.
+``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL (the greedy test also with Mooncake, on a
+fleet of its own started and stopped inside that test: a model repository copy with ``kv_backend: mooncake``).
 
 Invariants: greedy text through the router equals the colocated engine's; a seeded sampled request and its
 logprobs equal the colocated engine's; the KV bytes the prefill reports crossed the prefill host's link; a client
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -43,17 +45,47 @@ POOL_S = 150.0   # a room whose peer vanished ends at the bootstrap timeout (120
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
     pytest.importorskip("pytriton")
     pytest.importorskip("nixl._api")
+    yield from started_fleet(tmp_path_factory.mktemp("hosts"))
+
+
+def started_fleet(tmp: Path, env: dict[str, str] | None = None) -> Iterator[HostFleet]:
+    """A started ``HostFleet``, stopped (servers, then namespaces) however the test ends."""
     from fleet.netns import unavailable_reason
 
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    fleet = HostFleet(tmp_path_factory.mktemp("hosts"))
+    fleet = HostFleet(tmp, env)
     try:
         fleet.start(READY_S)
         yield fleet
     finally:
         fleet.stop()
+
+
+def mooncake_repository(dest: Path) -> Path:
+    """model_repository's PD models with ``kv_backend`` switched to mooncake (configuration only)."""
+    source = Path(__file__).resolve().parents[2] / "model_repository"
+    for name in ("pd_ensemble", "prefill", "decode"):
+        shutil.copytree(source / name, dest / name)
+    for role in ("prefill", "decode"):
+        path = dest / role / "config.pbtxt"
+        old = '{ key: "kv_backend", value: { string_value: "nixl" } }'
+        assert old in path.read_text(), path
+        path.write_text(path.read_text().replace(old, old.replace("nixl", "mooncake")))
+    return dest
+
+
+@pytest.fixture
+def backend_hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HostFleet]:
+    """The module's NIXL fleet, or (``kv_backend`` mooncake) a Mooncake fleet of this test only."""
+    if request.param == "nixl":
+        yield request.getfixturevalue("hosts")
+        return
+    pytest.importorskip("pytriton")
+    pytest.importorskip("mooncake.engine")
+    repo = mooncake_repository(tmp_path / "models")
+    yield from started_fleet(tmp_path, {"MODEL_REPOSITORY": str(repo)})
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +173,18 @@ def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tup
     return text, tokens, cumulative
 
 
-def test_greedy_text_across_hosts_equals_colocated(hosts: HostFleet, reference: dict[str, str]) -> None:
+# mooncake first: its fleet is stopped before the module's NIXL fleet starts (2 cores: one fleet at a time)
+@pytest.mark.parametrize("backend_hosts", [pytest.param("mooncake", marks=pytest.mark.mooncake), "nixl"],
+                         indirect=True)
+def test_greedy_text_across_hosts_equals_colocated(backend_hosts: HostFleet, reference: dict[str, str]) -> None:
+    hosts = backend_hosts
     assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
+    kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
+    link_before = hosts.host("pf").counters().tx_bytes
     streams_match_reference(lambda p: generate(hosts, p), PROMPTS, reference)
+    kv_bytes = metric(hosts, "pd_kv_transfer_bytes_total", "prefill") - kv_before
+    link_bytes = hosts.host("pf").counters().tx_bytes - link_before
+    assert 0 < kv_bytes <= link_bytes, (kv_bytes, link_bytes)
 
 
 def test_kv_bytes_crossed_the_prefill_hosts_link(hosts: HostFleet, reference: dict[str, str]) -> None:
@@ -154,6 +195,7 @@ def test_kv_bytes_crossed_the_prefill_hosts_link(hosts: HostFleet, reference: di
         assert result.error is None and result.text == reference[prompt]
     kv_bytes = metric(hosts, "pd_kv_transfer_bytes_total", "prefill") - kv_before
     link_bytes = hosts.host("pf").counters().tx_bytes - link_before
+    print(f"KV {kv_bytes} B, prefill link sent {link_bytes} B ({link_bytes / kv_bytes:.3f}x)")
     assert kv_bytes > 1_000_000, kv_bytes   # two ~700-token prompts' KV
     assert link_bytes >= kv_bytes, (link_bytes, kv_bytes)
 
