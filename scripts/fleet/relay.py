@@ -115,6 +115,10 @@ class Relay:
 
     def close(self) -> None:
         """Stops accepting and closes every relayed connection. Idempotent."""
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)   # wakes the blocked accept (close alone leaves it listening)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             conns, self._conns = self._conns, []
