@@ -51,6 +51,7 @@ class HostFleet:
         self.servers: dict[str, ServeScript] = {}
         self.relays: list[Relay] = []
         self.registry_url = ""
+        self.stops: dict[str, tuple[float, bool]] = {}   # host -> (seconds its stop took, whether SIGKILL was needed)
         self._extra = env or {}
         self._registry_log: IO[bytes] | None = None
 
@@ -117,13 +118,13 @@ class HostFleet:
         raise TimeoutError(f"the registry did not answer within {timeout_s:.0f} s")
 
     def stop(self) -> None:
-        """Servers (router first, then workers), relays, then the namespaces (which kills the registry and any
-        straggler). Idempotent; never raises."""
+        """Servers (router first, then workers; ``stops`` says how each went), relays, then the namespaces (which
+        kills the registry and any straggler). Idempotent; never raises."""
         for name in ("rt", "pf", "dc"):
             server = self.servers.get(name)
             if server is not None:
                 try:
-                    server.stop(STOP_S)
+                    self.stops[name] = server.stop(STOP_S)
                 except Exception:   # noqa: BLE001 - teardown goes on whatever one server did
                     pass
         for relay in self.relays:

@@ -64,6 +64,8 @@ def started_fleet(tmp: Path, env: dict[str, str] | None = None) -> Iterator[Host
         yield fleet
     finally:
         fleet.stop()
+    unclean = {name: stop for name, stop in fleet.stops.items() if stop[1]}
+    assert not unclean, f"servers needed SIGKILL to stop (a stream left without FINAL?): {unclean}"
 
 
 def mooncake_repository(dest: Path) -> Path:
