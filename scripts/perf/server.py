@@ -365,9 +365,12 @@ class ServeScript:
     for tritonclient.grpc), ``log_path``."""
 
     def __init__(self, models: str, log_path: Path, model_repository: Path | None = None,
-                 env: Mapping[str, str] | None = None, ports: Sequence[int] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, ports: Sequence[int] | None = None,
+                 launcher: Sequence[str] = ()) -> None:
         """``env``: extra environment of serve.sh (``ROLE``, ``PD_REGISTRY_URL``, ...);
-        ``ports``: (http, grpc, metrics, registry) to reuse (a restarted server), else free ones."""
+        ``ports``: (http, grpc, metrics, registry) to reuse (a restarted server), else free ones;
+        ``launcher``: argv that runs serve.sh (``ip netns exec <ns>``: a host of ``scripts/fleet``; it must exec,
+        so that the process group is serve.sh's); the caller then points the URLs at where it reaches them."""
         http, grpc, metrics, registry = ports or free_ports(4)
         self.ports = (http, grpc, metrics, registry)
         self.http_url, self.grpc_url = f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
@@ -384,6 +387,7 @@ class ServeScript:
                      **(env or {})}
         if model_repository is not None:
             self._env["MODEL_REPOSITORY"] = str(model_repository)
+        self._launcher = list(launcher)
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float) -> ServeScript:
@@ -407,8 +411,8 @@ class ServeScript:
         """Starts serve.sh and returns at once (``ROLE=frontend`` runs no tritonserver to wait for)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen([str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT, env=self._env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen([*self._launcher, str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT,
+                                          env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self._proc
 
     def _router_ready(self) -> bool:

@@ -1,0 +1,136 @@
+"""Whole servers across network hosts: one ``scripts/serve.sh`` per host of a ``scripts/fleet`` fleet, each started
+as the README's "Across servers" commands say.
+
+Hosts: ``reg`` (``ROLE=registry``), ``rt`` (``ROLE=router``), ``pf`` (``ROLE=prefill``), ``dc`` (``ROLE=decode``).
+Every server gets ``HOST=0.0.0.0``, ``ADVERTISE_HOST=<its address>``, ``PD_REGISTRY_URL=http://<reg>:8998``, a
+fleet secret file (it binds a non-loopback address) and ``PD_KV_NETWORK_ONLY=1`` (the hosts share one kernel:
+docs/multihost.md), on the README's default ports (each host has its own port space). The test process reaches
+each server through a ``fleet.relay.Relay`` in the server's own host (``ServeScript``'s ``http_url``,
+``grpc_url``, ``metrics_url`` are the relays' loopback ports): client traffic never crosses a host's link, so the
+links carry only what the servers send each other (KV, gRPC between router and workers, registry traffic).
+
+``HostFleet.start`` makes the namespaces, starts the registry, then the three tritonservers at once, and waits
+until the router's ``pd_router_ready`` is 1; ``stop`` stops the servers (SIGTERM, SIGKILL after a grace), then
+closes the relays and removes the namespaces. ``stop`` is idempotent and runs whatever failed before it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO
+
+SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
+if str(SCRIPTS_DIR) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS_DIR))
+
+from fleet.netns import Fleet, Host  # noqa: E402
+from fleet.relay import Relay  # noqa: E402
+from perf.server import ServeScript, wait_router_ready  # noqa: E402
+
+SERVE_SH = str(Path(__file__).resolve().parents[2] / "scripts" / "serve.sh")
+HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT = 8000, 8001, 8002, 8998   # serve.sh's defaults
+ROLES = {"rt": "router", "pf": "prefill", "dc": "decode"}
+MODELS = {"rt": "pd_ensemble", "pf": "prefill", "dc": "decode"}
+SECRET = "hosts-fleet-test-secret"
+STOP_S = 40.0
+
+
+class HostFleet:
+    """The four hosts and their servers. Attributes after ``start``: ``fleet`` (the ``Fleet``), ``servers``
+    (host name → ``ServeScript`` for ``rt``/``pf``/``dc``), ``registry_url`` (as the servers reach it)."""
+
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: extra environment of every server (e.g. ``UCX_*`` for a run)."""
+        self.tmp = tmp
+        self.fleet = Fleet(["reg", *ROLES])
+        self.servers: dict[str, ServeScript] = {}
+        self.relays: list[Relay] = []
+        self.registry_url = ""
+        self.stops: dict[str, tuple[float, bool]] = {}   # host -> (seconds its stop took, whether SIGKILL was needed)
+        self._extra = env or {}
+        self._registry_log: IO[bytes] | None = None
+
+    def host(self, name: str) -> Host:
+        return self.fleet[name]
+
+    def relay(self, name: str, port: int) -> Relay:
+        """A started relay to ``port`` of host ``name`` (its own address, from inside it)."""
+        host = self.fleet[name]
+        relay = Relay(host.netns, host.address, port).start()
+        self.relays.append(relay)
+        return relay
+
+    def _env(self, name: str, secret_file: Path) -> dict[str, str]:
+        host = self.fleet[name]
+        return {"HOST": "0.0.0.0", "ADVERTISE_HOST": host.address, "ROLE": ROLES.get(name, "registry"),
+                "PD_REGISTRY_URL": self.registry_url, "PD_FLEET_SECRET_FILE": str(secret_file),
+                "PD_KV_NETWORK_ONLY": "1", "MODELS": "",   # the role's default models, as the README runs it
+                "HTTP_PORT": str(HTTP_PORT), "GRPC_PORT": str(GRPC_PORT), "METRICS_PORT": str(METRICS_PORT),
+                "REGISTRY_PORT": str(REGISTRY_PORT), "SKIP_SETUP": "1", "OPENAI": "0", **self._extra}
+
+    def start(self, ready_timeout_s: float) -> HostFleet:
+        """Makes the hosts and starts every server; raises (RuntimeError, TimeoutError, CalledProcessError) with
+        the failing server's log tail when one does not come up. The caller runs ``stop`` in any case."""
+        self.fleet.create()
+        secret_file = self.tmp / "fleet-secret"
+        secret_file.write_text(SECRET + "\n")
+        secret_file.chmod(0o600)
+        reg = self.fleet["reg"]
+        self.registry_url = f"http://{reg.address}:{REGISTRY_PORT}"
+        self._registry_log = open(self.tmp / "reg.log", "wb")  # noqa: SIM115 (closed by stop)
+        proc = reg.popen([SERVE_SH], env=self._env("reg", secret_file), stdout=self._registry_log,
+                         stderr=subprocess.STDOUT)
+        self._wait_registry(proc, ready_timeout_s)
+        for name, models in MODELS.items():
+            server = ServeScript(models, self.tmp / f"{name}.log", env=self._env(name, secret_file),
+                                 ports=(HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT),
+                                 launcher=["ip", "netns", "exec", self.fleet[name].netns])
+            server.http_url = f"http://{self.relay(name, HTTP_PORT).hostport}"
+            server.grpc_url = self.relay(name, GRPC_PORT).hostport
+            server.metrics_url = f"http://{self.relay(name, METRICS_PORT).hostport}/metrics"
+            self.servers[name] = server
+        with ThreadPoolExecutor(len(self.servers)) as pool:   # ~20 s of start each: at once
+            for done in [pool.submit(s.start, ready_timeout_s) for s in self.servers.values()]:
+                done.result()
+        router = self.servers["rt"]
+        assert router._proc is not None
+        wait_router_ready(router.metrics_url, router._proc, ready_timeout_s)
+        return self
+
+    def _wait_registry(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        url = f"http://{self.relay('reg', REGISTRY_PORT).hostport}/health"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the registry exited:\n{(self.tmp / 'reg.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the registry did not answer within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """Servers (router first, then workers; ``stops`` says how each went), relays, then the namespaces (which
+        kills the registry and any straggler). Idempotent; never raises."""
+        for name in ("rt", "pf", "dc"):
+            server = self.servers.get(name)
+            if server is not None:
+                try:
+                    self.stops[name] = server.stop(STOP_S)
+                except Exception:   # noqa: BLE001 - teardown goes on whatever one server did
+                    pass
+        for relay in self.relays:
+            relay.close()
+        self.relays.clear()
+        self.fleet.teardown()
+        if self._registry_log is not None:
+            self._registry_log.close()
+            self._registry_log = None

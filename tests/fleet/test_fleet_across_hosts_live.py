@@ -1,0 +1,285 @@
+"""Whole servers across network hosts (issue #21): ``scripts/serve.sh`` per host, as the README's "Across servers"
+commands say (``tests/fleet/serve_hosts.py``): registry on ``reg``, router on ``rt``, prefill on ``pf``, decode on
+``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL (the greedy test also with Mooncake, on a
+fleet of its own started and stopped inside that test: a model repository copy with ``kv_backend: mooncake``).
+
+Invariants: greedy text through the router equals the colocated engine's; a seeded sampled request and its
+logprobs equal the colocated engine's; the KV bytes the prefill reports crossed the prefill host's link; a client
+cancel mid-stream frees the pages on both worker hosts. Faults (docs/multihost.md, "Whole servers across hosts"):
+the decode host's link down 5 s mid-transfer: every stream ends (FINAL, or an error), no page leaks, no process
+restarted, the next request succeeds; the registry host's link down 10 s: requests keep succeeding, the router's
+membership stays as it was, and after the link is back the fleet still serves.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client, live_prompts
+
+import tritonclient.grpc as grpcclient  # noqa: E402
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference  # noqa: E402
+from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
+from serve_hosts import HostFleet  # noqa: E402
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1500)]
+READY_S = 240.0
+GREEDY = {"max_tokens": "12", "temperature": "0"}
+LONG = [f"Story {i}: " + "The river wound through the valley, past orchards and stone bridges. " * 40
+        + "What flows through the valley?" for i in range(4)]
+SEEDED = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True, "logprobs": 2}
+POOL_S = 150.0   # a room whose peer vanished ends at the bootstrap timeout (120 s) at the latest
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
+    pytest.importorskip("pytriton")
+    from kv_transfer import unavailable_reason
+
+    if unavailable_reason("nixl"):
+        pytest.skip(str(unavailable_reason("nixl")))
+    yield from started_fleet(tmp_path_factory.mktemp("hosts"))
+
+
+def started_fleet(tmp: Path, env: dict[str, str] | None = None) -> Iterator[HostFleet]:
+    """A started ``HostFleet``, stopped (servers, then namespaces) however the test ends."""
+    from fleet.netns import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    fleet = HostFleet(tmp, env)
+    try:
+        fleet.start(READY_S)
+        yield fleet
+    finally:
+        fleet.stop()
+    unclean = {name: stop for name, stop in fleet.stops.items() if stop[1]}
+    assert not unclean, f"servers needed SIGKILL to stop (a stream left without FINAL?): {unclean}"
+
+
+def mooncake_repository(dest: Path) -> Path:
+    """model_repository's PD models with ``kv_backend`` switched to mooncake (configuration only)."""
+    source = Path(__file__).resolve().parents[2] / "model_repository"
+    for name in ("pd_ensemble", "prefill", "decode"):
+        shutil.copytree(source / name, dest / name)
+    for role in ("prefill", "decode"):
+        path = dest / role / "config.pbtxt"
+        old = '{ key: "kv_backend", value: { string_value: "nixl" } }'
+        assert old in path.read_text(), path
+        path.write_text(path.read_text().replace(old, old.replace("nixl", "mooncake")))
+    return dest
+
+
+@pytest.fixture
+def backend_hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HostFleet]:
+    """The module's NIXL fleet, or (``kv_backend`` mooncake) a Mooncake fleet of this test only."""
+    if request.param == "nixl":
+        yield request.getfixturevalue("hosts")
+        return
+    pytest.importorskip("pytriton")
+    from kv_transfer import unavailable_reason
+
+    if unavailable_reason("mooncake"):
+        pytest.skip(str(unavailable_reason("mooncake")))
+    repo = mooncake_repository(tmp_path / "models")
+    yield from started_fleet(tmp_path, {"MODEL_REPOSITORY": str(repo)})
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    return colocated_greedy_texts(PROMPTS + LONG, GREEDY)
+
+
+def generate(hosts: HostFleet, prompt: str, params: dict[str, Any] | None = None, **kw: Any) -> StreamResult:
+    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, params or GREEDY), model="pd_ensemble",
+                         **kw)
+
+
+def metric(hosts: HostFleet, name: str, role: str) -> float:
+    host = {"prefill": "pf", "decode": "dc"}[role]
+    try:
+        return metric_value(hosts.servers[host].metrics_url, name, model=role)
+    except KeyError:
+        return 0.0
+
+
+def pools_full(hosts: HostFleet) -> dict[str, tuple[float, float]]:
+    """role → (free, total) pages, for the roles whose pool is not full (empty: every page is free)."""
+    state = {r: (metric(hosts, "pd_kv_free_pages", r), metric(hosts, "pd_kv_total_pages", r))
+             for r in ("prefill", "decode")}
+    return {r: s for r, s in state.items() if s[0] != s[1] or s[1] == 0}
+
+
+def wait_pools_full(hosts: HostFleet, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pools_full(hosts) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not pools_full(hosts), f"pages still held after {timeout_s:.0f} s: {pools_full(hosts)}"
+
+
+def healthy(hosts: HostFleet, role: str) -> int:
+    text = __import__("requests").get(hosts.servers["rt"].metrics_url, timeout=5).text
+    return sum(1 for line in text.splitlines() if line.startswith("pd_router_healthy_instances{")
+               and f'role="{role}"' in line and line.endswith(" 1"))
+
+
+def stubs(hosts: HostFleet) -> dict[str, list[int]]:
+    return {name: sorted(s.stub_pids()) for name, s in hosts.servers.items()}
+
+
+def infer_outputs(url: str, prompt: str, params: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """One streamed request asking for logprobs: (every response's outputs by name, the error or None)."""
+    events: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    outputs: list[dict[str, Any]] = []
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer("pd_ensemble", make_inputs(prompt, params, return_logprobs=True,
+                                                             return_cumulative_logprob=True),
+                                  enable_empty_final_response=True)
+        while True:
+            res, err = events.get(timeout=120)
+            if err is not None:
+                return outputs, str(err)
+            names = [o.name for o in res.get_response().outputs]
+            if names:
+                outputs.append({name: res.as_numpy(name) for name in names})
+            if res.get_response().parameters["triton_final_response"].bool_param:
+                return outputs, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tuple[int, float]], float]:
+    """The colocated engine, in this process: (text, [(token id, logprob)], cumulative logprob)."""
+    from engine import LLMEngine
+    from serving.colocated import prompt_token_ids
+    from serving.config import WorkerConfig
+    from serving.request import parse_request
+
+    engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
+    req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(params)})
+    engine.add_request("0", prompt_token_ids(engine.tokenizer, req), req.params)
+    text, tokens, cumulative = "", [], 0.0
+    while engine.has_unfinished():
+        for out in engine.step():
+            text += out.new_text
+            tokens += [(t.token_id, t.logprob) for t in out.new_token_logprobs]
+            cumulative = out.cumulative_logprob
+    return text, tokens, cumulative
+
+
+# mooncake first: its fleet is stopped before the module's NIXL fleet starts (2 cores: one fleet at a time)
+@pytest.mark.parametrize("backend_hosts", [pytest.param("mooncake", marks=pytest.mark.mooncake), "nixl"],
+                         indirect=True)
+def test_greedy_text_across_hosts_equals_colocated(backend_hosts: HostFleet, reference: dict[str, str]) -> None:
+    hosts = backend_hosts
+    assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
+    kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
+    link_before = hosts.host("pf").counters().tx_bytes
+    streams_match_reference(lambda p: generate(hosts, p), PROMPTS, reference)
+    kv_bytes = metric(hosts, "pd_kv_transfer_bytes_total", "prefill") - kv_before
+    link_bytes = hosts.host("pf").counters().tx_bytes - link_before
+    assert 0 < kv_bytes <= link_bytes, (kv_bytes, link_bytes)
+
+
+def test_kv_bytes_crossed_the_prefill_hosts_link(hosts: HostFleet, reference: dict[str, str]) -> None:
+    kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
+    link_before = hosts.host("pf").counters().tx_bytes
+    for prompt in LONG[:2]:
+        result = generate(hosts, prompt)
+        assert result.error is None and result.text == reference[prompt]
+    kv_bytes = metric(hosts, "pd_kv_transfer_bytes_total", "prefill") - kv_before
+    link_bytes = hosts.host("pf").counters().tx_bytes - link_before
+    print(f"KV {kv_bytes} B, prefill link sent {link_bytes} B ({link_bytes / kv_bytes:.3f}x)")
+    assert kv_bytes > 1_000_000, kv_bytes   # two ~700-token prompts' KV
+    assert link_bytes >= kv_bytes, (link_bytes, kv_bytes)
+
+
+def test_seeded_sampling_and_logprobs_across_hosts_equal_colocated(hosts: HostFleet) -> None:
+    prompt = PROMPTS[1]
+    outputs, error = infer_outputs(hosts.servers["rt"].grpc_url, prompt, SEEDED)
+    assert error is None, error
+    text, tokens, cumulative = colocated_tokens(prompt, SEEDED)
+    served_text = "".join(o["text_output"].reshape(-1)[0].decode() for o in outputs)
+    served = [entry for o in outputs for entry in (json.loads(o["logprobs"].reshape(-1)[0].decode()) or [])]
+    assert served_text == text and text
+    assert len(served) == len(tokens) == SEEDED["max_tokens"]
+    for i, (entry, (token_id, logprob)) in enumerate(zip(served, tokens)):
+        chosen = next(iter(entry))   # the sampled token comes first (the vLLM backend's layout)
+        assert int(chosen) == token_id, f"token {i}"
+        assert entry[chosen]["logprob"] == pytest.approx(logprob, abs=1e-4), f"token {i}"
+    assert float(outputs[-1]["cumulative_logprob"].reshape(-1)[0]) == pytest.approx(cumulative, abs=1e-3)
+
+
+def test_client_cancel_mid_stream_frees_pages_on_both_hosts(hosts: HostFleet) -> None:
+    params = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    result = generate(hosts, LONG[2], params, cancel_after=2)
+    assert result.error is None and not result.final_seen and len(result.texts) >= 2
+    wait_pools_full(hosts, 30.0)
+
+
+def test_decode_hosts_link_down_5s_mid_transfer(hosts: HostFleet, reference: dict[str, str]) -> None:
+    """Every stream ends (FINAL, or an error) once the link is back, no pages leak, no process restarts."""
+    before = stubs(hosts)
+    kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    results: dict[int, StreamResult] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(hosts, LONG[i], params)))
+               for i in range(len(LONG))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while metric(hosts, "pd_kv_transfer_bytes_total", "prefill") == kv_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hosts.host("dc").set_link(False)
+    in_flight = len(LONG) - len(results)
+    time.sleep(5.0)
+    hosts.host("dc").set_link(True)
+    down_end = time.monotonic()
+    for t in threads:
+        t.join(300)
+    assert in_flight > 0, "every stream had ended before the link went down: the fault hit nothing"
+    assert len(results) == len(LONG), "a stream never ended"
+    for i, res in results.items():
+        assert res.final_seen or res.error, f"stream {i} ended without FINAL or an error"
+        if res.error is None:
+            assert len(res.num_output_tokens) and res.num_output_tokens[-1] == params["max_tokens"], i
+    ended_s = max(r.end_s or down_end for r in results.values()) - down_end
+    print(f"link-down outcome: {[('ok' if r.error is None else r.error[:80]) for r in results.values()]}, "
+          f"{in_flight} in flight at the link-down, the last ended {ended_s:.1f} s after the link came back")
+    wait_pools_full(hosts, POOL_S)
+    assert stubs(hosts) == before, "a server or stub restarted"
+    after = generate(hosts, PROMPTS[0])
+    assert after.error is None and after.text == reference[PROMPTS[0]]
+
+
+def test_registry_hosts_link_down_10s(hosts: HostFleet, reference: dict[str, str]) -> None:
+    """Membership freezes (the router keeps its prefill and decode), requests succeed during and after."""
+    before = stubs(hosts)
+    hosts.host("reg").set_link(False)
+    try:
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end:
+            result = generate(hosts, PROMPTS[0])
+            assert result.error is None and result.text == reference[PROMPTS[0]], result.error
+            assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
+    finally:
+        hosts.host("reg").set_link(True)
+    time.sleep(15.0)   # past the registry's 10 s TTL: the workers' entries expired there and are announced again
+    assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
+    streams_match_reference(lambda p: generate(hosts, p), PROMPTS[:3], reference)
+    wait_pools_full(hosts, 30.0)
+    assert stubs(hosts) == before, "a server or stub restarted"
