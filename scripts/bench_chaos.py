@@ -163,11 +163,11 @@ class ChaosFleet:
         return pages
 
     def stop(self) -> dict[str, dict[str, Any]]:
-        """SIGTERM every server, newest role first; how each stop went."""
+        """SIGTERM the front, the router, then every worker; how each stop went."""
         self.note_stubs()
         stops: dict[str, dict[str, Any]] = {}
         self.front.stop(CLEAN_STOP_S)
-        for name, server in reversed(list(self.servers.items())):
+        for name, server in self.servers.items():   # the router first: it stops sending to the workers
             seconds, killed = server.stop(40.0)
             stops[name] = {"seconds": round(seconds, 1), "killed": killed,
                            "clean": not killed and seconds <= CLEAN_STOP_S}

@@ -236,7 +236,10 @@ async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float, dr
     try:
         await asyncio.wait({reader}, timeout=max(0.0, bounds[bound]))
     finally:
-        responses.cancel()  # the aio form of stop_stream(cancel_requests=True); a no-op once the stream closed
+        if not (st.final_seen or st.closed or st.error is not None):
+            # the aio form of stop_stream(cancel_requests=True), only for a stream still open: tritonserver 2.51
+            # keeps the model of a stream cancelled after its FINAL loaded until its exit timeout (docs/healing.md)
+            responses.cancel()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
     outcome = decide_outcome(st.final_seen, st.error, st.cancelled, st.closed, bound)
