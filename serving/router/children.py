@@ -17,6 +17,8 @@ from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable, La
 logger = logging.getLogger(__name__)
 
 Event = tuple[ChildCall, ChildResponse]
+#: How long ``cancel_all`` lets a child stream end by itself before cancelling it, seconds.
+FINISH_GRACE_S = 0.1
 
 
 class ChildStreams:
@@ -38,12 +40,21 @@ class ChildStreams:
         """False for a call that was cancelled or replaced: its late events are stale."""
         return self._current.get(call.role) is call
 
-    async def cancel_all(self) -> None:
-        """Cancel every open stream (Triton cancels those children: they abort and free their pages) and wait
-        for the readers to end; queued events of these calls become stale."""
+    async def cancel_all(self, grace_s: float = FINISH_GRACE_S) -> None:
+        """End every open stream: one that ends by itself within ``grace_s`` (its FINAL already on its way, e.g.
+        both children rejecting the same bad request) is left to end; the rest are cancelled (Triton cancels
+        those children: they abort and free their pages). Waits for the readers; queued events of these calls
+        become stale.
+
+        Why the grace: a stream cancelled after the server sent its FINAL makes tritonserver 2.51's gRPC frontend
+        keep that model loaded until the server's exit timeout (docs/healing.md section 4): a stop then took 20 s.
+        """
         self._current.clear()
         readers, self._readers = self._readers, []
-        for reader in readers:
+        pending = {reader for reader in readers if not reader.done()}
+        if pending and grace_s > 0:
+            _, pending = await asyncio.wait(pending, timeout=grace_s)
+        for reader in pending:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
 
