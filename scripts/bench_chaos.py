@@ -17,7 +17,7 @@ must-be-0 figure is not 0, a heal exceeded its bound, or a stop was unclean.
 
     .venv/bin/python scripts/bench_chaos.py --duration-s 1800 --concurrency 32 --out docs/bench_chaos.json
     .venv/bin/python scripts/bench_chaos.py --duration-s 60 --kill-interval-s 20 --concurrency 4 \
-        --prefills 1 --decodes 1 --max-new-tokens 32                                          # CI smoke
+        --prefills 1 --decodes 1 --max-new-tokens 32 --cancel-fraction 0                     # CI smoke
 """
 
 from __future__ import annotations
