@@ -79,3 +79,19 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
         toks.append(nxt)
         out.append(nxt)
     return out
+
+
+def run_all(engine, max_steps=500):
+    """Step ``engine`` until it has nothing left (at most ``max_steps``); its outputs by request id, in order."""
+    outs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def tokens(outs):
+    """The generated token ids of one request's outputs, in order."""
+    return [t for o in outs for t in o.new_token_ids]

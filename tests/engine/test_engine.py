@@ -3,7 +3,7 @@ stop conditions, chunking, PD roles. No weights needed."""
 
 import pytest
 import torch
-from engine_fakes import EOS, FakeLoaded, expected_tokens
+from engine_fakes import EOS, FakeLoaded, expected_tokens, run_all, tokens
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineError, OutOfPages, RequestRejected
@@ -15,20 +15,6 @@ def make_engine(mode="colocated", num_pages=32, chunk=8, budget=16, **kw):
     cfg = EngineConfig(mode=mode, page_size=PS, num_pages=num_pages, chunk_size=chunk,
                        max_num_batched_tokens=budget, **kw)
     return LLMEngine(cfg, FakeLoaded())
-
-
-def run_all(engine, max_steps=500):
-    outs = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            break
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
-
-
-def tokens(outs):
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def greedy(n, **kw):

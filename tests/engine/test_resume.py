@@ -4,7 +4,7 @@ tokens), greedy and seeded, with stop strings straddling the resume point; bad r
 and take no pages."""
 
 import pytest
-from engine_fakes import EOS, FakeLoaded
+from engine_fakes import EOS, FakeLoaded, run_all, tokens
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import RequestRejected
@@ -15,20 +15,6 @@ PROMPT = [1, 2, 3]
 def make_engine(mode="colocated", chunk=8, budget=16):
     return LLMEngine(EngineConfig(mode=mode, page_size=4, num_pages=32, chunk_size=chunk,
                                   max_num_batched_tokens=budget), FakeLoaded())
-
-
-def run_all(engine, max_steps=500):
-    outs = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            break
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
-
-
-def tokens(outs):
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def uninterrupted(params, mode="colocated"):
