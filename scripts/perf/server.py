@@ -110,23 +110,32 @@ def build_model_repository(deployment: Deployment, dest: Path) -> Path:
     return dest
 
 
+def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float, exited: Callable[[], str],
+                 timed_out: Callable[[], str], poll_s: float = 0.5) -> None:
+    """Polls ``url`` every ``poll_s`` until it answers 200. Raises RuntimeError(``exited()``) when ``proc`` exits
+    first, TimeoutError(``timed_out()``) when ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(exited())
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(timed_out())
+
+
 def wait_ready(http_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
                log_tail: Callable[[], str] = lambda: "") -> None:
     """Polls ``<http_url>/v2/health/ready`` until 200. Raises RuntimeError when ``proc`` exits first,
     TimeoutError when ``timeout_s`` passes; both messages end with ``log_tail()``."""
     name = Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} while loading:\n{log_tail()}")
-        try:
-            with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"tritonserver not ready within {timeout_s:.0f} s:\n{log_tail()}")
+    wait_http_ok(f"{http_url}/v2/health/ready", proc, timeout_s,
+                 lambda: f"{name} exited with {proc.returncode} while loading:\n{log_tail()}",
+                 lambda: f"tritonserver not ready within {timeout_s:.0f} s:\n{log_tail()}")
 
 
 def wait_router_ready(metrics_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -513,18 +522,11 @@ class RegistryProcess:
         self._proc = subprocess.Popen([sys.executable, "-m", "bootstrap.membership", "--host", "127.0.0.1",
                                        "--port", str(self.port), "--ttl-s", str(self._ttl_s)],
                                       cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"the registry exited with {self._proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"the registry did not answer within {timeout_s:.0f} s")
+        proc = self._proc
+        wait_http_ok(f"{self.url}/health", proc, timeout_s,
+                     lambda: f"the registry exited with {proc.returncode}",
+                     lambda: f"the registry did not answer within {timeout_s:.0f} s", poll_s=0.1)
+        return self
 
     def stop(self, kill: bool = False) -> None:
         if self._proc is not None:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -30,7 +28,7 @@ if str(SCRIPTS_DIR) not in sys.path:
 
 from fleet.netns import Fleet, Host  # noqa: E402
 from fleet.relay import Relay  # noqa: E402
-from perf.server import ServeScript, wait_router_ready  # noqa: E402
+from perf.server import ServeScript, wait_http_ok, wait_router_ready  # noqa: E402
 
 SERVE_SH = str(Path(__file__).resolve().parents[2] / "scripts" / "serve.sh")
 HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT = 8000, 8001, 8002, 8998   # serve.sh's defaults
@@ -103,19 +101,9 @@ class HostFleet:
         return self
 
     def _wait_registry(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-        url = f"http://{self.relay('reg', REGISTRY_PORT).hostport}/health"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the registry exited:\n{(self.tmp / 'reg.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the registry did not answer within {timeout_s:.0f} s")
+        wait_http_ok(f"http://{self.relay('reg', REGISTRY_PORT).hostport}/health", proc, timeout_s,
+                     lambda: f"the registry exited:\n{(self.tmp / 'reg.log').read_text()[-3000:]}",
+                     lambda: f"the registry did not answer within {timeout_s:.0f} s", poll_s=0.2)
 
     def stop(self) -> None:
         """Servers (router first, then workers; ``stops`` says how each went), relays, then the namespaces (which
