@@ -154,18 +154,28 @@ triton_index=-1
 triton_started_s=0
 triton_pid=""
 ready_mark="$(mktemp "${TMPDIR:-/tmp}/serve-ready.XXXXXX")"
-# mark_ready PID: writes PID to $ready_mark once that tritonserver answers 200 on /v2/health/ready (plain bash
-# /dev/tcp, nothing to install); gives up when PID exits. Whether a server ever became ready is what tells a
-# start-up failure (exit, do not loop) from a later death (start it again).
-mark_ready() {
-  local pid=$1 host=$HOST line
+# http_ok PORT PATH: whether this host's PORT answers GET PATH with 200 (plain bash /dev/tcp, nothing to install)
+http_ok() {
+  local host=$HOST line
   [[ "$host" == 0.0.0.0 ]] && host=127.0.0.1
+  { exec 3<>"/dev/tcp/$host/$1"; } 2>/dev/null || return 1
+  printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$2" "$host" >&3
+  IFS= read -r -t 5 line <&3 || line=""
+  exec 3>&-
+  [[ "$line" == *" 200 "* ]]
+}
+# mark_ready PID ARGS...: writes PID to $ready_mark once that tritonserver answers 200 on /v2/health/ready and,
+# unless ARGS turn metrics off, on /metrics (Triton binds the metrics port last: one taken by another socket
+# fails the start after HTTP said ready); gives up when PID exits. Whether a server ever became ready is what
+# tells a start-up failure (exit, do not loop) from a later death (start it again).
+mark_ready() {
+  local pid=$1 metrics=1
+  shift
+  [[ " $* " == *" --allow-metrics=false "* ]] && metrics=0
   while kill -0 "$pid" 2>/dev/null; do
-    if { exec 3<>"/dev/tcp/$host/$HTTP_PORT"; } 2>/dev/null; then
-      printf 'GET /v2/health/ready HTTP/1.0\r\nHost: %s\r\n\r\n' "$host" >&3
-      IFS= read -r -t 5 line <&3 || line=""
-      exec 3>&-
-      if [[ "$line" == *" 200 "* ]]; then echo "$pid" > "$ready_mark"; return 0; fi
+    if http_ok "$HTTP_PORT" /v2/health/ready && { ((metrics == 0)) || http_ok "$METRICS_PORT" /metrics; }; then
+      echo "$pid" > "$ready_mark"
+      return 0
     fi
     sleep 1
   done
@@ -178,7 +188,7 @@ start_triton() {
   triton_started_s=$SECONDS
   if ((triton_index < 0)); then triton_index=${#pids[@]}; fi
   pids[triton_index]=$triton_pid
-  mark_ready "$triton_pid" &
+  mark_ready "$triton_pid" "$@" &
 }
 if [[ "$ROLE" != frontend ]]; then start_triton "$@"; fi
 

@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,17 +307,45 @@ def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     return values
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that were free a moment ago (bound, then released: tritonserver cannot
-    bind port 0)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+#: ports this process has handed out (free_ports never gives one twice: a server started late keeps its own)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's ``net.ipv4.ip_local_port_range`` (where ``bind(0)`` and outgoing connections take ports)."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999   # the kernel's default
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports, free now, for servers to bind later (tritonserver cannot bind port 0).
+
+    They are drawn at random below the kernel's ephemeral range (``ip_local_port_range``): a port from
+    ``bind(0)`` would lie inside it, where any outgoing connection (heartbeats, metric scrapes, gRPC channels)
+    or another ``bind(0)`` may take it, or leave it in TIME_WAIT, between the pick and the server's bind, minutes
+    later for a server a test starts late; tritonserver then fails to bind and exits. Each port is checked by
+    binding it on all interfaces and is never handed out twice by this process. Raises RuntimeError when no
+    free port is found in 10 000 draws."""
+    low = _ephemeral_range()[0]
+    first, last = (max(1024, low - 12000), low - 1) if low > 3072 else (10000, 30000)
+    picks: list[int] = []
+    for _ in range(10_000):
+        port = random.randint(first, last)
+        if port in _handed_out or port in picks:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        picks.append(port)
+        if len(picks) == n:
+            _handed_out.update(picks)
+            return picks
+    raise RuntimeError(f"no {n} free ports in {first}-{last}")
 
 
 def shm_regions_of_group(pgid: int) -> set[str]:
@@ -365,6 +395,16 @@ def fault_lines(lines: Sequence[str], pids: Sequence[int]) -> list[str]:
     return [line for line in lines if pattern.search(line)]
 
 
+#: ServeScripts started and not yet stopped or killed (``started_servers``)
+_started: weakref.WeakSet[ServeScript] = weakref.WeakSet()
+
+
+def started_servers() -> list[ServeScript]:
+    """The ServeScripts of this process started and not stopped or killed since, whether or not their serve.sh
+    still runs: the test suite's failure report shows each one's log tail (tests/conftest.py)."""
+    return list(_started)
+
+
 class ServeScript:
     """``scripts/serve.sh`` with ``models`` (comma-separated) on free loopback ports, in its own process group,
     its output in ``log_path``; ``model_repository`` replaces ``model_repository/`` when given.
@@ -400,7 +440,7 @@ class ServeScript:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float) -> ServeScript:
-        """Starts serve.sh and waits for ``/v2/health/ready`` and, when it serves pd_ensemble with prefill and
+        """Starts serve.sh and waits for ``/v2/health/ready`` and ``/metrics`` and, when it serves pd_ensemble with prefill and
         decode models, for the router's ``pd_router_ready`` gauge (Triton's readiness says the models loaded,
         not that the router has seen the workers' first heartbeats: until then it answers "no healthy ...
         instance"). Raises RuntimeError (serve.sh exited) or TimeoutError (not ready in ``timeout_s``), both
@@ -408,6 +448,11 @@ class ServeScript:
         start_s = time.monotonic()
         proc = self.start_background()
         wait_ready(self.http_url, proc, timeout_s, self.log_tail)
+        # Triton binds its metrics port after HTTP says ready; a taken one ends the start (serve.sh exits)
+        wait_http_ok(self.metrics_url, proc, max(5.0, timeout_s - (time.monotonic() - start_s)),
+                     lambda: f"serve.sh exited with {proc.returncode} after ready:\n{self.log_tail()}",
+                     lambda: f"no metrics on {self.metrics_url} within {timeout_s:.0f} s:\n{self.log_tail()}",
+                     poll_s=0.1)
         self.start_seconds = time.monotonic() - start_s   # how long a start takes here (tests scale bounds by it)
         if self._router_with_workers:
             while not self._router_ready():
@@ -422,6 +467,7 @@ class ServeScript:
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen([*self._launcher, str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT,
                                           env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _started.add(self)
         return self._proc
 
     def _router_ready(self) -> bool:
@@ -439,6 +485,7 @@ class ServeScript:
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
+        _started.discard(self)
         regions = shm_regions_of_group(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
@@ -459,6 +506,7 @@ class ServeScript:
         if self._proc is None:
             return 0.0, False
         proc, self._proc = self._proc, None
+        _started.discard(self)
         regions = shm_regions_of_group(proc.pid)
         start, killed = time.monotonic(), False
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,9 +26,12 @@ NO_ETCD = ("the etcd or etcdctl binary is not installed (scripts/setup.sh instal
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """One port for a process started later (``perf.server.free_ports``: outside the ephemeral range)."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    from perf.server import free_ports
+
+    return free_ports(1)[0]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:

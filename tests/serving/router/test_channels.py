@@ -4,12 +4,12 @@ next call (no reconnect backoff left over), with a minimal gRPC server speaking 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
+from perf.server import free_ports
 from tritonclient.grpc import service_pb2_grpc
 
 from serving.router.channels import ChannelPool
@@ -20,9 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 class FinalOnly(service_pb2_grpc.GRPCInferenceServiceServicer):
