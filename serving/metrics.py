@@ -1,7 +1,8 @@
 """Custom metrics of the serving workers, shown on Triton's metrics endpoint (``:8002/metrics``).
 
 ``ServingMetrics`` wraps python-backend metric families (``pb_utils.MetricFamily``, passed in so this module
-stays importable without Triton). Every metric carries the labels ``model`` and ``instance``; names carry units:
+stays importable without Triton). Every metric carries the labels ``model``, ``instance`` and ``pid`` (the stub
+process: see ``ServingMetrics``); names carry units:
 
 ==================================  =======  =================================================================
 ``pd_kv_free_pages``                gauge    free pages in the KV pool
@@ -54,6 +55,7 @@ the vLLM backend exports them), so dashboards built for either read the same bou
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -168,6 +170,14 @@ class ServingMetrics:
     to the server process that holds the GIL while it waits (py-spy, tritonserver 2.51: a quarter of a prefill
     engine loop's GIL time went to gauges set every tick), which delayed first tokens and decode steps.
 
+    Each series also carries ``pid``, the stub's process id, so that no two stubs ever share one: tritonserver
+    (core ``src/metric_family.cc``, 2.51 and still upstream) gives every ``MetricFamily`` object its own reference
+    count of the prometheus series it added, while two families of one name (an old and a new version of a model
+    during a reload: both alive until the old one's last request ends) share prometheus' family and so the series
+    of equal labels. The first stub to delete its ``Metric`` frees the series under the other, whose next update
+    writes freed memory: a reload of ``decode`` under traffic aborted tritonserver (``malloc(): unaligned fastbin
+    chunk detected``), and the new version's series were gone from ``/metrics`` (``test_healing_live``).
+
     ``close()`` must run in the model's ``finalize``: a python-backend ``Metric`` or ``MetricFamily`` sends a
     delete message to tritonserver when it is destroyed, and one still alive when the stub tears itself down
     (after ``finalize`` returned) dereferences the stub's freed shared-memory pool (tritonserver 2.51: segfault
@@ -180,10 +190,11 @@ class ServingMetrics:
         Args:
             family_factory: ``pb_utils.MetricFamily`` (or anything with the same interface).
             model: value of the ``model`` label (the Triton model name).
-            instance: value of the ``instance`` label (the Triton model instance name).
+            instance: value of the ``instance`` label (the Triton model instance name); the ``pid`` label is
+                this process's id.
             flush_interval_s: period of the flusher thread (started here), seconds.
         """
-        self._labels = {"model": model, "instance": instance}
+        self._labels = {"model": model, "instance": instance, "pid": str(os.getpid())}
         self._families = {name: family_factory(name=name, description=desc, kind=getattr(family_factory, kind))
                           for name, (kind, desc) in _FAMILIES.items()}
         self._families.update({name: family_factory(name=name, description=desc, kind=family_factory.HISTOGRAM)

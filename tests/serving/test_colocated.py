@@ -3,6 +3,7 @@ stream with one FINAL, failures stay with their request."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -79,7 +80,8 @@ def test_cancel_frees_pages_and_sends_one_bare_final(setup) -> None:
     assert not sink.chunks[-1][1]  # the FINAL was the bare one
     assert other.finals == 1 and other.chunks[-1][0].finish_reason == "length"
     assert engine.num_free_pages == engine.num_total_pages and worker.num_active() == 0
-    key = tuple(sorted({"model": "colocated", "instance": "colocated_0", "outcome": "cancelled"}.items()))
+    key = tuple(sorted({"model": "colocated", "instance": "colocated_0", "outcome": "cancelled",
+                      "pid": str(os.getpid())}.items()))
     deadline = time.monotonic() + 5   # the metrics' flusher thread sends it within its interval
     while key not in FakeFamily.registry["pd_requests_total"].series and time.monotonic() < deadline:
         time.sleep(0.01)

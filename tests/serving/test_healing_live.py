@@ -1,6 +1,11 @@
 """Healing on one tritonserver (``pd_ensemble``, ``prefill``, ``decode``, started by serve.sh).
 
-Invariants: ``kill -9`` of the prefill stub: within seconds the server stops reporting ``prefill`` ready (its
+Invariants: unloading and loading ``prefill``, then ``decode``, through Triton's repository API while requests
+stream through the router never stops the router or another model's loop: a long request in flight runs to its
+last token on the old version, every stream ends (FINAL or one error), after each reload new requests give the
+colocated text, and the new version's metric series are still on ``/metrics`` once the old version is gone (the
+old version deleting a series it shared with the new one was a use-after-free in tritonserver that aborted it:
+``serving.metrics``). ``kill -9`` of the prefill stub: within seconds the server stops reporting ``prefill`` ready (its
 stub's guardian ends the server), serve.sh starts it again, and requests through the router give the colocated
 text again within 30 s (or, on a machine so loaded that one start of the server takes longer, within 1.5x its
 first start). A server that never became ready (a model that does not load) is a start-up failure: serve.sh exits
@@ -12,13 +17,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
-from live_client import StreamResult, grpc_generate, make_inputs
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value
 from live_prompts import colocated_greedy_texts
 from perf.server import ServeScript
 
@@ -26,6 +32,7 @@ pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
 GREEDY = {"max_tokens": "12", "temperature": "0"}
 PROMPTS = ["The capital of France is", "Once upon a time"]
+LONG = {"max_tokens": "120", "temperature": "0", "ignore_eos": "true"}
 HEAL_S = 30.0
 
 
@@ -45,9 +52,108 @@ def model_ready(server: ServeScript, model: str) -> bool:
         return False
 
 
-def stub_pid(server: ServeScript, model: str) -> int:
+def repository(server: ServeScript, model: str, action: str) -> None:
+    """POST the repository API's ``load``/``unload`` (a load returns once the new version is ready)."""
+    resp = requests.post(f"{server.http_url}/v2/repository/models/{model}/{action}", timeout=600,
+                         headers={"Connection": "close"})   # an idle kept-alive connection delays the stop
+    assert resp.status_code == 200, resp.text
+
+
+def finished(server: ServeScript, model: str) -> float:
+    try:
+        return metric_value(server.metrics_url, "pd_requests_total", model=model, outcome="finished")
+    except KeyError:
+        return 0.0
+
+
+class Traffic:
+    """Short greedy requests through the router, one after another on a thread, until the ``with`` ends."""
+
+    def __init__(self, server: ServeScript) -> None:
+        self.results: list[StreamResult] = []
+        self._server = server
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="traffic")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.results.append(generate(self._server, PROMPTS[0]))
+            except Exception as e:   # no response within live_client's timeout: recorded, the test reads it
+                self.results.append(StreamResult(error=f"client: {type(e).__name__} {e}"))
+            time.sleep(0.2)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(300)
+
+
+def reload_under_traffic(server: ServeScript, model: str) -> tuple[StreamResult, list[StreamResult]]:
+    """A long request decoding, then ``model`` unloaded and loaded again while short ones keep coming; returns
+    the long request's result (it ends on the old version) and the short ones'."""
+    with Traffic(server) as traffic, ThreadPoolExecutor(1) as pool:
+        before = finished(server, "prefill")
+        long = pool.submit(generate, server, "Write a long story about a lighthouse keeper.", LONG)
+        deadline = time.monotonic() + 120
+        while finished(server, "prefill") <= before and time.monotonic() < deadline:   # its prefill is done
+            time.sleep(0.05)
+        repository(server, model, "unload")
+        repository(server, model, "load")
+        time.sleep(1.0)
+        result = long.result(timeout=600)
+    return result, traffic.results
+
+
+def series_pids(server: ServeScript, name: str, model: str) -> set[str]:
+    """The ``pid`` labels of ``name``'s series of ``model`` on the server's metrics endpoint."""
+    text = requests.get(server.metrics_url, timeout=5).text
+    return {line.partition('pid="')[2].partition('"')[0] for line in text.splitlines()
+            if line.startswith(name + "{") and f'model="{model}"' in line}
+
+
+def test_reloading_prefill_or_decode_never_stops_the_router_or_the_other_loop(triton_server: ServeScript,
+                                                                               reference) -> None:
+    server = triton_server
+    for model in ("prefill", "decode"):
+        old = stub_pid(server, model)
+        long, short = reload_under_traffic(server, model)
+        assert long.error is None and long.final_seen, (model, long.error)   # it ran through the reload
+        assert long.num_output_tokens[-1] == int(LONG["max_tokens"])
+        assert short and all(r.final_seen or r.error for r in short), "every stream ends"
+        assert not [r.error for r in short if r.error and "not running" in r.error], model
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            after = list(pool.map(lambda p: generate(server, p), PROMPTS))
+        assert [(r.error, r.text) for r in after] == [(None, reference[p]) for p in PROMPTS], model
+        deadline = time.monotonic() + 30   # the old version finalizes after its last request: one stub left
+        while len(stub_pids_of(server, model)) != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        new = stub_pid(server, model)
+        assert new != old
+        deadline = time.monotonic() + 10   # the new version's series, still there after the old one's went
+        while series_pids(server, "pd_kv_total_pages", model) != {str(new)} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        found = series_pids(server, "pd_kv_total_pages", model)
+        assert found == {str(new)}, f"{model}: the new stub {new}'s series, not {found} (old stub {old})"
+
+
+def stub_pids_of(server: ServeScript, model: str) -> list[int]:
     needle = f"/{model}/1/model.py".encode()
-    pids = [pid for pid in server.stub_pids() if needle in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    pids = []
+    for pid in server.stub_pids():
+        try:
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except OSError:   # exited meanwhile
+            continue
+    return pids
+
+
+def stub_pid(server: ServeScript, model: str) -> int:
+    pids = stub_pids_of(server, model)
     assert len(pids) == 1, pids
     return pids[0]
 

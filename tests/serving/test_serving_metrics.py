@@ -1,7 +1,9 @@
-"""``serving.metrics``: names carry units, every series carries model/instance labels, unchanged gauges are
+"""``serving.metrics``: names carry units, every series carries model/instance/pid labels, unchanged gauges are
 not re-sent."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from serving_fakes import FakeFamily
@@ -9,6 +11,7 @@ from serving_fakes import FakeFamily
 from serving.metrics import ServingMetrics
 
 
+PID = str(os.getpid())   # the ``pid`` label: no two stubs (an old and a new version of a model) share a series
 _live: list[ServingMetrics] = []   # what ``_series`` flushes before it reads
 
 
@@ -23,7 +26,7 @@ def metrics() -> ServingMetrics:
 def _series(name: str, **labels: str) -> float:
     for metrics in _live:
         metrics.flush()
-    key = tuple(sorted({"model": "colocated", "instance": "colocated_0", **labels}.items()))
+    key = tuple(sorted({"model": "colocated", "instance": "colocated_0", "pid": PID, **labels}.items()))
     return FakeFamily.registry[name].series[key].value()
 
 
@@ -39,7 +42,7 @@ def test_gauges_and_counters(metrics: ServingMetrics) -> None:
     metrics.set_kv_pages(10, 64)
     metrics.set_kv_pages(10, 64)
     assert _series("pd_kv_free_pages") == 10 and _series("pd_kv_total_pages") == 64
-    key = tuple(sorted({"model": "colocated", "instance": "colocated_0"}.items()))
+    key = tuple(sorted({"model": "colocated", "instance": "colocated_0", "pid": PID}.items()))
     assert FakeFamily.registry["pd_kv_free_pages"].series[key].writes == 1
     metrics.request_done("finished", 5, 3)
     metrics.request_done("cancelled", 2, 1)
@@ -89,7 +92,7 @@ def test_updates_are_buffered_and_the_flusher_sends_them() -> None:
         metrics.set_kv_pages(free, 64)
     for _ in range(3):
         metrics.request_done("finished", 2, 1)
-    key = tuple(sorted({"model": "colocated", "instance": "colocated_0"}.items()))
+    key = tuple(sorted({"model": "colocated", "instance": "colocated_0", "pid": PID}.items()))
     deadline = time.monotonic() + 5
     while "pd_kv_free_pages" not in FakeFamily.registry or key not in FakeFamily.registry["pd_kv_free_pages"].series:
         assert time.monotonic() < deadline, "the flusher sent nothing"
@@ -112,7 +115,7 @@ def test_histograms_get_vllm_buckets_and_observations() -> None:
     metrics.request_timing(0.2, 1.5, 12, 30, 0.04)
     metrics.request_timing(None, 0.1, 3, 0, None)
     metrics.flush()
-    series = {name: FakeFamily.registry[name].series[(("instance", "i"), ("model", "m"))] for name in _HISTOGRAMS}
+    series = {name: FakeFamily.registry[name].series[(("instance", "i"), ("model", "m"), ("pid", PID))] for name in _HISTOGRAMS}
     assert series["pd_time_to_first_token_seconds"].observations == [0.2]
     assert series["pd_time_per_output_token_seconds"].observations == [0.04]
     assert series["pd_e2e_request_latency_seconds"].observations == [1.5, 0.1]
