@@ -173,6 +173,16 @@ class PrefillWorker:
         if chunk.is_last:
             assert chunk.first_token_id is not None and chunk.first_logprob is not None
             aux = AuxData(chunk.first_token_id, chunk.first_logprob, job.pd.room)
+            # the first token goes to the client before the last pages' WRITE is posted (with inline progress
+            # ``send`` copies them, ~1 ms of TTFT on the tiny model here); it travels with its logprobs (decode
+            # reports only the tokens after it), and with the finish reason when it already ends the request
+            # (EOS, a stop, max_tokens == 1). A transfer that fails later fails the request as before.
+            job.cumulative_logprob = event.cumulative_logprob
+            logprobs = tuple(event.new_token_logprobs) if job.pd.request.params.logprobs is not None else None
+            job.sink.send(ResponseChunk.single(event.new_text, chunk.finish_reason, event.num_prompt_tokens, 1, 1,
+                                               event.cumulative_logprob, logprobs, event.num_cached_tokens,
+                                               tuple(event.new_token_ids)),
+                          final=False)
         send_s = time.monotonic()   # before ``send``: with inline progress it posts (copies) the WRITE
         job.first_send_s = job.first_send_s or send_s
         job.sender.send(chunk.page_ids, chunk.is_last, aux)
@@ -180,14 +190,6 @@ class PrefillWorker:
             job.last_send_s = send_s
             self._prefilling.pop(job.request_id, None)
             self._inflight[job.request_id] = job
-            # the first token travels with its logprobs (decode reports only the tokens after it), and with the
-            # finish reason when it already ends the request (EOS, a stop, max_tokens == 1)
-            job.cumulative_logprob = event.cumulative_logprob
-            logprobs = tuple(event.new_token_logprobs) if job.pd.request.params.logprobs is not None else None
-            job.sink.send(ResponseChunk.single(event.new_text, chunk.finish_reason, event.num_prompt_tokens, 1, 1,
-                                               event.cumulative_logprob, logprobs, event.num_cached_tokens,
-                                               tuple(event.new_token_ids)),
-                          final=False)
 
     def _poll_inflight(self) -> None:
         for job in list(self._inflight.values()):

@@ -40,6 +40,11 @@ class ChildStreams:
         """False for a call that was cancelled or replaced: its late events are stale."""
         return self._current.get(call.role) is call
 
+    def forget(self, role: str) -> None:
+        """``role``'s current call is given up (its instance stopped answering): its events become stale; its
+        stream is cancelled with the others by the next ``cancel_all``."""
+        self._current.pop(role, None)
+
     async def cancel_all(self, grace_s: float = FINISH_GRACE_S) -> None:
         """End every open stream: one that ends by itself within ``grace_s`` (its FINAL already on its way, e.g.
         both children rejecting the same bad request) is left to end; the rest are cancelled (Triton cancels

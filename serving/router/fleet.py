@@ -169,6 +169,14 @@ class Fleet:
                 out.append((status, self._state(status), reported_s))
         return out
 
+    def responsive(self, instance_id: InstanceId) -> bool:
+        """Whether ``instance_id`` is registered and answered its rendezvous within ``instance_stale_s`` (its
+        breaker aside): False for a server that died, froze, or that this router can no longer reach."""
+        now_s = self._now()
+        return any(status.instance_id == instance_id
+                   and now_s - (self._snapshot.taken_s - status.age_s) <= self._config.instance_stale_s
+                   for status in self._snapshot.instances)
+
     def note_assigned(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
         """The router sent a request to ``target``: count it until the instance's next report covers it."""
         state = self._states.get(target.instance_id)

@@ -292,6 +292,19 @@ class PDOrchestrator:
             try:
                 call, response = await asyncio.wait_for(children.events.get(), CANCEL_POLL_INTERVAL_S)
             except asyncio.TimeoutError:
+                lost = self._lost_child(state, targets, time.monotonic() - last_event_s)
+                if lost is not None:
+                    role, response = lost
+                    # a child whose instance stopped answering (a host cut off from the router, a frozen
+                    # server) is treated as a broken stream: retried before the first token, else migrated
+                    children.forget(role)
+                    outcome = self._failed(room, role, response, state, targets)
+                    if outcome.migrate:
+                        outcome = await self._migrate(room, children, state, targets, request, outcome)
+                    if not outcome.migrate:
+                        return outcome
+                    last_event_s = time.monotonic()
+                    continue
                 if time.monotonic() - last_event_s > idle_timeout_s:
                     reason = f"no response from prefill or decode for {idle_timeout_s:g} s"
                     logger.error("room=%d: %s (prefill_final=%s decode_final=%s)", room, reason,
@@ -322,6 +335,25 @@ class PDOrchestrator:
         for target in targets.values():
             self._fleet.record(target, ok=True)
         return _Outcome(final=state.final_chunk(state.finish_reason))
+
+    def _lost_child(self, state: _MergeState, targets: dict[str, Target],
+                    silent_s: float) -> tuple[str, ChildResponse] | None:
+        """The role of the open child to give up on, with the error it gets, when the request has heard nothing for
+        ``instance_stale_s`` and that child's instance has not answered its rendezvous for as long
+        (``Fleet.responsive``); None otherwise. Both conditions: a busy but answering instance (a long prefill,
+        decode waiting for KV) keeps its streams, and a stream that still delivers tokens is never dropped for a
+        late load report. Without this such a stream would wait for the idle timeout (300 s by default)."""
+        stale_s = self._config.instance_stale_s
+        if silent_s <= stale_s:
+            return None
+        for role, final in (("prefill", state.prefill_final), ("decode", state.decode_final)):
+            target = targets.get(role)
+            if final or target is None or self._fleet.responsive(target.instance_id):
+                continue
+            error = (f"{role} {target.instance_id} unreachable: no response for {silent_s:.1f} s and no answer "
+                     f"from its rendezvous for over {stale_s:g} s (instance_stale_s)")
+            return role, ChildResponse(error=error, final=True, unreachable=True)
+        return None
 
     def _failed(self, room: Room, role: str, response: ChildResponse, state: _MergeState,
                 targets: dict[str, Target]) -> _Outcome:

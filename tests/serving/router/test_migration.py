@@ -10,6 +10,7 @@ from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
 from test_orchestrator import run
 
 from engine.outputs import TokenLogprob
+from serving.router.config import RouterConfig
 from serving.router.launch import ChildResponse
 
 FLEET = (status("p0@h:1", "prefill"), status("d0@h:1", "decode"), status("d1@h:1", "decode"),
@@ -121,3 +122,31 @@ def test_a_decode_that_goes_silent_after_the_first_token_is_migrated_after_the_i
     out, _ = run(launcher, fleet=fleet_of(*FLEET), request_idle_timeout_s=0.3)
     assert time.monotonic() - start < 5.0 and out[-1].error is None and "".join(c.text for c in out) == "ABC"
     assert [c.resume_token_ids for c in launcher.calls if c.role == "decode"] == [(), (10, 11)]
+
+
+def test_a_decode_that_stops_answering_mid_stream_is_migrated_within_instance_stale_s() -> None:
+    """A host cut off from the router (no reset: the stream just goes silent) and no longer answering its
+    rendezvous: the request moves on after ``instance_stale_s``, not after the 300 s idle timeout."""
+    start = time.monotonic()
+    # d0's last report is the snapshot's; p0 and d1 keep reporting (their reports stay fresh for the test)
+    fleet = fleet_of(status("p0@h:1", "prefill", age_s=-1000), status("d0@h:1", "decode"),
+                     status("d1@h:1", "decode", age_s=-1000),
+                     config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
+    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (60.0, tok("X", 4, (99,), -2.0))]
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent}, resumed=[RESUMED_AFTER_3])
+    out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3)
+    assert time.monotonic() - start < 5.0
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
+    decodes = [c for c in launcher.calls if c.role == "decode"]
+    assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"] and decodes[1].resume_token_ids == (10, 11, 12)
+    assert any(c.target.instance_id == "d0@h:1" for c in launcher.cancelled)
+
+
+def test_a_silent_decode_that_still_answers_its_rendezvous_keeps_its_stream() -> None:
+    """Silence alone (a long prefill, decode waiting for KV, a slow step) is no reason to move a request."""
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode"), config=RouterConfig(instance_stale_s=0.3))
+    slow = [(0.02, tok("B", 2, (11,), -1.0)), (0.8, tok("C", 3, (12,), -1.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": slow})
+    out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3)
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABC"
+    assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.cancelled == []
