@@ -214,6 +214,15 @@ class Fleet:
         sh("ip", "-n", host.netns, "link", "set", DEVICE, "up")
         return host
 
+    def partition(self, a: str, b: str, cut: bool) -> None:
+        """Cuts (``cut``) or restores the path between hosts ``a`` and ``b`` alone, both ways: a blackhole route
+        to the other's address in each (new connections between them fail at once, open ones stall and
+        retransmit, as on a link down); both keep their links to every other host. Routes, not filters: this
+        kernel has neither ``tc`` prio/gact nor iptables. Restoring a path that is not cut is a no-op."""
+        for here, there in ((self.hosts[a], self.hosts[b]), (self.hosts[b], self.hosts[a])):
+            sh("ip", "-n", here.netns, "route", "add" if cut else "del", "blackhole", f"{there.address}/32",
+               check=cut)
+
     def teardown(self) -> None:
         """Stops the processes started through ``Host.popen`` (TERM to their process groups, KILL after
         ``STOP_GRACE_S``), then removes every name of this fleet. Idempotent; never raises."""

@@ -30,20 +30,32 @@ class ChildStreams:
         self._launcher = launcher
         self._current: dict[str, ChildCall] = {}   # role -> its live call
         self._readers: list[asyncio.Future[None]] = []
+        self._reader_of: dict[int, asyncio.Future[None]] = {}   # id(call) -> its reader
 
     def start(self, call: ChildCall) -> None:
         """Send ``call`` now; it becomes the current call of its role."""
         self._current[call.role] = call
-        self._readers.append(asyncio.ensure_future(self._read(call)))
+        reader = asyncio.ensure_future(self._read(call))
+        self._readers.append(reader)
+        self._reader_of[id(call)] = reader
 
     def is_current(self, call: ChildCall) -> bool:
         """False for a call that was cancelled or replaced: its late events are stale."""
         return self._current.get(call.role) is call
 
     def forget(self, role: str) -> None:
-        """``role``'s current call is given up (its instance stopped answering): its events become stale; its
-        stream is cancelled with the others by the next ``cancel_all``."""
-        self._current.pop(role, None)
+        """Give up ``role``'s current call without cancelling it (its instance stopped answering: a frozen
+        server, a host cut off from the router): its events become stale, and its stream is left to end by
+        itself (its FINAL once the path is back, or a transport error) instead of being cancelled by
+        ``cancel_all``. Why not cancel: a cancel that reached tritonserver 2.51 once the path was back, while
+        the server's writes to this router were still stalled, aborted that server (a gRPC assertion,
+        ``interceptor_common.h: ASSERTION FAILED: ops_``; docs/multihost.md). The instance's work for the
+        request runs to its end (its pages come back then)."""
+        call = self._current.pop(role, None)
+        reader = self._reader_of.pop(id(call), None) if call is not None else None
+        if reader is not None and reader in self._readers:
+            self._readers.remove(reader)
+            reader.add_done_callback(lambda r: r.cancelled() or r.exception())   # retrieved: no "never retrieved"
 
     async def cancel_all(self, grace_s: float = FINISH_GRACE_S) -> None:
         """End every open stream: one that ends by itself within ``grace_s`` (its FINAL already on its way, e.g.
@@ -55,6 +67,7 @@ class ChildStreams:
         keep that model loaded until the server's exit timeout (docs/healing.md section 4): a stop then took 20 s.
         """
         self._current.clear()
+        self._reader_of.clear()
         readers, self._readers = self._readers, []
         pending = {reader for reader in readers if not reader.done()}
         if pending and grace_s > 0:

@@ -8,7 +8,9 @@ logprobs equal the colocated engine's; the KV bytes the prefill reports crossed 
 cancel mid-stream frees the pages on both worker hosts. Faults (docs/multihost.md, "Whole servers across hosts"):
 the decode host's link down 5 s mid-transfer: every stream ends (FINAL, or an error), no page leaks, no process
 restarted, the next request succeeds; the registry host's link down 10 s: requests keep succeeding, the router's
-membership stays as it was, and after the link is back the fleet still serves.
+membership stays as it was, and after the link is back the fleet still serves; the router's host cut off from the
+decode host alone mid-stream: the stream ends with an error within seconds (instance_stale_s), the decode host's
+pages come back once the path does, and the fleet serves again with no restart.
 """
 
 from __future__ import annotations
@@ -281,5 +283,76 @@ def test_registry_hosts_link_down_10s(hosts: HostFleet, reference: dict[str, str
     time.sleep(15.0)   # past the registry's 10 s TTL: the workers' entries expired there and are announced again
     assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
     streams_match_reference(lambda p: generate(hosts, p), PROMPTS[:3], reference)
+    wait_pools_full(hosts, 30.0)
+    assert stubs(hosts) == before, "a server or stub restarted"
+
+
+def test_router_cut_off_from_the_decode_host_mid_stream(hosts: HostFleet, reference: dict[str, str]) -> None:
+    """The router's host and the decode host partitioned from each other for 12 s while a stream decodes (both keep
+    their other links). The decode host stops answering the router's rendezvous polls too, so the router gives
+    the stream up after ``instance_stale_s`` (3 s) of silence, not after the 300 s idle timeout: with no other
+    decode host to migrate to, the client gets one error naming the decode instance, within seconds. The router
+    leaves that stream to end by itself instead of cancelling it (a cancel that arrived while tritonserver 2.51's
+    writes to the router were stalled aborted the decode server in 3 of 5 runs: ``ChildStreams.forget``): once
+    the path is back the decode host finishes the request and its pages come back, the router lists it healthy
+    again, new requests succeed, and nothing restarted."""
+    before = stubs(hosts)
+    params = {"max_tokens": 600, "temperature": 0, "ignore_eos": True}
+    done: dict[str, StreamResult] = {}
+    thread = threading.Thread(target=lambda: done.__setitem__("r", generate(hosts, LONG[3], params)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not metric_value(hosts.servers["dc"].metrics_url, "pd_queue_requests", model="decode", queue="running"):
+        assert time.monotonic() < deadline and thread.is_alive(), "the request never reached decode's running queue"
+        time.sleep(0.1)
+    time.sleep(1.0)   # a few tokens streamed
+    hosts.fleet.partition("rt", "dc", cut=True)
+    cut_s = time.monotonic()
+    try:
+        thread.join(60)
+        ended_s = time.monotonic() - cut_s
+    finally:
+        time.sleep(max(0.0, 12.0 - (time.monotonic() - cut_s)))
+        hosts.fleet.partition("rt", "dc", cut=False)
+    assert not thread.is_alive(), "the stream did not end within 60 s of the partition"
+    result = done["r"]
+    print(f"router cut off from decode: the stream ended {ended_s:.1f} s after the cut: {result.error}")
+    assert result.error is not None and "decode" in result.error and result.texts, result.error
+    assert ended_s < 20.0, ended_s
+    wait_pools_full(hosts, POOL_S)
+    deadline = time.monotonic() + 30
+    while healthy(hosts, "decode") != 1:
+        assert time.monotonic() < deadline, "the router did not list the decode host healthy again"
+        time.sleep(0.5)
+    streams_match_reference(lambda p: generate(hosts, p), PROMPTS[:2], reference)
+    assert stubs(hosts) == before, "a server or stub restarted"
+
+
+def test_prefill_host_cut_off_from_the_registry(hosts: HostFleet, reference: dict[str, str]) -> None:
+    """The prefill host alone partitioned from the registry host for 15 s (past the registry's 10 s TTL), its
+    path to the router and decode intact: every request during the partition ends with FINAL or a clear error
+    (none hangs), and once the path is back the prefill announces itself again, the router lists it, requests give
+    the colocated text, no page is held and nothing restarted."""
+    before = stubs(hosts)
+    hosts.fleet.partition("pf", "reg", cut=True)
+    during: list[StreamResult] = []
+    try:
+        end = time.monotonic() + 15.0
+        while time.monotonic() < end:
+            started = time.monotonic()
+            during.append(generate(hosts, PROMPTS[0]))
+            assert time.monotonic() - started < 60.0, "a request during the partition took over 60 s"
+            time.sleep(0.5)
+    finally:
+        hosts.fleet.partition("pf", "reg", cut=False)
+    assert all(r.final_seen or r.error for r in during), "a stream ended without FINAL or an error"
+    print(f"prefill cut off from the registry: {sum(r.error is None for r in during)} of {len(during)} requests "
+          f"succeeded during the partition; errors: {sorted({r.error[:100] for r in during if r.error})}")
+    assert all(r.error is not None or r.text == reference[PROMPTS[0]] for r in during)
+    deadline = time.monotonic() + 30
+    while healthy(hosts, "prefill") != 1 or healthy(hosts, "decode") != 1:
+        assert time.monotonic() < deadline, "the router did not see the whole fleet again within 30 s"
+        time.sleep(0.5)
+    streams_match_reference(lambda p: generate(hosts, p), PROMPTS[:2], reference)
     wait_pools_full(hosts, 30.0)
     assert stubs(hosts) == before, "a server or stub restarted"

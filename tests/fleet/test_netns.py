@@ -1,5 +1,6 @@
 """The multi-host harness (``scripts/fleet/netns.py``): hosts reach each other and nothing else, a throttled
-link runs near its rate, a link taken down refuses at once and works again when up, and teardown leaves no
+link runs near its rate, a link taken down refuses at once and works again when up, a partition cuts one pair of
+hosts both ways and nothing else, and teardown leaves no
 namespace, link or process behind, after an exception or after its owner was killed."""
 
 from __future__ import annotations
@@ -125,6 +126,21 @@ def test_link_down_refuses_at_once_and_up_heals(make_fleet: MakeFleet) -> None:
     after = fleet["a"].counters()
     assert after.tx_bytes - before.tx_bytes >= 4 << 20
     assert os.path.exists(f"/sys/class/net/{fleet['a'].port}")
+
+
+def test_a_partition_cuts_one_pair_of_hosts_and_heals(make_fleet: MakeFleet) -> None:
+    fleet = make_fleet(["a", "b", "c"])
+    for host in ("b", "c"):
+        fleet[host].popen(["python", "-c", SINK, fleet[host].address])
+    time.sleep(1.0)
+    fleet.partition("a", "b", cut=True)
+    for src, dst in (("a", "b"), ("b", "a")):   # both ways, at once (a blackhole route: EINVAL, not a refusal)
+        answer = fleet[src].run(["python", "-c", CONNECT, fleet[dst].address, "5001"]).stdout.split()
+        assert answer == ["errno", str(errno.EINVAL)], (src, dst, answer)
+    assert _rate_mbit(fleet, "a", "c", 4) > 0   # a's other paths stay up
+    fleet.partition("a", "b", cut=False)
+    fleet.partition("a", "b", cut=False)   # restoring twice is a no-op
+    assert _rate_mbit(fleet, "a", "b", 4) > 0
 
 
 def test_transport_settings_follow_the_host_address(make_fleet: MakeFleet) -> None:

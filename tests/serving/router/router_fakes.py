@@ -26,6 +26,7 @@ class ScriptedLauncher:
         self.resumed = list(resumed or [])
         self.calls: list[ChildCall] = []
         self.cancelled: list[ChildCall] = []
+        self.cancelled_when_done: list[ChildCall] = []   # set by the test's runner
 
     async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
         self.calls.append(call)

@@ -132,14 +132,17 @@ def test_a_decode_that_stops_answering_mid_stream_is_migrated_within_instance_st
     fleet = fleet_of(status("p0@h:1", "prefill", age_s=-1000), status("d0@h:1", "decode"),
                      status("d1@h:1", "decode", age_s=-1000),
                      config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
-    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (60.0, tok("X", 4, (99,), -2.0))]
+    # d0 goes silent, then (its path back) delivers the rest of its backlog and its FINAL
+    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (1.5, tok("X", 4, (99,), -2.0)),
+              (0.0, tok("Y", 5, (98,), -2.5, True, "length"))]
     launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent}, resumed=[RESUMED_AFTER_3])
-    out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3)
+    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3)
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"   # nothing of d0's backlog
     assert time.monotonic() - start < 5.0
-    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
     decodes = [c for c in launcher.calls if c.role == "decode"]
     assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"] and decodes[1].resume_token_ids == (10, 11, 12)
-    assert any(c.target.instance_id == "d0@h:1" for c in launcher.cancelled)
+    # d0's stream was left to end by itself, never cancelled (a late cancel aborted tritonserver 2.51)
+    assert not [c for c in launcher.cancelled if c.target.instance_id == "d0@h:1"]
 
 
 def test_a_silent_decode_that_still_answers_its_rendezvous_keeps_its_stream() -> None:

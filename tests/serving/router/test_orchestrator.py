@@ -26,8 +26,11 @@ OK_PREFILL = [(0.0, tok("A", 1)), (0.0, ChildResponse(final=True))]
 OK_DECODE = [(0.0, tok("B", 2)), (0.0, tok("C", 3, final=True, finish_reason="length"))]
 
 
-def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=None,
+def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=None, linger_s: float = 0.0,
         **config: object) -> tuple[list[OutputChunk], ScriptedLauncher]:
+    """One request through a ``PDOrchestrator`` over ``launcher``; ``launcher.cancelled_when_done`` is its
+    ``cancelled`` when the request ended, and the event loop then runs ``linger_s`` longer (streams the router
+    left to end by themselves end) before ``asyncio.run`` cancels what is left."""
     cfg = RouterConfig(**{"policy": "round_robin", **config})  # type: ignore[arg-type]
     orchestrator = PDOrchestrator(cfg, fleet or fleet_of(*FLEET, config=cfg), make_policy(cfg.policy, cfg.direct_decode_max_tokens), launcher,
                                   lambda request: 7)
@@ -38,7 +41,13 @@ def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=N
         return cancel_after_s is not None and time.monotonic() - start > cancel_after_s
 
     routed = RoutedRequest(GenerateRequest(prompt="hi"), {"text_input": b"hi"})
-    asyncio.run(orchestrator.generate(routed, out.append, cancelled))
+
+    async def request() -> None:
+        await orchestrator.generate(routed, out.append, cancelled)
+        launcher.cancelled_when_done = list(launcher.cancelled)
+        await asyncio.sleep(linger_s)
+
+    asyncio.run(request())
     assert sum(c.final for c in out) == 1 and out[-1].final, "exactly one final chunk, last"
     assert len(orchestrator.rooms) == 0
     return out, launcher
