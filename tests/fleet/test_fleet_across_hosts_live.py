@@ -329,8 +329,9 @@ def test_router_cut_off_from_the_decode_host_mid_stream(hosts: HostFleet, refere
 
 
 def test_prefill_host_cut_off_from_the_registry(hosts: HostFleet, reference: dict[str, str]) -> None:
-    """The prefill host alone partitioned from the registry host for 15 s (past the registry's 10 s TTL), its
-    path to the router and decode intact: every request during the partition ends with FINAL or a clear error
+    """The prefill host alone partitioned from the registry host for 15 s (past the registry's 10 s TTL, within
+    TTL + the router's 10 s grace for members the registry stops listing), its path to the router and decode
+    intact: every request during the partition ends with FINAL or a clear error
     (none hangs), and once the path is back the prefill announces itself again, the router lists it, requests give
     the colocated text, no page is held and nothing restarted."""
     before = stubs(hosts)
