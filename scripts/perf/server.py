@@ -464,7 +464,7 @@ class ServeScript:
     def start_background(self) -> subprocess.Popen[bytes]:
         """Starts serve.sh and returns at once (``ROLE=frontend`` runs no tritonserver to wait for)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:   # a restart on the same object appends: earlier runs stay readable
             self._proc = subprocess.Popen([*self._launcher, str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT,
                                           env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _started.add(self)
