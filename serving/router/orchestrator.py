@@ -11,9 +11,9 @@
    are held back);
 6. **end** with exactly one final chunk: success; a client cancel; a failure. On a cancel or a failure both
    child streams are cancelled: Triton tells both children, which drop the room (telling each other over the KV
-   transport) and free its pages. A failure **before the first token** reached the client is retried once on another pair
-   (the instance that failed is excluded); after the first token the request **migrates** (``migration.py``):
-   the open children are cancelled and a direct decode on another decode instance resumes it from the tokens
+   transport) and free its pages. A failure **before the first token** reached the client is retried once on
+   another pair (the instance that failed is excluded, and its partner in that pair while the fleet has another
+   pair); after the first token the request **migrates** (``migration.py``): the open children are cancelled and a direct decode on another decode instance resumes it from the tokens
    already sent, into the same client stream, up to ``migration_limit`` times, then the error ends it. An error
    about the request itself (bad input, rejected by the engine) is never retried nor migrated. Successes,
    unreachable children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and
@@ -221,11 +221,12 @@ class PDOrchestrator:
         max_tokens = routed.request.params.max_tokens
         demand = Demand(tokens, max_tokens) if isinstance(tokens, int) else \
             Demand(len(tokens), max_tokens, tuple(tokens))
-        excluded: set[str] = set()
+        excluded: set[str] = set()      # instances that failed this request
+        avoided: set[str] = set()       # their partners in the failed pairs: not taken again while others exist
         last_error = ""
         for attempt in range(1 + self._config.max_retries):
             try:
-                pair = self._choose(demand, frozenset(excluded))
+                pair = self._choose_avoiding(demand, frozenset(excluded), frozenset(avoided))
             except NoInstance as e:
                 if last_error:   # the failure itself is the client's answer, not the missing second pair
                     return OutputChunk(text="", final=True, error=f"{last_error} (no other {e.role} instance "
@@ -242,12 +243,26 @@ class PDOrchestrator:
             assert outcome.culprit is not None
             last_error = outcome.error
             excluded.add(outcome.culprit.instance_id)
+            # the partner may be the cause the culprit reported (a decode whose prefill died fails its room
+            # first, and a retry on the same dead prefill would then use up the retry)
+            avoided.update(t.instance_id for t in (pair.prefill, pair.decode)
+                           if t is not None and t.instance_id != outcome.culprit.instance_id)
             if attempt < self._config.max_retries:
                 logger.warning("room=%d failed before its first token (%s); retrying on another pair", room,
                                outcome.error)
                 if self._metrics is not None:
                     self._metrics.retried()
         return OutputChunk(text="", final=True, error=last_error)
+
+    def _choose_avoiding(self, demand: Demand, excluded: frozenset[str], avoided: frozenset[str]) -> Pair:
+        """A pair without ``excluded`` instances, and without ``avoided`` ones too when the fleet has such a
+        pair. Raises ``NoInstance`` as ``_choose``."""
+        if avoided - excluded:
+            try:
+                return self._choose(demand, excluded | avoided)
+            except NoInstance:
+                pass
+        return self._choose(demand, excluded)
 
     def _choose(self, demand: Demand, excluded: frozenset[str]) -> Pair:
         pair = self._policy.choose(self._fleet.candidates("prefill", excluded),

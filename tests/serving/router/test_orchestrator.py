@@ -164,3 +164,18 @@ def test_a_direct_decode_reports_decodes_own_cache_hit() -> None:
     launcher = ScriptedLauncher({"decode": decode})
     out, _ = run(launcher, direct_decode_max_tokens=8)
     assert [c.role for c in launcher.calls] == ["decode"] and [c.num_cached_tokens for c in out] == [16, 16]
+
+
+def test_a_retry_avoids_the_failed_pairs_partner_when_the_fleet_has_another() -> None:
+    """A decode reports its room failed because its prefill died (the decode's error arrives first, so the decode
+    is the culprit): the retry takes neither instance of that pair, not the dead prefill again."""
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill", queued_tokens=1000),
+                     status("d0@h:1", "decode", free_pages=200), status("d1@h:1", "decode"))
+    launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE},
+                                by_instance={"p0@h:1": [(0.05, unavailable("p0 down"))],
+                                             "d0@h:1": [(0.0, ChildResponse(error="KV transfer failed: prefill p0 "
+                                                                                  "went away", final=True))]})
+    out, _ = run(launcher, fleet=fleet, policy="load_aware")   # load_aware prefers p0 and d0
+    assert out[-1].error is None and [c.text for c in out] == ["A", "B", "C"]
+    pairs = [c.target.instance_id for c in launcher.calls]
+    assert pairs[:2] == ["p0@h:1", "d0@h:1"] and sorted(pairs[2:]) == ["d1@h:1", "p1@h:1"], pairs
