@@ -354,8 +354,8 @@ class PDOrchestrator:
 
     def _lost_child(self, state: _MergeState, targets: dict[str, Target],
                     silent_s: float) -> tuple[str, ChildResponse] | None:
-        """The role of the open child to give up on, with the error it gets, when the request has heard nothing for
-        ``instance_stale_s`` and that child's instance has not answered its rendezvous for as long
+        """The role of the open child to give up on, with the error it gets, when the request has heard nothing
+        for ``instance_stale_s`` and that child's instance has not answered its rendezvous for as long
         (``Fleet.responsive``); None otherwise. Both conditions: a busy but answering instance (a long prefill,
         decode waiting for KV) keeps its streams, and a stream that still delivers tokens is never dropped for a
         late load report. Without this such a stream would wait for the idle timeout (300 s by default)."""
