@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from engine_fakes import run_all
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.structured.spec import parse_structured
@@ -63,14 +64,8 @@ def prompt_ids(engine: LLMEngine, text: str) -> list[int]:
     return engine.tokenizer.encode(rendered)
 
 
-def run(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list]:
-    outs: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            break
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
+def run(engine: LLMEngine) -> dict[str, list]:
+    return run_all(engine, max_steps=2000)
 
 
 def check(constraint: dict, text: str) -> None:
