@@ -311,13 +311,13 @@ def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
 _handed_out: set[int] = set()
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """Linux's ``net.ipv4.ip_local_port_range`` (where ``bind(0)`` and outgoing connections take ports)."""
+def _ephemeral_low() -> int:
+    """The first port of Linux's ``net.ipv4.ip_local_port_range`` (where ``bind(0)`` and outgoing connections
+    take ports)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999   # the kernel's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768   # the kernel's default
 
 
 def free_ports(n: int) -> list[int]:
@@ -329,7 +329,7 @@ def free_ports(n: int) -> list[int]:
     later for a server a test starts late; tritonserver then fails to bind and exits. Each port is checked by
     binding it on all interfaces and is never handed out twice by this process. Raises RuntimeError when no
     free port is found in 10 000 draws."""
-    low = _ephemeral_range()[0]
+    low = _ephemeral_low()
     first, last = (max(1024, low - 12000), low - 1) if low > 3072 else (10000, 30000)
     picks: list[int] = []
     for _ in range(10_000):
@@ -440,8 +440,8 @@ class ServeScript:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float) -> ServeScript:
-        """Starts serve.sh and waits for ``/v2/health/ready`` and ``/metrics`` and, when it serves pd_ensemble with prefill and
-        decode models, for the router's ``pd_router_ready`` gauge (Triton's readiness says the models loaded,
+        """Starts serve.sh and waits for ``/v2/health/ready`` and ``/metrics`` and, when it serves pd_ensemble with
+        prefill and decode models, for the router's ``pd_router_ready`` gauge (Triton's readiness says the models loaded,
         not that the router has seen the workers' first heartbeats: until then it answers "no healthy ...
         instance"). Raises RuntimeError (serve.sh exited) or TimeoutError (not ready in ``timeout_s``), both
         with the log's tail."""
