@@ -121,6 +121,15 @@ def metric_value(metrics_url: str, name: str, **labels: str) -> float:
     raise KeyError(f"{name}{labels} not on {metrics_url}")
 
 
+def finished_requests(metrics_url: str, model: str) -> float:
+    """``pd_requests_total{outcome="finished"}`` of ``model`` on a server's metrics endpoint; 0 before the first
+    (the series appears with its first finished request)."""
+    try:
+        return metric_value(metrics_url, "pd_requests_total", model=model, outcome="finished")
+    except KeyError:
+        return 0.0
+
+
 def streams_match_reference(generate: Callable[[str], StreamResult], prompts: Sequence[str],
                             reference: dict[str, str]) -> list[StreamResult]:
     """Run every prompt at once (one thread each) through ``generate``; assert each stream ended with FINAL, no

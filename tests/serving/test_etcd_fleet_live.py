@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from live_client import StreamResult, grpc_generate, make_inputs, streams_match_reference
+from live_client import StreamResult, finished_requests, grpc_generate, make_inputs, streams_match_reference
 from live_prompts import PROMPTS, colocated_greedy_texts
 from perf.server import ServeScript
 
@@ -104,9 +104,4 @@ def test_a_worker_server_that_joins_through_etcd_is_used(fleet: EtcdFleet, refer
 
 
 def _finished(server: ServeScript, model: str) -> float:
-    from live_client import metric_value
-
-    try:
-        return metric_value(server.metrics_url, "pd_requests_total", model=model, outcome="finished")
-    except KeyError:
-        return 0.0
+    return finished_requests(server.metrics_url, model)

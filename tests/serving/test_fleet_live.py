@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
+from live_client import (StreamResult, finished_requests, grpc_generate, make_inputs, metric_value,
+                         streams_match_reference)
 from live_prompts import PROMPTS as BASE_PROMPTS
 from live_prompts import colocated_greedy_texts
 from perf.server import RegistryProcess, ServeScript
@@ -92,10 +93,7 @@ def reference() -> dict[str, str]:
 
 
 def served(server: ServeScript, model: str) -> float:
-    try:
-        return metric_value(server.metrics_url, "pd_requests_total", model=model, outcome="finished")
-    except KeyError:
-        return 0.0
+    return finished_requests(server.metrics_url, model)
 
 
 def pools_full(*servers: tuple[ServeScript, str]) -> bool:

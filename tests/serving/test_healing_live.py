@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from live_client import StreamResult, grpc_generate, make_inputs, metric_value
+from live_client import StreamResult, finished_requests, grpc_generate, make_inputs
 from live_prompts import colocated_greedy_texts
 from perf.server import ServeScript
 
@@ -60,10 +60,7 @@ def repository(server: ServeScript, model: str, action: str) -> None:
 
 
 def finished(server: ServeScript, model: str) -> float:
-    try:
-        return metric_value(server.metrics_url, "pd_requests_total", model=model, outcome="finished")
-    except KeyError:
-        return 0.0
+    return finished_requests(server.metrics_url, model)
 
 
 class Traffic:
