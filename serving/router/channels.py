@@ -2,10 +2,12 @@
 
 A gRPC channel whose server died keeps reconnecting with exponential backoff (1 s, 1.6 s, 2.6 s, ... up to
 120 s by default); while it waits, every call on it fails at once with "UNAVAILABLE: failed to connect to all
-addresses", so a server restarted on the same address was not reached for 2.7-3.8 s after it was ready. Two
-measures: a call that fails with UNAVAILABLE at the transport (``retire``) takes its channel out of the pool, so
-the next call to that endpoint opens a fresh channel, which connects at once; and every channel's reconnect
-backoff is short (``RECONNECT_BACKOFF_MS``), for the streams still open on a channel when its server comes back.
+addresses", so a server restarted on the same address was not reached for 2.7-3.8 s after it was ready; and a
+connection that outlived a network partition fails its next call ("Stream removed ... Connection reset by
+peer"). Two measures: a call that fails at the transport (``retire``), or an instance the router gave up on
+(``retire_endpoint``), takes its channel out of the pool, so the next call to that endpoint opens a fresh
+channel, which connects at once; and every channel's reconnect backoff is short (``RECONNECT_BACKOFF_MS``), for
+the streams still open on a channel when its server comes back.
 A retired channel is closed once its last stream ended (closing it earlier would cancel streams that may still
 be served). Everything runs on the router's event loop thread.
 """
@@ -42,7 +44,8 @@ class Channel:
 
 
 class ChannelPool:
-    """gRPC clients by endpoint; ``acquire``/``release`` around every call, ``retire`` after UNAVAILABLE."""
+    """gRPC clients by endpoint; ``acquire``/``release`` around every call, ``retire`` after a transport failure,
+    ``retire_endpoint`` when the router lost touch with an instance."""
 
     def __init__(self, keepalive_s: float = 300.0, connect: Callable[[str, list[tuple[str, int]]], Any] | None = None
                  ) -> None:
@@ -83,16 +86,27 @@ class ChannelPool:
         """One call on ``channel`` ended; a retired channel is closed after its last call."""
         channel.streams -= 1
         if channel.retired and channel.streams == 0:
-            task = asyncio.get_running_loop().create_task(_close(channel))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close_later(channel)
+
+    def _close_later(self, channel: Channel) -> None:
+        task = asyncio.get_running_loop().create_task(_close(channel))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def retire(self, channel: Channel) -> None:
-        """A call on ``channel`` failed with UNAVAILABLE: the next call to its endpoint opens a new channel."""
+        """A call on ``channel`` failed at the transport: the next call to its endpoint opens a new channel."""
         if self._channels.get(channel.endpoint) is channel:
             del self._channels[channel.endpoint]
             logger.info("gRPC channel to %s reset after a connection failure", channel.endpoint)
         channel.retired = True
+
+    def retire_endpoint(self, endpoint: str) -> None:
+        """``retire`` the pooled channel of ``endpoint``, if there is one."""
+        channel = self._channels.get(endpoint)
+        if channel is not None:
+            self.retire(channel)
+            if channel.streams == 0:
+                self._close_later(channel)
 
     async def close(self) -> None:
         """Close every channel (after every call ended)."""

@@ -79,5 +79,8 @@ class InProcessLauncher:
             if not finished:
                 sink.cancelled = True
 
+    def reset(self, endpoint: str) -> None:
+        pass   # no connections
+
     async def close(self) -> None:
         pass

@@ -110,6 +110,11 @@ class Launcher(Protocol):
         request. Raises ``ChildUnavailable`` when the child cannot be reached or its stream breaks."""
         ...
 
+    def reset(self, endpoint: str) -> None:
+        """The router lost touch with ``endpoint`` (its instance stopped answering): the next call to it opens a
+        new connection; streams open on the old one go on until they end."""
+        ...
+
     async def close(self) -> None:
         """Release connections (after every stream ended)."""
         ...
@@ -215,8 +220,9 @@ class GrpcLauncher:
                     return
             raise ChildUnavailable(f"{call.role} {call.target.instance_id}: stream ended without FINAL")
         except (grpc.RpcError, InferenceServerException) as e:
-            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._channels.retire(channel)   # no reconnect backoff left over for the next call
+            # the connection is suspect (a server restarted, a path back after a partition, a reconnect backoff
+            # under way): the next call opens a new one
+            self._channels.retire(channel)
             raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint} "
                                    f"unreachable: {_rpc_message(e)}") from None
         finally:
@@ -224,6 +230,9 @@ class GrpcLauncher:
             if not finished:
                 responses.cancel()   # Triton cancels the child request: it aborts and frees its pages
             self._channels.release(channel)
+
+    def reset(self, endpoint: str) -> None:
+        self._channels.retire_endpoint(endpoint)
 
     async def close(self) -> None:
         await self._channels.close()

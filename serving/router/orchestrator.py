@@ -13,7 +13,8 @@
    child streams are cancelled: Triton tells both children, which drop the room (telling each other over the KV
    transport) and free its pages. A failure **before the first token** reached the client is retried once on
    another pair (the instance that failed is excluded, and its partner in that pair while the fleet has another
-   pair); after the first token the request **migrates** (``migration.py``): the open children are cancelled
+   pair; an instance the router could not reach but whose rendezvous still answers stays a last resort, once:
+   the connection was stale); after the first token the request **migrates** (``migration.py``): the open children are cancelled
    and a direct decode on another decode instance resumes it from the tokens already sent, into the same client
    stream, up to ``migration_limit`` times, then the error ends it. An error
    about the request itself (bad input, rejected by the engine) is never retried nor migrated. Successes,
@@ -169,6 +170,7 @@ class _Outcome:
     error: str = ""
     culprit: Target | None = None
     migrate: bool = False
+    unreachable: bool = False   # the culprit could not be reached, or its stream broke
 
 
 class PDOrchestrator:
@@ -224,10 +226,11 @@ class PDOrchestrator:
             Demand(len(tokens), max_tokens, tuple(tokens))
         excluded: set[str] = set()      # instances that failed this request
         avoided: set[str] = set()       # their partners in the failed pairs: not taken again while others exist
+        last_resort: set[str] = set()   # failed at the router's connection, yet responsive: taken last, once
         last_error = ""
         for attempt in range(1 + self._config.max_retries):
             try:
-                pair = self._choose_avoiding(demand, frozenset(excluded), frozenset(avoided))
+                pair = self._choose_avoiding(demand, frozenset(excluded), frozenset(avoided), frozenset(last_resort))
             except NoInstance as e:
                 if last_error:   # the failure itself is the client's answer, not the missing second pair
                     return OutputChunk(text="", final=True, error=f"{last_error} (no other {e.role} instance "
@@ -243,11 +246,18 @@ class PDOrchestrator:
                 return outcome.final
             assert outcome.culprit is not None
             last_error = outcome.error
-            excluded.add(outcome.culprit.instance_id)
+            culprit = outcome.culprit.instance_id
+            if outcome.unreachable and culprit not in last_resort and self._fleet.responsive(culprit):
+                # the router's connection failed, yet the instance answers its rendezvous: the connection was
+                # stale (its server restarted on the same address, the path came back after a partition); the
+                # launcher opened a new one, so the instance stays a fallback when no other is left
+                last_resort.add(culprit)
+            else:
+                excluded.add(culprit)
             # the partner may be the cause the culprit reported (a decode whose prefill died fails its room
             # first, and a retry on the same dead prefill would then use up the retry)
             avoided.update(t.instance_id for t in (pair.prefill, pair.decode)
-                           if t is not None and t.instance_id != outcome.culprit.instance_id)
+                           if t is not None and t.instance_id != culprit)
             if attempt < self._config.max_retries:
                 logger.warning("room=%d failed before its first token (%s); retrying on another pair", room,
                                outcome.error)
@@ -255,14 +265,17 @@ class PDOrchestrator:
                     self._metrics.retried()
         return OutputChunk(text="", final=True, error=last_error)
 
-    def _choose_avoiding(self, demand: Demand, excluded: frozenset[str], avoided: frozenset[str]) -> Pair:
-        """A pair without ``excluded`` instances, and without ``avoided`` ones too when the fleet has such a
-        pair. Raises ``NoInstance`` as ``_choose``."""
-        if avoided - excluded:
-            try:
-                return self._choose(demand, excluded | avoided)
-            except NoInstance:
-                pass
+    def _choose_avoiding(self, demand: Demand, excluded: frozenset[str], avoided: frozenset[str],
+                         last_resort: frozenset[str]) -> Pair:
+        """A pair without ``excluded`` instances; without ``avoided`` and ``last_resort`` ones too when the fleet
+        has such a pair, else without ``last_resort`` ones when it has such a pair. Raises ``NoInstance`` as
+        ``_choose``."""
+        for without in (excluded | avoided | last_resort, excluded | last_resort):
+            if without != excluded:
+                try:
+                    return self._choose(demand, without)
+                except NoInstance:
+                    pass
         return self._choose(demand, excluded)
 
     def _choose(self, demand: Demand, excluded: frozenset[str]) -> Pair:
@@ -311,6 +324,7 @@ class PDOrchestrator:
                 lost = self._lost_child(state, targets, time.monotonic() - last_event_s)
                 if lost is not None:
                     role, response = lost
+                    self._launcher.reset(targets[role].endpoint)   # a later call reconnects, not this connection
                     # a child whose instance stopped answering (a host cut off from the router, a frozen
                     # server) is treated as a broken stream: retried before the first token, else migrated
                     children.forget(role)
@@ -385,7 +399,8 @@ class PDOrchestrator:
             return _Outcome(error=error, culprit=culprit, migrate=True)   # the client has tokens: move on
         if state.emitted:
             return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
-        return _Outcome(error=error, culprit=culprit)   # nothing reached the client yet: retry elsewhere
+        # nothing reached the client yet: retry elsewhere
+        return _Outcome(error=error, culprit=culprit, unreachable=response.unreachable)
 
     async def _migrate(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
                        request: _ChildInputs, failure: _Outcome) -> _Outcome:

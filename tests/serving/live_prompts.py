@@ -26,10 +26,13 @@ BAD_INPUTS: dict[str, tuple[str, dict[str, object] | str, dict[str, bool]]] = {
 }
 
 
-def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], **worker: str) -> dict[str, str]:
-    """Text of every prompt from one colocated engine run in-process, all prompts in one continuous batch
-    (the reference the live tests compare a server's streams with); ``worker``: WorkerConfig fields of the
-    served models (``dtype``, ``weight_quant``)."""
+def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], sequential: bool = False,
+                           **worker: str) -> dict[str, str]:
+    """Text of every prompt from one colocated engine run in-process, all prompts in one continuous batch, or
+    with ``sequential`` one after the other (each to its end first: the reference of a server sent one request
+    at a time, for formats whose numbers depend on the batch, see ``engine.model.linear``); the reference the
+    live tests compare a server's streams with. ``worker``: WorkerConfig fields of the served models
+    (``dtype``, ``weight_quant``)."""
     import json
     import time
 
@@ -41,13 +44,19 @@ def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], **worke
     config = WorkerConfig(num_pages=256, **worker)  # type: ignore[arg-type]
     engine = LLMEngine(config.engine_config("colocated"))
     texts: dict[str, str] = {}
+    deadline = time.monotonic() + 300
+
+    def run() -> None:
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            for out in engine.step():
+                texts[out.request_id] += out.new_text
+        assert not engine.has_unfinished(), "the reference run did not finish in 300 s"
+
     for i, prompt in enumerate(prompts):
         req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(sampling)})
         engine.add_request(str(i), prompt_token_ids(engine.tokenizer, req), req.params)
         texts[str(i)] = ""
-    deadline = time.monotonic() + 300
-    while engine.has_unfinished() and time.monotonic() < deadline:
-        for out in engine.step():
-            texts[out.request_id] += out.new_text
-    assert not engine.has_unfinished(), "the reference run did not finish in 300 s"
+        if sequential:
+            run()
+    run()
     return {prompts[int(k)]: v for k, v in texts.items()}

@@ -1,6 +1,11 @@
 """``pd_ensemble`` with ``dtype: bfloat16`` and ``weight_quant: int8`` on both prefill and decode: the KV
 crosses in bf16 (half of fp32's bytes per page) and the streams equal a colocated engine of the same format
-run in-process, i.e. prefill and decode run the same kernels as colocated."""
+run in-process, i.e. prefill and decode run the same kernels as colocated.
+
+One request at a time, against a reference run one prompt at a time: in this format a batch of up to 16 rows
+runs on the AVX2 kernels and a larger one on torch's BLAS (``engine.model.linear``), so a prompt's numbers, and
+greedy text at a near tie, depend on which prompts shared its steps; concurrent parity is fp32's test
+(``test_pd_live.py``)."""
 
 from __future__ import annotations
 
@@ -36,12 +41,13 @@ def make_model_repository(tmp_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
-    return colocated_greedy_texts(PROMPTS, GREEDY, **FORMAT)
+    return colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, **FORMAT)
 
 
 def test_bf16_int8_streams_equal_the_colocated_engine_and_kv_crosses(triton_server, reference) -> None:
     def generate(prompt: str):
         return grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
 
-    streams_match_reference(generate, PROMPTS, reference)
+    for prompt in PROMPTS:
+        streams_match_reference(generate, [prompt], reference)
     assert metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0

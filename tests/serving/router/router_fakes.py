@@ -27,6 +27,7 @@ class ScriptedLauncher:
         self.calls: list[ChildCall] = []
         self.cancelled: list[ChildCall] = []
         self.cancelled_when_done: list[ChildCall] = []   # set by the test's runner
+        self.resets: list[str] = []
 
     async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
         self.calls.append(call)
@@ -44,6 +45,9 @@ class ScriptedLauncher:
         finally:
             if not finished:
                 self.cancelled.append(call)
+
+    def reset(self, endpoint: str) -> None:
+        self.resets.append(endpoint)
 
     async def close(self) -> None:
         pass

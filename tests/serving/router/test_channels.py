@@ -97,3 +97,33 @@ def test_a_retired_channel_is_closed_after_its_last_stream_and_replaced_for_new_
         assert closed == ["first", "second"]
 
     asyncio.run(scenario())
+
+
+def test_retire_endpoint_replaces_the_channel_and_closes_it_after_its_streams_or_at_once() -> None:
+    async def scenario() -> None:
+        closed: list[str] = []
+
+        class Client:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            async def close(self) -> None:
+                closed.append(self.name)
+
+        names = iter(["busy", "idle", "new"])
+        pool = ChannelPool(connect=lambda endpoint, args: Client(next(names)))
+        busy = pool.acquire("h:1")   # a stream the router gave up on stays open
+        idle = pool.acquire("h:2")
+        pool.release(idle)
+        pool.retire_endpoint("h:1")
+        pool.retire_endpoint("h:2")
+        pool.retire_endpoint("h:3")   # none: nothing happens
+        await asyncio.sleep(0)
+        assert closed == ["idle"]
+        assert pool.acquire("h:1").client.name == "new"
+        pool.release(busy)
+        await asyncio.sleep(0)
+        assert closed == ["idle", "busy"]
+        await pool.close()
+
+    asyncio.run(scenario())

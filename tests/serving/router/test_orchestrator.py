@@ -87,9 +87,12 @@ def test_without_migration_a_failure_after_the_first_token_ends_the_request_with
 
 
 def test_with_no_other_pair_left_the_error_reaches_the_client() -> None:
+    """The only prefill refuses twice (the second time on a new connection: it answers its rendezvous, so it was
+    the router's last resort): the client gets the failure, naming the missing second instance."""
     launcher = ScriptedLauncher({"prefill": [(0.0, unavailable("p down"))], "decode": OK_DECODE})
-    out, _ = run(launcher, fleet=fleet_of(FLEET[0], FLEET[2]))
+    out, _ = run(launcher, fleet=fleet_of(FLEET[0], FLEET[2]), max_retries=2)
     assert (out[-1].error or "").startswith("p down") and "no other prefill" in (out[-1].error or "")
+    assert [c.target.instance_id for c in launcher.calls if c.role == "prefill"] == ["p0@h:1", "p0@h:1"]
 
 
 def test_retries_zero_means_the_first_failure_is_final() -> None:
@@ -179,3 +182,51 @@ def test_a_retry_avoids_the_failed_pairs_partner_when_the_fleet_has_another() ->
     assert out[-1].error is None and [c.text for c in out] == ["A", "B", "C"]
     pairs = [c.target.instance_id for c in launcher.calls]
     assert pairs[:2] == ["p0@h:1", "d0@h:1"] and sorted(pairs[2:]) == ["d1@h:1", "p1@h:1"], pairs
+
+
+def test_an_instance_that_answers_its_rendezvous_is_retried_last_after_a_connection_failure() -> None:
+    """The router's connection to the only decode failed (a stale one: the server restarted on the same address,
+    or the path came back after a partition) while the fleet still hears the instance: the retry takes it
+    again, on a new connection, rather than failing for want of another decode."""
+    prefill = [(0.05, tok("A", 1)), (0.0, ChildResponse(final=True))]
+    launcher = ScriptedLauncher({"prefill": prefill, "decode": OK_DECODE},
+                                by_instance={"d0@h:1": [(0.0, unavailable("Stream removed"))]})
+    first_call = launcher.stream
+
+    def stale_once(call):
+        if sum(c.target.instance_id == "d0@h:1" for c in launcher.calls) == 1 and call.role == "decode":
+            launcher.by_instance.clear()   # the new connection works
+        return first_call(call)
+
+    launcher.stream = stale_once   # type: ignore[method-assign]
+    out, _ = run(launcher)
+    assert out[-1].error is None and [c.text for c in out] == ["A", "B", "C"]
+    decodes = [c.target.instance_id for c in launcher.calls if c.role == "decode"]
+    prefills = [c.target.instance_id for c in launcher.calls if c.role == "prefill"]
+    assert decodes == ["d0@h:1", "d0@h:1"] and prefills == ["p0@h:1", "p1@h:1"]   # the partner still avoided
+
+
+def test_another_instance_goes_before_the_last_resort_and_a_second_connection_failure_excludes_it() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
+    launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE},
+                                by_instance={"p0@h:1": [(0.0, unavailable("p0 refused"))],
+                                             "p1@h:1": [(0.0, unavailable("p1 refused"))]})
+    out, _ = run(launcher, fleet=fleet, max_retries=3)
+    prefills = [c.target.instance_id for c in launcher.calls if c.role == "prefill"]
+    assert prefills == ["p0@h:1", "p1@h:1", "p0@h:1", "p1@h:1"]   # each once more, after the other
+    assert "p1 refused" in (out[-1].error or "")
+
+
+def test_a_child_whose_instance_went_silent_is_given_up_its_connection_reset_and_not_retried() -> None:
+    """Before the first token, decode and its rendezvous go silent (a host cut off from the router): after
+    ``instance_stale_s`` the router gives the stream up, resets its connection to that server (a later request
+    connects afresh) and, the instance no longer answering, does not take it again."""
+    start = time.monotonic()
+    fleet = fleet_of(status("p0@h:1", "prefill", age_s=-1000), status("d0@h:1", "decode"),
+                     config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
+    slow = [(1.5, tok("A", 1)), (0.0, ChildResponse(final=True))]
+    launcher = ScriptedLauncher({"prefill": slow, "decode": [(1.5, ChildResponse(final=True))]})
+    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3)
+    assert "decode d0@h:1 unreachable" in (out[-1].error or "") and "no other decode" in (out[-1].error or "")
+    assert time.monotonic() - start < 5.0
+    assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.resets == ["127.0.0.1:8001"]
