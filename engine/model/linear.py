@@ -11,9 +11,11 @@
 Small batches (at most ``SMALL_BATCH_ROWS`` rows, i.e. decode) run on the AVX2 kernels of ``kernels/``, which
 read each weight byte once per step; larger ones (prefill chunks) on torch's BLAS after widening one weight at
 a time to float32 (int8 always; bf16 where the CPU has no native bf16 GEMM, i.e. below AVX-512). Without the
-kernels (another CPU, a GPU, no compiler) every product goes through torch. A row's result does not depend on
-the other rows of its batch within one path (the kernels sum every row in the same order), so a decode step
-gives the same numbers alone or batched with up to ``SMALL_BATCH_ROWS`` rows.
+kernels (another CPU, a GPU, no compiler) every product goes through torch. On the kernels a row's result does
+not depend on the other rows of its batch (they sum every row in the same order), so a decode step gives the
+same numbers alone or batched with up to ``SMALL_BATCH_ROWS`` rows. Torch's BLAS gives no such promise: its
+blocking varies with the row count, so a prompt's numbers depend on the other prompts of its step (seen in
+bf16: one greedy text in about 1 of 20 concurrent runs took another word at a near tie).
 """
 
 from __future__ import annotations
