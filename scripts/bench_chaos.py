@@ -223,7 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decodes", type=int, default=2, help="decode servers")
     p.add_argument("--cancel-fraction", type=float, default=0.2)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--request-timeout-s", type=float, default=300.0)
+    p.add_argument("--request-timeout-s", type=float, default=330.0,
+                   help="the client's deadline per request: past the router's 300 s idle timeout, so a silent "
+                   "stream gets the router's error first")
     p.add_argument("--window-grace-s", type=float, default=10.0,
                    help="an error this long after a heal still counts as the kill's")
     p.add_argument("--seed", type=int, default=0)
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chaos: {duration_s:.0f} s, concurrency {args.concurrency}, {len(chaos.kills)} kills "
           f"({', '.join(k.victim for k in chaos.kills)})")
     print(f"  requests sent {summary['requests_sent']}, ok {summary['completed_ok']}, cancelled "
-          f"{summary['cancelled']}, errors {summary['errors']} {summary['errors_by_kind']}")
+          f"{summary['cancelled']}, errors {summary['errors']} {summary['errors_by_kind']}, timed out while "
+          f"streaming {summary['timed_out_streaming']}")
     print(f"  errors outside kill windows {len(outside)} (must be 0), streams without FINAL "
           f"{summary['streams_without_final']} (must be 0), pages not returned {pages} (must be 0)")
     print(f"  heal p50 {summary['heal_p50_s']} s, max {summary['heal_max_s']} s (bound {heal_bound_s:.0f} s); "

@@ -6,7 +6,8 @@ stream (``tritonclient.grpc.aio``, ``enable_empty_final_response`` so the FINAL 
 medium and long prompts (8..1500 words of varied text) and random ``max_tokens``; ``--cancel-fraction`` of them are
 cancelled by the client (the gRPC call is cancelled, as ``stop_stream(cancel_requests=True)`` does) after a random
 number of responses or a random delay. A request still open after ``--request-timeout-s`` is a stream without
-FINAL. After the drain the KV pages in use on the metrics endpoint are polled (up to ``--pages-wait-s``) until 0,
+FINAL when it had been silent for ``perf.soak.STILL_STREAMING_S`` (30 s) by then, else "timed out while
+streaming" (slow under the load: counted apart, not a failure). After the drain the KV pages in use on the metrics endpoint are polled (up to ``--pages-wait-s``) until 0,
 and the python-backend stubs of the server are compared with those at the start (``perf/soak.py`` has the rules).
 
 Usage::
@@ -175,6 +176,7 @@ class _Stream:
     cancelled: bool = False
     closed: bool = False
     num_responses: int = 0
+    last_response_s: float | None = None   # perf_counter of the last response
 
 
 def _int_output(result: Any, name: str) -> int | None:
@@ -191,6 +193,7 @@ async def _read(responses: Any, st: _Stream, cancel_after: int | None) -> None:
                 st.error = str(error)
                 return
             st.num_responses += 1
+            st.last_response_s = now
             delta = _int_output(result, "num_output_tokens")   # tokens of this response
             if delta:
                 st.record.token_times_s.append(now)
@@ -242,13 +245,18 @@ async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float, dr
             responses.cancel()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-    outcome = decide_outcome(st.final_seen, st.error, st.cancelled, st.closed, bound)
-    if outcome is Outcome.NO_FINAL:
-        logger.error("%s: no FINAL (%d responses, %s)", spec.request_id, st.num_responses,
-                     "stream closed" if st.closed else f"{timeout_s:.0f} s deadline")
+    ended_s = time.perf_counter()
+    silent_s = None if st.last_response_s is None else ended_s - st.last_response_s
+    outcome = decide_outcome(st.final_seen, st.error, st.cancelled, st.closed, bound, silent_s)
+    if outcome in (Outcome.NO_FINAL, Outcome.TIMED_OUT):
+        logger.log(logging.ERROR if outcome is Outcome.NO_FINAL else logging.WARNING,
+                   "%s: %s (%d responses, %s, %s)", spec.request_id,
+                   "no FINAL" if outcome is Outcome.NO_FINAL else "still streaming at its deadline",
+                   st.num_responses, "stream closed" if st.closed else f"{timeout_s:.0f} s deadline",
+                   "no response" if silent_s is None else f"last response {silent_s:.1f} s before")
     elif outcome is Outcome.ERROR and is_stub_unhealthy(st.error or ""):
         logger.error("%s: %s", spec.request_id, st.error)
-    return SoakRecord(spec, st.record, outcome, st.error, st.num_responses, time.perf_counter())
+    return SoakRecord(spec, st.record, outcome, st.error, st.num_responses, ended_s)
 
 
 class SoakRun:
@@ -310,7 +318,7 @@ class SoakRun:
         elapsed_s = time.perf_counter() - self._start_s
         return (f"[soak {elapsed_s:6.0f} s] sent {len(self.records) + self._open} ok {counts[Outcome.OK]} "
                 f"cancelled {counts[Outcome.CANCELLED]} errors {counts[Outcome.ERROR]} "
-                f"no_final {counts[Outcome.NO_FINAL]} open {self._open} "
+                f"no_final {counts[Outcome.NO_FINAL]} timed_out {counts[Outcome.TIMED_OUT]} open {self._open} "
                 f"pages_in_use {'?' if pages is None else sum(pages.values())} "
                 f"stub_deaths {len(self.watch.deaths)} ok_tok/s {tokens / max(elapsed_s, 1e-9):.1f}")
 
@@ -342,6 +350,7 @@ def report(cfg: SoakConfig, summary: dict[str, Any]) -> str:
              f"  cancelled              {s['cancelled']}",
              f"  errors                 {s['errors']}  {s['errors_by_kind']}",
              f"  cut at drain           {s['cut_at_drain']}",
+             f"  timed out, streaming   {s['timed_out_streaming']}",
              f"  streams without FINAL  {s['streams_without_final']}   (must be 0)",
              f"  pages not returned     {s['pages_not_returned']}   (must be 0) {s['pages_by_instance']}",
              f"  stub deaths            {s['stub_deaths']}   (must be 0) {s['stub_death_details']}",

@@ -5,8 +5,11 @@ A request ends in exactly one ``Outcome``, decided by which came first:
 
 1. FINAL seen → ``OK`` (or ``ERROR`` when an error response came first: an error also ends a stream);
 2. the client's cancel point (k responses received, or a delay) → ``CANCELLED``;
-3. the per-request deadline, or the stream closed with neither FINAL nor an error → ``NO_FINAL`` (a bug: must be 0);
-4. the end of the drain → ``CUT_AT_DRAIN`` (the client gave up waiting; not counted against the server).
+3. the stream closed with neither FINAL nor an error, or the per-request deadline came after the stream had
+   been silent for ``STILL_STREAMING_S`` (or had sent nothing) → ``NO_FINAL`` (a bug: must be 0);
+4. the per-request deadline came while the stream was still delivering (a response within the last
+   ``STILL_STREAMING_S``) → ``TIMED_OUT``: slow under the load, not lost (reported, not a failure);
+5. the end of the drain → ``CUT_AT_DRAIN`` (the client gave up waiting; not counted against the server).
 
 The three figures that must be 0: streams without FINAL, KV pages not returned after the drain
 (sum over instances of ``pd_kv_total_pages - pd_kv_free_pages``), and stub deaths (a python-backend stub pid of a
@@ -38,7 +41,13 @@ class Outcome(enum.Enum):
     CANCELLED = "cancelled"
     ERROR = "error"
     NO_FINAL = "no_final"
+    TIMED_OUT = "timed_out"
     CUT_AT_DRAIN = "cut_at_drain"
+
+
+#: A stream whose last response came at most this long before its deadline was still delivering there, seconds
+#: (about 10x the worst inter-token latency of the chaos runs: 2.6 s p99).
+STILL_STREAMING_S = 30.0
 
 
 # --------------------------------------------------------------------------------------------------- workload
@@ -158,9 +167,10 @@ class SoakRecord:
 
 
 def decide_outcome(final_seen: bool, error: str | None, cancelled: bool, stream_closed: bool,
-                   wait_bound: str) -> Outcome:
+                   wait_bound: str, silent_s: float | None = None) -> Outcome:
     """How a stream ended. ``wait_bound`` is what stopped the client's wait when nothing else did first:
-    ``"cancel"`` (the delayed cancel), ``"deadline"`` (per-request) or ``"drain"`` (end of the drain)."""
+    ``"cancel"`` (the delayed cancel), ``"deadline"`` (per-request) or ``"drain"`` (end of the drain);
+    ``silent_s``: seconds from the stream's last response to the end of the wait (None: no response)."""
     if error is not None:
         return Outcome.ERROR
     if final_seen:
@@ -169,7 +179,9 @@ def decide_outcome(final_seen: bool, error: str | None, cancelled: bool, stream_
         return Outcome.CANCELLED
     if stream_closed:
         return Outcome.NO_FINAL
-    return {"cancel": Outcome.CANCELLED, "deadline": Outcome.NO_FINAL, "drain": Outcome.CUT_AT_DRAIN}[wait_bound]
+    if wait_bound == "deadline":
+        return Outcome.TIMED_OUT if silent_s is not None and silent_s <= STILL_STREAMING_S else Outcome.NO_FINAL
+    return {"cancel": Outcome.CANCELLED, "drain": Outcome.CUT_AT_DRAIN}[wait_bound]
 
 
 _ERROR_KINDS = (  # (kind, pattern over the lowercased message), first match wins
@@ -289,6 +301,7 @@ def summarize(records: Sequence[SoakRecord], duration_s: float, pages_not_return
         "errors_by_kind": dict(sorted(kinds.items())),
         "error_examples": examples,
         "cut_at_drain": by_outcome[Outcome.CUT_AT_DRAIN],
+        "timed_out_streaming": by_outcome[Outcome.TIMED_OUT],
         "streams_without_final": by_outcome[Outcome.NO_FINAL],
         "pages_not_returned": pages_not_returned,
         "stub_deaths": max(len(deaths), 1 if unhealthy else 0),

@@ -35,7 +35,8 @@ def test_smoke_chaos_soak_passes_and_its_figures_add_up(tmp_path: Path) -> None:
     assert len(summary["kills"]) >= 2 and all(k["heal_s"] is not None for k in summary["kills"])
     assert summary["completed_ok"] > 0
     assert summary["requests_sent"] == (summary["completed_ok"] + summary["cancelled"] + summary["errors"]
-                                        + summary["cut_at_drain"] + summary["streams_without_final"])
+                                        + summary["cut_at_drain"] + summary["streams_without_final"]
+                                        + summary["timed_out_streaming"])
     assert summary["errors_outside_kill_windows"] == 0 and summary["streams_without_final"] == 0
     assert all(p == 0 for p in summary["pages_by_worker"].values())
     assert all(stop["clean"] for stop in summary["stops"].values())

@@ -8,6 +8,7 @@ import math
 
 import pytest
 from perf.soak import (
+    STILL_STREAMING_S,
     Outcome,
     PromptClass,
     SoakRecord,
@@ -92,7 +93,11 @@ def test_an_error_or_final_wins_over_every_wait_bound() -> None:
 
 def test_a_stream_without_final_or_error_is_no_final_unless_the_client_stopped_waiting() -> None:
     assert decide_outcome(False, None, False, True, "cancel") is Outcome.NO_FINAL  # closed by the server
-    assert decide_outcome(False, None, False, False, "deadline") is Outcome.NO_FINAL
+    assert decide_outcome(False, None, False, False, "deadline") is Outcome.NO_FINAL   # nothing ever came
+    assert decide_outcome(False, None, False, False, "deadline", STILL_STREAMING_S + 1) is Outcome.NO_FINAL
+    # still delivering at the deadline: slow, not lost
+    assert decide_outcome(False, None, False, False, "deadline", STILL_STREAMING_S) is Outcome.TIMED_OUT
+    assert decide_outcome(False, None, False, True, "deadline", 0.5) is Outcome.NO_FINAL   # closed without FINAL
     assert decide_outcome(False, None, False, False, "cancel") is Outcome.CANCELLED
     assert decide_outcome(False, None, False, False, "drain") is Outcome.CUT_AT_DRAIN
 
@@ -152,10 +157,11 @@ def test_summary_counts_outcomes_and_takes_latencies_of_ok_requests_only() -> No
     records = [_soak_record(Outcome.OK, (0.1, 0.2, 0.4)), _soak_record(Outcome.OK, (0.3, 0.35)),
                _soak_record(Outcome.CANCELLED, (5.0, 9.0)), _soak_record(Outcome.ERROR, error="server busy"),
                _soak_record(Outcome.ERROR, error="StatusCode.UNAVAILABLE: Socket closed"),
-               _soak_record(Outcome.NO_FINAL), _soak_record(Outcome.CUT_AT_DRAIN)]
+               _soak_record(Outcome.NO_FINAL), _soak_record(Outcome.CUT_AT_DRAIN), _soak_record(Outcome.TIMED_OUT)]
     s = summarize(records, duration_s=10.0, pages_not_returned=0, deaths=[])
-    assert (s["requests_sent"], s["completed_ok"], s["cancelled"], s["errors"]) == (7, 2, 1, 2)
-    assert (s["streams_without_final"], s["cut_at_drain"]) == (1, 1)
+    assert (s["requests_sent"], s["completed_ok"], s["cancelled"], s["errors"]) == (8, 2, 1, 2)
+    assert (s["streams_without_final"], s["cut_at_drain"], s["timed_out_streaming"]) == (1, 1, 1)
+    assert failures(s) == ["1 streams without FINAL"]   # a stream slow at its deadline is not a failure
     assert s["errors_by_kind"] == {"server busy": 1, "unavailable": 1}
     assert s["ttft_p50_ms"] == pytest.approx(200.0) and s["itl_p99_ms"] <= 200.0
     assert s["ok_output_tokens_per_s"] == pytest.approx(0.5)
