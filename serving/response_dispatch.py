@@ -13,6 +13,12 @@ Ordering and FINAL: operations of one stream run in the order they were queued; 
 a sender after it sent FINAL (tritonserver 2.51 crashed on ``is_cancelled()`` after FINAL). ``stop`` drains the
 queue (the errors and FINALs of failing requests still go out) within its deadline.
 
+Stream batching: a stream that fell behind (several of its responses queued when the thread comes to it) has its
+queued chunk responses (``submit_chunk``) merged into one by ``merge`` (``serving.stream.merge_chunks``: texts,
+tokens and logprobs joined), so the sends, and the work of every hop after this one, shrink with the backlog;
+a stream that keeps up still gets one response per chunk, and nothing waits to be merged (the first token is
+never delayed). Streams take turns in the order their first queued response arrived.
+
 Triton-free: it drives anything with ``send(response=None, flags=0)`` and ``is_cancelled()``.
 """
 
@@ -22,9 +28,10 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,18 @@ class RawSender(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+Chunk = TypeVar("Chunk")
+
+
+@dataclass(frozen=True)
+class _Op(Generic[Chunk]):
+    build: Callable[[], Any] | None   # None (and no chunk): FINAL flag alone
+    final: bool
+    flags: int
+    chunk: Chunk | None = None        # a mergeable response: make(chunk) builds it
+    make: Callable[[Chunk], Any] | None = None
+
+
 class StreamHandle:
     """One stream's state shared by its producer and the dispatcher thread (``cancelled`` is cached)."""
 
@@ -45,34 +64,34 @@ class StreamHandle:
         self.name = name
         self.cancelled = False
         self.done = False          # FINAL sent (dispatcher thread)
-
-
-@dataclass(frozen=True)
-class _Op:
-    handle: StreamHandle
-    build: Callable[[], Any] | None   # None: FINAL flag alone
-    final: bool
-    flags: int
+        self.pending: deque[_Op[Any]] = deque()   # queued, not sent (under the dispatcher's lock)
+        self.scheduled = False     # in the dispatcher's ready queue (under the dispatcher's lock)
 
 
 class ResponseDispatcher:
     """Sends responses and polls cancellation on its own thread. The constructor starts nothing."""
 
-    def __init__(self, name: str, final_flag: int, cancel_poll_interval_s: float = 0.05) -> None:
+    def __init__(self, name: str, final_flag: int, cancel_poll_interval_s: float = 0.05,
+                 merge: Callable[[Any, Any], Any] | None = None) -> None:
         """
         Args:
             name: thread name suffix (the model instance).
             final_flag: ``pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL``.
             cancel_poll_interval_s: how often open streams are asked ``is_cancelled()``, seconds.
+            merge: (earlier chunk, later chunk) → one chunk saying both, for queued ``submit_chunk`` responses
+                of one stream; None: never merge.
         """
         self._name = name
         self._final_flag = final_flag
         self._poll_s = cancel_poll_interval_s
-        self._ops: queue.Queue[_Op | None] = queue.Queue()
+        self._merge = merge
+        self._ready: queue.Queue[StreamHandle | None] = queue.Queue()   # streams with pending responses
+        self._lock = threading.Lock()   # every handle's pending and scheduled
         self._open: dict[int, StreamHandle] = {}
         self._open_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.merged_total = 0   # responses saved by merging (dispatcher thread; for tests and diagnostics)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -83,12 +102,12 @@ class ResponseDispatcher:
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Send what is queued, then end the thread; False if it did not finish within ``timeout_s``."""
         self._stop.set()
-        self._ops.put(None)
+        self._ready.put(None)
         if self._thread is None:
             return True
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            logger.error("responses-%s: %d responses still queued after %.1f s", self._name, self._ops.qsize(),
+            logger.error("responses-%s: %d responses still queued after %.1f s", self._name, self.queued,
                          timeout_s)
             return False
         return True
@@ -101,12 +120,31 @@ class ResponseDispatcher:
         return handle
 
     def submit(self, handle: StreamHandle, build: Callable[[], Any] | None, final: bool) -> None:
-        """Queue one response (``build()`` makes it on the dispatcher thread; None: the FINAL flag alone)."""
-        self._ops.put(_Op(handle, build, final, self._final_flag if final else 0))
+        """Queue one response (``build()`` makes it on the dispatcher thread; None: the FINAL flag alone); any
+        thread."""
+        self._enqueue(handle, _Op(build, final, self._final_flag if final else 0))
+
+    def submit_chunk(self, handle: StreamHandle, chunk: Chunk, make: Callable[[Chunk], Any], final: bool) -> None:
+        """Queue one response that may be merged with the stream's queued chunk responses next to it
+        (``make(chunk)`` builds it on the dispatcher thread; of a merged run, the last one's ``make`` builds
+        the merged chunk); any thread."""
+        self._enqueue(handle, _Op(None, final, self._final_flag if final else 0, chunk, make))
+
+    def _enqueue(self, handle: StreamHandle, op: _Op[Any]) -> None:
+        with self._lock:
+            handle.pending.append(op)
+            if handle.scheduled:
+                return
+            handle.scheduled = True
+        self._ready.put(handle)
 
     @property
     def queued(self) -> int:
-        return self._ops.qsize()
+        """Responses queued and not sent yet (any thread)."""
+        with self._open_lock:
+            handles = list(self._open.values())
+        with self._lock:
+            return sum(len(h.pending) for h in handles)
 
     def open_streams(self) -> list[str]:
         """Names of the streams that have not sent FINAL yet (any thread; for diagnostics)."""
@@ -118,23 +156,48 @@ class ResponseDispatcher:
         while True:
             timeout_s = max(0.0, next_poll_s - time.monotonic())
             try:
-                op = self._ops.get(timeout=timeout_s)
+                handle = self._ready.get(timeout=timeout_s)
             except queue.Empty:
-                op = None
-            if op is not None:
-                self._send(op)
-            elif self._stop.is_set() and self._ops.empty():
+                handle = None
+            if handle is not None:
+                with self._lock:
+                    ops, handle.pending = list(handle.pending), deque()
+                    handle.scheduled = False
+                for op in self._coalesce(ops):
+                    self._send(handle, op)
+            elif self._stop.is_set() and self._ready.empty():
                 return
             if time.monotonic() >= next_poll_s:
                 self._poll_cancelled()
                 next_poll_s = time.monotonic() + self._poll_s
 
-    def _send(self, op: _Op) -> None:
-        handle = op.handle
+    def _coalesce(self, ops: list[_Op[Any]]) -> list[_Op[Any]]:
+        """``ops`` with each run of consecutive chunk responses merged into one (up to and including a final
+        one; nothing after a final op is kept: it would never be sent)."""
+        if self._merge is None:
+            return ops
+        out: list[_Op[Any]] = []
+        for op in ops:
+            last = out[-1] if out else None
+            if (last is not None and last.chunk is not None and op.chunk is not None and not last.final):
+                try:
+                    merged = self._merge(last.chunk, op.chunk)
+                except Exception:
+                    logger.exception("responses-%s: merging two responses failed; sending both", self._name)
+                else:
+                    out[-1] = _Op(None, op.final, op.flags, merged, op.make)
+                    self.merged_total += 1
+                    continue
+            out.append(op)
+        return out
+
+    def _send(self, handle: StreamHandle, op: _Op[Any]) -> None:
         if handle.done:
             return
         try:
-            if op.build is None:
+            if op.chunk is not None and op.make is not None:
+                handle.sender.send(op.make(op.chunk), flags=op.flags)
+            elif op.build is None:
                 handle.sender.send(flags=op.flags)
             else:
                 handle.sender.send(op.build(), flags=op.flags)

@@ -90,6 +90,27 @@ class ResponseChunk:
         return self.samples[0].num_output_tokens
 
 
+def merge_chunks(earlier: ResponseChunk, later: ResponseChunk) -> ResponseChunk:
+    """One streaming response saying what ``earlier`` then ``later`` (two consecutive, non-final-then-any
+    responses of one stream) say: per sample, the texts, new tokens, their logprobs and ids joined in order;
+    the counts, the cumulative logprob and the finish reason of ``later``. Used by ``ResponseDispatcher`` to
+    send a stream that fell behind as fewer responses (vLLM's and SGLang's ``stream_interval`` idea, driven by
+    the backlog instead of a fixed interval).
+
+    Raises:
+        ValueError: the two chunks have different sample counts.
+    """
+    if len(earlier.samples) != len(later.samples):
+        raise ValueError(f"cannot merge chunks of {len(earlier.samples)} and {len(later.samples)} samples")
+    samples = []
+    for a, b in zip(earlier.samples, later.samples):
+        logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or ()) + (b.logprobs or ())
+        samples.append(SampleOutput(a.text + b.text, b.finish_reason, b.num_output_tokens,
+                                    a.num_new_tokens + b.num_new_tokens, b.cumulative_logprob, logprobs,
+                                    b.num_cached_tokens or a.num_cached_tokens, a.token_ids + b.token_ids))
+    return ResponseChunk(tuple(samples), later.num_input_tokens or earlier.num_input_tokens)
+
+
 class ResponseDelta:
     """What one sample's next response reports beside its text: the tokens generated since the previous
     response, their logprobs and (engine outputs only) their ids. Used by ``GenerationStream`` (engine

@@ -40,7 +40,7 @@ import numpy as np
 from engine.outputs import TokenLogprob
 from serving.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
 from serving.response_dispatch import ResponseDispatcher
-from serving.stream import ResponseChunk, SampleOutput
+from serving.stream import ResponseChunk, SampleOutput, merge_chunks
 
 logger = logging.getLogger(__name__)
 #: No optional output asked for (the default of a client request).
@@ -250,13 +250,19 @@ class TritonResponseSink:
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         options = self.options
         observe = self._timing_of(chunk, final)
+        child = self._child
 
-        def build() -> Any:
+        def make(merged: ResponseChunk) -> Any:
             if observe is not None:
                 observe()
-            return inference_response(chunk, child=self._child, options=options)
+            return inference_response(merged, child=child, options=options)
 
-        self._queue(build, final)
+        with self._lock:
+            if self._closed:
+                logger.warning("request %s: response after FINAL dropped", self._request_id)
+                return
+            self._closed = final
+            self._dispatcher.submit_chunk(self._handle, chunk, make, final)
 
     def _timing_of(self, chunk: ResponseChunk, final: bool) -> Callable[[], None] | None:
         """The histogram update of this response (run on the response thread), or None."""
@@ -309,8 +315,9 @@ def parse_client_request(request: Any, sink: TritonResponseSink) -> tuple[Genera
 
 
 def new_dispatcher(name: str) -> ResponseDispatcher:
-    """The response thread of one model instance (not started), with Triton's FINAL flag."""
-    return ResponseDispatcher(name, pb_utils().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    """The response thread of one model instance (not started), with Triton's FINAL flag; a stream that fell
+    behind gets its queued responses merged (``merge_chunks``)."""
+    return ResponseDispatcher(name, pb_utils().TRITONSERVER_RESPONSE_COMPLETE_FINAL, merge=merge_chunks)
 
 
 def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from serving.response_dispatch import ResponseDispatcher
 
 FINAL = 1
@@ -75,3 +77,60 @@ def test_a_stuck_sender_never_blocks_the_producer_and_stop_drains_the_queue() ->
     release.set()
     assert dispatcher.stop(10.0)
     assert len(stuck.sent) == 101 and stuck.sent[-1][1] == FINAL
+
+
+def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged_in_order_and_others_are_untouched() -> None:
+    """While the sender is stuck, one stream queues 20 chunk responses, then FINAL; another stream queues a
+    plain response: once the sender moves, the first stream's chunks go out as one response (the texts and
+    token counts joined, in order) with the FINAL flag, and the plain response as it was."""
+    from serving.stream import ResponseChunk, merge_chunks
+
+    release = threading.Event()
+    dispatcher = ResponseDispatcher("test", FINAL, cancel_poll_interval_s=0.01, merge=merge_chunks)
+    dispatcher.start()
+    blocker, behind, plain = FakeSender(block=release), FakeSender(), FakeSender()
+    dispatcher.submit(dispatcher.open(blocker), lambda: "first", final=False)   # the thread waits in here
+    handle = dispatcher.open(behind)
+    for i in range(20):
+        chunk = ResponseChunk.single(f"t{i} ", num_input_tokens=3, num_output_tokens=i + 1, num_new_tokens=1,
+                                     token_ids=(i,))
+        dispatcher.submit_chunk(handle, chunk, lambda c: c, final=i == 19)
+    dispatcher.submit(dispatcher.open(plain), lambda: "plain", final=True)
+    release.set()
+    assert dispatcher.stop(5.0)
+    assert len(behind.sent) == 1 and behind.sent[0][1] == FINAL
+    merged = behind.sent[0][0]
+    assert merged.text == "".join(f"t{i} " for i in range(20)) and merged.samples[0].token_ids == tuple(range(20))
+    assert (merged.num_output_tokens, merged.samples[0].num_new_tokens, merged.num_input_tokens) == (20, 20, 3)
+    assert plain.sent == [("plain", FINAL)] and dispatcher.merged_total == 19
+
+
+def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
+    from serving.stream import ResponseChunk, merge_chunks
+
+    dispatcher = ResponseDispatcher("test", FINAL, cancel_poll_interval_s=0.01, merge=merge_chunks)
+    dispatcher.start()
+    sender = FakeSender()
+    handle = dispatcher.open(sender)
+    for i in range(5):
+        dispatcher.submit_chunk(handle, ResponseChunk.single(str(i), num_output_tokens=i + 1, num_new_tokens=1),
+                                lambda c: c.text, final=i == 4)
+        deadline = time.monotonic() + 2.0
+        while len(sender.sent) < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.002)
+    assert dispatcher.stop(5.0)
+    assert sender.sent == [("0", 0), ("1", 0), ("2", 0), ("3", 0), ("4", FINAL)] and dispatcher.merged_total == 0
+
+
+def test_merged_chunks_join_logprobs_and_keep_each_samples_latest_counts() -> None:
+    from engine.outputs import TokenLogprob
+    from serving.stream import ResponseChunk, SampleOutput, merge_chunks
+
+    lp = (TokenLogprob(5, -0.5, 1, "a"),)
+    a = ResponseChunk((SampleOutput("a", None, 1, 1, -0.5, lp, 4, (5,)), SampleOutput("", None, 0, 0, 0.0, ())), 9)
+    b = ResponseChunk((SampleOutput("b", "stop", 2, 1, -1.0, lp, 4, (6,)), SampleOutput("x", None, 1, 1, -0.2, lp)), 9)
+    m = merge_chunks(a, b)
+    assert m.samples[0] == SampleOutput("ab", "stop", 2, 2, -1.0, lp + lp, 4, (5, 6))
+    assert m.samples[1] == SampleOutput("x", None, 1, 1, -0.2, lp, 0, ())
+    with pytest.raises(ValueError):
+        merge_chunks(a, ResponseChunk.single("z"))
