@@ -47,6 +47,7 @@ class DecodeSide:
         self._retry_at_s: dict[str, float] = {}   # prefill instance id → next handshake attempt
         self._publish_retry_at_s: dict[Room, float] = {}   # room → next attempt to post its destination
         self._next_peer_check_s = 0.0
+        self._peer_progress_s: dict[str, float] = {}   # prefill agent → last time any of its chunks landed here
         self._next_release_s = 0.0
         self._next_full_s = 0.0
         self._wait_s = args.idle_tick_s
@@ -233,6 +234,8 @@ class DecodeSide:
     def _on_tag(self, receiver: KVReceiver, tag: Tag, now_s: float) -> None:
         if tag.kind == TagKind.CHUNK and not receiver.state.is_terminal:
             self.metrics.chunks_total += 1
+            if receiver.peer is not None:
+                self._peer_progress_s[receiver.peer.agent_name] = now_s
             if receiver.on_chunk(tag.index, tag.total_chunks, now_s):
                 assert receiver.aux_slot is not None
                 receiver.complete(self._aux.read(receiver.aux_slot))
@@ -253,9 +256,20 @@ class DecodeSide:
                 self._fail(receiver, f"bootstrap timeout: not published within "
                                      f"{self._args.bootstrap_timeout_s}s", timed_out=True)
             elif (receiver.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
-                  and now_s - receiver.progress_s > self._args.waiting_timeout_s):
+                  and now_s - self._progress_s(receiver) > self._args.waiting_timeout_s):
                 self._fail(receiver, f"waiting timeout: no KV for {self._args.waiting_timeout_s}s",
                            timed_out=True)
+
+    def _progress_s(self, receiver: KVReceiver) -> float:
+        """When ``receiver``'s transfer last moved, for the waiting timeout. A room still waiting for its first
+        chunk counts its prefill's chunks for our other rooms too: that prefill is alive and working through
+        its queue, and this room is queued behind them. Without it, rooms queued behind one busy prefill (its
+        peer restarting) failed after ``waiting_timeout_s`` and were retried at the back of the same queue
+        (30 rooms in a chaos run, docs/benchmarks.md). A room whose chunks started and then stopped is timed on
+        its own."""
+        if receiver.state != KVPoll.WaitingForInput or receiver.peer is None:
+            return receiver.progress_s
+        return max(receiver.progress_s, self._peer_progress_s.get(receiver.peer.agent_name, 0.0))
 
     def _cancel_and_release(self, give_up_unreachable: bool = False) -> None:
         with self._lock:
@@ -316,6 +330,7 @@ class DecodeSide:
 
     def _on_peer_lost(self, agent_name: str, reason: str) -> None:
         """Rooms published to a dead agent fail (their writer is gone); unpublished ones handshake again."""
+        self._peer_progress_s.pop(agent_name, None)
         for receiver in self.receivers.values():
             if receiver.peer is None or receiver.peer.agent_name != agent_name:
                 continue

@@ -194,6 +194,24 @@ def test_sender_that_never_sends_hits_the_waiting_timeout(pair: tuple[Any, Any])
     transfer(prefill, decode, 33)          # both keep serving
 
 
+def test_a_room_queued_behind_its_prefills_other_rooms_outlives_the_waiting_timeout(pair: tuple[Any, Any]) -> None:
+    """The waiting timeout is 2 s here. One room gets nothing for 5 s while the same prefill streams another room
+    of this decode page by page: the first room keeps waiting (its prefill is alive and working through its
+    queue), then gets its KV and succeeds."""
+    prefill, decode = pair
+    queued = open_room(prefill, decode, 40)
+    busy = open_room(prefill, decode, 12 * PAGE_SIZE)
+    for num_pages, is_last in chunk_plan(12 * PAGE_SIZE, PAGE_SIZE):   # 12 chunks, one every 0.45 s
+        prefill.call("send", busy, num_pages, is_last)
+        time.sleep(0.45)
+        assert decode.call("poll", queued) == KVPoll.WaitingForInput, decode.call("failure", queued)
+    finish(prefill, decode, busy)
+    for num_pages, is_last in chunk_plan(40, 40):
+        prefill.call("send", queued, num_pages, is_last)
+    finish(prefill, decode, queued)
+    assert_pages_back(prefill, decode)
+
+
 def test_decode_that_never_shows_up_hits_the_bootstrap_timeout(pair: tuple[Any, Any]) -> None:
     prefill, decode = pair
     room = next(_rooms)
