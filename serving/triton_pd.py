@@ -68,7 +68,8 @@ def read_pd_inputs(request: Any) -> dict[str, np.ndarray]:
 
 
 class PDChildModel:
-    """The prefill or decode model: one PD worker per model instance. Subclasses set ``ROLE``."""
+    """The prefill or decode model: one PD worker per model instance. ``ROLE`` (``"prefill"``/``"decode"``) is
+    set by model.py (``serving.triton_entry.deferred_model``)."""
 
     ROLE = ""
 

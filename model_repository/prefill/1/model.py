@@ -1,11 +1,10 @@
 """Triton python-backend adapter of the prefill half of PD disaggregation (decoupled).
 
 All logic lives in ``serving``: ``serving.triton_pd.PDChildModel`` builds a ``serving.prefill_worker.PrefillWorker``
-(engine in prefill mode + NIXL KV manager) and hands it each request.
+(engine in prefill mode + KV manager) and hands it each request. It is imported in ``initialize`` only
+(``serving.triton_entry``: the python backend's auto-complete stub imports this file too, and need not load torch).
 """
 
-from serving.triton_pd import PDChildModel
+from serving.triton_entry import deferred_model
 
-
-class TritonPythonModel(PDChildModel):
-    ROLE = "prefill"
+TritonPythonModel = deferred_model("serving.triton_pd", "PDChildModel", ROLE="prefill")
