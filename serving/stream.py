@@ -2,7 +2,8 @@
 
 ``GenerationStream`` turns the ``LoopEvent``s of one request into ``ResponseChunk``s on a ``ResponseSink``:
 
-* streaming: one response per non-empty text delta; the last response carries the last delta (maybe empty)
+* streaming: one response per non-empty text delta (the instance's response thread merges those of a stream
+  that fell behind: ``merge_chunks``); the last response carries the last delta (maybe empty)
   and the finish reason, with the FINAL flag;
 * non-streaming: one response, FINAL, with the whole text (the prompt first unless
   ``exclude_input_in_output``);
