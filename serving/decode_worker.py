@@ -34,10 +34,9 @@ from engine.errors import OutOfPages, RequestRejected
 from engine.outputs import Reservation
 from engine.sampling import SamplingParams
 from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
-from serving.colocated import Tokenizer
 from serving.engine_loop import EngineCore, EngineLoop
 from serving.events import LoopEvent
-from serving.intake import Intake
+from serving.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
 from serving.stream import GenerationStream, ResponseSink
@@ -75,7 +74,7 @@ class _Job:
 class DecodeWorker:
     """Receives KV for rooms and decodes them in one continuous batch."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: BaseKVManager,
+    def __init__(self, loop: EngineLoop, tokenizer: WorkerTokenizer, kv_manager: BaseKVManager,
                  name: str = "decode", metrics: ServingMetrics | None = None, page_size: int = 16) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 

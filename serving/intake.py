@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from engine.errors import InvalidSamplingParams
 from serving.colocated import Tokenizer, prompt_token_ids
@@ -17,11 +17,24 @@ from serving.stream import ResponseSink
 J = TypeVar("J")
 
 
+class WorkerTokenizer(Tokenizer, Protocol):
+    """The part of ``engine.model.tokenizer.Tokenizer`` a PD worker's intake uses: ``Tokenizer`` plus the
+    vocabulary size and the fingerprint that tells whether the router's forwarded ids are this tokenizer's."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+
 class Intake(Generic[J]):
     """Tokenizes (and compiles a structured-outputs grammar) on the caller's thread, queues the job, wakes the
-    loop; the loop thread ``take``s the jobs."""
+    loop; the loop thread ``take``s the jobs. A router request carries the prompt's ids already
+    (``PDRequest.prompt_token_ids``): they are taken as they are when the router's tokenizer is this one
+    (same fingerprint), so a prompt is tokenized once per request, by the router."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, name: str) -> None:
+    def __init__(self, loop: EngineLoop, tokenizer: WorkerTokenizer, name: str) -> None:
         """
         Args:
             loop: the worker's engine loop.
@@ -39,11 +52,19 @@ class Intake(Generic[J]):
         """Queue ``make_job(request_id, prompt_token_ids)``; on a tokenizer error, a grammar that cannot be
         compiled or a stopped loop, answer ``sink`` with an error instead. Never raises. Returns the request id."""
         request_id = f"{self._name}-{next(self._ids)}"
-        try:
-            token_ids = prompt_token_ids(self._tokenizer, pd.request)
-        except Exception as e:  # a template or tokenizer error concerns this request only
-            sink.send_error(f"tokenization failed: {e}")
-            return request_id
+        fingerprint = self._tokenizer.fingerprint
+        if pd.prompt_token_ids and fingerprint and pd.tokenizer_id == fingerprint:
+            token_ids = list(pd.prompt_token_ids)
+            if max(token_ids) >= self._tokenizer.vocab_size:
+                sink.send_error(str(RequestError("prompt_token_ids", f"token id {max(token_ids)} is not below the "
+                                                 f"vocabulary size {self._tokenizer.vocab_size}")))
+                return request_id
+        else:
+            try:
+                token_ids = prompt_token_ids(self._tokenizer, pd.request)
+            except Exception as e:  # a template or tokenizer error concerns this request only
+                sink.send_error(f"tokenization failed: {e}")
+                return request_id
         try:
             self._loop.prepare(pd.request.params)
         except InvalidSamplingParams as e:

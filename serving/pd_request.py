@@ -14,6 +14,11 @@
                                 **migrated** request: the tokens it already generated (on a decode instance that
                                 failed) and sent to the client; a direct decode that prefills the prompt and
                                 these tokens and streams only what follows them
+``prompt_token_ids``   INT32    ``[k]``, with ``tokenizer_id``: the prompt's token ids as the router's tokenizer
+                                made them (chat template applied); the child uses them instead of tokenizing
+                                ``text_input`` again when ``tokenizer_id`` is its own tokenizer's
+                                (``engine.model.tokenizer.Tokenizer.fingerprint``), else it tokenizes
+``tokenizer_id``       STRING   the fingerprint of the tokenizer that made ``prompt_token_ids``
 ``pd_control``         STRING   ``"describe"``: no generation; one response whose ``text_output`` is this
                                 instance's ``InstanceCard`` JSON (how a router of the same server finds it)
 =====================  =======  ==============================================================================
@@ -37,7 +42,8 @@ from serving.request import GenerateRequest, RequestError, parse_request
 
 Room = int
 MAX_ROOM = 2**63 - 1
-PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous", "resume_token_ids")
+PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous", "resume_token_ids",
+                                   "prompt_token_ids", "tokenizer_id")
 CONTROL_INPUT = "pd_control"
 DESCRIBE = "describe"
 CARD_VERSION = 1
@@ -90,6 +96,8 @@ class PDRequest:
         prefill_rendezvous: decode only: that prefill instance's rendezvous URL.
         resume_token_ids: decode only, direct: tokens already generated and sent (a migrated request); empty:
             a new request.
+        prompt_token_ids: the prompt's ids as the router tokenized it (empty: not sent).
+        tokenizer_id: the fingerprint of the tokenizer that made ``prompt_token_ids``.
     """
 
     request: GenerateRequest
@@ -97,6 +105,8 @@ class PDRequest:
     prefill_instance: str = ""
     prefill_rendezvous: str = ""
     resume_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    tokenizer_id: str = ""
 
     @property
     def direct(self) -> bool:
@@ -111,7 +121,8 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
         llm_inputs: the LLM-convention inputs (``triton_io.read_inputs``).
         pd_inputs: ``bootstrap_room`` (int64, one element) and, for decode, ``prefill_instance`` (bytes; empty
             or absent: direct decode) with ``prefill_rendezvous`` (bytes, required with ``prefill_instance``), and
-            ``resume_token_ids`` (integers ``[k]``, direct decode only).
+            ``resume_token_ids`` (integers ``[k]``, direct decode only), ``prompt_token_ids`` (integers ``[k]``
+            >= 0, with ``tokenizer_id``).
     Raises:
         RequestError: naming the offending input.
     """
@@ -132,22 +143,34 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
     resume = _resume_token_ids(pd_inputs, request.params.max_tokens)
     if resume and prefill_instance:
         raise RequestError("resume_token_ids", "resumes a direct decode: send it without prefill_instance")
+    prompt_ids = _token_ids(pd_inputs, "prompt_token_ids")
+    tokenizer_id = _optional_text(pd_inputs, "tokenizer_id")
+    if prompt_ids and not tokenizer_id:
+        raise RequestError("tokenizer_id", "is required with prompt_token_ids (the fingerprint of the tokenizer "
+                           "that made them)")
     return PDRequest(request=request, room=room, prefill_instance=prefill_instance,
-                     prefill_rendezvous=prefill_rendezvous, resume_token_ids=resume)
+                     prefill_rendezvous=prefill_rendezvous, resume_token_ids=resume, prompt_token_ids=prompt_ids,
+                     tokenizer_id=tokenizer_id)
 
 
 def _resume_token_ids(pd_inputs: Mapping[str, np.ndarray], max_tokens: int) -> tuple[int, ...]:
-    raw = pd_inputs.get("resume_token_ids")
+    ids = _token_ids(pd_inputs, "resume_token_ids")
+    if len(ids) >= max_tokens:
+        raise RequestError("resume_token_ids", f"{len(ids)} tokens leave none of max_tokens {max_tokens}")
+    return ids
+
+
+def _token_ids(pd_inputs: Mapping[str, np.ndarray], name: str) -> tuple[int, ...]:
+    """A non-empty 1-D integer input of ids >= 0; () when absent. Raises ``RequestError`` naming ``name``."""
+    raw = pd_inputs.get(name)
     if raw is None:
         return ()
     array = np.asarray(raw)
     if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
-        raise RequestError("resume_token_ids", f"must be a non-empty list of token ids, got shape "
-                                               f"{tuple(array.shape)} of {array.dtype}")
-    if array.size >= max_tokens:
-        raise RequestError("resume_token_ids", f"{array.size} tokens leave none of max_tokens {max_tokens}")
+        raise RequestError(name, f"must be a non-empty list of token ids, got shape {tuple(array.shape)} of "
+                                 f"{array.dtype}")
     if int(array.min()) < 0:
-        raise RequestError("resume_token_ids", "token ids must be >= 0")
+        raise RequestError(name, "token ids must be >= 0")
     return tuple(int(t) for t in array)
 
 

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 
 from bootstrap.messages import InstanceLoad
 from kv_transfer import AuxData, BaseKVManager, BaseKVSender, KVPoll, TransferError
-from serving.colocated import Tokenizer
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent, RequestFailed
-from serving.intake import Intake
+from serving.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
 from serving.stream import ResponseChunk, ResponseSink
@@ -56,7 +55,7 @@ class _Job:
 class PrefillWorker:
     """Runs prefill for rooms and sends their KV; one instance per Triton model instance."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, kv_manager: BaseKVManager, page_size: int,
+    def __init__(self, loop: EngineLoop, tokenizer: WorkerTokenizer, kv_manager: BaseKVManager, page_size: int,
                  name: str = "prefill", metrics: ServingMetrics | None = None) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 

@@ -7,6 +7,7 @@ The chat template is rendered with jinja2 the way Hugging Face chat templates ex
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,10 +35,13 @@ class Tokenizer:
         eos_token_ids: token ids that end generation (from the model config and the tokenizer config).
         bos_token_id: beginning-of-sequence id, or ``None``.
         vocab_size: number of token ids, added tokens included.
+        fingerprint: 16 hex digits of SHA-256 over ``tokenizer.json`` and the chat template: equal fingerprints
+            give equal ids for equal prompts (the router forwards its ids to workers whose tokenizer has the same
+            fingerprint: ``serving.pd_request``); ``""`` when not built ``from_folder``.
     """
 
     def __init__(self, backend: _HFTokenizer, chat_template: str | None, eos_token_ids: list[int],
-                 bos_token: str | None = None, eos_token: str | None = None) -> None:
+                 bos_token: str | None = None, eos_token: str | None = None, fingerprint: str = "") -> None:
         self._tok = backend
         self._chat_template_src = chat_template
         self._compiled_template: Any = None
@@ -46,6 +50,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.fingerprint = fingerprint
 
     @classmethod
     def from_folder(cls, folder: str | Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
@@ -75,7 +80,8 @@ class Tokenizer:
             ids.append(backend.token_to_id(eos))
         if not ids:
             raise ModelLoadError(str(cfg_file), "no eos token in the model or tokenizer config")
-        return cls(backend, template, ids, _token_str(cfg.get("bos_token")), eos)
+        digest = hashlib.sha256(tok_file.read_bytes() + b"\0" + (template or "").encode("utf-8")).hexdigest()
+        return cls(backend, template, ids, _token_str(cfg.get("bos_token")), eos, fingerprint=digest[:16])
 
     @property
     def backend(self) -> _HFTokenizer:

@@ -68,7 +68,7 @@ class InProcessLauncher:
         request = replace(parse_request(dict(call.inputs)), stream=True, exclude_input_in_output=True)
         sink = _LoopSink(asyncio.get_running_loop())
         worker.handle(PDRequest(request, call.room, call.prefill_instance, call.prefill_rendezvous,
-                                call.resume_token_ids), sink)
+                                call.resume_token_ids, call.prompt_token_ids, call.tokenizer_id), sink)
         finished = False
         try:
             while not finished:

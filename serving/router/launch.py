@@ -86,6 +86,9 @@ class ChildCall:
         inputs: the client's forwarded inputs (``FORWARDED_INPUTS``), as parsed scalars.
         resume_token_ids: decode only, direct: the tokens already sent to the client (a migration); empty: a
             new request.
+        prompt_token_ids: the prompt's ids from the router's tokenizer (chat template applied); empty: not
+            tokenized (the child tokenizes ``text_input``).
+        tokenizer_id: that tokenizer's fingerprint (the child uses the ids only when it is its own).
     """
 
     role: str
@@ -95,6 +98,8 @@ class ChildCall:
     prefill_rendezvous: str
     inputs: Mapping[str, RawValue] = field(default_factory=dict)
     resume_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    tokenizer_id: str = ""
 
 
 class ChildUnavailable(Exception):
@@ -121,7 +126,8 @@ class Launcher(Protocol):
 
 
 def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
-    """The child request's input arrays, by input name (shape ``[1]`` each; ``resume_token_ids``: ``[k]``)."""
+    """The child request's input arrays, by input name (shape ``[1]`` each; ``resume_token_ids`` and
+    ``prompt_token_ids``: ``[k]``)."""
     arrays: dict[str, np.ndarray] = {}
     for name in FORWARDED_INPUTS:
         if name in call.inputs:
@@ -134,6 +140,9 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
         arrays["prefill_rendezvous"] = np.array([call.prefill_rendezvous.encode()], dtype=np.object_)
         if call.resume_token_ids:
             arrays["resume_token_ids"] = np.array(call.resume_token_ids, dtype=np.int32)
+    if call.prompt_token_ids and call.tokenizer_id:
+        arrays["prompt_token_ids"] = np.array(call.prompt_token_ids, dtype=np.int32)
+        arrays["tokenizer_id"] = np.array([call.tokenizer_id.encode()], dtype=np.object_)
     return arrays
 
 

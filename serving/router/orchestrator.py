@@ -176,7 +176,7 @@ class _Outcome:
 class PDOrchestrator:
     def __init__(self, config: RouterConfig, fleet: Fleet, policy: PairingPolicy, launcher: Launcher,
                  count_tokens: Callable[[GenerateRequest], list[int] | int],
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, tokenizer_id: str = "") -> None:
         """
         Args:
             config: admission bounds, retries, idle timeout.
@@ -186,6 +186,9 @@ class PDOrchestrator:
             count_tokens: the prompt's token ids (after the chat template) of a request, or only their count
                 (an estimate): the ids let a cache-aware policy match prefixes.
             metrics: selections, retries, rejections, outcomes; None disables.
+            tokenizer_id: the fingerprint of the tokenizer ``count_tokens`` uses (``Tokenizer.fingerprint``);
+                non-empty: the prompt's ids go to the children with it, which skip tokenizing when it is their
+                own tokenizer's (tokenized once per request).
         """
         self._config = config
         self._fleet = fleet
@@ -193,6 +196,7 @@ class PDOrchestrator:
         self._launcher = launcher
         self._count_tokens = count_tokens
         self._metrics = metrics
+        self._tokenizer_id = tokenizer_id
         self.admission = Admission(config.max_inflight_requests, config.max_queued_requests,
                                    config.queue_timeout_s)
         self.rooms = RoomAllocator()
@@ -297,9 +301,9 @@ class PDOrchestrator:
         targets = {"decode": pair.decode}
         if prefill is not None:
             targets["prefill"] = prefill
-            children.start(ChildCall("prefill", prefill, room, "", "", forwarded))
+            children.start(ChildCall("prefill", prefill, room, "", "", forwarded, **self._prompt_ids(demand)))
         children.start(ChildCall("decode", pair.decode, room, prefill.instance_id if prefill else "",
-                                 prefill.rendezvous_url if prefill else "", forwarded))
+                                 prefill.rendezvous_url if prefill else "", forwarded, **self._prompt_ids(demand)))
         direct = prefill is None
         state = _MergeState(first_done=direct, prefill_final=direct, prefilled_by="decode" if direct else "prefill")
         try:
@@ -440,8 +444,16 @@ class PDOrchestrator:
         logger.warning("room=%d: %s; migrating (%d/%d) to decode %s as room=%d with %d tokens sent", room,
                        failure.error, migration.num_migrations, self._config.migration_limit,
                        target.instance_id, new_room, len(sent))
-        children.start(ChildCall("decode", target, new_room, "", "", request.forwarded, resume_token_ids=sent))
+        children.start(ChildCall("decode", target, new_room, "", "", request.forwarded, resume_token_ids=sent,
+                                 **self._prompt_ids(request.demand)))
         return failure
+
+    def _prompt_ids(self, demand: Demand) -> dict[str, tuple[int, ...] | str]:
+        """The ``prompt_token_ids`` and ``tokenizer_id`` of a child call: the ids the router tokenized, when it
+        has them and knows its tokenizer's fingerprint; else nothing (the child tokenizes)."""
+        if not (demand.token_ids and self._tokenizer_id):
+            return {}
+        return {"prompt_token_ids": demand.token_ids, "tokenizer_id": self._tokenizer_id}
 
     def _accept(self, role: str, response: ChildResponse, state: _MergeState,
                 emit: Callable[[OutputChunk], None]) -> None:

@@ -46,14 +46,17 @@ METRICS_INTERVAL_S = 0.25
 class TokenCounter:
     """The prompt's token ids (a list), with the fleet's tokenizer (chat template applied when asked): the
     workers' own ids, so the cache-aware policy's page keys are the engines'. Without a tokenizer (or when
-    tokenizing fails), only an estimate of the count (an int): one token per 3 UTF-8 bytes."""
+    tokenizing fails), only an estimate of the count (an int): one token per 3 UTF-8 bytes. ``fingerprint``: the
+    tokenizer's (``""`` without one): the ids go to the workers with it (``PDOrchestrator``)."""
 
     def __init__(self, model: str) -> None:
         self._tokenizer: Any = None
+        self.fingerprint = ""
         if model:
             from engine.model.loader import load_tokenizer  # the engine's own loader: same ids as the workers
 
             self._tokenizer = load_tokenizer(model)
+            self.fingerprint = self._tokenizer.fingerprint
 
     def __call__(self, request: GenerateRequest) -> list[int] | int:
         if self._tokenizer is not None:
@@ -105,7 +108,8 @@ class Router:
         count = self._count_tokens or TokenCounter(self.config.tokenizer)
         self.orchestrator = PDOrchestrator(self.config, self.fleet, make_policy(self.config.policy,
                                            self.config.direct_decode_max_tokens), self._launcher,
-                                           count, self._metrics)
+                                           count, self._metrics,
+                                           tokenizer_id=count.fingerprint if isinstance(count, TokenCounter) else "")
         self._watcher.start()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"router-loop-{self._name}",
                                         daemon=True)

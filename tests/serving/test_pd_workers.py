@@ -171,6 +171,28 @@ def test_streams_equal_colocated_greedy_output_and_pages_return(cluster, colocat
     assert cluster.wait_free(start) == start
 
 
+def test_the_routers_prompt_ids_are_used_when_its_tokenizer_is_the_workers(cluster, colocated_texts):
+    """The router forwards the ids of prompt B with a request whose text is prompt A: with the workers' own
+    tokenizer fingerprint both children prefill/decode B (they did not tokenize again); with another fingerprint
+    they ignore the ids and tokenize A."""
+    tokenizer = cluster.prefill.loop.engine.tokenizer
+    a, b = PROMPTS[2], PROMPTS[1]
+    ids_b = tokenizer.encode(b)
+    assert colocated_texts[a] and colocated_texts[b] and colocated_texts[a] != colocated_texts[b]
+    for fingerprint, expected in ((tokenizer.fingerprint, b), ("0" * 16, a)):
+        orchestrator = PDOrchestrator(cluster._config, cluster.fleet, make_policy("load_aware"), cluster._launcher,
+                                      lambda request: list(ids_b), tokenizer_id=fingerprint)
+        responses = cluster.generate(request(a), orchestrator=orchestrator)
+        assert responses[-1].error is None, responses[-1].error
+        assert "".join(r.text for r in responses) == colocated_texts[expected], fingerprint
+    start = cluster.free_pages()
+    orchestrator = PDOrchestrator(cluster._config, cluster.fleet, make_policy("load_aware"), cluster._launcher,
+                                  lambda request: [1, tokenizer.vocab_size + 5], tokenizer_id=tokenizer.fingerprint)
+    responses = cluster.generate(request(a), orchestrator=orchestrator)
+    assert len(responses) == 1 and "prompt_token_ids" in (responses[0].error or "")
+    assert "vocabulary size" in (responses[0].error or "") and cluster.wait_free(start) == start
+
+
 def test_non_streaming_returns_one_response_with_the_prompt(cluster, colocated_texts):
     prompt = PROMPTS[0]
     responses = cluster.generate(request(prompt, stream=False))

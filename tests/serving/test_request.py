@@ -111,3 +111,17 @@ def test_resume_token_ids_make_a_direct_decode_that_resumes() -> None:
                           {"bootstrap_room": np.array([7], dtype=np.int64),
                            "resume_token_ids": np.array([4, 5], dtype=np.int32)})
     assert pd.direct and pd.resume_token_ids == (4, 5)
+
+
+def test_prompt_token_ids_come_with_their_tokenizers_fingerprint() -> None:
+    llm = {"text_input": b"Hi", "sampling_parameters": b'{"max_tokens": 16}'}
+    room = {"bootstrap_room": np.array([7], dtype=np.int64)}
+    pd = parse_pd_request(llm, {**room, "prompt_token_ids": np.array([4, 5, 6], dtype=np.int32),
+                                "tokenizer_id": np.array([b"e30de48b8f22726a"], dtype=np.object_)})
+    assert pd.prompt_token_ids == (4, 5, 6) and pd.tokenizer_id == "e30de48b8f22726a"
+    with pytest.raises(RequestError, match="tokenizer_id.*required"):
+        parse_pd_request(llm, {**room, "prompt_token_ids": np.array([4], dtype=np.int32)})
+    with pytest.raises(RequestError, match="prompt_token_ids.*>= 0"):
+        parse_pd_request(llm, {**room, "prompt_token_ids": np.array([-4], dtype=np.int32),
+                               "tokenizer_id": np.array([b"x"], dtype=np.object_)})
+    assert parse_pd_request(llm, room).prompt_token_ids == ()
