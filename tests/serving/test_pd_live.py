@@ -11,6 +11,7 @@ the server does not shut down cleanly, i.e. if any request was left without FINA
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -212,3 +213,54 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_a_child_takes_the_routers_prompt_ids_over_grpc(triton_server, reference) -> None:
+    """A direct decode request to the ``decode`` model whose text is one prompt and whose ``prompt_token_ids``
+    are another's, with the fingerprint of this process's tokenizer (the router's): the stream is the other
+    prompt's colocated text, so the ids crossed Triton and the server's tokenizer has the router's fingerprint;
+    with another fingerprint, the text's."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from engine.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    text_prompt, id_prompt = PROMPTS[1], PROMPTS[0]
+    assert reference[text_prompt] != reference[id_prompt]
+
+    def decode_direct(fingerprint: str) -> str:
+        arrays = {"text_input": np.array([text_prompt.encode()], dtype=np.object_),
+                  "sampling_parameters": np.array([json.dumps(GREEDY).encode()], dtype=np.object_),
+                  "bootstrap_room": np.array([4242], dtype=np.int64),
+                  "prompt_token_ids": np.array(tokenizer.encode(id_prompt), dtype=np.int32),
+                  "tokenizer_id": np.array([fingerprint.encode()], dtype=np.object_)}
+        inputs = []
+        for name, array in arrays.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else
+                                           {np.int64: "INT64", np.int32: "INT32"}[array.dtype.type])
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        events: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+        client.start_stream(callback=lambda result, error: events.put((result, error)))
+        text = b""
+        try:
+            client.async_stream_infer("decode", inputs, enable_empty_final_response=True)
+            while True:
+                result, error = events.get(timeout=120)
+                assert error is None, error
+                out = result.as_numpy("text_output")
+                error_out = result.as_numpy("error")
+                assert error_out is None or not error_out.size, error_out.tobytes().decode()
+                text += b"" if out is None else out.astype(np.uint8).tobytes()
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return text.decode()
+        finally:
+            client.stop_stream()
+            client.close()
+
+    assert decode_direct(tokenizer.fingerprint) == reference[id_prompt]
+    assert decode_direct("0" * 16) == reference[text_prompt]
