@@ -7,8 +7,9 @@ medium and long prompts (8..1500 words of varied text) and random ``max_tokens``
 cancelled by the client (the gRPC call is cancelled, as ``stop_stream(cancel_requests=True)`` does) after a random
 number of responses or a random delay. A request still open after ``--request-timeout-s`` is a stream without
 FINAL when it had been silent for ``perf.soak.STILL_STREAMING_S`` (30 s) by then, else "timed out while
-streaming" (slow under the load: counted apart, not a failure). After the drain the KV pages in use on the metrics endpoint are polled (up to ``--pages-wait-s``) until 0,
-and the python-backend stubs of the server are compared with those at the start (``perf/soak.py`` has the rules).
+streaming" (slow under the load: counted apart, not a failure). After the drain the KV pages in use on the
+metrics endpoint are polled (up to ``--pages-wait-s``) until 0, and the python-backend stubs of the server are
+compared with those at the start (``perf/soak.py`` has the rules).
 
 Usage::
 

@@ -172,8 +172,8 @@ class ResponseDispatcher:
                 next_poll_s = time.monotonic() + self._poll_s
 
     def _coalesce(self, ops: list[_Op[Any]]) -> list[_Op[Any]]:
-        """``ops`` with each run of consecutive chunk responses merged into one (up to and including a final
-        one; nothing after a final op is kept: it would never be sent)."""
+        """``ops`` with each run of consecutive chunk responses merged into one (a run ends with a final one;
+        ops after a final op are left for ``_send``, which drops them: the stream is done)."""
         if self._merge is None:
             return ops
         out: list[_Op[Any]] = []

@@ -14,9 +14,9 @@
    transport) and free its pages. A failure **before the first token** reached the client is retried once on
    another pair (the instance that failed is excluded, and its partner in that pair while the fleet has another
    pair; an instance the router could not reach but whose rendezvous still answers stays a last resort, once:
-   the connection was stale); after the first token the request **migrates** (``migration.py``): the open children are cancelled
-   and a direct decode on another decode instance resumes it from the tokens already sent, into the same client
-   stream, up to ``migration_limit`` times, then the error ends it. An error
+   the connection was stale); after the first token the request **migrates** (``migration.py``): the open
+   children are cancelled and a direct decode on another decode instance resumes it from the tokens already
+   sent, into the same client stream, up to ``migration_limit`` times, then the error ends it. An error
    about the request itself (bad input, rejected by the engine) is never retried nor migrated. Successes,
    unreachable children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and
    errors a child reports do not.

@@ -194,7 +194,8 @@ def test_sender_that_never_sends_hits_the_waiting_timeout(pair: tuple[Any, Any])
     transfer(prefill, decode, 33)          # both keep serving
 
 
-def test_a_room_queued_behind_its_prefills_other_rooms_outlives_the_waiting_timeout(pair: tuple[Any, Any]) -> None:
+def test_a_room_queued_behind_its_prefills_other_rooms_outlives_the_waiting_timeout(
+        pair: tuple[Any, Any]) -> None:
     """The waiting timeout is 2 s here. One room gets nothing for 5 s while the same prefill streams another room
     of this decode page by page: the first room keeps waiting (its prefill is alive and working through its
     queue), then gets its KV and succeeds."""
