@@ -2,7 +2,8 @@
 
 Lifecycle of one request (SGLang's decode side), every step but the first on the engine loop thread:
 
-1. ``handle`` (Triton's execute thread): tokenize; the job joins the **prealloc queue**;
+1. ``handle`` (Triton's execute thread): tokenize (or take the router's ids: ``Intake``); the job joins the
+   **prealloc queue**;
 2. prealloc (FIFO): a KV receiver for the room (handshake with the prefill instance, once per peer), then the
    engine reserves pages for prompt + max_tokens (a request that waits for free pages holds up the ones behind
    it; one that can never fit fails), sharing the prompt's longest prefix its prefix cache holds, and

@@ -2,7 +2,8 @@
 
 Lifecycle of one request, every step but the first on the engine loop thread:
 
-1. ``handle`` (Triton's execute thread): tokenize; the job is queued for the loop;
+1. ``handle`` (Triton's execute thread): tokenize (or take the router's ids: ``Intake``); the job is queued
+   for the loop;
 2. the loop opens a KV sender for its room (``Bootstrapping`` until the decode side has posted where to write),
    declares the prompt's pages (``sender.init(num_pages, num_tokens)``) and submits the request at once: it
    joins the engine's **waiting** queue and runs with chunked prefill **while decode reserves its pages and
