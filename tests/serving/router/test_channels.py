@@ -67,19 +67,27 @@ def test_a_restarted_server_is_reached_on_the_first_call_after_a_failed_one() ->
     asyncio.run(scenario())
 
 
+class NamedClient:
+    """A client named in connection order that records its ``close`` in ``closed``."""
+
+    def __init__(self, name: str, closed: list[str]) -> None:
+        self.name = name
+        self._closed = closed
+
+    async def close(self) -> None:
+        self._closed.append(self.name)
+
+
+def recording_pool(*names: str) -> tuple[ChannelPool, list[str]]:
+    """A ``ChannelPool`` whose n-th connection is a ``NamedClient`` called ``names[n]``; the names closed."""
+    closed: list[str] = []
+    order = iter(names)
+    return ChannelPool(connect=lambda endpoint, args: NamedClient(next(order), closed)), closed
+
+
 def test_a_retired_channel_is_closed_after_its_last_stream_and_replaced_for_new_ones() -> None:
     async def scenario() -> None:
-        closed: list[str] = []
-
-        class Client:
-            def __init__(self, name: str) -> None:
-                self.name = name
-
-            async def close(self) -> None:
-                closed.append(self.name)
-
-        names = iter(["first", "second"])
-        pool = ChannelPool(connect=lambda endpoint, args: Client(next(names)))
+        pool, closed = recording_pool("first", "second")
         first = pool.acquire("h:1")
         assert pool.acquire("h:1") is first and first.streams == 2
         pool.retire(first)
@@ -101,17 +109,7 @@ def test_a_retired_channel_is_closed_after_its_last_stream_and_replaced_for_new_
 
 def test_retire_endpoint_replaces_the_channel_and_closes_it_after_its_streams_or_at_once() -> None:
     async def scenario() -> None:
-        closed: list[str] = []
-
-        class Client:
-            def __init__(self, name: str) -> None:
-                self.name = name
-
-            async def close(self) -> None:
-                closed.append(self.name)
-
-        names = iter(["busy", "idle", "new"])
-        pool = ChannelPool(connect=lambda endpoint, args: Client(next(names)))
+        pool, closed = recording_pool("busy", "idle", "new")
         busy = pool.acquire("h:1")   # a stream the router gave up on stays open
         idle = pool.acquire("h:2")
         pool.release(idle)
