@@ -257,12 +257,7 @@ class TritonResponseSink:
                 observe()
             return inference_response(merged, child=child, options=options)
 
-        with self._lock:
-            if self._closed:
-                logger.warning("request %s: response after FINAL dropped", self._request_id)
-                return
-            self._closed = final
-            self._dispatcher.submit_chunk(self._handle, chunk, make, final)
+        self._queue(lambda: self._dispatcher.submit_chunk(self._handle, chunk, make, final), final)
 
     def _timing_of(self, chunk: ResponseChunk, final: bool) -> Callable[[], None] | None:
         """The histogram update of this response (run on the response thread), or None."""
@@ -281,24 +276,29 @@ class TritonResponseSink:
         return lambda: timing.request_timing(ttft, now - arrival, chunk.num_input_tokens, num_output, tpot)
 
     def send_error(self, message: str) -> None:
-        if self._child:
-            self._queue(lambda: inference_response(ResponseChunk.single(), child=True, error=message), True)
-        else:
-            self._queue(lambda: error_response(message), True)
+        child = self._child
+
+        def build() -> Any:
+            return inference_response(ResponseChunk.single(), child=True, error=message) if child else \
+                error_response(message)
+
+        self._queue(lambda: self._dispatcher.submit(self._handle, build, True), True)
 
     def close(self) -> None:
-        self._queue(None, True)
+        self._queue(lambda: self._dispatcher.submit(self._handle, None, True), True)
 
     def is_cancelled(self) -> bool:
         return self._closed or self._handle.cancelled
 
-    def _queue(self, build: Callable[[], Any] | None, final: bool) -> None:
+    def _queue(self, submit: Callable[[], None], final: bool) -> None:
+        """Run ``submit`` (it hands one response to the dispatcher) unless FINAL was queued already: the one
+        place that keeps FINAL to once per stream."""
         with self._lock:
             if self._closed:
                 logger.warning("request %s: response after FINAL dropped", self._request_id)
                 return
             self._closed = final
-            self._dispatcher.submit(self._handle, build, final)
+            submit()
 
 
 def parse_client_request(request: Any, sink: TritonResponseSink) -> tuple[GenerateRequest, dict[str, RawValue]]:
