@@ -168,9 +168,13 @@ class ChaosFleet:
         stops: dict[str, dict[str, Any]] = {}
         self.front.stop(CLEAN_STOP_S)
         for name, server in self.servers.items():   # the router first: it stops sending to the workers
-            seconds, killed = server.stop(40.0)
+            # a stop slower than a clean one has its stubs dump their stacks into its log (where it waits)
+            seconds, killed = server.stop(40.0, dump_after_s=CLEAN_STOP_S)
             stops[name] = {"seconds": round(seconds, 1), "killed": killed,
                            "clean": not killed and seconds <= CLEAN_STOP_S}
+            if not stops[name]["clean"]:
+                print(f"--- {name}: unclean stop; the end of {server.log_path}:\n{server.log_tail(12000)}\n---",
+                      flush=True)
         self.registry.stop()
         return stops
 

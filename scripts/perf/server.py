@@ -364,6 +364,18 @@ def shm_regions_of_group(pgid: int) -> set[str]:
     return regions
 
 
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (``SigCgt`` of ``/proc/<pid>/status``);
+    False when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
 def stub_pids_of_group(pgid: int) -> list[int]:
     """PIDs of the python-backend stubs in process group ``pgid``."""
     pids = []
@@ -496,12 +508,25 @@ class ServeScript:
         """PIDs of the python-backend stubs this server runs now ([] when not started)."""
         return stub_pids_of_group(self._proc.pid) if self._proc is not None else []
 
+    def _dump_stubs(self, pgid: int, after_s: float) -> None:
+        pids = stub_pids_of_group(pgid)
+        dumping = [pid for pid in pids if catches_signal(pid, signal.SIGUSR1)]
+        with self.log_path.open("a") as log:
+            log.write(f"[perf.server] still stopping after {after_s:.0f} s: stubs {pids}, SIGUSR1 to those "
+                      f"not yet finalized {dumping}\n")
+        for pid in dumping:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
-    def stop(self, timeout_s: float) -> tuple[float, bool]:
+    def stop(self, timeout_s: float, dump_after_s: float | None = None) -> tuple[float, bool]:
         """SIGTERM the group (serve.sh stops tritonserver, then the bootstrap), SIGKILL after ``timeout_s``, then
         any straggler of the group (stubs outlive a crashed server); removes the shm regions the stubs named.
+        ``dump_after_s``: a stop still running then has every stub that still handles SIGUSR1 (its model not yet
+        finalized: ``serving.triton_pd.setup_logging``) dump its Python threads' stacks into the server log, so a
+        slow stop shows where it waits (a stub without the handler has finalized its model).
         Returns (seconds the stop took, whether SIGKILL was needed); (0, False) if never started."""
         if self._proc is None:
             return 0.0, False
@@ -514,7 +539,12 @@ class ServeScript:
         except ProcessLookupError:   # the whole group exited already (serve.sh ended by itself)
             pass
         try:
-            proc.wait(timeout_s)
+            if dump_after_s is not None and dump_after_s < timeout_s:
+                try:
+                    proc.wait(dump_after_s)
+                except subprocess.TimeoutExpired:
+                    self._dump_stubs(proc.pid, dump_after_s)
+            proc.wait(max(0.0, timeout_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             killed = True
             logger.warning("serve.sh still running after %.0f s: SIGKILL", timeout_s)
@@ -544,9 +574,9 @@ def supervised(server: ServeScript, ready_timeout_s: float, stop_timeout_s: floa
         stubs = server.stub_pids()
         yield server
     finally:
-        elapsed, killed = server.stop(stop_timeout_s)
+        elapsed, killed = server.stop(stop_timeout_s, dump_after_s=clean_stop_s)
     assert not killed and elapsed < clean_stop_s, \
-        f"unclean shutdown ({elapsed:.1f} s, killed={killed}):\n{server.log_tail()}"
+        f"unclean shutdown ({elapsed:.1f} s, killed={killed}):\n{server.log_tail(12000)}"
     kernel_after = kernel_log()
     if kernel_before is not None and kernel_after is not None:
         seen = set(kernel_before)

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import io
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -151,20 +153,30 @@ class Router:
         if self._thread is None:
             return
         self._accepting = False
+        began = time.monotonic()
         try:
             asyncio.run_coroutine_threadsafe(self._stop_async(timeout_s), self._loop).result(timeout_s + 5)
         except (concurrent.futures.TimeoutError, RuntimeError):
             logger.error("router %s: in-flight requests did not end within %.0f s", self._name, timeout_s)
+        tasks_s = time.monotonic() - began
         self._watcher.stop(timeout_s)
+        watcher_s = time.monotonic() - began - tasks_s
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
         self._thread = None
+        logger.info("router %s stopped in %.2f s (requests and channels %.2f s, fleet watcher %.2f s)",
+                    self._name, time.monotonic() - began, tasks_s, watcher_s)
 
     async def _stop_async(self, timeout_s: float) -> None:
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+            _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+            for task in pending:   # where a task that ignores its cancel waits (a stop must never wait on one)
+                stack = io.StringIO()
+                task.print_stack(file=stack)
+                logger.error("router %s: task still running %.0f s after its cancel: %s", self._name, timeout_s,
+                             stack.getvalue())
         if self._health_runner is not None:
             await self._health_runner.cleanup()
         await self._launcher.close()

@@ -55,6 +55,7 @@ class RouterModel:
     def _stop_for_shutdown(self) -> None:
         """The server is stopping: end every request now (tritonserver unloads a decoupled model only once each
         of its streams sent FINAL), and name any stream still open after that."""
+        began = time.monotonic()
         self._router.stop(STOP_TIMEOUT_S)
         # a failed request's traceback keeps its frames (and their response senders) in reference cycles; a
         # python-backend response sender frees its request's response factory only when it is destroyed, and
@@ -67,6 +68,7 @@ class RouterModel:
         left = self._responses.open_streams()
         if left:
             logger.error("%d streams still without FINAL after the router stopped: %s", len(left), left[:20])
+        logger.info("server shutting down: requests ended in %.2f s", time.monotonic() - began)
 
     def execute(self, requests: list[Any]) -> None:
         answer_each(requests, self._handle_one, self._responses, timing=self._metrics)
@@ -87,10 +89,12 @@ class RouterModel:
         self._router.submit(routed, EnsembleResponder(routed.request, sink).emit, sink.is_cancelled)
 
     def finalize(self) -> None:
+        began = time.monotonic()
         self._stub_guard.stop()   # first: this stub's end is no death to heal
         self._server_watch.stop()
         self._orphan_watch.stop()
         self._router.stop(STOP_TIMEOUT_S)
         self._responses.stop(STOP_TIMEOUT_S)
         self._metrics.close()   # a metric outliving finalize segfaults the stub's teardown (docs/architecture.md)
+        logger.info("finalized in %.2f s", time.monotonic() - began)
         teardown_logging()

@@ -30,7 +30,8 @@ def test_smoke_chaos_soak_passes_and_its_figures_add_up(tmp_path: Path) -> None:
          "--log-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "chaos.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=1400, check=False)
     out = proc.stdout
-    assert proc.returncode == 0 and "\nPASS\n" in out, out[-3000:] + proc.stderr[-3000:]
+    # the report, with the log tail of any server whose stop was unclean (its stubs' stacks when it hung)
+    assert proc.returncode == 0 and "\nPASS\n" in out, out[-20000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "chaos.json").read_text())
     assert len(summary["kills"]) >= 2 and all(k["heal_s"] is not None for k in summary["kills"])
     assert summary["completed_ok"] > 0
