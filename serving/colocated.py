@@ -29,7 +29,7 @@ from serving.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.parallel_sampling import SampleFanIn
 from serving.request import GenerateRequest, RequestError
-from serving.stream import GenerationStream, ResponseSink
+from serving.stream import ErrorKind, GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +116,12 @@ class ColocatedWorker:
             token_ids = prompt_token_ids(self._tokenizer, request)
         except Exception as e:  # noqa: BLE001 (a template or tokenizer error concerns this request only)
             logger.warning("request %s: tokenization failed: %s", request_id, e)
-            sink.send_error(f"tokenization failed: {e}")
+            sink.send_error(f"tokenization failed: {e}", ErrorKind.REQUEST)
             return request_id
         try:
             self._loop.prepare(request.params)  # the grammar compiles here, not on the engine thread
         except InvalidSamplingParams as e:
-            sink.send_error(str(RequestError(f"sampling_parameters.{e.param}", e.reason)))
+            sink.send_error(str(RequestError(f"sampling_parameters.{e.param}", e.reason)), ErrorKind.REQUEST)
             return request_id
         n = request.params.n
         if n == 1:
@@ -143,7 +143,7 @@ class ColocatedWorker:
         except LoopStopped as e:
             with self._lock:
                 self._streams.pop(request_id, None)
-            sink.send_error(str(e))
+            sink.send_error(str(e), ErrorKind.INSTANCE)
 
     def on_tick(self) -> bool:
         """Loop thread: abort the requests whose client cancelled. Never reports work in flight."""

@@ -40,7 +40,7 @@ from serving.events import LoopEvent
 from serving.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
-from serving.stream import GenerationStream, ResponseSink
+from serving.stream import ErrorKind, GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class DecodeWorker:
                 continue
             except RequestRejected as e:
                 self._prealloc.remove(job)
-                self._fail(job, str(e))
+                self._fail(job, str(e), ErrorKind.REQUEST)
                 continue
             job.reserved = True
             # pages of the prompt's cached prefix are decode's own: prefill sends only the rest
@@ -225,7 +225,7 @@ class DecodeWorker:
                 del self._releasing[job.request_id]
                 self._engine.abort_request(job.request_id)
 
-    def _fail(self, job: _Job, reason: str) -> None:
+    def _fail(self, job: _Job, reason: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
         """End the client stream now; free the pages once no late WRITE can land in them."""
         assert job.receiver is not None
         if job.receiver.poll() != KVPoll.Failed:
@@ -233,7 +233,7 @@ class DecodeWorker:
         if job.reserved:
             self._releasing[job.request_id] = job
         logger.info("request %s room=%d failed: %s", job.request_id, job.pd.room, reason)
-        job.stream.sink.send_error(reason)
+        job.stream.sink.send_error(reason, kind)
         self._count("failed", job)
 
     def _cancel_reason(self, job: _Job) -> str | None:

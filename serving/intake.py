@@ -12,7 +12,7 @@ from serving.colocated import Tokenizer, prompt_token_ids
 from serving.engine_loop import EngineLoop
 from serving.pd_request import PDRequest
 from serving.request import RequestError
-from serving.stream import ResponseSink
+from serving.stream import ErrorKind, ResponseSink
 
 J = TypeVar("J")
 
@@ -57,21 +57,22 @@ class Intake(Generic[J]):
             token_ids = list(pd.prompt_token_ids)
             if max(token_ids) >= self._tokenizer.vocab_size:
                 sink.send_error(str(RequestError("prompt_token_ids", f"token id {max(token_ids)} is not below the "
-                                                 f"vocabulary size {self._tokenizer.vocab_size}")))
+                                                 f"vocabulary size {self._tokenizer.vocab_size}")),
+                                ErrorKind.REQUEST)
                 return request_id
         else:
             try:
                 token_ids = prompt_token_ids(self._tokenizer, pd.request)
             except Exception as e:  # a template or tokenizer error concerns this request only
-                sink.send_error(f"tokenization failed: {e}")
+                sink.send_error(f"tokenization failed: {e}", ErrorKind.REQUEST)
                 return request_id
         try:
             self._loop.prepare(pd.request.params)
         except InvalidSamplingParams as e:
-            sink.send_error(str(RequestError(f"sampling_parameters.{e.param}", e.reason)))
+            sink.send_error(str(RequestError(f"sampling_parameters.{e.param}", e.reason)), ErrorKind.REQUEST)
             return request_id
         if not self._loop.running:
-            sink.send_error(f"{self._name} is not running")
+            sink.send_error(f"{self._name} is not running", ErrorKind.INSTANCE)
             return request_id
         with self._lock:
             self._jobs.append(make_job(request_id, token_ids))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from serving.stream import ResponseChunk, ResponseSink, SampleOutput
+from serving.stream import ErrorKind, ResponseChunk, ResponseSink, SampleOutput
 
 
 class SampleFanIn:
@@ -77,12 +77,12 @@ class SampleFanIn:
         return SampleOutput("", last.finish_reason, last.num_output_tokens, 0, last.cumulative_logprob,
                             () if self._logprobs else None, last.num_cached_tokens)
 
-    def _send_error(self, message: str) -> None:
+    def _send_error(self, message: str, kind: ErrorKind) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._sink.send_error(message)
+            self._sink.send_error(message, kind)
 
     def _close(self) -> None:
         with self._lock:
@@ -107,8 +107,8 @@ class _SampleSink:
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         self._fan_in._send(self._index, chunk, final)
 
-    def send_error(self, message: str) -> None:
-        self._fan_in._send_error(message)
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
+        self._fan_in._send_error(message, kind)
 
     def close(self) -> None:
         self._fan_in._close()

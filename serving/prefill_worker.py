@@ -35,7 +35,7 @@ from serving.events import LoopEvent, RequestFailed
 from serving.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.pd_request import PDRequest
-from serving.stream import ResponseChunk, ResponseSink
+from serving.stream import ErrorKind, ResponseChunk, ResponseSink, error_kind_of
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class PrefillWorker:
             self._prefilling.pop(job.request_id, None)
             reason = job.failed or str(event.error)
             job.sender.abort(reason)
-            self._end_failed(job, reason)
+            # a rejection by the engine is the request's fault; a transfer failure (job.failed) is ours
+            self._end_failed(job, reason, ErrorKind.INSTANCE if job.failed else error_kind_of(event.error))
             return
         chunk = event.prefill_chunk
         if chunk is None:
@@ -222,9 +223,9 @@ class PrefillWorker:
             return "cancelled by the client"
         return None
 
-    def _end_failed(self, job: _Job, reason: str) -> None:
+    def _end_failed(self, job: _Job, reason: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
         logger.info("request %s room=%d failed: %s", job.request_id, job.pd.room, reason)
-        job.sink.send_error(reason)
+        job.sink.send_error(reason, kind)
         self._count("failed", job)
 
     def _count(self, outcome: str, job: _Job) -> None:

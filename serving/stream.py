@@ -15,14 +15,16 @@ implementations never touch their transport after FINAL.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput, TokenLogprob
 from serving.events import LoopEvent, RequestId
-from serving.request import GenerateRequest
+from serving.request import GenerateRequest, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +146,36 @@ class ResponseDelta:
         return num_new, logprobs
 
 
+class ErrorKind(enum.Enum):
+    """Whose fault a failed request is; travels with the error to the router (the child output ``error_kind``),
+    which decides by it alone (never by the message) whether another instance should try.
+
+    ``REQUEST``: the request itself (a bad input or sampling parameter, a prompt the engine rejects, a prompt the
+    tokenizer cannot take): every instance would answer the same, so it is neither retried nor counted against
+    the instance's circuit breaker (a client sending bad requests must not take healthy instances out of
+    rotation). ``INSTANCE``: this instance could not serve it (its KV transfer failed or timed out, its peer
+    died, it is stopping, an engine fault): another instance may succeed.
+    """
+
+    REQUEST = "request"
+    INSTANCE = "instance"
+
+    @classmethod
+    def from_wire(cls, value: str) -> ErrorKind:
+        """The kind a child sent; ``INSTANCE`` for an empty or unknown value (a retry is the safe default)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.INSTANCE
+
+
+def error_kind_of(error: BaseException) -> ErrorKind:
+    """``REQUEST`` for the request's own errors (``RequestError``, ``InvalidSamplingParams``,
+    ``RequestRejected``), else ``INSTANCE``."""
+    return ErrorKind.REQUEST if isinstance(error, RequestError | InvalidSamplingParams | RequestRejected) \
+        else ErrorKind.INSTANCE
+
+
 class ResponseSink(Protocol):
     """Where one request's responses go (``triton_io.TritonResponseSink`` in the server).
 
@@ -155,8 +187,8 @@ class ResponseSink(Protocol):
         """Send one response; ``final`` sets the FINAL flag on it."""
         ...
 
-    def send_error(self, message: str) -> None:
-        """Send one error response with the FINAL flag."""
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
+        """Send one error response with the FINAL flag; ``kind`` says whose fault it is (``ErrorKind``)."""
         ...
 
     def close(self) -> None:
@@ -223,7 +255,7 @@ class GenerationStream:
             return
         self.error = str(error)
         logger.info("request %s failed: %s", self.request_id, error)
-        self.sink.send_error(self.error)
+        self.sink.send_error(self.error, error_kind_of(error))
 
     def _chunk(self, text: str) -> ResponseChunk:
         """The response now: ``text`` and the tokens (and their logprobs) since the previous response."""

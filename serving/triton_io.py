@@ -40,7 +40,7 @@ import numpy as np
 from engine.outputs import TokenLogprob
 from serving.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
 from serving.response_dispatch import ResponseDispatcher
-from serving.stream import ResponseChunk, SampleOutput, merge_chunks
+from serving.stream import ErrorKind, ResponseChunk, SampleOutput, merge_chunks
 
 logger = logging.getLogger(__name__)
 #: No optional output asked for (the default of a client request).
@@ -164,7 +164,8 @@ def logprobs_from_wire(text: str) -> tuple[TokenLogprob, ...] | None:
         raise ValueError(f"malformed child logprobs: {e}") from None
 
 
-def child_response_arrays(chunk: ResponseChunk, error: str = "") -> dict[str, np.ndarray]:
+def child_response_arrays(chunk: ResponseChunk, error: str = "", error_kind: ErrorKind | None = None
+                          ) -> dict[str, np.ndarray]:
     """The output arrays of a prefill/decode response to ``pd_ensemble`` (one sample): the text fields as
     UTF-8 ``uint8`` arrays (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the
     object dtype's reference count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``):
@@ -180,22 +181,26 @@ def child_response_arrays(chunk: ResponseChunk, error: str = "") -> dict[str, np
         "logprobs": utf8_array(logprobs_to_wire(sample.logprobs)),
         "output_token_ids": np.array(sample.token_ids, dtype=np.int32),
         "error": utf8_array(error),
+        "error_kind": utf8_array(error_kind.value if error and error_kind is not None else ""),
     }
 
 
 def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "",
-                       options: OutputOptions = NO_OPTIONS) -> Any:
-    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout;
-    else the client layout with the outputs ``options`` asks for)."""
+                       options: OutputOptions = NO_OPTIONS, error_kind: ErrorKind | None = None) -> Any:
+    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout, with
+    ``error`` and its ``error_kind``; else the client layout with the outputs ``options`` asks for)."""
     pb = pb_utils()
-    arrays = child_response_arrays(chunk, error) if child else response_arrays(chunk, options)
+    arrays = child_response_arrays(chunk, error, error_kind) if child else response_arrays(chunk, options)
     return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in arrays.items()])
 
 
-def error_response(message: str) -> Any:
-    """``pb_utils.InferenceResponse`` carrying ``message`` as a ``pb_utils.TritonError``."""
+def error_response(message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> Any:
+    """``pb_utils.InferenceResponse`` carrying ``message`` as a ``pb_utils.TritonError``: code ``INVALID_ARG``
+    for the request's own errors (``ErrorKind.REQUEST``; Triton's HTTP endpoints answer 400), else
+    ``INTERNAL`` (500)."""
     pb = pb_utils()
-    return pb.InferenceResponse(error=pb.TritonError(message))
+    code = pb.TritonError.INVALID_ARG if kind is ErrorKind.REQUEST else pb.TritonError.INTERNAL
+    return pb.InferenceResponse(error=pb.TritonError(message, code))
 
 
 class RequestTimingSink(Protocol):
@@ -275,12 +280,12 @@ class TritonResponseSink:
         tpot = None if first is None or per_sample < 2 else (now - first) / (per_sample - 1)
         return lambda: timing.request_timing(ttft, now - arrival, chunk.num_input_tokens, num_output, tpot)
 
-    def send_error(self, message: str) -> None:
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
         child = self._child
 
         def build() -> Any:
-            return inference_response(ResponseChunk.single(), child=True, error=message) if child else \
-                error_response(message)
+            return inference_response(ResponseChunk.single(), child=True, error=message, error_kind=kind) \
+                if child else error_response(message, kind)
 
         self._queue(lambda: self._dispatcher.submit(self._handle, build, True), True)
 
@@ -341,7 +346,7 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
         try:
             handle(request, sink)
         except RequestError as e:
-            sink.send_error(str(e))
+            sink.send_error(str(e), ErrorKind.REQUEST)
         except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
             logger.exception("request %r: unexpected error", request.request_id())
-            sink.send_error(f"internal error: {e}")
+            sink.send_error(f"internal error: {e}", ErrorKind.INSTANCE)

@@ -16,7 +16,7 @@ from typing import Protocol
 from serving.pd_request import PDRequest
 from serving.request import parse_request
 from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable
-from serving.stream import ResponseChunk, ResponseSink
+from serving.stream import ErrorKind, ResponseChunk, ResponseSink
 
 
 class PDWorker(Protocol):
@@ -40,8 +40,8 @@ class _LoopSink:
                                 None, final, cumulative_logprob=sample.cumulative_logprob, logprobs=sample.logprobs,
                                 num_cached_tokens=sample.num_cached_tokens, token_ids=sample.token_ids))
 
-    def send_error(self, message: str) -> None:
-        self._put(ChildResponse(error=message, final=True))
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
+        self._put(ChildResponse(error=message, final=True, error_kind=kind))
 
     def close(self) -> None:
         self._put(ChildResponse(final=True))

@@ -7,7 +7,7 @@ frees its pages). Why not BLS for the router's own server: docs/architecture.md,
 
 Child protocol (``serving.pd_request``): inputs ``text_input``, ``sampling_parameters``, ``apply_chat_template``
 (the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` and ``prefill_rendezvous`` (decode;
-empty: direct decode); outputs ``text_output``/``finish_reason``/``error``/``logprobs`` as UTF-8 in UINT8 tensors,
+empty: direct decode); outputs ``text_output``/``finish_reason``/``error``/``error_kind``/``logprobs`` as UTF-8 in UINT8 tensors,
 ``num_input_tokens``, ``num_output_tokens`` and ``num_cached_tokens`` (INT32), ``cumulative_logprob`` (FP32),
 ``output_token_ids`` (INT32 ``[k]``) (``serving.triton_io``'s child layout); a migrated decode child also gets
 ``resume_token_ids`` (INT32 ``[k]``). A child reports a failure as a FINAL response whose ``error`` is set.
@@ -25,12 +25,13 @@ from engine.outputs import TokenLogprob
 from serving.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
+from serving.stream import ErrorKind
 from serving.triton_io import logprobs_from_wire
 
 Room = int
 CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                                   "num_cached_tokens", "cumulative_logprob", "logprobs", "output_token_ids",
-                                  "error")
+                                  "error", "error_kind")
 #: Inputs of the client's request that are forwarded as they are to both children.
 FORWARDED_INPUTS: tuple[str, ...] = ("text_input", "sampling_parameters", "apply_chat_template")
 
@@ -50,6 +51,7 @@ class ChildResponse:
         logprobs: logprobs of this response's tokens when the request asked for them, else None (decode's
             responses never include the first token's: prefill's first response carries it).
         error: the child's error message, if it failed.
+        error_kind: whose fault ``error`` is (``ErrorKind``; the router retries only ``INSTANCE`` errors).
         final: the FINAL flag of the child stream.
         unreachable: the error is the router's: the child could not be reached or its stream broke (the only
             kind of failure that counts against the instance's circuit breaker).
@@ -71,6 +73,7 @@ class ChildResponse:
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_cached_tokens: int = 0
     token_ids: tuple[int, ...] = ()
+    error_kind: ErrorKind = ErrorKind.INSTANCE
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildRespon
         return () if array is None else tuple(int(t) for t in np.asarray(array).reshape(-1))
 
     if text("error"):
-        return ChildResponse(error=text("error"), final=True)
+        return ChildResponse(error=text("error"), final=True, error_kind=ErrorKind.from_wire(text("error_kind")))
     return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
                          num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
                          final=final, cumulative_logprob=number("cumulative_logprob"),

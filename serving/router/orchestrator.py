@@ -45,6 +45,7 @@ from serving.router.launch import FORWARDED_INPUTS, ChildCall, ChildResponse, La
 from serving.router.migration import MigrationState, pick_decode
 from serving.router.pairing import Demand, NoInstance, Pair, PairingPolicy
 from serving.router.responder import OutputChunk
+from serving.stream import ErrorKind
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +54,6 @@ ROOM_BITS = 63
 
 #: How often the merge loop wakes up to check for client cancellation and the idle deadline, in seconds.
 CANCEL_POLL_INTERVAL_S = 0.02
-#: How a child's error about the request itself reads (``RequestError``, ``InvalidSamplingParams``,
-#: ``RequestRejected``, a tokenizer failure): every instance would say the same, so such an error is neither
-#: retried nor counted against the instance's circuit breaker (a client sending bad requests must not be able
-#: to take healthy instances out of rotation).
-REQUEST_ERROR_MARKERS: tuple[str, ...] = ("invalid input ", "invalid sampling parameter ", "' rejected: ",
-                                          "tokenization failed")
-
-
-def is_request_error(message: str) -> bool:
-    """True when a child's error message is about the request, not the instance."""
-    return any(marker in message for marker in REQUEST_ERROR_MARKERS)
-
-
 class RouterMetrics(Protocol):
     """What the orchestrator reports (``serving.router.metrics``)."""
 
@@ -393,8 +381,9 @@ class PDOrchestrator:
                 targets: dict[str, Target]) -> _Outcome:
         culprit, error = targets[role], response.error or ""
         logger.info("room=%d: %s %s failed: %s", room, role, culprit.instance_id, error)
-        if is_request_error(error):
-            return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
+        if response.error_kind is ErrorKind.REQUEST:   # every instance would say the same: no retry
+            return _Outcome(final=OutputChunk(text="", final=True, error=error, error_kind=ErrorKind.REQUEST),
+                            error=error)
         if response.unreachable:
             # only an instance the router cannot reach counts against its breaker: errors a child reports
             # (a KV timeout under load, its peer failing) say little about the child itself

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.outputs import TokenLogprob
 from serving.request import GenerateRequest
-from serving.stream import ResponseChunk, ResponseDelta, ResponseSink
+from serving.stream import ErrorKind, ResponseChunk, ResponseDelta, ResponseSink
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class OutputChunk:
         final: the sample's last chunk.
         finish_reason: on the final chunk: ``"stop"``, ``"length"``, ``"abort"``.
         error: the request failed with this message (final).
+        error_kind: whose fault ``error`` is (the child's ``ErrorKind``; the router's own failures: ``INSTANCE``).
         num_input_tokens: prompt tokens.
         num_output_tokens: tokens generated so far (cumulative).
         cumulative_logprob: sum of the raw logprobs of those tokens.
@@ -39,6 +40,7 @@ class OutputChunk:
     cumulative_logprob: float = 0.0
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_cached_tokens: int = 0
+    error_kind: ErrorKind = ErrorKind.INSTANCE
 
 
 class EnsembleResponder:
@@ -52,7 +54,7 @@ class EnsembleResponder:
 
     def emit(self, chunk: OutputChunk) -> None:
         if chunk.error is not None:
-            self._sink.send_error(chunk.error)
+            self._sink.send_error(chunk.error, chunk.error_kind)
             return
         if chunk.final and chunk.finish_reason == "abort" and self._sink.is_cancelled():
             self._sink.close()

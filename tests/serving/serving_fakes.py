@@ -11,7 +11,7 @@ from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from serving.engine_loop import EngineCore
-from serving.stream import ResponseChunk, ResponseSink
+from serving.stream import ErrorKind, ResponseChunk, ResponseSink
 
 
 @dataclass
@@ -88,6 +88,7 @@ class RecordingSink:
 
     chunks: list[tuple[ResponseChunk, bool]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    error_kinds: list[ErrorKind] = field(default_factory=list)
     finals: int = 0
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
@@ -98,9 +99,10 @@ class RecordingSink:
         self.chunks.append((chunk, final))
         self._final(final)
 
-    def send_error(self, message: str) -> None:
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
         self._check()
         self.errors.append(message)
+        self.error_kinds.append(kind)
         self._final(True)
 
     def close(self) -> None:

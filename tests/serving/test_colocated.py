@@ -13,6 +13,7 @@ from serving.colocated import ColocatedWorker
 from serving.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.request import parse_request
+from serving.stream import ErrorKind
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -97,6 +98,7 @@ def test_bad_requests_fail_alone(setup) -> None:
     for sink in (too_long, bad_tok, good):
         assert sink.done.wait(5) and sink.finals == 1
     assert "rejected" in too_long.errors[0] and "tokenization" in bad_tok.errors[0]
+    assert too_long.error_kinds == bad_tok.error_kinds == [ErrorKind.REQUEST]
     assert good.chunks[0][0].text == "hellow1 w2 w3 w4 " and not good.errors
 
 
@@ -106,7 +108,7 @@ def test_stop_ends_requests_in_flight_with_an_error(setup) -> None:
     worker.handle(_req(stream=True, sampling_parameters=b'{"max_tokens": 150}'), sink)
     time.sleep(0.05)
     assert worker.stop(5)
-    assert sink.finals == 1 and "stopped" in sink.errors[0]
+    assert sink.finals == 1 and "stopped" in sink.errors[0] and sink.error_kinds == [ErrorKind.INSTANCE]
     late = RecordingSink()
     worker.handle(_req(), late)
     assert late.finals == 1 and late.errors
@@ -122,5 +124,6 @@ def test_a_grammar_compiles_at_admission_and_a_refused_one_fails_alone(setup) ->
     assert bad.done.wait(5) and good.done.wait(5) and long.done.wait(5)
     assert bad.errors == ["invalid input 'sampling_parameters.structured_outputs.regex': cannot be compiled: "
                           "refused by the fake"] and bad.finals == 1 and not bad.chunks
+    assert bad.error_kinds == [ErrorKind.REQUEST]
     assert good.errors == [] and long.errors == [] and long.text.count("w") == 20
     assert engine.prepare_thread_ids and not engine.prepare_thread_ids & engine.thread_ids  # not the loop thread

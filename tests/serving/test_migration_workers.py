@@ -29,7 +29,7 @@ from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
 from serving.router.responder import EnsembleResponder
-from serving.stream import ResponseChunk
+from serving.stream import ErrorKind, ResponseChunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -74,7 +74,7 @@ class RecordingSink:
         self.chunks.append(chunk)
         self.finals += final
 
-    def send_error(self, message: str) -> None:
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
         self.errors.append(message)
         self.finals += 1
 

@@ -31,7 +31,7 @@ from serving.router.launch import ChildResponse
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import PairingPolicy, make_policy
 from serving.router.responder import EnsembleResponder
-from serving.stream import ResponseChunk
+from serving.stream import ErrorKind, ResponseChunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -53,8 +53,8 @@ class QueueSink:
         self._put(ChildResponse(chunk.text, chunk.num_input_tokens, chunk.num_output_tokens,
                                 chunk.finish_reason, None, final, num_cached_tokens=chunk.samples[0].num_cached_tokens))
 
-    def send_error(self, message: str) -> None:
-        self._put(ChildResponse(error=message, final=True))
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
+        self._put(ChildResponse(error=message, final=True, error_kind=kind))
 
     def close(self) -> None:
         self._put(ChildResponse(final=True))
@@ -190,6 +190,7 @@ def test_the_routers_prompt_ids_are_used_when_its_tokenizer_is_the_workers(clust
                                   lambda request: [1, tokenizer.vocab_size + 5], tokenizer_id=tokenizer.fingerprint)
     responses = cluster.generate(request(a), orchestrator=orchestrator)
     assert len(responses) == 1 and "prompt_token_ids" in (responses[0].error or "")
+    assert responses[0].error_kind is ErrorKind.REQUEST
     assert "vocabulary size" in (responses[0].error or "") and cluster.wait_free(start) == start
 
 

@@ -13,6 +13,7 @@ from serving.router.launch import ChildResponse
 from serving.router.orchestrator import PDOrchestrator, RoomAllocator, RoutedRequest
 from serving.router.pairing import make_policy
 from serving.router.responder import OutputChunk
+from serving.stream import ErrorKind
 
 FLEET = (status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
 
@@ -141,13 +142,24 @@ def test_rooms_are_unique_63_bit_and_released() -> None:
 
 def test_an_error_about_the_request_is_neither_retried_nor_held_against_the_instance() -> None:
     rejected = "request 'decode-3' rejected: needs 7000 pages, the pool has 1024"
-    launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": [(0.0, ChildResponse(error=rejected, final=True))]})
+    launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": [
+        (0.0, ChildResponse(error=rejected, final=True, error_kind=ErrorKind.REQUEST))]})
     fleet = fleet_of(*FLEET, config=RouterConfig(breaker_failures=1))
     for _ in range(3):
         out, _ = run(launcher, fleet=fleet)
         assert out[-1].error == rejected
     assert len([c for c in launcher.calls if c.role == "decode"]) == 3   # one attempt each
     assert fleet.health()["decode"] == {"d0@h:1": True}   # still in rotation
+
+
+def test_the_error_kind_decides_the_retry_not_the_message() -> None:
+    """The same words from an instance that failed (``INSTANCE``, the default) are retried on another pair."""
+    looks_like_a_request_error = "invalid input 'text_input': the prefill engine step failed on it"
+    launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE}, by_instance={
+        "p0@h:1": [(0.0, ChildResponse(error=looks_like_a_request_error, final=True))]})
+    out, _ = run(launcher)
+    assert [c.target.instance_id for c in launcher.calls if c.role == "prefill"] == ["p0@h:1", "p1@h:1"]
+    assert "".join(c.text for c in out) == "ABC" and out[-1].error is None
 
 
 def test_the_prompts_cache_hit_is_prefills_on_every_chunk_and_decodes_is_ignored() -> None:
