@@ -58,6 +58,13 @@ class KVArgs:
     # UCX_TLS=tcp,self); for hosts that share one kernel (network namespaces), docs/multihost.md
     network_only: bool = False
 
+    @property
+    def queued_keepalive_s(self) -> float:
+        """How often a prefill tells a decode that a room with its destination in, and no chunk yet, is still
+        queued here (a ``queued`` notification), seconds: a quarter of the waiting timeout, at most 5 s, so a
+        decode with the same timeout hears it several times per window."""
+        return min(5.0, self.waiting_timeout_s / 4)
+
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"KVArgs.role must be one of {ROLES}, got {self.role!r}")

@@ -248,6 +248,8 @@ class DecodeSide:
             receiver.writer_done = True
         elif tag.kind == TagKind.DONE:
             receiver.writer_done = True
+        elif tag.kind == TagKind.QUEUED and receiver.state == KVPoll.WaitingForInput:
+            receiver.progress_s = now_s   # still queued at a prefill that is working through its queue
 
     def _timeouts(self, now_s: float) -> None:
         for receiver in self.receivers.values():
@@ -265,8 +267,9 @@ class DecodeSide:
         chunk counts its prefill's chunks for our other rooms too: that prefill is alive and working through
         its queue, and this room is queued behind them. Without it, rooms queued behind one busy prefill (its
         peer restarting) failed after ``waiting_timeout_s`` and were retried at the back of the same queue
-        (30 rooms in a chaos run, docs/benchmarks.md). A room whose chunks started and then stopped is timed on
-        its own."""
+        (30 rooms in a chaos run, docs/benchmarks.md). Rooms queued there behind other decode instances' rooms
+        hear it from the prefill itself (``queued`` notifications, which move ``progress_s``). A room whose chunks
+        started and then stopped is timed on its own."""
         if receiver.state != KVPoll.WaitingForInput or receiver.peer is None:
             return receiver.progress_s
         return max(receiver.progress_s, self._peer_progress_s.get(receiver.peer.agent_name, 0.0))

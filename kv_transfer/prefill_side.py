@@ -52,6 +52,8 @@ class PrefillSide:
         self._tombstones: dict[Room, float] = {}
         self._next_poll_s = 0.0
         self._next_peer_check_s = 0.0
+        self._next_keepalive_s = 0.0
+        self._last_post_s = float("-inf")   # when a chunk was last posted (any room): this prefill is working
 
     def create_sender(self, room: Room, wake: threading.Event, now_s: float) -> KVSender:
         with self._lock:
@@ -76,6 +78,7 @@ class PrefillSide:
             self._progress()
         self._poll_destinations(now_s, woken)
         self._check_peers(now_s)
+        self._keep_queued_alive(now_s)
         with self._lock:
             return self._next_wait_s()
 
@@ -130,6 +133,26 @@ class PrefillSide:
                                        "room already has a destination"))
             else:
                 self._pending[room] = (dest, peer, now_s)
+
+    def _keep_queued_alive(self, now_s: float) -> None:
+        """Every ``queued_keepalive_s``, while this prefill keeps posting chunks (for any room, any decode): a
+        ``queued`` notification to the decode of each room whose destination is in and whose first chunk is not
+        yet computed. Its decode counts it as progress against its waiting timeout: without it a room queued here
+        behind rooms of *other* decode instances saw nothing for the whole timeout and failed (4 rooms in a 2P2D
+        chaos run, docs/benchmarks.md), though this prefill was alive and would have reached it. A prefill that
+        posts nothing (its engine stuck) says nothing, and its rooms time out as before."""
+        if now_s < self._next_keepalive_s:
+            return
+        interval_s = self._args.queued_keepalive_s
+        self._next_keepalive_s = now_s + interval_s
+        if now_s - self._last_post_s > 2 * interval_s:
+            return
+        with self._lock:
+            queued = [(s.peer, Tag(TagKind.QUEUED, room, s.destination.xfer_id))
+                      for room, s in self.senders.items()
+                      if s.state == KVPoll.WaitingForInput and s.peer is not None and s.destination is not None]
+        for peer, tag in queued:
+            self._notify(peer, tag)
 
     # --- posting ------------------------------------------------------------------------------------------
     def _collect(self, now_s: float) -> list[_Post]:
@@ -259,6 +282,7 @@ class PrefillSide:
             raise
         posted_s = time.monotonic()
         with self._lock:
+            self._last_post_s = posted_s
             sender.posting -= 1
             sender.times.post_start_s, sender.times.posted_s = post_start_s, posted_s
             if handle is not None:

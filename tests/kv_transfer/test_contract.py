@@ -213,6 +213,36 @@ def test_a_room_queued_behind_its_prefills_other_rooms_outlives_the_waiting_time
     assert_pages_back(prefill, decode)
 
 
+def test_a_room_queued_behind_another_decodes_rooms_outlives_the_waiting_timeout(
+        pair: tuple[Any, Any], make_side: Any) -> None:
+    """As above, but the busy room belongs to another decode instance, so this decode sees none of its chunks:
+    the prefill's ``queued`` notifications keep the waiting room alive (2 s timeout, 5.4 s of waiting)."""
+    prefill, decode = pair
+    other = make_side("decode")
+    queued = open_room(prefill, decode, 40)
+    busy = open_room(prefill, other, 12 * PAGE_SIZE)
+    for num_pages, is_last in chunk_plan(12 * PAGE_SIZE, PAGE_SIZE):   # 12 chunks, one every 0.45 s
+        prefill.call("send", busy, num_pages, is_last)
+        time.sleep(0.45)
+        assert decode.call("poll", queued) == KVPoll.WaitingForInput, decode.call("failure", queued)
+    finish(prefill, other, busy)
+    for num_pages, is_last in chunk_plan(40, 40):
+        prefill.call("send", queued, num_pages, is_last)
+    finish(prefill, decode, queued)
+    assert_pages_back(prefill, decode)
+    assert_pages_back(prefill, other)
+
+
+def test_a_room_at_a_prefill_that_posts_nothing_still_hits_the_waiting_timeout(pair: tuple[Any, Any]) -> None:
+    """No chunk from that prefill for any room: no ``queued`` notification either, and the room fails."""
+    prefill, decode = pair
+    room = open_room(prefill, decode, 40)
+    wait_for(lambda: decode.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "waiting timeout at decode")
+    assert "waiting timeout" in decode.call("failure", room)
+    prefill.call("abort", room, "test over")
+    assert_pages_back(prefill, decode)
+
+
 def test_decode_that_never_shows_up_hits_the_bootstrap_timeout(pair: tuple[Any, Any]) -> None:
     prefill, decode = pair
     room = next(_rooms)
