@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import requests
 from live_client import (
     grpc_generate,
     http_generate_stream,
@@ -112,6 +113,11 @@ def test_bad_inputs_fail_alone_while_a_good_request_completes(triton_server, ref
     assert "text_input" in bad["empty prompt"].result().error
     assert "beam_width" in bad["unknown parameter"].result().error
     assert "max_tokens" in bad["max_tokens 0"].result().error
+    # a child's verdict on the request (decode's engine rejects it: error_kind "request") is not retried, and
+    # reaches an HTTP client as Triton's INVALID_ARG: 400
+    resp = requests.post(f"{triton_server.http_url}/v2/models/{MODEL}/generate", timeout=120,
+                         json={"text_input": "hello", "sampling_parameters": '{"max_tokens": 100000}'})
+    assert resp.status_code == 400 and resp.json()["error"], (resp.status_code, resp.text)
     _wait_until(lambda: _free_pages(triton_server) == _total_pages(triton_server))
     assert _free_pages(triton_server) == _total_pages(triton_server)
 
