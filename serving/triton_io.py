@@ -16,12 +16,7 @@ backend's). Like ``num_input_tokens``, an asked count is on every response.
 the top ``logprobs`` tokens not already listed (the vLLM backend's layout); ``null`` when the request set no
 ``logprobs`` sampling parameter.
 
-Child layout (prefill/decode → the router): one sample; ``text_output``, ``finish_reason``, ``error``, and
-``logprobs`` (compact JSON, ``logprobs_to_wire``) as UTF-8 in UINT8 tensors; ``num_input_tokens``,
-``num_output_tokens`` (cumulative), ``num_cached_tokens`` (the child engine's prefix-cache hit: prefill's is the
-request's, on its first response) as INT32 ``[1]``; ``cumulative_logprob`` (FP32 ``[1]``); ``output_token_ids``
-(INT32 ``[k]``, maybe ``k = 0``: the ids of the tokens generated since the previous response; prefill's first
-response: the first token), so that the router can resume the request on another decode instance.
+Child layout (prefill/decode → the router): ``serving.child_codec``.
 """
 
 from __future__ import annotations
@@ -38,9 +33,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.outputs import TokenLogprob
+from serving.child_codec import ChildSchemaMismatch, encode_response
 from serving.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
 from serving.response_dispatch import ResponseDispatcher
-from serving.stream import ErrorKind, ResponseChunk, SampleOutput, merge_chunks
+from serving.stream import ErrorKind, ResponseChunk, merge_chunks
 
 logger = logging.getLogger(__name__)
 #: No optional output asked for (the default of a client request).
@@ -138,51 +134,6 @@ def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -
     return arrays
 
 
-def utf8_array(text: str) -> np.ndarray:
-    """``text`` as a ``[num_bytes]`` uint8 array of its UTF-8 bytes."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-
-def logprobs_to_wire(entries: tuple[TokenLogprob, ...] | None) -> str:
-    """Token logprobs in the child layout: ``""`` for None, else a JSON list of
-    ``[token_id, logprob, rank, decoded_token, [[token_id, logprob, text], ...]]``."""
-    if entries is None:
-        return ""
-    return json.dumps([[e.token_id, e.logprob, e.rank, e.decoded_token, [list(t) for t in e.top]]
-                       for e in entries])
-
-
-def logprobs_from_wire(text: str) -> tuple[TokenLogprob, ...] | None:
-    """Inverse of ``logprobs_to_wire``. Raises ValueError on a malformed text."""
-    if not text:
-        return None
-    try:
-        return tuple(TokenLogprob(int(t), float(lp), int(rank), str(decoded),
-                                  tuple((int(i), float(v), str(s)) for i, v, s in top))
-                     for t, lp, rank, decoded, top in json.loads(text))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"malformed child logprobs: {e}") from None
-
-
-def child_response_arrays(chunk: ResponseChunk, error: str = "", error_kind: ErrorKind | None = None
-                          ) -> dict[str, np.ndarray]:
-    """The output arrays of a prefill/decode response to ``pd_ensemble`` (one sample): the text fields as
-    UTF-8 ``uint8`` arrays (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the
-    object dtype's reference count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``):
-    after ~1.5k responses pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
-    sample = chunk.samples[0] if chunk.samples else SampleOutput()
-    return {
-        "text_output": utf8_array(sample.text),
-        "finish_reason": utf8_array(sample.finish_reason or ""),
-        "num_input_tokens": np.array([chunk.num_input_tokens], dtype=np.int32),
-        "num_output_tokens": np.array([sample.num_output_tokens], dtype=np.int32),
-        "num_cached_tokens": np.array([sample.num_cached_tokens], dtype=np.int32),
-        "cumulative_logprob": np.array([sample.cumulative_logprob], dtype=np.float32),
-        "logprobs": utf8_array(logprobs_to_wire(sample.logprobs)),
-        "output_token_ids": np.array(sample.token_ids, dtype=np.int32),
-        "error": utf8_array(error),
-        "error_kind": utf8_array(error_kind.value if error and error_kind is not None else ""),
-    }
 
 
 def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "",
@@ -190,7 +141,7 @@ def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "
     """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout, with
     ``error`` and its ``error_kind``; else the client layout with the outputs ``options`` asks for)."""
     pb = pb_utils()
-    arrays = child_response_arrays(chunk, error, error_kind) if child else response_arrays(chunk, options)
+    arrays = encode_response(chunk, error, error_kind) if child else response_arrays(chunk, options)
     return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in arrays.items()])
 
 
@@ -227,7 +178,7 @@ class TritonResponseSink:
             dispatcher: the model instance's response thread (started).
             request_id: for log lines (the client's request id, may be empty).
             child: the request comes from the router: responses use the child output layout
-                (``child_response_arrays``), and an error is a normal FINAL response whose ``error`` output
+                (``serving.child_codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
                 holds the message instead of a Triton error response (a decoupled BLS response iterator never
                 ends after an error response in tritonserver 2.51; over gRPC either form works).
             options: client layout: the optional outputs the request asked for (``set_options`` once the
@@ -347,6 +298,9 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
             handle(request, sink)
         except RequestError as e:
             sink.send_error(str(e), ErrorKind.REQUEST)
+        except ChildSchemaMismatch as e:   # two builds in one fleet: this instance cannot serve that router
+            logger.error("request %r: %s", request.request_id(), e)
+            sink.send_error(str(e), ErrorKind.INSTANCE)
         except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
             logger.exception("request %r: unexpected error", request.request_id())
             sink.send_error(f"internal error: {e}", ErrorKind.INSTANCE)

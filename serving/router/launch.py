@@ -21,59 +21,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engine.outputs import TokenLogprob
+from serving.child_codec import CHILD_OUTPUTS, SCHEMA_HASH, SCHEMA_INPUT, ChildResponse, decode_response
 from serving.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
-from serving.stream import ErrorKind
-from serving.triton_io import logprobs_from_wire
 
 Room = int
-CHILD_OUTPUTS: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                  "num_cached_tokens", "cumulative_logprob", "logprobs", "output_token_ids",
-                                  "error", "error_kind")
+CHILD_OUTPUT_NAMES: tuple[str, ...] = tuple(CHILD_OUTPUTS)
 #: Inputs of the client's request that are forwarded as they are to both children.
 FORWARDED_INPUTS: tuple[str, ...] = ("text_input", "sampling_parameters", "apply_chat_template")
 
 
-@dataclass(frozen=True)
-class ChildResponse:
-    """One response of a prefill or decode child request.
-
-    Attributes:
-        text: new text of this response (a UTF-8 delta; may be empty).
-        num_input_tokens: prompt length in tokens (0 when the response does not say).
-        num_output_tokens: tokens generated so far, counted from the first token (prefill's response: 1;
-            decode's responses include the first token in their count).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token (or on prefill's first
-            token when that token already ends the request), else ``None``.
-        cumulative_logprob: sum of the raw logprobs of the tokens so far (the first included).
-        logprobs: logprobs of this response's tokens when the request asked for them, else None (decode's
-            responses never include the first token's: prefill's first response carries it).
-        error: the child's error message, if it failed.
-        error_kind: whose fault ``error`` is (``ErrorKind``; the router retries only ``INSTANCE`` errors).
-        final: the FINAL flag of the child stream.
-        unreachable: the error is the router's: the child could not be reached or its stream broke (the only
-            kind of failure that counts against the instance's circuit breaker).
-        num_cached_tokens: prompt tokens the child engine's prefix cache supplied (prefill's: the prompt's
-            cache hit; decode's: its own, which counts only for a direct decode); 0 when the response does not
-            say.
-        token_ids: ids of this response's new tokens (prefill's first response: the first token; decode's:
-            the tokens after the first, or after the resumed ones), in order.
-    """
-
-    text: str = ""
-    num_input_tokens: int = 0
-    num_output_tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    final: bool = False
-    unreachable: bool = False
-    cumulative_logprob: float = 0.0
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    num_cached_tokens: int = 0
-    token_ids: tuple[int, ...] = ()
-    error_kind: ErrorKind = ErrorKind.INSTANCE
 
 
 @dataclass(frozen=True)
@@ -138,6 +96,7 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
             arrays[name] = (np.array([value], dtype=np.bool_) if isinstance(value, bool) else
                             np.array([value if isinstance(value, bytes) else str(value).encode()], dtype=np.object_))
     arrays["bootstrap_room"] = np.array([call.room], dtype=np.int64)
+    arrays[SCHEMA_INPUT] = np.array([SCHEMA_HASH.encode()], dtype=np.object_)
     if call.role == "decode":
         arrays["prefill_instance"] = np.array([call.prefill_instance.encode()], dtype=np.object_)
         arrays["prefill_rendezvous"] = np.array([call.prefill_rendezvous.encode()], dtype=np.object_)
@@ -149,34 +108,6 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
     return arrays
 
 
-def child_response(values: Mapping[str, np.ndarray], final: bool) -> ChildResponse:
-    """A child's output arrays (absent outputs left out) → ``ChildResponse``; no outputs: FINAL alone."""
-    if not values:
-        return ChildResponse(final=final)
-
-    def text(name: str) -> str:
-        array = values.get(name)
-        return "" if array is None else np.asarray(array).astype(np.uint8).tobytes().decode("utf-8")
-
-    def count(name: str) -> int:
-        array = values.get(name)
-        return 0 if array is None or np.size(array) == 0 else int(np.asarray(array).reshape(-1)[0])
-
-    def number(name: str) -> float:
-        array = values.get(name)
-        return 0.0 if array is None or np.size(array) == 0 else float(np.asarray(array).reshape(-1)[0])
-
-    def ids(name: str) -> tuple[int, ...]:
-        array = values.get(name)
-        return () if array is None else tuple(int(t) for t in np.asarray(array).reshape(-1))
-
-    if text("error"):
-        return ChildResponse(error=text("error"), final=True, error_kind=ErrorKind.from_wire(text("error_kind")))
-    return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
-                         num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
-                         final=final, cumulative_logprob=number("cumulative_logprob"),
-                         logprobs=logprobs_from_wire(text("logprobs")), num_cached_tokens=count("num_cached_tokens"),
-                         token_ids=ids("output_token_ids"))
 
 
 class GrpcLauncher:
@@ -204,7 +135,7 @@ class GrpcLauncher:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         request = {"model_name": call.target.model_name, "inputs": inputs,
-                   "outputs": [InferRequestedOutput(name) for name in CHILD_OUTPUTS],
+                   "outputs": [InferRequestedOutput(name) for name in CHILD_OUTPUT_NAMES],
                    "request_id": f"{call.room}-{call.role}",
                    "parameters": {"triton_enable_empty_final_response": True}}
         ended = asyncio.Event()
@@ -223,9 +154,9 @@ class GrpcLauncher:
                     yield ChildResponse(error=f"{call.role} {call.target.instance_id}: {error.message()}", final=True)
                     return
                 final = bool(result.get_response().parameters["triton_final_response"].bool_param)
-                values = {name: array for name in CHILD_OUTPUTS
+                values = {name: array for name in CHILD_OUTPUT_NAMES
                           if (array := result.as_numpy(name)) is not None}
-                response = child_response(values, final)
+                response = decode_response(values, final)
                 finished = response.final
                 yield response
                 if finished:

@@ -10,14 +10,8 @@ import pytest
 from engine.outputs import TokenLogprob
 from serving.request import OutputOptions, RequestError, parse_request
 from serving.stream import ResponseChunk, SampleOutput
-from serving.triton_io import (
-    child_response_arrays,
-    logprobs_from_wire,
-    logprobs_json,
-    logprobs_to_wire,
-    response_arrays,
-    scalars_from_arrays,
-)
+from serving.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
+from serving.triton_io import logprobs_json, response_arrays, scalars_from_arrays
 
 ALL = OutputOptions(True, True, True, True, True, True)
 
@@ -96,11 +90,11 @@ def test_logprobs_json_is_the_vllm_layout() -> None:
 def test_child_layout_round_trips_logprobs() -> None:
     assert logprobs_from_wire(logprobs_to_wire(ENTRIES)) == ENTRIES
     assert logprobs_from_wire(logprobs_to_wire(None)) is None
-    arrays = child_response_arrays(ResponseChunk.single("é", None, 3, 1, 1, -0.25, ENTRIES[:1]))
+    arrays = encode_response(ResponseChunk.single("é", None, 3, 1, 1, -0.25, ENTRIES[:1]))
     assert arrays["text_output"].dtype == np.uint8 and arrays["text_output"].tobytes().decode() == "é"
     assert arrays["cumulative_logprob"].tolist() == [-0.25]
     assert arrays["num_cached_tokens"].dtype == np.int32 and arrays["num_cached_tokens"].tolist() == [0]
-    cached = child_response_arrays(ResponseChunk.single("x", None, 40, 1, 1, num_cached_tokens=32))
+    cached = encode_response(ResponseChunk.single("x", None, 40, 1, 1, num_cached_tokens=32))
     assert cached["num_cached_tokens"].tolist() == [32] and cached["num_input_tokens"].tolist() == [40]
     assert logprobs_from_wire(arrays["logprobs"].tobytes().decode()) == ENTRIES[:1]
     with pytest.raises(ValueError):
@@ -125,12 +119,12 @@ def test_return_inputs_select_outputs() -> None:
 
 def test_child_token_ids_round_trip_as_int32_and_resume_ids_travel_to_decode_only() -> None:
     from serving.router.fleet import Target
-    from serving.router.launch import ChildCall, child_arrays, child_response
+    from serving.router.launch import ChildCall, child_arrays
 
-    arrays = child_response_arrays(ResponseChunk.single("ab", None, 3, 4, 2, token_ids=(7, 9)))
+    arrays = encode_response(ResponseChunk.single("ab", None, 3, 4, 2, token_ids=(7, 9)))
     assert arrays["output_token_ids"].dtype == np.int32 and arrays["output_token_ids"].tolist() == [7, 9]
-    assert child_response(arrays, final=False).token_ids == (7, 9)
-    assert child_response(child_response_arrays(ResponseChunk.single("")), final=True).token_ids == ()
+    assert decode_response(arrays, final=False).token_ids == (7, 9)
+    assert decode_response(encode_response(ResponseChunk.single("")), final=True).token_ids == ()
     target = Target("d0@h:1", "decode", "127.0.0.1:8001", "decode", rendezvous_url="http://d0:1")
     call = ChildCall("decode", target, 5, "", "", {"text_input": "hi"}, resume_token_ids=(4, 5, 6))
     sent = child_arrays(call)

@@ -1,0 +1,203 @@
+"""The child protocol in one place: what ``pd_ensemble`` sends a prefill or decode model, what comes back, the
+encoders and decoders of both sides next to each other, and the schema hash both sides check.
+
+``CHILD_INPUTS`` and ``CHILD_OUTPUTS`` are the protocol: every input the router may send (with the roles that
+take it) and every output a child answers with, in Triton data types; the prefill and decode ``config.pbtxt``
+declare them (``tests/serving/test_child_codec.py`` holds the three to each other). ``SCHEMA_HASH`` hashes
+them with ``CHILD_PROTOCOL_VERSION`` (raise it for a change of meaning that keeps names and types); the router
+sends it in ``child_schema`` and a child of another build answers that request with an error naming both
+hashes (``ChildSchemaMismatch``, an ``INSTANCE`` error: the fleet runs two builds), instead of failing on a
+missing input or output or, worse, misreading one. A request without ``child_schema`` (a client's, a test's) is
+not checked.
+
+Request side: the router encodes (``serving.router.launch.child_arrays``), the child decodes
+(``serving.pd_request.parse_pd_request``, which calls ``check_schema``). Response side: ``encode_response``
+(child) and ``decode_response`` (router). Text outputs are UTF-8 bytes in UINT8 tensors, never BYTES (why:
+``encode_response``). Meanings of each field: docs/protocol.md, "Child requests".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.outputs import TokenLogprob
+from serving.stream import ErrorKind, ResponseChunk, SampleOutput
+
+#: Raise for a change of meaning that keeps every name and type (a new unit, a new rule for an old field).
+CHILD_PROTOCOL_VERSION = 1
+
+PREFILL, DECODE = "prefill", "decode"
+BOTH = (PREFILL, DECODE)
+
+#: input → (Triton data type, the roles that take it): every input the router may send a child
+CHILD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "text_input": ("TYPE_STRING", BOTH),
+    "sampling_parameters": ("TYPE_STRING", BOTH),
+    "apply_chat_template": ("TYPE_BOOL", BOTH),
+    "bootstrap_room": ("TYPE_INT64", BOTH),
+    "prefill_instance": ("TYPE_STRING", (DECODE,)),
+    "prefill_rendezvous": ("TYPE_STRING", (DECODE,)),
+    "resume_token_ids": ("TYPE_INT32", (DECODE,)),
+    "prompt_token_ids": ("TYPE_INT32", BOTH),
+    "tokenizer_id": ("TYPE_STRING", BOTH),
+    "child_schema": ("TYPE_STRING", BOTH),
+}
+#: output → Triton data type: every output of every child response
+CHILD_OUTPUTS: dict[str, str] = {
+    "text_output": "TYPE_UINT8",
+    "finish_reason": "TYPE_UINT8",
+    "num_input_tokens": "TYPE_INT32",
+    "num_output_tokens": "TYPE_INT32",
+    "num_cached_tokens": "TYPE_INT32",
+    "cumulative_logprob": "TYPE_FP32",
+    "logprobs": "TYPE_UINT8",
+    "output_token_ids": "TYPE_INT32",
+    "error": "TYPE_UINT8",
+    "error_kind": "TYPE_UINT8",
+}
+SCHEMA_INPUT = "child_schema"
+SCHEMA_HASH: str = hashlib.sha256(json.dumps(
+    {"version": CHILD_PROTOCOL_VERSION, "inputs": {k: [t, list(r)] for k, (t, r) in CHILD_INPUTS.items()},
+     "outputs": CHILD_OUTPUTS}, sort_keys=True).encode()).hexdigest()[:12]
+
+
+class ChildSchemaMismatch(Exception):
+    """The router that sent this request speaks another child schema than this child (two builds in one
+    fleet). The child answers with this message as an ``INSTANCE`` error."""
+
+
+def check_schema(pd_inputs: Mapping[str, np.ndarray]) -> None:
+    """Child side, before anything else is read: raises ``ChildSchemaMismatch`` when ``child_schema`` is sent
+    and is not ``SCHEMA_HASH``; absent: nothing to check."""
+    array = pd_inputs.get(SCHEMA_INPUT)
+    if array is None:
+        return
+    value = np.asarray(array).reshape(-1)
+    sent = value[0].decode() if value.size and isinstance(value[0], bytes) else (str(value[0]) if value.size else "")
+    if sent != SCHEMA_HASH:
+        raise ChildSchemaMismatch(f"child protocol mismatch: the router speaks child schema {sent!r}, this child "
+                                  f"{SCHEMA_HASH!r} (run one build of the project across the fleet)")
+
+
+@dataclass(frozen=True)
+class ChildResponse:
+    """One response of a prefill or decode child request.
+
+    Attributes:
+        text: new text of this response (a UTF-8 delta; may be empty).
+        num_input_tokens: prompt length in tokens (0 when the response does not say).
+        num_output_tokens: tokens generated so far, counted from the first token (prefill's response: 1;
+            decode's responses include the first token in their count).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token (or on prefill's first
+            token when that token already ends the request), else ``None``.
+        cumulative_logprob: sum of the raw logprobs of the tokens so far (the first included).
+        logprobs: logprobs of this response's tokens when the request asked for them, else None (decode's
+            responses never include the first token's: prefill's first response carries it).
+        error: the child's error message, if it failed.
+        error_kind: whose fault ``error`` is (``ErrorKind``; the router retries only ``INSTANCE`` errors).
+        final: the FINAL flag of the child stream.
+        unreachable: the error is the router's: the child could not be reached or its stream broke (the only
+            kind of failure that counts against the instance's circuit breaker).
+        num_cached_tokens: prompt tokens the child engine's prefix cache supplied (prefill's: the prompt's
+            cache hit; decode's: its own, which counts only for a direct decode); 0 when the response does not
+            say.
+        token_ids: ids of this response's new tokens (prefill's first response: the first token; decode's:
+            the tokens after the first, or after the resumed ones), in order.
+    """
+
+    text: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    final: bool = False
+    unreachable: bool = False
+    cumulative_logprob: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    num_cached_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
+    error_kind: ErrorKind = ErrorKind.INSTANCE
+
+
+def utf8_array(text: str) -> np.ndarray:
+    """``text`` as a ``[num_bytes]`` uint8 array of its UTF-8 bytes."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def logprobs_to_wire(entries: tuple[TokenLogprob, ...] | None) -> str:
+    """Token logprobs in the child layout: ``""`` for None, else a JSON list of
+    ``[token_id, logprob, rank, decoded_token, [[token_id, logprob, text], ...]]``."""
+    if entries is None:
+        return ""
+    return json.dumps([[e.token_id, e.logprob, e.rank, e.decoded_token, [list(t) for t in e.top]]
+                       for e in entries])
+
+
+def logprobs_from_wire(text: str) -> tuple[TokenLogprob, ...] | None:
+    """Inverse of ``logprobs_to_wire``. Raises ValueError on a malformed text."""
+    if not text:
+        return None
+    try:
+        return tuple(TokenLogprob(int(t), float(lp), int(rank), str(decoded),
+                                  tuple((int(i), float(v), str(s)) for i, v, s in top))
+                     for t, lp, rank, decoded, top in json.loads(text))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"malformed child logprobs: {e}") from None
+
+
+def encode_response(chunk: ResponseChunk, error: str = "", error_kind: ErrorKind | None = None
+                    ) -> dict[str, np.ndarray]:
+    """Child side: the output arrays of a prefill/decode response to ``pd_ensemble`` (one sample; exactly
+    ``CHILD_OUTPUTS``, in their types): the text fields as
+    UTF-8 ``uint8`` arrays (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the
+    object dtype's reference count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``):
+    after ~1.5k responses pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
+    sample = chunk.samples[0] if chunk.samples else SampleOutput()
+    return {
+        "text_output": utf8_array(sample.text),
+        "finish_reason": utf8_array(sample.finish_reason or ""),
+        "num_input_tokens": np.array([chunk.num_input_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([sample.num_output_tokens], dtype=np.int32),
+        "num_cached_tokens": np.array([sample.num_cached_tokens], dtype=np.int32),
+        "cumulative_logprob": np.array([sample.cumulative_logprob], dtype=np.float32),
+        "logprobs": utf8_array(logprobs_to_wire(sample.logprobs)),
+        "output_token_ids": np.array(sample.token_ids, dtype=np.int32),
+        "error": utf8_array(error),
+        "error_kind": utf8_array(error_kind.value if error and error_kind is not None else ""),
+    }
+
+
+def decode_response(values: Mapping[str, np.ndarray], final: bool) -> ChildResponse:
+    """Router side: a child's output arrays (absent outputs left out) → ``ChildResponse``; no outputs: FINAL
+    alone. Inverse of ``encode_response``. Raises ValueError on malformed ``logprobs``."""
+    if not values:
+        return ChildResponse(final=final)
+
+    def text(name: str) -> str:
+        array = values.get(name)
+        return "" if array is None else np.asarray(array).astype(np.uint8).tobytes().decode("utf-8")
+
+    def count(name: str) -> int:
+        array = values.get(name)
+        return 0 if array is None or np.size(array) == 0 else int(np.asarray(array).reshape(-1)[0])
+
+    def number(name: str) -> float:
+        array = values.get(name)
+        return 0.0 if array is None or np.size(array) == 0 else float(np.asarray(array).reshape(-1)[0])
+
+    def ids(name: str) -> tuple[int, ...]:
+        array = values.get(name)
+        return () if array is None else tuple(int(t) for t in np.asarray(array).reshape(-1))
+
+    if text("error"):
+        return ChildResponse(error=text("error"), final=True, error_kind=ErrorKind.from_wire(text("error_kind")))
+    return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
+                         num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
+                         final=final, cumulative_logprob=number("cumulative_logprob"),
+                         logprobs=logprobs_from_wire(text("logprobs")), num_cached_tokens=count("num_cached_tokens"),
+                         token_ids=ids("output_token_ids"))
