@@ -5,12 +5,9 @@ that is (the router's own included): one bidirectional stream per child request,
 stream cancels exactly that request (Triton then reports ``is_cancelled()`` to the child, which aborts it and
 frees its pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC".
 
-Child protocol (``serving.pd_request``): inputs ``text_input``, ``sampling_parameters``, ``apply_chat_template``
-(the client's, as sent), ``bootstrap_room`` (INT64), ``prefill_instance`` and ``prefill_rendezvous`` (decode;
-empty: direct decode); outputs ``text_output``/``finish_reason``/``error``/``error_kind``/``logprobs`` as UTF-8 in UINT8 tensors,
-``num_input_tokens``, ``num_output_tokens`` and ``num_cached_tokens`` (INT32), ``cumulative_logprob`` (FP32),
-``output_token_ids`` (INT32 ``[k]``) (``serving.triton_io``'s child layout); a migrated decode child also gets
-``resume_token_ids`` (INT32 ``[k]``). A child reports a failure as a FINAL response whose ``error`` is set.
+Child protocol: ``serving.child_codec`` (inputs, outputs and their types, the response decoder this module uses,
+the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error`` (and
+``error_kind``) is set.
 """
 
 from __future__ import annotations
