@@ -200,17 +200,23 @@ def test_a_room_queued_behind_its_prefills_other_rooms_outlives_the_waiting_time
     of this decode page by page: the first room keeps waiting (its prefill is alive and working through its
     queue), then gets its KV and succeeds."""
     prefill, decode = pair
+    queued_room_outlives_a_busy_room(prefill, decode, decode)
+
+
+def queued_room_outlives_a_busy_room(prefill: Any, decode: Any, busy_decode: Any) -> None:
+    """A room of ``decode`` waits 5.4 s (waiting timeout: 2 s) while ``prefill`` streams a room of
+    ``busy_decode`` chunk by chunk; it must still be waiting at every chunk, then get its KV and succeed."""
     queued = open_room(prefill, decode, 40)
-    busy = open_room(prefill, decode, 12 * PAGE_SIZE)
+    busy = open_room(prefill, busy_decode, 12 * PAGE_SIZE)
     for num_pages, is_last in chunk_plan(12 * PAGE_SIZE, PAGE_SIZE):   # 12 chunks, one every 0.45 s
         prefill.call("send", busy, num_pages, is_last)
         time.sleep(0.45)
         assert decode.call("poll", queued) == KVPoll.WaitingForInput, decode.call("failure", queued)
-    finish(prefill, decode, busy)
+    finish(prefill, busy_decode, busy)
     for num_pages, is_last in chunk_plan(40, 40):
         prefill.call("send", queued, num_pages, is_last)
     finish(prefill, decode, queued)
-    assert_pages_back(prefill, decode)
+    assert_pages_back(prefill, decode, busy_decode)
 
 
 def test_a_room_queued_behind_another_decodes_rooms_outlives_the_waiting_timeout(
@@ -218,19 +224,7 @@ def test_a_room_queued_behind_another_decodes_rooms_outlives_the_waiting_timeout
     """As above, but the busy room belongs to another decode instance, so this decode sees none of its chunks:
     the prefill's ``queued`` notifications keep the waiting room alive (2 s timeout, 5.4 s of waiting)."""
     prefill, decode = pair
-    other = make_side("decode")
-    queued = open_room(prefill, decode, 40)
-    busy = open_room(prefill, other, 12 * PAGE_SIZE)
-    for num_pages, is_last in chunk_plan(12 * PAGE_SIZE, PAGE_SIZE):   # 12 chunks, one every 0.45 s
-        prefill.call("send", busy, num_pages, is_last)
-        time.sleep(0.45)
-        assert decode.call("poll", queued) == KVPoll.WaitingForInput, decode.call("failure", queued)
-    finish(prefill, other, busy)
-    for num_pages, is_last in chunk_plan(40, 40):
-        prefill.call("send", queued, num_pages, is_last)
-    finish(prefill, decode, queued)
-    assert_pages_back(prefill, decode)
-    assert_pages_back(prefill, other)
+    queued_room_outlives_a_busy_room(prefill, decode, make_side("decode"))
 
 
 def test_a_room_at_a_prefill_that_posts_nothing_still_hits_the_waiting_timeout(pair: tuple[Any, Any]) -> None:
