@@ -33,6 +33,7 @@ CHILD_PROTOCOL_VERSION = 1
 
 PREFILL, DECODE = "prefill", "decode"
 BOTH = (PREFILL, DECODE)
+SCHEMA_INPUT = "child_schema"
 
 #: input → (Triton data type, the roles that take it): every input the router may send a child
 CHILD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -45,7 +46,7 @@ CHILD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "resume_token_ids": ("TYPE_INT32", (DECODE,)),
     "prompt_token_ids": ("TYPE_INT32", BOTH),
     "tokenizer_id": ("TYPE_STRING", BOTH),
-    "child_schema": ("TYPE_STRING", BOTH),
+    SCHEMA_INPUT: ("TYPE_STRING", BOTH),
 }
 #: output → Triton data type: every output of every child response
 CHILD_OUTPUTS: dict[str, str] = {
@@ -60,7 +61,6 @@ CHILD_OUTPUTS: dict[str, str] = {
     "error": "TYPE_UINT8",
     "error_kind": "TYPE_UINT8",
 }
-SCHEMA_INPUT = "child_schema"
 SCHEMA_HASH: str = hashlib.sha256(json.dumps(
     {"version": CHILD_PROTOCOL_VERSION, "inputs": {k: [t, list(r)] for k, (t, r) in CHILD_INPUTS.items()},
      "outputs": CHILD_OUTPUTS}, sort_keys=True).encode()).hexdigest()[:12]
@@ -78,7 +78,8 @@ def check_schema(pd_inputs: Mapping[str, np.ndarray]) -> None:
     if array is None:
         return
     value = np.asarray(array).reshape(-1)
-    sent = value[0].decode() if value.size and isinstance(value[0], bytes) else (str(value[0]) if value.size else "")
+    first = value[0] if value.size else b""
+    sent = first.decode() if isinstance(first, bytes) else str(first)
     if sent != SCHEMA_HASH:
         raise ChildSchemaMismatch(f"child protocol mismatch: the router speaks child schema {sent!r}, this child "
                                   f"{SCHEMA_HASH!r} (run one build of the project across the fleet)")

@@ -24,11 +24,8 @@ from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 
 Room = int
-CHILD_OUTPUT_NAMES: tuple[str, ...] = tuple(CHILD_OUTPUTS)
 #: Inputs of the client's request that are forwarded as they are to both children.
 FORWARDED_INPUTS: tuple[str, ...] = ("text_input", "sampling_parameters", "apply_chat_template")
-
-
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,7 @@ class GrpcLauncher:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         request = {"model_name": call.target.model_name, "inputs": inputs,
-                   "outputs": [InferRequestedOutput(name) for name in CHILD_OUTPUT_NAMES],
+                   "outputs": [InferRequestedOutput(name) for name in CHILD_OUTPUTS],
                    "request_id": f"{call.room}-{call.role}",
                    "parameters": {"triton_enable_empty_final_response": True}}
         ended = asyncio.Event()
@@ -151,7 +148,7 @@ class GrpcLauncher:
                     yield ChildResponse(error=f"{call.role} {call.target.instance_id}: {error.message()}", final=True)
                     return
                 final = bool(result.get_response().parameters["triton_final_response"].bool_param)
-                values = {name: array for name in CHILD_OUTPUT_NAMES
+                values = {name: array for name in CHILD_OUTPUTS
                           if (array := result.as_numpy(name)) is not None}
                 response = decode_response(values, final)
                 finished = response.final
