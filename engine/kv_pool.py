@@ -11,12 +11,18 @@ The block of one (layer, kv, page) is contiguous; its byte offset from the regio
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from engine.page_allocator import PageId
+
+logger = logging.getLogger(__name__)
 
 #: Transparent huge page size on x86-64 (and the alignment a region needs for the kernel to back it with them).
 HUGE_PAGE_BYTES = 2 << 20
@@ -45,10 +51,15 @@ class KVShape:
 
 
 class KVPool:
-    """Owns the KV tensor; allocated and written once (touched) at construction.
+    """Owns the KV tensor; allocated and touched (faulted in) once, before or just after serving starts.
 
     Touching matters: the first write into never-touched memory is slow (page faults, ~10 ms per request seen
-    when a transfer wrote into a fresh pool), so every byte is zeroed here, before serving.
+    when a transfer wrote into a fresh pool). A host mapping is zero already (anonymous memory), so it is not
+    written: its pages are populated by the kernel (``MADV_POPULATE_WRITE``, Linux 5.14+) on a daemon thread,
+    which leaves every byte as it is, so the engine may write the pool meanwhile; start-up does not wait for
+    it (zeroing a 377 MiB pool took 0.9-1.5 s of a 7 s prefill server start on a quiet 2-core host, most of
+    it the kernel's huge-page compaction, and several times that under load: docs/healing.md). Where the
+    kernel refuses the advice, and for device memory, every byte is zeroed here instead.
 
     Host memory: with ``huge_pages`` the region is its own anonymous mapping, 2 MiB-aligned, advised
     ``MADV_HUGEPAGE`` (transparent huge pages; hosts in THP ``madvise`` mode give them only where asked), so
@@ -64,6 +75,8 @@ class KVPool:
         num_pages: pages in the pool.
         block_bytes: bytes of one (layer, kv, page) block.
         page_bytes: bytes of one page over all layers, K and V.
+        populating: the daemon thread faulting a host mapping in (done when it is no longer alive), or None
+            when the memory was zeroed in the constructor.
     """
 
     def __init__(self, shape: KVShape, num_pages: int, dtype: torch.dtype,
@@ -80,9 +93,12 @@ class KVPool:
         # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], contiguous
         if huge_pages and torch.device(device).type == "cpu":
             self._region, self.storage = _huge_page_tensor(dims, dtype, num_pages * self.page_bytes)
+            self.populating = _populate_in_background(self.storage.data_ptr(), num_pages * self.page_bytes)
         else:
             self.storage = torch.empty(dims, dtype=dtype, device=device)
-        self.storage.zero_()
+            self.populating = None
+        if self.populating is None:
+            self.storage.zero_()
         # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], strided view of the same memory
         self.kv_cache = self.storage.permute(1, 2, 0, 3, 4, 5)
 
@@ -130,6 +146,30 @@ def _huge_page_tensor(dims: tuple[int, ...], dtype: torch.dtype,
         region.madvise(mmap.MADV_HUGEPAGE, 0, len(region))
     flat = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)
     return region, flat.view(dtype).view(dims)
+
+
+_MADV_POPULATE_WRITE = 23  # linux/mman.h: fault pages in writable, contents unchanged (Linux 5.14+)
+
+
+def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
+    """Start a daemon thread that faults in ``[base, base + nbytes)`` (page-aligned, a mapping of this process)
+    with ``MADV_POPULATE_WRITE``; None when the kernel refuses the advice (tried on the first huge page, here),
+    so the caller touches the memory itself. The thread holds no Python object of the pool: if the mapping is
+    closed first, its madvise fails (ENOMEM) and it ends."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    first = min(nbytes, HUGE_PAGE_BYTES)
+    if madvise(base, first, _MADV_POPULATE_WRITE) != 0:
+        return None
+
+    def populate() -> None:   # ctypes releases the GIL for the call
+        if madvise(base + first, nbytes - first, _MADV_POPULATE_WRITE) != 0:
+            logger.info("KV pool populate stopped: %s", os.strerror(ctypes.get_errno()))
+
+    thread = threading.Thread(target=populate, name="kv-pool-populate", daemon=True)
+    thread.start()
+    return thread
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -4,7 +4,11 @@ Per format ``dtype:weight_quant``, in a child process of its own (so that peak R
 (a) batch-1 inter-token latency, (b) batch-16 mixed throughput (same workload as ``bench_engine.py``), the
 memory-bandwidth limit of (a) = weight bytes one decode step reads / memcpy bandwidth (a 256 MiB tensor copy,
 best of 5, bytes copied per second) measured in the same process just before (a), the fraction of that limit
-reached (limit / ITL), peak RSS and perplexity on the first ``--ppl-tokens`` tokens of the shipped text.
+reached (limit / ITL), where a decode step's time goes (the weight products, i.e. every ``linear`` call of
+the model, against the rest: attention, norms, RoPE, sampling, the engine's own work) and the fraction of the
+limit the products alone reach, peak RSS and perplexity on the first ``--ppl-tokens`` tokens of the shipped text.
+The rest does not shrink with the weight bytes, so it caps a format's batch-1 speed-up at
+``(products_fp32 + rest) / (products_format + rest)``.
 The parent prints one table, the ratios against the first format, the load average, and a JSON line.
 """
 
@@ -37,6 +41,36 @@ def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def products_ms_per_step(loaded, prompt: list[int], n: int, **formats: str) -> tuple[float, float]:
+    """(ms per batch-1 decode step, ms of it inside the model's weight products), one request of ``n`` new
+    tokens after its prefill step; the products are timed by wrapping ``engine.model.llama.linear`` (two clock
+    reads per call, ~121 calls per step)."""
+    import engine.model.llama as llama
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    inner, spent = llama.linear, [0.0]
+
+    def timed(x, weight, bias=None):
+        start = time.perf_counter()
+        try:
+            return inner(x, weight, bias)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    engine = LLMEngine(EngineConfig(num_pages=64, num_threads=torch.get_num_threads(), **formats), loaded)
+    engine.add_request("steps", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill + first token
+    llama.linear = timed
+    try:
+        start, steps = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+    finally:
+        llama.linear = inner
+    return (time.perf_counter() - start) / steps * 1e3, spent[0] / steps * 1e3
+
+
 def one_format(args: argparse.Namespace, decode_b1: Callable, mixed: Callable,
                make_prompts: Callable) -> dict:
     """Measure one format in this process; returns the row as a dict."""
@@ -53,6 +87,8 @@ def one_format(args: argparse.Namespace, decode_b1: Callable, mixed: Callable,
     for _ in range(args.repeats):
         bandwidth = max(bandwidth, memcpy_bytes_per_s())
         b1 = max(b1, decode_b1(loaded, ids[:32], args.decode_tokens, **formats))
+    step_ms, products_ms = min(products_ms_per_step(loaded, ids[:32], args.decode_tokens, **formats)
+                               for _ in range(args.repeats))
     b16 = max(mixed(loaded, prompts, args.mixed_new_tokens, args, **formats) for _ in range(args.repeats))
     ppl = perplexity(loaded.model, loaded.tokenizer.encode(reference_text())[:args.ppl_tokens])
     weight_bytes = loaded.model.streamed_weight_bytes()
@@ -61,6 +97,8 @@ def one_format(args: argparse.Namespace, decode_b1: Callable, mixed: Callable,
     return {"format": args.one_format, "itl_b1_ms": round(itl_ms, 2), "b16_tok_s": round(b16, 1),
             "weight_mb": round(weight_bytes / 1e6, 1), "memcpy_gb_s": round(bandwidth / 1e9, 2),
             "limit_ms": round(limit_ms, 2), "fraction_of_limit": round(limit_ms / itl_ms, 3),
+            "products_ms": round(products_ms, 2), "rest_ms": round(step_ms - products_ms, 2),
+            "products_of_limit": round(limit_ms / products_ms, 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "rss_end_mb": round(_rss_bytes() / 1e6, 1),
             "perplexity": round(ppl, 4), "load_avg_1m": round(os.getloadavg()[0], 2)}
@@ -79,14 +117,16 @@ def run_formats(args: argparse.Namespace, decode_b1: Callable, mixed: Callable,
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     base = rows[0]
-    print("\n| format | b1 ITL ms | b1 x | limit ms | of limit | b16 tok/s | b16 x | weights MB "
-          f"| peak RSS MB | RSS end MB | perplexity | ppl / base | load |\n|{'---|' * 13}")
+    print("\n| format | b1 ITL ms | b1 x | limit ms | of limit | products ms | rest ms | products of limit "
+          "| b16 tok/s | b16 x | weights MB "
+          f"| peak RSS MB | RSS end MB | perplexity | ppl / base | load |\n|{'---|' * 16}")
     for r in rows:
         r["b1_speedup"] = round(base["itl_b1_ms"] / r["itl_b1_ms"], 2)
         r["b16_speedup"] = round(r["b16_tok_s"] / base["b16_tok_s"], 2)
         r["ppl_ratio"] = round(r["perplexity"] / base["perplexity"], 4)
         print(f"| {r['format']} | {r['itl_b1_ms']} | {r['b1_speedup']} | {r['limit_ms']} | "
-              f"{r['fraction_of_limit']:.0%} | {r['b16_tok_s']} | {r['b16_speedup']} | {r['weight_mb']} | "
+              f"{r['fraction_of_limit']:.0%} | {r['products_ms']} | {r['rest_ms']} | {r['products_of_limit']:.0%} | "
+              f"{r['b16_tok_s']} | {r['b16_speedup']} | {r['weight_mb']} | "
               f"{r['peak_rss_mb']} | {r['rss_end_mb']} | {r['perplexity']} | {r['ppl_ratio']} | "
               f"{r['load_avg_1m']} |")
     print(f"threads={args.num_threads}, load average at the end {os.getloadavg()}")

@@ -97,6 +97,10 @@ server_args+=(
   --metrics-address="$HOST" --metrics-port="$METRICS_PORT"
   --allow-gpu-metrics=false --pinned-memory-pool-byte-size=0
   --exit-timeout-secs="${EXIT_TIMEOUT_S:-20}"
+  # Every config.pbtxt here is complete: without this flag each model load first runs a short-lived python stub
+  # only to ask model.py for its config (1.3 s of a 7 s prefill server start on a quiet host; more under load,
+  # where it delays a healed server: docs/healing.md)
+  --disable-auto-complete-config
 )
 # Explicit model control always (every model of the repository: --load-model=*), so that an operator can load,
 # unload or reload one model through the repository API without touching the others (docs/healing.md).

@@ -197,6 +197,7 @@ def server_command(repo: Path, ports: ServerPorts) -> list[str]:
             "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
             f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
             "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=20",
+            "--disable-auto-complete-config",   # as serve.sh: the configs are complete
             # the routers' keepalive pings (serve.sh says why)
             "--grpc-keepalive-permit-without-calls=1", "--grpc-http2-min-recv-ping-interval-without-data=5000",
             "--grpc-http2-max-ping-strikes=0",

@@ -104,6 +104,21 @@ def test_kv_pool_host_memory_is_huge_page_aligned_and_same_layout_without():
     assert huge.block_offset(1, 0, 2) == huge.kv_cache[1, 0, 2].data_ptr() - huge.base_ptr
 
 
+def test_a_host_pool_is_populated_in_the_background_without_losing_writes():
+    """A host pool of several huge pages is faulted in by a thread that changes no byte: what the engine
+    writes while it runs stays, everything else reads zero (the mapping is never written at construction)."""
+    shape = KVShape(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)   # 64 KiB pages
+    pool = KVPool(shape, num_pages=256, dtype=torch.float32, device="cpu")     # 16 MiB: 8 huge pages
+    assert pool.populating is not None, "this kernel refused MADV_POPULATE_WRITE"
+    pool.kv_cache[3, 1, 255] = 7.0    # the last page, most likely written before the thread reaches it
+    pool.kv_cache[0, 0, 0] = 5.0
+    pool.populating.join(timeout=30)
+    assert not pool.populating.is_alive()
+    assert torch.all(pool.kv_cache[3, 1, 255] == 7.0) and torch.all(pool.kv_cache[0, 0, 0] == 5.0)
+    assert torch.count_nonzero(pool.storage) == 2 * pool.kv_cache[0, 0, 0].numel()
+    assert KVPool(shape, num_pages=4, dtype=torch.float32, device="cpu", huge_pages=False).populating is None
+
+
 def test_pages_for_bytes_rounds_down():
     shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4)
     page_bytes = shape.page_bytes(torch.float32)
