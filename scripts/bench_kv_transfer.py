@@ -3,7 +3,9 @@ to a decode process over a KV backend (NIXL, Mooncake), against a plain memcpy o
 
 Usage: python scripts/bench_kv_transfer.py [--backend nixl,mooncake] [--reps 20] [--scatter]
                                            [--sizes 128,1024,4096] [--cold] [--no-inline]
-                                           [--no-huge-pages]
+                                           [--no-huge-pages] [--dtype float32|bfloat16]
+``--dtype bfloat16``: the KV of a ``dtype: bfloat16`` engine (half the bytes per page; the pools hold 16-bit
+values, which the transfer and the baseline copy as bytes).
 The pool is page-major (``kv_transfer.layout`` v2): a page is one contiguous region, so ``--scatter`` (random
 pages on both sides) moves one descriptor per page instead of merging runs.
 Prints one line per size, then a JSON object (last line; with several backends ``{"backends": {name: ...}}``)
@@ -48,8 +50,23 @@ NUM_PAGES = 4096 // PAGE_SIZE + 8
 CEILING_THREADS = 2
 
 
-def smollm2_layout(num_pages: int) -> KVLayout:
-    return KVLayout(num_layers=30, num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=3, head_dim=64)
+#: The KV dtype of every pool and layout of this run (``--dtype``; spawned workers get it as an argument).
+KV_DTYPE = "float32"
+_NP_DTYPES = {"float32": np.float32, "bfloat16": np.int16}   # numpy has no bfloat16: its bits as int16
+
+
+def smollm2_layout(num_pages: int, dtype: str | None = None) -> KVLayout:
+    return KVLayout(num_layers=30, num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=3, head_dim=64,
+                    dtype=dtype or KV_DTYPE)
+
+
+def fill_random(values: np.ndarray, seed: int) -> None:
+    """Fresh values in every element of ``values`` (float32, or the int16 bits of bfloat16)."""
+    rng = np.random.default_rng(seed)
+    if values.dtype == np.float32:
+        values[...] = rng.random(values.shape, dtype=np.float32)
+    else:
+        values[...] = rng.integers(-2**15, 2**15, values.shape, dtype=values.dtype)
 
 
 def _wait(pred, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
@@ -61,23 +78,31 @@ def _wait(pred, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
-def engine_pool(huge_pages: bool) -> np.ndarray:
+def engine_pool(huge_pages: bool, dtype: str | None = None) -> np.ndarray:
     """A pool allocated as the engine allocates it (``engine.kv_pool.KVPool``: huge pages unless
-    ``--no-huge-pages``), as a flat float32 array; the pool object lives as long as the array."""
+    ``--no-huge-pages``), as a flat array (float32, or int16 for bfloat16); the pool object lives as long as
+    the array."""
     from engine.kv_pool import KVPool, KVShape
 
+    dtype = dtype or KV_DTYPE
     pool = KVPool(KVShape(num_layers=30, num_kv_heads=3, head_dim=64, page_size=PAGE_SIZE), NUM_PAGES,
-                  torch.float32, "cpu", huge_pages=huge_pages)
-    return pool.storage.numpy().reshape(-1)   # [pool floats]; numpy keeps the tensor (and its memory) alive
+                  getattr(torch, dtype), "cpu", huge_pages=huge_pages)
+    if pool.populating is not None:
+        pool.populating.join()   # faulted in before anything is timed
+    storage = pool.storage if dtype == "float32" else pool.storage.view(torch.int16)
+    return storage.numpy().reshape(-1)   # [pool values]; numpy keeps the tensor (and its memory) alive
 
 
 def worker(role: str, prefill_url: str, backend: str, cold: bool, inline: bool,  # type: ignore[no-untyped-def]
-           huge_pages: bool, conn) -> None:
+           huge_pages: bool, dtype: str, conn) -> None:
     """One engine-like process: a KV pool (touched), a manager with its own rendezvous, commands from the pipe;
     ``prefill_url``: decode only, the prefill process's rendezvous."""
-    layout = smollm2_layout(NUM_PAGES)
-    pool = engine_pool(huge_pages)   # touched: first-touch page faults excluded
-    pool[:] = np.random.default_rng(1).random(len(pool), dtype=np.float32) if role == "prefill" else 1.0
+    layout = smollm2_layout(NUM_PAGES, dtype)
+    pool = engine_pool(huge_pages, dtype)   # touched: first-touch page faults excluded
+    if role == "prefill":
+        fill_random(pool, 1)
+    else:
+        pool[:] = 1
     forward = ForwardPass(pool.reshape(NUM_PAGES, -1), cold)   # page-major: [num_pages, page floats]
     args = KVArgs(instance_id=f"{role}-0", role=role, kv_base_ptr=pool.ctypes.data, kv_nbytes=pool.nbytes,
                   layout=layout, model_id="smollm2-135m", inline_progress=inline)
@@ -104,11 +129,11 @@ def worker(role: str, prefill_url: str, backend: str, cold: bool, inline: bool, 
 
 class ForwardPass:
     """What precedes ``send`` in a prefill engine: the forward pass writes the chunk's KV into its pages
-    (here: every value of the pages rewritten in place, 5.6 MiB for 128 tokens). ``cold``: an idle instance
-    instead (2 ms of sleep, pages untouched)."""
+    (here: every value of the pages rewritten in place, 5.6 MiB for 128 tokens in float32). ``cold``: an idle
+    instance instead (2 ms of sleep, pages untouched)."""
 
     def __init__(self, kv: np.ndarray, cold: bool) -> None:
-        self.kv = kv   # [num_pages, page floats] float32 (page-major pool)
+        self.kv = kv   # [num_pages, page values] float32 or int16 (page-major pool)
         self.cold = cold
 
     def __call__(self, pages: list[int]) -> None:
@@ -119,7 +144,7 @@ class ForwardPass:
         if self.cold:
             time.sleep(0.002)
         else:
-            np.add(values, 1.0, out=values)
+            np.add(values, values.dtype.type(1), out=values)
 
 
 def send_room(manager: object, room: int, pages: list[int],
@@ -149,10 +174,10 @@ class MemcpyBaseline:
     UCX ``cma`` (a kernel copy with cached stores, openucx/ucx#8227) can reach."""
 
     def __init__(self, cold: bool, huge_pages: bool) -> None:
-        self.src = engine_pool(huge_pages).reshape(NUM_PAGES, -1)   # [pages, page floats], as the workers'
-        self.src[:] = np.random.default_rng(0).random(self.src.shape, dtype=np.float32)
+        self.src = engine_pool(huge_pages).reshape(NUM_PAGES, -1)   # [pages, page values], as the workers'
+        fill_random(self.src, 0)
         self.dst = engine_pool(huge_pages).reshape(NUM_PAGES, -1)
-        self.dst[:] = 1.0
+        self.dst[:] = 1
         self.forward = ForwardPass(self.src, cold)
 
     def seconds(self, src_pages: list[int], dst_pages: list[int]) -> tuple[float, float, float]:
@@ -251,7 +276,8 @@ def start_workers(backend: str, cold: bool, inline: bool,
     prefill_url = ""
     for role in ("prefill", "decode"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, prefill_url, backend, cold, inline, huge_pages, child),
+        proc = ctx.Process(target=worker, args=(role, prefill_url, backend, cold, inline, huge_pages, KV_DTYPE,
+                                                child),
                            daemon=True)
         proc.start()
         pipes[role], procs = parent, procs + [proc]
@@ -299,8 +325,8 @@ def run(backend: str, reps: int, scatter: bool, sizes: tuple[int, ...] = SIZES_T
         inline: bool = True, huge_pages: bool = True) -> dict:  # type: ignore[type-arg]
     """Every size with ``inline`` progress; then, when ``inline``, 128 tokens again with all transport work on
     the manager thread (``kv128_thread_*`` keys): the thread hop it saves, measured in the same run."""
-    result: dict = {"backend": backend, "scatter": scatter, "cold": cold, "inline_progress": inline,
-                    "huge_pages": huge_pages,
+    result: dict = {"backend": backend, "dtype": KV_DTYPE, "scatter": scatter, "cold": cold,
+                    "inline_progress": inline, "huge_pages": huge_pages,
                     "loadavg_1m_start": round(os.getloadavg()[0], 2)}
     passes = [(inline, sizes, "")] + ([(False, (128,), "thread_")] if inline and 128 in sizes else [])
     for pass_inline, pass_sizes, prefix in passes:
@@ -393,7 +419,7 @@ def mooncake_raw(scatter: bool, reps: int = 10) -> dict:  # type: ignore[type-ar
     from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
 
     layout = smollm2_layout(NUM_PAGES)
-    pools = [np.ones(layout.pool_bytes // 4, dtype=np.float32) for _ in range(2)]
+    pools = [np.ones(layout.pool_bytes, dtype=np.uint8) for _ in range(2)]
     engines = [TransferEngine() for _ in range(2)]
     for engine, pool in zip(engines, pools):
         assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -417,8 +443,8 @@ def mooncake_raw(scatter: bool, reps: int = 10) -> dict:  # type: ignore[type-ar
             assert engines[0].batch_transfer_sync_write(peer, srcs, dsts, lens) == 0
             times.append(time.perf_counter() - t0)
         out[f"mooncake_raw_{name}_gbps"] = round(num_pages * page / statistics.median(times[1:]) / 1e9, 3)
-    flat = [np.empty(num_pages * page // 4, dtype=np.float32) for _ in range(2)]
-    flat[0].fill(1.0), flat[1].fill(2.0)
+    flat = [np.empty(num_pages * page, dtype=np.uint8) for _ in range(2)]
+    flat[0].fill(1), flat[1].fill(2)
     t0 = time.perf_counter()
     for _ in range(reps):
         np.copyto(flat[1], flat[0])
@@ -488,7 +514,11 @@ def main() -> None:
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="KV pools (both processes and the memcpy baseline) on 4 KiB pages, as before "
                              "engine.kv_pool asked for transparent huge pages")
+    parser.add_argument("--dtype", default="float32", choices=sorted(_NP_DTYPES),
+                        help="the KV cache's dtype (an engine's dtype: bfloat16 halves the bytes per page)")
     args = parser.parse_args()
+    global KV_DTYPE
+    KV_DTYPE = args.dtype
     sizes = tuple(int(t) for t in args.sizes.split(","))
     if not set(sizes) <= set(SIZES_TOKENS):
         parser.error(f"--sizes: each of {SIZES_TOKENS}")
@@ -497,7 +527,7 @@ def main() -> None:
         parser.error("--backend: each of nixl, mooncake")
     results = {}
     for backend in backends:
-        print(f"== backend {backend}", flush=True)
+        print(f"== backend {backend}, KV {KV_DTYPE}", flush=True)
         results[backend] = run(backend, args.reps, args.scatter, sizes, args.cold, not args.no_inline,
                                not args.no_huge_pages)
     print(json.dumps(results[backends[0]] if len(backends) == 1 else {"backends": results}))
