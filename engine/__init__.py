@@ -8,6 +8,6 @@ Public API (see docs/architecture.md, "Engine API"):
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import PrefillChunk, RequestOutput, Reservation
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 __all__ = ["EngineConfig", "LLMEngine", "PrefillChunk", "RequestOutput", "Reservation", "SamplingParams"]

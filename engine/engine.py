@@ -28,7 +28,7 @@ from engine.outputs import FinishReason, PrefillChunk, RequestOutput, Reservatio
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.resume import check_resumed, replay_outputs
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestId, Sequence, pages_for_tokens
 from engine.structured import GrammarCompiler, GrammarState
@@ -199,7 +199,7 @@ class LLMEngine:
         self.scheduler.register_computed(seq)   # the received prompt pages are now cacheable here too
         if seq.params.seed is not None and not seq.params.greedy:
             # the prefill engine drew the first token from this seed's generator; draw what that sample took
-            # (one exponential per vocabulary entry: engine.sampling._sample_row) so the tokens after it are
+            # (one exponential per vocabulary entry: engine.sampler._sample_row) so the tokens after it are
             # the ones a colocated engine draws from the same seed
             torch.empty(self.model_config.vocab_size, dtype=torch.float32,
                         device=self.config.device).exponential_(generator=seq.generator)

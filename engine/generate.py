@@ -12,7 +12,7 @@ import sys
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import EngineError
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

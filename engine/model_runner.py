@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.sampling import Sampler, TokenHistory, TopLogprobs
+from engine.sampler import Sampler, TokenHistory, TopLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, pages_for_tokens
 from engine.structured.matcher import fill_masks

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from engine.model_runner import SampledToken
 from engine.outputs import FinishReason, PrefillChunk, RequestOutput, TokenLogprob
-from engine.sampling import TopLogprobs
+from engine.sampler import TopLogprobs
 from engine.sequence import RequestId, Sequence
 
 

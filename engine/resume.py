@@ -11,7 +11,7 @@ have produced:
   stop string is the same as the original's, so the text the client has and the text sent from here join;
 - a structured-outputs grammar moves past each token;
 - a seeded non-greedy request skips the one draw per token its generator made for each of them
-  (``engine.sampling._sample_row``: one exponential per vocabulary entry);
+  (``engine.sampler._sample_row``: one exponential per vocabulary entry);
 - the prompt and the tokens are then prefilled together in chunks (``Sequence.num_prefill_tokens``); the
   last chunk samples the next token.
 """

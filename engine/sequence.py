@@ -20,7 +20,8 @@ import torch
 from engine.outputs import FinishReason, TokenLogprob
 from engine.page_allocator import PageId
 from engine.prefix_cache import PageHash
-from engine.sampling import SamplingParams, TokenHistory
+from engine.sampler import TokenHistory
+from engine.sampling_params import SamplingParams
 from engine.structured.matcher import GrammarState
 
 RequestId = str

@@ -33,7 +33,7 @@ from typing import Protocol, cast
 from bootstrap.messages import InstanceLoad
 from engine.errors import OutOfPages, RequestRejected
 from engine.outputs import Reservation
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
 from serving.engine_loop import EngineCore, EngineLoop
 from serving.events import LoopEvent

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParams
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 RawValue = bytes | str | bool
 RETURN_INPUTS: tuple[str, ...] = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",

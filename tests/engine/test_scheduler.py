@@ -4,7 +4,7 @@ import torch
 
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidSamplingParams
-from engine.sampling import Sampler, SamplingParams
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.structured import GrammarCompiler, GrammarState, StructuredSpec, apply_mask, fill_masks
 from engine.structured.matcher import allocate_masks
 

@@ -11,7 +11,7 @@ from serving_fakes import FakeEngine
 
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from serving.engine_loop import EngineLoop
 from serving.events import LoopEvent, LoopStopped, RequestAborted, RequestFailed
 
