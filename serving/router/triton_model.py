@@ -1,11 +1,10 @@
-"""Triton python-backend adapter of the router (``model_repository/pd_ensemble``, decoupled).
+"""Triton python-backend adapter of the router (``model_repository/pd_ensemble``, decoupled), a
+``serving.triton_host.ModelHost``.
 
-initialize: parameters → ``RouterConfig`` (an unknown key or a bad value fails the load, naming it) → a started
-``Router`` (its own event loop thread) and the instance's response thread. execute: parse each request (a bad
-input gets one error response with FINAL) and hand it to the router; nothing blocks Triton's thread.
-finalize: stop the router (requests in flight end with an error and FINAL; their child streams are cancelled,
-so the workers drop their rooms), then the response thread once it has sent those FINALs, then the custom
-metrics.
+start: parameters → ``RouterConfig`` (an unknown key or a bad value fails the load, naming it) → a started
+``Router`` (its own event loop thread). handle: parse each request and hand it to the router; nothing blocks
+Triton's thread. stop: the router (requests in flight end with an error and FINAL; their child streams are
+cancelled, so the workers drop their rooms).
 """
 
 from __future__ import annotations
@@ -15,65 +14,55 @@ import logging
 import time
 from typing import Any
 
-from serving.metrics import ServingMetrics
-from serving.orphan_watch import OrphanWatch
 from serving.parallel_sampling import SampleFanIn
 from serving.router.config import build_router_config
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import RoutedRequest
 from serving.router.responder import EnsembleResponder
 from serving.router.service import Router
-from serving.server_watch import ServerShutdownWatch
-from serving.stub_guard import StubGuard
 from serving.stream import ResponseSink
-from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, parse_client_request, pb_utils
-from serving.triton_pd import decoupled_config, setup_logging, teardown_logging
+from serving.triton_host import ModelHost
+from serving.triton_io import TritonResponseSink, parse_client_request
 
 logger = logging.getLogger(__name__)
 
-STOP_TIMEOUT_S = 15.0
 
-
-class RouterModel:
+class RouterModel(ModelHost):
     """``pd_ensemble``: the PD router."""
 
-    def initialize(self, args: dict[str, Any]) -> None:
-        setup_logging()
-        model_name, instance = str(args["model_name"]), str(args["model_instance_name"])
-        model_config = decoupled_config(args, model_name)
-        config = build_router_config(model_config.get("parameters", {}))
-        self._metrics = ServingMetrics(pb_utils().MetricFamily, model=model_name, instance=instance)
-        self._responses = new_dispatcher(instance)
-        self._responses.start()
-        self._router = Router(config, instance, model_name, RouterMetricsSink(self._metrics))
-        self._router.start()
-        self._orphan_watch = OrphanWatch(instance).start()
-        self._server_watch = ServerShutdownWatch(instance, config.grpc_url, self._stop_for_shutdown).start()
-        self._stub_guard = StubGuard(model_name, config.grpc_url).start()   # a dead stub gets replaced
-        logger.info("%s ready: %s", instance, config)
+    STOP_TIMEOUT_S = 15.0
 
-    def _stop_for_shutdown(self) -> None:
+    def start(self, args: dict[str, Any], model_config: dict[str, Any]) -> str:
+        config = build_router_config(model_config.get("parameters", {}))
+        self._router = Router(config, self.instance_name, self.model_name, RouterMetricsSink(self.metrics))
+        self._router.start()
+        logger.info("%s ready: %s", self.instance_name, config)
+        return config.grpc_url
+
+    def stop(self, timeout_s: float) -> None:
+        began = time.monotonic()
+        self._router.stop(timeout_s)
+        logger.info("router stopped in %.2f s", time.monotonic() - began)
+
+    def on_server_stop(self) -> None:
         """The server is stopping: end every request now (tritonserver unloads a decoupled model only once each
         of its streams sent FINAL), and name any stream still open after that."""
         began = time.monotonic()
-        self._router.stop(STOP_TIMEOUT_S)
+        self._router.stop(self.STOP_TIMEOUT_S)
         # a failed request's traceback keeps its frames (and their response senders) in reference cycles; a
         # python-backend response sender frees its request's response factory only when it is destroyed, and
         # tritonserver unloads the model only once every factory is gone (a stop after failures took the whole
         # 20 s exit timeout): collect them now
         gc.collect()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while self._responses.open_streams() and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.STOP_TIMEOUT_S
+        while self.responses.open_streams() and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = self._responses.open_streams()
+        left = self.responses.open_streams()
         if left:
             logger.error("%d streams still without FINAL after the router stopped: %s", len(left), left[:20])
         logger.info("server shutting down: requests ended in %.2f s", time.monotonic() - began)
 
-    def execute(self, requests: list[Any]) -> None:
-        answer_each(requests, self._handle_one, self._responses, timing=self._metrics)
-
-    def _handle_one(self, request: Any, sink: TritonResponseSink) -> None:
+    def handle(self, request: Any, sink: TritonResponseSink) -> None:
         parsed, raw = parse_client_request(request, sink)
         routed = RoutedRequest(parsed, raw)
         n = parsed.params.n
@@ -87,14 +76,3 @@ class RouterModel:
 
     def _submit(self, routed: RoutedRequest, sink: ResponseSink) -> None:
         self._router.submit(routed, EnsembleResponder(routed.request, sink).emit, sink.is_cancelled)
-
-    def finalize(self) -> None:
-        began = time.monotonic()
-        self._stub_guard.stop()   # first: this stub's end is no death to heal
-        self._server_watch.stop()
-        self._orphan_watch.stop()
-        self._router.stop(STOP_TIMEOUT_S)
-        self._responses.stop(STOP_TIMEOUT_S)
-        self._metrics.close()   # a metric outliving finalize segfaults the stub's teardown (docs/architecture.md)
-        logger.info("finalized in %.2f s", time.monotonic() - began)
-        teardown_logging()
