@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig
+from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig, Mode
 from kv_transfer.backends import backend_names
 from kv_transfer.config import TRANSPORT_PROTOCOLS
 
@@ -153,9 +153,9 @@ class WorkerConfig:
         """Capacity of the KV pool in tokens."""
         return self.num_pages * self.page_size
 
-    def engine_config(self, mode: str) -> EngineConfig:
+    def engine_config(self, mode: Mode) -> EngineConfig:
         """The engine configuration of this worker in ``mode`` (``"colocated"``, ``"prefill"``, ``"decode"``)."""
-        return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,  # type: ignore[arg-type]
+        return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,
                             num_pages=self.num_pages, chunk_size=self.chunk_size,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
                             device=self.device, dtype=self.dtype, weight_quant=self.weight_quant,

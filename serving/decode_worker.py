@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol
 
 from bootstrap.messages import InstanceLoad
 from engine.errors import OutOfPages, RequestRejected
 from engine.outputs import Reservation
 from engine.sampling_params import SamplingParams
 from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
-from serving.engine_loop import EngineCore, EngineLoop
+from serving.engine_loop import EngineLoop, PagedEngineCore
 from serving.events import LoopEvent
 from serving.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
@@ -45,14 +45,8 @@ from serving.stream import ErrorKind, GenerationStream, ResponseSink
 logger = logging.getLogger(__name__)
 
 
-class DecodeEngineCore(EngineCore, Protocol):
+class DecodeEngineCore(PagedEngineCore, Protocol):
     """The decode half of ``engine.LLMEngine`` (mode ``decode``) the worker drives, on the loop thread."""
-
-    @property
-    def num_free_pages(self) -> int: ...
-
-    @property
-    def num_total_pages(self) -> int: ...
 
     def reserve_request(self, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams) -> Reservation: ...
@@ -75,12 +69,14 @@ class _Job:
 class DecodeWorker:
     """Receives KV for rooms and decodes them in one continuous batch."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: WorkerTokenizer, kv_manager: BaseKVManager,
-                 name: str = "decode", metrics: ServingMetrics | None = None, page_size: int = 16) -> None:
+    def __init__(self, loop: EngineLoop, engine: DecodeEngineCore, tokenizer: WorkerTokenizer,
+                 kv_manager: BaseKVManager, name: str = "decode", metrics: ServingMetrics | None = None,
+                 page_size: int = 16) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 
         Args:
-            loop: loop of a decode-mode engine (not started).
+            loop: the loop of ``engine`` (not started).
+            engine: a decode-mode engine (``loop.engine``); called on the loop thread only.
             tokenizer: the engine's tokenizer.
             kv_manager: a decode-role ``kv_transfer.BaseKVManager`` (``create_receiver``), not started.
             name: prefix of request ids.
@@ -88,8 +84,7 @@ class DecodeWorker:
             page_size: tokens per KV page of the engine (for the reported load).
         """
         self._loop = loop
-        # the loop's engine runs in decode mode: it has the decode half of ``engine.LLMEngine`` too
-        self._engine = cast(DecodeEngineCore, loop.engine)
+        self._engine = engine
         self._kv = kv_manager
         self._name = name
         self._metrics = metrics

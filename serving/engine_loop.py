@@ -54,6 +54,16 @@ class EngineCore(Protocol):
     def has_unfinished(self) -> bool: ...
 
 
+class PagedEngineCore(EngineCore, Protocol):
+    """An ``EngineCore`` that also reports its KV pool's pages (read on the loop thread)."""
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+    @property
+    def num_total_pages(self) -> int: ...
+
+
 class TickHook(Protocol):
     """Work done on the loop thread once per tick, after the engine step (may call the engine)."""
 

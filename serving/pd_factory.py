@@ -140,15 +140,15 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
     from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
-    engine = LLMEngine(config.engine_config(role))
+    engine = LLMEngine(config.engine_config("prefill" if role == "prefill" else "decode"))
     loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
     kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name), backend=config.kv_backend)
     worker: PrefillWorker | DecodeWorker
     if role == "prefill":
-        worker = PrefillWorker(loop, engine.tokenizer, kv_manager, config.page_size, name=instance_id,
-                               metrics=metrics)
+        worker = PrefillWorker(loop, engine, engine.tokenizer, kv_manager, config.page_size,
+                               name=instance_id, metrics=metrics)
     else:
-        worker = DecodeWorker(loop, engine.tokenizer, kv_manager, name=instance_id, metrics=metrics,
+        worker = DecodeWorker(loop, engine, engine.tokenizer, kv_manager, name=instance_id, metrics=metrics,
                               page_size=config.page_size)
     kv_manager.set_load_source(lambda: worker.load)
     if metrics is not None:

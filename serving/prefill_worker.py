@@ -27,10 +27,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from bootstrap.messages import InstanceLoad
 from kv_transfer import AuxData, BaseKVManager, BaseKVSender, KVPoll, TransferError
-from serving.engine_loop import EngineLoop
+from serving.engine_loop import EngineLoop, PagedEngineCore
 from serving.events import LoopEvent, RequestFailed
 from serving.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
@@ -38,6 +39,14 @@ from serving.pd_request import PDRequest
 from serving.stream import ErrorKind, ResponseChunk, ResponseSink, error_kind_of
 
 logger = logging.getLogger(__name__)
+
+
+class PrefillEngineCore(PagedEngineCore, Protocol):
+    """The prefill half of ``engine.LLMEngine`` (mode ``prefill``) the worker drives, on the loop thread."""
+
+    def release_request(self, request_id: str) -> None:
+        """Free a finished request's pages (held after its last chunk while its KV is sent)."""
+        ...
 
 
 @dataclass
@@ -56,12 +65,14 @@ class _Job:
 class PrefillWorker:
     """Runs prefill for rooms and sends their KV; one instance per Triton model instance."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: WorkerTokenizer, kv_manager: BaseKVManager, page_size: int,
-                 name: str = "prefill", metrics: ServingMetrics | None = None) -> None:
+    def __init__(self, loop: EngineLoop, engine: PrefillEngineCore, tokenizer: WorkerTokenizer,
+                 kv_manager: BaseKVManager, page_size: int, name: str = "prefill",
+                 metrics: ServingMetrics | None = None) -> None:
         """Registers itself as a tick hook of ``loop``; starts nothing.
 
         Args:
-            loop: loop of a prefill-mode engine (not started).
+            loop: the loop of ``engine`` (not started).
+            engine: a prefill-mode engine (``loop.engine``); called on the loop thread only.
             tokenizer: the engine's tokenizer.
             kv_manager: a prefill-role ``kv_transfer.BaseKVManager`` (``create_sender``), not started.
             page_size: tokens per KV page of the engine.
@@ -69,6 +80,7 @@ class PrefillWorker:
             metrics: where to publish queue lengths and outcomes; None disables.
         """
         self._loop = loop
+        self._engine = engine
         self._kv = kv_manager
         self._page_size = page_size
         self._name = name
@@ -128,11 +140,11 @@ class PrefillWorker:
     def _load(self) -> InstanceLoad:
         """Queued: jobs not taken by the loop yet; running: prefilling (in the engine); queued prompt tokens: the
         prefilling jobs' prompts."""
-        engine = self._loop.engine
+        engine = self._engine
         return InstanceLoad(
             num_queued_requests=len(self._intake), num_running_requests=len(self._prefilling),
             num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prefilling.values()),
-            num_free_pages=engine.num_free_pages, num_total_pages=engine.num_total_pages,  # type: ignore[attr-defined]
+            num_free_pages=engine.num_free_pages, num_total_pages=engine.num_total_pages,
             page_size=self._page_size)
 
     def _start_prefill(self, job: _Job) -> None:
@@ -206,7 +218,7 @@ class PrefillWorker:
             if state not in (KVPoll.Success, KVPoll.Failed) or not job.sender.pages_releasable():
                 continue
             del self._inflight[job.request_id]
-            self._loop.engine.release_request(job.request_id)  # type: ignore[attr-defined]
+            self._engine.release_request(job.request_id)
             if state == KVPoll.Success:
                 assert job.first_send_s is not None and job.last_send_s is not None
                 now = time.monotonic()
