@@ -154,9 +154,10 @@ _MADV_POPULATE_WRITE = 23  # linux/mman.h: fault pages in writable, contents unc
 def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
     """Start a daemon thread that faults in ``[base, base + nbytes)`` (page-aligned, a mapping of this process)
     with ``MADV_POPULATE_WRITE``, at nice 19 (it competed with the rest of a worker's start: the phase after the
-    pool, NIXL's set-up, took 0.6 s before it and 1.7 s beside it on a quiet host); None when the kernel refuses the advice (tried on the first huge page, here),
-    so the caller touches the memory itself. The thread holds no Python object of the pool: if the mapping is
-    closed first, its madvise fails (ENOMEM) and it ends."""
+    pool, NIXL's set-up, took 0.6 s before it and 1.7 s beside it on a quiet host). Returns the thread, or None
+    when the kernel refuses the advice (tried on the first huge page, here): the caller then touches the memory
+    itself. The thread holds no Python object of the pool: if the mapping is closed first, its madvise fails
+    (ENOMEM) and it ends."""
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
