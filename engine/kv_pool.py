@@ -149,6 +149,7 @@ def _huge_page_tensor(dims: tuple[int, ...], dtype: torch.dtype,
 
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h: fault pages in writable, contents unchanged (Linux 5.14+)
+_POPULATE_CHUNK_BYTES = HUGE_PAGE_BYTES
 
 
 def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
@@ -170,8 +171,12 @@ def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass
-        if madvise(base + first, nbytes - first, _MADV_POPULATE_WRITE) != 0:
-            logger.info("KV pool populate stopped: %s", os.strerror(ctypes.get_errno()))
+        # a few huge pages per call: each call holds the process's mmap lock, which every mmap (a library being
+        # loaded, a large allocation) of the starting server's other threads waits for
+        for offset in range(first, nbytes, _POPULATE_CHUNK_BYTES):
+            if madvise(base + offset, min(_POPULATE_CHUNK_BYTES, nbytes - offset), _MADV_POPULATE_WRITE) != 0:
+                logger.info("KV pool populate stopped: %s", os.strerror(ctypes.get_errno()))
+                return
 
     thread = threading.Thread(target=populate, name="kv-pool-populate", daemon=True)
     thread.start()
