@@ -90,7 +90,13 @@ class ModelHost(ABC):
         self.metrics = ServingMetrics(pb_utils().MetricFamily, model=self.model_name, instance=self.instance_name)
         self.responses = new_dispatcher(self.instance_name)
         self.responses.start()
-        grpc_url = self.start(args, model_config)
+        try:
+            grpc_url = self.start(args, model_config)
+        except BaseException:   # a failed load: nothing of this instance may outlive it (no finalize follows)
+            self.responses.stop(self.STOP_TIMEOUT_S)
+            self.metrics.close()
+            teardown_logging()
+            raise
         self._orphan_watch = OrphanWatch(self.instance_name).start()
         self._server_watch = ServerShutdownWatch(self.instance_name, grpc_url, self.on_server_stop).start()
         self._stub_guard = StubGuard(self.model_name, grpc_url).start()
