@@ -171,7 +171,7 @@ def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass
-        # a few huge pages per call: each call holds the process's mmap lock, which every mmap (a library being
+        # one huge page per call: each call holds the process's mmap lock, which every mmap (a library being
         # loaded, a large allocation) of the starting server's other threads waits for
         for offset in range(first, nbytes, _POPULATE_CHUNK_BYTES):
             if madvise(base + offset, min(_POPULATE_CHUNK_BYTES, nbytes - offset), _MADV_POPULATE_WRITE) != 0:

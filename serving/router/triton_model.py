@@ -48,7 +48,7 @@ class RouterModel(ModelHost):
         """The server is stopping: end every request now (tritonserver unloads a decoupled model only once each
         of its streams sent FINAL), and name any stream still open after that."""
         began = time.monotonic()
-        self._router.stop(self.STOP_TIMEOUT_S)
+        self.stop(self.STOP_TIMEOUT_S)
         # a failed request's traceback keeps its frames (and their response senders) in reference cycles; a
         # python-backend response sender frees its request's response factory only when it is destroyed, and
         # tritonserver unloads the model only once every factory is gone (a stop after failures took the whole
