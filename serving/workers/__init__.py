@@ -1,0 +1,3 @@
+"""The workers: what serves one request on one engine, with no Triton in sight. ``engine_loop`` owns the engine's
+thread; ``prefill`` and ``decode`` are the PD roles (built by ``pd_factory`` with their KV manager), ``colocated``
+the one-engine baseline; ``parallel_sampling`` fans ``n`` samples into one client stream."""
