@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from engine.prefix_cache import PrefixCacheStats
-from serving.engine_loop import EngineLoop
+from serving.workers.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 

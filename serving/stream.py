@@ -18,58 +18,96 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput, TokenLogprob
-from serving.events import LoopEvent, RequestId
-from serving.request import GenerateRequest, RequestError
+from serving.workers.events import LoopEvent, RequestId
+from serving.parsing.request import GenerateRequest, RequestError
 
 logger = logging.getLogger(__name__)
 
 
+class ErrorKind(enum.Enum):
+    """Whose fault a failed request is; travels with the error to the router (the child output ``error_kind``),
+    which decides by it alone (never by the message) whether another instance should try.
+
+    ``REQUEST``: the request itself (a bad input or sampling parameter, a prompt the engine rejects, a prompt the
+    tokenizer cannot take): every instance would answer the same, so it is neither retried nor counted against
+    the instance's circuit breaker (a client sending bad requests must not take healthy instances out of
+    rotation). ``INSTANCE``: this instance could not serve it (its KV transfer failed or timed out, its peer
+    died, it is stopping, an engine fault): another instance may succeed.
+
+    ``UNREACHABLE``: the router's own finding, never on the wire: the child could not be reached or its stream
+    broke (the only kind that counts against the instance's circuit breaker).
+    """
+
+    REQUEST = "request"
+    INSTANCE = "instance"
+    UNREACHABLE = "unreachable"
+
+    @classmethod
+    def from_wire(cls, value: str) -> ErrorKind:
+        """The kind a child sent: ``REQUEST`` or ``INSTANCE``; ``INSTANCE`` for an empty or unknown value (a
+        retry is the safe default; a child never claims ``UNREACHABLE``)."""
+        return cls.REQUEST if value == cls.REQUEST.value else cls.INSTANCE
+
+
 @dataclass(frozen=True)
-class SampleOutput:
-    """What one response says of one sample (one of the request's ``n`` sequences).
+class Delta:
+    """What one sample's stream says in one step: the one delta type of the serving path. The same value is a
+    response's sample (``ResponseChunk.samples``), a child response as the router reads it
+    (``serving.parsing.child_codec.decode_response``) and what the router's orchestrator hands its responder; only the engine's
+    own ``RequestOutput`` comes before it (``GenerationStream`` turns that into deltas).
 
     Attributes:
-        text: text of this response (a delta when streaming, the whole text otherwise; ``""`` when the sample
-            has nothing new).
+        text: new text (a delta when streaming; the whole text in a non-streaming response; ``""`` when the
+            sample has nothing new).
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once the sample ended, else None.
-        num_output_tokens: tokens the sample generated so far.
-        num_new_tokens: tokens the sample generated since its previous response (the vLLM backend's
-            ``num_output_tokens`` output).
+        num_input_tokens: prompt length in tokens, after the chat template (0 when not known yet).
+        num_output_tokens: tokens the sample generated so far, the first included.
+        num_new_tokens: tokens generated since the previous response (the vLLM backend's ``num_output_tokens``
+            output; set on responses to the client).
         cumulative_logprob: sum of the raw logprobs of the sample's tokens so far.
-        logprobs: one entry per token of ``num_new_tokens`` when the request asked for logprobs, else None.
-        num_cached_tokens: the sample's leading prompt tokens whose KV the prefix cache supplied (their prefill
-            was skipped; ``RequestOutput.num_cached_tokens`` of the engine that prefilled it); 0 until known.
-        token_ids: the ids of the tokens generated since the previous response (those ``num_new_tokens``
-            counts, when the engine reported them), for the router to resume the request elsewhere.
+        logprobs: one entry per new token when the request asked for logprobs, else None.
+        num_cached_tokens: leading prompt tokens whose KV the prefix cache of the instance that prefilled
+            supplied (their prefill was skipped); 0 until known.
+        token_ids: ids of the new tokens, in order (for the router to resume the request elsewhere).
+        error: the request failed with this message (a terminal delta: ``final`` is set).
+        error_kind: whose fault ``error`` is (``ErrorKind``).
+        final: the last delta of its stream (a child's FINAL flag; the sample's last chunk in the router).
     """
 
     text: str = ""
     finish_reason: str | None = None
+    num_input_tokens: int = 0
     num_output_tokens: int = 0
     num_new_tokens: int = 0
     cumulative_logprob: float = 0.0
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_cached_tokens: int = 0
     token_ids: tuple[int, ...] = ()
+    error: str | None = None
+    error_kind: ErrorKind = ErrorKind.INSTANCE
+    final: bool = False
+
+    @classmethod
+    def failure(cls, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> Delta:
+        """The terminal delta of a failed stream."""
+        return cls(error=message, error_kind=kind, final=True)
 
 
 @dataclass(frozen=True)
 class ResponseChunk:
-    """The payload of one response: one ``SampleOutput`` per sample (index = sample index), and the prompt
-    length. ``text``, ``finish_reason`` and ``num_output_tokens`` read sample 0 (``n == 1``, the common case).
+    """The payload of one response: one ``Delta`` per sample (index = sample index). ``text``,
+    ``finish_reason`` and ``num_output_tokens`` read sample 0 (``n == 1``, the common case).
 
     Attributes:
         samples: ``n`` entries.
-        num_input_tokens: prompt length in tokens (after the chat template).
     """
 
-    samples: tuple[SampleOutput, ...]
-    num_input_tokens: int = 0
+    samples: tuple[Delta, ...]
 
     @classmethod
     def single(cls, text: str = "", finish_reason: str | None = None, num_input_tokens: int = 0,
@@ -77,8 +115,8 @@ class ResponseChunk:
                logprobs: tuple[TokenLogprob, ...] | None = None, num_cached_tokens: int = 0,
                token_ids: tuple[int, ...] = ()) -> ResponseChunk:
         """A response of a one-sample request."""
-        return cls((SampleOutput(text, finish_reason, num_output_tokens, num_new_tokens, cumulative_logprob,
-                                 logprobs, num_cached_tokens, token_ids),), num_input_tokens)
+        return cls((Delta(text, finish_reason, num_input_tokens, num_output_tokens, num_new_tokens,
+                          cumulative_logprob, logprobs, num_cached_tokens, token_ids),))
 
     @property
     def text(self) -> str:
@@ -91,6 +129,11 @@ class ResponseChunk:
     @property
     def num_output_tokens(self) -> int:
         return self.samples[0].num_output_tokens
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The prompt's length in tokens: the samples share one prompt (0 while none knows it)."""
+        return max((s.num_input_tokens for s in self.samples), default=0)
 
 
 def merge_chunks(earlier: ResponseChunk, later: ResponseChunk) -> ResponseChunk:
@@ -108,13 +151,14 @@ def merge_chunks(earlier: ResponseChunk, later: ResponseChunk) -> ResponseChunk:
     samples = []
     for a, b in zip(earlier.samples, later.samples):
         logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or ()) + (b.logprobs or ())
-        samples.append(SampleOutput(a.text + b.text, b.finish_reason, b.num_output_tokens,
-                                    a.num_new_tokens + b.num_new_tokens, b.cumulative_logprob, logprobs,
-                                    b.num_cached_tokens or a.num_cached_tokens, a.token_ids + b.token_ids))
-    return ResponseChunk(tuple(samples), later.num_input_tokens or earlier.num_input_tokens)
+        samples.append(replace(b, text=a.text + b.text, num_input_tokens=b.num_input_tokens or a.num_input_tokens,
+                               num_new_tokens=a.num_new_tokens + b.num_new_tokens, logprobs=logprobs,
+                               num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
+                               token_ids=a.token_ids + b.token_ids))
+    return ResponseChunk(tuple(samples))
 
 
-class ResponseDelta:
+class PendingTokens:
     """What one sample's next response reports beside its text: the tokens generated since the previous
     response, their logprobs and (engine outputs only) their ids. Used by ``GenerationStream`` (engine
     outputs) and the router's responder (child chunks); one thread each."""
@@ -146,29 +190,6 @@ class ResponseDelta:
         return num_new, logprobs
 
 
-class ErrorKind(enum.Enum):
-    """Whose fault a failed request is; travels with the error to the router (the child output ``error_kind``),
-    which decides by it alone (never by the message) whether another instance should try.
-
-    ``REQUEST``: the request itself (a bad input or sampling parameter, a prompt the engine rejects, a prompt the
-    tokenizer cannot take): every instance would answer the same, so it is neither retried nor counted against
-    the instance's circuit breaker (a client sending bad requests must not take healthy instances out of
-    rotation). ``INSTANCE``: this instance could not serve it (its KV transfer failed or timed out, its peer
-    died, it is stopping, an engine fault): another instance may succeed.
-    """
-
-    REQUEST = "request"
-    INSTANCE = "instance"
-
-    @classmethod
-    def from_wire(cls, value: str) -> ErrorKind:
-        """The kind a child sent; ``INSTANCE`` for an empty or unknown value (a retry is the safe default)."""
-        try:
-            return cls(value)
-        except ValueError:
-            return cls.INSTANCE
-
-
 def error_kind_of(error: BaseException) -> ErrorKind:
     """``REQUEST`` for the request's own errors (``RequestError``, ``InvalidSamplingParams``,
     ``RequestRejected``), else ``INSTANCE``."""
@@ -177,7 +198,7 @@ def error_kind_of(error: BaseException) -> ErrorKind:
 
 
 class ResponseSink(Protocol):
-    """Where one request's responses go (``triton_io.TritonResponseSink`` in the server).
+    """Where one request's responses go (``serving.triton.io.TritonResponseSink`` in the server).
 
     Contract: after the first call with ``final=True``, ``send_error`` or ``close``, the sink is closed: later
     calls do nothing and ``is_cancelled`` returns True without touching the transport. Thread-safe.
@@ -216,7 +237,7 @@ class GenerationStream:
         self.error: str | None = None
         self.cumulative_logprob = 0.0
         self._text_parts: list[str] = []
-        self._delta = ResponseDelta(request.params.logprobs is not None)
+        self._pending = PendingTokens(request.params.logprobs is not None)
 
     def on_event(self, event: LoopEvent) -> bool:
         """Forward one loop event to the sink; returns True when it was the terminal one (FINAL went out)."""
@@ -234,7 +255,7 @@ class GenerationStream:
         self.num_output_tokens = output.num_output_tokens
         self.num_cached_tokens = output.num_cached_tokens
         self.cumulative_logprob = output.cumulative_logprob
-        self._delta.add(output.new_token_logprobs, output.new_token_ids)
+        self._pending.add(output.new_token_logprobs, output.new_token_ids)
         if output.finished:
             self.done = True
             self.finish_reason = output.finish_reason
@@ -259,7 +280,7 @@ class GenerationStream:
 
     def _chunk(self, text: str) -> ResponseChunk:
         """The response now: ``text`` and the tokens (and their logprobs) since the previous response."""
-        num_new, logprobs = self._delta.take(self.num_output_tokens)
+        num_new, logprobs = self._pending.take(self.num_output_tokens)
         return ResponseChunk.single(text, self.finish_reason if self.done else None, self.num_input_tokens,
                                     self.num_output_tokens, num_new, self.cumulative_logprob, logprobs,
-                                    self.num_cached_tokens, self._delta.take_token_ids())
+                                    self.num_cached_tokens, self._pending.take_token_ids())

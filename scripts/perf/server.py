@@ -526,7 +526,7 @@ class ServeScript:
         """SIGTERM the group (serve.sh stops tritonserver, then the bootstrap), SIGKILL after ``timeout_s``, then
         any straggler of the group (stubs outlive a crashed server); removes the shm regions the stubs named.
         ``dump_after_s``: a stop still running then has every stub that still handles SIGUSR1 (its model not yet
-        finalized: ``serving.triton_host.setup_logging``) dump its Python threads' stacks into the server log, so a
+        finalized: ``serving.triton.host.setup_logging``) dump its Python threads' stacks into the server log, so a
         slow stop shows where it waits (a stub without the handler has finalized its model).
         Returns (seconds the stop took, whether SIGKILL was needed); (0, False) if never started."""
         if self._proc is None:

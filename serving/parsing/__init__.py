@@ -1,3 +1,2 @@
 """Requests in: the Triton LLM convention's inputs parsed and validated once (``request``), the router's child
-requests (``pd_request``) and their codec with the schema hash (``child_codec``), and the tokenizing intake
-(``intake``)."""
+requests (``pd_request``) and the child protocol's codec with its schema hash (``child_codec``)."""

@@ -11,7 +11,7 @@ missing input or output or, worse, misreading one. A request without ``child_sch
 not checked.
 
 Request side: the router encodes (``serving.router.launch.child_arrays``), the child decodes
-(``serving.pd_request.parse_pd_request``, which calls ``check_schema``). Response side: ``encode_response``
+(``serving.parsing.pd_request.parse_pd_request``, which calls ``check_schema``). Response side: ``encode_response``
 (child) and ``decode_response`` (router). Text outputs are UTF-8 bytes in UINT8 tensors, never BYTES (why:
 ``encode_response``). Meanings of each field: docs/protocol.md, "Child requests".
 """
@@ -21,12 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
 from engine.outputs import TokenLogprob
-from serving.stream import ErrorKind, ResponseChunk, SampleOutput
+from serving.stream import Delta, ErrorKind
 
 #: Raise for a change of meaning that keeps every name and type (a new unit, a new rule for an old field).
 CHILD_PROTOCOL_VERSION = 1
@@ -85,46 +84,6 @@ def check_schema(pd_inputs: Mapping[str, np.ndarray]) -> None:
                                   f"{SCHEMA_HASH!r} (run one build of the project across the fleet)")
 
 
-@dataclass(frozen=True)
-class ChildResponse:
-    """One response of a prefill or decode child request.
-
-    Attributes:
-        text: new text of this response (a UTF-8 delta; may be empty).
-        num_input_tokens: prompt length in tokens (0 when the response does not say).
-        num_output_tokens: tokens generated so far, counted from the first token (prefill's response: 1;
-            decode's responses include the first token in their count).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` on decode's last token (or on prefill's first
-            token when that token already ends the request), else ``None``.
-        cumulative_logprob: sum of the raw logprobs of the tokens so far (the first included).
-        logprobs: logprobs of this response's tokens when the request asked for them, else None (decode's
-            responses never include the first token's: prefill's first response carries it).
-        error: the child's error message, if it failed.
-        error_kind: whose fault ``error`` is (``ErrorKind``; the router retries only ``INSTANCE`` errors).
-        final: the FINAL flag of the child stream.
-        unreachable: the error is the router's: the child could not be reached or its stream broke (the only
-            kind of failure that counts against the instance's circuit breaker).
-        num_cached_tokens: prompt tokens the child engine's prefix cache supplied (prefill's: the prompt's
-            cache hit; decode's: its own, which counts only for a direct decode); 0 when the response does not
-            say.
-        token_ids: ids of this response's new tokens (prefill's first response: the first token; decode's:
-            the tokens after the first, or after the resumed ones), in order.
-    """
-
-    text: str = ""
-    num_input_tokens: int = 0
-    num_output_tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    final: bool = False
-    unreachable: bool = False
-    cumulative_logprob: float = 0.0
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    num_cached_tokens: int = 0
-    token_ids: tuple[int, ...] = ()
-    error_kind: ErrorKind = ErrorKind.INSTANCE
-
-
 def utf8_array(text: str) -> np.ndarray:
     """``text`` as a ``[num_bytes]`` uint8 array of its UTF-8 bytes."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -151,33 +110,33 @@ def logprobs_from_wire(text: str) -> tuple[TokenLogprob, ...] | None:
         raise ValueError(f"malformed child logprobs: {e}") from None
 
 
-def encode_response(chunk: ResponseChunk, error: str = "", error_kind: ErrorKind | None = None
-                    ) -> dict[str, np.ndarray]:
-    """Child side: the output arrays of a prefill/decode response to ``pd_ensemble`` (one sample; exactly
-    ``CHILD_OUTPUTS``, in their types): the text fields as
-    UTF-8 ``uint8`` arrays (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the
-    object dtype's reference count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``):
-    after ~1.5k responses pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
-    sample = chunk.samples[0] if chunk.samples else SampleOutput()
+def encode_response(delta: Delta) -> dict[str, np.ndarray]:
+    """Child side: the output arrays of one prefill/decode response to ``pd_ensemble`` (its one sample's delta,
+    or ``Delta.failure``; exactly ``CHILD_OUTPUTS``, in their types): the text fields as UTF-8 ``uint8`` arrays
+    (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the object dtype's reference
+    count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``): after ~1.5k responses
+    pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
+    error = delta.error or ""
     return {
-        "text_output": utf8_array(sample.text),
-        "finish_reason": utf8_array(sample.finish_reason or ""),
-        "num_input_tokens": np.array([chunk.num_input_tokens], dtype=np.int32),
-        "num_output_tokens": np.array([sample.num_output_tokens], dtype=np.int32),
-        "num_cached_tokens": np.array([sample.num_cached_tokens], dtype=np.int32),
-        "cumulative_logprob": np.array([sample.cumulative_logprob], dtype=np.float32),
-        "logprobs": utf8_array(logprobs_to_wire(sample.logprobs)),
-        "output_token_ids": np.array(sample.token_ids, dtype=np.int32),
+        "text_output": utf8_array(delta.text),
+        "finish_reason": utf8_array(delta.finish_reason or ""),
+        "num_input_tokens": np.array([delta.num_input_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([delta.num_output_tokens], dtype=np.int32),
+        "num_cached_tokens": np.array([delta.num_cached_tokens], dtype=np.int32),
+        "cumulative_logprob": np.array([delta.cumulative_logprob], dtype=np.float32),
+        "logprobs": utf8_array(logprobs_to_wire(delta.logprobs)),
+        "output_token_ids": np.array(delta.token_ids, dtype=np.int32),
         "error": utf8_array(error),
-        "error_kind": utf8_array(error_kind.value if error and error_kind is not None else ""),
+        "error_kind": utf8_array(delta.error_kind.value if error else ""),
     }
 
 
-def decode_response(values: Mapping[str, np.ndarray], final: bool) -> ChildResponse:
-    """Router side: a child's output arrays (absent outputs left out) → ``ChildResponse``; no outputs: FINAL
-    alone. Inverse of ``encode_response``. Raises ValueError on malformed ``logprobs``."""
+def decode_response(values: Mapping[str, np.ndarray], final: bool) -> Delta:
+    """Router side: a child's output arrays (absent outputs left out) and its FINAL flag → the ``Delta`` they
+    say (``final`` set from the flag; an error is always final); no outputs: FINAL alone. Inverse of
+    ``encode_response``. Raises ValueError on malformed ``logprobs``."""
     if not values:
-        return ChildResponse(final=final)
+        return Delta(final=final)
 
     def text(name: str) -> str:
         array = values.get(name)
@@ -196,9 +155,8 @@ def decode_response(values: Mapping[str, np.ndarray], final: bool) -> ChildRespo
         return () if array is None else tuple(int(t) for t in np.asarray(array).reshape(-1))
 
     if text("error"):
-        return ChildResponse(error=text("error"), final=True, error_kind=ErrorKind.from_wire(text("error_kind")))
-    return ChildResponse(text=text("text_output"), num_input_tokens=count("num_input_tokens"),
-                         num_output_tokens=count("num_output_tokens"), finish_reason=text("finish_reason") or None,
-                         final=final, cumulative_logprob=number("cumulative_logprob"),
-                         logprobs=logprobs_from_wire(text("logprobs")), num_cached_tokens=count("num_cached_tokens"),
-                         token_ids=ids("output_token_ids"))
+        return Delta.failure(text("error"), ErrorKind.from_wire(text("error_kind")))
+    return Delta(text=text("text_output"), finish_reason=text("finish_reason") or None,
+                 num_input_tokens=count("num_input_tokens"), num_output_tokens=count("num_output_tokens"),
+                 cumulative_logprob=number("cumulative_logprob"), logprobs=logprobs_from_wire(text("logprobs")),
+                 num_cached_tokens=count("num_cached_tokens"), token_ids=ids("output_token_ids"), final=final)

@@ -16,5 +16,5 @@ One job per module:
 * ``responder``: orchestrator chunks → the client's responses (Triton LLM convention);
 * ``triton_model``: the python-backend adapter (own asyncio loop thread; ``execute`` only hands requests over).
 
-Nothing here imports Triton except ``triton_model`` (lazily, through ``serving.triton_io``).
+Nothing here imports Triton except ``triton_model`` (lazily, through ``serving.triton.io``).
 """

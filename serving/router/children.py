@@ -12,18 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable, Launcher
+from serving.router.launch import ChildCall, ChildUnavailable, Launcher
+from serving.stream import Delta, ErrorKind
 
 logger = logging.getLogger(__name__)
 
-Event = tuple[ChildCall, ChildResponse]
+Event = tuple[ChildCall, Delta]
 #: How long ``cancel_all`` lets a child stream end by itself before cancelling it, seconds.
 FINISH_GRACE_S = 0.1
 
 
 class ChildStreams:
     """Starts child calls through ``launcher`` and cancels them; every stream ends with a FINAL event (an
-    unreachable child or a broken stream becomes an ``unreachable`` error response)."""
+    unreachable child or a broken stream becomes an ``ErrorKind.UNREACHABLE`` failure)."""
 
     def __init__(self, launcher: Launcher) -> None:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
@@ -82,11 +83,11 @@ class ChildStreams:
                 self.events.put_nowait((call, response))
                 if response.final:
                     return
-            self.events.put_nowait((call, ChildResponse(final=True)))
+            self.events.put_nowait((call, Delta(final=True)))
         except ChildUnavailable as e:
-            self.events.put_nowait((call, ChildResponse(error=str(e), final=True, unreachable=True)))
+            self.events.put_nowait((call, Delta.failure(str(e), ErrorKind.UNREACHABLE)))
         except asyncio.CancelledError:
             raise
         except Exception as e:   # a launcher bug fails this child, never the loop
             logger.exception("room=%d: %s stream failed", call.room, call.role)
-            self.events.put_nowait((call, ChildResponse(error=f"{call.role} failed: {e}", final=True)))
+            self.events.put_nowait((call, Delta.failure(f"{call.role} failed: {e}")))

@@ -4,7 +4,7 @@ Two sources, one ``MemberSource`` seam:
 
 - ``LocalServerMembers`` (no registry, the default): the PD workers of the router's own tritonserver. Triton's
   repository index lists the READY models; a model whose inputs include ``pd_control`` is a PD worker, and a
-  ``describe`` request (``serving.pd_request.InstanceCard``) tells its instance id, role and rendezvous URL. This
+  ``describe`` request (``serving.parsing.pd_request.InstanceCard``) tells its instance id, role and rendezvous URL. This
   is what makes plain ``tritonserver --model-repository`` work with nothing beside it.
 - ``RegistryMembers``: the fleet's membership registry (``bootstrap.membership``: the embedded registry service
   or etcd), for fleets across servers. Losing the registry freezes the member list; it does not empty it.
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from serving.pd_request import CONTROL_INPUT, DESCRIBE, InstanceCard
+from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, InstanceCard
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from serving.pd_request import PDRequest
-from serving.request import parse_request
-from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable
-from serving.stream import ErrorKind, ResponseChunk, ResponseSink
+from serving.parsing.pd_request import PDRequest
+from serving.parsing.request import parse_request
+from serving.router.launch import ChildCall, ChildUnavailable
+from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
 
 
 class PDWorker(Protocol):
@@ -29,27 +29,25 @@ class _LoopSink:
     """``ResponseSink`` that forwards to an asyncio queue on ``loop`` (thread-safe; FINAL once)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.queue: asyncio.Queue[ChildResponse] = asyncio.Queue()
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.cancelled = False
         self._loop = loop
         self._closed = False
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        sample = chunk.samples[0]
-        self._put(ChildResponse(sample.text, chunk.num_input_tokens, sample.num_output_tokens, sample.finish_reason,
-                                None, final, cumulative_logprob=sample.cumulative_logprob, logprobs=sample.logprobs,
-                                num_cached_tokens=sample.num_cached_tokens, token_ids=sample.token_ids))
+        # what the child codec would carry: the one sample, without the client-only new-token count
+        self._put(replace(chunk.samples[0], num_new_tokens=0, final=final))
 
     def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
-        self._put(ChildResponse(error=message, final=True, error_kind=kind))
+        self._put(Delta.failure(message, kind))
 
     def close(self) -> None:
-        self._put(ChildResponse(final=True))
+        self._put(Delta(final=True))
 
     def is_cancelled(self) -> bool:
         return self.cancelled or self._closed
 
-    def _put(self, response: ChildResponse) -> None:
+    def _put(self, response: Delta) -> None:
         if self._closed:
             return
         self._closed = response.final
@@ -61,7 +59,7 @@ class InProcessLauncher:
         """``workers``: instance id → worker (the ids the fleet lists)."""
         self._workers = dict(workers)
 
-    async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
+    async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         worker = self._workers.get(call.target.instance_id)
         if worker is None:
             raise ChildUnavailable(f"no worker {call.target.instance_id} in this process")

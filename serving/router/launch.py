@@ -5,7 +5,7 @@ that is (the router's own included): one bidirectional stream per child request,
 stream cancels exactly that request (Triton then reports ``is_cancelled()`` to the child, which aborts it and
 frees its pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC".
 
-Child protocol: ``serving.child_codec`` (inputs, outputs and their types, the response decoder this module uses,
+Child protocol: ``serving.parsing.child_codec`` (inputs, outputs and their types, the response decoder this module uses,
 the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error`` (and
 ``error_kind``) is set.
 """
@@ -18,10 +18,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from serving.child_codec import CHILD_OUTPUTS, SCHEMA_HASH, SCHEMA_INPUT, ChildResponse, decode_response
-from serving.request import RawValue
+from serving.parsing.child_codec import CHILD_OUTPUTS, SCHEMA_HASH, SCHEMA_INPUT, decode_response
+from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
+from serving.stream import Delta
 
 Room = int
 #: Inputs of the client's request that are forwarded as they are to both children.
@@ -64,7 +65,7 @@ class ChildUnavailable(Exception):
 class Launcher(Protocol):
     """Sends child requests. ``stream`` is called on the router's event loop thread."""
 
-    def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
+    def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         """Send ``call`` and yield its responses up to the FINAL one (an ``error`` response is final).
         Closing the iterator early (``aclose``, or cancelling the task that iterates) cancels the child
         request. Raises ``ChildUnavailable`` when the child cannot be reached or its stream breaks."""
@@ -102,8 +103,6 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
     return arrays
 
 
-
-
 class GrpcLauncher:
     """Child requests over tritonclient's asyncio gRPC client; one channel per endpoint (``ChannelPool``: a
     channel that failed to connect is replaced, so a restarted server is reached on the next call), one stream
@@ -116,7 +115,7 @@ class GrpcLauncher:
     def __init__(self, keepalive_s: float = 300.0) -> None:
         self._channels = ChannelPool(keepalive_s)
 
-    async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
+    async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         import asyncio
 
         import grpc
@@ -145,7 +144,7 @@ class GrpcLauncher:
             async for result, error in responses:
                 if error is not None:
                     finished = True
-                    yield ChildResponse(error=f"{call.role} {call.target.instance_id}: {error.message()}", final=True)
+                    yield Delta.failure(f"{call.role} {call.target.instance_id}: {error.message()}")
                     return
                 final = bool(result.get_response().parameters["triton_final_response"].bool_param)
                 values = {name: array for name in CHILD_OUTPUTS

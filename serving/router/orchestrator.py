@@ -36,16 +36,15 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from engine.outputs import TokenLogprob
-from serving.request import GenerateRequest, RawValue, sample_sampling
+from serving.parsing.request import GenerateRequest, RawValue, sample_sampling
 from serving.router.admission import Admission, ServerBusy
 from serving.router.children import ChildStreams
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, Target
-from serving.router.launch import FORWARDED_INPUTS, ChildCall, ChildResponse, Launcher
+from serving.router.launch import FORWARDED_INPUTS, ChildCall, Launcher
 from serving.router.migration import MigrationState, pick_decode
 from serving.router.pairing import Demand, NoInstance, Pair, PairingPolicy
-from serving.router.responder import OutputChunk
-from serving.stream import ErrorKind
+from serving.stream import Delta, ErrorKind
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ class _MergeState:
     emitted: bool = False   # a chunk with text went to the client: no retry after this
     prefill_final: bool = False
     decode_final: bool = False
-    held: list[ChildResponse] = field(default_factory=list)
+    held: list[Delta] = field(default_factory=list)
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
@@ -134,12 +133,11 @@ class _MergeState:
     migration: MigrationState = field(default_factory=MigrationState)
     rooms: list[Room] = field(default_factory=list)   # the rooms of migrated children, released at the end
 
-    def final_chunk(self, finish_reason: str | None) -> OutputChunk:
-        return OutputChunk(text=self.tail_text, final=True, finish_reason=finish_reason,
-                           num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens,
-                           cumulative_logprob=self.cumulative_logprob,
-                           logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None,
-                           num_cached_tokens=self.num_cached_tokens)
+    def final_chunk(self, finish_reason: str | None) -> Delta:
+        return Delta(text=self.tail_text, finish_reason=finish_reason, num_input_tokens=self.num_input_tokens,
+                     num_output_tokens=self.num_output_tokens, cumulative_logprob=self.cumulative_logprob,
+                     logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None,
+                     num_cached_tokens=self.num_cached_tokens, final=True)
 
 
 class _ChildInputs(NamedTuple):
@@ -154,7 +152,7 @@ class _Outcome:
     """How one attempt ended: ``final`` for the client, or a failure on ``culprit`` to retry (nothing reached
     the client) or, with ``migrate``, to migrate (the first token did)."""
 
-    final: OutputChunk | None = None
+    final: Delta | None = None
     error: str = ""
     culprit: Target | None = None
     migrate: bool = False
@@ -189,7 +187,7 @@ class PDOrchestrator:
                                    config.queue_timeout_s)
         self.rooms = RoomAllocator()
 
-    async def generate(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
+    async def generate(self, routed: RoutedRequest, emit: Callable[[Delta], None],
                        is_cancelled: Callable[[], bool]) -> None:
         """Serve one request to its end; ``emit`` gets the client's chunks in order, the final one exactly once,
         last. Never raises (a failure becomes a final chunk with ``error``), except ``CancelledError`` when the
@@ -199,19 +197,19 @@ class PDOrchestrator:
                 final = await self._serve(routed, emit, is_cancelled)
         except ServerBusy as e:
             self._count_rejected("busy")
-            final = OutputChunk(text="", final=True, error=str(e))
+            final = Delta.failure(str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:   # a bug here must still end the client's stream
             logger.exception("orchestration failed")
-            final = OutputChunk(text="", final=True, error=f"internal error: {e}")
+            final = Delta.failure(f"internal error: {e}")
         if self._metrics is not None:
             self._metrics.request_done("cancelled" if final.finish_reason == "abort" else
                                        "failed" if final.error is not None else "finished")
         emit(final)
 
-    async def _serve(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
-                     is_cancelled: Callable[[], bool]) -> OutputChunk:
+    async def _serve(self, routed: RoutedRequest, emit: Callable[[Delta], None],
+                     is_cancelled: Callable[[], bool]) -> Delta:
         tokens = self._count_tokens(routed.request)
         max_tokens = routed.request.params.max_tokens
         demand = Demand(tokens, max_tokens) if isinstance(tokens, int) else \
@@ -225,10 +223,9 @@ class PDOrchestrator:
                 pair = self._choose_avoiding(demand, frozenset(excluded), frozenset(avoided), frozenset(last_resort))
             except NoInstance as e:
                 if last_error:   # the failure itself is the client's answer, not the missing second pair
-                    return OutputChunk(text="", final=True, error=f"{last_error} (no other {e.role} instance "
-                                                                  "to retry on)")
+                    return Delta.failure(f"{last_error} (no other {e.role} instance to retry on)")
                 self._count_rejected(f"no_{e.role}")
-                return OutputChunk(text="", final=True, error=str(e))
+                return Delta.failure(str(e))
             room = self.rooms.allocate()
             try:
                 outcome = await self._attempt(pair, room, routed, demand, emit, is_cancelled)
@@ -255,7 +252,7 @@ class PDOrchestrator:
                                outcome.error)
                 if self._metrics is not None:
                     self._metrics.retried()
-        return OutputChunk(text="", final=True, error=last_error)
+        return Delta.failure(last_error)
 
     def _choose_avoiding(self, demand: Demand, excluded: frozenset[str], avoided: frozenset[str],
                          last_resort: frozenset[str]) -> Pair:
@@ -282,7 +279,7 @@ class PDOrchestrator:
         return pair
 
     async def _attempt(self, pair: Pair, room: Room, routed: RoutedRequest, demand: Demand,
-                       emit: Callable[[OutputChunk], None], is_cancelled: Callable[[], bool]) -> _Outcome:
+                       emit: Callable[[Delta], None], is_cancelled: Callable[[], bool]) -> _Outcome:
         forwarded = routed.forwarded
         prefill = pair.prefill
         children = ChildStreams(self._launcher)
@@ -303,7 +300,7 @@ class PDOrchestrator:
                 self.rooms.release(extra)
 
     async def _merge(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
-                     request: _ChildInputs, emit: Callable[[OutputChunk], None],
+                     request: _ChildInputs, emit: Callable[[Delta], None],
                      is_cancelled: Callable[[], bool]) -> _Outcome:
         idle_timeout_s = self._config.request_idle_timeout_s
         last_event_s = time.monotonic()
@@ -334,7 +331,7 @@ class PDOrchestrator:
                     for target in targets.values():
                         self._fleet.record(target, ok=False)
                     if not (state.first_done and state.finish_reason is None and self._config.migration_limit > 0):
-                        return _Outcome(final=OutputChunk(text="", final=True, error=reason), error=reason)
+                        return _Outcome(final=Delta.failure(reason), error=reason)
                     # a decode that hangs (a host cut off without a reset) is as gone as a dead one
                     outcome = await self._migrate(room, children, state, targets, request,
                                                   _Outcome(error=reason, culprit=targets["decode"], migrate=True))
@@ -359,7 +356,7 @@ class PDOrchestrator:
         return _Outcome(final=state.final_chunk(state.finish_reason))
 
     def _lost_child(self, state: _MergeState, targets: dict[str, Target],
-                    silent_s: float) -> tuple[str, ChildResponse] | None:
+                    silent_s: float) -> tuple[str, Delta] | None:
         """The role of the open child to give up on, with the error it gets, when the request has heard nothing
         for ``instance_stale_s`` and that child's instance has not answered its rendezvous for as long
         (``Fleet.responsive``); None otherwise. Both conditions: a busy but answering instance (a long prefill,
@@ -374,26 +371,26 @@ class PDOrchestrator:
                 continue
             error = (f"{role} {target.instance_id} unreachable: no response for {silent_s:.1f} s and no answer "
                      f"from its rendezvous for over {stale_s:g} s (instance_stale_s)")
-            return role, ChildResponse(error=error, final=True, unreachable=True)
+            return role, Delta.failure(error, ErrorKind.UNREACHABLE)
         return None
 
-    def _failed(self, room: Room, role: str, response: ChildResponse, state: _MergeState,
+    def _failed(self, room: Room, role: str, response: Delta, state: _MergeState,
                 targets: dict[str, Target]) -> _Outcome:
         culprit, error = targets[role], response.error or ""
         logger.info("room=%d: %s %s failed: %s", room, role, culprit.instance_id, error)
         if response.error_kind is ErrorKind.REQUEST:   # every instance would say the same: no retry
-            return _Outcome(final=OutputChunk(text="", final=True, error=error, error_kind=ErrorKind.REQUEST),
-                            error=error)
-        if response.unreachable:
+            return _Outcome(final=Delta.failure(error, ErrorKind.REQUEST), error=error)
+        unreachable = response.error_kind is ErrorKind.UNREACHABLE
+        if unreachable:
             # only an instance the router cannot reach counts against its breaker: errors a child reports
             # (a KV timeout under load, its peer failing) say little about the child itself
             self._fleet.record(culprit, ok=False)
         if state.first_done and state.finish_reason is None and self._config.migration_limit > 0:
             return _Outcome(error=error, culprit=culprit, migrate=True)   # the client has tokens: move on
         if state.emitted:
-            return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
+            return _Outcome(final=Delta.failure(error), error=error)
         # nothing reached the client yet: retry elsewhere
-        return _Outcome(error=error, culprit=culprit, unreachable=response.unreachable)
+        return _Outcome(error=error, culprit=culprit, unreachable=unreachable)
 
     async def _migrate(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
                        request: _ChildInputs, failure: _Outcome) -> _Outcome:
@@ -408,7 +405,7 @@ class PDOrchestrator:
         def give_up(why: str) -> _Outcome:
             error = f"{failure.error} ({why})"
             logger.warning("room=%d: not migrated: %s", room, why)
-            return _Outcome(final=OutputChunk(text="", final=True, error=error), error=error)
+            return _Outcome(final=Delta.failure(error), error=error)
 
         if migration.num_migrations >= self._config.migration_limit:
             return give_up(f"migrated {migration.num_migrations} times: migration_limit reached")
@@ -444,8 +441,8 @@ class PDOrchestrator:
             return {}
         return {"prompt_token_ids": demand.token_ids, "tokenizer_id": self._tokenizer_id}
 
-    def _accept(self, role: str, response: ChildResponse, state: _MergeState,
-                emit: Callable[[OutputChunk], None]) -> None:
+    def _accept(self, role: str, response: Delta, state: _MergeState,
+                emit: Callable[[Delta], None]) -> None:
         if role == state.prefilled_by:
             state.num_cached_tokens = max(state.num_cached_tokens, response.num_cached_tokens)
         if role == "prefill":
@@ -464,7 +461,7 @@ class PDOrchestrator:
             state.held.append(response)
 
     @staticmethod
-    def _forward(response: ChildResponse, state: _MergeState, emit: Callable[[OutputChunk], None]) -> None:
+    def _forward(response: Delta, state: _MergeState, emit: Callable[[Delta], None]) -> None:
         state.num_input_tokens = max(state.num_input_tokens, response.num_input_tokens)
         state.migration.token_ids.extend(response.token_ids)
         if response.num_output_tokens >= state.num_output_tokens:
@@ -480,9 +477,9 @@ class PDOrchestrator:
             return
         if response.text or response.logprobs:
             state.emitted = state.emitted or bool(response.text)
-            emit(OutputChunk(text=response.text, final=False, num_input_tokens=state.num_input_tokens,
-                             num_output_tokens=state.num_output_tokens, cumulative_logprob=state.cumulative_logprob,
-                             logprobs=response.logprobs, num_cached_tokens=state.num_cached_tokens))
+            emit(Delta(text=response.text, num_input_tokens=state.num_input_tokens,
+                       num_output_tokens=state.num_output_tokens, cumulative_logprob=state.cumulative_logprob,
+                       logprobs=response.logprobs, num_cached_tokens=state.num_cached_tokens))
 
     def _count_rejected(self, reason: str) -> None:
         if self._metrics is not None:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from serving.request import GenerateRequest
+from serving.parsing.request import GenerateRequest
 from serving.router.config import RouterConfig
 from serving.router.discovery import LocalServerMembers, MemberSource
 from serving.router.fleet import Fleet, FleetWatcher
@@ -38,7 +38,7 @@ from serving.router.launch import GrpcLauncher, Launcher
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
-from serving.router.responder import OutputChunk
+from serving.stream import Delta
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class TokenCounter:
 
     def __call__(self, request: GenerateRequest) -> list[int] | int:
         if self._tokenizer is not None:
-            from serving.colocated import prompt_token_ids
+            from serving.workers.colocated import prompt_token_ids
 
             try:
                 ids = prompt_token_ids(self._tokenizer, request)
@@ -132,7 +132,7 @@ class Router:
             await self._health_runner.setup()
             await web.TCPSite(self._health_runner, "0.0.0.0", self.config.health_port).start()
 
-    def submit(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
+    def submit(self, routed: RoutedRequest, emit: Callable[[Delta], None],
                is_cancelled: Callable[[], bool]) -> None:
         """Start one request (any thread); ``emit`` gets its chunks on the loop thread, the final one exactly
         once (also when the router stops meanwhile). Raises RuntimeError when the router is not running."""
@@ -199,13 +199,13 @@ class Router:
         task = self._spawn(self._serve(routed, emit, is_cancelled))
         task.add_done_callback(lambda _: emit.fail("the router is shutting down"))
 
-    async def _serve(self, routed: RoutedRequest, emit: Callable[[OutputChunk], None],
+    async def _serve(self, routed: RoutedRequest, emit: Callable[[Delta], None],
                      is_cancelled: Callable[[], bool]) -> None:
         assert self.orchestrator is not None
         try:
             await self.orchestrator.generate(routed, emit, is_cancelled)
         except asyncio.CancelledError:
-            emit(OutputChunk(text="", final=True, error="the router is shutting down"))
+            emit(Delta.failure("the router is shutting down"))
 
     async def _publish_metrics(self) -> None:
         while True:
@@ -232,11 +232,11 @@ class FinalOnce:
     """An ``emit`` that passes chunks on until the final one and drops anything after it; ``fail`` sends an
     error final unless a final went out already. Loop thread only."""
 
-    def __init__(self, emit: Callable[[OutputChunk], None]) -> None:
+    def __init__(self, emit: Callable[[Delta], None]) -> None:
         self._emit = emit
         self.done = False
 
-    def __call__(self, chunk: OutputChunk) -> None:
+    def __call__(self, chunk: Delta) -> None:
         if self.done:
             return
         self.done = chunk.final
@@ -244,7 +244,7 @@ class FinalOnce:
 
     def fail(self, reason: str) -> None:
         if not self.done:
-            self(OutputChunk(text="", final=True, error=reason))
+            self(Delta.failure(reason))
 
 
 def make_member_source(config: RouterConfig) -> MemberSource:

@@ -1,5 +1,5 @@
 """Triton python-backend adapter of the router (``model_repository/pd_ensemble``, decoupled), a
-``serving.triton_host.ModelHost``.
+``serving.triton.host.ModelHost``.
 
 start: parameters → ``RouterConfig`` (an unknown key or a bad value fails the load, naming it) → a started
 ``Router`` (its own event loop thread). handle: parse each request and hand it to the router; nothing blocks
@@ -14,15 +14,15 @@ import logging
 import time
 from typing import Any
 
-from serving.parallel_sampling import SampleFanIn
+from serving.workers.parallel_sampling import SampleFanIn
 from serving.router.config import build_router_config
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import RoutedRequest
 from serving.router.responder import EnsembleResponder
 from serving.router.service import Router
 from serving.stream import ResponseSink
-from serving.triton_host import ModelHost
-from serving.triton_io import TritonResponseSink, parse_client_request
+from serving.triton.host import ModelHost
+from serving.triton.io import TritonResponseSink, parse_client_request
 
 logger = logging.getLogger(__name__)
 

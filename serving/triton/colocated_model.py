@@ -1,6 +1,6 @@
 """``ColocatedModel``: the Triton python-backend model of the colocated worker (decoupled), behind
-``model_repository/colocated/1/model.py`` (``serving.triton_entry.deferred_model``); the lifecycle it shares
-with the other models is ``serving.triton_host.ModelHost``.
+``model_repository/colocated/1/model.py`` (``serving.triton.entry.deferred_model``); the lifecycle it shares
+with the other models is ``serving.triton.host.ModelHost``.
 
 start: model config ``parameters`` → ``WorkerConfig`` → ``ColocatedWorker`` (loads the model) → start.
 handle: inputs → ``GenerateRequest`` → ``ColocatedWorker.handle``, which answers through the instance's
@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from serving.colocated import ColocatedWorker
+from serving.workers.colocated import ColocatedWorker
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
-from serving.triton_host import ModelHost
-from serving.triton_io import TritonResponseSink, parse_client_request
+from serving.triton.host import ModelHost
+from serving.triton.io import TritonResponseSink, parse_client_request
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ def deferred_model(module: str, class_name: str, **attributes: object) -> type:
     (no arguments, then ``attributes`` set on the instance) in ``initialize``, on the instance's stub.
 
     Args:
-        module: dotted module of the real model class, e.g. ``"serving.triton_pd"``.
+        module: dotted module of the real model class, e.g. ``"serving.triton.pd_model"``.
         class_name: the class, e.g. ``"PDChildModel"``.
         attributes: instance attributes the real class reads in ``initialize`` (``ROLE="prefill"``).
 
@@ -31,7 +31,7 @@ def deferred_model(module: str, class_name: str, **attributes: object) -> type:
     """
 
     class TritonPythonModel:
-        __doc__ = f"Deferred to {module}.{class_name} (serving.triton_entry)."
+        __doc__ = f"Deferred to {module}.{class_name} (serving.triton.entry)."
 
         def initialize(self, args: dict[str, Any]) -> None:
             model = getattr(importlib.import_module(module), class_name)()

@@ -29,11 +29,11 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from serving.metrics import ServingMetrics
-from serving.orphan_watch import OrphanWatch
-from serving.response_dispatch import ResponseDispatcher
-from serving.server_watch import ServerShutdownWatch
-from serving.stub_guard import StubGuard
-from serving.triton_io import TritonResponseSink, answer_each, new_dispatcher, pb_utils
+from serving.triton.orphan_watch import OrphanWatch
+from serving.triton.response_dispatch import ResponseDispatcher
+from serving.triton.server_watch import ServerShutdownWatch
+from serving.triton.stub_guard import StubGuard
+from serving.triton.io import TritonResponseSink, answer_each, new_dispatcher, pb_utils
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def decoupled_config(args: dict[str, Any], model: str) -> dict[str, Any]:
 
 class ModelHost(ABC):
     """Base of the four Triton adapters (``TritonPythonModel`` behind each ``model.py``, through
-    ``serving.triton_entry.deferred_model``). Subclasses implement ``start``, ``stop`` and ``handle``.
+    ``serving.triton.entry.deferred_model``). Subclasses implement ``start``, ``stop`` and ``handle``.
 
     Attributes (set in ``initialize``, before ``start``):
         model_name: the model's name in the repository.

@@ -16,7 +16,7 @@ backend's). Like ``num_input_tokens``, an asked count is on every response.
 the top ``logprobs`` tokens not already listed (the vLLM backend's layout); ``null`` when the request set no
 ``logprobs`` sampling parameter.
 
-Child layout (prefill/decode → the router): ``serving.child_codec``.
+Child layout (prefill/decode → the router): ``serving.parsing.child_codec``.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.outputs import TokenLogprob
-from serving.child_codec import ChildSchemaMismatch, encode_response
-from serving.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
-from serving.response_dispatch import ResponseDispatcher
-from serving.stream import ErrorKind, ResponseChunk, merge_chunks
+from serving.parsing.child_codec import ChildSchemaMismatch, encode_response
+from serving.parsing.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
+from serving.triton.response_dispatch import ResponseDispatcher
+from serving.stream import Delta, ErrorKind, ResponseChunk, merge_chunks
 
 logger = logging.getLogger(__name__)
 #: No optional output asked for (the default of a client request).
@@ -136,12 +136,20 @@ def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -
 
 
 
-def inference_response(chunk: ResponseChunk, child: bool = False, error: str = "",
-                       options: OutputOptions = NO_OPTIONS, error_kind: ErrorKind | None = None) -> Any:
-    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: in the prefill/decode output layout, with
-    ``error`` and its ``error_kind``; else the client layout with the outputs ``options`` asks for)."""
+def inference_response(chunk: ResponseChunk, child: bool = False, options: OutputOptions = NO_OPTIONS) -> Any:
+    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: its one sample in the prefill/decode output
+    layout; else the client layout with the outputs ``options`` asks for)."""
     pb = pb_utils()
-    arrays = encode_response(chunk, error, error_kind) if child else response_arrays(chunk, options)
+    arrays = encode_response(chunk.samples[0] if chunk.samples else Delta()) if child \
+        else response_arrays(chunk, options)
+    return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in arrays.items()])
+
+
+def child_error_response(message: str, kind: ErrorKind) -> Any:
+    """``pb_utils.InferenceResponse`` of a failed child request: a normal response, in the child layout, whose
+    ``error`` output holds ``message`` and ``error_kind`` its ``kind``."""
+    pb = pb_utils()
+    arrays = encode_response(Delta.failure(message, kind))
     return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in arrays.items()])
 
 
@@ -178,7 +186,7 @@ class TritonResponseSink:
             dispatcher: the model instance's response thread (started).
             request_id: for log lines (the client's request id, may be empty).
             child: the request comes from the router: responses use the child output layout
-                (``serving.child_codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
+                (``serving.parsing.child_codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
                 holds the message instead of a Triton error response (a decoupled BLS response iterator never
                 ends after an error response in tritonserver 2.51; over gRPC either form works).
             options: client layout: the optional outputs the request asked for (``set_options`` once the
@@ -235,8 +243,7 @@ class TritonResponseSink:
         child = self._child
 
         def build() -> Any:
-            return inference_response(ResponseChunk.single(), child=True, error=message, error_kind=kind) \
-                if child else error_response(message, kind)
+            return child_error_response(message, kind) if child else error_response(message, kind)
 
         self._queue(lambda: self._dispatcher.submit(self._handle, build, True), True)
 

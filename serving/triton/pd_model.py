@@ -1,7 +1,7 @@
 """Triton python-backend glue of the PD workers; ``model_repository/{prefill,decode}/1/model.py`` only pick
 a class from here (the router's glue is ``serving.router.triton_model``).
 
-``PDChildModel`` (prefill, decode), a ``serving.triton_host.ModelHost``: start → ``WorkerConfig`` →
+``PDChildModel`` (prefill, decode), a ``serving.triton.host.ModelHost``: start → ``WorkerConfig`` →
 ``create_pd_worker`` → start; handle → parse the child request → ``worker.handle``; stop → the worker (its
 requests end with an error and FINAL). Responses leave through the instance's ``ResponseDispatcher`` thread: the
 engine loop never waits on Triton.
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from serving.config import ConfigError, apply_cpu_affinity, build_worker_config, instance_device
-from serving.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, InstanceCard, parse_pd_request
-from serving.request import RequestError
+from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, InstanceCard, parse_pd_request
+from serving.parsing.request import RequestError
 from serving.stream import ResponseChunk
-from serving.triton_host import ModelHost
-from serving.triton_io import TritonResponseSink, pb_utils, read_inputs
+from serving.triton.host import ModelHost
+from serving.triton.io import TritonResponseSink, pb_utils, read_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def read_pd_inputs(request: Any) -> dict[str, np.ndarray]:
 
 class PDChildModel(ModelHost):
     """The prefill or decode model: one PD worker per model instance. ``ROLE`` (``"prefill"``/``"decode"``) is
-    set by model.py (``serving.triton_entry.deferred_model``)."""
+    set by model.py (``serving.triton.entry.deferred_model``)."""
 
     ROLE = ""
     ANSWER_CHILD = True
@@ -53,7 +53,7 @@ class PDChildModel(ModelHost):
         config = build_worker_config(model_config.get("parameters", {}), device=device)
         instance_id = f"{self.model_name}@{config.grpc_url}"
         apply_cpu_affinity(config)
-        from serving.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
+        from serving.workers.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
 
         self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics, model_name=self.model_name)
         self._handle.start()

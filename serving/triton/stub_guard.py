@@ -3,10 +3,10 @@ tells it that this stub ends on purpose.
 
 tritonserver 2.51's python backend never restarts a dead stub of a decoupled model and keeps reporting the model
 ready (r24.10 ``src/python_be.cc``: "TODO: Implement restart on decoupled"). Nothing inside the dead stub can act,
-and tritonserver does not ask it: the guardian (``serving.stub_guardian``, a small process of its own) holds the
+and tritonserver does not ask it: the guardian (``serving.triton.stub_guardian``, a small process of its own) holds the
 read end of a pipe whose only write end is this stub's. A stub that dies in any way (``kill -9``, a segfault, the
 OOM killer) closes it, and the guardian sees end-of-file at once; ``stop`` writes ``finalize`` first, so an unload
-or a server stop is never taken for a death. What the guardian then does: ``serving.stub_guardian``.
+or a server stop is never taken for a death. What the guardian then does: ``serving.triton.stub_guardian``.
 
 No thread: the guardian process is the watcher. ``start`` in ``initialize`` (last, once the model works),
 ``stop`` first in ``finalize``.
@@ -35,7 +35,7 @@ def python_executable() -> str:
 
 
 class StubGuard:
-    """Starts ``python -m serving.stub_guardian`` for this stub's model, with a pipe only this stub writes."""
+    """Starts ``python -m serving.triton.stub_guardian`` for this stub's model, with a pipe only this stub writes."""
 
     def __init__(self, model_name: str, grpc_url: str) -> None:
         """
@@ -50,7 +50,7 @@ class StubGuard:
     def start(self) -> StubGuard:
         """Spawn the guardian (its stdin is our pipe; stdout/stderr are the stub's, i.e. the server log).
         Raises OSError when it cannot be started."""
-        argv = [python_executable(), "-m", "serving.stub_guardian", "--model", self._model_name,
+        argv = [python_executable(), "-m", "serving.triton.stub_guardian", "--model", self._model_name,
                 "--grpc-url", self._grpc_url, "--server-pid", str(os.getppid()), "--stub-pid", str(os.getpid()),
                 "--shm-region", _own_shm_region()]
         # close_fds (the default) keeps the write end out of every other child: only our death closes it

@@ -1,5 +1,5 @@
-"""``python -m serving.stub_guardian``: end a tritonserver whose python-backend stub died, for its supervisor to
-start it again (the process ``serving.stub_guard`` starts for each engine model's stub).
+"""``python -m serving.triton.stub_guardian``: end a tritonserver whose python-backend stub died, for its supervisor to
+start it again (the process ``serving.triton.stub_guard`` starts for each engine model's stub).
 
 Lifecycle of one guardian:
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-logger = logging.getLogger("serving.stub_guardian")
+logger = logging.getLogger("serving.triton.stub_guardian")
 
 FINALIZE = b"finalize\n"
 DRAIN_TIMEOUT_S = 30.0

@@ -24,11 +24,11 @@ from typing import Protocol
 
 from engine.errors import InvalidSamplingParams
 from serving.config import WorkerConfig
-from serving.engine_loop import EngineLoop
-from serving.events import LoopEvent, LoopStopped, RequestId
+from serving.workers.engine_loop import EngineLoop
+from serving.workers.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import LoopMetricsHook, ServingMetrics
-from serving.parallel_sampling import SampleFanIn
-from serving.request import GenerateRequest, RequestError
+from serving.workers.parallel_sampling import SampleFanIn
+from serving.parsing.request import GenerateRequest, RequestError
 from serving.stream import ErrorKind, GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class ColocatedWorker:
     def handle(self, request: GenerateRequest, sink: ResponseSink) -> RequestId:
         """Start serving one request; its responses go to ``sink``. Never raises: failures go to the sink.
 
-        A request with ``n > 1`` runs as ``n`` engine requests (``serving.parallel_sampling``), ids
+        A request with ``n > 1`` runs as ``n`` engine requests (``serving.workers.parallel_sampling``), ids
         ``<id>.0`` ... ``<id>.<n-1>``.
 
         Returns:

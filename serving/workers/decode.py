@@ -35,11 +35,11 @@ from engine.errors import OutOfPages, RequestRejected
 from engine.outputs import Reservation
 from engine.sampling_params import SamplingParams
 from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
-from serving.engine_loop import EngineLoop, PagedEngineCore
-from serving.events import LoopEvent
-from serving.intake import Intake, WorkerTokenizer
+from serving.workers.engine_loop import EngineLoop, PagedEngineCore
+from serving.workers.events import LoopEvent
+from serving.workers.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
-from serving.pd_request import PDRequest
+from serving.parsing.pd_request import PDRequest
 from serving.stream import ErrorKind, GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from typing import Protocol
 from engine.errors import EngineError, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from serving.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
+from serving.workers.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
 
 logger = logging.getLogger(__name__)
 

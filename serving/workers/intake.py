@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from engine.errors import InvalidSamplingParams
-from serving.colocated import Tokenizer, prompt_token_ids
-from serving.engine_loop import EngineLoop
-from serving.pd_request import PDRequest
-from serving.request import RequestError
+from serving.workers.colocated import Tokenizer, prompt_token_ids
+from serving.workers.engine_loop import EngineLoop
+from serving.parsing.pd_request import PDRequest
+from serving.parsing.request import RequestError
 from serving.stream import ErrorKind, ResponseSink
 
 J = TypeVar("J")

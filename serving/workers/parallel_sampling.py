@@ -19,8 +19,9 @@ Thread-safe (one lock): samples may report from different threads (engine loop, 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
-from serving.stream import ErrorKind, ResponseChunk, ResponseSink, SampleOutput
+from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
 
 
 class SampleFanIn:
@@ -40,10 +41,9 @@ class SampleFanIn:
         self._logprobs = logprobs
         self._lock = threading.Lock()
         self._closed = False
-        self._latest: list[SampleOutput] = [SampleOutput(logprobs=() if logprobs else None) for _ in range(n)]
+        self._latest: list[Delta] = [Delta(logprobs=() if logprobs else None) for _ in range(n)]
         self._done = [False] * n
-        self._final: list[SampleOutput | None] = [None] * n
-        self._num_input_tokens = 0
+        self._final: list[Delta | None] = [None] * n
 
     def sample_sink(self, index: int) -> ResponseSink:
         """The ``ResponseSink`` of sample ``index`` (``0 <= index < n``): it takes one-sample chunks."""
@@ -56,26 +56,24 @@ class SampleFanIn:
         with self._lock:
             if self._closed or self._done[index]:
                 return
-            self._num_input_tokens = max(self._num_input_tokens, chunk.num_input_tokens)
             self._done[index] = final
             self._latest[index] = sample
             everything_done = all(self._done)
             self._closed = everything_done
             if self._stream:
                 samples = tuple(sample if i == index else self._idle(i) for i in range(self._n))
-                self._sink.send(ResponseChunk(samples, self._num_input_tokens), final=everything_done)
+                self._sink.send(ResponseChunk(samples), final=everything_done)
                 return
             if final:
                 self._final[index] = sample
             if everything_done:
-                samples = tuple(s if s is not None else SampleOutput() for s in self._final)
-                self._sink.send(ResponseChunk(samples, self._num_input_tokens), final=True)
+                samples = tuple(s if s is not None else Delta() for s in self._final)
+                self._sink.send(ResponseChunk(samples), final=True)
 
-    def _idle(self, index: int) -> SampleOutput:
+    def _idle(self, index: int) -> Delta:
         """What a response that is about another sample says of sample ``index``: nothing new."""
         last = self._latest[index]
-        return SampleOutput("", last.finish_reason, last.num_output_tokens, 0, last.cumulative_logprob,
-                            () if self._logprobs else None, last.num_cached_tokens)
+        return replace(last, text="", num_new_tokens=0, logprobs=() if self._logprobs else None, token_ids=())
 
     def _send_error(self, message: str, kind: ErrorKind) -> None:
         with self._lock:

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 from bootstrap.membership import Member, Membership, make_membership
 from kv_transfer import BaseKVManager, KVArgs, KVLayout, make_kv_manager
 from serving.config import WorkerConfig
-from serving.decode_worker import DecodeWorker
-from serving.engine_loop import EngineLoop
+from serving.workers.decode import DecodeWorker
+from serving.workers.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
-from serving.prefill_worker import PrefillWorker
+from serving.workers.prefill import PrefillWorker
 
 if TYPE_CHECKING:
     from engine import LLMEngine

@@ -31,11 +31,11 @@ from typing import Protocol
 
 from bootstrap.messages import InstanceLoad
 from kv_transfer import AuxData, BaseKVManager, BaseKVSender, KVPoll, TransferError
-from serving.engine_loop import EngineLoop, PagedEngineCore
-from serving.events import LoopEvent, RequestFailed
-from serving.intake import Intake, WorkerTokenizer
+from serving.workers.engine_loop import EngineLoop, PagedEngineCore
+from serving.workers.events import LoopEvent, RequestFailed
+from serving.workers.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
-from serving.pd_request import PDRequest
+from serving.parsing.pd_request import PDRequest
 from serving.stream import ErrorKind, ResponseChunk, ResponseSink, error_kind_of
 
 logger = logging.getLogger(__name__)

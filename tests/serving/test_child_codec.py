@@ -1,4 +1,4 @@
-"""``serving.child_codec``: the child protocol's one schema, held to the model configs and to both encoders; the
+"""``serving.parsing.child_codec``: the child protocol's one schema, held to the model configs and to both encoders; the
 schema check; a response round trip, errors and their kind included."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.outputs import TokenLogprob
-from serving.child_codec import (
+from serving.parsing.child_codec import (
     CHILD_INPUTS,
     CHILD_OUTPUTS,
     SCHEMA_HASH,
@@ -20,10 +20,10 @@ from serving.child_codec import (
     decode_response,
     encode_response,
 )
-from serving.pd_request import parse_pd_request
+from serving.parsing.pd_request import parse_pd_request
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, child_arrays
-from serving.stream import ErrorKind, ResponseChunk
+from serving.stream import Delta, ErrorKind
 
 ROOT = Path(__file__).resolve().parents[2]
 #: numpy dtype kind of each Triton data type the protocol uses
@@ -62,21 +62,24 @@ def test_the_routers_encoder_sends_only_schema_inputs_in_their_types(role: str) 
 
 
 def test_the_childs_encoder_answers_exactly_the_schema_outputs_in_their_types() -> None:
-    arrays = encode_response(ResponseChunk.single("x", "stop", 3, 2, 1, -0.5, None, 0, (7,)))
+    arrays = encode_response(Delta("x", "stop", 3, 2, 1, -0.5, None, 0, (7,)))
     assert {name: array.dtype for name, array in arrays.items()} == \
         {name: np.dtype(NUMPY_OF[t]) for name, t in CHILD_OUTPUTS.items()}
 
 
 def test_a_response_round_trips_and_an_error_keeps_its_kind() -> None:
     entry = TokenLogprob(7, -0.5, 1, "é", ((8, -1.0, "b"),))
-    chunk = ResponseChunk.single("é", "length", 3, 2, 1, -0.5, (entry,), 16, (7,))
-    got = decode_response(encode_response(chunk), final=True)
+    sent = Delta("é", "length", 3, 2, 1, -0.5, (entry,), 16, (7,))
+    got = decode_response(encode_response(sent), final=True)
     assert (got.text, got.finish_reason, got.num_input_tokens, got.num_output_tokens, got.cumulative_logprob,
             got.logprobs, got.num_cached_tokens, got.token_ids, got.final, got.error) == \
         ("é", "length", 3, 2, -0.5, (entry,), 16, (7,), True, None)
-    for kind in ErrorKind:
-        failed = decode_response(encode_response(ResponseChunk.single(), "bad", kind), final=True)
+    for kind in (ErrorKind.REQUEST, ErrorKind.INSTANCE):
+        failed = decode_response(encode_response(Delta.failure("bad", kind)), final=True)
         assert failed.error == "bad" and failed.error_kind is kind and failed.final
+    # UNREACHABLE is the router's own finding: a child claiming it is read as the instance's error
+    claimed = decode_response(encode_response(Delta.failure("bad", ErrorKind.UNREACHABLE)), final=True)
+    assert claimed.error_kind is ErrorKind.INSTANCE
     # an older child's error (no error_kind) is the instance's: the router may try another
     assert decode_response({"error": np.frombuffer(b"x", np.uint8)}, final=True).error_kind is ErrorKind.INSTANCE
 

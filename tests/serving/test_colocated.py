@@ -9,10 +9,10 @@ import time
 import pytest
 from serving_fakes import FakeEngine, FakeFamily, RecordingSink
 
-from serving.colocated import ColocatedWorker
-from serving.engine_loop import EngineLoop
+from serving.workers.colocated import ColocatedWorker
+from serving.workers.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
-from serving.request import parse_request
+from serving.parsing.request import parse_request
 from serving.stream import ErrorKind
 
 pytestmark = pytest.mark.timeout(30)

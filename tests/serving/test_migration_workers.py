@@ -20,16 +20,16 @@ import pytest
 from bootstrap.client import BootstrapClient
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
-from serving.pd_factory import PDWorkerHandle, create_pd_worker
-from serving.request import parse_request
+from serving.workers.pd_factory import PDWorkerHandle, create_pd_worker
+from serving.parsing.request import parse_request
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
 from serving.router.inprocess import InProcessLauncher
-from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable
+from serving.router.launch import ChildCall, ChildUnavailable
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
 from serving.router.responder import EnsembleResponder
-from serving.stream import ErrorKind, ResponseChunk
+from serving.stream import Delta, ErrorKind, ResponseChunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -47,7 +47,7 @@ class BreakingLauncher(InProcessLauncher):
         self.broken: list[ChildCall] = []
         self.resumed: list[ChildCall] = []
 
-    async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
+    async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         breaks = (self.break_after is not None and call.role == "decode" and not call.resume_token_ids
                   and not self.broken)
         if breaks:

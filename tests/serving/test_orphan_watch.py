@@ -1,4 +1,4 @@
-"""``serving.orphan_watch``: ``stop`` ends and joins the watch thread at once (``finalize`` leaves no thread that
+"""``serving.triton.orphan_watch``: ``stop`` ends and joins the watch thread at once (``finalize`` leaves no thread that
 runs Python while the stub tears down); a stub whose parent (tritonserver) is gone ends itself."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from serving.orphan_watch import OrphanWatch
+from serving.triton.orphan_watch import OrphanWatch
 
 
 def test_stop_joins_the_thread_without_waiting_out_the_interval() -> None:
@@ -27,7 +27,7 @@ def test_stop_joins_the_thread_without_waiting_out_the_interval() -> None:
 _SUPERVISOR = r"""
 import ctypes, os, signal, subprocess, sys, time
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
-stub = ("import sys, time; sys.path.insert(0, sys.argv[1]); from serving.orphan_watch import OrphanWatch; "
+stub = ("import sys, time; sys.path.insert(0, sys.argv[1]); from serving.triton.orphan_watch import OrphanWatch; "
         "OrphanWatch('stub', interval_s=0.05).start(); print('ready', flush=True); time.sleep(20)")
 parent = subprocess.Popen([sys.executable, "-c",
     "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from serving_fakes import RecordingSink
 
-from serving.parallel_sampling import SampleFanIn
+from serving.workers.parallel_sampling import SampleFanIn
 from serving.stream import ResponseChunk
 
 

@@ -16,22 +16,22 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
 from bootstrap.client import BootstrapClient
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
-from serving.pd_factory import PDWorkerHandle, create_pd_worker
-from serving.request import parse_request
+from serving.workers.pd_factory import PDWorkerHandle, create_pd_worker
+from serving.parsing.request import parse_request
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
 from serving.router.inprocess import InProcessLauncher
-from serving.router.launch import ChildResponse
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import PairingPolicy, make_policy
 from serving.router.responder import EnsembleResponder
-from serving.stream import ErrorKind, ResponseChunk
+from serving.stream import Delta, ErrorKind, ResponseChunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -41,34 +41,33 @@ WAIT_S = 30.0
 
 
 class QueueSink:
-    """A ``ResponseSink`` whose responses land in a queue as ``ChildResponse``s (what BLS would deliver)."""
+    """A ``ResponseSink`` whose responses land in a queue as ``Delta``s (what BLS would deliver)."""
 
     def __init__(self) -> None:
-        self.responses: queue.Queue[ChildResponse] = queue.Queue()
+        self.responses: queue.Queue[Delta] = queue.Queue()
         self.cancelled = False
         self.finals = 0
         self._lock = threading.Lock()
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        self._put(ChildResponse(chunk.text, chunk.num_input_tokens, chunk.num_output_tokens,
-                                chunk.finish_reason, None, final, num_cached_tokens=chunk.samples[0].num_cached_tokens))
+        self._put(replace(chunk.samples[0], final=final))
 
     def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
-        self._put(ChildResponse(error=message, final=True, error_kind=kind))
+        self._put(Delta(error=message, final=True, error_kind=kind))
 
     def close(self) -> None:
-        self._put(ChildResponse(final=True))
+        self._put(Delta(final=True))
 
     def is_cancelled(self) -> bool:
         return self.cancelled
 
-    def _put(self, response: ChildResponse) -> None:
+    def _put(self, response: Delta) -> None:
         with self._lock:
             assert self.finals == 0, "a response after FINAL"
             self.finals += response.final
         self.responses.put(response)
 
-    def __iter__(self) -> Iterator[ChildResponse]:
+    def __iter__(self) -> Iterator[Delta]:
         while True:
             response = self.responses.get(timeout=WAIT_S)
             yield response
@@ -95,7 +94,7 @@ class Cluster:
                               lambda request: len(request.prompt) // 3 + 1)
 
     def generate(self, inputs: dict[str, str | bool], cancel_after_s: float | None = None,
-                 orchestrator: PDOrchestrator | None = None) -> list[ChildResponse]:
+                 orchestrator: PDOrchestrator | None = None) -> list[Delta]:
         statuses = tuple(s for client in self.clients for s in client.list_instances())
         self.fleet.update(FleetSnapshot(statuses, time.monotonic()))
         client = QueueSink()
@@ -228,7 +227,7 @@ def test_a_cancel_after_the_first_token_frees_prefill_before_any_destination(clu
     """The router cancels prefill's stream when the decode half fails; a decode that died before posting its
     destination leaves prefill a room that only the cancel can end: its pages come back at once (well inside
     ``bootstrap_timeout_s``, 5 s here), with one FINAL."""
-    from serving.pd_request import PDRequest
+    from serving.parsing.pd_request import PDRequest
 
     start = cluster.free_pages()
     sink = QueueSink()

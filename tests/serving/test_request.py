@@ -1,4 +1,4 @@
-"""``serving.request``: every bad input is a ``RequestError`` naming its field; good inputs parse as the vLLM
+"""``serving.parsing.request``: every bad input is a ``RequestError`` naming its field; good inputs parse as the vLLM
 backend (and genai-perf) expect."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.pd_request import parse_pd_request
-from serving.request import RETURN_INPUTS, GenerateRequest, OutputOptions, RequestError, parse_request
+from serving.parsing.pd_request import parse_pd_request
+from serving.parsing.request import RETURN_INPUTS, GenerateRequest, OutputOptions, RequestError, parse_request
 
 
 def _parse(**inputs: object) -> GenerateRequest:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from serving.response_dispatch import ResponseDispatcher
+from serving.triton.response_dispatch import ResponseDispatcher
 
 FINAL = 1
 
@@ -124,13 +124,14 @@ def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
 
 def test_merged_chunks_join_logprobs_and_keep_each_samples_latest_counts() -> None:
     from engine.outputs import TokenLogprob
-    from serving.stream import ResponseChunk, SampleOutput, merge_chunks
+    from serving.stream import Delta, ResponseChunk, merge_chunks
 
     lp = (TokenLogprob(5, -0.5, 1, "a"),)
-    a = ResponseChunk((SampleOutput("a", None, 1, 1, -0.5, lp, 4, (5,)), SampleOutput("", None, 0, 0, 0.0, ())), 9)
-    b = ResponseChunk((SampleOutput("b", "stop", 2, 1, -1.0, lp, 4, (6,)), SampleOutput("x", None, 1, 1, -0.2, lp)), 9)
+    a = ResponseChunk((Delta("a", None, 9, 1, 1, -0.5, lp, 4, (5,)), Delta("", None, 9, 0, 0, 0.0, ())))
+    b = ResponseChunk((Delta("b", "stop", 9, 2, 1, -1.0, lp, 4, (6,)), Delta("x", None, 9, 1, 1, -0.2, lp)))
     m = merge_chunks(a, b)
-    assert m.samples[0] == SampleOutput("ab", "stop", 2, 2, -1.0, lp + lp, 4, (5, 6))
-    assert m.samples[1] == SampleOutput("x", None, 1, 1, -0.2, lp, 0, ())
+    assert m.samples[0] == Delta("ab", "stop", 9, 2, 2, -1.0, lp + lp, 4, (5, 6))
+    assert m.samples[1] == Delta("x", None, 9, 1, 1, -0.2, lp, 0, ())
+    assert m.num_input_tokens == 9
     with pytest.raises(ValueError):
         merge_chunks(a, ResponseChunk.single("z"))

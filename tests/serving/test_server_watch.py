@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from serving.server_watch import ServerShutdownWatch
+from serving.triton.server_watch import ServerShutdownWatch
 
 
 def run(answers: list[object], misses: int = 2) -> int:

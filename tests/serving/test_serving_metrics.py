@@ -131,7 +131,7 @@ def test_loop_hook_publishes_prefix_cache_deltas(metrics: ServingMetrics) -> Non
     from serving_fakes import FakeEngine
 
     from engine.prefix_cache import PrefixCacheStats
-    from serving.engine_loop import EngineLoop
+    from serving.workers.engine_loop import EngineLoop
     from serving.metrics import LoopMetricsHook
 
     snapshots = iter([PrefixCacheStats(100, 32, 4, 2), PrefixCacheStats(150, 80, 6, 6)])

@@ -6,8 +6,8 @@ from serving_fakes import RecordingSink
 
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
-from serving.events import RequestAborted, RequestFailed
-from serving.request import parse_request
+from serving.workers.events import RequestAborted, RequestFailed
+from serving.parsing.request import parse_request
 from serving.stream import GenerationStream
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.stub_guardian import FINALIZE, GuardedStub, heal, process_alive, stub_ended_on_purpose
+from serving.triton.stub_guardian import FINALIZE, GuardedStub, heal, process_alive, stub_ended_on_purpose
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = GuardedStub("prefill", "127.0.0.1:1", server_pid=os.getpid(), stub_pid=1)
@@ -65,7 +65,7 @@ def test_a_guardian_process_exits_quietly_after_finalize_and_acts_at_once_on_a_d
     against a server pid that is gone ("server gone"), so it exits 0 too, within a second or two."""
     def guardian() -> subprocess.Popen[bytes]:
         gone_pid = str(2**22 + 1)
-        return subprocess.Popen([sys.executable, "-m", "serving.stub_guardian", "--model", "m", "--grpc-url",
+        return subprocess.Popen([sys.executable, "-m", "serving.triton.stub_guardian", "--model", "m", "--grpc-url",
                                  "127.0.0.1:1", "--server-pid", gone_pid, "--stub-pid", "1"], cwd=ROOT,
                                 stdin=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.triton_entry import deferred_model
+from serving.triton.entry import deferred_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_importing_a_model_py_loads_no_torch_and_no_serving_code(model: str) -> None:
     code = ("import runpy, sys; ns = runpy.run_path(sys.argv[1]); ns['TritonPythonModel']();"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'nixl', 'engine')"
-            " or (m.startswith('serving.') and m != 'serving.triton_entry'));"
+            " or (m.startswith('serving.') and m != 'serving.triton.entry'));"
             "print(heavy); sys.exit(1 if heavy else 0)")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "model_repository" / model / "1" / "model.py")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(ROOT)})

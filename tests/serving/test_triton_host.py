@@ -1,4 +1,4 @@
-"""``serving.triton_host.ModelHost``: the order of the shared lifecycle (what starts before the adapter's
+"""``serving.triton.host.ModelHost``: the order of the shared lifecycle (what starts before the adapter's
 service, what stops before and after it), the server-stop hook, and a failed ``start`` that leaves nothing
 running. The python backend, the watches and the metrics are fakes that record what happens to them."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-import serving.triton_host as host_module
-from serving.triton_host import ModelHost
+import serving.triton.host as host_module
+from serving.triton.host import ModelHost
 
 
 class _Recorder:

@@ -1,4 +1,4 @@
-"""``serving.triton_io``: numpy halves of the tensor conversions (the pb_utils halves run in the live test)."""
+"""``serving.triton.io``: numpy halves of the tensor conversions (the pb_utils halves run in the live test)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from engine.outputs import TokenLogprob
-from serving.request import OutputOptions, RequestError, parse_request
-from serving.stream import ResponseChunk, SampleOutput
-from serving.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
-from serving.triton_io import logprobs_json, response_arrays, scalars_from_arrays
+from serving.parsing.request import OutputOptions, RequestError, parse_request
+from serving.stream import Delta, ResponseChunk
+from serving.parsing.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
+from serving.triton.io import logprobs_json, response_arrays, scalars_from_arrays
 
 ALL = OutputOptions(True, True, True, True, True, True)
 
@@ -59,7 +59,8 @@ def test_response_arrays_hold_only_what_was_asked() -> None:
 
 
 def test_num_cached_tokens_is_per_sample_uint32_and_only_when_asked() -> None:
-    chunk = ResponseChunk((SampleOutput("a", None, 1, 1, num_cached_tokens=32), SampleOutput("", None, 0, 0)), 40)
+    chunk = ResponseChunk((Delta("a", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1, num_cached_tokens=32),
+                           Delta("", num_input_tokens=40)))
     assert "num_cached_tokens" not in response_arrays(chunk, OutputOptions(num_input_tokens=True))
     arrays = response_arrays(chunk, OutputOptions(num_cached_tokens=True))
     assert sorted(arrays) == ["num_cached_tokens", "text_output"]
@@ -67,7 +68,8 @@ def test_num_cached_tokens_is_per_sample_uint32_and_only_when_asked() -> None:
 
 
 def test_one_entry_per_sample() -> None:
-    chunk = ResponseChunk((SampleOutput("a", None, 1, 1), SampleOutput("", "length", 4, 0)), 5)
+    chunk = ResponseChunk((Delta("a", num_input_tokens=5, num_output_tokens=1, num_new_tokens=1),
+                           Delta("", "length", num_input_tokens=5, num_output_tokens=4)))
     arrays = response_arrays(chunk, ALL)
     assert arrays["text_output"].tolist() == [b"a", b""]
     assert arrays["finish_reason"].tolist() == [b"None", b"length"]
@@ -90,11 +92,11 @@ def test_logprobs_json_is_the_vllm_layout() -> None:
 def test_child_layout_round_trips_logprobs() -> None:
     assert logprobs_from_wire(logprobs_to_wire(ENTRIES)) == ENTRIES
     assert logprobs_from_wire(logprobs_to_wire(None)) is None
-    arrays = encode_response(ResponseChunk.single("é", None, 3, 1, 1, -0.25, ENTRIES[:1]))
+    arrays = encode_response(Delta("é", None, 3, 1, 1, -0.25, ENTRIES[:1]))
     assert arrays["text_output"].dtype == np.uint8 and arrays["text_output"].tobytes().decode() == "é"
     assert arrays["cumulative_logprob"].tolist() == [-0.25]
     assert arrays["num_cached_tokens"].dtype == np.int32 and arrays["num_cached_tokens"].tolist() == [0]
-    cached = encode_response(ResponseChunk.single("x", None, 40, 1, 1, num_cached_tokens=32))
+    cached = encode_response(Delta("x", None, 40, 1, 1, num_cached_tokens=32))
     assert cached["num_cached_tokens"].tolist() == [32] and cached["num_input_tokens"].tolist() == [40]
     assert logprobs_from_wire(arrays["logprobs"].tobytes().decode()) == ENTRIES[:1]
     with pytest.raises(ValueError):
@@ -121,10 +123,10 @@ def test_child_token_ids_round_trip_as_int32_and_resume_ids_travel_to_decode_onl
     from serving.router.fleet import Target
     from serving.router.launch import ChildCall, child_arrays
 
-    arrays = encode_response(ResponseChunk.single("ab", None, 3, 4, 2, token_ids=(7, 9)))
+    arrays = encode_response(Delta("ab", None, 3, 4, 2, token_ids=(7, 9)))
     assert arrays["output_token_ids"].dtype == np.int32 and arrays["output_token_ids"].tolist() == [7, 9]
     assert decode_response(arrays, final=False).token_ids == (7, 9)
-    assert decode_response(encode_response(ResponseChunk.single("")), final=True).token_ids == ()
+    assert decode_response(encode_response(Delta("")), final=True).token_ids == ()
     target = Target("d0@h:1", "decode", "127.0.0.1:8001", "decode", rendezvous_url="http://d0:1")
     call = ChildCall("decode", target, 5, "", "", {"text_input": "hi"}, resume_token_ids=(4, 5, 6))
     sent = child_arrays(call)

@@ -1,10 +1,10 @@
 """Triton python-backend adapter of the colocated worker (decoupled).
 
-All logic lives in ``serving``: ``serving.triton_colocated.ColocatedModel`` builds a ``ColocatedWorker`` (one
-engine) and hands it each request. It is imported in ``initialize`` only (``serving.triton_entry``: the python
+All logic lives in ``serving``: ``serving.triton.colocated_model.ColocatedModel`` builds a ``ColocatedWorker`` (one
+engine) and hands it each request. It is imported in ``initialize`` only (``serving.triton.entry``: the python
 backend's auto-complete stub imports this file too, and need not load torch).
 """
 
-from serving.triton_entry import deferred_model
+from serving.triton.entry import deferred_model
 
-TritonPythonModel = deferred_model("serving.triton_colocated", "ColocatedModel")
+TritonPythonModel = deferred_model("serving.triton.colocated_model", "ColocatedModel")

@@ -4,10 +4,10 @@ All logic lives in ``serving.router``: ``serving.router.triton_model.RouterModel
 healthy prefill and decode instance of the fleet (in this tritonserver or others, found at the bootstrap
 service) by load, sends both child requests over gRPC streaming, merges their streams, and retries a request
 that failed before its first token on another pair.
-It is imported in ``initialize`` only (``serving.triton_entry``: the python backend's auto-complete stub imports
+It is imported in ``initialize`` only (``serving.triton.entry``: the python backend's auto-complete stub imports
 this file too, and need not load torch).
 """
 
-from serving.triton_entry import deferred_model
+from serving.triton.entry import deferred_model
 
 TritonPythonModel = deferred_model("serving.router.triton_model", "RouterModel")

@@ -1,10 +1,10 @@
 """Triton python-backend adapter of the prefill half of PD disaggregation (decoupled).
 
-All logic lives in ``serving``: ``serving.triton_pd.PDChildModel`` builds a ``serving.prefill_worker.PrefillWorker``
+All logic lives in ``serving``: ``serving.triton.pd_model.PDChildModel`` builds a ``serving.workers.prefill.PrefillWorker``
 (engine in prefill mode + KV manager) and hands it each request. It is imported in ``initialize`` only
-(``serving.triton_entry``: the python backend's auto-complete stub imports this file too, and need not load torch).
+(``serving.triton.entry``: the python backend's auto-complete stub imports this file too, and need not load torch).
 """
 
-from serving.triton_entry import deferred_model
+from serving.triton.entry import deferred_model
 
-TritonPythonModel = deferred_model("serving.triton_pd", "PDChildModel", ROLE="prefill")
+TritonPythonModel = deferred_model("serving.triton.pd_model", "PDChildModel", ROLE="prefill")

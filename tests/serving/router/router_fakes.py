@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator, Callable
 from bootstrap.messages import InstanceLoad, InstanceStatus
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
-from serving.router.launch import ChildCall, ChildResponse, ChildUnavailable
+from serving.router.launch import ChildCall, ChildUnavailable
+from serving.stream import Delta
 
-#: per call: a list of (delay_s, ChildResponse | Exception); keyed by (role, instance id) or role
-Script = list[tuple[float, "ChildResponse | Exception"]]
+#: per call: a list of (delay_s, Delta | Exception); keyed by (role, instance id) or role
+Script = list[tuple[float, "Delta | Exception"]]
 
 
 class ScriptedLauncher:
@@ -29,7 +30,7 @@ class ScriptedLauncher:
         self.cancelled_when_done: list[ChildCall] = []   # set by the test's runner
         self.resets: list[str] = []
 
-    async def stream(self, call: ChildCall) -> AsyncIterator[ChildResponse]:
+    async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         self.calls.append(call)
         script = self.by_instance.get(call.target.instance_id, self.scripts.get(call.role, []))
         if call.resume_token_ids:

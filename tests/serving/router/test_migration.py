@@ -11,21 +11,21 @@ from test_orchestrator import run
 
 from engine.outputs import TokenLogprob
 from serving.router.config import RouterConfig
-from serving.router.launch import ChildResponse
+from serving.stream import Delta
 
 FLEET = (status("p0@h:1", "prefill"), status("d0@h:1", "decode"), status("d1@h:1", "decode"),
          status("d2@h:1", "decode"))
 
 
 def tok(text: str, n: int, ids: tuple[int, ...], cum: float, final: bool = False,
-        finish_reason: str | None = None) -> ChildResponse:
+        finish_reason: str | None = None) -> Delta:
     """A child response of ``ids`` (logprob -0.5 each) with ``n`` tokens so far."""
-    return ChildResponse(text=text, num_input_tokens=7, num_output_tokens=n, final=final, finish_reason=finish_reason,
+    return Delta(text=text, num_input_tokens=7, num_output_tokens=n, final=final, finish_reason=finish_reason,
                          cumulative_logprob=cum, token_ids=ids,
                          logprobs=tuple(TokenLogprob(t, -0.5, 1, text, ()) for t in ids))
 
 
-PREFILL = [(0.0, tok("A", 1, (10,), -0.5)), (0.0, ChildResponse(final=True))]
+PREFILL = [(0.0, tok("A", 1, (10,), -0.5)), (0.0, Delta(final=True))]
 DIES_AFTER_3 = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (0.0, unavailable("d down"))]
 # a resumed child counts the resumed tokens in num_output_tokens and as 0.0 in cumulative_logprob
 RESUMED_AFTER_3 = [(0.0, tok("D", 4, (13,), -0.5)), (0.0, tok("E", 5, (14,), -1.0, True, "length"))]
@@ -51,7 +51,7 @@ def test_a_decode_that_dies_after_three_tokens_is_resumed_elsewhere_and_the_clie
 
 
 def test_a_decode_that_dies_while_waiting_for_kv_migrates_with_the_first_token_and_the_prefill_is_cancelled() -> None:
-    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1, (10,), -0.5)), (5.0, ChildResponse(final=True))],
+    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1, (10,), -0.5)), (5.0, Delta(final=True))],
                                  "decode": [(0.05, unavailable("d down"))]},
                                 resumed=[[(0.0, tok("B", 2, (11,), -0.5)), (0.0, tok("C", 3, (12,), -1.0, True, "stop"))]])
     start = time.monotonic()
@@ -66,7 +66,7 @@ def test_a_decode_that_dies_while_waiting_for_kv_migrates_with_the_first_token_a
 
 def test_a_decode_error_that_is_not_about_the_request_migrates_too() -> None:
     dies = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)),
-            (0.0, ChildResponse(error="decode engine step failed", final=True))]
+            (0.0, Delta(error="decode engine step failed", final=True))]
     launcher = ScriptedLauncher({"prefill": PREFILL, "decode": dies}, resumed=[RESUMED_AFTER_3])
     out, _ = run(launcher, fleet=fleet_of(*FLEET))
     assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
@@ -108,7 +108,7 @@ def test_a_client_cancel_during_the_migrated_decode_cancels_it() -> None:
 
 
 def test_children_that_send_no_token_ids_are_not_migrated() -> None:
-    old = [(0.0, ChildResponse(text="A", num_input_tokens=7, num_output_tokens=1)), (0.0, ChildResponse(final=True))]
+    old = [(0.0, Delta(text="A", num_input_tokens=7, num_output_tokens=1)), (0.0, Delta(final=True))]
     launcher = ScriptedLauncher({"prefill": old, "decode": [(0.02, unavailable("d down"))]})
     out, _ = run(launcher, fleet=fleet_of(*FLEET))
     assert "token ids" in (out[-1].error or "") and len([c for c in launcher.calls if c.role == "decode"]) == 1

@@ -7,35 +7,33 @@ import time
 
 from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
 
-from serving.request import GenerateRequest
+from serving.parsing.request import GenerateRequest
 from serving.router.config import RouterConfig
-from serving.router.launch import ChildResponse
 from serving.router.orchestrator import PDOrchestrator, RoomAllocator, RoutedRequest
 from serving.router.pairing import make_policy
-from serving.router.responder import OutputChunk
-from serving.stream import ErrorKind
+from serving.stream import Delta, ErrorKind
 
 FLEET = (status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
 
 
-def tok(text: str, n: int, final: bool = False, finish_reason: str | None = None) -> ChildResponse:
-    return ChildResponse(text=text, num_input_tokens=7, num_output_tokens=n, final=final,
+def tok(text: str, n: int, final: bool = False, finish_reason: str | None = None) -> Delta:
+    return Delta(text=text, num_input_tokens=7, num_output_tokens=n, final=final,
                          finish_reason=finish_reason)
 
 
-OK_PREFILL = [(0.0, tok("A", 1)), (0.0, ChildResponse(final=True))]
+OK_PREFILL = [(0.0, tok("A", 1)), (0.0, Delta(final=True))]
 OK_DECODE = [(0.0, tok("B", 2)), (0.0, tok("C", 3, final=True, finish_reason="length"))]
 
 
 def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=None, linger_s: float = 0.0,
-        **config: object) -> tuple[list[OutputChunk], ScriptedLauncher]:
+        **config: object) -> tuple[list[Delta], ScriptedLauncher]:
     """One request through a ``PDOrchestrator`` over ``launcher``; ``launcher.cancelled_when_done`` is its
     ``cancelled`` when the request ended, and the event loop then runs ``linger_s`` longer (streams the router
     left to end by themselves end) before ``asyncio.run`` cancels what is left."""
     cfg = RouterConfig(**{"policy": "round_robin", **config})  # type: ignore[arg-type]
     orchestrator = PDOrchestrator(cfg, fleet or fleet_of(*FLEET, config=cfg), make_policy(cfg.policy, cfg.direct_decode_max_tokens), launcher,
                                   lambda request: 7)
-    out: list[OutputChunk] = []
+    out: list[Delta] = []
     start = time.monotonic()
 
     def cancelled() -> bool:
@@ -55,7 +53,7 @@ def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=N
 
 
 def test_first_token_comes_first_even_when_decode_answers_earlier() -> None:
-    launcher = ScriptedLauncher({"prefill": [(0.1, tok("A", 1)), (0.0, ChildResponse(final=True))],
+    launcher = ScriptedLauncher({"prefill": [(0.1, tok("A", 1)), (0.0, Delta(final=True))],
                                  "decode": OK_DECODE})
     out, _ = run(launcher)
     assert [c.text for c in out] == ["A", "B", "C"]   # the last tokens come with the final chunk
@@ -81,7 +79,7 @@ def test_a_prefill_that_fails_before_the_first_token_is_retried_once_on_another_
 
 def test_without_migration_a_failure_after_the_first_token_ends_the_request_with_the_error() -> None:
     launcher = ScriptedLauncher({"prefill": OK_PREFILL,
-                                 "decode": [(0.05, tok("B", 2)), (0.0, ChildResponse(error="decode died", final=True))]})
+                                 "decode": [(0.05, tok("B", 2)), (0.0, Delta(error="decode died", final=True))]})
     out, _ = run(launcher, migration_limit=0)
     assert [c.text for c in out if not c.final] == ["A", "B"] and out[-1].error == "decode died"
     assert len({c.room for c in launcher.calls}) == 1
@@ -143,7 +141,7 @@ def test_rooms_are_unique_63_bit_and_released() -> None:
 def test_an_error_about_the_request_is_neither_retried_nor_held_against_the_instance() -> None:
     rejected = "request 'decode-3' rejected: needs 7000 pages, the pool has 1024"
     launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": [
-        (0.0, ChildResponse(error=rejected, final=True, error_kind=ErrorKind.REQUEST))]})
+        (0.0, Delta(error=rejected, final=True, error_kind=ErrorKind.REQUEST))]})
     fleet = fleet_of(*FLEET, config=RouterConfig(breaker_failures=1))
     for _ in range(3):
         out, _ = run(launcher, fleet=fleet)
@@ -156,25 +154,25 @@ def test_the_error_kind_decides_the_retry_not_the_message() -> None:
     """The same words from an instance that failed (``INSTANCE``, the default) are retried on another pair."""
     looks_like_a_request_error = "invalid input 'text_input': the prefill engine step failed on it"
     launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE}, by_instance={
-        "p0@h:1": [(0.0, ChildResponse(error=looks_like_a_request_error, final=True))]})
+        "p0@h:1": [(0.0, Delta(error=looks_like_a_request_error, final=True))]})
     out, _ = run(launcher)
     assert [c.target.instance_id for c in launcher.calls if c.role == "prefill"] == ["p0@h:1", "p1@h:1"]
     assert "".join(c.text for c in out) == "ABC" and out[-1].error is None
 
 
 def test_the_prompts_cache_hit_is_prefills_on_every_chunk_and_decodes_is_ignored() -> None:
-    prefill = [(0.0, ChildResponse(text="A", num_input_tokens=64, num_output_tokens=1, num_cached_tokens=16)),
-               (0.0, ChildResponse(final=True))]   # its last response says 0: the first one counts
-    decode = [(0.0, ChildResponse(text="B", num_input_tokens=64, num_output_tokens=2, num_cached_tokens=48)),
-              (0.0, ChildResponse(text="C", num_input_tokens=64, num_output_tokens=3, final=True,
+    prefill = [(0.0, Delta(text="A", num_input_tokens=64, num_output_tokens=1, num_cached_tokens=16)),
+               (0.0, Delta(final=True))]   # its last response says 0: the first one counts
+    decode = [(0.0, Delta(text="B", num_input_tokens=64, num_output_tokens=2, num_cached_tokens=48)),
+              (0.0, Delta(text="C", num_input_tokens=64, num_output_tokens=3, final=True,
                                   finish_reason="length", num_cached_tokens=48))]
     out, _ = run(ScriptedLauncher({"prefill": prefill, "decode": decode}))
     assert [c.text for c in out] == ["A", "B", "C"] and [c.num_cached_tokens for c in out] == [16, 16, 16]
 
 
 def test_a_direct_decode_reports_decodes_own_cache_hit() -> None:
-    decode = [(0.0, ChildResponse(text="A", num_input_tokens=7, num_output_tokens=1, num_cached_tokens=16)),
-              (0.0, ChildResponse(text="B", num_input_tokens=7, num_output_tokens=2, final=True,
+    decode = [(0.0, Delta(text="A", num_input_tokens=7, num_output_tokens=1, num_cached_tokens=16)),
+              (0.0, Delta(text="B", num_input_tokens=7, num_output_tokens=2, final=True,
                                   finish_reason="stop", num_cached_tokens=16))]
     launcher = ScriptedLauncher({"decode": decode})
     out, _ = run(launcher, direct_decode_max_tokens=8)
@@ -188,7 +186,7 @@ def test_a_retry_avoids_the_failed_pairs_partner_when_the_fleet_has_another() ->
                      status("d0@h:1", "decode", free_pages=200), status("d1@h:1", "decode"))
     launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE},
                                 by_instance={"p0@h:1": [(0.05, unavailable("p0 down"))],
-                                             "d0@h:1": [(0.0, ChildResponse(error="KV transfer failed: prefill p0 "
+                                             "d0@h:1": [(0.0, Delta(error="KV transfer failed: prefill p0 "
                                                                                   "went away", final=True))]})
     out, _ = run(launcher, fleet=fleet, policy="load_aware")   # load_aware prefers p0 and d0
     assert out[-1].error is None and [c.text for c in out] == ["A", "B", "C"]
@@ -200,7 +198,7 @@ def test_an_instance_that_answers_its_rendezvous_is_retried_last_after_a_connect
     """The router's connection to the only decode failed (a stale one: the server restarted on the same address,
     or the path came back after a partition) while the fleet still hears the instance: the retry takes it
     again, on a new connection, rather than failing for want of another decode."""
-    prefill = [(0.05, tok("A", 1)), (0.0, ChildResponse(final=True))]
+    prefill = [(0.05, tok("A", 1)), (0.0, Delta(final=True))]
     launcher = ScriptedLauncher({"prefill": prefill, "decode": OK_DECODE},
                                 by_instance={"d0@h:1": [(0.0, unavailable("Stream removed"))]})
     first_call = launcher.stream
@@ -236,8 +234,8 @@ def test_a_child_whose_instance_went_silent_is_given_up_its_connection_reset_and
     start = time.monotonic()
     fleet = fleet_of(status("p0@h:1", "prefill", age_s=-1000), status("d0@h:1", "decode"),
                      config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
-    slow = [(1.5, tok("A", 1)), (0.0, ChildResponse(final=True))]
-    launcher = ScriptedLauncher({"prefill": slow, "decode": [(1.5, ChildResponse(final=True))]})
+    slow = [(1.5, tok("A", 1)), (0.0, Delta(final=True))]
+    launcher = ScriptedLauncher({"prefill": slow, "decode": [(1.5, Delta(final=True))]})
     out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3)
     assert "decode d0@h:1 unreachable" in (out[-1].error or "") and "no other decode" in (out[-1].error or "")
     assert time.monotonic() - start < 5.0
