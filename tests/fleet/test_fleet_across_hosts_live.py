@@ -5,7 +5,9 @@ fleet of its own started and stopped inside that test: a model repository copy w
 
 Invariants: greedy text through the router equals the colocated engine's; a seeded sampled request and its
 logprobs equal the colocated engine's; the KV bytes the prefill reports crossed the prefill host's link; a client
-cancel mid-stream frees the pages on both worker hosts. Faults (docs/multihost.md, "Whole servers across hosts"):
+cancel mid-stream frees the pages on both worker hosts; a long prompt sent again takes its prefix from the prefill
+host's cache with the text unchanged; 10 streams at once with the prefill host's link throttled to 1 Gbit/s all
+give the colocated text and hold no page afterwards. Faults (docs/multihost.md, "Whole servers across hosts"):
 the decode host's link down 5 s mid-transfer: every stream ends (FINAL, or an error), no page leaks, no process
 restarted, the next request succeeds; the registry host's link down 10 s: requests keep succeeding, the router's
 membership stays as it was, and after the link is back the fleet still serves; the router's host cut off from the
@@ -140,15 +142,17 @@ def stubs(hosts: HostFleet) -> dict[str, list[int]]:
     return {name: sorted(s.stub_pids()) for name, s in hosts.servers.items()}
 
 
-def infer_outputs(url: str, prompt: str, params: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """One streamed request asking for logprobs: (every response's outputs by name, the error or None)."""
+def infer_outputs(url: str, prompt: str, params: dict[str, Any],
+                  **flags: bool) -> tuple[list[dict[str, Any]], str | None]:
+    """One streamed request asking for ``flags`` (default: logprobs and the cumulative logprob): (every response's
+    outputs by name, the error or None)."""
     events: queue.Queue[tuple[Any, Any]] = queue.Queue()
     outputs: list[dict[str, Any]] = []
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: events.put((result, error)))
     try:
-        client.async_stream_infer("pd_ensemble", make_inputs(prompt, params, return_logprobs=True,
-                                                             return_cumulative_logprob=True),
+        asked = flags or {"return_logprobs": True, "return_cumulative_logprob": True}
+        client.async_stream_infer("pd_ensemble", make_inputs(prompt, params, **asked),
                                   enable_empty_final_response=True)
         while True:
             res, err = events.get(timeout=120)
@@ -167,9 +171,9 @@ def infer_outputs(url: str, prompt: str, params: dict[str, Any]) -> tuple[list[d
 def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tuple[int, float]], float]:
     """The colocated engine, in this process: (text, [(token id, logprob)], cumulative logprob)."""
     from engine import LLMEngine
-    from serving.colocated import prompt_token_ids
+    from serving.workers.colocated import prompt_token_ids
     from serving.config import WorkerConfig
-    from serving.request import parse_request
+    from serving.parsing.request import parse_request
 
     engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
     req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(params)})
@@ -231,6 +235,63 @@ def test_client_cancel_mid_stream_frees_pages_on_both_hosts(hosts: HostFleet) ->
     result = generate(hosts, LONG[2], params, cancel_after=2)
     assert result.error is None and not result.final_seen and len(result.texts) >= 2
     wait_pools_full(hosts, 30.0)
+
+
+def test_prefix_cache_across_hosts(hosts: HostFleet, reference: dict[str, str]) -> None:
+    """A long prompt sent twice: the second's prefill takes most of the prompt from the prefill host's prefix
+    cache (``num_cached_tokens``, whole pages), decode on the other host still gets the prompt's KV, and the
+    text is the colocated engine's both times. (Cache-aware pairing needs two prefill hosts: this fleet has one.)"""
+    prompt = LONG[1]
+    url = hosts.servers["rt"].grpc_url
+    flags = {"return_num_cached_tokens": True, "return_num_input_tokens": True}
+    seen: list[tuple[str, int, int]] = []
+    for _ in range(2):
+        outputs, error = infer_outputs(url, prompt, {"max_tokens": 12, "temperature": 0}, **flags)
+        assert error is None, error
+        text = "".join(o["text_output"].reshape(-1)[0].decode() for o in outputs if "text_output" in o)
+        cached = max(int(o["num_cached_tokens"].reshape(-1)[0]) for o in outputs if "num_cached_tokens" in o)
+        prompt_tokens = max(int(o["num_input_tokens"].reshape(-1)[0]) for o in outputs if "num_input_tokens" in o)
+        seen.append((text, cached, prompt_tokens))
+    print(f"prefix cache across hosts: (cached, prompt tokens) {[(c, n) for _, c, n in seen]}")
+    assert [text for text, _, _ in seen] == [reference[prompt]] * 2
+    _, cached, prompt_tokens = seen[1]
+    assert cached % 16 == 0 and prompt_tokens // 2 <= cached < prompt_tokens, seen
+    wait_pools_full(hosts, 30.0)
+
+
+def test_prefill_link_throttled_to_1gbit_under_load(hosts: HostFleet) -> None:
+    """The prefill host's link limited to 1 Gbit/s (``tc tbf`` both ways) while 4 fresh long prompts (their KV
+    not cached on either host) and 6 short ones run at once: every stream ends with the colocated text, the KV
+    bytes crossed the throttled link, no page is held afterwards and nothing restarted."""
+    long = [f"Throttled {i}. " + LONG[i] for i in range(len(LONG))]
+    prompts = long + PROMPTS[:6]
+    expected = colocated_greedy_texts(prompts, GREEDY)
+    before = stubs(hosts)
+    kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
+    link_before = hosts.host("pf").counters().tx_bytes
+    results: dict[int, StreamResult] = {}
+    hosts.host("pf").throttle(1000)
+    try:
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(hosts, prompts[i])))
+                   for i in range(len(prompts))]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        elapsed_s = time.monotonic() - start
+    finally:
+        hosts.host("pf").throttle(0)
+    kv_bytes = metric(hosts, "pd_kv_transfer_bytes_total", "prefill") - kv_before
+    link_bytes = hosts.host("pf").counters().tx_bytes - link_before
+    print(f"throttled link under load: {len(prompts)} streams in {elapsed_s:.1f} s, KV {kv_bytes / 2**20:.1f} MiB, "
+          f"prefill link sent {link_bytes / 2**20:.1f} MiB")
+    assert len(results) == len(prompts), "a stream never ended"
+    for i, prompt in enumerate(prompts):
+        assert results[i].error is None and results[i].text == expected[prompt], (i, results[i].error)
+    assert kv_bytes > 20_000_000 and link_bytes >= kv_bytes, (kv_bytes, link_bytes)
+    wait_pools_full(hosts, 30.0)
+    assert stubs(hosts) == before, "a server or stub restarted"
 
 
 def test_decode_hosts_link_down_5s_mid_transfer(hosts: HostFleet, reference: dict[str, str]) -> None:
