@@ -1,7 +1,8 @@
 """Whole servers across network hosts: one ``scripts/serve.sh`` per host of a ``scripts/fleet`` fleet, each started
 as the README's "Across servers" commands say.
 
-Hosts: ``reg`` (``ROLE=registry``), ``rt`` (``ROLE=router``), ``pf`` (``ROLE=prefill``), ``dc`` (``ROLE=decode``).
+Hosts: ``reg`` (``ROLE=registry``) and, by default, ``rt`` (``ROLE=router``), ``pf`` (``ROLE=prefill``), ``dc``
+(``ROLE=decode``); ``HostFleet(roles=...)`` names other worker hosts (``XPYD_2P2D``: two of each).
 Every server gets ``HOST=0.0.0.0``, ``ADVERTISE_HOST=<its address>``, ``PD_REGISTRY_URL=http://<reg>:8998``, a
 fleet secret file (it binds a non-loopback address) and ``PD_KV_NETWORK_ONLY=1`` (the hosts share one kernel:
 docs/multihost.md), on the README's default ports (each host has its own port space). The test process reaches
@@ -9,7 +10,7 @@ each server through a ``fleet.relay.Relay`` in the server's own host (``ServeScr
 ``grpc_url``, ``metrics_url`` are the relays' loopback ports): client traffic never crosses a host's link, so the
 links carry only what the servers send each other (KV, gRPC between router and workers, registry traffic).
 
-``HostFleet.start`` makes the namespaces, starts the registry, then the three tritonservers at once, and waits
+``HostFleet.start`` makes the namespaces, starts the registry, then the tritonservers at once, and waits
 until the router's ``pd_router_ready`` is 1; ``stop`` stops the servers (SIGTERM, SIGKILL after a grace), then
 closes the relays and removes the namespaces. ``stop`` is idempotent and runs whatever failed before it.
 """
@@ -33,19 +34,26 @@ from perf.server import ServeScript, wait_http_ok, wait_router_ready  # noqa: E4
 SERVE_SH = str(Path(__file__).resolve().parents[2] / "scripts" / "serve.sh")
 HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT = 8000, 8001, 8002, 8998   # serve.sh's defaults
 ROLES = {"rt": "router", "pf": "prefill", "dc": "decode"}
-MODELS = {"rt": "pd_ensemble", "pf": "prefill", "dc": "decode"}
+#: two prefill hosts and two decode hosts behind the router
+XPYD_2P2D = {"rt": "router", "pf": "prefill", "pf2": "prefill", "dc": "decode", "dc2": "decode"}
+MODEL_OF_ROLE = {"router": "pd_ensemble", "prefill": "prefill", "decode": "decode"}
 SECRET = "hosts-fleet-test-secret"
 STOP_S = 40.0
 
 
 class HostFleet:
-    """The four hosts and their servers. Attributes after ``start``: ``fleet`` (the ``Fleet``), ``servers``
-    (host name → ``ServeScript`` for ``rt``/``pf``/``dc``), ``registry_url`` (as the servers reach it)."""
+    """The hosts and their servers. Attributes after ``start``: ``fleet`` (the ``Fleet``), ``servers``
+    (host name → ``ServeScript`` for every host but ``reg``), ``registry_url`` (as the servers reach it)."""
 
-    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
-        """``env``: extra environment of every server (e.g. ``UCX_*`` for a run)."""
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None, roles: dict[str, str] | None = None) -> None:
+        """``env``: extra environment of every server (e.g. ``UCX_*`` for a run). ``roles``: host name → role
+        (``router``, ``prefill``, ``decode``) of the hosts beside ``reg``; one router host, named ``rt``
+        (default ``ROLES``)."""
         self.tmp = tmp
-        self.fleet = Fleet(["reg", *ROLES])
+        self.roles = dict(roles or ROLES)
+        if [h for h, r in self.roles.items() if r == "router"] != ["rt"]:
+            raise ValueError(f"one router host, named rt: {self.roles}")
+        self.fleet = Fleet(["reg", *self.roles])
         self.servers: dict[str, ServeScript] = {}
         self.relays: list[Relay] = []
         self.registry_url = ""
@@ -65,7 +73,7 @@ class HostFleet:
 
     def _env(self, name: str, secret_file: Path) -> dict[str, str]:
         host = self.fleet[name]
-        return {"HOST": "0.0.0.0", "ADVERTISE_HOST": host.address, "ROLE": ROLES.get(name, "registry"),
+        return {"HOST": "0.0.0.0", "ADVERTISE_HOST": host.address, "ROLE": self.roles.get(name, "registry"),
                 "PD_REGISTRY_URL": self.registry_url, "PD_FLEET_SECRET_FILE": str(secret_file),
                 "PD_KV_NETWORK_ONLY": "1", "MODELS": "",   # the role's default models, as the README runs it
                 "HTTP_PORT": str(HTTP_PORT), "GRPC_PORT": str(GRPC_PORT), "METRICS_PORT": str(METRICS_PORT),
@@ -84,8 +92,8 @@ class HostFleet:
         proc = reg.popen([SERVE_SH], env=self._env("reg", secret_file), stdout=self._registry_log,
                          stderr=subprocess.STDOUT)
         self._wait_registry(proc, ready_timeout_s)
-        for name, models in MODELS.items():
-            server = ServeScript(models, self.tmp / f"{name}.log", env=self._env(name, secret_file),
+        for name, role in self.roles.items():
+            server = ServeScript(MODEL_OF_ROLE[role], self.tmp / f"{name}.log", env=self._env(name, secret_file),
                                  ports=(HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT),
                                  launcher=["ip", "netns", "exec", self.fleet[name].netns])
             server.http_url = f"http://{self.relay(name, HTTP_PORT).hostport}"
@@ -108,7 +116,7 @@ class HostFleet:
     def stop(self) -> None:
         """Servers (router first, then workers; ``stops`` says how each went), relays, then the namespaces (which
         kills the registry and any straggler). Idempotent; never raises."""
-        for name in ("rt", "pf", "dc"):
+        for name in self.roles:   # the router first
             server = self.servers.get(name)
             if server is not None:
                 try:

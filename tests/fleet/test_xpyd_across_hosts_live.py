@@ -1,0 +1,140 @@
+"""2 prefill hosts + 2 decode hosts behind a router host (issue #21 item 3): ``scripts/serve.sh`` per host as the
+README's "Across servers" commands say (``tests/fleet/serve_hosts.py``, ``XPYD_2P2D``), NIXL over TCP on the veth
+links (``PD_KV_NETWORK_ONLY=1``).
+
+Invariants: the router lists both prefill and both decode hosts; greedy text through the router equals the
+colocated engine's for prompts sent at once, and every worker host served some of them (each prefill host's link
+carried KV); cache-aware pairing across hosts: a long prompt sent again goes to the prefill host that holds its
+prefix (only that host's prefix-cache hits grow) with the text unchanged;
+no page is held afterwards on any host.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client, live_prompts
+
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
+from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
+from serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1200)]
+READY_S = 240.0
+GREEDY = {"max_tokens": "12", "temperature": "0"}
+WORKERS = [h for h, role in XPYD_2P2D.items() if role != "router"]
+PREFILLS = [h for h in WORKERS if XPYD_2P2D[h] == "prefill"]
+#: long prompts with prefixes of their own (the prefix cache of either prefill host holds none of them at first)
+LONG = [f"Report {i}. " + "The river wound through the valley, past orchards and stone bridges. " * 30
+        + "What flows through the valley?" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
+    pytest.importorskip("pytriton")
+    from fleet.netns import unavailable_reason as netns_unavailable
+
+    from kv_transfer import unavailable_reason
+
+    for reason in (unavailable_reason("nixl"), netns_unavailable()):
+        if reason:
+            pytest.skip(str(reason))
+    fleet = HostFleet(tmp_path_factory.mktemp("xpyd_hosts"), roles=XPYD_2P2D)
+    try:
+        fleet.start(READY_S)
+        deadline = time.monotonic() + 60
+        while (healthy(fleet, "prefill"), healthy(fleet, "decode")) != (2, 2):
+            assert time.monotonic() < deadline, "the router did not list 2 prefill and 2 decode hosts"
+            time.sleep(0.5)
+        yield fleet
+    finally:
+        fleet.stop()
+    unclean = {name: stop for name, stop in fleet.stops.items() if stop[1]}
+    assert not unclean, f"servers needed SIGKILL to stop (a stream left without FINAL?): {unclean}"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    return colocated_greedy_texts(PROMPTS + LONG, GREEDY)
+
+
+def generate(hosts: HostFleet, prompt: str) -> StreamResult:
+    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
+
+
+def healthy(hosts: HostFleet, role: str) -> int:
+    text = __import__("requests").get(hosts.servers["rt"].metrics_url, timeout=5).text
+    return sum(1 for line in text.splitlines() if line.startswith("pd_router_healthy_instances{")
+               and f'role="{role}"' in line and line.endswith(" 1"))
+
+
+def worker_metric(hosts: HostFleet, host: str, name: str) -> float:
+    try:
+        return metric_value(hosts.servers[host].metrics_url, name, model=XPYD_2P2D[host])
+    except KeyError:
+        return 0.0
+
+
+def served(hosts: HostFleet) -> dict[str, float]:
+    """Host → requests its engine finished (``pd_requests_total`` of its model, every outcome)."""
+    out = {}
+    for host in WORKERS:
+        text = __import__("requests").get(hosts.servers[host].metrics_url, timeout=5).text
+        out[host] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("pd_requests_total{"))
+    return out
+
+
+def wait_pools_full(hosts: HostFleet, timeout_s: float) -> None:
+    def held() -> dict[str, tuple[float, float]]:
+        state = {h: (worker_metric(hosts, h, "pd_kv_free_pages"), worker_metric(hosts, h, "pd_kv_total_pages"))
+                 for h in WORKERS}
+        return {h: s for h, s in state.items() if s[0] != s[1] or s[1] == 0}
+
+    deadline = time.monotonic() + timeout_s
+    while held() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not held(), f"pages still held after {timeout_s:.0f} s: {held()}"
+
+
+def test_every_pair_across_hosts_serves_the_colocated_text(hosts: HostFleet, reference: dict[str, str]) -> None:
+    prompts = PROMPTS + LONG
+    served_before = served(hosts)
+    link_before = {h: hosts.host(h).counters().tx_bytes for h in PREFILLS}
+    results: dict[int, StreamResult] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(hosts, prompts[i])))
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(results) == len(prompts), "a stream never ended"
+    for i, prompt in enumerate(prompts):
+        assert results[i].error is None and results[i].text == reference[prompt], (i, results[i].error)
+    by_host = {h: served(hosts)[h] - served_before[h] for h in WORKERS}
+    link = {h: hosts.host(h).counters().tx_bytes - link_before[h] for h in PREFILLS}
+    print(f"2P2D across hosts: requests by host {by_host}, prefill links sent {link} B")
+    assert all(n > 0 for n in by_host.values()), by_host
+    assert all(n > 1_000_000 for n in link.values()), link   # each prefill host sent some prompt's KV
+    wait_pools_full(hosts, 30.0)
+
+
+def test_cache_aware_pairing_sends_a_repeated_prompt_to_the_prefill_host_holding_it(
+        hosts: HostFleet, reference: dict[str, str]) -> None:
+    prompt = LONG[0]   # prefilled once by the test above, on one of the two hosts
+    hits_before = {h: worker_metric(hosts, h, "pd_prefix_cache_hits_tokens_total") for h in PREFILLS}
+    for _ in range(3):
+        result = generate(hosts, prompt)
+        assert result.error is None and result.text == reference[prompt], result.error
+    gained = {h: worker_metric(hosts, h, "pd_prefix_cache_hits_tokens_total") - hits_before[h] for h in PREFILLS}
+    print(f"cache-aware pairing across hosts: prefix-cache hit tokens gained by host {gained}")
+    holder = [h for h, g in gained.items() if g > 0]
+    assert len(holder) == 1, gained   # every repeat went to the host that held the prefix
+    assert gained[holder[0]] >= 3 * 16 * 10, gained   # three hits of most of a ~500-token prompt
+    wait_pools_full(hosts, 30.0)
