@@ -16,6 +16,11 @@ one JSON line last. Usage::
     .venv/bin/python scripts/bench_serving.py              # full run (~15-25 min on 2 cores)
     .venv/bin/python scripts/bench_serving.py --quick      # < 3 min, smaller workloads
     .venv/bin/python scripts/bench_serving.py --models colocated
+    .venv/bin/python scripts/bench_serving.py --models pd_ensemble,pd_hosts   # root: PD on one host vs three
+
+``pd_hosts`` is the ``pd_ensemble`` deployment with the router, prefill and decode servers each on its own
+network host (``scripts/fleet/serve_hosts.py``: namespaces on a bridge, the README's "Across servers" commands,
+KV over TCP on the veth links); the final line then adds its ratios against the one-host ``pd`` run.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small workloads, whole run < 3 min")
     p.add_argument("--models", default="pd_ensemble,colocated",
-                   help="entry models to compare, comma-separated (pd_ensemble, colocated)")
+                   help="deployments to compare, comma-separated (pd_ensemble, colocated, pd_hosts)")
     p.add_argument("--concurrency", default=None, help="chat concurrencies, e.g. 1,2,4,8")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput bound on TTFT (ms)")
     p.add_argument("--slo-itl-p99-ms", type=float, default=None, help="goodput bound on a request's ITL p99 (ms)")

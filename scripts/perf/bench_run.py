@@ -8,12 +8,15 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perf.server import Deployment, RunningServer, ServerPorts, scrape_metrics
 from perf.stats import RequestRecord, Slo, percentile, run_duration_s, summarize
 from perf.stream_client import run_phase_sync
 from perf.workload import InterferenceConfig, Phase, RequestSpec, chat_phase, interference_phase, make_prompt
+
+if TYPE_CHECKING:
+    from fleet.serve_hosts import HostsServer
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +84,18 @@ class BenchConfig:
 
 
 def deployments_for(cfg: BenchConfig) -> list[Deployment]:
-    """PD: prefill on core 0, decode on core 1, one torch thread each; colocated: both cores, ``colo_threads``."""
+    """PD: prefill on core 0, decode on core 1, one torch thread each; ``pd_hosts``: the same with router,
+    prefill and decode each on its own network host (``fleet.serve_hosts.HostsServer``, root only); colocated:
+    both cores, ``colo_threads``."""
     out = []
     for model in cfg.models:
         if model == "pd_ensemble":
             out.append(Deployment(name="pd", entry_model="pd_ensemble",
+                                  models=("prefill", "decode", "pd_ensemble"),
+                                  overrides={"prefill": {"num_threads": "1"}, "decode": {"num_threads": "1"}},
+                                  cpus={"prefill": (0,), "decode": (1,)}))
+        elif model == "pd_hosts":   # the same PD deployment, router, prefill and decode on three network hosts
+            out.append(Deployment(name="pd_hosts", entry_model="pd_ensemble",
                                   models=("prefill", "decode", "pd_ensemble"),
                                   overrides={"prefill": {"num_threads": "1"}, "decode": {"num_threads": "1"}},
                                   cpus={"prefill": (0,), "decode": (1,)}))
@@ -94,7 +104,7 @@ def deployments_for(cfg: BenchConfig) -> list[Deployment]:
                                   overrides={"colocated": {"num_threads": str(cfg.colo_threads)}},
                                   cpus={"colocated": (0, 1)}))
         else:
-            raise ValueError(f"unknown model {model!r} (pd_ensemble, colocated)")
+            raise ValueError(f"unknown model {model!r} (pd_ensemble, colocated, pd_hosts)")
     return out
 
 
@@ -113,7 +123,7 @@ def _phase_summary(records: list[RequestRecord], slo: Slo, kinds: tuple[str, ...
     return summarize(chosen, duration_s, slo) if chosen and duration_s > 0 else {"num_requests": 0.0}
 
 
-def _run_interference(cfg: BenchConfig, server: RunningServer, outcome: DeploymentOutcome) -> dict[str, Any]:
+def _run_interference(cfg: BenchConfig, server: RunningServer | HostsServer, outcome: DeploymentOutcome) -> dict[str, Any]:
     inter = cfg.interference
     horizon_s = inter.first_long_s + inter.num_long * inter.long_interval_s + 120.0
     per_stream = max(2, math.ceil(horizon_s / max(1.0, inter.decode_max_tokens * 0.05)))
@@ -144,7 +154,7 @@ def _metric_sum(metrics: dict[str, float], name: str, model: str = "prefill") ->
     return sum(own) if own else (sum(series.values()) if series else None)
 
 
-def _run_transfer_share(cfg: BenchConfig, server: RunningServer) -> dict[str, Any]:
+def _run_transfer_share(cfg: BenchConfig, server: RunningServer | HostsServer) -> dict[str, Any]:
     """One request at a time per prompt length; transfer seconds from the metrics delta around it."""
     out: dict[str, Any] = {}
     for n in cfg.transfer_prompt_tokens:
@@ -180,13 +190,22 @@ def _run_transfer_share(cfg: BenchConfig, server: RunningServer) -> dict[str, An
 
 
 def run_deployment(cfg: BenchConfig, deployment: Deployment) -> DeploymentOutcome:
-    """Start the deployment's server, warm it up, run every phase, stop it."""
-    index = cfg.models.index(deployment.entry_model)
+    """Start the deployment's server (or, ``pd_hosts``, its fleet of hosts), warm it up, run every phase, stop
+    it."""
+    index = cfg.models.index(deployment.name if deployment.name == "pd_hosts" else deployment.entry_model)
     base = cfg.port_base + 10 * index
-    ports = ServerPorts(http=base, grpc=base + 1, metrics=base + 2)
     outcome = DeploymentOutcome()
     outcome.summary["loadavg_1m_before"] = os.getloadavg()[0]  # other work on the machine skews figures
-    with RunningServer(deployment, ports, cfg.log_dir) as server:
+    server: RunningServer | HostsServer
+    if deployment.name == "pd_hosts":
+        from fleet.serve_hosts import HostsServer
+
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        server = HostsServer(deployment, cfg.log_dir)
+    else:
+        server = RunningServer(deployment, ServerPorts(http=base, grpc=base + 1, metrics=base + 2), cfg.log_dir)
+    with server:
+        ports = server.ports
         outcome.summary["pinned_cpus"] = server.pinned
         warm = chat_phase(1, 2, 32, 4, seed=cfg.seed + 999)
         run_phase_sync(ports.grpc_url, deployment.entry_model, warm, cfg.request_timeout_s)
@@ -202,7 +221,7 @@ def run_deployment(cfg: BenchConfig, deployment: Deployment) -> DeploymentOutcom
         outcome.summary["interference"] = _run_interference(cfg, server, outcome)
         server.check_alive("interference")
         logger.info("%s interference: %s", deployment.name, outcome.summary["interference"])
-        if deployment.name == "pd":
+        if deployment.name in ("pd", "pd_hosts"):
             outcome.summary["transfer_share"] = _run_transfer_share(cfg, server)
             server.check_alive("transfer share")
     outcome.summary["loadavg_1m_after"] = os.getloadavg()[0]
@@ -224,4 +243,18 @@ def final_line(results: dict[str, Any]) -> dict[str, Any]:
     if line["pd_ttft_p50_ms"] and line["colo_ttft_p50_ms"]:
         line["ttft_p50_ratio_pd_over_colo"] = line["pd_ttft_p50_ms"] / line["colo_ttft_p50_ms"]
         line["ttft_target_met"] = line["ttft_p50_ratio_pd_over_colo"] <= 1.3
+    hosts = results.get("pd_hosts", {})
+    if hosts.get("interference"):
+        # across hosts against the one-host PD run: the network's cost (>1: slower across hosts)
+        inter = hosts["interference"]
+        line["pd_hosts_itl_p99_ms"] = inter.get("decode", {}).get("itl_p99_ms")
+        line["pd_hosts_ttft_p50_ms"] = inter.get("long", {}).get("ttft_p50_ms")
+        for key in ("itl_p99_ms", "ttft_p50_ms"):
+            if line.get(f"pd_{key}") and line.get(f"pd_hosts_{key}"):
+                line[f"{key.rsplit('_', 1)[0]}_ratio_hosts_over_one_host"] = line[f"pd_hosts_{key}"] / line[f"pd_{key}"]
+        chat_one, chat_hosts = results.get("pd", {}).get("chat", {}), hosts.get("chat", {})
+        for c in sorted(set(chat_one) & set(chat_hosts), key=int):
+            one, across = chat_one[c].get("ttft_p50_ms"), chat_hosts[c].get("ttft_p50_ms")
+            if one and across:
+                line[f"chat_c{c}_ttft_p50_ratio_hosts_over_one_host"] = across / one
     return line

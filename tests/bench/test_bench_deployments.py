@@ -38,3 +38,16 @@ def test_final_line_states_ratios_against_the_targets() -> None:
     assert line["itl_p99_ratio_pd_over_colo"] == 0.25 and line["itl_target_met"] is True
     assert line["ttft_p50_ratio_pd_over_colo"] == 1.2 and line["ttft_target_met"] is True
     assert {"pd_itl_p99_ms", "colo_itl_p99_ms", "pd_ttft_p50_ms", "colo_ttft_p50_ms"} <= set(line)
+
+
+def test_pd_hosts_is_the_pd_deployment_on_hosts_and_the_line_compares_it_with_one_host() -> None:
+    pd, hosts = deployments_for(_cfg(("pd_ensemble", "pd_hosts")))
+    assert (hosts.name, hosts.entry_model) == ("pd_hosts", "pd_ensemble")
+    assert (hosts.models, hosts.overrides, hosts.cpus) == (pd.models, pd.overrides, pd.cpus)
+    results = {name: {"interference": {"decode": {"itl_p99_ms": itl}, "long": {"ttft_p50_ms": ttft}},
+                      "chat": {"1": {"ttft_p50_ms": chat}}}
+               for name, itl, ttft, chat in (("pd", 100.0, 1000.0, 400.0), ("pd_hosts", 110.0, 1200.0, 500.0))}
+    line = final_line(results)
+    assert line["itl_p99_ratio_hosts_over_one_host"] == 1.1
+    assert line["ttft_p50_ratio_hosts_over_one_host"] == 1.2
+    assert line["chat_c1_ttft_p50_ratio_hosts_over_one_host"] == 1.25

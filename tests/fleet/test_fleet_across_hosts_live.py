@@ -1,5 +1,5 @@
 """Whole servers across network hosts (issue #21): ``scripts/serve.sh`` per host, as the README's "Across servers"
-commands say (``tests/fleet/serve_hosts.py``): registry on ``reg``, router on ``rt``, prefill on ``pf``, decode on
+commands say (``scripts/fleet/serve_hosts.py``): registry on ``reg``, router on ``rt``, prefill on ``pf``, decode on
 ``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL (the greedy test also with Mooncake, on a
 fleet of its own started and stopped inside that test: a model repository copy with ``kv_backend: mooncake``).
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # liv
 import tritonclient.grpc as grpcclient  # noqa: E402
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
-from serve_hosts import HostFleet  # noqa: E402
+from fleet.serve_hosts import HostFleet  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1500)]
 READY_S = 240.0

@@ -1,4 +1,4 @@
-"""``tests/fleet/serve_hosts.py`` when a server cannot start: ``HostFleet.start`` raises with the failing server's
+"""``scripts/fleet/serve_hosts.py`` when a server cannot start: ``HostFleet.start`` raises with the failing server's
 log, and ``stop`` leaves no namespace, link or process of the fleet behind (the live tests' teardown path when a
 test fails before or after the fleet came up). No tritonserver starts: every serve.sh exits at its argument check."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from fleet.netns import fleet_names, unavailable_reason
-from serve_hosts import HostFleet
+from fleet.serve_hosts import HostFleet
 
 pytestmark = pytest.mark.netns
 

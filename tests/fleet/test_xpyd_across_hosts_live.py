@@ -1,5 +1,5 @@
 """2 prefill hosts + 2 decode hosts behind a router host (issue #21 item 3): ``scripts/serve.sh`` per host as the
-README's "Across servers" commands say (``tests/fleet/serve_hosts.py``, ``XPYD_2P2D``), NIXL over TCP on the veth
+README's "Across servers" commands say (``scripts/fleet/serve_hosts.py``, ``XPYD_2P2D``), NIXL over TCP on the veth
 links (``PD_KV_NETWORK_ONLY=1``).
 
 Invariants: the router lists both prefill and both decode hosts; greedy text through the router equals the
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # liv
 
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
-from serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
+from fleet.serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1200)]
 READY_S = 240.0

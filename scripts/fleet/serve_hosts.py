@@ -13,23 +13,35 @@ links carry only what the servers send each other (KV, gRPC between router and w
 ``HostFleet.start`` makes the namespaces, starts the registry, then the tritonservers at once, and waits
 until the router's ``pd_router_ready`` is 1; ``stop`` stops the servers (SIGTERM, SIGKILL after a grace), then
 closes the relays and removes the namespaces. ``stop`` is idempotent and runs whatever failed before it.
+
+Used by the live tests across hosts (``tests/fleet/``) and, through ``HostsServer``, by
+``scripts/bench_serving.py --models pd_hosts``.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
-SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS_DIR = Path(__file__).resolve().parents[1]
 if str(SCRIPTS_DIR) not in sys.path:
     sys.path.insert(0, str(SCRIPTS_DIR))
 
-from fleet.netns import Fleet, Host  # noqa: E402
+from fleet.netns import Fleet, Host, unavailable_reason  # noqa: E402
 from fleet.relay import Relay  # noqa: E402
-from perf.server import ServeScript, wait_http_ok, wait_router_ready  # noqa: E402
+from perf.server import (  # noqa: E402
+    Deployment,
+    ServeScript,
+    build_model_repository,
+    pin_process,
+    wait_http_ok,
+    wait_router_ready,
+)
 
 SERVE_SH = str(Path(__file__).resolve().parents[2] / "scripts" / "serve.sh")
 HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT = 8000, 8001, 8002, 8998   # serve.sh's defaults
@@ -130,3 +142,79 @@ class HostFleet:
         if self._registry_log is not None:
             self._registry_log.close()
             self._registry_log = None
+
+
+class HostEndpoints:
+    """Where a benchmark reaches a ``HostFleet`` (the ``ServerPorts`` attributes ``perf.bench_run`` reads): the
+    router's gRPC (``host:port`` of its relay) and the prefill host's metrics URL (the KV transfer counters)."""
+
+    def __init__(self, grpc_url: str, metrics_url: str) -> None:
+        self.grpc_url = grpc_url
+        self.metrics_url = metrics_url
+
+    def __repr__(self) -> str:
+        return f"HostEndpoints(grpc={self.grpc_url}, prefill metrics={self.metrics_url})"
+
+
+class HostsServer:
+    """``perf.server.RunningServer``'s interface over a ``HostFleet`` (router, prefill and decode each on its own
+    network host, plus the registry's): what ``scripts/bench_serving.py --models pd_hosts`` runs. The
+    deployment's model configs (its overrides) become the fleet's ``MODEL_REPOSITORY``; the stubs of each worker
+    host are pinned to ``deployment.cpus[role]`` as the one-host run pins them. Needs root (network namespaces).
+    """
+
+    def __init__(self, deployment: Deployment, log_dir: Path, ready_timeout_s: float = 300.0) -> None:
+        self.deployment = deployment
+        self.ports = HostEndpoints("", "")
+        self.pinned: dict[str, list[int]] = {}
+        self._log_dir = log_dir
+        self._ready_timeout_s = ready_timeout_s
+        self._fleet: HostFleet | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def start(self) -> HostsServer:
+        """Raises RuntimeError (no namespaces here, or a server exited) or TimeoutError (not ready in time)."""
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(f"{self.deployment.name}: {reason}")
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
+        repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
+        logs = self._log_dir / f"hosts-{self.deployment.name}"
+        logs.mkdir(parents=True, exist_ok=True)
+        self._fleet = HostFleet(logs, env={"MODEL_REPOSITORY": str(repo)})
+        self._fleet.start(self._ready_timeout_s)
+        servers = self._fleet.servers
+        self.ports = HostEndpoints(servers["rt"].grpc_url, servers["pf"].metrics_url)
+        for host, role in self._fleet.roles.items():
+            cpus = self.deployment.cpus.get(role)
+            for pid in servers[host].stub_pids() if cpus else []:
+                pin_process(pid, cpus)
+                self.pinned.setdefault(role, []).extend(sorted(os.sched_getaffinity(pid)))
+        return self
+
+    def check_alive(self, during: str) -> None:
+        """Raise RuntimeError when a server of the fleet has exited."""
+        assert self._fleet is not None
+        for host, server in self._fleet.servers.items():
+            proc = server._proc
+            if proc is None or proc.poll() is not None:
+                raise RuntimeError(f"{self.deployment.name}: the server on host {host} exited during {during} "
+                                   f"(logs in {self._log_dir})")
+
+    def stop(self) -> None:
+        if self._fleet is not None:
+            self._fleet.stop()
+            self._fleet = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> HostsServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
