@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
            "results": results}
     line = final_line(results)
     doc["summary"] = line
+    cfg.out_json.parent.mkdir(parents=True, exist_ok=True)
+    cfg.out_json.write_text(json.dumps(doc, indent=1, default=str) + "\n")   # the figures first: a plot may fail
+    cfg.plot_dir.mkdir(parents=True, exist_ok=True)
     plots = []
     if any("chat" in r for r in results.values()):
         plots.append(str(plot_chat(results, cfg.concurrencies, cfg.plot_dir / f"bench_chat{cfg.suffix}.png")))
