@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from kv_transfer.layout import KVLayout
 
 ROLES = ("prefill", "decode")
-TRANSPORT_PROTOCOLS = ("tcp", "rdma")
 
 
 @dataclass(frozen=True)
@@ -46,17 +45,10 @@ class KVArgs:
     # caller's thread, so the KV's last leg has no hop to a manager thread in it (docs/protocol.md, "Inline
     # progress"); False: all transport work on the manager threads
     inline_progress: bool = True
-    # transport selection below the manager (backend-specific, chosen by configuration): the address peers
-    # reach this instance's transport and rendezvous at (NIXL: its interface becomes UCX_NET_DEVICES,
-    # kv_transfer.network; Mooncake: the address it advertises), and Mooncake's protocol ("tcp"; "rdma" where
-    # RDMA NICs exist) and
-    # device names (RDMA NICs, comma-separated; "" lets Mooncake pick)
+    # the address peers reach this instance's transport and rendezvous at (NIXL: its interface becomes
+    # UCX_NET_DEVICES, kv_transfer.network; Mooncake: the address it advertises). A backend's own options (its
+    # protocol, its devices, ...) are not here: ``kv_transfer.backends.make_transport`` takes them.
     local_hostname: str = "127.0.0.1"
-    transport_protocol: str = "tcp"
-    transport_device: str = ""
-    # True: the transport never takes shared memory or cma, even to a peer on the same kernel (NIXL:
-    # UCX_TLS=tcp,self); for hosts that share one kernel (network namespaces), docs/multihost.md
-    network_only: bool = False
 
     @property
     def queued_keepalive_s(self) -> float:
@@ -80,9 +72,6 @@ class KVArgs:
                 raise ValueError(f"KVArgs.{name} must be positive")
         if self.aux_slots <= 0:
             raise ValueError("KVArgs.aux_slots must be positive")
-        if self.transport_protocol not in TRANSPORT_PROTOCOLS:
-            raise ValueError(f"KVArgs.transport_protocol must be one of {TRANSPORT_PROTOCOLS}, "
-                             f"got {self.transport_protocol!r}")
         if not self.local_hostname:
             raise ValueError("KVArgs.local_hostname must not be empty")
         if self.mem_type not in ("DRAM", "VRAM"):

@@ -15,7 +15,8 @@ from collections import deque
 import numpy as np
 
 from kv_transfer.blocks import BlockTable, merge_runs
-from kv_transfer.transport import Transport, TransportError, XferState
+from kv_transfer.config import KVArgs
+from kv_transfer.transport import BackendOptions, Transport, TransportError, XferState
 
 
 class Fabric:
@@ -58,6 +59,11 @@ class InProcessTransport(Transport):
         self._table: BlockTable | None = None
         self._peers: dict[str, BlockTable] = {}
         self._inbox = fabric.attach(self._name)
+
+    @classmethod
+    def create(cls, args: KVArgs, options: BackendOptions) -> InProcessTransport:
+        """The backend's factory (``kv_transfer.backends``; no options): an agent on the default fabric."""
+        return cls(args.instance_id)
 
     @property
     def agent_name(self) -> str:

@@ -36,7 +36,8 @@ import numpy as np
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable, merge_runs
 from kv_transfer import network
-from kv_transfer.transport import PeerUnreachable, Transport, TransportError, XferState
+from kv_transfer.config import KVArgs
+from kv_transfer.transport import BackendOptions, OptionError, PeerUnreachable, Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
@@ -47,6 +48,28 @@ MAX_BATCH_DESCRIPTORS = 1024
 #: library's default, 30 s, is longer than a decode request waits). The one place it touches the environment.
 MOONCAKE_DEFAULTS = {"MC_TRANSFER_TIMEOUT": "10"}
 WRITER_STOP_S = 2.0
+#: What ``MooncakeOptions.protocol`` may be: Mooncake's transfer-engine protocols this package runs.
+PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class MooncakeOptions(BackendOptions):
+    """Mooncake's options (model parameters ``kv_protocol``, ``kv_device``).
+
+    Attributes:
+        protocol: the transfer engine's protocol: ``"tcp"``, or ``"rdma"`` where RDMA NICs exist (Mooncake falls
+            back to TCP without RDMA devices).
+        device: RDMA NIC names for ``rdma``, comma-separated; empty: Mooncake picks.
+    Raises:
+        OptionError: a protocol outside ``PROTOCOLS``.
+    """
+
+    protocol: str = "tcp"
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise OptionError("kv_protocol", f"must be one of {PROTOCOLS}, got {self.protocol!r}")
 
 
 @dataclass
@@ -85,6 +108,11 @@ class MooncakeTransport(Transport):
         self._endpoint = ""
         self._peers: dict[str, _Peer] = {}
         self._registered: list[int] = []
+
+    @classmethod
+    def create(cls, args: KVArgs, options: MooncakeOptions) -> MooncakeTransport:
+        """The backend's factory (``kv_transfer.backends``): a transport advertising ``args.local_hostname``."""
+        return cls(args.instance_id, args.local_hostname, options.protocol, options.device)
 
     @property
     def agent_name(self) -> str:

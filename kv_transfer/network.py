@@ -8,7 +8,7 @@ The operator gives one thing, the address peers reach this instance at (``KVArgs
   transport listens and connects where peers can reach it, and only there. On a host with RDMA devices it is
   left to UCX (which prefers RDMA and adds TCP on every interface). An address no interface owns (NAT, a name
   that does not resolve here) leaves it to UCX too, with a warning.
-* ``network_only`` (``KVArgs.network_only``, ``PD_KV_NETWORK_ONLY=1`` in serving) sets ``UCX_TLS`` so the bytes
+* ``network_only`` (``NixlOptions.network_only``: ``kv_network_only``, ``PD_KV_NETWORK_ONLY=1``) sets ``UCX_TLS`` so the bytes
   never take shared memory or ``cma``: ``tcp,self`` without RDMA devices, ``^sm`` with them. Only needed where
   "hosts" share one kernel (network namespaces, ``scripts/fleet/netns.py``): on separate machines UCX has no
   shared-memory path between them anyway.

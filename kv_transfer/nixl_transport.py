@@ -22,14 +22,17 @@ import itertools
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
 from kv_transfer import network
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
-from kv_transfer.transport import PeerUnreachable, Transport, TransportError, XferState
+from kv_transfer.config import KVArgs
+from kv_transfer.transport import BackendOptions, PeerUnreachable, Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
@@ -80,6 +83,21 @@ def copy_threads_for(mem_type: str) -> int:
     return COPY_THREADS if mem_type == "DRAM" and cores >= COPY_THREADS else 0
 
 
+@dataclass(frozen=True)
+class NixlOptions(BackendOptions):
+    """NIXL's options (model parameter ``kv_network_only``, overridden by ``PD_KV_NETWORK_ONLY``).
+
+    Attributes:
+        network_only: the transport never takes shared memory or cma, even to a peer on the same kernel
+            (``UCX_TLS=tcp,self``, ``kv_transfer.network``): for hosts that are network namespaces of one
+            machine (docs/multihost.md).
+    """
+
+    ENV: ClassVar[Mapping[str, str]] = {"network_only": "PD_KV_NETWORK_ONLY"}
+
+    network_only: bool = False
+
+
 class NixlTransport(Transport):
     def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0,
                  copy_threads: int | None = None, local_hostname: str = "127.0.0.1",
@@ -105,6 +123,13 @@ class NixlTransport(Transport):
         # agent name → (its prepared lists, its number of KV blocks)
         self._peer_dlists: dict[str, tuple[list[object], int]] = {}
         self._copy_threads = copy_threads
+
+    @classmethod
+    def create(cls, args: KVArgs, options: NixlOptions) -> NixlTransport:
+        """The backend's factory (``kv_transfer.backends``): host or GPU memory per ``args.mem_type``, UCX on
+        ``args.local_hostname``'s interface."""
+        return cls(args.instance_id, args.mem_type, args.device_id, local_hostname=args.local_hostname,
+                   network_only=options.network_only)
 
     @property
     def agent_name(self) -> str:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from enum import Enum
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -35,6 +38,77 @@ class PeerUnreachable(TransportError):
     """The transport cannot connect to a peer with this instance's configuration (no common transport, no
     route, the peer's address refuses). Permanent for the rooms that wanted that peer: they fail at once with
     this message; a later room tries the handshake again. The message names the cause and the settings."""
+
+
+class OptionError(ValueError):
+    """A backend option has a value its backend refuses.
+
+    Attributes:
+        param: the option's model parameter name (``kv_<field>``, as written in ``config.pbtxt``), or the
+            environment variable its bad value came from.
+        reason: what is wrong with its value.
+    """
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"KV backend option {param!r}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+_Options = TypeVar("_Options", bound="BackendOptions")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The options one KV backend owns, next to its ``Transport`` (a backend with none uses this class).
+
+    A subclass is a frozen dataclass of ``bool``, ``int``, ``float`` and ``str`` fields with defaults; field
+    ``f`` is the model parameter ``kv_<f>`` of ``config.pbtxt`` (serving reads a backend's own parameters and
+    passes the rest of the model's parameters to nobody), and ``ENV`` names the environment variables that
+    override a field (``{"network_only": "PD_KV_NETWORK_ONLY"}``). A subclass checks its values in
+    ``__post_init__`` and raises ``OptionError`` naming the parameter.
+    """
+
+    ENV: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def parameters(cls) -> tuple[str, ...]:
+        """The model parameters this backend owns: ``kv_<field>`` for each field, in field order."""
+        return tuple(f"kv_{f.name}" for f in fields(cls))
+
+    @classmethod
+    def parse(cls: type[_Options], parameters: Mapping[str, str],
+              environ: Mapping[str, str] | None = None) -> _Options:
+        """The options from model parameters (``{"kv_protocol": "rdma"}``: only the names in ``parameters()``
+        are read, others are ignored) and ``environ`` (``ENV`` overrides a parameter when set and not empty;
+        None: no environment). Raises ``OptionError`` for a value that does not parse (naming the parameter, or
+        the environment variable it came from) or that ``__post_init__`` refuses."""
+        values: dict[str, Any] = {}
+        env = environ or {}
+        for f in fields(cls):
+            source = cls.ENV.get(f.name, "")        # the environment variable first, when set
+            text = env.get(source, "").strip() if source else ""
+            if not text:
+                source = f"kv_{f.name}"
+                text = parameters.get(source, "").strip()
+            if text:
+                values[f.name] = _parse_option(source, f.type if isinstance(f.type, str) else f.type.__name__,
+                                               text)
+        return cls(**values)
+
+
+def _parse_option(param: str, kind: str, text: str) -> object:
+    """One option's text as its field's type (``"bool"``, ``"int"``, ``"float"``, ``"str"``); raises
+    ``OptionError``."""
+    if kind == "bool":
+        if text.lower() not in _TRUE + _FALSE:
+            raise OptionError(param, f"must be a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), got {text!r}")
+        return text.lower() in _TRUE
+    try:
+        return int(text) if kind == "int" else float(text) if kind == "float" else text
+    except ValueError:
+        raise OptionError(param, f"must be a{'n int' if kind == 'int' else ' number'}, got {text!r}") from None
 
 
 class Transport(ABC):

@@ -8,26 +8,28 @@ This module is the only place in ``serving/`` that reads environment variables:
   here only): the fleet secret that signs rendezvous and registry calls;
 * ``PD_GRPC_URL`` overrides the ``grpc_url`` parameter: the ``host:port`` at which this tritonserver's gRPC
   endpoint is reached by routers (``scripts/serve.sh`` sets it from ``ADVERTISE_HOST`` and ``GRPC_PORT``);
-* ``PD_KV_NETWORK_ONLY`` (``1``/``0``, ...) overrides the ``kv_network_only`` parameter (docs/multihost.md).
+* a KV backend's own environment overrides (``PD_KV_NETWORK_ONLY`` for NIXL's ``kv_network_only``,
+  docs/multihost.md), read by ``kv_transfer.backends.parse_options`` with the environment passed from here.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig, Mode
-from kv_transfer.backends import backend_names
-from kv_transfer.config import TRANSPORT_PROTOCOLS
+from kv_transfer.backends import BackendOptions, OptionError, backend_names, option_parameters, options_type, \
+    parse_options
+
+logger = logging.getLogger(__name__)
 
 KV_BACKENDS: tuple[str, ...] = backend_names()   # kv_transfer.backends registers them
-KV_PROTOCOLS = TRANSPORT_PROTOCOLS
 REGISTRY_URL_ENV = "PD_REGISTRY_URL"
 REGISTRY_SCHEMES: tuple[str, ...] = ("http://", "https://", "etcd://")
 GRPC_URL_ENV = "PD_GRPC_URL"
-KV_NETWORK_ONLY_ENV = "PD_KV_NETWORK_ONLY"
 
 
 class ConfigError(ValueError):
@@ -62,11 +64,9 @@ class WorkerConfig:
             ``grpc_url``; 0 (the default) picks a free one (routers learn it from the instance).
         kv_backend: a registered KV backend (``kv_transfer.backends``): ``"nixl"``, ``"mooncake"`` or
             ``"inprocess"`` (PD workers only).
-        kv_protocol: the transport's protocol where the backend has a choice (Mooncake): ``"tcp"``, or
-            ``"rdma"`` where RDMA NICs exist.
-        kv_device: RDMA device names for ``kv_protocol="rdma"`` (comma-separated; empty: the backend picks).
-        kv_network_only: the KV transport never takes shared memory or cma, even to a peer on the same
-            kernel (``KVArgs.network_only``; for hosts that are network namespaces of one machine).
+        kv_options: the ``kv_backend``'s own options (``NixlOptions``, ``MooncakeOptions``, ...), built by
+            ``build_worker_config`` from the parameters ``kv_<option>`` that backend owns (``kv_network_only``,
+            ``kv_protocol``, ``kv_device``) and its environment overrides; None: the backend's defaults.
         grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers announce
             it; Triton's default port is 8001); its host is also where the KV transport and the rendezvous
             listen.
@@ -98,9 +98,7 @@ class WorkerConfig:
     registry_url: str = ""
     rendezvous_port: int = 0
     kv_backend: str = "nixl"
-    kv_protocol: str = "tcp"
-    kv_device: str = ""
-    kv_network_only: bool = False
+    kv_options: BackendOptions | None = None
     grpc_url: str = "127.0.0.1:8001"
     bootstrap_timeout_s: float = 120.0
     waiting_timeout_s: float = 120.0
@@ -123,8 +121,9 @@ class WorkerConfig:
             raise ConfigError("model", "must not be empty")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
-        if self.kv_protocol not in KV_PROTOCOLS:
-            raise ConfigError("kv_protocol", f"must be one of {KV_PROTOCOLS}, got {self.kv_protocol!r}")
+        if self.kv_options is not None and type(self.kv_options) is not options_type(self.kv_backend):
+            raise ConfigError("kv_backend", f"{self.kv_backend!r} takes {options_type(self.kv_backend).__name__}, "
+                                            f"got {type(self.kv_options).__name__}")
         validate_registry_url("registry_url", self.registry_url)
         if not 0 <= self.rendezvous_port < 65536:
             raise ConfigError("rendezvous_port", f"must be 0..65535, got {self.rendezvous_port}")
@@ -249,14 +248,6 @@ def _parent_argv() -> list[str]:
         return []
 
 
-def read_kv_network_only(configured: bool, environ: Mapping[str, str] | None = None) -> bool:
-    """``PD_KV_NETWORK_ONLY`` from the environment when set, else ``configured``. Raises ``ConfigError`` for a
-    value that is not a boolean."""
-    env = os.environ if environ is None else environ
-    text = env.get(KV_NETWORK_ONLY_ENV, "").strip()
-    return bool(_parse(KV_NETWORK_ONLY_ENV, "bool", text)) if text else configured
-
-
 def validate_endpoint(param: str, endpoint: str) -> None:
     """Raise ``ConfigError(param)`` unless ``endpoint`` is ``host:port`` with a port in 1..65535."""
     host, _, port = endpoint.rpartition(":")
@@ -264,13 +255,15 @@ def validate_endpoint(param: str, endpoint: str) -> None:
         raise ConfigError(param, f"must be host:port, got {endpoint!r}")
 
 
-def parse_parameters(parameters: Mapping[str, Any], config_cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def parse_parameters(parameters: Mapping[str, Any], config_cls: type, skip: tuple[str, ...] = (),
+                     also_known: tuple[str, ...] = ()) -> dict[str, Any]:
     """``model_config["parameters"]`` → field values of the frozen dataclass ``config_cls``.
 
     Args:
         parameters: ``{"page_size": {"string_value": "16"}, ...}``; plain ``{"page_size": "16"}`` too.
         config_cls: the config dataclass whose field types (int, float, str) the values are parsed to.
         skip: fields that are not parameters (set by the caller).
+        also_known: parameters the caller reads itself (named in the unknown-parameter error's list).
     Raises:
         ConfigError: an unknown parameter or a value that does not parse.
     """
@@ -278,10 +271,14 @@ def parse_parameters(parameters: Mapping[str, Any], config_cls: type, skip: tupl
     values: dict[str, Any] = {}
     for name, raw in parameters.items():
         if name not in types:
-            raise ConfigError(name, f"unknown parameter (known: {sorted(types)})")
-        text = raw.get("string_value", "") if isinstance(raw, Mapping) else str(raw)
-        values[name] = _parse(name, types[name], text.strip())
+            raise ConfigError(name, f"unknown parameter (known: {sorted([*types, *also_known])})")
+        values[name] = _parse(name, types[name], _text(raw).strip())
     return values
+
+
+def _text(raw: Any) -> str:
+    """A parameter's value as Triton passes it (``{"string_value": "16"}``) or plain (``"16"``)."""
+    return str(raw.get("string_value", "")) if isinstance(raw, Mapping) else str(raw)
 
 
 def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None,
@@ -299,11 +296,22 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    values = parse_parameters(parameters, WorkerConfig, skip=("device", "fleet_secret"))
+    owned = option_parameters()
+    values = parse_parameters({k: v for k, v in parameters.items() if k not in owned}, WorkerConfig,
+                              skip=("device", "fleet_secret", "kv_options"), also_known=tuple(owned))
     config = WorkerConfig(**values, device=device)
+    backend_params = {k: _text(v) for k, v in parameters.items() if k in owned}
+    for name in backend_params:
+        if config.kv_backend not in owned[name]:
+            logger.warning("model parameter %r is an option of KV backend %s, not of %r: ignored", name,
+                           "/".join(owned[name]), config.kv_backend)
+    try:
+        kv_options = parse_options(config.kv_backend, backend_params, os.environ if environ is None else environ)
+    except OptionError as exc:
+        raise ConfigError(exc.param, exc.reason) from None
     return replace(config, registry_url=read_registry_url(config.registry_url, environ),
                    grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ),
-                   kv_network_only=read_kv_network_only(config.kv_network_only, environ))
+                   kv_options=kv_options)
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:

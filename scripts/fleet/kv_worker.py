@@ -72,7 +72,7 @@ class _Worker:
 
         from engine.kv_pool import KVPool, KVShape
         from bootstrap.auth import load_fleet_secret
-        from kv_transfer import KVArgs, make_kv_manager
+        from kv_transfer import KVArgs, make_kv_manager, parse_options
 
         self._pool_owner = KVPool(KVShape(num_layers=30, num_kv_heads=3, head_dim=64, page_size=PAGE_SIZE),
                                   NUM_PAGES, torch.float32, "cpu", huge_pages=True)
@@ -82,9 +82,10 @@ class _Worker:
         kv_args = KVArgs(instance_id=args.instance_id, role=args.role, kv_base_ptr=flat.ctypes.data,
                          kv_nbytes=flat.nbytes, layout=smollm2_layout(), model_id=MODEL_ID,
                          local_hostname=args.hostname, fleet_secret=load_fleet_secret(),
-                         network_only=args.network_only, waiting_timeout_s=args.waiting_timeout_s,
-                         bootstrap_timeout_s=args.waiting_timeout_s)
-        self.manager = make_kv_manager(kv_args, args.backend)
+                         waiting_timeout_s=args.waiting_timeout_s, bootstrap_timeout_s=args.waiting_timeout_s)
+        # --network-only is NIXL's option; a backend without it (Mooncake, always over its network) ignores it
+        options = parse_options(args.backend, {"kv_network_only": "1"} if args.network_only else {})
+        self.manager = make_kv_manager(kv_args, args.backend, options)
         self.rooms: dict[int, Any] = {}
 
     def recv(self, room: int, pages: list[int], prefill_id: str, prefill_url: str) -> str:

@@ -49,8 +49,6 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
                   bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
                   mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
                   heartbeat_interval_s=HEARTBEAT_INTERVAL_S, local_hostname=config.grpc_url.rsplit(":", 1)[0],
-                  transport_protocol=config.kv_protocol, transport_device=config.kv_device,
-                  network_only=config.kv_network_only,
                   device_id=int(config.device.split(":")[1]) if on_gpu and ":" in config.device else 0)
 
 
@@ -142,7 +140,8 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
 
     engine = LLMEngine(config.engine_config("prefill" if role == "prefill" else "decode"))
     loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
-    kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name), backend=config.kv_backend)
+    kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name), backend=config.kv_backend,
+                                 options=config.kv_options)
     worker: PrefillWorker | DecodeWorker
     if role == "prefill":
         worker = PrefillWorker(loop, engine, engine.tokenizer, kv_manager, config.page_size,

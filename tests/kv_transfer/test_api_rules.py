@@ -3,6 +3,7 @@ the one room with a typed error, configuration is validated."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -141,23 +142,34 @@ def _wait_for(predicate: object, timeout_s: float = 10.0) -> None:
 def test_a_backend_is_one_registration_and_names_are_unique(pool: np.ndarray) -> None:
     """The plugin point: a factory registered under a new name is selectable by that name (what ``kv_backend``
     in config.pbtxt passes), with nothing else edited; a taken name is refused; an unknown one is an error."""
-    from kv_transfer import BaseKVManager, register_backend
+    from kv_transfer import BackendOptions, BaseKVManager, option_parameters, parse_options, register_backend
     from kv_transfer.backends import backend_names
     from kv_transfer.inprocess import InProcessTransport
 
     made: list[str] = []
 
-    def factory(args: KVArgs) -> InProcessTransport:
-        made.append(args.instance_id)
+    @dataclasses.dataclass(frozen=True)
+    class PluginOptions(BackendOptions):
+        lanes: int = 1
+
+    def factory(args: KVArgs, options: PluginOptions) -> InProcessTransport:
+        made.append(f"{args.instance_id}/{options.lanes}")
         return InProcessTransport(args.instance_id)
 
     if "test-plugin" not in backend_names():
-        register_backend("test-plugin", factory)
+        register_backend("test-plugin", factory, PluginOptions)
     assert "test-plugin" in backend_names() and unavailable_reason("test-plugin") is None
     manager = make_kv_manager(args_for(pool, instance_id="plugin-p"), "test-plugin")
-    assert isinstance(manager, BaseKVManager) and made[-1:] == ["plugin-p"]
+    assert isinstance(manager, BaseKVManager) and made[-1:] == ["plugin-p/1"]
+    # its options are its own parameters, parsed by name: what serving does with config.pbtxt
+    assert option_parameters()["kv_lanes"] == ("test-plugin",)
+    options = parse_options("test-plugin", {"kv_lanes": "4", "kv_protocol": "rdma"})
+    make_kv_manager(args_for(pool, instance_id="plugin-q"), "test-plugin", options)
+    assert made[-1:] == ["plugin-q/4"]
+    with pytest.raises(ValueError, match="takes PluginOptions"):
+        make_kv_manager(args_for(pool), "test-plugin", BackendOptions())
     with pytest.raises(ValueError, match="registered already"):
-        register_backend("test-plugin", factory)
+        register_backend("test-plugin", factory, PluginOptions)
     with pytest.raises(ValueError, match="backend must be one of"):
         make_kv_manager(args_for(pool), "no-such-backend")
     assert {"nixl", "mooncake", "inprocess"} <= set(backend_names())

@@ -6,6 +6,9 @@ import dataclasses
 
 import pytest
 
+from kv_transfer.backends import BackendOptions
+from kv_transfer.mooncake_transport import MooncakeOptions
+from kv_transfer.nixl_transport import NixlOptions
 from serving.config import ConfigError, WorkerConfig, build_worker_config
 
 
@@ -48,15 +51,35 @@ def test_environment_overrides_registry_url_and_carries_the_fleet_secret() -> No
     assert build_worker_config({}, environ={}).registry_url == ""   # no registry by default: plain Triton
 
 
-def test_kv_network_only_is_a_parameter_and_the_environment_overrides_it() -> None:
-    assert build_worker_config({}, environ={}).kv_network_only is False
-    assert build_worker_config(_sv(kv_network_only="true"), environ={}).kv_network_only is True
-    assert build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "1"}).kv_network_only is True
-    assert build_worker_config(_sv(kv_network_only="true"), environ={"PD_KV_NETWORK_ONLY": "0"}).kv_network_only \
-        is False
+def test_kv_network_only_is_nixls_parameter_and_the_environment_overrides_it() -> None:
+    assert build_worker_config({}, environ={}).kv_options == NixlOptions(network_only=False)
+    assert build_worker_config(_sv(kv_network_only="true"), environ={}).kv_options == NixlOptions(network_only=True)
+    assert build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "1"}).kv_options == NixlOptions(network_only=True)
+    assert build_worker_config(_sv(kv_network_only="true"), environ={"PD_KV_NETWORK_ONLY": "0"}).kv_options \
+        == NixlOptions(network_only=False)
     with pytest.raises(ConfigError) as info:
         build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "maybe"})
     assert info.value.param == "PD_KV_NETWORK_ONLY"
+
+
+def test_a_backends_options_come_from_its_own_parameters_and_others_are_ignored() -> None:
+    """Each backend owns its options (``kv_transfer.backends``): Mooncake reads ``kv_protocol``/``kv_device``
+    and refuses a protocol it does not run, naming the parameter; NIXL's ``kv_network_only`` (parameter or
+    environment) is ignored under Mooncake, and Mooncake's parameters under NIXL; an unknown ``kv_*`` name is
+    still an unknown parameter."""
+    cfg = build_worker_config(_sv(kv_backend="mooncake", kv_protocol="rdma", kv_device="mlx5_0,mlx5_1",
+                                  kv_network_only="true"), environ={"PD_KV_NETWORK_ONLY": "1"})
+    assert cfg.kv_options == MooncakeOptions(protocol="rdma", device="mlx5_0,mlx5_1")
+    assert build_worker_config(_sv(kv_protocol="rdma"), environ={}).kv_options == NixlOptions()
+    assert build_worker_config(_sv(kv_backend="inprocess"), environ={}).kv_options == BackendOptions()
+    for params, param in ((_sv(kv_backend="mooncake", kv_protocol="udp"), "kv_protocol"),
+                          (_sv(kv_network_only="maybe"), "kv_network_only"),
+                          (_sv(kv_bogus="1"), "kv_bogus")):
+        with pytest.raises(ConfigError) as info:
+            build_worker_config(params, environ={})
+        assert info.value.param == param
+    with pytest.raises(ConfigError, match="takes MooncakeOptions"):
+        WorkerConfig(kv_backend="mooncake", kv_options=NixlOptions())
 
 
 def test_engine_config_carries_the_knobs() -> None:
