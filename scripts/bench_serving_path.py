@@ -13,7 +13,9 @@ run, greedy, ``ignore_eos``, a tiny prompt:
   streams x ``--tokens`` tokens (tokens / first send to last FINAL);
 
 then the ratios: PD tok/s / colocated, colocated tok/s / engine, ITL - engine ITL (each path), PD TTFT -
-colocated TTFT (ms). Every figure line carries the 1-minute load average: on a shared machine the figures are
+colocated TTFT (ms). Where the time goes: for each served path, the CPU time each process (tritonserver, every
+model's stub, this client) spent during the streams phase, per streamed token (``psutil``), and how many of the
+cores were busy. Every figure line carries the 1-minute load average: on a shared machine the figures are
 contended. The last line is one JSON object with every figure (``*_ms``, ``*_tok_s``) and ratio.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_serving_path.py            # 32 streams x 128 tokens
@@ -109,8 +111,26 @@ def _checked(records: list[RequestRecord], what: str) -> list[RequestRecord]:
     return records
 
 
-def served(url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
-    """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, via ``model``."""
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system, every thread) each process has used so far, seconds; a gone process is left
+    out."""
+    import psutil
+
+    used = {}
+    for name, pid in pids.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        used[name] = times.user + times.system
+    return used
+
+
+def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int]) -> dict[str, float]:
+    """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, via ``model``; and
+    where the CPU time of those streams went: ``cpu_us_per_token_<process>`` for each of ``pids`` (the server,
+    each model's stub, ``client``: this process), microseconds per streamed token, and ``cores_busy`` (their
+    CPU seconds over the phase's wall time)."""
     def spec(name: str, max_tokens: int, slot: int) -> RequestSpec:
         return RequestSpec(request_id=f"{model}-{name}", kind="decode", prompt=PROMPT, num_prompt_tokens=1,
                            max_tokens=max_tokens, slot=slot)
@@ -120,10 +140,15 @@ def served(url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
 
     run("warmup", (spec("warmup", 4, 0),))
     single = run("single", tuple(spec(f"single-{i}", args.tokens, 0) for i in range(args.single_requests)))
+    before, began = cpu_seconds(pids), time.perf_counter()
     many = run("streams", tuple(spec(f"stream-{i}", args.tokens, i) for i in range(args.streams)))
+    after, wall_s = cpu_seconds(pids), time.perf_counter() - began
+    tokens = sum(r.num_output_tokens for r in many)
+    cpu = {f"cpu_us_per_token_{name}": (after[name] - before[name]) * 1e6 / tokens for name in after if name in before}
     return {"itl_p50_ms": percentile([g for r in single for g in r.itls_ms], 50),
             "ttft_p50_ms": percentile([r.ttft_ms for r in single], 50),
-            "tok_s": sum(r.num_output_tokens for r in many) / run_duration_s(many)}
+            "tok_s": tokens / run_duration_s(many), **cpu,
+            "cores_busy": sum(after[n] - before[n] for n in after if n in before) / wall_s}
 
 
 def ratios(fig: dict[str, float]) -> dict[str, float]:
@@ -152,12 +177,17 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
                             overrides={m: {"model": model} for m in ENGINE_MODELS})
     ports = ServerPorts(http=http, grpc=grpc, metrics=metrics)
     with RunningServer(deployment, ports, log_dir) as server:
+        pids = {**server.processes(), "client": os.getpid()}
         for name, entry in (("colocated", "colocated"), ("pd", "pd_ensemble")):
-            path = served(ports.grpc_url, entry, args)
+            path = served(ports.grpc_url, entry, args, pids)
             server.check_alive(entry)
             figures.update({f"{name}_{k}": v for k, v in path.items()})
             print(f"{entry:<17} ITL p50 {path['itl_p50_ms']:7.2f} ms  TTFT p50 {path['ttft_p50_ms']:7.2f} ms  "
                   f"{path['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
+            split = {k.removeprefix("cpu_us_per_token_"): v for k, v in path.items() if k.startswith("cpu_us_per")}
+            print(f"{'':17} CPU per streamed token, us: " + ", ".join(
+                f"{k} {v:.0f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v >= 5) +
+                f"; total {sum(split.values()):.0f} ({path['cores_busy']:.2f} cores busy)", flush=True)
     return figures
 
 

@@ -234,6 +234,7 @@ class RunningServer:
         self._ready_timeout_s = ready_timeout_s
         self._procs: list[subprocess.Popen[bytes]] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.repository: Path | None = None
         self.pinned: dict[str, list[int]] = {}
 
     def _spawn(self, argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen[bytes]:
@@ -248,7 +249,7 @@ class RunningServer:
         server exited) or TimeoutError (not ready in time)."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
-        repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
+        repo = self.repository = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
         env = server_env(repo, self.deployment.models, self.ports)
         server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
         wait_ready(f"http://127.0.0.1:{self.ports.http}", server, self._ready_timeout_s)
@@ -260,6 +261,18 @@ class RunningServer:
                 self.pinned.setdefault(model, []).extend(sorted(os.sched_getaffinity(pid)))
         logger.info("%s ready on %s, pinned %s", self.deployment.name, self.ports, self.pinned)
         return self
+
+    def processes(self) -> dict[str, int]:
+        """PIDs of the running server: ``{"tritonserver": pid, <model>: its stub's pid, ...}`` (the first stub of
+        a model with several instances); {} before ``start``."""
+        if self.repository is None or not self._procs:
+            return {}
+        pids = {"tritonserver": self._procs[0].pid}
+        for model in self.deployment.models:
+            stubs = stub_pids(self.repository / model)
+            if stubs:
+                pids[model] = stubs[0]
+        return pids
 
     def check_alive(self, during: str) -> None:
         """Raise RuntimeError when the server has exited: figures after that are not figures."""

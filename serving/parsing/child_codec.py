@@ -12,7 +12,7 @@ not checked.
 
 Request side: the router encodes (``serving.router.launch.child_arrays``), the child decodes
 (``serving.parsing.pd_request.parse_pd_request``, which calls ``check_schema``). Response side: ``encode_response``
-(child) and ``decode_response`` (router). Text outputs are UTF-8 bytes in UINT8 tensors, never BYTES (why:
+(child) and ``decode_raw_response`` (router, on Triton's raw output contents; ``decode_response`` on arrays). Text outputs are UTF-8 bytes in UINT8 tensors, never BYTES (why:
 ``encode_response``). Meanings of each field: docs/protocol.md, "Child requests".
 """
 
@@ -112,51 +112,69 @@ def logprobs_from_wire(text: str) -> tuple[TokenLogprob, ...] | None:
 
 def encode_response(delta: Delta) -> dict[str, np.ndarray]:
     """Child side: the output arrays of one prefill/decode response to ``pd_ensemble`` (its one sample's delta,
-    or ``Delta.failure``; exactly ``CHILD_OUTPUTS``, in their types): the text fields as UTF-8 ``uint8`` arrays
-    (``[num_bytes]``), never BYTES. tritonserver 2.51's python backend corrupts the object dtype's reference
+    or ``Delta.failure``), by name, in ``CHILD_OUTPUTS``' types: ``text_output`` and ``num_output_tokens`` always,
+    every other output only when it differs from what its absence decodes to (``decode_raw_response``: empty
+    text, 0, no logprobs, no error), so a streamed token is 3 tensors, not 10 (each costs a tensor in the stub,
+    in tritonserver and on the wire, once per token). The text fields are UTF-8 ``uint8`` arrays
+    (``[num_bytes]``), never BYTES: tritonserver 2.51's python backend corrupts the object dtype's reference
     count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``): after ~1.5k responses
     pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
-    error = delta.error or ""
-    return {
-        "text_output": utf8_array(delta.text),
-        "finish_reason": utf8_array(delta.finish_reason or ""),
-        "num_input_tokens": np.array([delta.num_input_tokens], dtype=np.int32),
-        "num_output_tokens": np.array([delta.num_output_tokens], dtype=np.int32),
-        "num_cached_tokens": np.array([delta.num_cached_tokens], dtype=np.int32),
-        "cumulative_logprob": np.array([delta.cumulative_logprob], dtype=np.float32),
-        "logprobs": utf8_array(logprobs_to_wire(delta.logprobs)),
-        "output_token_ids": np.array(delta.token_ids, dtype=np.int32),
-        "error": utf8_array(error),
-        "error_kind": utf8_array(delta.error_kind.value if error else ""),
-    }
+    arrays = {"text_output": utf8_array(delta.text),
+              "num_output_tokens": np.array([delta.num_output_tokens], dtype=np.int32)}
+    if delta.token_ids:
+        arrays["output_token_ids"] = np.array(delta.token_ids, dtype=np.int32)
+    if delta.finish_reason:
+        arrays["finish_reason"] = utf8_array(delta.finish_reason)
+    if delta.num_input_tokens:
+        arrays["num_input_tokens"] = np.array([delta.num_input_tokens], dtype=np.int32)
+    if delta.num_cached_tokens:
+        arrays["num_cached_tokens"] = np.array([delta.num_cached_tokens], dtype=np.int32)
+    if delta.cumulative_logprob:
+        arrays["cumulative_logprob"] = np.array([delta.cumulative_logprob], dtype=np.float32)
+    if delta.logprobs is not None:
+        arrays["logprobs"] = utf8_array(logprobs_to_wire(delta.logprobs))
+    if delta.error:
+        arrays["error"] = utf8_array(delta.error)
+        arrays["error_kind"] = utf8_array(delta.error_kind.value)
+    return arrays
 
 
 def decode_response(values: Mapping[str, np.ndarray], final: bool) -> Delta:
-    """Router side: a child's output arrays (absent outputs left out) and its FINAL flag → the ``Delta`` they
-    say (``final`` set from the flag; an error is always final); no outputs: FINAL alone. Inverse of
-    ``encode_response``. Raises ValueError on malformed ``logprobs``."""
-    if not values:
+    """Router side, from arrays: a child's output arrays (absent outputs left out) and its FINAL flag → the
+    ``Delta`` they say; ``decode_raw_response`` on each array's bytes. Raises ValueError on malformed
+    ``logprobs``."""
+    return decode_raw_response({name: np.ascontiguousarray(array).astype(_DTYPES[CHILD_OUTPUTS[name]], copy=False)
+                                .tobytes() for name, array in values.items() if name in CHILD_OUTPUTS}, final)
+
+
+#: Triton data type of a child output → its numpy dtype (little-endian, as Triton's raw contents are)
+_DTYPES: dict[str, np.dtype] = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_INT32": np.dtype("<i4"),
+                                "TYPE_FP32": np.dtype("<f4")}
+
+
+def decode_raw_response(raw: Mapping[str, bytes], final: bool) -> Delta:
+    """Router side, from the wire: a child's outputs as Triton's raw contents (output name → bytes: UTF-8 text for
+    the ``UINT8`` outputs, little-endian ``INT32``/``FP32`` values; absent outputs left out) and its FINAL flag →
+    the ``Delta`` they say (``final`` set from the flag; an error is always final); no outputs: FINAL alone.
+    Inverse of ``encode_response``; one pass, no numpy object per output (it runs once per streamed token on the
+    router's event loop). Raises ValueError on malformed ``logprobs`` or text that is not UTF-8."""
+    if not raw:
         return Delta(final=final)
 
     def text(name: str) -> str:
-        array = values.get(name)
-        return "" if array is None else np.asarray(array).astype(np.uint8).tobytes().decode("utf-8")
+        return bytes(raw.get(name, b"")).decode("utf-8")
 
     def count(name: str) -> int:
-        array = values.get(name)
-        return 0 if array is None or np.size(array) == 0 else int(np.asarray(array).reshape(-1)[0])
+        data = raw.get(name, b"")
+        return int.from_bytes(data[:4], "little", signed=True) if len(data) >= 4 else 0
 
-    def number(name: str) -> float:
-        array = values.get(name)
-        return 0.0 if array is None or np.size(array) == 0 else float(np.asarray(array).reshape(-1)[0])
-
-    def ids(name: str) -> tuple[int, ...]:
-        array = values.get(name)
-        return () if array is None else tuple(int(t) for t in np.asarray(array).reshape(-1))
-
-    if text("error"):
-        return Delta.failure(text("error"), ErrorKind.from_wire(text("error_kind")))
+    error = text("error")
+    if error:
+        return Delta.failure(error, ErrorKind.from_wire(text("error_kind")))
+    cumulative = raw.get("cumulative_logprob", b"")
+    ids = raw.get("output_token_ids", b"")
     return Delta(text=text("text_output"), finish_reason=text("finish_reason") or None,
                  num_input_tokens=count("num_input_tokens"), num_output_tokens=count("num_output_tokens"),
-                 cumulative_logprob=number("cumulative_logprob"), logprobs=logprobs_from_wire(text("logprobs")),
-                 num_cached_tokens=count("num_cached_tokens"), token_ids=ids("output_token_ids"), final=final)
+                 cumulative_logprob=float(np.frombuffer(cumulative[:4], "<f4")[0]) if len(cumulative) >= 4 else 0.0,
+                 logprobs=logprobs_from_wire(text("logprobs")), num_cached_tokens=count("num_cached_tokens"),
+                 token_ids=tuple(np.frombuffer(ids, "<i4").tolist()) if ids else (), final=final)

@@ -32,7 +32,7 @@ class Channel:
 
     Attributes:
         endpoint: ``host:port``.
-        client: a ``tritonclient.grpc.aio.InferenceServerClient``.
+        client: a ``GrpcClient`` (``stub.ModelStreamInfer``, ``close()``).
         streams: calls open on it now.
         retired: taken out of the pool; closed when ``streams`` drops to 0.
     """
@@ -54,15 +54,16 @@ class ChannelPool:
             keepalive_s: keepalive ping interval (300 s: tritonserver's default ping policy answers more frequent
                 pings, or pings on a channel without calls, with GOAWAY ``too_many_pings``); a ping unanswered
                 for 20 s fails the channel's streams.
-            connect: (endpoint, channel args) → client; default: ``tritonclient.grpc.aio.InferenceServerClient``.
+            connect: (endpoint, channel args) → client; default: ``GrpcClient.connect`` (an asyncio channel).
         """
         self._keepalive_ms = int(keepalive_s * 1000)
-        self._connect = connect or _triton_client
+        self._connect = connect or GrpcClient.connect
         self._channels: dict[str, Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     def channel_args(self) -> list[tuple[str, int]]:
-        """Options of every channel: tritonclient's defaults, our keepalive, a short reconnect backoff."""
+        """Options of every channel: tritonclient's message size limits, our keepalive, a short reconnect
+        backoff."""
         from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 
         initial_ms, max_ms = RECONNECT_BACKOFF_MS
@@ -117,10 +118,26 @@ class ChannelPool:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-def _triton_client(endpoint: str, channel_args: list[tuple[str, int]]) -> Any:
-    from tritonclient.grpc.aio import InferenceServerClient
+class GrpcClient:
+    """One asyncio gRPC channel to a tritonserver and its ``GRPCInferenceService`` stub (generated code that
+    tritonclient ships). Event loop thread only."""
 
-    return InferenceServerClient(endpoint, channel_args=channel_args)
+    def __init__(self, channel: Any, stub: Any) -> None:
+        self.channel = channel   # grpc.aio.Channel
+        self.stub = stub         # tritonclient.grpc.service_pb2_grpc.GRPCInferenceServiceStub
+
+    @classmethod
+    def connect(cls, endpoint: str, channel_args: list[tuple[str, int]]) -> GrpcClient:
+        """An insecure channel to ``endpoint`` (``host:port``) with ``channel_args``; connects lazily."""
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        channel = grpc.aio.insecure_channel(endpoint, options=channel_args)
+        return cls(channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
+
+    async def close(self) -> None:
+        """Closes the channel (its open calls are cancelled)."""
+        await self.channel.close()
 
 
 async def _close(channel: Channel) -> None:

@@ -1,6 +1,6 @@
 """``ChildStreams``: the child streams one request has open, each read by its own task into one queue.
 
-The merge loop of ``PDOrchestrator`` reads ``(call, response)`` events from ``events``. A call that was
+The merge loop of ``PDOrchestrator`` reads ``(call, response)`` events with ``next_event``. A call that was
 replaced (a migration cancels the open children and starts a direct decode elsewhere) may still have events in
 the queue: ``is_current`` tells them apart, so the merge drops them.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 
 from serving.router.launch import ChildCall, ChildUnavailable, Launcher
 from serving.stream import Delta, ErrorKind
@@ -27,7 +28,8 @@ class ChildStreams:
     unreachable child or a broken stream becomes an ``ErrorKind.UNREACHABLE`` failure)."""
 
     def __init__(self, launcher: Launcher) -> None:
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: deque[Event] = deque()
+        self._waiter: asyncio.Future[None] | None = None   # next_event waiting for an event
         self._launcher = launcher
         self._current: dict[str, ChildCall] = {}   # role -> its live call
         self._readers: list[asyncio.Future[None]] = []
@@ -39,6 +41,26 @@ class ChildStreams:
         reader = asyncio.ensure_future(self._read(call))
         self._readers.append(reader)
         self._reader_of[id(call)] = reader
+
+    async def next_event(self, timeout_s: float) -> Event | None:
+        """The oldest event not read yet, waiting up to ``timeout_s`` seconds for one; None when none came. One
+        reader at a time (the merge loop). Runs once per streamed token: one future and one timer per wait, no
+        task (``asyncio.wait_for`` on a queue's ``get`` made a task, a future and a timer for each)."""
+        if not self._events:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self._events.popleft() if self._events else None
+
+    def _put(self, event: Event) -> None:
+        self._events.append(event)
+        if self._waiter is not None:
+            _wake(self._waiter)
 
     def is_current(self, call: ChildCall) -> bool:
         """False for a call that was cancelled or replaced: its late events are stale."""
@@ -80,14 +102,19 @@ class ChildStreams:
     async def _read(self, call: ChildCall) -> None:
         try:
             async for response in self._launcher.stream(call):
-                self.events.put_nowait((call, response))
+                self._put((call, response))
                 if response.final:
                     return
-            self.events.put_nowait((call, Delta(final=True)))
+            self._put((call, Delta(final=True)))
         except ChildUnavailable as e:
-            self.events.put_nowait((call, Delta.failure(str(e), ErrorKind.UNREACHABLE)))
+            self._put((call, Delta.failure(str(e), ErrorKind.UNREACHABLE)))
         except asyncio.CancelledError:
             raise
         except Exception as e:   # a launcher bug fails this child, never the loop
             logger.exception("room=%d: %s stream failed", call.room, call.role)
-            self.events.put_nowait((call, Delta.failure(f"{call.role} failed: {e}")))
+            self._put((call, Delta.failure(f"{call.role} failed: {e}")))
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -307,9 +307,8 @@ class PDOrchestrator:
         while not (state.prefill_final and state.decode_final):
             if is_cancelled():
                 return _Outcome(final=state.final_chunk("abort"))
-            try:
-                call, response = await asyncio.wait_for(children.events.get(), CANCEL_POLL_INTERVAL_S)
-            except asyncio.TimeoutError:
+            event = await children.next_event(CANCEL_POLL_INTERVAL_S)
+            if event is None:
                 lost = self._lost_child(state, targets, time.monotonic() - last_event_s)
                 if lost is not None:
                     role, response = lost
@@ -339,6 +338,7 @@ class PDOrchestrator:
                         return outcome
                     last_event_s = time.monotonic()
                 continue
+            call, response = event
             if not children.is_current(call):
                 continue   # a child cancelled by a migration
             last_event_s = time.monotonic()

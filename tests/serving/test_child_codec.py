@@ -61,10 +61,17 @@ def test_the_routers_encoder_sends_only_schema_inputs_in_their_types(role: str) 
         assert role in roles and array.dtype == NUMPY_OF[data_type], name
 
 
-def test_the_childs_encoder_answers_exactly_the_schema_outputs_in_their_types() -> None:
-    arrays = encode_response(Delta("x", "stop", 3, 2, 1, -0.5, None, 0, (7,)))
-    assert {name: array.dtype for name, array in arrays.items()} == \
+def test_the_childs_encoder_answers_schema_outputs_in_their_types_and_leaves_out_defaults() -> None:
+    entry = TokenLogprob(7, -0.5, 1, "x", ())
+    full = encode_response(Delta("x", "stop", 3, 2, 1, -0.5, (entry,), 16, (7,)))
+    failed = encode_response(Delta.failure("bad", ErrorKind.REQUEST))
+    assert {name: array.dtype for name, array in {**full, **failed}.items()} == \
         {name: np.dtype(NUMPY_OF[t]) for name, t in CHILD_OUTPUTS.items()}
+    # a streamed token: its text, its count and its id; what is absent decodes to its default
+    token = encode_response(Delta(" y", None, 0, 5, 1, token_ids=(9,)))
+    assert sorted(token) == ["num_output_tokens", "output_token_ids", "text_output"]
+    assert decode_response(token, final=False) == Delta(" y", None, 0, 5, 0, token_ids=(9,))
+    assert sorted(encode_response(Delta(""))) == ["num_output_tokens", "text_output"]
 
 
 def test_a_response_round_trips_and_an_error_keeps_its_kind() -> None:
