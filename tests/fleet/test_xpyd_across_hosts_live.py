@@ -5,8 +5,9 @@ links (``PD_KV_NETWORK_ONLY=1``).
 Invariants: the router lists both prefill and both decode hosts; greedy text through the router equals the
 colocated engine's for prompts sent at once, and every worker host served some of them (each prefill host's link
 carried KV); cache-aware pairing across hosts: a long prompt sent again goes to the prefill host that holds its
-prefix (only that host's prefix-cache hits grow) with the text unchanged;
-no page is held afterwards on any host.
+prefix (only that host's prefix-cache hits grow) with the text unchanged; a decode host cut off from the router
+mid-stream loses the stream to the other decode host, which resumes it (migration) with the colocated text, and
+the cut-off host comes back by itself; no page is held afterwards on any host and nothing restarted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,8 +66,8 @@ def reference() -> dict[str, str]:
     return colocated_greedy_texts(PROMPTS + LONG, GREEDY)
 
 
-def generate(hosts: HostFleet, prompt: str) -> StreamResult:
-    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
+def generate(hosts: HostFleet, prompt: str, params: dict[str, Any] | None = None) -> StreamResult:
+    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, params or GREEDY), model="pd_ensemble")
 
 
 def healthy(hosts: HostFleet, role: str) -> int:
@@ -138,3 +140,60 @@ def test_cache_aware_pairing_sends_a_repeated_prompt_to_the_prefill_host_holding
     assert len(holder) == 1, gained   # every repeat went to the host that held the prefix
     assert gained[holder[0]] >= 3 * 16 * 10, gained   # three hits of most of a ~500-token prompt
     wait_pools_full(hosts, 30.0)
+
+
+def migrations(hosts: HostFleet) -> float:
+    """The router's ``pd_router_migrations_total`` (0 before its first migration: the counter appears then)."""
+    try:
+        return metric_value(hosts.servers["rt"].metrics_url, "pd_router_migrations_total")
+    except KeyError:
+        return 0.0
+
+
+def test_a_decode_host_cut_off_mid_stream_migrates_to_the_other_decode_host(hosts: HostFleet) -> None:
+    """The router's host and the decode host serving a stream partitioned from each other for 12 s, a few tokens
+    in (every other path up). The router hears nothing from that decode for ``instance_stale_s`` (3 s) and
+    migrates the stream to the other decode host: it resumes the request with the tokens already sent, so the
+    client gets every token once, no error, and the colocated greedy text. Once the path is back the cut-off host
+    finishes its copy of the request by itself (the router leaves such a stream to end instead of cancelling
+    it), its pages come back, the router lists both decode hosts again, and no server or stub restarted."""
+    decodes = [h for h in WORKERS if XPYD_2P2D[h] == "decode"]
+    prompt = LONG[2]
+    params = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    expected = colocated_greedy_texts([prompt], {k: str(v).lower() if isinstance(v, bool) else str(v)
+                                                 for k, v in params.items()})[prompt]
+    before = {name: sorted(s.stub_pids()) for name, s in hosts.servers.items()}
+    migrations_before = migrations(hosts)
+    done: dict[str, StreamResult] = {}
+    thread = threading.Thread(target=lambda: done.__setitem__("r", generate(hosts, prompt, params)))
+    thread.start()
+    victim = ""
+    deadline = time.monotonic() + 120
+    while not victim:
+        assert time.monotonic() < deadline and thread.is_alive(), "the request never reached a decode host"
+        victim = next((h for h in decodes if metric_value(hosts.servers[h].metrics_url, "pd_queue_requests",
+                                                          model="decode", queue="running")), "")
+        time.sleep(0.1)
+    time.sleep(1.0)   # a few tokens streamed: the stream moves mid-way, not at its first token
+    hosts.fleet.partition("rt", victim, cut=True)
+    cut_s = time.monotonic()
+    try:
+        thread.join(90)
+        ended_s = time.monotonic() - cut_s
+    finally:
+        time.sleep(max(0.0, 12.0 - (time.monotonic() - cut_s)))
+        hosts.fleet.partition("rt", victim, cut=False)
+    assert not thread.is_alive(), "the stream did not end within 90 s of the cut"
+    result = done["r"]
+    migrated = migrations(hosts) - migrations_before
+    print(f"2P2D across hosts: decode host {victim} cut off from the router; the stream ended {ended_s:.1f} s after "
+          f"the cut, {migrated:.0f} migration(s), error {result.error}")
+    assert result.error is None and result.final_seen, result.error
+    assert result.text == expected
+    assert migrated >= 1
+    wait_pools_full(hosts, 150.0)   # the cut-off host's copy ends by itself once the path is back
+    deadline = time.monotonic() + 30
+    while healthy(hosts, "decode") != 2:
+        assert time.monotonic() < deadline, "the router did not list both decode hosts again"
+        time.sleep(0.5)
+    assert {name: sorted(s.stub_pids()) for name, s in hosts.servers.items()} == before, "something restarted"
