@@ -144,11 +144,12 @@ def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int])
     many = run("streams", tuple(spec(f"stream-{i}", args.tokens, i) for i in range(args.streams)))
     after, wall_s = cpu_seconds(pids), time.perf_counter() - began
     tokens = sum(r.num_output_tokens for r in many)
-    cpu = {f"cpu_us_per_token_{name}": (after[name] - before[name]) * 1e6 / tokens for name in after if name in before}
+    spent = {name: after[name] - before[name] for name in after if name in before}
     return {"itl_p50_ms": percentile([g for r in single for g in r.itls_ms], 50),
             "ttft_p50_ms": percentile([r.ttft_ms for r in single], 50),
-            "tok_s": tokens / run_duration_s(many), **cpu,
-            "cores_busy": sum(after[n] - before[n] for n in after if n in before) / wall_s}
+            "tok_s": tokens / run_duration_s(many),
+            **{f"cpu_us_per_token_{name}": s * 1e6 / tokens for name, s in spent.items()},
+            "cores_busy": sum(spent.values()) / wall_s}
 
 
 def ratios(fig: dict[str, float]) -> dict[str, float]:

@@ -58,7 +58,7 @@ class ErrorKind(enum.Enum):
 class Delta:
     """What one sample's stream says in one step: the one delta type of the serving path. The same value is a
     response's sample (``ResponseChunk.samples``), a child response as the router reads it
-    (``serving.parsing.child_codec.decode_response``) and what the router's orchestrator hands its responder; only the engine's
+    (``serving.parsing.child_codec.decode_raw_response``) and what the router's orchestrator hands its responder; only the engine's
     own ``RequestOutput`` comes before it (``GenerationStream`` turns that into deltas).
 
     Attributes:

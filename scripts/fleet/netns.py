@@ -27,6 +27,7 @@ CLI (fleets tagged by name live until ``destroy``)::
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import os
@@ -36,7 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -222,6 +223,19 @@ class Fleet:
         for here, there in ((self.hosts[a], self.hosts[b]), (self.hosts[b], self.hosts[a])):
             sh("ip", "-n", here.netns, "route", "add" if cut else "del", "blackhole", f"{there.address}/32",
                check=cut)
+
+    @contextlib.contextmanager
+    def partitioned(self, a: str, b: str, at_least_s: float = 0.0) -> Iterator[float]:
+        """The path between ``a`` and ``b`` cut (``partition``) for the ``with`` body and for at least
+        ``at_least_s`` seconds after the cut, then restored, however the body ends; yields the cut's
+        ``time.monotonic()``."""
+        self.partition(a, b, cut=True)
+        cut_s = time.monotonic()
+        try:
+            yield cut_s
+        finally:
+            time.sleep(max(0.0, at_least_s - (time.monotonic() - cut_s)))
+            self.partition(a, b, cut=False)
 
     def teardown(self) -> None:
         """Stops the processes started through ``Host.popen`` (TERM to their process groups, KILL after

@@ -7,7 +7,7 @@ exactly that request (Triton then reports ``is_cancelled()`` to the child, which
 pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
 stub and not ``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
 ``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one per
-streamed token) once, straight from its raw contents (``child_codec.decode_raw_response``): 110 -> ~15 us per
+streamed token) once, straight from its raw contents (``child_codec.decode_raw_response``): 110 -> ~20 us per
 response measured here.
 
 Child protocol: ``serving.parsing.child_codec`` (inputs, outputs and their types, the response decoder this module uses,

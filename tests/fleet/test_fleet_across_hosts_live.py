@@ -367,14 +367,9 @@ def test_router_cut_off_from_the_decode_host_mid_stream(hosts: HostFleet, refere
         assert time.monotonic() < deadline and thread.is_alive(), "the request never reached decode's running queue"
         time.sleep(0.1)
     time.sleep(1.0)   # a few tokens streamed
-    hosts.fleet.partition("rt", "dc", cut=True)
-    cut_s = time.monotonic()
-    try:
+    with hosts.fleet.partitioned("rt", "dc", at_least_s=12.0) as cut_s:
         thread.join(60)
         ended_s = time.monotonic() - cut_s
-    finally:
-        time.sleep(max(0.0, 12.0 - (time.monotonic() - cut_s)))
-        hosts.fleet.partition("rt", "dc", cut=False)
     assert not thread.is_alive(), "the stream did not end within 60 s of the partition"
     result = done["r"]
     print(f"router cut off from decode: the stream ended {ended_s:.1f} s after the cut: {result.error}")
@@ -396,17 +391,13 @@ def test_prefill_host_cut_off_from_the_registry(hosts: HostFleet, reference: dic
     (none hangs), and once the path is back the prefill announces itself again, the router lists it, requests give
     the colocated text, no page is held and nothing restarted."""
     before = stubs(hosts)
-    hosts.fleet.partition("pf", "reg", cut=True)
     during: list[StreamResult] = []
-    try:
-        end = time.monotonic() + 15.0
-        while time.monotonic() < end:
+    with hosts.fleet.partitioned("pf", "reg") as cut_s:
+        while time.monotonic() < cut_s + 15.0:
             started = time.monotonic()
             during.append(generate(hosts, PROMPTS[0]))
             assert time.monotonic() - started < 60.0, "a request during the partition took over 60 s"
             time.sleep(0.5)
-    finally:
-        hosts.fleet.partition("pf", "reg", cut=False)
     assert all(r.final_seen or r.error for r in during), "a stream ended without FINAL or an error"
     print(f"prefill cut off from the registry: {sum(r.error is None for r in during)} of {len(during)} requests "
           f"succeeded during the partition; errors: {sorted({r.error[:100] for r in during if r.error})}")

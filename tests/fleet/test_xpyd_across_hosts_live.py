@@ -175,14 +175,9 @@ def test_a_decode_host_cut_off_mid_stream_migrates_to_the_other_decode_host(host
                                                           model="decode", queue="running")), "")
         time.sleep(0.1)
     time.sleep(1.0)   # a few tokens streamed: the stream moves mid-way, not at its first token
-    hosts.fleet.partition("rt", victim, cut=True)
-    cut_s = time.monotonic()
-    try:
+    with hosts.fleet.partitioned("rt", victim, at_least_s=12.0) as cut_s:
         thread.join(90)
         ended_s = time.monotonic() - cut_s
-    finally:
-        time.sleep(max(0.0, 12.0 - (time.monotonic() - cut_s)))
-        hosts.fleet.partition("rt", victim, cut=False)
     assert not thread.is_alive(), "the stream did not end within 90 s of the cut"
     result = done["r"]
     migrated = migrations(hosts) - migrations_before
