@@ -112,6 +112,49 @@ def build_model_repository(deployment: Deployment, dest: Path) -> Path:
     return dest
 
 
+# what a dying process leaves in the server log: faulthandler, libstdc++, glibc, UCX's handler, python_backend
+_CRASH = re.compile(r"Fatal Python error|terminate called|Segmentation fault|Aborted|Caught signal|"
+                    r"corrupted|double free|fastbin|lock_exception|is not healthy|Killed|MemoryError")
+_CRASH_CONTEXT_LINES = 25   # a faulthandler report: the error, then each thread's stack
+
+
+def log_excerpt(text: str, num_chars: int) -> str:
+    """``text``'s last ``num_chars`` characters; when a crash report (``_CRASH``) lies before them, up to 200 of its
+    lines (each hit with the ``_CRASH_CONTEXT_LINES`` after it) come first: a stub that died while the others kept
+    logging would otherwise be cut off a failed start's message."""
+    head, tail = text[:-num_chars], text[-num_chars:]
+    lines = head.splitlines()
+    keep: list[int] = []
+    for i, line in enumerate(lines):
+        if _CRASH.search(line):
+            keep.extend(range(max(i, keep[-1] + 1 if keep else 0), min(len(lines), i + _CRASH_CONTEXT_LINES)))
+    if not keep:
+        return tail
+    report = "\n".join(lines[i] for i in keep[:200])
+    return f"[crash report earlier in the log]\n{report}\n[log tail]\n{tail}"
+
+
+def host_state() -> str:
+    """One line on what this host has left when a server fails to start: available memory, /dev/shm in use, load
+    average, and how many tritonserver and python-backend stub processes are running (a leftover of an earlier
+    server would show here)."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    shm = shutil.disk_usage("/dev/shm") if Path("/dev/shm").is_dir() else None
+    servers = stubs = 0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                comm = (proc / "comm").read_text().strip()
+            except OSError:
+                continue
+            servers += comm == "tritonserver"
+            stubs += comm.startswith("triton_python_b")
+    shm_text = f"{shm.used / 2**20:.0f} MiB of {shm.total / 2**30:.1f} GiB" if shm else "none"
+    return (f"[host] MemAvailable {meminfo.get('MemAvailable', '?').strip()}, /dev/shm {shm_text}, load "
+            f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}, {servers} tritonserver and {stubs} stub "
+            f"processes running")
+
+
 def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float, exited: Callable[[], str],
                  timed_out: Callable[[], str], poll_s: float = 0.5) -> None:
     """Polls ``url`` every ``poll_s`` until it answers 200. Raises RuntimeError(``exited()``) when ``proc`` exits
@@ -136,8 +179,8 @@ def wait_ready(http_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
     TimeoutError when ``timeout_s`` passes; both messages end with ``log_tail()``."""
     name = Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name
     wait_http_ok(f"{http_url}/v2/health/ready", proc, timeout_s,
-                 lambda: f"{name} exited with {proc.returncode} while loading:\n{log_tail()}",
-                 lambda: f"tritonserver not ready within {timeout_s:.0f} s:\n{log_tail()}")
+                 lambda: f"{name} exited with {proc.returncode} while loading ({host_state()}):\n{log_tail()}",
+                 lambda: f"tritonserver not ready within {timeout_s:.0f} s ({host_state()}):\n{log_tail()}")
 
 
 def wait_router_ready(metrics_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -533,7 +576,8 @@ class ServeScript:
                 os.kill(pid, signal.SIGUSR1)
 
     def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+        """The log's last ``num_chars`` characters, after any crash report found before them (``log_excerpt``)."""
+        return log_excerpt(self.log_path.read_text(errors="replace"), num_chars)
 
     def stop(self, timeout_s: float, dump_after_s: float | None = None) -> tuple[float, bool]:
         """SIGTERM the group (serve.sh stops tritonserver, then the bootstrap), SIGKILL after ``timeout_s``, then

@@ -39,14 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 def setup_logging() -> None:
-    """INFO logs to the server log; ``kill -USR1 <stub pid>`` dumps every Python thread's stack there too."""
+    """INFO logs to the server log; ``kill -USR1 <stub pid>`` dumps every Python thread's stack there too, and so
+    does a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: ``faulthandler.enable``) before the stub dies, so
+    that a stub lost while loading or serving names where it was."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def teardown_logging() -> None:
-    """``finalize``: the SIGUSR1 dump handler goes with the model (a stub must not dump a finalizing heap)."""
+    """``finalize``: the dump handlers go with the model (a stub must not dump a finalizing heap)."""
     faulthandler.unregister(signal.SIGUSR1)
+    faulthandler.disable()
 
 
 def decoupled_config(args: dict[str, Any], model: str) -> dict[str, Any]:

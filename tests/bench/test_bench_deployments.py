@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from perf.bench_run import BenchConfig, deployments_for, final_line
-from perf.server import _override_parameters
+from perf.server import _override_parameters, host_state, log_excerpt
 
 CONFIG = 'parameters [\n  { key: "num_threads", value: { string_value: "1" } }\n]\n'
 
@@ -51,3 +51,19 @@ def test_pd_hosts_is_the_pd_deployment_on_hosts_and_the_line_compares_it_with_on
     assert line["itl_p99_ratio_hosts_over_one_host"] == 1.1
     assert line["ttft_p50_ratio_hosts_over_one_host"] == 1.2
     assert line["chat_c1_ttft_p50_ratio_hosts_over_one_host"] == 1.25
+
+
+def test_a_failed_start_keeps_a_crash_report_that_lies_before_the_tail() -> None:
+    crash = ["Fatal Python error: Segmentation fault", "", "Thread 0x1 (most recent call first):",
+             '  File "/x/engine/kv_pool.py", line 171 in populate']
+    text = "\n".join(["loading"] * 50 + crash + [f"later line {i}" for i in range(400)]) + "\n"
+    excerpt = log_excerpt(text, 200)
+    assert excerpt.endswith(text[-200:])
+    assert excerpt.startswith("[crash report earlier in the log]\nFatal Python error: Segmentation fault\n")
+    assert 'line 171 in populate' in excerpt and "loading" not in excerpt
+    assert log_excerpt("\n".join(["loading"] * 500), 100) == "\n".join(["loading"] * 500)[-100:]   # nothing to add
+
+
+def test_host_state_reads_this_host() -> None:
+    state = host_state()
+    assert state.startswith("[host] MemAvailable ") and " kB" in state and "tritonserver" in state
