@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_ROOM = 2**63 - 1
 Room = int
 
@@ -58,7 +58,9 @@ class Registration:
     Triton gRPC endpoint (``host:port``) that serves ``model_name``: the router sends requests there. ``kv_info``
     is the KV layer's own JSON (layout, model id, region addresses); the rendezvous never interprets it.
     ``rendezvous_url`` (``http://host:port``) is the instance's own rendezvous server, where peers fetch this
-    registration and decode instances post destinations.
+    registration and decode instances post destinations. ``worker_endpoint`` (``host:port``; empty: none) is the
+    worker's own gRPC endpoint, speaking Triton's ``ModelStreamInfer`` for ``model_name`` alone
+    (``serving.workers.endpoint``): routers send its child requests there, past tritonserver.
     """
 
     instance_id: str
@@ -72,6 +74,7 @@ class Registration:
     model_name: str = ""
     load: InstanceLoad = field(default_factory=InstanceLoad)
     rendezvous_url: str = ""
+    worker_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,6 +113,7 @@ class InstanceStatus:
     load: InstanceLoad
     age_s: float
     rendezvous_url: str = ""
+    worker_endpoint: str = ""   # Registration.worker_endpoint
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class Registry:
     def instances(self, now_s: float, role: str = "") -> list[InstanceStatus]:
         """Every registered instance (of ``role`` when given), without agent metadata, oldest id first."""
         return [InstanceStatus(r.instance_id, r.role, r.epoch, r.address, r.model_name, r.load,
-                               max(0.0, now_s - e.last_seen_s), r.rendezvous_url)
+                               max(0.0, now_s - e.last_seen_s), r.rendezvous_url, r.worker_endpoint)
                 for e in sorted(self._instances.values(), key=lambda e: e.registration.instance_id)
                 for r in (e.registration,) if not role or r.role == role]
 

@@ -29,6 +29,8 @@ class KVArgs:
     device_id: int = 0
     address: str = ""                      # Triton gRPC endpoint (host:port) serving ``model_name``: routers send
     model_name: str = ""                   # requests there (in our registration, never used here)
+    worker_endpoint: str = ""              # the worker's own gRPC endpoint (host:port; "": none): routers send
+                                           # its child requests there instead (serving.workers.endpoint)
     aux_slots: int = 1024                  # concurrent rooms per instance
     heartbeat_interval_s: float = 1.0
     peer_check_interval_s: float = 1.0     # how often peers with open rooms are checked at their rendezvous

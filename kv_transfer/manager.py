@@ -157,7 +157,7 @@ class KVManager(BaseKVManager):
             kv_info=kv_info(self.args.model_id, self.args.layout, self.args.kv_base_ptr, self._aux.base_ptr,
                             self.args.aux_slots),
             model_name=self.args.model_name, load=self._load() or InstanceLoad(),
-            rendezvous_url=self._rendezvous.url)
+            rendezvous_url=self._rendezvous.url, worker_endpoint=self.args.worker_endpoint)
 
     def _run(self) -> None:
         while not self._stop.is_set():

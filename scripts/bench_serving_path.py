@@ -2,18 +2,21 @@
 """Serving-path benchmark: what the serving path itself costs, with compute made nearly free.
 
 Builds a tiny random Llama (``perf/tiny_model.py``: SmolLM2's config with 1 layer, hidden 64; its tokenizer),
-serves it from one tritonserver (``colocated``, ``prefill``, ``decode``, ``pd_ensemble`` over NIXL, the model
+serves it from one tritonserver (``colocated``, ``prefill``, ``decode``, ``pd_ensemble`` over NIXL, and
+``pd_triton``: a copy of ``pd_ensemble`` with ``worker_endpoints`` false, over the same workers; the model
 repository's ``model`` parameter pointing at the tiny folder; ``perf/server.py``'s harness), and measures in one
 run, greedy, ``ignore_eos``, a tiny prompt:
 
 * engine alone (offline, same model and engine settings as served): ITL p50 at 1 stream (time per decode step),
   tokens/s at ``--streams`` requests x ``--tokens`` new tokens submitted at once;
-* ``colocated`` and ``pd_ensemble`` over gRPC streaming (``perf/stream_client.py``): ITL p50 and TTFT p50 at
+* ``colocated``, ``pd_ensemble`` (child requests to the workers' own endpoints, ``serving/workers/endpoint.py``)
+  and ``pd_triton`` (child requests through tritonserver) over gRPC streaming (``perf/stream_client.py``): ITL
+  p50 and TTFT p50 at
   1 stream (``--single-requests`` requests one after another), streamed tokens/s at ``--streams`` concurrent
   streams x ``--tokens`` tokens (tokens / first send to last FINAL);
 
 then the ratios: PD tok/s / colocated, colocated tok/s / engine, ITL - engine ITL (each path), PD TTFT -
-colocated TTFT (ms). Where the time goes: for each served path, the CPU time each process (tritonserver, every
+colocated TTFT (ms), and the first and last of these for ``pd_triton``. Where the time goes: for each served path, the CPU time each process (tritonserver, every
 model's stub, this client) spent during the streams phase, per streamed token (``psutil``), and how many of the
 cores were busy. Every figure line carries the 1-minute load average: on a shared machine the figures are
 contended. The last line is one JSON object with every figure (``*_ms``, ``*_tok_s``) and ratio.
@@ -158,7 +161,9 @@ def ratios(fig: dict[str, float]) -> dict[str, float]:
             "colocated_over_engine_tok_s": fig["colocated_tok_s"] / fig["engine_tok_s"],
             "colocated_itl_minus_engine_ms": fig["colocated_itl_p50_ms"] - fig["engine_itl_p50_ms"],
             "pd_itl_minus_engine_ms": fig["pd_itl_p50_ms"] - fig["engine_itl_p50_ms"],
-            "pd_ttft_minus_colocated_ms": fig["pd_ttft_p50_ms"] - fig["colocated_ttft_p50_ms"]}
+            "pd_ttft_minus_colocated_ms": fig["pd_ttft_p50_ms"] - fig["colocated_ttft_p50_ms"],
+            "pd_triton_over_colocated_tok_s": fig["pd_triton_tok_s"] / fig["colocated_tok_s"],
+            "pd_triton_ttft_minus_colocated_ms": fig["pd_triton_ttft_p50_ms"] - fig["colocated_ttft_p50_ms"]}
 
 
 def commit() -> str:
@@ -174,12 +179,17 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
     print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms  (CPU {engine['cpu_ms_per_step']:5.2f} ms/step)  "
           f"{engine['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
     http, grpc, metrics = free_ports(3)
-    deployment = Deployment(name="path", entry_model="pd_ensemble", models=(*ENGINE_MODELS, "pd_ensemble"),
-                            overrides={m: {"model": model} for m in ENGINE_MODELS})
+    # pd_triton: a second router over the same workers that reaches them through tritonserver (worker_endpoints
+    # false), the path every child request took before the workers' own endpoints
+    deployment = Deployment(name="path", entry_model="pd_ensemble",
+                            models=(*ENGINE_MODELS, "pd_ensemble", "pd_triton"),
+                            overrides={**{m: {"model": model} for m in ENGINE_MODELS},
+                                       "pd_triton": {"worker_endpoints": "false"}},
+                            copies={"pd_triton": "pd_ensemble"})
     ports = ServerPorts(http=http, grpc=grpc, metrics=metrics)
     with RunningServer(deployment, ports, log_dir) as server:
         pids = {**server.processes(), "client": os.getpid()}
-        for name, entry in (("colocated", "colocated"), ("pd", "pd_ensemble")):
+        for name, entry in (("colocated", "colocated"), ("pd", "pd_ensemble"), ("pd_triton", "pd_triton")):
             path = served(ports.grpc_url, entry, args, pids)
             server.check_alive(entry)
             figures.update({f"{name}_{k}": v for k, v in path.items()})
@@ -201,7 +211,9 @@ def main() -> None:
     print(f"PD / colocated tok/s {compared['pd_over_colocated_tok_s']:.2f}; colocated / engine tok/s "
           f"{compared['colocated_over_engine_tok_s']:.2f}; ITL - engine: colocated "
           f"{compared['colocated_itl_minus_engine_ms']:+.2f} ms, PD {compared['pd_itl_minus_engine_ms']:+.2f} ms; "
-          f"PD TTFT - colocated TTFT {compared['pd_ttft_minus_colocated_ms']:+.1f} ms", flush=True)
+          f"PD TTFT - colocated TTFT {compared['pd_ttft_minus_colocated_ms']:+.1f} ms; through tritonserver "
+          f"(pd_triton): tok/s {compared['pd_triton_over_colocated_tok_s']:.2f}x colocated, TTFT "
+          f"{compared['pd_triton_ttft_minus_colocated_ms']:+.1f} ms", flush=True)
     out: dict[str, Any] = {k: round(v, 3) for k, v in {**figures, **compared}.items()}
     out.update(model=args.model, streams=args.streams, tokens=args.tokens, single_requests=args.single_requests,
                load_1m=load_1m(), commit=commit())

@@ -62,6 +62,9 @@ class WorkerConfig:
             pairs the workers of its own tritonserver (found through Triton's repository index).
         rendezvous_port: port of the instance's own rendezvous server (PD workers), on the host of
             ``grpc_url``; 0 (the default) picks a free one (routers learn it from the instance).
+        worker_port: port of the PD worker's own gRPC endpoint (``serving.workers.endpoint``: routers send its
+            child requests there, past tritonserver), on the host of ``grpc_url``; 0 (the default) picks a free
+            one (routers learn it from the instance's rendezvous); -1: none (routers go through tritonserver).
         kv_backend: a registered KV backend (``kv_transfer.backends``): ``"nixl"``, ``"mooncake"`` or
             ``"inprocess"`` (PD workers only).
         kv_options: the ``kv_backend``'s own options (``NixlOptions``, ``MooncakeOptions``, ...), built by
@@ -97,6 +100,7 @@ class WorkerConfig:
     num_threads: int = 1
     registry_url: str = ""
     rendezvous_port: int = 0
+    worker_port: int = 0
     kv_backend: str = "nixl"
     kv_options: BackendOptions | None = None
     grpc_url: str = "127.0.0.1:8001"
@@ -127,6 +131,8 @@ class WorkerConfig:
         validate_registry_url("registry_url", self.registry_url)
         if not 0 <= self.rendezvous_port < 65536:
             raise ConfigError("rendezvous_port", f"must be 0..65535, got {self.rendezvous_port}")
+        if not -1 <= self.worker_port < 65536:
+            raise ConfigError("worker_port", f"must be -1 (none) or 0..65535, got {self.worker_port}")
         validate_endpoint("grpc_url", self.grpc_url)
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

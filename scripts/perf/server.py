@@ -64,6 +64,8 @@ class Deployment:
         models: every model to load.
         overrides: model → {parameter key → string value} written into its ``config.pbtxt``.
         cpus: model → CPU ids its stub process is pinned to after loading (absent: not pinned).
+        copies: model → the ``model_repository/`` model it is a renamed copy of (e.g. a second router with
+            other parameters beside ``pd_ensemble``); absent: the model's own folder.
     """
 
     name: str
@@ -71,6 +73,7 @@ class Deployment:
     models: tuple[str, ...]
     overrides: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    copies: Mapping[str, str] = field(default_factory=dict)
 
 
 def tritonserver_paths() -> tuple[Path, Path]:
@@ -102,12 +105,15 @@ def _override_parameters(config: str, overrides: Mapping[str, str]) -> str:
 def build_model_repository(deployment: Deployment, dest: Path) -> Path:
     """Write ``dest`` with the deployment's models (``1/`` linked to the repo, config with overrides)."""
     for model in deployment.models:
-        src = REPO_ROOT / "model_repository" / model
+        source = deployment.copies.get(model, model)
+        src = REPO_ROOT / "model_repository" / source
         if not (src / "config.pbtxt").is_file():
-            raise FileNotFoundError(f"model_repository/{model}/config.pbtxt is missing")
+            raise FileNotFoundError(f"model_repository/{source}/config.pbtxt is missing")
         (dest / model).mkdir(parents=True)
         (dest / model / "1").symlink_to(src / "1", target_is_directory=True)
         config = _override_parameters((src / "config.pbtxt").read_text(), deployment.overrides.get(model, {}))
+        if source != model:
+            config = config.replace(f'name: "{source}"', f'name: "{model}"', 1)
         (dest / model / "config.pbtxt").write_text(config)
     return dest
 

@@ -49,6 +49,8 @@ class Target:
     model_name: str
     epoch: int = 0
     rendezvous_url: str = ""   # the instance's own rendezvous: a decode child is told its prefill's
+    # ``endpoint`` is the worker's own gRPC endpoint when it has one and the router uses them
+    # (``RouterConfig.worker_endpoints``), else the tritonserver that serves ``model_name``
 
 
 @dataclass(frozen=True)
@@ -220,13 +222,14 @@ class Fleet:
             self._states[status.instance_id] = state
         return state
 
-    @staticmethod
-    def _candidate(status: InstanceStatus, state: _InstanceState, reported_s: float) -> Candidate:
+    def _candidate(self, status: InstanceStatus, state: _InstanceState, reported_s: float) -> Candidate:
         state.pending = [p for p in state.pending if p.assigned_s >= reported_s]
         load: InstanceLoad = status.load
         pending_pages = sum(-(-p.tokens_to_reserve // load.page_size) if load.page_size else 0
                             for p in state.pending)
-        target = Target(status.instance_id, status.role, status.address, status.model_name, status.epoch,
+        endpoint = status.worker_endpoint if self._config.worker_endpoints and status.worker_endpoint \
+            else status.address
+        target = Target(status.instance_id, status.role, endpoint, status.model_name, status.epoch,
                         status.rendezvous_url)
         return Candidate(target, load.num_queued_requests + len(state.pending),
                          load.num_queued_prompt_tokens + sum(p.prompt_tokens for p in state.pending),

@@ -1,8 +1,9 @@
 """The ``Launcher`` seam: send one child request (prefill or decode) and stream its responses.
 
-``GrpcLauncher`` reaches the child's tritonserver over asyncio gRPC streaming (Triton's ``ModelStreamInfer`` through
-the service stub tritonclient ships, ``tritonclient.grpc.service_pb2_grpc``), whichever server that is (the
-router's own included): one bidirectional stream per child request, so that cancelling the stream cancels
+``GrpcLauncher`` reaches the child over asyncio gRPC streaming (Triton's ``ModelStreamInfer`` through the service
+stub tritonclient ships, ``tritonclient.grpc.service_pb2_grpc``) at its target's endpoint: the worker's own endpoint
+(``serving.workers.endpoint``, the same service for one model) when it has one, else the tritonserver that serves
+it, whichever server that is (the router's own included): one bidirectional stream per child request, so that cancelling the stream cancels
 exactly that request (Triton then reports ``is_cancelled()`` to the child, which aborts it and frees its
 pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
 stub and not ``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
@@ -17,6 +18,7 @@ the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL re
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +30,7 @@ from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 from serving.stream import Delta
+from serving.workers.endpoint import AUTH_METADATA, sign_call
 
 Room = int
 #: Inputs of the client's request that are forwarded as they are to both children.
@@ -139,8 +142,11 @@ class GrpcLauncher:
     by ``request_idle_timeout_s``.
     """
 
-    def __init__(self, keepalive_s: float = 300.0) -> None:
+    def __init__(self, keepalive_s: float = 300.0, fleet_secret: bytes | None = None) -> None:
+        """``fleet_secret``: every stream carries its signature (``serving.workers.endpoint.sign_call``), which a
+        worker endpoint checks (tritonserver ignores it)."""
         self._channels = ChannelPool(keepalive_s)
+        self._secret = fleet_secret
 
     async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         import asyncio
@@ -155,7 +161,9 @@ class GrpcLauncher:
             await ended.wait()   # keep our half open until the child's FINAL: closing it ends the stream
 
         channel = self._channels.acquire(call.target.endpoint)
-        responses = channel.client.stub.ModelStreamInfer(requests())
+        metadata = None if self._secret is None else \
+            ((AUTH_METADATA, sign_call(self._secret, request.id, time.time())),)
+        responses = channel.client.stub.ModelStreamInfer(requests(), metadata=metadata)
         finished = False
         try:
             async for response in responses:

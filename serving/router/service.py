@@ -94,7 +94,7 @@ class Router:
         self._metrics = metrics
         self.fleet = Fleet(config)
         self._watcher = FleetWatcher(self.fleet, config, members or make_member_source(config), name)
-        self._launcher: Launcher = launcher or GrpcLauncher()
+        self._launcher: Launcher = launcher or GrpcLauncher(fleet_secret=config.fleet_secret)
         self._count_tokens = count_tokens
         self.orchestrator: PDOrchestrator | None = None
         self._loop = asyncio.new_event_loop()

@@ -2,8 +2,10 @@
 a class from here (the router's glue is ``serving.router.triton_model``).
 
 ``PDChildModel`` (prefill, decode), a ``serving.triton.host.ModelHost``: start → ``WorkerConfig`` →
-``create_pd_worker`` → start; handle → parse the child request → ``worker.handle``; stop → the worker (its
-requests end with an error and FINAL). Responses leave through the instance's ``ResponseDispatcher`` thread: the
+``create_pd_worker`` → start, with the worker's own gRPC endpoint (``serving.workers.endpoint``, unless
+``worker_port`` is -1) bound first and serving before the worker registers; handle → parse the child request →
+``worker.handle``; stop → the worker (its requests end with an error and FINAL, on either path), then the
+endpoint. Responses leave through the instance's ``ResponseDispatcher`` thread: the
 engine loop never waits on Triton.
 
 Identity: a PD model runs exactly one instance, known to the fleet as ``<model name>@<grpc_url>``
@@ -26,6 +28,7 @@ from serving.parsing.request import RequestError
 from serving.stream import ResponseChunk
 from serving.triton.host import ModelHost
 from serving.triton.io import TritonResponseSink, pb_utils, read_inputs
+from serving.workers.endpoint import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class PDChildModel(ModelHost):
 
     ROLE = ""
     ANSWER_CHILD = True
+    _endpoint: WorkerEndpoint | None = None
 
     def start(self, args: dict[str, Any], model_config: dict[str, Any]) -> str:
         _check_one_instance(model_config, self.ROLE)
@@ -55,8 +59,18 @@ class PDChildModel(ModelHost):
         apply_cpu_affinity(config)
         from serving.workers.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
 
-        self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics, model_name=self.model_name)
-        self._handle.start()
+        self._endpoint = None if config.worker_port < 0 else WorkerEndpoint(
+            config.grpc_url.rsplit(":", 1)[0], config.worker_port, self.model_name, config.fleet_secret).bind()
+        try:
+            self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics, model_name=self.model_name,
+                                            worker_endpoint=self._endpoint.address if self._endpoint else "")
+            if self._endpoint is not None:   # serving before the registration: routers may use it from then on
+                self._endpoint.start(self._handle.worker)
+            self._handle.start()
+        except BaseException:
+            if self._endpoint is not None:
+                self._endpoint.stop(0)
+            raise
         self._card = InstanceCard(instance_id, self.ROLE, self.model_name, config.grpc_url,
                                   self._handle.kv_manager.rendezvous_url, self._handle.kv_manager_epoch)
         logger.info("%s ready as %s instance %s: %s", self.instance_name, self.ROLE, instance_id, config)
@@ -64,7 +78,9 @@ class PDChildModel(ModelHost):
 
     def stop(self, timeout_s: float) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())
-        self._handle.stop(timeout_s)
+        self._handle.stop(timeout_s)   # requests in flight end with an error and FINAL, on either path
+        if self._endpoint is not None:   # then the endpoint, once those last responses are out
+            self._endpoint.stop(grace_s=2.0)
 
     def handle(self, request: Any, sink: TritonResponseSink) -> None:
         pd_inputs = read_pd_inputs(request)

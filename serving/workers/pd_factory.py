@@ -35,9 +35,11 @@ HEARTBEAT_INTERVAL_S = 0.5
 MEMBER_TTL_S = 10.0
 
 
-def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str, model_name: str = "") -> KVArgs:
+def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str, model_name: str = "",
+            worker_endpoint: str = "") -> KVArgs:
     """The KV manager's arguments for ``engine``'s pool (``[num_layers, 2, num_pages, page_size, kv_heads,
-    head_dim]``, one contiguous region), registered as ``model_name`` served at ``config.grpc_url``."""
+    head_dim]``, one contiguous region), registered as ``model_name`` served at ``config.grpc_url`` and at
+    ``worker_endpoint`` (empty: none)."""
     pool = engine.kv_pool
     layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
                       num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype,
@@ -48,6 +50,7 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
                   rendezvous_port=config.rendezvous_port, fleet_secret=config.fleet_secret,
                   bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
                   mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
+                  worker_endpoint=worker_endpoint,
                   heartbeat_interval_s=HEARTBEAT_INTERVAL_S, local_hostname=config.grpc_url.rsplit(":", 1)[0],
                   device_id=int(config.device.split(":")[1]) if on_gpu and ":" in config.device else 0)
 
@@ -126,9 +129,11 @@ class PDWorkerHandle:
 
 
 def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
-                     metrics: ServingMetrics | None = None, model_name: str = "") -> PDWorkerHandle:
+                     metrics: ServingMetrics | None = None, model_name: str = "",
+                     worker_endpoint: str = "") -> PDWorkerHandle:
     """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started), known to its peers as
-    ``instance_id`` serving ``model_name`` at ``config.grpc_url``.
+    ``instance_id`` serving ``model_name`` at ``config.grpc_url`` (and at ``worker_endpoint``, the address of its
+    own ``serving.workers.endpoint``, when not empty).
 
     Raises:
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
@@ -140,8 +145,8 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
 
     engine = LLMEngine(config.engine_config("prefill" if role == "prefill" else "decode"))
     loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
-    kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name), backend=config.kv_backend,
-                                 options=config.kv_options)
+    kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name, worker_endpoint),
+                                 backend=config.kv_backend, options=config.kv_options)
     worker: PrefillWorker | DecodeWorker
     if role == "prefill":
         worker = PrefillWorker(loop, engine, engine.tokenizer, kv_manager, config.page_size,

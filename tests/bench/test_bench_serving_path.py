@@ -50,7 +50,7 @@ def test_smoke_bench_serving_path_quick_ratios_come_from_its_figures() -> None:
                           capture_output=True, text=True, timeout=850, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for path in ("engine", "colocated", "pd"):
+    for path in ("engine", "colocated", "pd", "pd_triton"):
         assert out[f"{path}_itl_p50_ms"] > 0 and out[f"{path}_tok_s"] > 0, path
     assert out["colocated_ttft_p50_ms"] > 0 and out["pd_ttft_p50_ms"] > 0
     assert _near(out["pd_over_colocated_tok_s"], out["pd_tok_s"] / out["colocated_tok_s"])
@@ -58,5 +58,8 @@ def test_smoke_bench_serving_path_quick_ratios_come_from_its_figures() -> None:
     assert _near(out["colocated_itl_minus_engine_ms"], out["colocated_itl_p50_ms"] - out["engine_itl_p50_ms"])
     assert _near(out["pd_itl_minus_engine_ms"], out["pd_itl_p50_ms"] - out["engine_itl_p50_ms"])
     assert _near(out["pd_ttft_minus_colocated_ms"], out["pd_ttft_p50_ms"] - out["colocated_ttft_p50_ms"])
+    assert _near(out["pd_triton_over_colocated_tok_s"], out["pd_triton_tok_s"] / out["colocated_tok_s"])
+    assert _near(out["pd_triton_ttft_minus_colocated_ms"],
+                 out["pd_triton_ttft_p50_ms"] - out["colocated_ttft_p50_ms"])
     assert (out["streams"], out["tokens"], out["model"]) == (4, 16, "tiny")
     assert "load" in proc.stdout.splitlines()[0]   # every figure line carries the load average

@@ -1,0 +1,181 @@
+"""``WorkerEndpoint`` with the router's own ``GrpcLauncher``: the child protocol over a worker's own gRPC endpoint.
+
+The worker here is a scripted ``ChildWorker`` (it answers from its own thread, as an engine loop does); the live
+PD tests run the real workers behind it. Invariants: the router reads exactly what the worker sent (text, ids,
+counts, errors with their kind) and one FINAL; a stream that fell behind arrives merged, nothing lost; closing the
+stream early cancels the worker's request; a bad request, another model's name or a missing fleet signature ends
+that stream with one error and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from serving.parsing.pd_request import PDRequest
+from serving.parsing.request import RequestError
+from serving.router.fleet import Target
+from serving.router.launch import ChildCall, GrpcLauncher, child_arrays, child_request
+from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
+from serving.workers.endpoint import WorkerEndpoint, request_arrays
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = b"fleet-secret"
+
+
+class ScriptedWorker:
+    """Answers each request with ``script(pd, sink)`` on a thread of its own; records requests and cancels."""
+
+    def __init__(self, script: Callable[[PDRequest, ResponseSink], None]) -> None:
+        self.script = script
+        self.requests: list[PDRequest] = []
+        self.cancelled = threading.Event()
+
+    def handle(self, pd: PDRequest, sink: ResponseSink) -> str:
+        self.requests.append(pd)
+        threading.Thread(target=self.script, args=(pd, sink), daemon=True).start()
+        return str(pd.room)
+
+
+def tokens(n: int, pause_s: float = 0.0) -> Callable[[PDRequest, ResponseSink], None]:
+    def script(pd: PDRequest, sink: ResponseSink) -> None:
+        for i in range(n):
+            sink.send(ResponseChunk.single(text=f"t{i} ", num_input_tokens=5, num_output_tokens=i + 1,
+                                           num_new_tokens=1, token_ids=(100 + i,)), final=False)
+            time.sleep(pause_s)
+        sink.send(ResponseChunk.single(finish_reason="length", num_input_tokens=5, num_output_tokens=n),
+                  final=True)
+    return script
+
+
+def call_for(endpoint: WorkerEndpoint, model: str = "decode", room: int = 7) -> ChildCall:
+    target = Target("decode@x", "decode", endpoint.address, model)
+    return ChildCall("decode", target, room=room, prefill_instance="", prefill_rendezvous="",
+                     inputs={"text_input": b"Hello", "sampling_parameters": b'{"max_tokens": 16}'},
+                     prompt_token_ids=(1, 2, 3), tokenizer_id="tok")
+
+
+def run(worker: ScriptedWorker, scenario: Callable[[WorkerEndpoint], object], secret: bytes | None = None,
+        model: str = "decode") -> object:
+    endpoint = WorkerEndpoint("127.0.0.1", 0, model, secret).bind()
+    endpoint.start(worker)
+    try:
+        return asyncio.run(scenario(endpoint))   # type: ignore[arg-type]
+    finally:
+        endpoint.stop(1.0)
+
+
+async def collect(launcher: GrpcLauncher, call: ChildCall) -> list[Delta]:
+    try:
+        return [d async for d in launcher.stream(call)]
+    finally:
+        await launcher.close()
+
+
+def test_the_router_reads_what_the_worker_sent_and_one_final() -> None:
+    worker = ScriptedWorker(tokens(20))
+    out = run(worker, lambda ep: collect(GrpcLauncher(), call_for(ep)))
+    assert [d.final for d in out].count(True) == 1 and out[-1].final
+    assert "".join(d.text for d in out) == "".join(f"t{i} " for i in range(20))
+    assert sum((d.token_ids for d in out), ()) == tuple(range(100, 120))
+    assert out[-1].finish_reason == "length" and out[-1].num_output_tokens == 20
+    assert all(d.num_input_tokens == 5 for d in out)
+    pd = worker.requests[0]
+    assert (pd.room, pd.prompt_token_ids, pd.tokenizer_id, pd.request.prompt) == (7, (1, 2, 3), "tok", "Hello")
+    assert pd.request.params.max_tokens == 16
+
+
+def test_a_stream_that_fell_behind_arrives_merged_with_nothing_lost() -> None:
+    def burst(pd: PDRequest, sink: ResponseSink) -> None:
+        for i in range(200):   # no pause: the endpoint's loop drains several at once
+            sink.send(ResponseChunk.single(text=f"{i},", num_output_tokens=i + 1, token_ids=(i,)), final=False)
+        sink.send(ResponseChunk.single(finish_reason="stop", num_output_tokens=200), final=True)
+
+    out = run(ScriptedWorker(burst), lambda ep: collect(GrpcLauncher(), call_for(ep)))
+    assert "".join(d.text for d in out) == "".join(f"{i}," for i in range(200))
+    assert sum((d.token_ids for d in out), ()) == tuple(range(200))
+    assert len(out) < 200 and out[-1].final and out[-1].finish_reason == "stop"
+
+
+def test_closing_the_stream_early_cancels_the_workers_request() -> None:
+    def until_cancelled(pd: PDRequest, sink: ResponseSink) -> None:
+        for i in range(1000):
+            if sink.is_cancelled():
+                worker.cancelled.set()
+                return
+            sink.send(ResponseChunk.single(text="x", num_output_tokens=i + 1), final=False)
+            time.sleep(0.01)
+
+    worker = ScriptedWorker(until_cancelled)
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = GrpcLauncher()
+        stream = launcher.stream(call_for(endpoint))
+        first = await stream.__anext__()
+        assert first.text == "x"
+        await stream.aclose()
+        await launcher.close()
+
+    run(worker, scenario)
+    assert worker.cancelled.wait(5), "the worker never saw the cancel"
+
+
+def test_errors_keep_their_kind_and_end_the_stream() -> None:
+    def fail(pd: PDRequest, sink: ResponseSink) -> None:
+        sink.send(ResponseChunk.single(text="a", num_output_tokens=1), final=False)
+        sink.send_error("pool exhausted", ErrorKind.INSTANCE)
+        sink.send(ResponseChunk.single(text="late"), final=True)   # after FINAL: dropped
+
+    out = run(ScriptedWorker(fail), lambda ep: collect(GrpcLauncher(), call_for(ep)))
+    assert [d.text for d in out] == ["a", ""]
+    assert out[-1].final and out[-1].error == "pool exhausted" and out[-1].error_kind is ErrorKind.INSTANCE
+
+
+def test_a_bad_request_another_model_or_no_signature_fails_that_stream_only() -> None:
+    worker = ScriptedWorker(tokens(2))
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        bad = call_for(endpoint)
+        bad = ChildCall(bad.role, bad.target, bad.room, "", "", inputs={"text_input": b"Hi",
+                        "sampling_parameters": b'{"max_tokens": -3}'})
+        out = await collect(GrpcLauncher(fleet_secret=SECRET), bad)
+        assert len(out) == 1 and out[0].final and out[0].error_kind is ErrorKind.REQUEST
+        assert "max_tokens" in out[0].error
+        other = call_for(endpoint, model="prefill")
+        out = await collect(GrpcLauncher(fleet_secret=SECRET), other)
+        assert out[0].error_kind is ErrorKind.REQUEST and "serves 'decode'" in out[0].error
+        unsigned = await collect(GrpcLauncher(), call_for(endpoint))
+        assert len(unsigned) == 1 and "fleet secret" in unsigned[0].error
+        wrong = await collect(GrpcLauncher(fleet_secret=b"other"), call_for(endpoint))
+        assert "bad signature" in wrong[0].error
+        good = await collect(GrpcLauncher(fleet_secret=SECRET), call_for(endpoint))
+        assert good[-1].final and not good[-1].error and "".join(d.text for d in good) == "t0 t1 "
+
+    run(worker, scenario, secret=SECRET)
+    assert len(worker.requests) == 1   # only the signed, well-formed request reached the worker
+
+
+def test_request_arrays_read_back_what_the_router_encodes() -> None:
+    target = Target("decode@x", "decode", "127.0.0.1:1", "decode")
+    call = ChildCall("decode", target, room=2**40, prefill_instance="prefill@h:1",
+                     prefill_rendezvous="http://h:2", inputs={"text_input": "héllo", "apply_chat_template": True},
+                     prompt_token_ids=(5, 6), tokenizer_id="tok")
+    decoded = request_arrays(child_request(call))
+    for name, array in child_arrays(call).items():
+        np.testing.assert_array_equal(decoded[name], array)
+    request = child_request(call)
+    request.raw_input_contents[0] = b"\x09\x00\x00\x00ab"   # a length prefix past the end
+    with pytest.raises(RequestError, match="text_input"):
+        request_arrays(request)
+
+
+def test_a_non_loopback_endpoint_needs_a_fleet_secret() -> None:
+    from bootstrap.auth import AuthError
+
+    with pytest.raises(AuthError, match="worker endpoint"):
+        WorkerEndpoint("10.1.2.3", 0, "decode", None).bind()
