@@ -13,6 +13,7 @@ execute (Triton's execute thread): ``answer_each`` hands each request to the ada
 gets one error response with FINAL.
 
 finalize (Triton's unload): the watches first (this stub's end is no death to heal), then the adapter's
+``drain`` (requests that reached it past tritonserver run to their end, as tritonserver's own did), then its
 ``stop`` (requests in flight end with an error and FINAL), then the response thread once it has sent them,
 then the custom metrics (a metric outliving ``finalize`` segfaults the stub's teardown), then the SIGUSR1
 handler (a finalizing stub must not dump its heap).
@@ -78,6 +79,8 @@ class ModelHost(ABC):
 
     #: How long ``stop`` and the response thread may take at ``finalize``, seconds.
     STOP_TIMEOUT_S = 30.0
+    #: How long ``finalize`` lets requests that tritonserver does not see (``drain``) run to their end, seconds.
+    DRAIN_TIMEOUT_S = 120.0
     #: True for the router's children (prefill, decode): requests are answered with the child codec's outputs
     #: (``answer_each(child=True)``); False: with the client outputs, each request timed in ``metrics``.
     ANSWER_CHILD = False
@@ -116,6 +119,7 @@ class ModelHost(ABC):
         self._stub_guard.stop()   # first: this stub's end is no death to heal
         self._server_watch.stop()
         self._orphan_watch.stop()
+        self.drain(self.DRAIN_TIMEOUT_S)   # an unload: tritonserver waited for its requests, this waits for ours
         self.stop(self.STOP_TIMEOUT_S)
         self.responses.stop(self.STOP_TIMEOUT_S)   # after the service: the FINALs of its requests go out first
         self.metrics.close()   # after every thread that updates them stopped; before the stub tears down
@@ -130,6 +134,12 @@ class ModelHost(ABC):
     def start(self, args: dict[str, Any], model_config: dict[str, Any]) -> str:
         """Build and start the service from the model's ``parameters``; returns the gRPC URL of this
         tritonserver (what the watches ask). Raises ConfigError (or another error) to fail the load."""
+
+    def drain(self, timeout_s: float) -> None:
+        """``finalize`` (Triton's unload thread), before ``stop``: let requests that did not come through
+        tritonserver (which waits for its own before ``finalize``) end by themselves, up to ``timeout_s``
+        seconds, refusing new ones. Default: none to wait for. After a server stop (``on_server_stop``) there
+        is nothing left to wait for."""
 
     @abstractmethod
     def stop(self, timeout_s: float) -> None:

@@ -18,6 +18,7 @@ same tritonserver finds it with no registry.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,18 @@ class PDChildModel(ModelHost):
                                   self._handle.kv_manager.rendezvous_url, self._handle.kv_manager_epoch)
         logger.info("%s ready as %s instance %s: %s", self.instance_name, self.ROLE, instance_id, config)
         return config.grpc_url
+
+    def drain(self, timeout_s: float) -> None:
+        """An unload: out of the registry (routers stop pairing it), then the worker endpoint's streams run to
+        their end (up to ``timeout_s``; new ones are refused with an ``instance`` error, which routers retry
+        elsewhere)."""
+        if self._endpoint is None or not self._endpoint.num_active:
+            return
+        self._handle.withdraw(min(timeout_s, 2.0))
+        began = time.monotonic()
+        left = self._endpoint.drain(timeout_s)
+        logger.info("drained the worker endpoint in %.1f s (%d streams left to end with an error)",
+                    time.monotonic() - began, left)
 
     def stop(self, timeout_s: float) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())

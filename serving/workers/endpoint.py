@@ -193,6 +193,10 @@ class _StreamSink:
         return out
 
 
+class _Draining(Exception):
+    """A stream that arrived while the endpoint drains (its model is being unloaded)."""
+
+
 def _child_delta(chunk: ResponseChunk) -> Delta:
     """A child response's one sample, as the child codec carries it (no client-only new-token count)."""
     return replace(chunk.samples[0], num_new_tokens=0) if chunk.samples else Delta()
@@ -223,6 +227,8 @@ class WorkerEndpoint:
         self._thread: threading.Thread | None = None
         self._server: Any = None
         self._stop_lock = threading.Lock()
+        self._active = 0          # streams whose request was handed to the worker and has not ended (loop thread)
+        self._draining = False
 
     @property
     def address(self) -> str:
@@ -242,6 +248,22 @@ class WorkerEndpoint:
         self._worker = worker
         asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
         logger.info("worker endpoint of %s at %s", self._model_name, self.address)
+
+    @property
+    def num_active(self) -> int:
+        """Streams whose request the worker is serving now."""
+        return self._active
+
+    def drain(self, timeout_s: float) -> int:
+        """A model unload: new streams are answered with an ``INSTANCE`` error (the router retries them
+        elsewhere); waits up to ``timeout_s`` seconds for the streams in flight to end, as tritonserver waits for
+        a model's own requests before ``finalize``. Returns how many are still open (``stop`` then ends them).
+        Any thread."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._active
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving: streams still open get ``grace_s`` seconds to send what is queued (their FINAL), then
@@ -292,11 +314,14 @@ class WorkerEndpoint:
             return
         request_id = request.id
         sink = _StreamSink(asyncio.get_running_loop())
+        self._active += 1
         try:
+            if self._draining:
+                raise _Draining(f"{self._model_name} at {self.address} is being unloaded")
             self._start(request, metadata, sink)
         except (RequestError, AuthError) as e:
             sink.send_error(str(e), ErrorKind.REQUEST if isinstance(e, RequestError) else ErrorKind.INSTANCE)
-        except ChildSchemaMismatch as e:
+        except (ChildSchemaMismatch, _Draining) as e:
             logger.error("request %r: %s", request_id, e)
             sink.send_error(str(e), ErrorKind.INSTANCE)
         except Exception as e:   # a bug ends this stream with FINAL, and only this one
@@ -312,6 +337,7 @@ class WorkerEndpoint:
                         return
         finally:
             sink.cancelled = True   # cancelled by the router (or the server stopping): the worker aborts it
+            self._active -= 1
             extra.cancel()
 
     def _start(self, request: service_pb2.ModelInferRequest, metadata: tuple[tuple[str, str | bytes], ...],

@@ -113,6 +113,13 @@ class PDWorkerHandle:
         """The KV manager's epoch (after ``start``): changes with every start of the instance."""
         return self.kv_manager.epoch
 
+    def withdraw(self, timeout_s: float = 2.0) -> None:
+        """Leave the fleet's registry (routers stop pairing this worker within one refresh); the worker keeps
+        serving what it has. Idempotent; ``stop`` does it too."""
+        membership, self.membership = self.membership, None
+        if membership is not None:
+            membership.stop(timeout_s)
+
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Idempotent and thread-safe (the server watch and ``finalize`` may both call it): a second call waits
         for the first to finish. Returns False if the engine loop did not stop within ``timeout_s``."""
@@ -120,8 +127,7 @@ class PDWorkerHandle:
             if self._stopped:
                 return True
             self._stopped = True
-            if self.membership is not None:   # no router pairs it any more (within one refresh)
-                self.membership.stop(min(timeout_s, 2.0))
+            self.withdraw(min(timeout_s, 2.0))   # no router pairs it any more (within one refresh)
             stopped = self.loop.stop(timeout_s)
             self.worker.fail_all("the worker is shutting down")
             self.kv_manager.shutdown(timeout_s)

@@ -179,3 +179,25 @@ def test_a_non_loopback_endpoint_needs_a_fleet_secret() -> None:
 
     with pytest.raises(AuthError, match="worker endpoint"):
         WorkerEndpoint("10.1.2.3", 0, "decode", None).bind()
+
+
+def test_drain_lets_open_streams_end_and_refuses_new_ones() -> None:
+    worker = ScriptedWorker(tokens(30, pause_s=0.02))
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = GrpcLauncher()
+        stream = launcher.stream(call_for(endpoint, room=1))
+        first = await stream.__anext__()
+        drained = asyncio.get_running_loop().run_in_executor(None, endpoint.drain, 10.0)
+        await asyncio.sleep(0.1)
+        refused = [d async for d in launcher.stream(call_for(endpoint, room=2))]
+        rest = [d async for d in stream]
+        assert await drained == 0 and endpoint.num_active == 0
+        assert len(refused) == 1 and refused[0].error_kind is ErrorKind.INSTANCE
+        assert "being unloaded" in refused[0].error
+        assert "".join(d.text for d in [first, *rest]) == "".join(f"t{i} " for i in range(30))
+        assert rest[-1].final and not rest[-1].error
+        await launcher.close()
+
+    run(worker, scenario)
+    assert [pd.room for pd in worker.requests] == [1]
