@@ -239,7 +239,11 @@ class WorkerEndpoint:
         check_bind(self._host, self._secret, "the worker endpoint")
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-endpoint", daemon=True)
         self._thread.start()
-        self._port = asyncio.run_coroutine_threadsafe(self._bind(), self._loop).result(30)
+        try:
+            self._port = asyncio.run_coroutine_threadsafe(self._bind(), self._loop).result(30)
+        except BaseException:   # a failed load: no thread of this endpoint may outlive it
+            self.stop(0)
+            raise
         self._thread.name = f"worker-endpoint-{self._port}"
         return self
 

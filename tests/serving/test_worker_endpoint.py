@@ -201,3 +201,17 @@ def test_drain_lets_open_streams_end_and_refuses_new_ones() -> None:
 
     run(worker, scenario)
     assert [pd.room for pd in worker.requests] == [1]
+
+
+def test_a_port_in_use_fails_the_bind_and_leaves_no_thread() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        before = {t.name for t in threading.enumerate()}
+        with pytest.raises(Exception):
+            WorkerEndpoint("127.0.0.1", taken.getsockname()[1], "decode").bind()
+        time.sleep(0.2)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("worker-endpoint")
+                    and t.name not in before]
