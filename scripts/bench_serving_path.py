@@ -2,9 +2,8 @@
 """Serving-path benchmark: what the serving path itself costs, with compute made nearly free.
 
 Builds a tiny random Llama (``perf/tiny_model.py``: SmolLM2's config with 1 layer, hidden 64; its tokenizer),
-serves it from one tritonserver (``colocated``, ``prefill``, ``decode``, ``pd_ensemble`` over NIXL, and
-``pd_triton``: a copy of ``pd_ensemble`` with ``worker_endpoints`` false, over the same workers; the model
-repository's ``model`` parameter pointing at the tiny folder; ``perf/server.py``'s harness), and measures in one
+serves it from one tritonserver (``colocated``, ``prefill``, ``decode`` over NIXL, ``pd_ensemble`` with
+``worker_endpoints`` true and ``pd_triton``, a copy with it false, over the same workers; the model repository's ``model`` parameter pointing at the tiny folder; ``perf/server.py``'s harness), and measures in one
 run, greedy, ``ignore_eos``, a tiny prompt:
 
 * engine alone (offline, same model and engine settings as served): ITL p50 at 1 stream (time per decode step),
@@ -184,6 +183,7 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
     deployment = Deployment(name="path", entry_model="pd_ensemble",
                             models=(*ENGINE_MODELS, "pd_ensemble", "pd_triton"),
                             overrides={**{m: {"model": model} for m in ENGINE_MODELS},
+                                       "pd_ensemble": {"worker_endpoints": "true"},
                                        "pd_triton": {"worker_endpoints": "false"}},
                             copies={"pd_triton": "pd_ensemble"})
     ports = ServerPorts(http=http, grpc=grpc, metrics=metrics)

@@ -66,7 +66,7 @@ class RouterConfig:
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
         worker_endpoints: send child requests to each worker's own gRPC endpoint when it has one
             (``serving.workers.endpoint``; its ``worker_endpoint`` in the fleet listing), past its tritonserver;
-            false: always through the worker's tritonserver.
+            false (the default until the endpoints have run the chaos soak): through the worker's tritonserver.
 
     Raises:
         ConfigError: at construction, naming the parameter.
@@ -90,7 +90,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     health_port: int = 0
-    worker_endpoints: bool = True
+    worker_endpoints: bool = False
     fleet_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
