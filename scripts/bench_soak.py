@@ -41,6 +41,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
+from perf.stream_client import read_to_end  # noqa: E402
 from perf.server import ServeScript  # noqa: E402 - needs scripts/ on sys.path
 from perf.soak import (  # noqa: E402
     InstanceName,
@@ -186,12 +187,14 @@ def _int_output(result: Any, name: str) -> int | None:
 
 
 async def _read(responses: Any, st: _Stream, cancel_after: int | None) -> None:
-    """Fold responses into ``st`` until FINAL, an error, the client's k-th-response cancel, or the stream's end."""
+    """Fold responses into ``st`` until FINAL, an error (then the stream is read to its end), the client's
+    k-th-response cancel, or the stream's end."""
     try:
         async for result, error in responses:
             now = time.perf_counter()
             if error is not None:
                 st.error = str(error)
+                await read_to_end(responses)   # not dropped half-read: see read_to_end
                 return
             st.num_responses += 1
             st.last_response_s = now

@@ -59,6 +59,24 @@ def _int_output(result: Any, name: str) -> int | None:
     return None if array is None or array.size == 0 else int(array.reshape(-1)[0])
 
 
+#: How long a stream that answered with an error may take to end by itself, seconds (``read_to_end``).
+STREAM_END_GRACE_S = 2.0
+
+
+async def read_to_end(responses: Any, grace_s: float = STREAM_END_GRACE_S) -> None:
+    """Read a stream that answered with an error (it came with FINAL) to its end, up to ``grace_s``. Why: a
+    gRPC call dropped before its end is cancelled when it is garbage-collected (grpc.aio), and tritonserver 2.51
+    keeps the model of a stream cancelled after its FINAL loaded until its exit timeout (docs/healing.md
+    section 4): a run that met many errors (a kill window) then saw the router's server take 20 s to stop."""
+    async def drain() -> None:
+        async for _ in responses:
+            pass
+    try:
+        await asyncio.wait_for(drain(), grace_s)
+    except Exception:  # noqa: BLE001 - the error is what the caller reports; a stream that does not end is left
+        pass
+
+
 async def send_request(client: grpcclient.InferenceServerClient, model: str, spec: RequestSpec,
                        timeout_s: float) -> RequestRecord:
     """Send ``spec`` on a new stream and record every response's arrival until the final flag.
@@ -74,11 +92,14 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
                            sent_s=time.perf_counter())
     responses = client.stream_infer(one_request(), stream_timeout=timeout_s)
     seen_tokens = 0
+    ended = False   # the stream ended by itself after an error
     try:
         async for result, error in responses:
             now = time.perf_counter()
             if error is not None:
                 record.error = str(error)
+                await read_to_end(responses)   # an error comes with FINAL: no cancel after it (read_to_end)
+                ended = True
                 break
             delta = _int_output(result, "num_output_tokens")   # tokens of this response
             prompt = _int_output(result, "num_input_tokens")
@@ -101,8 +122,8 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
     except Exception as exc:  # noqa: BLE001 - grpc errors / timeouts fail this request only
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
-        if record.done_s is None:
-            responses.cancel()   # an error or a timeout: the server cancels the request
+        if record.done_s is None and not ended:
+            responses.cancel()   # a timeout or a broken stream: the server cancels the request
     record.num_output_tokens = seen_tokens
     if record.done_s is None and record.error is None:
         record.error = "stream ended without the final flag"
