@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from bootstrap.auth import sign, verify
 from engine.outputs import TokenLogprob
 from serving.stream import Delta, ErrorKind
 
@@ -63,6 +64,24 @@ CHILD_OUTPUTS: dict[str, str] = {
 SCHEMA_HASH: str = hashlib.sha256(json.dumps(
     {"version": CHILD_PROTOCOL_VERSION, "inputs": {k: [t, list(r)] for k, (t, r) in CHILD_INPUTS.items()},
      "outputs": CHILD_OUTPUTS}, sort_keys=True).encode()).hexdigest()[:12]
+
+
+#: The gRPC method every child stream calls (Triton's, served by tritonserver or a worker's own endpoint).
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+#: The stream metadata key of the fleet-secret signature (a worker endpoint checks it; tritonserver ignores it).
+AUTH_METADATA = "x-pd-fleet-auth"
+
+
+def sign_call(secret: bytes, request_id: str, now_s: float) -> str:
+    """Router side: the ``AUTH_METADATA`` value of one child stream whose request id is ``request_id``
+    (``bootstrap.auth.sign`` over ``POST``, ``STREAM_METHOD`` and the id's bytes); ``now_s``: unix seconds."""
+    return sign(secret, "POST", STREAM_METHOD, request_id.encode(), now_s)
+
+
+def verify_call(secret: bytes, request_id: str, header: str | None, now_s: float) -> None:
+    """Child side, the inverse of ``sign_call``. Raises ``bootstrap.auth.AuthError`` naming the reason (missing,
+    malformed, stale or wrong signature); replays are the caller's to refuse."""
+    verify(secret, "POST", STREAM_METHOD, request_id.encode(), header, now_s)
 
 
 class ChildSchemaMismatch(Exception):

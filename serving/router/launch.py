@@ -25,12 +25,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from serving.parsing.child_codec import CHILD_OUTPUTS, SCHEMA_HASH, SCHEMA_INPUT, decode_raw_response
+from serving.parsing.child_codec import (
+    AUTH_METADATA,
+    CHILD_OUTPUTS,
+    SCHEMA_HASH,
+    SCHEMA_INPUT,
+    decode_raw_response,
+    sign_call,
+)
 from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 from serving.stream import Delta
-from serving.workers.endpoint import AUTH_METADATA, sign_call
 
 Room = int
 #: Inputs of the client's request that are forwarded as they are to both children.
@@ -143,7 +149,7 @@ class GrpcLauncher:
     """
 
     def __init__(self, keepalive_s: float = 300.0, fleet_secret: bytes | None = None) -> None:
-        """``fleet_secret``: every stream carries its signature (``serving.workers.endpoint.sign_call``), which a
+        """``fleet_secret``: every stream carries its signature (``serving.parsing.child_codec.sign_call``), which a
         worker endpoint checks (tritonserver ignores it)."""
         self._channels = ChannelPool(keepalive_s)
         self._secret = fleet_secret

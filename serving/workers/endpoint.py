@@ -20,7 +20,7 @@ A second request on one stream, another model's name, a bad input or a missing f
 stream with one FINAL error response; nothing else is touched.
 
 Authentication: with a fleet secret (``bootstrap.auth``), every stream's metadata carries
-``x-pd-fleet-auth`` signed over ``POST``, the method path and the request id (``sign_call``); a stream without a
+``x-pd-fleet-auth`` signed over ``POST``, the method path and the request id (``child_codec.sign_call``); a stream without a
 valid, fresh one is answered with an error. Without a secret the endpoint binds loopback only (``check_bind``).
 
 Threads: the endpoint runs its own asyncio loop on thread ``worker-endpoint-<port>``; the worker's sinks are fed
@@ -41,8 +41,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from bootstrap.auth import AuthError, _ReplayGuard, check_bind, sign, verify
-from serving.parsing.child_codec import CHILD_OUTPUTS, ChildSchemaMismatch, encode_response
+from bootstrap.auth import AuthError, _ReplayGuard, check_bind
+from serving.parsing.child_codec import (
+    AUTH_METADATA,
+    CHILD_OUTPUTS,
+    ChildSchemaMismatch,
+    encode_response,
+    verify_call,
+)
 from serving.parsing.pd_request import CONTROL_INPUT, PD_INPUT_NAMES, PDRequest, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
 from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink, merge_chunks
@@ -52,8 +58,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-AUTH_METADATA = "x-pd-fleet-auth"
 #: Triton data type of each child output, as ``ModelInferResponse.outputs[].datatype`` names it
 _WIRE_TYPES = {"TYPE_UINT8": "UINT8", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32"}
 #: numpy dtype of a raw input content by its Triton data type (``BYTES``: length-prefixed elements)
@@ -67,12 +71,6 @@ class ChildWorker(Protocol):
     ``RequestRejected`` for a request it refuses."""
 
     def handle(self, pd: PDRequest, sink: ResponseSink) -> str: ...
-
-
-def sign_call(secret: bytes, request_id: str, now_s: float) -> str:
-    """The ``x-pd-fleet-auth`` metadata value of one child stream whose request id is ``request_id``
-    (``bootstrap.auth.sign`` over ``POST``, ``METHOD`` and the id's bytes); ``now_s``: unix seconds."""
-    return sign(secret, "POST", METHOD, request_id.encode(), now_s)
 
 
 def request_arrays(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
@@ -304,7 +302,7 @@ class WorkerEndpoint:
             return
         header = next((str(v) for k, v in metadata if k == AUTH_METADATA), None)
         now = self._clock()
-        verify(self._secret, "POST", METHOD, request_id.encode(), header, now)
+        verify_call(self._secret, request_id, header, now)
         self._guard.admit(header or "", now)
 
     async def serve(self, requests: AsyncIterator[service_pb2.ModelInferRequest],
