@@ -72,7 +72,10 @@ class ChannelPool:
                 ("grpc.keepalive_time_ms", self._keepalive_ms), ("grpc.keepalive_timeout_ms", 20_000),
                 ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 2),
                 ("grpc.initial_reconnect_backoff_ms", initial_ms), ("grpc.min_reconnect_backoff_ms", initial_ms),
-                ("grpc.max_reconnect_backoff_ms", max_ms)]
+                ("grpc.max_reconnect_backoff_ms", max_ms),
+                # a new channel must not inherit the backoff of a retired one to the same endpoint: grpc shares
+                # subchannels (and their reconnect state) between channels by default
+                ("grpc.use_local_subchannel_pool", 1)]
 
     def acquire(self, endpoint: str) -> Channel:
         """The pooled channel of ``endpoint`` (opened when there is none), its stream count raised by one."""
