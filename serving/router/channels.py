@@ -6,8 +6,9 @@ addresses", so a server restarted on the same address was not reached for 2.7-3.
 connection that outlived a network partition fails its next call ("Stream removed ... Connection reset by
 peer"). Two measures: a call that fails at the transport (``retire``), or an instance the router gave up on
 (``retire_endpoint``), takes its channel out of the pool, so the next call to that endpoint opens a fresh
-channel, which connects at once; and every channel's reconnect backoff is short (``RECONNECT_BACKOFF_MS``), for
-the streams still open on a channel when its server comes back.
+channel, which connects at once; and every channel's reconnect backoff is short
+(``serving.triton.control_client.RECONNECT_BACKOFF_MS``), for the streams still open on a channel when its
+server comes back.
 A retired channel is closed once its last stream ended (closing it earlier would cancel streams that may still
 be served). Everything runs on the router's event loop thread.
 """
@@ -20,10 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from serving.triton.control_client import fast_reconnect_args
 
-#: (initial, max) reconnect backoff of a channel, ms (gRPC's defaults: 1000, 120000)
-RECONNECT_BACKOFF_MS: tuple[int, int] = (100, 1000)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,16 +66,12 @@ class ChannelPool:
         backoff."""
         from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 
-        initial_ms, max_ms = RECONNECT_BACKOFF_MS
         return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
                 ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
                 ("grpc.keepalive_time_ms", self._keepalive_ms), ("grpc.keepalive_timeout_ms", 20_000),
                 ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 2),
-                ("grpc.initial_reconnect_backoff_ms", initial_ms), ("grpc.min_reconnect_backoff_ms", initial_ms),
-                ("grpc.max_reconnect_backoff_ms", max_ms),
-                # a new channel must not inherit the backoff of a retired one to the same endpoint: grpc shares
-                # subchannels (and their reconnect state) between channels by default
-                ("grpc.use_local_subchannel_pool", 1)]
+                # a short backoff, and a new channel never inherits the backoff of a retired one
+                *fast_reconnect_args()]
 
     def acquire(self, endpoint: str) -> Channel:
         """The pooled channel of ``endpoint`` (opened when there is none), its stream count raised by one."""

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, InstanceCard
+from serving.triton.control_client import control_client
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ class LocalServerMembers:
     def members(self) -> tuple[list[FleetMember], bool]:
         try:
             ready = self._ready_models()
-        except Exception as e:   # the server is stopping or unreachable: keep the last view
+        except Exception as e:   # the server is loading, stopping or unreachable: keep the last view
             logger.warning("repository index of %s not read: %s", self._grpc_url, e)
+            self.close()   # the next round connects afresh instead of waiting out this channel's backoff
             return list(self._last), False
         for gone in set(self._cards) - ready:
             del self._cards[gone]
@@ -106,9 +108,7 @@ class LocalServerMembers:
 
     def _grpc(self) -> Any:
         if self._client is None:
-            import tritonclient.grpc as grpcclient
-
-            self._client = grpcclient.InferenceServerClient(self._grpc_url)
+            self._client = control_client(self._grpc_url)
         return self._client
 
     def _ready_models(self) -> set[str]:

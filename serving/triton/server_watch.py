@@ -64,9 +64,9 @@ class ServerShutdownWatch:
     def _run(self) -> None:
         client: Any = None
         if self._is_live is None:
-            import tritonclient.grpc as grpcclient
+            from serving.triton.control_client import control_client
 
-            client = grpcclient.InferenceServerClient(self._url)
+            client = control_client(self._url)
             self._is_live = lambda: bool(client.is_server_live(client_timeout=self._timeout_s))
         seen_live, missed = False, 0
         try:

@@ -140,9 +140,9 @@ class GrpcHealth:
     """``Health`` over tritonclient.grpc."""
 
     def __init__(self, grpc_url: str, timeout_s: float = 5.0) -> None:
-        import tritonclient.grpc as grpcclient
+        from serving.triton.control_client import control_client
 
-        self._client = grpcclient.InferenceServerClient(grpc_url)
+        self._client = control_client(grpc_url)
         self._timeout_s = timeout_s
 
     def is_live(self) -> bool:
