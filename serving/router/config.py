@@ -61,6 +61,10 @@ class RouterConfig:
             such a failure ends the request with the error.
         fleet_refresh_s: how often the membership is read and each instance's load asked, seconds.
         instance_stale_s: an instance not heard from for this long is out of rotation, seconds.
+        fleet_wait_s: a request that finds no healthy prefill or decode instance waits this long for one (the
+            fleet asked again every ``fleet_refresh_s``) before it fails with "no healthy ... instance", seconds;
+            0: it fails at once. Covers a router that loaded next to its workers and has not read them yet when
+            tritonserver says ready, and a worker rejoining after a restart.
         breaker_failures: consecutive failures that take an instance out of rotation.
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
@@ -87,6 +91,7 @@ class RouterConfig:
     migration_limit: int = 3
     fleet_refresh_s: float = 0.25
     instance_stale_s: float = 3.0
+    fleet_wait_s: float = 3.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     health_port: int = 0
@@ -106,6 +111,8 @@ class RouterConfig:
                      "breaker_cooldown_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        if not self.fleet_wait_s >= 0:
+            raise ConfigError("fleet_wait_s", f"must be >= 0 seconds, got {self.fleet_wait_s}")
         if not 0 <= self.health_port <= 65535:
             raise ConfigError("health_port", f"must be a port number, got {self.health_port}")
         validate_registry_url("registry_url", self.registry_url)

@@ -224,8 +224,14 @@ class PDOrchestrator:
             except NoInstance as e:
                 if last_error:   # the failure itself is the client's answer, not the missing second pair
                     return Delta.failure(f"{last_error} (no other {e.role} instance to retry on)")
-                self._count_rejected(f"no_{e.role}")
-                return Delta.failure(str(e))
+                try:
+                    waited = await self._wait_for_pair(demand, is_cancelled)
+                except NoInstance as still:
+                    self._count_rejected(f"no_{still.role}")
+                    return Delta.failure(str(still))
+                if waited is None:   # the client went away while it waited
+                    return Delta(finish_reason="abort", final=True)
+                pair = waited
             room = self.rooms.allocate()
             try:
                 outcome = await self._attempt(pair, room, routed, demand, emit, is_cancelled)
@@ -253,6 +259,25 @@ class PDOrchestrator:
                 if self._metrics is not None:
                     self._metrics.retried()
         return Delta.failure(last_error)
+
+    async def _wait_for_pair(self, demand: Demand, is_cancelled: Callable[[], bool]) -> Pair | None:
+        """A pair for a request that found none: the fleet is asked again every ``fleet_refresh_s`` for up to
+        ``fleet_wait_s`` (a router that just loaded next to its workers has not read them yet when tritonserver
+        says ready; a worker restarting rejoins within seconds). Returns None when the client cancels meanwhile.
+
+        Raises:
+            NoInstance: still no pair after ``fleet_wait_s`` (at once when it is 0).
+        """
+        deadline_s = time.monotonic() + self._config.fleet_wait_s
+        while True:
+            try:
+                return self._choose(demand, frozenset())
+            except NoInstance:
+                if time.monotonic() >= deadline_s:
+                    raise
+            if is_cancelled():
+                return None
+            await asyncio.sleep(min(self._config.fleet_refresh_s, max(0.0, deadline_s - time.monotonic())))
 
     def _choose_avoiding(self, demand: Demand, excluded: frozenset[str], avoided: frozenset[str],
                          last_resort: frozenset[str]) -> Pair:

@@ -4,8 +4,9 @@ project (the venv first on ``PATH``, the repository on ``PYTHONPATH``), as any p
 tritonserver's default gRPC keepalive policy (no ``--grpc-*`` flag).
 
 Invariants: every model of the repository loads; ``pd_ensemble`` finds the prefill and decode models of its own
-server (repository index + describe) and streams the colocated engine's greedy text, as ``colocated`` does; the
-only processes are tritonserver and its stubs; SIGTERM stops it cleanly.
+server (repository index + describe) and streams the colocated engine's greedy text, as ``colocated`` does, also
+for a request sent the moment tritonserver says ready (as a user's first request is, before the router has read
+its workers); the only processes are tritonserver and its stubs; SIGTERM stops it cleanly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_client import grpc_generate, make_inputs, metric_value, streams_match_reference
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
 from live_prompts import PROMPTS, colocated_greedy_texts
 from perf.server import REPO_ROOT, free_ports, tritonserver_paths, wait_ready
 
@@ -41,6 +42,7 @@ class PlainTriton:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("PD_", "UCX_", "PYTHONPATH"))}
         self.env.update(PATH=f"{venv_bin}:{os.environ['PATH']}", PYTHONPATH=str(REPO_ROOT))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.first: StreamResult | None = None   # the pd_ensemble request sent the moment the server was ready
 
     @property
     def grpc_url(self) -> str:
@@ -55,6 +57,7 @@ class PlainTriton:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         wait_ready(f"http://127.0.0.1:{self.http}", self.proc, READY_S, self.log_tail)
+        self.first = grpc_generate(self.grpc_url, make_inputs(PROMPTS[0], GREEDY), model="pd_ensemble")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -104,6 +107,14 @@ def test_plain_tritonserver_streams_the_colocated_text(plain: PlainTriton, refer
                                                        model: str) -> None:
     streams_match_reference(lambda p: grpc_generate(plain.grpc_url, make_inputs(p, GREEDY), model=model),
                             PROMPTS, reference)
+
+
+def test_a_request_sent_the_moment_tritonserver_is_ready_gets_the_colocated_text(
+        plain: PlainTriton, reference: dict[str, str]) -> None:
+    """Triton's readiness says the models loaded, not that the router has read its workers yet: the first request
+    waits for them (``fleet_wait_s``) instead of failing with "no healthy ... instance"."""
+    assert plain.first is not None and plain.first.error is None and plain.first.final_seen, plain.first
+    assert plain.first.text == reference[PROMPTS[0]]
 
 
 def test_nothing_runs_beside_tritonserver_and_its_stubs(plain: PlainTriton) -> None:

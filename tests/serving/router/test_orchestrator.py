@@ -240,3 +240,41 @@ def test_a_child_whose_instance_went_silent_is_given_up_its_connection_reset_and
     assert "decode d0@h:1 unreachable" in (out[-1].error or "") and "no other decode" in (out[-1].error or "")
     assert time.monotonic() - start < 5.0
     assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.resets == ["127.0.0.1:8001"]
+
+
+def test_a_request_that_finds_no_decode_waits_for_one_to_join() -> None:
+    """Sent the moment tritonserver says ready, before the router has read its workers: the request waits (up to
+    ``fleet_wait_s``) and is served by the decode that joins meanwhile."""
+    import threading
+
+    from serving.router.fleet import FleetSnapshot
+
+    cfg = RouterConfig(policy="round_robin", fleet_wait_s=5.0, fleet_refresh_s=0.05)
+    fleet = fleet_of(status("p0@h:1", "prefill"), config=cfg)
+    joined = threading.Timer(0.3, lambda: fleet.update(FleetSnapshot(FLEET, taken_s=100.0)))
+    joined.start()
+    start = time.monotonic()
+    out, launcher = run(ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE}), fleet=fleet,
+                        fleet_wait_s=5.0, fleet_refresh_s=0.05)
+    joined.join()
+    assert out[-1].error is None and "".join(d.text for d in out) == "ABC"
+    assert 0.25 < time.monotonic() - start < 3.0
+    assert [c.role for c in launcher.calls] == ["prefill", "decode"]
+
+
+def test_with_no_decode_the_request_fails_after_fleet_wait_s_and_at_once_with_zero() -> None:
+    for wait_s, at_least_s, at_most_s in ((0.4, 0.35, 2.0), (0.0, 0.0, 0.2)):
+        fleet = fleet_of(status("p0@h:1", "prefill"))
+        start = time.monotonic()
+        out, launcher = run(ScriptedLauncher({}), fleet=fleet, fleet_wait_s=wait_s, fleet_refresh_s=0.05)
+        assert out[-1].error == "no healthy decode instance in the fleet"
+        assert at_least_s <= time.monotonic() - start < at_most_s and launcher.calls == []
+
+
+def test_a_client_that_cancels_while_its_request_waits_for_the_fleet_gets_an_abort() -> None:
+    fleet = fleet_of(status("d0@h:1", "decode"))
+    start = time.monotonic()
+    out, launcher = run(ScriptedLauncher({}), cancel_after_s=0.2, fleet=fleet, fleet_wait_s=10.0,
+                        fleet_refresh_s=0.05)
+    assert out == [Delta(finish_reason="abort", final=True)] and launcher.calls == []
+    assert time.monotonic() - start < 2.0
