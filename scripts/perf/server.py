@@ -27,7 +27,7 @@ import tempfile
 import time
 import urllib.request
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,23 +189,32 @@ def wait_ready(http_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
                  lambda: f"tritonserver not ready within {timeout_s:.0f} s ({host_state()}):\n{log_tail()}")
 
 
-def wait_router_ready(metrics_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Polls the router's ``pd_router_ready`` gauge until 1 (a prefill and a decode instance in its fleet:
-    Triton's readiness says only that the models loaded). Raises RuntimeError when ``proc`` exits first,
-    TimeoutError after ``timeout_s``."""
+def routers_ready(metrics_text: str, routers: Collection[str]) -> bool:
+    """Whether every router model in ``routers`` reports ``pd_router_ready`` 1 in ``metrics_text`` (Triton's
+    ``/metrics``: one series per router model, label ``model``)."""
+    ready = {line.split('model="', 1)[1].split('"', 1)[0] for line in metrics_text.splitlines()
+             if line.startswith("pd_router_ready{") and 'model="' in line and line.rstrip().endswith(" 1")}
+    return set(routers) <= ready
+
+
+def wait_router_ready(metrics_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
+                      routers: Collection[str] = ("pd_ensemble",)) -> None:
+    """Polls the ``pd_router_ready`` gauge until each of ``routers`` (router model names) reads 1 (a prefill and
+    a decode instance in its fleet: Triton's readiness says only that the models loaded; a request sent before
+    waits up to the router's ``fleet_wait_s``). Raises RuntimeError when ``proc`` exits first, TimeoutError after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before its router was ready")
         try:
             with urllib.request.urlopen(metrics_url, timeout=2) as resp:
-                text = resp.read().decode()
-            if any(line.startswith("pd_router_ready{") and line.rstrip().endswith(" 1") for line in text.splitlines()):
-                return
+                if routers_ready(resp.read().decode(), routers):
+                    return
         except OSError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"pd_router_ready not 1 within {timeout_s:.0f} s")
+    raise TimeoutError(f"pd_router_ready not 1 for each of {sorted(routers)} within {timeout_s:.0f} s")
 
 
 def stub_pids(model_dir: Path) -> list[int]:
@@ -302,8 +311,9 @@ class RunningServer:
         env = server_env(repo, self.deployment.models, self.ports)
         server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
         wait_ready(f"http://127.0.0.1:{self.ports.http}", server, self._ready_timeout_s)
-        if "pd_ensemble" in self.deployment.models:   # the router has found its prefill and decode models
-            wait_router_ready(self.ports.metrics_url, server, self._ready_timeout_s)
+        routers = [m for m in self.deployment.models if self.deployment.copies.get(m, m) == "pd_ensemble"]
+        if routers:   # each router has found its prefill and decode models
+            wait_router_ready(self.ports.metrics_url, server, self._ready_timeout_s, routers)
         for model, cpus in self.deployment.cpus.items():
             for pid in stub_pids(repo / model):
                 pin_process(pid, cpus)
@@ -551,8 +561,7 @@ class ServeScript:
                 text = resp.read().decode()
         except OSError:
             return False
-        return any(line.startswith("pd_router_ready{") and line.rstrip().endswith(" 1")
-                   for line in text.splitlines())
+        return routers_ready(text, ("pd_ensemble",))
 
     def kill(self) -> None:
         """SIGKILL serve.sh, tritonserver and every stub at once (a server that dies); removes their shm
