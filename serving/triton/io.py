@@ -33,7 +33,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.outputs import TokenLogprob
-from serving.parsing.child_codec import ChildSchemaMismatch, encode_response
+from serving.answering import start_or_fail
+from serving.parsing.child_codec import encode_response
 from serving.parsing.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
 from serving.triton.response_dispatch import ResponseDispatcher
 from serving.stream import Delta, ErrorKind, ResponseChunk, merge_chunks
@@ -301,13 +302,4 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
     for request in requests:
         sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child,
                                   timing=timing)
-        try:
-            handle(request, sink)
-        except RequestError as e:
-            sink.send_error(str(e), ErrorKind.REQUEST)
-        except ChildSchemaMismatch as e:   # two builds in one fleet: this instance cannot serve that router
-            logger.error("request %r: %s", request.request_id(), e)
-            sink.send_error(str(e), ErrorKind.INSTANCE)
-        except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one
-            logger.exception("request %r: unexpected error", request.request_id())
-            sink.send_error(f"internal error: {e}", ErrorKind.INSTANCE)
+        start_or_fail(lambda: handle(request, sink), sink, request.request_id())  # noqa: B023 - called at once

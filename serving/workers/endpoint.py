@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from bootstrap.auth import AuthError, _ReplayGuard, check_bind
+from serving.answering import start_or_fail
 from serving.parsing.child_codec import (
     AUTH_METADATA,
     CHILD_OUTPUTS,
-    ChildSchemaMismatch,
     encode_response,
     verify_call,
 )
@@ -317,18 +317,13 @@ class WorkerEndpoint:
         request_id = request.id
         sink = _StreamSink(asyncio.get_running_loop())
         self._active += 1
-        try:
+
+        def start() -> None:
             if self._draining:
                 raise _Draining(f"{self._model_name} at {self.address} is being unloaded")
             self._start(request, metadata, sink)
-        except (RequestError, AuthError) as e:
-            sink.send_error(str(e), ErrorKind.REQUEST if isinstance(e, RequestError) else ErrorKind.INSTANCE)
-        except (ChildSchemaMismatch, _Draining) as e:
-            logger.error("request %r: %s", request_id, e)
-            sink.send_error(str(e), ErrorKind.INSTANCE)
-        except Exception as e:   # a bug ends this stream with FINAL, and only this one
-            logger.exception("request %r: unexpected error", request_id)
-            sink.send_error(f"internal error: {e}", ErrorKind.INSTANCE)
+
+        start_or_fail(start, sink, request_id, refusals=(AuthError, _Draining))
         extra = asyncio.ensure_future(self._refuse_more(requests, request_id))
         try:
             while True:
