@@ -20,8 +20,9 @@ A second request on one stream, another model's name, a bad input or a missing f
 stream with one FINAL error response; nothing else is touched.
 
 Authentication: with a fleet secret (``bootstrap.auth``), every stream's metadata carries
-``x-pd-fleet-auth`` signed over ``POST``, the method path and the request id (``child_codec.sign_call``); a stream without a
-valid, fresh one is answered with an error. Without a secret the endpoint binds loopback only (``check_bind``).
+``x-pd-fleet-auth`` signed over ``POST``, the method path and the request id (``child_codec.sign_call``); a
+stream without a valid, fresh one is answered with an error. Without a secret the endpoint binds loopback only
+(``check_bind``).
 
 Threads: the endpoint runs its own asyncio loop on thread ``worker-endpoint-<port>``; the worker's sinks are fed
 from the engine loop thread (``call_soon_threadsafe``, once per wake-up, not per response).
