@@ -102,7 +102,7 @@ class Heartbeat:
 class InstanceStatus:
     """One entry of the fleet listing: a registration without its agent metadata, and its freshness.
 
-    ``age_s``: seconds since the rendezvous last heard from the instance (its own load report, every 0.5 s).
+    ``age_s``: seconds since the rendezvous last heard from the instance (its own load report, every ``KVArgs.heartbeat_interval_s``: 1 s by default).
     """
 
     instance_id: str

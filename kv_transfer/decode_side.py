@@ -26,7 +26,7 @@ from kv_transfer.peers import PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.receiver import KVReceiver, Room
 from kv_transfer.tags import Tag, TagKind
-from kv_transfer.transport import PeerUnreachable, Transport, TransportError
+from kv_transfer.transport import LockedTransport, PeerUnreachable, TransportError
 
 logger = logging.getLogger(__name__)
 RETRY_S = 0.05
@@ -37,7 +37,7 @@ INLINE_ACTIVE_TICK_S = 0.005      # thread wait while rooms are open, with inlin
 
 
 class DecodeSide:
-    def __init__(self, args: KVArgs, transport: Transport, clients: ClientPool, peers: PeerTable,
+    def __init__(self, args: KVArgs, transport: LockedTransport, clients: ClientPool, peers: PeerTable,
                  aux: AuxBuffer, lock: threading.RLock, rendezvous_url: str) -> None:
         self._args, self._transport, self._clients, self._peers = args, transport, clients, peers
         self._rendezvous_url = rendezvous_url   # ours: prefill fetches our registration there
@@ -210,18 +210,26 @@ class DecodeSide:
     # --- notifications, timeouts, cancel, release ------------------------------------------------------
     def drain_now(self) -> None:
         """Reads arrived notifications from the calling thread (inline progress), at most once per
-        ``INLINE_DRAIN_INTERVAL_S``. Never raises: a transport error is left to the manager thread."""
+        ``INLINE_DRAIN_INTERVAL_S``, and not while the manager thread handshakes (the caller, an engine loop
+        serving every request of this instance, never waits behind one peer). Never raises: a transport error is
+        left to the manager thread."""
         now_s = time.monotonic()
         if now_s - self._last_inline_drain_s < INLINE_DRAIN_INTERVAL_S:
             return
         self._last_inline_drain_s = now_s
         try:
-            self._drain_notifs(now_s)
+            # never behind a handshake (seconds across hosts): the manager thread drains after it
+            with self._transport.held_unless_handshaking() as held:
+                notifs = self._transport.get_notifs() if held else []
+            self._on_notifs(notifs, now_s)
         except Exception:  # the caller's thread (an engine loop) must keep running
             logger.exception("draining notifications in the caller's thread failed")
 
     def _drain_notifs(self, now_s: float) -> None:
-        for _agent, message in self._transport.get_notifs():
+        self._on_notifs(self._transport.get_notifs(), now_s)
+
+    def _on_notifs(self, notifs: list[tuple[str, bytes]], now_s: float) -> None:
+        for _agent, message in notifs:
             tag = Tag.decode(message)
             if tag is None:
                 continue

@@ -4,11 +4,16 @@ background thread that does the transfer work (with ``KVArgs.inline_progress``,
 ``send`` posts its WRITE and ``poll`` drains notifications in the caller's thread; the thread does the rest).
 
 Threads: ``start()`` starts the thread ``kv-<role>-<instance>``; it loops until ``shutdown()`` sets the stop
-event, each round: heartbeat (every ``heartbeat_interval_s``), the role's tick (bootstrap polling,
-notification draining, transfer polling, timeouts, cleanup), then a wait on the wake event (set by
-sender/receiver calls, and by the rendezvous when a destination arrives) with a timeout, so timeouts and cleanup
-also run when no new work arrives. The role's tick is told whether the event was set since the last round (the
-decode side keeps rounds nobody woke cheap; the prefill side takes new destinations at once).
+event, each round: the role's tick (bootstrap polling, handshakes, notification draining, transfer polling,
+timeouts, cleanup), then a wait on the wake event (set by sender/receiver calls, and by the rendezvous when a
+destination arrives) with a timeout, so timeouts and cleanup also run when no new work arrives. The role's tick
+is told whether the event was set since the last round (the decode side keeps rounds nobody woke cheap; the
+prefill side takes new destinations at once). A second thread, ``kv-heartbeat-<instance>``, reports the
+instance's load every ``heartbeat_interval_s`` (what routers read as "this instance answers"): a round that
+waits on one peer (a first handshake across hosts, an HTTP call to a partitioned peer: seconds) must not make
+the whole instance look dead to every router, which would give up its other requests and open its breaker.
+It stops reporting when a round has run for ``MANAGER_STALL_S``: a manager thread stuck for good lets the
+registration expire, so routers stop choosing the instance.
 Shutdown order: stop the thread, fail open rooms and tell the peers, deregister and stop the rendezvous, close
 the agent. The caller keeps the KV memory alive until ``shutdown()`` returned.
 """
@@ -39,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 #: Longest wait of ``shutdown`` for open rooms (WRITEs in flight, peers' acknowledgements), seconds.
 SHUTDOWN_ROOMS_S = 2.0
+#: A manager round running this long stops the load reports (the registration then expires), seconds: well
+#: over any one peer call (HTTP calls time out after ``KVArgs.http_timeout_s``, 2 s; a first handshake across
+#: hosts took ~5 s in the worst run seen), under a bootstrap timeout (30 s).
+MANAGER_STALL_S = 20.0
 
 
 class KVManager(BaseKVManager):
@@ -46,7 +55,7 @@ class KVManager(BaseKVManager):
 
     def __init__(self, args: KVArgs, transport: Transport) -> None:
         self.args = args
-        self._transport: Transport = LockedTransport(transport)   # the caller's threads use it too
+        self._transport = LockedTransport(transport)   # the caller's threads use it too
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -58,11 +67,13 @@ class KVManager(BaseKVManager):
         self._peers = PeerTable(self._clients, self._transport, args.model_id, args.layout, args.peer_lost_s)
         self._side: PrefillSide | DecodeSide | None = None   # built in start(): decode needs our rendezvous URL
         self.epoch = 0
-        self._next_heartbeat_s = 0.0
+        self._heartbeats: threading.Thread | None = None
+        self._round_started_s: float | None = None   # set while a manager round runs (a float write: atomic)
+        self._stall_logged = False
         self._load: Callable[[], InstanceLoad | None] = lambda: None
 
     def set_load_source(self, load: Callable[[], InstanceLoad | None]) -> None:
-        """``load()`` is called on the manager thread before every heartbeat; what it returns travels with the
+        """``load()`` is called on the heartbeat thread before every heartbeat; what it returns travels with the
         heartbeat (the router pairs by it). It must be cheap and thread-safe (read a snapshot). Call before
         ``start``."""
         self._load = load
@@ -95,10 +106,12 @@ class KVManager(BaseKVManager):
                                     self._rendezvous.url)
         self.epoch = time.time_ns()
         self._rendezvous.register(self._registration())
-        self._next_heartbeat_s = time.monotonic() + self.args.heartbeat_interval_s
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.args.role}-{self.args.instance_id}",
                                         daemon=True)
         self._thread.start()
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, name=f"kv-heartbeat-{self.args.instance_id}",
+                                            daemon=True)
+        self._heartbeats.start()
         logger.info("kv manager %s (%s) started, agent %s, rendezvous %s", self.args.instance_id, self.args.role,
                     self.agent_name, self._rendezvous.url)
 
@@ -110,6 +123,9 @@ class KVManager(BaseKVManager):
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        if self._heartbeats is not None:
+            self._heartbeats.join(timeout_s)
+            self._heartbeats = None
         # open rooms get at most SHUTDOWN_ROOMS_S for their WRITEs and the peers' answers: at a server stop every
         # instance shuts down at once, so no peer answers and a longer wait only holds the server's exit
         self._side.shutdown(time.monotonic() + min(timeout_s / 2, SHUTDOWN_ROOMS_S), time.monotonic)
@@ -166,17 +182,33 @@ class KVManager(BaseKVManager):
             self._wake.clear()
             now_s = time.monotonic()
             wait_s = self.args.idle_tick_s
+            self._round_started_s = now_s
             try:
-                self._heartbeat(now_s)
                 assert self._side is not None
                 wait_s = self._side.tick(now_s, woken)
             except Exception:
                 logger.exception("kv manager %s: tick failed", self.args.instance_id)
+            finally:
+                self._round_started_s = None
             self._wake.wait(wait_s)
 
-    def _heartbeat(self, now_s: float) -> None:
-        if now_s < self._next_heartbeat_s:
-            return
-        self._next_heartbeat_s = now_s + self.args.heartbeat_interval_s
+    def _heartbeat_loop(self) -> None:
+        """The heartbeat thread: a load report every ``heartbeat_interval_s`` until ``shutdown``, none while
+        the manager's current round has run for ``MANAGER_STALL_S`` (module docstring)."""
+        while not self._stop.wait(self.args.heartbeat_interval_s):
+            started_s = self._round_started_s
+            if started_s is not None and time.monotonic() - started_s > MANAGER_STALL_S:
+                if not self._stall_logged:
+                    logger.error("kv manager %s: one round has run for over %.0f s; load reports stop until it "
+                                 "ends", self.args.instance_id, MANAGER_STALL_S)
+                    self._stall_logged = True
+                continue
+            self._stall_logged = False
+            try:
+                self._heartbeat()
+            except Exception:
+                logger.exception("kv manager %s: heartbeat failed", self.args.instance_id)
+
+    def _heartbeat(self) -> None:
         if not self._rendezvous.report_load(self.args.instance_id, self.epoch, self._load()):
-            self._rendezvous.register(self._registration())   # it expired (the thread stalled past the TTL)
+            self._rendezvous.register(self._registration())   # it expired (the process stalled past the TTL)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.sender import Chunk, KVSender, Room
 from kv_transfer.tags import Tag, TagKind, chunk_tag
-from kv_transfer.transport import Transport, TransportError, XferState
+from kv_transfer.transport import LockedTransport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
 # (sender, chunk, peer, local, remote, tag, KV bytes): local/remote are descriptor indices (int64 [n]) or, for a
@@ -40,8 +41,17 @@ logger = logging.getLogger(__name__)
 _Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, 'Tag | None', int]
 
 
+class _Written(NamedTuple):
+    """What posting one chunk gave: its handle (None: nothing to track, a notification only) or the error."""
+
+    handle: object | None
+    error: Exception | None
+    start_s: float
+    posted_s: float
+
+
 class PrefillSide:
-    def __init__(self, args: KVArgs, transport: Transport, rendezvous: Rendezvous, peers: PeerTable,
+    def __init__(self, args: KVArgs, transport: LockedTransport, rendezvous: Rendezvous, peers: PeerTable,
                  aux: AuxBuffer, lock: threading.RLock) -> None:
         self._args, self._transport, self._rendezvous, self._peers = args, transport, rendezvous, peers
         self._table = BlockTable(args.kv_base_ptr, args.layout, aux.base_ptr, aux.num_slots)
@@ -49,6 +59,7 @@ class PrefillSide:
         self.metrics = Metrics()
         self.senders: dict[Room, KVSender] = {}
         self._pending: dict[Room, tuple[Destination, Peer, float]] = {}
+        self._deferred: list[_Post] = []   # taken by ``post_now`` as a handshake began: posted by the thread
         self._tombstones: dict[Room, float] = {}
         self._next_poll_s = 0.0
         self._next_peer_check_s = 0.0
@@ -156,7 +167,7 @@ class PrefillSide:
 
     # --- posting ------------------------------------------------------------------------------------------
     def _collect(self, now_s: float) -> list[_Post]:
-        posts: list[_Post] = []
+        posts, self._deferred = self._deferred, []
         for room, sender in self.senders.items():
             if sender.destination is None and room in self._pending and not sender.state.is_terminal:
                 dest, peer, _ = self._pending.pop(room)
@@ -178,10 +189,24 @@ class PrefillSide:
     def post_now(self, sender: KVSender) -> None:
         """Posts the queued chunks of ``sender`` from the calling thread (inline progress; the manager thread
         still tracks them to completion). A chunk is taken off the queue under the lock, so each is posted
-        once, by whichever thread takes it. Never raises: a failure fails this room."""
+        once, by whichever thread takes it. While the manager thread handshakes with a peer (seconds across
+        hosts, the agent held) the chunks are left to it instead: the caller, an engine loop serving every
+        request of this instance, never waits behind one peer's handshake. Never raises: a failure fails this
+        room."""
+        if self._transport.handshaking:
+            return   # still queued: the manager thread posts them (``send`` wakes it)
         with self._lock:
             posts = [] if sender.closed else self._take_queued(sender)
-        self._post_all(posts)
+        if not posts:
+            return
+        with self._transport.held_unless_handshaking() as held:
+            outcomes = [self._write(post) for post in posts] if held else []
+        if not held:   # a handshake began since the check above: the manager thread posts them
+            with self._lock:
+                self._deferred.extend(posts)
+            return
+        for post, outcome in zip(posts, outcomes):
+            self._settle(post, outcome)
 
     def _take_queued(self, sender: KVSender) -> list[_Post]:
         """Lock held: the queued chunks of ``sender`` as posts, once its destination is known. Never raises:
@@ -203,12 +228,7 @@ class PrefillSide:
     def _post_all(self, posts: list[_Post]) -> None:
         """Posts each prepared chunk. Never raises: an unexpected error fails that room only."""
         for post in posts:
-            try:
-                self._post(*post)
-            except Exception as exc:  # a bug; the caller may be an engine loop, which must keep running
-                logger.exception("room %d: posting chunk %d failed", post[0].room, post[1].index)
-                with self._lock:
-                    self._fail(post[0], f"posting chunk {post[1].index} failed: {exc!r}")
+            self._settle(post, self._write(post))
 
     def _prepare(self, sender: KVSender, chunk: Chunk) -> _Post | None:
         dest, peer = sender.destination, sender.peer
@@ -258,35 +278,47 @@ class PrefillSide:
 
     def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
               tag: Tag | None, kv_bytes: int = 0) -> None:
-        """Posts one prepared chunk (``sender.posting`` counted it when it left the queue; this uncounts it
-        under the same lock that records the handle, so no thread ever sees the chunk neither queued, posting
-        nor in flight)."""
+        """Posts one prepared chunk and records the outcome (``_write`` then ``_settle``). Never raises."""
+        post = (sender, chunk, peer, local, remote, tag, kv_bytes)
+        self._settle(post, self._write(post))
+
+    def _write(self, post: _Post) -> _Written:
+        """The transport calls of one prepared chunk, nothing else (no manager lock: ``post_now`` calls it
+        holding the transport's lock). Never raises: the error is returned for ``_settle``."""
+        _, _, peer, local, remote, tag, _ = post
         notif = tag.encode() if tag is not None else b""
         post_start_s = time.monotonic()
+        handle = None
         try:
-            handle = None
             if len(local) and local.ndim == 2:
                 handle = self._transport.post_write_spans(peer.agent_name, local, remote, notif)
             elif len(local):
                 handle = self._transport.post_write(peer.agent_name, local, remote, notif)
             if handle is None and tag is not None:
                 self._transport.send_notif(peer.agent_name, notif)
-        except TransportError as exc:
-            with self._lock:
-                sender.posting -= 1
-                self._fail(sender, f"write of chunk {chunk.index} failed: {exc}")
-            return
-        except BaseException:
-            with self._lock:
-                sender.posting -= 1
-            raise
-        posted_s = time.monotonic()
+        except Exception as exc:   # TransportError; anything else is a bug, which fails this room only
+            return _Written(None, exc, post_start_s, time.monotonic())
+        return _Written(handle, None, post_start_s, time.monotonic())
+
+    def _settle(self, post: _Post, written: _Written) -> None:
+        """Records a chunk's write under the manager lock (``sender.posting`` counted it when it left the queue;
+        this uncounts it under the same lock that records the handle, so no thread ever sees the chunk neither
+        queued, posting nor in flight): in flight, or the room failed."""
+        sender, chunk, _, _, _, tag, kv_bytes = post
         with self._lock:
-            self._last_post_s = posted_s
             sender.posting -= 1
-            sender.times.post_start_s, sender.times.posted_s = post_start_s, posted_s
-            if handle is not None:
-                sender.inflight.append(handle)
+            if written.error is not None:
+                if not isinstance(written.error, TransportError):
+                    logger.error("room %d: posting chunk %d failed", sender.room, chunk.index,
+                                 exc_info=written.error)
+                    self._fail(sender, f"posting chunk {chunk.index} failed: {written.error!r}")
+                else:
+                    self._fail(sender, f"write of chunk {chunk.index} failed: {written.error}")
+                return
+            self._last_post_s = written.posted_s
+            sender.times.post_start_s, sender.times.posted_s = written.start_s, written.posted_s
+            if written.handle is not None:
+                sender.inflight.append(written.handle)
             sender.state = advance(sender.state, KVPoll.Transferring)
             sender.last_posted = sender.last_posted or (chunk.is_last and tag is not None)
             self.metrics.kv_bytes_total += kv_bytes   # KV only; the aux slot is not counted

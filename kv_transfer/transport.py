@@ -7,14 +7,18 @@ between managers living in one process).
 Threading: an implementation does no locking of its own. The manager wraps it in ``LockedTransport``, which
 serialises every call, because two threads use it: the manager's background thread, and with
 ``KVArgs.inline_progress`` the callers of ``send`` (which post WRITEs) and of ``poll`` (which drain
-notifications). NIXL agents need no more than that: calls on one agent must not overlap.
+notifications). NIXL agents need no more than that: calls on one agent must not overlap. Those callers' threads
+(engine loops) never wait behind a handshake (``LockedTransport.held_unless_handshaking``): a first handshake with
+a peer across the network can hold the agent for seconds, and every request of the instance would stall behind
+that one peer; they leave their work to the manager thread instead.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar, TypeVar
@@ -181,11 +185,37 @@ class Transport(ABC):
 class LockedTransport(Transport):
     """Every call of the wrapped transport under one lock. Callers must not hold it while taking the
     manager lock: the lock order is manager lock, then this one (this one is never held across a call
-    back into the manager)."""
+    back into the manager), and ``held_unless_handshaking``'s holder takes the manager lock only after its
+    block."""
 
     def __init__(self, inner: Transport) -> None:
         self._inner = inner
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # reentrant: calls inside ``held_unless_handshaking`` take it again
+        self._handshake_lock = threading.Lock()   # guards ``_handshakes``; never held while waiting for the other
+        self._handshakes = 0   # ``add_peer`` calls announced or running
+
+    @contextmanager
+    def held_unless_handshaking(self) -> Iterator[bool]:
+        """``with transport.held_unless_handshaking() as held:``: False, at once, while an ``add_peer`` runs or
+        waits for the lock (a first handshake: seconds across hosts); else True, with the lock this thread's
+        until the block ends (waiting only for a call in progress), so the transport's calls inside it go
+        through. For callers on engine threads (inline progress): on False they leave the work to the manager
+        thread. No manager lock inside the block (the order above). Race-free: ``add_peer`` announces itself
+        under ``_handshake_lock`` before it waits for the lock, and this takes the lock under the same one."""
+        with self._handshake_lock:
+            held = self._handshakes == 0
+            if held:
+                self._lock.acquire()
+        try:
+            yield held
+        finally:
+            if held:
+                self._lock.release()
+
+    @property
+    def handshaking(self) -> bool:
+        """Whether an ``add_peer`` is announced or running (a snapshot, for logs and tests)."""
+        return self._handshakes > 0
 
     @property
     def agent_name(self) -> str:
@@ -200,8 +230,14 @@ class LockedTransport(Transport):
             return self._inner.metadata()
 
     def add_peer(self, metadata: bytes, table: BlockTable) -> str:
-        with self._lock:
-            return self._inner.add_peer(metadata, table)
+        with self._handshake_lock:
+            self._handshakes += 1
+        try:
+            with self._lock:
+                return self._inner.add_peer(metadata, table)
+        finally:
+            with self._handshake_lock:
+                self._handshakes -= 1
 
     def remove_peer(self, agent_name: str) -> None:
         with self._lock:
