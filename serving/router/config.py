@@ -69,8 +69,9 @@ class RouterConfig:
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
         worker_endpoints: send child requests to each worker's own gRPC endpoint when it has one
-            (``serving.workers.endpoint``; its ``worker_endpoint`` in the fleet listing), past its tritonserver;
-            false (the default until the endpoints have run the chaos soak): through the worker's tritonserver.
+            (``serving.workers.endpoint``; its ``worker_endpoint`` in the fleet listing), past its tritonserver
+            (the default: ~2-4 ms less TTFT on the tiny model; the 30-minute chaos soak ran through them,
+            docs/benchmarks.md); false: through the worker's tritonserver.
 
     Raises:
         ConfigError: at construction, naming the parameter.
@@ -95,7 +96,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     health_port: int = 0
-    worker_endpoints: bool = False
+    worker_endpoints: bool = True
     fleet_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,11 +1,11 @@
 """The router reaches the workers at their own gRPC endpoints (``serving.workers.endpoint``), past tritonserver,
-when told to (``worker_endpoints`` true), and through tritonserver otherwise, in one server: ``pd_endpoints`` (a
-copy of ``pd_ensemble`` with ``worker_endpoints`` true) and ``pd_ensemble`` (the default: through tritonserver) in
-front of the same ``prefill`` and ``decode``.
+by default (``worker_endpoints`` true), and through tritonserver when told to, in one server: ``pd_ensemble`` (the
+default: the endpoints) and ``pd_triton`` (a copy of it with ``worker_endpoints`` false) in front of the same
+``prefill`` and ``decode``.
 
-Invariants: both routers stream the colocated engine's greedy text; requests through ``pd_endpoints`` never enter
+Invariants: both routers stream the colocated engine's greedy text; requests through ``pd_ensemble`` never enter
 the workers' Triton models (Triton's own statistics count only the routers' ``describe`` calls there) while the
-workers finish every one of them (their ``pd_requests_total``); requests through ``pd_ensemble`` enter both
+workers finish every one of them (their ``pd_requests_total``); requests through ``pd_triton`` enter both
 Triton models once each; every page comes back.
 """
 
@@ -21,7 +21,7 @@ from live_client import grpc_generate, make_inputs, metric_value, streams_match_
 from test_pd_live import GREEDY, PROMPTS, reference  # noqa: F401  (reference is a fixture)
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
-TRITON_MODELS = ("pd_ensemble", "pd_endpoints", "prefill", "decode")
+TRITON_MODELS = ("pd_ensemble", "pd_triton", "prefill", "decode")
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 WORKERS = (("prefill", "prefill_0_0"), ("decode", "decode_0_0"))
 
@@ -29,12 +29,12 @@ WORKERS = (("prefill", "prefill_0_0"), ("decode", "decode_0_0"))
 def make_model_repository(tmp_dir: Path) -> Path:
     for name in ("pd_ensemble", "prefill", "decode"):
         shutil.copytree(REPOSITORY / name, tmp_dir / name)
-    shutil.copytree(REPOSITORY / "pd_ensemble", tmp_dir / "pd_endpoints")
-    config = tmp_dir / "pd_endpoints" / "config.pbtxt"
+    shutil.copytree(REPOSITORY / "pd_ensemble", tmp_dir / "pd_triton")
+    config = tmp_dir / "pd_triton" / "config.pbtxt"
     text = config.read_text()
-    for old, new in (('name: "pd_ensemble"', 'name: "pd_endpoints"'),
-                     ('key: "worker_endpoints", value: { string_value: "false" }',
-                      'key: "worker_endpoints", value: { string_value: "true" }')):
+    for old, new in (('name: "pd_ensemble"', 'name: "pd_triton"'),
+                     ('key: "worker_endpoints", value: { string_value: "true" }',
+                      'key: "worker_endpoints", value: { string_value: "false" }')):
         assert old in text, old
         text = text.replace(old, new)
     config.write_text(text)
@@ -61,7 +61,7 @@ def test_the_router_uses_the_worker_endpoints_and_tritonserver_when_told(triton_
     url, http = triton_server.metrics_url, triton_server.http_url
     before_triton = {m: triton_executions(http, m) for m, _ in WORKERS}
     before_done = finished(url)
-    for router in ("pd_endpoints", "pd_ensemble"):
+    for router in ("pd_ensemble", "pd_triton"):
         streams_match_reference(lambda p, r=router: grpc_generate(triton_server.grpc_url, make_inputs(p, GREEDY),
                                                                   model=r), PROMPTS, reference)
         deadline = time.monotonic() + 10   # the workers publish their counters on their loop's ticks
@@ -72,7 +72,7 @@ def test_the_router_uses_the_worker_endpoints_and_tritonserver_when_told(triton_
         entered = {m: triton_executions(http, m) - before_triton[m] for m, _ in WORKERS}
         for model, _ in WORKERS:
             assert done[model] - before_done[model] == len(PROMPTS), (router, model, done, before_done)
-            if router == "pd_endpoints":   # only describe calls (a few per router start) entered Triton's models
+            if router == "pd_ensemble":   # only describe calls (a few per router start) entered Triton's models
                 assert entered[model] < len(PROMPTS), (model, entered)
             else:
                 assert entered[model] >= len(PROMPTS), (model, entered)
