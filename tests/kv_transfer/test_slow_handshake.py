@@ -99,6 +99,14 @@ def _side(role: str, name: str) -> tuple[LocalSide, SlowFirstContact]:
     return side, slow
 
 
+def _trio(role: str) -> tuple[LocalSide, SlowFirstContact, LocalSide, LocalSide]:
+    """A ``role`` side whose handshakes the test can slow down, and two sides of the other role (the test lets it
+    meet the first one quickly, then the second one slowly)."""
+    other = "decode" if role == "prefill" else "prefill"
+    side, slow = _side(role, f"{role}-slowhs")
+    return side, slow, _side(other, f"{other}-1-slowhs")[0], _side(other, f"{other}-2-slowhs")[0]
+
+
 def _open(prefill: LocalSide, decode: LocalSide, room: int, num_tokens: int) -> None:
     decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, num_tokens)
     prefill.call("open_sender", room, num_tokens)
@@ -108,6 +116,13 @@ def _finish(prefill: LocalSide, decode: LocalSide, room: int) -> None:
     wait_for(lambda: decode.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at decode")
     wait_for(lambda: prefill.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at prefill")
     assert decode.call("check_bytes", room)
+
+
+def _first_contact(prefill: LocalSide, decode: LocalSide) -> None:
+    """Room 1 between the two, fast: each side knows the other afterwards."""
+    _open(prefill, decode, 1, 3 * PAGE_SIZE)
+    prefill.call("send", 1, 3, True)
+    _finish(prefill, decode, 1)
 
 
 def _age_s(side: LocalSide, role: str) -> float:
@@ -136,13 +151,9 @@ def _timed(call: Any) -> float:
 
 
 def test_decode_keeps_reporting_and_polling_while_it_handshakes_with_a_new_prefill() -> None:
-    p1, _ = _side("prefill", "p1-slowhs")
-    p2, _ = _side("prefill", "p2-slowhs")
-    decode, slow = _side("decode", "d-slowhs")
+    decode, slow, p1, p2 = _trio("decode")
     try:
-        _open(p1, decode, 1, 3 * PAGE_SIZE)   # first contact with p1: fast
-        p1.call("send", 1, 3, True)
-        _finish(p1, decode, 1)
+        _first_contact(p1, decode)
         _open(p1, decode, 2, 2 * PAGE_SIZE)   # a room with the known peer, waiting for its KV
         wait_for(lambda: p1.call("poll", 2) >= KVPoll.WaitingForInput, TIMEOUT_S, "room 2's destination at p1")
         slow.delay_s = SLOW_S
@@ -163,13 +174,9 @@ def test_decode_keeps_reporting_and_polling_while_it_handshakes_with_a_new_prefi
 
 
 def test_prefill_keeps_reporting_and_sending_while_it_handshakes_with_a_new_decode() -> None:
-    prefill, slow = _side("prefill", "p-slowhs")
-    d1, _ = _side("decode", "d1-slowhs")
-    d2, _ = _side("decode", "d2-slowhs")
+    prefill, slow, d1, d2 = _trio("prefill")
     try:
-        _open(prefill, d1, 1, 3 * PAGE_SIZE)   # first contact with d1: fast
-        prefill.call("send", 1, 3, True)
-        _finish(prefill, d1, 1)
+        _first_contact(prefill, d1)
         waiting = list(range(10, 40))   # rooms with the known decode, destinations in, KV not sent yet
         for room in waiting:
             _open(prefill, d1, room, PAGE_SIZE)
