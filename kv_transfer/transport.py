@@ -214,7 +214,9 @@ class LockedTransport(Transport):
 
     @property
     def handshaking(self) -> bool:
-        """Whether an ``add_peer`` is announced or running (a snapshot, for logs and tests)."""
+        """Whether an ``add_peer`` is announced or running: a snapshot without any lock, for a caller's cheap
+        early check (``PrefillSide.post_now`` leaves its chunks queued at once); ``held_unless_handshaking`` is
+        the race-free one."""
         return self._handshakes > 0
 
     @property

@@ -70,7 +70,7 @@ class RouterConfig:
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
         worker_endpoints: send child requests to each worker's own gRPC endpoint when it has one
             (``serving.workers.endpoint``; its ``worker_endpoint`` in the fleet listing), past its tritonserver
-            (the default: ~2-4 ms less TTFT on the tiny model; the 30-minute chaos soak ran through them,
+            (the default: 1.5-4 ms less TTFT on the tiny model; the 30-minute chaos soak ran through them; both in
             docs/benchmarks.md); false: through the worker's tritonserver.
 
     Raises:
