@@ -20,13 +20,12 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 from kv_harness import PAGE_SIZE, LocalSide, SideWorker, wait_for
 
 from bootstrap.client import BootstrapClient
-from kv_transfer import KVManager, KVPoll, make_transport
+from kv_transfer import KVManager, KVPoll
 from kv_transfer.blocks import BlockTable
-from kv_transfer.transport import Transport, XferState
+from kv_transfer.inprocess import InProcessTransport
 
 SLOW_S = 3.0
 TIMEOUT_S = 15.0
@@ -35,64 +34,28 @@ AGE_BOUND_S = 1.0    # heartbeat_interval_s is 0.2 s here; routers give an insta
 TIMEOUTS = {"bootstrap_timeout_s": 20.0, "waiting_timeout_s": 20.0}
 
 
-class SlowFirstContact(Transport):
-    """Delegates to a real transport; ``add_peer`` first sleeps ``delay_s`` (0 until a test sets it)."""
+class SlowFirstContact(InProcessTransport):
+    """The in-process transport whose ``add_peer`` first sleeps ``delay_s`` (0 until a test sets it)."""
 
-    def __init__(self, inner: Transport) -> None:
-        self._inner = inner
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(instance_id)
         self.delay_s = 0.0
         self.in_add_peer = threading.Event()
-
-    @property
-    def agent_name(self) -> str:
-        return self._inner.agent_name
-
-    def register(self, table: BlockTable) -> None:
-        self._inner.register(table)
-
-    def metadata(self) -> bytes:
-        return self._inner.metadata()
 
     def add_peer(self, metadata: bytes, table: BlockTable) -> str:
         self.in_add_peer.set()
         try:
             time.sleep(self.delay_s)
-            return self._inner.add_peer(metadata, table)
+            return super().add_peer(metadata, table)
         finally:
             self.in_add_peer.clear()
-
-    def remove_peer(self, agent_name: str) -> None:
-        self._inner.remove_peer(agent_name)
-
-    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray,
-                   notif: bytes) -> object:
-        return self._inner.post_write(peer, local_indices, remote_indices, notif)
-
-    def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
-                         notif: bytes) -> object:
-        return self._inner.post_write_spans(peer, local_spans, remote_spans, notif)
-
-    def check(self, handle: object) -> XferState:
-        return self._inner.check(handle)
-
-    def release(self, handle: object) -> None:
-        self._inner.release(handle)
-
-    def send_notif(self, peer: str, notif: bytes) -> None:
-        self._inner.send_notif(peer, notif)
-
-    def get_notifs(self) -> list[tuple[str, bytes]]:
-        return self._inner.get_notifs()
-
-    def close(self) -> None:
-        self._inner.close()
 
 
 def _side(role: str, name: str) -> tuple[LocalSide, SlowFirstContact]:
     side = LocalSide(role, name, "inprocess", **TIMEOUTS)
     worker: SideWorker = side.worker
     worker.manager.shutdown()   # never started: swap in the delaying transport
-    slow = SlowFirstContact(make_transport(worker.args, "inprocess"))
+    slow = SlowFirstContact(worker.args.instance_id)
     worker.manager = KVManager(worker.args, slow)
     side.start_free = side.call("start")
     side.rendezvous_url = side.call("rendezvous_url")
