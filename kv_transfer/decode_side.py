@@ -25,7 +25,7 @@ from kv_transfer.metrics import Metrics
 from kv_transfer.peers import PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.receiver import KVReceiver, Room
-from kv_transfer.tags import Tag, TagKind
+from kv_transfer.tags import UNSETTLED, Tag, TagKind
 from kv_transfer.transport import LockedTransport, PeerUnreachable, TransportError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ RELEASE_INTERVAL_S = 0.02
 FULL_ROUND_S = 0.001   # between full rounds, a round nobody woke only drains notifications
 INLINE_DRAIN_INTERVAL_S = 50e-6   # receivers polled back to back drain once (one drain serves every room)
 INLINE_ACTIVE_TICK_S = 0.005      # thread wait while rooms are open, with inline progress
+#: A fence (``Transport.fence_incoming``) still failing after this long is given up and the pages released,
+#: seconds: a transport that cannot close its own connections is broken, and pages held for ever are a leak.
+FENCE_GIVE_UP_S = 30.0
 
 
 class DecodeSide:
@@ -89,6 +92,7 @@ class DecodeSide:
             self._next_release_s = now_s + RELEASE_INTERVAL_S
             self._cancel_and_release()
         self._check_peers(now_s)
+        self._fence(now_s)
         with self._lock:
             self._close()
             busy = any(r.published and not r.closed for r in self.receivers.values())
@@ -113,6 +117,7 @@ class DecodeSide:
             # an unreachable prefill rendezvous is not waited for: it drops this instance's rooms when the
             # registration goes (deregistered next, or expired)
             self._cancel_and_release(give_up_unreachable=True)
+            self._fence(now_fn())
             with self._lock:
                 self._close()
                 if not self.receivers:
@@ -254,8 +259,10 @@ class DecodeSide:
         elif tag.kind == TagKind.ABORT:
             self._fail(receiver, f"aborted by prefill: {tag.text}")
             receiver.writer_done = True
+            receiver.fence_needed |= tag.index == UNSETTLED
         elif tag.kind == TagKind.DONE:
             receiver.writer_done = True
+            receiver.fence_needed |= tag.index == UNSETTLED
         elif tag.kind == TagKind.QUEUED and receiver.state == KVPoll.WaitingForInput:
             receiver.progress_s = now_s   # still queued at a prefill that is working through its queue
 
@@ -269,6 +276,9 @@ class DecodeSide:
                   and now_s - self._progress_s(receiver) > self._args.waiting_timeout_s):
                 self._fail(receiver, f"waiting timeout: no KV for {self._args.waiting_timeout_s}s",
                            timed_out=True)
+                # its writer's state is unknown (its abort may have been lost in a partition, and its answer to
+                # our cancel may come from a manager that forgot the room): fence before the pages go back
+                receiver.fence_needed = True
 
     def _progress_s(self, receiver: KVReceiver) -> float:
         """When ``receiver``'s transfer last moved, for the waiting timeout. A room still waiting for its first
@@ -291,16 +301,16 @@ class DecodeSide:
                 released = self._clients.get(receiver.prefill_rendezvous_url).release_room(
                     receiver.room, self._args.instance_id)
             except RendezvousRefused:
-                with self._lock:   # the prefill process is gone: nothing can write into these pages any more
+                with self._lock:   # the prefill process is gone: only what its kernel still sends can land
                     receiver.room_released = True
-                    receiver.writer_done = True
+                    receiver.writer_done = receiver.fence_needed = True
                 continue
             except BootstrapError as exc:
                 logger.warning("room %d: cannot release at prefill's rendezvous: %s", receiver.room, exc)
                 if give_up_unreachable:
                     with self._lock:
                         receiver.room_released = True
-                        receiver.writer_done = True
+                        receiver.writer_done = receiver.fence_needed = True
                 continue
             with self._lock:
                 receiver.room_released = True
@@ -308,6 +318,35 @@ class DecodeSide:
                     receiver.writer_done = True   # the prefill side never learned where to write
                 if receiver.state == KVPoll.Failed and not receiver.writer_done and receiver.peer is not None:
                     self._send_cancel(receiver)
+
+    def _fence(self, now_s: float) -> None:
+        """Fences the writers of failed rooms whose last write may still be on the way (``fence_needed``), once
+        their writer is done, per peer, outside the manager lock (the transport may wait for sockets to close).
+        A fence that keeps failing for ``FENCE_GIVE_UP_S`` is given up, logged as an error: the pages are then
+        released rather than held for ever."""
+        todo: dict[str, list[KVReceiver]] = {}
+        with self._lock:
+            for receiver in self.receivers.values():
+                if not receiver.fence_needed or receiver.fenced or not receiver.writer_done:
+                    continue
+                if receiver.peer is None:
+                    receiver.fenced = True   # no handshake, so no connection of its writer
+                    continue
+                if receiver.fence_since_s is None:
+                    receiver.fence_since_s = now_s
+                todo.setdefault(receiver.peer.agent_name, []).append(receiver)
+        for agent_name, receivers in todo.items():
+            fenced = self._transport.fence_incoming(agent_name)
+            with self._lock:
+                for receiver in receivers:
+                    assert receiver.fence_since_s is not None
+                    if not fenced and now_s - receiver.fence_since_s < FENCE_GIVE_UP_S:
+                        continue
+                    if not fenced:
+                        logger.error("room %d: could not fence %s's connections in %.0f s; releasing its pages "
+                                     "anyway", receiver.room, agent_name, FENCE_GIVE_UP_S)
+                    receiver.fenced = True
+                    self.metrics.fenced_rooms_total += 1
 
     def _send_cancel(self, receiver: KVReceiver) -> None:
         reason = receiver.failure.reason if receiver.failure else ""
@@ -347,7 +386,7 @@ class DecodeSide:
                 continue
             if receiver.published or receiver.publishing:
                 self._fail(receiver, reason)
-                receiver.writer_done = True
+                receiver.writer_done = receiver.fence_needed = True
             else:
                 receiver.peer = None
 
@@ -356,6 +395,8 @@ class DecodeSide:
             if not receiver.state.is_terminal or (receiver.published and not receiver.room_released):
                 continue
             if receiver.state == KVPoll.Failed and receiver.published and not receiver.writer_done:
+                continue
+            if receiver.fence_needed and not receiver.fenced:
                 continue
             if receiver.publishing:
                 continue

@@ -13,6 +13,8 @@ class Metrics:
     transfers_total: int = 0         # rooms that reached Success
     failed_rooms_total: int = 0      # rooms that ended Failed (timeouts included)
     timed_out_rooms_total: int = 0   # rooms failed by the bootstrap or waiting timeout
+    fenced_rooms_total: int = 0      # failed rooms (decode) whose writer was fenced before their pages went
+                                     # back (a write failed or the writer vanished; a no-op fence on NIXL)
     skipped_pages_total: int = 0     # prompt pages not sent (prefill) / not received (decode) because decode
                                      # already held them (its prefix cache)
 

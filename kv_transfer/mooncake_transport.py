@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable, merge_runs
-from kv_transfer import network
+from kv_transfer import network, tcp_fence
 from kv_transfer.config import KVArgs
 from kv_transfer.transport import BackendOptions, OptionError, PeerUnreachable, Transport, TransportError, XferState
 
@@ -48,6 +49,13 @@ MAX_BATCH_DESCRIPTORS = 1024
 #: library's default, 30 s, is longer than a decode request waits). The one place it touches the environment.
 MOONCAKE_DEFAULTS = {"MC_TRANSFER_TIMEOUT": "10"}
 WRITER_STOP_S = 2.0
+#: A batch or message that failed faster than this, seconds (a reset connection: the receiver fenced this host,
+#: or a pooled connection went stale) is tried again, up to ``FAST_RETRIES`` times; a timeout is not. Each
+#: such failure uses up one dead pooled connection (the engine keeps ``MC_TCP_LANES_PER_PEER``, 4, per peer).
+FAST_FAILURE_S = 1.0
+FAST_RETRIES = 4
+#: How long ``fence_incoming`` waits for the engine to close the connections it shut down, seconds.
+FENCE_WAIT_S = 2.0
 #: What ``MooncakeOptions.protocol`` may be: Mooncake's transfer-engine protocols this package runs.
 PROTOCOLS = ("tcp", "rdma")
 
@@ -107,6 +115,8 @@ class MooncakeTransport(Transport):
         self._table: BlockTable | None = None
         self._endpoint = ""
         self._peers: dict[str, _Peer] = {}
+        self._endpoints: dict[str, str] = {}   # every peer ever added → "host:rpc_port" (kept after removal)
+        self._data_ports: set[int] = set()     # the engine's TCP data listener(s): what peers write into
         self._registered: list[int] = []
 
     @classmethod
@@ -128,9 +138,12 @@ class MooncakeTransport(Transport):
         from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
 
         self._engine = TransferEngine()
+        listening = tcp_fence.listening_ports()
         if self._engine.initialize(self._hostname, "P2PHANDSHAKE", self._protocol, self._device) != 0:
             raise TransportError(f"mooncake initialize({self._hostname}, {self._protocol}) failed")
         self._endpoint = f"{self._hostname}:{self._engine.get_rpc_port()}"
+        # the listeners the engine opened, but its RPC (handshake) one: where peers' writes arrive
+        self._data_ports = tcp_fence.listening_ports() - listening - {int(self._engine.get_rpc_port())}
         regions = ((table.kv_base_ptr, table.layout.pool_bytes),
                    (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES))
         for addr, nbytes in regions:
@@ -156,6 +169,7 @@ class MooncakeTransport(Transport):
         if not self._deliver(endpoint, b"hello"):
             raise PeerUnreachable(f"mooncake warm-up message to {name} at {endpoint} failed")
         self.remove_peer(name)
+        self._endpoints[name] = endpoint
         peer = _Peer(endpoint, table)
         peer.thread = threading.Thread(target=self._write_loop, args=(name, peer), daemon=True,
                                        name=f"mc-write-{name.split('#')[0]}")
@@ -214,6 +228,19 @@ class MooncakeTransport(Transport):
         return [(str(n.name), str(n.msg).encode("latin-1")) for n in self._engine.get_notifies()
                 if n.msg and n.msg != "hello"]
 
+    def fence_incoming(self, peer: str) -> bool:
+        """Shuts down the connections the engine accepted from ``peer``'s host on its data port and waits (up
+        to ``FENCE_WAIT_S``) until the engine closed them (``tcp_fence.fence_host``): a write the peer gave up on
+        can then no longer land here. Every peer on that host loses its pooled connections too; their next
+        writes fail at once and are tried again (``FAST_RETRIES``) until one gets a new connection. True when
+        fenced; a peer never added here: True (no connection of ours carries its writes). Manager thread,
+        without the transport lock."""
+        endpoint = self._endpoints.get(peer)
+        if endpoint is None:
+            return True
+        host = endpoint.rsplit(":", 1)[0]
+        return tcp_fence.fence_host(self._data_ports, host, FENCE_WAIT_S)
+
     def close(self) -> None:
         """Stops the writers, unregisters the memory, drops the engine. A writer still inside a transfer after
         ``WRITER_STOP_S`` (a stopped peer) keeps the engine alive: tearing it down under a running call would
@@ -259,9 +286,9 @@ class MooncakeTransport(Transport):
     def _run(self, peer: _Peer, write: MooncakeWrite) -> bool:
         for start in range(0, len(write.nbytes), MAX_BATCH_DESCRIPTORS):
             stop = start + MAX_BATCH_DESCRIPTORS
-            rc = self._engine.batch_transfer_sync_write(peer.endpoint, write.src_addrs[start:stop],
-                                                        write.dst_addrs[start:stop], write.nbytes[start:stop])
-            if rc != 0:
+            if not _retry_fast_failures(lambda: self._engine.batch_transfer_sync_write(
+                    peer.endpoint, write.src_addrs[start:stop], write.dst_addrs[start:stop],
+                    write.nbytes[start:stop]) == 0):
                 return False
         return not write.notif or self._deliver(peer.endpoint, write.notif)
 
@@ -271,8 +298,8 @@ class MooncakeTransport(Transport):
         assert self._table is not None
         notify = TransferNotify(self._name, message.decode("latin-1"))
         # a zero-length write: nothing lands, the message does (after every earlier write of this thread)
-        rc = self._engine.transfer_sync(endpoint, self._table.aux_base_ptr, 0, 0, TransferOpcode.Write, notify)
-        return bool(rc == 0)
+        return _retry_fast_failures(lambda: self._engine.transfer_sync(
+            endpoint, self._table.aux_base_ptr, 0, 0, TransferOpcode.Write, notify) == 0)
 
     def _stop_writer(self, peer: _Peer) -> None:
         peer.stop.set()
@@ -284,3 +311,19 @@ class MooncakeTransport(Transport):
                 return
             if left is not None:
                 left.state = XferState.ERR
+
+
+def _retry_fast_failures(attempt: Callable[[], bool]) -> bool:
+    """``attempt()``, tried again up to ``FAST_RETRIES`` times while it fails within ``FAST_FAILURE_S`` (a reset
+    connection, which the engine drops and replaces on the next try). Safe for a write: each try writes the same
+    bytes to the same addresses, which still belong to its room (the decode side frees a room's pages only after
+    the writer reported the room, and fences first if a write of it failed)."""
+    for tries in range(FAST_RETRIES + 1):
+        t0_s = time.monotonic()
+        if attempt():
+            return True
+        failed_in_s = time.monotonic() - t0_s
+        if failed_in_s >= FAST_FAILURE_S or tries == FAST_RETRIES:
+            return False
+        logger.info("mooncake: a write failed in %.0f ms; trying it again", failed_in_s * 1e3)
+    return False

@@ -32,7 +32,7 @@ from kv_transfer.metrics import Metrics
 from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.sender import Chunk, KVSender, Room
-from kv_transfer.tags import Tag, TagKind, chunk_tag
+from kv_transfer.tags import UNSETTLED, Tag, TagKind, chunk_tag
 from kv_transfer.transport import LockedTransport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
@@ -348,7 +348,9 @@ class PrefillSide:
                 logger.debug("room %d: sent", room)
             if sender.state.is_terminal:
                 if sender.pending_notif is not None and sender.peer is not None:
-                    self._notify(sender.peer, sender.pending_notif)
+                    # the decode side fences before it reuses the pages when a WRITE failed (tags.UNSETTLED)
+                    self._notify(sender.peer, replace(sender.pending_notif, index=UNSETTLED)
+                                 if sender.write_failed else sender.pending_notif)
                     sender.pending_notif = None
                 if sender.destination is None and sender.state == KVPoll.Failed:
                     self._tombstones[room] = sender.created_s + 2 * self._args.bootstrap_timeout_s + 60.0
@@ -365,6 +367,7 @@ class PrefillSide:
                 continue
             self._transport.release(handle)
             if state == XferState.ERR:
+                sender.write_failed = True
                 self._fail(sender, "a WRITE to decode failed (decode lost?)")
         sender.inflight = still
 

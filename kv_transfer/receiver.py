@@ -9,7 +9,8 @@ Lifecycle of a room on the decode side:
 4. every chunk (the last one names the count) and valid aux data for this room  → Success
 Failure (handshake, room in use, bootstrap/waiting timeout, prefill aborted or lost, ``abort``) → Failed.
 Pages: free the destination pages only once ``pages_releasable()``: Success, or Failed and the writer is known
-done (it answered our cancel, or never learned the destination) or dead.
+done (it answered our cancel, or never learned the destination) or dead, and, when a write of the room failed
+or the writer vanished, the transport fenced its connections (no late byte can land: ``fence_incoming``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class KVReceiver(BaseKVReceiver):
         self.published = False          # prefill's rendezvous holds our destination
         self.room_released = False      # ...and no longer does
         self.writer_done = False        # the prefill side will never write for this room again
+        self.fence_needed = False       # ...but a write of it failed or its writer vanished: bytes may still come
+        self.fenced = False             # the transport made sure they cannot land any more (``fence_incoming``)
+        self.fence_since_s: float | None = None   # the first fence attempt (monotonic seconds)
         self.cancel_sent = False
         self.progress_s = created_s     # last time a chunk arrived (or the destination went out)
         self.chunks_seen: set[int] = set()
@@ -128,7 +132,8 @@ class KVReceiver(BaseKVReceiver):
             if self.state == KVPoll.Success:
                 return True
             never_published = not (self.published or self.publishing)
-            return self.state == KVPoll.Failed and (self.writer_done or never_published)
+            writer_quiet = self.writer_done and (self.fenced or not self.fence_needed)
+            return self.state == KVPoll.Failed and (writer_quiet or never_published)
 
     # --- manager thread ---------------------------------------------------------------------------------
     def fail(self, reason: str) -> None:

@@ -73,6 +73,7 @@ class KVSender(BaseKVSender):
         self.last_queued = False
         self.last_posted = False
         self.pending_notif: Tag | None = None   # sent to decode once no WRITE is in flight
+        self.write_failed = False               # a WRITE of this room ended in ERR: part of it may still arrive
         self.aux_post: tuple[np.ndarray, np.ndarray, Tag] | None = None   # VRAM mode: the aux WRITE, after the KV one
         self.local_aux_slot: int | None = None   # staging slot of the aux bytes while the last WRITE runs
         self.closed = False                     # the manager dropped this room

@@ -5,9 +5,13 @@ so that a late message of an earlier use of the same room is never mistaken for 
 
 - ``chunk|room|xfer_id|chunk_index|total``: chunk ``chunk_index`` has landed (total = chunk count on the
   last chunk, 0 otherwise).
-- ``abort|room|xfer_id|0|reason``: the sender gave up; it will write nothing more for this room.
+- ``abort|room|xfer_id|unsettled|reason``: the sender gave up; it will write nothing more for this room.
 - ``cancel|room|xfer_id|0|reason``: the receiver gave up; the sender must stop and answer ``done``.
-- ``done|room|xfer_id|0|``: the sender has no write in flight for this room and will post none.
+- ``done|room|xfer_id|unsettled|``: the sender has no write in flight for this room and will post none.
+
+``unsettled`` (``UNSETTLED``, else 0): a write of this room failed, and with a transport that gives writes up
+on a timeout part of it may still be on the way; the receiver fences the sender's connections
+(``Transport.fence_incoming``) before it reuses the pages. A sender that predates it sends 0.
 - ``hello|0|0|0|instance``: connection warm-up at handshake; ignored by the receiver.
 """
 
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 Room = int
+#: ``index`` of an ``abort``/``done`` whose room had a failed write (see above).
+UNSETTLED = 1
 
 
 class TagKind(str, Enum):

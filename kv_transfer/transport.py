@@ -181,6 +181,18 @@ class Transport(ABC):
     def close(self) -> None:
         """Releases the agent; called once by ``shutdown``."""
 
+    def fence_incoming(self, peer: str) -> bool:
+        """Makes sure no byte of a write ``peer`` started before this call can land in our registered memory
+        any more: True once that holds, False when it does not hold yet (call again later). Called by the
+        decode side's manager thread before it frees the pages of a room whose writer reported a failed write
+        or vanished (``KVReceiver.fence_needed``); not under the transport lock (it may wait, up to ~2 s).
+
+        This default (NIXL, in-process): True at once. In-process copies are synchronous; NIXL over UCX has no
+        transfer timeout of its own (a transfer fails when its endpoint does), and no late write was seen
+        from it in the partition tests. Mooncake over TCP, which gives writes up on a timeout, overrides it:
+        docs/multihost.md "Late writes after a partition"."""
+        return True
+
 
 class LockedTransport(Transport):
     """Every call of the wrapped transport under one lock. Callers must not hold it while taking the
@@ -274,3 +286,7 @@ class LockedTransport(Transport):
     def close(self) -> None:
         with self._lock:
             self._inner.close()
+
+    def fence_incoming(self, peer: str) -> bool:
+        # not under the lock: it may wait for sockets to close (seconds), and engine threads need the lock
+        return self._inner.fence_incoming(peer)

@@ -25,6 +25,8 @@ process: see ``ServingMetrics``); names carry units:
 ``pd_kv_transfers_total``           counter  rooms whose KV transfer reached Success
 ``pd_kv_failed_rooms_total``        counter  rooms whose KV transfer failed (timeouts included)
 ``pd_kv_timed_out_rooms_total``     counter  rooms failed by the bootstrap or waiting timeout
+``pd_kv_fenced_rooms_total``        counter  decode: failed rooms whose writer was fenced before their pages went
+                                             back (a write failed or the writer vanished; a no-op on NIXL)
 ``pd_kv_skipped_pages_total``       counter  prompt pages not sent (prefill) / not received (decode): decode
                                              held them already (its prefix cache)
 ``pd_kv_transfer_seconds_total``    counter  prefill: first KV chunk posted → last WRITE done, summed
@@ -107,6 +109,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
     "pd_kv_transfers_total": ("COUNTER", "Rooms whose KV transfer reached Success"),
     "pd_kv_failed_rooms_total": ("COUNTER", "Rooms whose KV transfer failed (timeouts included)"),
     "pd_kv_timed_out_rooms_total": ("COUNTER", "Rooms failed by the bootstrap or waiting timeout"),
+    "pd_kv_fenced_rooms_total": ("COUNTER", ("Decode: failed rooms whose writer was fenced before their pages "
+                                             "went back (a write failed or the writer vanished)")),
     "pd_kv_skipped_pages_total": ("COUNTER", ("Prompt pages not sent (prefill) or not received (decode) "
                                               "because decode held them already (prefix cache)")),
     "pd_kv_transfer_seconds_total": ("COUNTER", "Prefill: seconds from a room's first KV chunk posted to its "

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fleet.netns import DEVICE, Fleet, Host, cleanup, fleet_names, project_env, sh, teardown_names, unavailable_reason
+from fleet.netns import (DEVICE, TRANSPORT_ENV_PREFIXES, Fleet, Host, cleanup, fleet_names, project_env, sh,
+                         teardown_names, unavailable_reason)
 
 
 def existing_fleet(tag: str) -> Fleet:
@@ -70,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = fleet[args.host]
     if args.cmd == "exec":
         argv_ = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-        return subprocess.call(["ip", "netns", "exec", host.netns, *argv_], env=project_env())
+        # the operator's own shell: its transport settings are meant for the command, so they go along
+        mine = {k: v for k, v in os.environ.items() if k.startswith(TRANSPORT_ENV_PREFIXES)}
+        return subprocess.call(["ip", "netns", "exec", host.netns, *argv_], env=project_env(mine))
     if args.cmd == "throttle":
         host.throttle(args.rate_mbit)
     elif args.cmd == "link":

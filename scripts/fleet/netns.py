@@ -81,10 +81,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+#: Transport settings a host of the fleet does not inherit from this process: they describe this process's
+#: own network (an in-process NIXL agent of a test puts ``UCX_NET_DEVICES=lo`` here for loopback), not a host's.
+#: A run that wants them on the hosts passes them in ``extra``.
+TRANSPORT_ENV_PREFIXES = ("UCX_", "MC_")
+
+
 def project_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with the project's venv first on ``PATH`` and the repository on
-    ``PYTHONPATH`` (what ``scripts/serve.sh`` gives its children), plus ``extra``."""
-    env = dict(os.environ)
+    """This process's environment without its transport settings (``TRANSPORT_ENV_PREFIXES``), with the
+    project's venv first on ``PATH`` and the repository on ``PYTHONPATH`` (what ``scripts/serve.sh`` gives its
+    children), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(TRANSPORT_ENV_PREFIXES)}
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
     env["PYTHONPATH"] = str(ROOT) + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"

@@ -74,6 +74,7 @@ class KVMetricsHook:
                           ("transfers_total", "pd_kv_transfers_total"),
                           ("failed_rooms_total", "pd_kv_failed_rooms_total"),
                           ("timed_out_rooms_total", "pd_kv_timed_out_rooms_total"),
+                          ("fenced_rooms_total", "pd_kv_fenced_rooms_total"),
                           ("skipped_pages_total", "pd_kv_skipped_pages_total"),
                           ("transfer_seconds_total", "pd_kv_transfer_seconds_total"),
                           ("transfer_tail_seconds_total", "pd_kv_transfer_tail_seconds_total")):

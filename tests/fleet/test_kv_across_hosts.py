@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fleet.kv_worker import NUM_PAGES, smollm2_layout
+from fleet.kv_worker import smollm2_layout
 
 pytestmark = pytest.mark.netns
 BACKENDS = [pytest.param("nixl", marks=pytest.mark.nixl), pytest.param("mooncake", marks=pytest.mark.mooncake)]
@@ -94,12 +94,46 @@ def test_link_down_mid_transfer_ends_the_room(kv_pair: Callable[..., Any], backe
     else:
         assert got.failure, "a failed room must say why"
     pair.fleet["pf"].throttle(0)
-    # the recovery room writes pages the partitioned room never targeted (0..3 and 260..263): with Mooncake over
-    # TCP, a WRITE reported failed can still land after the link comes back (TCP retransmits it), once seen
-    # overwriting pages 256..259 of the next room here: an open hazard, docs/multihost.md "Late writes"
+    # the recovery room reuses the last pages the partitioned room targeted: with Mooncake over TCP a WRITE reported
+    # failed can still arrive after the link comes back (once seen overwriting this room's pages here); the decode
+    # side fences the writer's connections before a failed room's pages count as releasable, so nothing late
+    # lands (docs/multihost.md "Late writes after a partition")
     again_src = list(range(8))
-    again_dst = [0, 1, 2, 3] + list(range(NUM_PAGES - 4, NUM_PAGES))
+    again_dst = list(range(4 + PAGES_4K - 8, 4 + PAGES_4K))
     sent, got = pair.transfer(2, again_src, again_dst)
     assert (sent.state, got.state) == ("Success", "Success"), (sent.failure, got.failure)
     assert pair.prefill.call("digest", again_src) == pair.decode.call("digest", again_dst)
+    _rooms_close(pair.prefill, pair.decode)
+
+
+@pytest.mark.mooncake
+def test_a_write_given_up_during_a_partition_never_lands_in_reused_pages(kv_pair: Callable[..., Any]) -> None:
+    """Mooncake with a 5 s transfer timeout, a 4k-token room cut by a 3 s partition: the write is given up after
+    the link is back, while its connections still wait out TCP's retransmission backoff, and prefill's abort
+    reaches decode first (as seen once in a full run). Once decode counts the room's pages releasable, the
+    next room writes other bytes into them right away; after the partition's leftovers had time to arrive (TCP
+    retransmits with backoff), those pages must still hold the next room's bytes."""
+    pair = kv_pair("mooncake", env={"MC_TRANSFER_TIMEOUT": "5"})
+    pair.fleet["pf"].throttle(300)
+    src, dst = list(range(PAGES_4K)), list(range(4, 4 + PAGES_4K))
+
+    def partition() -> None:
+        time.sleep(1.0)
+        pair.fleet["pf"].set_link(False)
+        time.sleep(3.0)
+        pair.fleet["pf"].set_link(True)
+
+    cut = threading.Thread(target=partition, name="partition")
+    cut.start()
+    sent, got = pair.transfer(1, src, dst, timeout_s=PARTITION_END_S)
+    cut.join()
+    pair.fleet["pf"].throttle(0)
+    print(f"partitioned room: prefill {sent.state} {sent.failure!r}, decode {got.state} {got.failure!r}")
+    assert got.releasable and sent.releasable
+    reused_src, reused_dst = list(range(PAGES_4K, PAGES_4K + 8)), dst[-8:] if got.state == "Failed" else dst[:8]
+    sent2, got2 = pair.transfer(2, reused_src, reused_dst)
+    assert (sent2.state, got2.state) == ("Success", "Success"), (sent2.failure, got2.failure)
+    time.sleep(8.0)   # what the partition left in flight arrives within a few backoff rounds, or never
+    assert pair.prefill.call("digest", reused_src) == pair.decode.call("digest", reused_dst)
+    assert got.state == "Failed", "the 5 s timeout should have given the partitioned write up"
     _rooms_close(pair.prefill, pair.decode)

@@ -202,6 +202,19 @@ class SideWorker:
     def metrics(self) -> dict[str, int]:
         return self.manager.metrics()
 
+    def fence_writer(self, room: int) -> tuple[int, bool, int]:
+        """Decode: fences the connections of ``room``'s writer (``Transport.fence_incoming``, what the manager
+        does for a room whose write failed); (connections from its host before, the answer, after)."""
+        from kv_transfer import tcp_fence
+
+        receiver = self.rooms[room][0]
+        transport = self.manager._transport._inner   # the backend's transport under LockedTransport
+        ports = transport._data_ports
+        count = lambda: len(tcp_fence._accepted_from(ports, {"127.0.0.1"}))   # noqa: E731
+        before = count()
+        fenced = self.manager._transport.fence_incoming(receiver.peer.agent_name)
+        return before, fenced, count()
+
 
 class LocalSide:
     """Calls a ``SideWorker`` in this process (in-process backend)."""
