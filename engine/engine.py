@@ -327,6 +327,9 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise RequestRejected(request_id, f"logit_bias names token ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestRejected(request_id, f"stop_token_ids names token ids outside [0, {vocab}): {bad[:5]}")
         if any(not 0 <= int(t) < vocab for t in prompt_token_ids):
             raise RequestRejected(request_id, f"prompt has token ids outside [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:

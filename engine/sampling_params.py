@@ -22,6 +22,8 @@ _FALSE = ("false", "0", "no")
 MAX_LOGPROBS = 20
 #: Most samples per request (``n``); each is a full request in the engine.
 MAX_N = 16
+#: Largest ``seed``: what a torch generator takes (an unsigned 64-bit integer).
+MAX_SEED = 2**64 - 1
 #: Bound of one ``logit_bias`` value (OpenAI's range).
 MAX_LOGIT_BIAS = 100.0
 #: vLLM sampling keys this engine accepts only at their default value (the value they have here anyway).
@@ -142,6 +144,8 @@ class SamplingParams:
             raise InvalidSamplingParams("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
+            if self.seed > MAX_SEED:
+                raise InvalidSamplingParams("seed", f"must be <= {MAX_SEED} (64 bits), got {self.seed}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidSamplingParams("stop", f"must hold non-empty strings, got {s!r}")

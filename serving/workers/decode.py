@@ -172,6 +172,11 @@ class DecodeWorker:
                 self._prealloc.remove(job)
                 self._fail(job, str(e), ErrorKind.REQUEST)
                 continue
+            except Exception as e:   # an engine fault on this request only: never stall the other queues
+                logger.exception("request %s: reserving its pages failed", job.request_id)
+                self._prealloc.remove(job)
+                self._fail(job, f"decode could not reserve the request's pages: {e}")
+                continue
             job.reserved = True
             # pages of the prompt's cached prefix are decode's own: prefill sends only the rest
             job.receiver.init(reservation.dst_page_ids, reservation.num_cached_tokens)

@@ -114,6 +114,11 @@ class EngineLoop:
         self._hooks: list[TickHook] = list(hooks)
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._callbacks: dict[RequestId, OnEvent] = {}
+        # submitted, not added yet (still in the queue) → how many; an abort meeting one of them is kept in
+        # ``_abort_on_add`` until the submit comes off the queue (a tick hook's abort, same tick as its submit)
+        self._queued_submits: dict[RequestId, int] = {}
+        self._abort_on_add: dict[RequestId, str] = {}
+        self._submits_lock = threading.Lock()
         self._stop = threading.Event()
         self._accept_lock = threading.Lock()
         self._accepting = False
@@ -170,7 +175,13 @@ class EngineLoop:
         Raises:
             LoopStopped: the loop is not running; ``on_event`` will never be called.
         """
-        self._put(_Submit(request_id, list(prompt_token_ids), params, on_event, tuple(resumed_output_ids)))
+        with self._submits_lock:
+            self._queued_submits[request_id] = self._queued_submits.get(request_id, 0) + 1
+        try:
+            self._put(_Submit(request_id, list(prompt_token_ids), params, on_event, tuple(resumed_output_ids)))
+        except LoopStopped:
+            self._unqueue(request_id)
+            raise
 
     def prepare(self, params: SamplingParams) -> None:
         """Caller's thread (admission): compile the request's structured-outputs grammar now, so the loop thread
@@ -186,7 +197,9 @@ class EngineLoop:
         """Queue an abort: the engine frees the request's pages and its callback gets ``RequestAborted``.
 
         Called on the loop thread (a tick hook), it takes effect at once; from elsewhere, before the next step.
-        A request that already finished (or is unknown) is left alone.
+        A request still queued (submitted, not added yet: a tick hook that submits and aborts in one tick) is
+        aborted when it comes off the queue, without reaching the engine. A request that already finished (or is
+        unknown) is left alone.
 
         Raises:
             LoopStopped: called from another thread when the loop is not running (nothing left to abort).
@@ -274,7 +287,22 @@ class EngineLoop:
         except Exception:
             logger.exception("%s: queued call %r failed", self._name, command)
 
+    def _unqueue(self, request_id: RequestId) -> str | None:
+        """The submit of ``request_id`` left the queue: forget one count; the abort that waited for it, if any."""
+        with self._submits_lock:
+            left = self._queued_submits.get(request_id, 0) - 1
+            if left > 0:
+                self._queued_submits[request_id] = left
+            else:
+                self._queued_submits.pop(request_id, None)
+            return self._abort_on_add.pop(request_id, None) if left <= 0 else None
+
     def _add(self, s: _Submit) -> None:
+        aborted = self._unqueue(s.request_id)
+        if aborted is not None:
+            logger.info("%s: request %s aborted before it started: %s", self._name, s.request_id, aborted)
+            self._deliver(s.on_event, RequestFailed(s.request_id, RequestAborted(s.request_id, aborted)))
+            return
         if s.request_id in self._callbacks:
             self._deliver(s.on_event, RequestFailed(s.request_id, RequestRejected(s.request_id, "duplicate id")))
             return
@@ -294,6 +322,9 @@ class EngineLoop:
     def _abort(self, request_id: RequestId, reason: str) -> None:
         on_event = self._callbacks.pop(request_id, None)
         if on_event is None:
+            with self._submits_lock:
+                if request_id in self._queued_submits:   # its submit is still queued: abort it there
+                    self._abort_on_add[request_id] = reason
             return
         self.engine.abort_request(request_id)
         logger.info("%s: request %s aborted: %s", self._name, request_id, reason)
@@ -352,6 +383,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if isinstance(command, _Submit):
+                self._unqueue(command.request_id)
                 self._deliver(command.on_event, RequestFailed(command.request_id, stopped))
         self._fail_all(stopped)
         logger.info("%s stopped", self._name)

@@ -13,13 +13,18 @@ from engine.sampling_params import SamplingParams
     ({"max_tokens": True}, "max_tokens"),
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"top_k": -2}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_out_of_range_values_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidSamplingParams) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+def test_the_largest_seed_a_generator_takes_is_accepted():
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
 
 
 def test_defaults_and_normalisation():

@@ -237,3 +237,5 @@ def test_engine_refuses_n_and_out_of_vocab_bias(engine):
         engine.add_request("n2", ids, SamplingParams(n=2))
     with pytest.raises(RequestRejected, match="logit_bias"):
         engine.add_request("lb", ids, SamplingParams(logit_bias={10**7: 1.0}))
+    with pytest.raises(RequestRejected, match="stop_token_ids"):
+        engine.add_request("st", ids, SamplingParams(stop_token_ids=[10**9]))

@@ -191,3 +191,37 @@ def test_wake_makes_an_idle_loop_tick_at_once(engine: FakeEngine) -> None:
         time.sleep(0.01)
     assert hook.ticks == before + 1
     assert lp.stop(5)
+
+
+class SubmitThenAbort:
+    """A tick hook that submits a request and aborts it in the same tick, as a worker does when the client's
+    cancel is seen right after the request was taken (its submit is still in the loop's queue then)."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.col = Collector()
+        self.done = False
+
+    def on_tick(self) -> bool:
+        if not self.done:
+            self.done = True
+            self.loop.submit("cancelled-early", [1, 2], SamplingParams(max_tokens=50), self.col)
+            self.loop.abort("cancelled-early", "cancelled by the client")
+        return False
+
+
+def test_an_abort_before_the_submit_left_the_queue_still_aborts(engine: FakeEngine) -> None:
+    lp = EngineLoop(engine, name="early-abort", idle_wait_s=0.02)
+    hook = SubmitThenAbort(lp)
+    lp.add_hook(hook)
+    lp.start()
+    last = hook.col.wait()
+    assert isinstance(last, RequestFailed) and isinstance(last.error, RequestAborted)
+    assert "cancelled by the client" in str(last.error)
+    time.sleep(0.2)
+    assert hook.col.terminals == 1 and not any(isinstance(e, RequestOutput) for e in hook.col.events)
+    assert engine.calls["step"] == 0 and engine.num_free_pages == engine.num_total_pages   # never in the engine
+    later = Collector()   # the id's bookkeeping is gone: the same id submitted again runs normally
+    lp.submit("cancelled-early", [1], SamplingParams(max_tokens=3), later)
+    assert isinstance(later.wait(), RequestOutput) and later.terminals == 1
+    assert lp.stop(5)
