@@ -179,6 +179,11 @@ class Fleet:
                    and now_s - (self._snapshot.taken_s - status.age_s) <= self._config.instance_stale_s
                    for status in self._snapshot.instances)
 
+    def epochs(self) -> dict[InstanceId, int]:
+        """Instance id → the epoch of its registration in the current reading (a restarted or reloaded instance
+        shows a new one)."""
+        return {status.instance_id: status.epoch for status in self._snapshot.instances}
+
     def note_assigned(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
         """The router sent a request to ``target``: count it until the instance's next report covers it."""
         state = self._states.get(target.instance_id)

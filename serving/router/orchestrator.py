@@ -214,19 +214,23 @@ class PDOrchestrator:
         max_tokens = routed.request.params.max_tokens
         demand = Demand(tokens, max_tokens) if isinstance(tokens, int) else \
             Demand(len(tokens), max_tokens, tuple(tokens))
-        excluded: set[str] = set()      # instances that failed this request
+        failed: dict[str, int] = {}     # instances that failed this request → their epoch then
         avoided: set[str] = set()       # their partners in the failed pairs: not taken again while others exist
         last_resort: set[str] = set()   # failed at the router's connection, yet responsive: taken last, once
         last_error = ""
         for attempt in range(1 + self._config.max_retries):
+            excluded = self._still_failed(failed)
             try:
-                pair = self._choose_avoiding(demand, frozenset(excluded), frozenset(avoided), frozenset(last_resort))
+                pair = self._choose_avoiding(demand, excluded, frozenset(avoided), frozenset(last_resort))
             except NoInstance as e:
-                if last_error:   # the failure itself is the client's answer, not the missing second pair
-                    return Delta.failure(f"{last_error} (no other {e.role} instance to retry on)")
+                # none left: wait for one the fleet does not have yet (a reloaded or restarted instance comes
+                # back with a new epoch; the same id then counts as new); if none comes, the failure itself is
+                # the client's answer, not the missing second pair
                 try:
-                    waited = await self._wait_for_pair(demand, is_cancelled)
+                    waited = await self._wait_for_pair(demand, is_cancelled, lambda: self._still_failed(failed))
                 except NoInstance as still:
+                    if last_error:
+                        return Delta.failure(f"{last_error} (no other {e.role} instance to retry on)")
                     self._count_rejected(f"no_{still.role}")
                     return Delta.failure(str(still))
                 if waited is None:   # the client went away while it waited
@@ -248,7 +252,7 @@ class PDOrchestrator:
                 # launcher opened a new one, so the instance stays a fallback when no other is left
                 last_resort.add(culprit)
             else:
-                excluded.add(culprit)
+                failed[culprit] = outcome.culprit.epoch
             # the partner may be the cause the culprit reported (a decode whose prefill died fails its room
             # first, and a retry on the same dead prefill would then use up the retry)
             avoided.update(t.instance_id for t in (pair.prefill, pair.decode)
@@ -260,10 +264,18 @@ class PDOrchestrator:
                     self._metrics.retried()
         return Delta.failure(last_error)
 
-    async def _wait_for_pair(self, demand: Demand, is_cancelled: Callable[[], bool]) -> Pair | None:
-        """A pair for a request that found none: the fleet is asked again every ``fleet_refresh_s`` for up to
-        ``fleet_wait_s`` (a router that just loaded next to its workers has not read them yet when tritonserver
-        says ready; a worker restarting rejoins within seconds). Returns None when the client cancels meanwhile.
+    def _still_failed(self, failed: dict[str, int]) -> frozenset[str]:
+        """The instances that failed this request and are still the same incarnation (a restarted or reloaded
+        instance, with a new epoch, did not fail it)."""
+        epochs = self._fleet.epochs()
+        return frozenset(i for i, epoch in failed.items() if epochs.get(i, epoch) == epoch)
+
+    async def _wait_for_pair(self, demand: Demand, is_cancelled: Callable[[], bool],
+                             excluded: Callable[[], frozenset[str]] = frozenset) -> Pair | None:
+        """A pair for a request that found none (without the ``excluded()`` instances): the fleet is asked again
+        every ``fleet_refresh_s`` for up to ``fleet_wait_s`` (a router that just loaded next to its workers has
+        not read them yet when tritonserver says ready; a worker restarting or reloaded rejoins within seconds).
+        Returns None when the client cancels meanwhile.
 
         Raises:
             NoInstance: still no pair after ``fleet_wait_s`` (at once when it is 0).
@@ -271,7 +283,7 @@ class PDOrchestrator:
         deadline_s = time.monotonic() + self._config.fleet_wait_s
         while True:
             try:
-                return self._choose(demand, frozenset())
+                return self._choose(demand, excluded())
             except NoInstance:
                 if time.monotonic() >= deadline_s:
                     raise

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
-from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
+from router_fakes import Script, ScriptedLauncher, fleet_of, status, unavailable
 
 from serving.parsing.request import GenerateRequest
 from serving.router.config import RouterConfig
+from serving.router.launch import ChildCall
 from serving.router.orchestrator import PDOrchestrator, RoomAllocator, RoutedRequest
 from serving.router.pairing import make_policy
 from serving.stream import Delta, ErrorKind
@@ -236,10 +238,47 @@ def test_a_child_whose_instance_went_silent_is_given_up_its_connection_reset_and
                      config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
     slow = [(1.5, tok("A", 1)), (0.0, Delta(final=True))]
     launcher = ScriptedLauncher({"prefill": slow, "decode": [(1.5, Delta(final=True))]})
-    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3)
+    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3, fleet_wait_s=0.5)
     assert "decode d0@h:1 unreachable" in (out[-1].error or "") and "no other decode" in (out[-1].error or "")
     assert time.monotonic() - start < 5.0
     assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.resets == ["127.0.0.1:8001"]
+
+
+class EpochScripted(ScriptedLauncher):
+    """Decode plays ``by_epoch[target.epoch]`` (a reloaded instance keeps its id and gets a new epoch)."""
+
+    def __init__(self, by_epoch: dict[int, Script]) -> None:
+        super().__init__({"prefill": [(0.1, tok("A", 1)), (0.0, Delta(final=True))]})   # decode answers first
+        self.by_epoch = by_epoch
+
+    async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
+        if call.role == "decode":
+            self.by_instance[call.target.instance_id] = self.by_epoch[call.target.epoch]
+        async for delta in super().stream(call):
+            yield delta
+
+
+def test_a_reloaded_decode_that_failed_the_request_is_taken_again_in_its_new_epoch() -> None:
+    """The only decode refuses the request (its model is being unloaded: a reload); the reloaded instance joins
+    under the same id with a new epoch within ``fleet_wait_s``: the request waits for it and is served there (the
+    old epoch stays excluded)."""
+    import threading
+
+    from serving.router.fleet import FleetSnapshot
+
+    cfg = RouterConfig(policy="round_robin", fleet_wait_s=3.0, fleet_refresh_s=0.05)
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode", epoch=1), config=cfg)
+    unloading = [(0.0, Delta(error="decode at h:2 is being unloaded", final=True, error_kind=ErrorKind.INSTANCE))]
+    launcher = EpochScripted({1: unloading, 2: OK_DECODE})
+    reloaded = threading.Timer(0.3, lambda: fleet.update(FleetSnapshot(
+        (status("p0@h:1", "prefill"), status("d0@h:1", "decode", epoch=2)), taken_s=100.0)))
+    reloaded.start()
+    start = time.monotonic()
+    out, _ = run(launcher, fleet=fleet, fleet_wait_s=3.0, fleet_refresh_s=0.05)
+    reloaded.join()
+    assert out[-1].error is None and "".join(d.text for d in out) == "ABC"
+    assert [(c.role, c.target.epoch) for c in launcher.calls if c.role == "decode"] == [("decode", 1), ("decode", 2)]
+    assert 0.25 < time.monotonic() - start < 3.0
 
 
 def test_a_request_that_finds_no_decode_waits_for_one_to_join() -> None:
