@@ -64,7 +64,8 @@ class RouterConfig:
         fleet_wait_s: a request that finds no healthy prefill or decode instance waits this long for one (the
             fleet asked again every ``fleet_refresh_s``) before it fails with "no healthy ... instance", seconds;
             0: it fails at once. Covers a router that loaded next to its workers and has not read them yet when
-            tritonserver says ready, and a worker rejoining after a restart.
+            tritonserver says ready, and a worker rejoining after a restart or a reload; a retry that finds no
+            instance but the ones that failed it (by id and epoch) waits the same.
         breaker_failures: consecutive failures that take an instance out of rotation.
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
