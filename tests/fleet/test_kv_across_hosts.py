@@ -65,25 +65,34 @@ def test_unreachable_peer_fails_at_once_naming_the_cause(kv_pair: Callable[..., 
     assert "unreachable" in got.failure and "UCX_NET_DEVICES=lo" in got.failure, got.failure
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_link_down_mid_transfer_ends_the_room(kv_pair: Callable[..., Any], backend: str) -> None:
-    pair = kv_pair(backend)
-    pair.fleet["pf"].throttle(300)   # a 4k prompt's 189 MB then takes ~5 s: the partition lands inside it
-    src, dst = list(range(PAGES_4K)), list(range(4, 4 + PAGES_4K))
-    results: dict[str, Any] = {}
+def _transfer_through_a_partition(pair: Any, src: list[int], dst: list[int], after_s: float,
+                                  down_s: float) -> tuple[Any, Any]:
+    """Room 1 of ``src`` → ``dst`` with the prefill link throttled to 300 Mbit/s (a 4k prompt's 189 MB then takes
+    ~5 s) and down from ``after_s`` for ``down_s`` seconds; the (prefill, decode) results. The link is whole and
+    unthrottled again afterwards."""
+    pair.fleet["pf"].throttle(300)
 
     def partition() -> None:
-        time.sleep(1.5)
+        time.sleep(after_s)
         pair.fleet["pf"].set_link(False)
-        time.sleep(3.0)
+        time.sleep(down_s)
         pair.fleet["pf"].set_link(True)
 
     cut = threading.Thread(target=partition, name="partition")
-    t0 = time.monotonic()
     cut.start()
-    results["sent"], results["got"] = pair.transfer(1, src, dst, timeout_s=PARTITION_END_S)
-    cut.join()
-    sent, got = results["sent"], results["got"]
+    try:
+        return pair.transfer(1, src, dst, timeout_s=PARTITION_END_S)
+    finally:
+        cut.join()
+        pair.fleet["pf"].throttle(0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_link_down_mid_transfer_ends_the_room(kv_pair: Callable[..., Any], backend: str) -> None:
+    pair = kv_pair(backend)
+    src, dst = list(range(PAGES_4K)), list(range(4, 4 + PAGES_4K))
+    t0 = time.monotonic()
+    sent, got = _transfer_through_a_partition(pair, src, dst, after_s=1.5, down_s=3.0)
     print(f"partition outcome ({backend}): prefill {sent.state} {sent.failure!r}, decode {got.state} "
           f"{got.failure!r}, {time.monotonic() - t0:.1f} s")
     assert time.monotonic() - t0 < PARTITION_END_S + 30
@@ -93,7 +102,6 @@ def test_link_down_mid_transfer_ends_the_room(kv_pair: Callable[..., Any], backe
         assert pair.prefill.call("digest", src) == pair.decode.call("digest", dst)
     else:
         assert got.failure, "a failed room must say why"
-    pair.fleet["pf"].throttle(0)
     # the recovery room reuses the last pages the partitioned room targeted: with Mooncake over TCP a WRITE reported
     # failed can still arrive after the link comes back (once seen overwriting this room's pages here); the decode
     # side fences the writer's connections before a failed room's pages count as releasable, so nothing late
@@ -114,20 +122,8 @@ def test_a_write_given_up_during_a_partition_never_lands_in_reused_pages(kv_pair
     next room writes other bytes into them right away; after the partition's leftovers had time to arrive (TCP
     retransmits with backoff), those pages must still hold the next room's bytes."""
     pair = kv_pair("mooncake", env={"MC_TRANSFER_TIMEOUT": "5"})
-    pair.fleet["pf"].throttle(300)
     src, dst = list(range(PAGES_4K)), list(range(4, 4 + PAGES_4K))
-
-    def partition() -> None:
-        time.sleep(1.0)
-        pair.fleet["pf"].set_link(False)
-        time.sleep(3.0)
-        pair.fleet["pf"].set_link(True)
-
-    cut = threading.Thread(target=partition, name="partition")
-    cut.start()
-    sent, got = pair.transfer(1, src, dst, timeout_s=PARTITION_END_S)
-    cut.join()
-    pair.fleet["pf"].throttle(0)
+    sent, got = _transfer_through_a_partition(pair, src, dst, after_s=1.0, down_s=3.0)
     print(f"partitioned room: prefill {sent.state} {sent.failure!r}, decode {got.state} {got.failure!r}")
     assert got.releasable and sent.releasable
     reused_src, reused_dst = list(range(PAGES_4K, PAGES_4K + 8)), dst[-8:] if got.state == "Failed" else dst[:8]
