@@ -91,8 +91,8 @@ class DecodeSide:
         if now_s >= self._next_release_s:   # rendezvous HTTP in batches, away from the moment a room completes
             self._next_release_s = now_s + RELEASE_INTERVAL_S
             self._cancel_and_release()
+            self._fence(now_s)   # failed rooms only: batched with the releases, off the per-round path
         self._check_peers(now_s)
-        self._fence(now_s)
         with self._lock:
             self._close()
             busy = any(r.published and not r.closed for r in self.receivers.values())

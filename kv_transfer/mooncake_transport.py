@@ -318,12 +318,12 @@ def _retry_fast_failures(attempt: Callable[[], bool]) -> bool:
     connection, which the engine drops and replaces on the next try). Safe for a write: each try writes the same
     bytes to the same addresses, which still belong to its room (the decode side frees a room's pages only after
     the writer reported the room, and fences first if a write of it failed)."""
-    for tries in range(FAST_RETRIES + 1):
+    for _ in range(FAST_RETRIES):
         t0_s = time.monotonic()
         if attempt():
             return True
         failed_in_s = time.monotonic() - t0_s
-        if failed_in_s >= FAST_FAILURE_S or tries == FAST_RETRIES:
+        if failed_in_s >= FAST_FAILURE_S:
             return False
         logger.info("mooncake: a write failed in %.0f ms; trying it again", failed_in_s * 1e3)
-    return False
+    return attempt()

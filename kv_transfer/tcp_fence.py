@@ -61,11 +61,12 @@ def _accepted_from(local_ports: Collection[int], remotes: set[str]) -> list[tupl
     """(descriptor, local, remote) of each connection on ``local_ports`` from one of ``remotes``."""
     found = []
     for conn in psutil.Process().net_connections("tcp"):
-        if conn.status == psutil.CONN_LISTEN or not conn.raddr or not conn.laddr or conn.fd < 0:
+        if conn.status == psutil.CONN_LISTEN or not conn.raddr or not conn.laddr or conn.fd < 0 \
+                or conn.laddr.port not in local_ports:
             continue
-        if conn.laddr.port in local_ports and _plain(conn.raddr.ip) in remotes:
-            local, remote = (_plain(conn.laddr.ip), conn.laddr.port), (_plain(conn.raddr.ip), conn.raddr.port)
-            found.append((conn.fd, local, remote))
+        remote = (_plain(conn.raddr.ip), conn.raddr.port)
+        if remote[0] in remotes:
+            found.append((conn.fd, (_plain(conn.laddr.ip), conn.laddr.port), remote))
     return found
 
 
