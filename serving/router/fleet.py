@@ -49,8 +49,10 @@ class Target:
     model_name: str
     epoch: int = 0
     rendezvous_url: str = ""   # the instance's own rendezvous: a decode child is told its prefill's
-    # ``endpoint`` is the worker's own gRPC endpoint when it has one and the router uses them
-    # (``RouterConfig.worker_endpoints``), else the tritonserver that serves ``model_name``
+    # True: ``endpoint`` is the worker's own endpoint (``serving.workers.endpoint``, child frames), which it has
+    # when the router uses them (``RouterConfig.worker_endpoints``); False: the tritonserver (gRPC) that serves
+    # ``model_name``
+    worker_endpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,20 @@ class Fleet:
             state.pending.append(_Pending(self._now(), prompt_tokens, tokens_to_reserve))
             state.breaker.on_pick()
 
+    def note_finished(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
+        """A request ``note_assigned`` counted on ``target`` ended there (its attempt is over: prefill's queue no
+        longer holds it, decode freed or is freeing its pages): stop counting it now instead of at the next report,
+        which a short request can beat (a conversation's next turn, sent the moment the last one ended, found its
+        own previous turn still counted as queued on the prefill holding its prefix, and went to the other one).
+        Removes one not yet reported assignment of the same sizes; none when a report already covered it."""
+        state = self._states.get(target.instance_id)
+        if state is None:
+            return
+        for i, pending in enumerate(state.pending):
+            if (pending.prompt_tokens, pending.tokens_to_reserve) == (prompt_tokens, tokens_to_reserve):
+                del state.pending[i]
+                return
+
     def record(self, target: Target, ok: bool) -> None:
         """Outcome of one request on ``target`` for its breaker (client cancels are not outcomes)."""
         state = self._states.get(target.instance_id)
@@ -232,10 +248,9 @@ class Fleet:
         load: InstanceLoad = status.load
         pending_pages = sum(-(-p.tokens_to_reserve // load.page_size) if load.page_size else 0
                             for p in state.pending)
-        endpoint = status.worker_endpoint if self._config.worker_endpoints and status.worker_endpoint \
-            else status.address
-        target = Target(status.instance_id, status.role, endpoint, status.model_name, status.epoch,
-                        status.rendezvous_url)
+        direct = bool(self._config.worker_endpoints and status.worker_endpoint)
+        target = Target(status.instance_id, status.role, status.worker_endpoint if direct else status.address,
+                        status.model_name, status.epoch, status.rendezvous_url, worker_endpoint=direct)
         return Candidate(target, load.num_queued_requests + len(state.pending),
                          load.num_queued_prompt_tokens + sum(p.prompt_tokens for p in state.pending),
                          load.num_free_pages - pending_pages, load.num_total_pages, load.page_size)

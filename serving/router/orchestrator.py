@@ -328,11 +328,15 @@ class PDOrchestrator:
                                  prefill.rendezvous_url if prefill else "", forwarded, **self._prompt_ids(demand)))
         direct = prefill is None
         state = _MergeState(first_done=direct, prefill_final=direct, prefilled_by="decode" if direct else "prefill")
+        assigned = dict(targets)   # what ``_choose`` counted on each instance
         try:
             return await self._merge(room, children, state, targets, _ChildInputs(forwarded, demand), emit,
                                      is_cancelled)
         finally:
             await children.cancel_all()   # ends (cancels) child streams still open
+            for role, target in assigned.items():
+                self._fleet.note_finished(target, demand.prompt_tokens,
+                                          demand.tokens_to_reserve if role == "decode" else demand.prompt_tokens)
             for extra in state.rooms:
                 self.rooms.release(extra)
 

@@ -80,6 +80,17 @@ def test_router_assignments_count_until_the_next_report() -> None:
     assert fleet.candidates("prefill")[0].queued_prompt_tokens == 650
 
 
+def test_an_assignment_stops_counting_when_its_request_ended_before_the_next_report() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=0))
+    target = fleet.candidates("prefill")[0].target
+    fleet.note_assigned(target, 500, 500)
+    fleet.note_assigned(target, 300, 300)
+    fleet.note_finished(target, 500, 500)
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 300   # the other one still counts
+    fleet.note_finished(target, 500, 500)   # already gone: nothing else is taken
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 300
+
+
 def test_load_aware_picks_least_queued_prefill_and_roomiest_decode_that_fits() -> None:
     fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900), status("p1@h:1", "prefill", queued_tokens=10),
                      status("d0@h:1", "decode", free_pages=40), status("d1@h:1", "decode", free_pages=30))
