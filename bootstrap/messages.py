@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_ROOM = 2**63 - 1
 Room = int
 
@@ -59,8 +59,9 @@ class Registration:
     is the KV layer's own JSON (layout, model id, region addresses); the rendezvous never interprets it.
     ``rendezvous_url`` (``http://host:port``) is the instance's own rendezvous server, where peers fetch this
     registration and decode instances post destinations. ``worker_endpoint`` (``host:port``; empty: none) is the
-    worker's own gRPC endpoint, speaking Triton's ``ModelStreamInfer`` for ``model_name`` alone
-    (``serving.workers.endpoint``): routers send its child requests there, past tritonserver.
+    worker's own endpoint for ``model_name`` alone, in child frames over TCP (``serving.workers.endpoint``,
+    ``serving.parsing.child_frames``; protocol version 6): routers send its child requests there, past
+    tritonserver.
     """
 
     instance_id: str

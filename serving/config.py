@@ -62,7 +62,7 @@ class WorkerConfig:
             pairs the workers of its own tritonserver (found through Triton's repository index).
         rendezvous_port: port of the instance's own rendezvous server (PD workers), on the host of
             ``grpc_url``; 0 (the default) picks a free one (routers learn it from the instance).
-        worker_port: port of the PD worker's own gRPC endpoint (``serving.workers.endpoint``: routers send its
+        worker_port: port of the PD worker's own endpoint (``serving.workers.endpoint``: routers send its
             child requests there, past tritonserver), on the host of ``grpc_url``; 0 (the default) picks a free
             one (routers learn it from the instance's rendezvous); -1: none (routers go through tritonserver).
         kv_backend: a registered KV backend (``kv_transfer.backends``): ``"nixl"``, ``"mooncake"`` or

@@ -1,4 +1,5 @@
-"""``ChannelPool``: the router's gRPC clients, one per endpoint, replaced after a connection failure.
+"""``ChannelPool``: the router's connections (gRPC channels to tritonservers, child-frame connections to worker
+endpoints: ``serving.router.launch``), one per endpoint, replaced after a connection failure.
 
 A gRPC channel whose server died keeps reconnecting with exponential backoff (1 s, 1.6 s, 2.6 s, ... up to
 120 s by default); while it waits, every call on it fails at once with "UNAVAILABLE: failed to connect to all
@@ -97,7 +98,7 @@ class ChannelPool:
         """A call on ``channel`` failed at the transport: the next call to its endpoint opens a new channel."""
         if self._channels.get(channel.endpoint) is channel:
             del self._channels[channel.endpoint]
-            logger.info("gRPC channel to %s reset after a connection failure", channel.endpoint)
+            logger.info("connection to %s reset after a failure", channel.endpoint)
         channel.retired = True
 
     def retire_endpoint(self, endpoint: str) -> None:

@@ -69,10 +69,10 @@ class RouterConfig:
         breaker_failures: consecutive failures that take an instance out of rotation.
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
-        worker_endpoints: send child requests to each worker's own gRPC endpoint when it has one
-            (``serving.workers.endpoint``; its ``worker_endpoint`` in the fleet listing), past its tritonserver
-            (the default: 1.5-4 ms less TTFT on the tiny model; the 30-minute chaos soak ran through them; both in
-            docs/benchmarks.md); false: through the worker's tritonserver.
+        worker_endpoints: send child requests to each worker's own endpoint when it has one
+            (``serving.workers.endpoint``, child frames over TCP; its ``worker_endpoint`` in the fleet listing),
+            past its tritonserver (the default; figures in docs/benchmarks.md "Serving path"); false: over gRPC
+            through the worker's tritonserver.
 
     Raises:
         ConfigError: at construction, naming the parameter.

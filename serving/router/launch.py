@@ -18,6 +18,8 @@ the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL re
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +34,15 @@ from serving.parsing.child_codec import (
     SCHEMA_INPUT,
     decode_raw_response,
     sign_call,
+)
+from serving.parsing.child_frames import (
+    PREAMBLE,
+    FrameError,
+    FrameKind,
+    frame,
+    keepalive,
+    open_payload,
+    read_frame,
 )
 from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
@@ -155,8 +166,6 @@ class GrpcLauncher:
         self._secret = fleet_secret
 
     async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
-        import asyncio
-
         import grpc
 
         request = child_request(call)
@@ -173,15 +182,7 @@ class GrpcLauncher:
         finished = False
         try:
             async for response in responses:
-                if response.error_message:
-                    finished = True
-                    yield Delta.failure(f"{call.role} {call.target.instance_id}: {response.error_message}")
-                    return
-                result = response.infer_response
-                final = result.parameters["triton_final_response"].bool_param
-                raw = result.raw_output_contents
-                delta = decode_raw_response({output.name: raw[i] for i, output in enumerate(result.outputs)
-                                             if i < len(raw)}, final)
+                delta = _response_delta(call, response)
                 finished = delta.final
                 yield delta
                 if finished:
@@ -204,6 +205,223 @@ class GrpcLauncher:
 
     async def close(self) -> None:
         await self._channels.close()
+
+
+class FrameConnection:
+    """One TCP connection to a worker endpoint in child frames (``serving.parsing.child_frames``), shared by every
+    child stream the router opens there; its reader task hands each ``RESPONSE`` to its stream's inbox. Event
+    loop thread only. ``ChannelPool`` keeps one per endpoint (``connect`` lazily, ``close``)."""
+
+    def __init__(self, endpoint: str, connect_timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self._connect_timeout_s = connect_timeout_s
+        self._connecting: asyncio.Future[None] | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._inboxes: dict[int, _Inbox] = {}
+        self._next_id = 1
+        self.lost: str | None = None   # why the connection ended; streams opened after that fail at once
+
+    async def connected(self) -> None:
+        """Connects on first use (every stream waits for the same attempt). Raises ``ChildUnavailable`` when
+        the endpoint cannot be reached within ``connect_timeout_s``, or the connection was lost."""
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        await asyncio.shield(self._connecting)
+        if self.lost is not None:
+            raise ChildUnavailable(self.lost)
+
+    async def _connect(self) -> None:
+        host, _, port = self.endpoint.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host.strip("[]"), int(port), limit=2 * 2**20), self._connect_timeout_s)
+        except (OSError, ValueError, asyncio.TimeoutError) as e:
+            self.lost = f"cannot connect: {e or type(e).__name__}"
+            return
+        keepalive(writer)
+        writer.write(PREAMBLE)
+        self._writer = writer
+        self._reader_task = asyncio.ensure_future(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        reason = "connection closed by the worker"
+        try:
+            while True:
+                kind, stream_id, payload = await read_frame(reader)
+                if kind is not FrameKind.RESPONSE:
+                    raise FrameError(f"a {kind.name} frame from a worker")
+                inbox = self._inboxes.get(stream_id)
+                if inbox is not None:
+                    inbox.put(payload)
+        except asyncio.IncompleteReadError:
+            pass
+        except (OSError, FrameError) as e:
+            reason = f"connection failed: {e}"
+        except asyncio.CancelledError:
+            reason = "connection closed by the router"
+        finally:
+            self._lose(reason)
+
+    def _lose(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+        for inbox in self._inboxes.values():
+            inbox.put(None)
+        if self._writer is not None:
+            self._writer.close()
+
+    def open(self, signature: str, request: bytes) -> tuple[int, _Inbox]:
+        """Starts one stream (after ``connected``): its id and the inbox its responses arrive in (None: the
+        connection ended). Raises ``ChildUnavailable`` when the connection is gone."""
+        if self.lost is not None or self._writer is None:
+            raise ChildUnavailable(self.lost or "not connected")
+        stream_id, self._next_id = self._next_id, self._next_id + 1
+        inbox = self._inboxes[stream_id] = _Inbox()
+        self._writer.write(frame(FrameKind.OPEN, stream_id, open_payload(signature, request)))
+        return stream_id, inbox
+
+    async def drain(self) -> None:
+        """Waits while the socket's send buffer is full. Raises ``ChildUnavailable`` when the connection
+        failed."""
+        if self._writer is not None and self.lost is None:
+            try:
+                await self._writer.drain()
+            except ConnectionError as e:
+                raise ChildUnavailable(f"connection failed: {e}") from None
+
+    def finish(self, stream_id: int, cancel: bool) -> None:
+        """The stream ended (its FINAL read) or, with ``cancel``, was closed early: the worker is told to abort
+        it."""
+        self._inboxes.pop(stream_id, None)
+        if cancel and self.lost is None and self._writer is not None:
+            self._writer.write(frame(FrameKind.CANCEL, stream_id))
+
+    async def close(self) -> None:
+        """Closes the connection: streams still open on it end with ``ChildUnavailable``; the worker cancels
+        them."""
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+        else:
+            self._lose("connection closed by the router")
+        if self._writer is not None:
+            try:
+                await self._writer.wait_closed()
+            except (OSError, ConnectionError):
+                pass
+
+
+class _Inbox:
+    """One stream's responses (serialized, or None when the connection ended), in order: the reader task puts,
+    the stream's task gets. Event loop thread only."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[bytes | None] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: bytes | None) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> bytes | None:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
+class EndpointLauncher:
+    """Child requests to workers' own endpoints (``serving.workers.endpoint``) in child frames
+    (``serving.parsing.child_frames``): one TCP connection per endpoint (``ChannelPool``: a connection that
+    failed is replaced, so a restarted worker is reached on the next call), one stream per call. Responses are
+    read straight from their raw contents, as ``GrpcLauncher`` reads them."""
+
+    def __init__(self, fleet_secret: bytes | None = None, connect_timeout_s: float = 5.0) -> None:
+        """``fleet_secret``: every stream carries its signature (``child_codec.sign_call``), which the endpoint
+        checks. ``connect_timeout_s``: a worker whose host does not answer the connection fails the call (the
+        router retries elsewhere) after this many seconds."""
+        self._connections = ChannelPool(connect=lambda endpoint, _args: FrameConnection(endpoint,
+                                                                                          connect_timeout_s))
+        self._secret = fleet_secret
+
+    async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
+        from tritonclient.grpc import service_pb2
+
+        request = child_request(call)
+        channel = self._connections.acquire(call.target.endpoint)
+        if channel.client.lost is not None:   # the worker closed it since (it restarted, say): a new one
+            self._connections.retire(channel)
+            self._connections.release(channel)
+            channel = self._connections.acquire(call.target.endpoint)
+        connection: FrameConnection = channel.client
+        signature = "" if self._secret is None else sign_call(self._secret, request.id, time.time())
+        stream_id = 0
+        finished = False
+        try:
+            try:
+                await connection.connected()
+                stream_id, inbox = connection.open(signature, request.SerializeToString())
+                await connection.drain()
+            except ChildUnavailable as e:
+                raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint} "
+                                       f"unreachable: {e}") from None
+            while True:
+                payload = await inbox.get()
+                if payload is None:
+                    raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint}: "
+                                           f"{connection.lost} before the stream's FINAL")
+                response = service_pb2.ModelStreamInferResponse.FromString(payload)
+                delta = _response_delta(call, response)
+                finished = delta.final
+                yield delta
+                if finished:
+                    return
+        except ChildUnavailable:
+            self._connections.retire(channel)   # the next call opens a new connection
+            raise
+        finally:
+            if stream_id:
+                connection.finish(stream_id, cancel=not finished)
+            self._connections.release(channel)
+
+    def reset(self, endpoint: str) -> None:
+        self._connections.retire_endpoint(endpoint)
+
+    async def close(self) -> None:
+        await self._connections.close()
+
+
+class ChildLauncher:
+    """The router's ``Launcher``: a target on a worker's own endpoint (``Target.worker_endpoint``) through
+    ``EndpointLauncher``, any other (a tritonserver) through ``GrpcLauncher``."""
+
+    def __init__(self, keepalive_s: float = 300.0, fleet_secret: bytes | None = None) -> None:
+        self._grpc = GrpcLauncher(keepalive_s, fleet_secret)
+        self._frames = EndpointLauncher(fleet_secret)
+
+    def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
+        return (self._frames if call.target.worker_endpoint else self._grpc).stream(call)
+
+    def reset(self, endpoint: str) -> None:
+        self._grpc.reset(endpoint)
+        self._frames.reset(endpoint)
+
+    async def close(self) -> None:
+        await self._grpc.close()
+        await self._frames.close()
+
+
+def _response_delta(call: ChildCall, response: Any) -> Delta:
+    """One ``ModelStreamInferResponse`` as a ``Delta`` (an ``error_message``: a failure, final)."""
+    if response.error_message:
+        return Delta.failure(f"{call.role} {call.target.instance_id}: {response.error_message}")
+    result = response.infer_response
+    final = result.parameters["triton_final_response"].bool_param
+    raw = result.raw_output_contents
+    return decode_raw_response({output.name: raw[i] for i, output in enumerate(result.outputs) if i < len(raw)},
+                               final)
 
 
 def _rpc_message(error: BaseException) -> str:

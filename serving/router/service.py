@@ -34,7 +34,7 @@ from serving.parsing.request import GenerateRequest
 from serving.router.config import RouterConfig
 from serving.router.discovery import LocalServerMembers, MemberSource
 from serving.router.fleet import Fleet, FleetWatcher
-from serving.router.launch import GrpcLauncher, Launcher
+from serving.router.launch import ChildLauncher, Launcher
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
@@ -85,7 +85,8 @@ class Router:
             name: the Triton instance name (thread names, logs).
             model_name: the model clients call.
             metrics: where to publish; None disables.
-            launcher: how children are reached; default ``GrpcLauncher``.
+            launcher: how children are reached; default ``ChildLauncher`` (worker endpoints in child frames,
+                tritonservers over gRPC).
             count_tokens: the prompt's token ids, or only their count; default ``TokenCounter(config.tokenizer)``.
             members: who the fleet is; default ``make_member_source(config)``.
         """
@@ -94,7 +95,7 @@ class Router:
         self._metrics = metrics
         self.fleet = Fleet(config)
         self._watcher = FleetWatcher(self.fleet, config, members or make_member_source(config), name)
-        self._launcher: Launcher = launcher or GrpcLauncher(fleet_secret=config.fleet_secret)
+        self._launcher: Launcher = launcher or ChildLauncher(fleet_secret=config.fleet_secret)
         self._count_tokens = count_tokens
         self.orchestrator: PDOrchestrator | None = None
         self._loop = asyncio.new_event_loop()

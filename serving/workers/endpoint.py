@@ -1,28 +1,28 @@
-"""``WorkerEndpoint``: a PD worker's own gRPC endpoint, where routers send its child requests past tritonserver.
+"""``WorkerEndpoint``: a PD worker's own endpoint, where routers send its child requests past tritonserver.
 
 Why: through tritonserver a child request and each of its responses cross the server's gRPC frontend and the
 python backend's shared-memory queues into and out of the stub, one hand-off between processes (each a wake-up
 on a busy host) per direction; PD's first token crosses that path twice more than colocated's
 (router -> prefill -> router), and every streamed token once more (decode -> router). The endpoint serves the
-same request and response messages (Triton's ``inference.GRPCInferenceService/ModelStreamInfer``, from
-``tritonclient.grpc.service_pb2``) from inside the worker's own process, so the router's ``GrpcLauncher`` uses it
-unchanged, pointed at another address. Dynamo's disaggregated workers and SGLang's router reach workers on
-their own endpoints the same way. Triton still serves the model as before (a client's requests, the router's
-``describe``, plain ``tritonserver`` with no router).
+same request and response messages (Triton's ``ModelInferRequest`` / ``ModelStreamInferResponse``, from
+``tritonclient.grpc.service_pb2``) from inside the worker's own process, over a plain TCP connection in child
+frames (``serving.parsing.child_frames``: why not gRPC there, and the framing), which the router's
+``EndpointLauncher`` speaks. Dynamo's disaggregated workers and SGLang's router reach workers on their own
+endpoints the same way. Triton still serves the model as before (a client's requests, the router's
+``describe``, plain ``tritonserver`` with no router, a router with ``worker_endpoints`` false).
 
 Protocol: one child request per stream (the router's ``launch.child_request``: ``model_name`` must be this
 worker's model, inputs as raw contents; ``child_codec.CHILD_INPUTS``); responses are ``ModelStreamInferResponse``s
 in the child layout (``child_codec.encode_response``) with ``triton_final_response`` set on the last one, which
 the router's ``decode_raw_response`` reads. A stream that fell behind gets its pending responses merged into one
-(``serving.stream.merge_chunks``), as the Triton path's response thread does. Cancelling the stream (the router
-closes it, or its connection drops) cancels the request: the worker sees ``is_cancelled`` and aborts the room.
-A second request on one stream, another model's name, a bad input or a missing fleet signature each end that
-stream with one FINAL error response; nothing else is touched.
+(``serving.stream.merge_chunks``), as the Triton path's response thread does. Cancelling the stream (the router's
+``CANCEL``, or its connection closing) cancels the request: the worker sees ``is_cancelled`` and aborts the room.
+Another model's name, a bad or malformed input or a missing fleet signature each end that stream with one FINAL
+error response; nothing else is touched.
 
-Authentication: with a fleet secret (``bootstrap.auth``), every stream's metadata carries
-``x-pd-fleet-auth`` signed over ``POST``, the method path and the request id (``child_codec.sign_call``); a
-stream without a valid, fresh one is answered with an error. Without a secret the endpoint binds loopback only
-(``check_bind``).
+Authentication: with a fleet secret (``bootstrap.auth``), every stream's ``OPEN`` carries the router's signature
+over ``POST``, the method path and the request id (``child_codec.sign_call``); a stream without a valid, fresh
+one is answered with an error. Without a secret the endpoint binds loopback only (``check_bind``).
 
 Threads: the endpoint runs its own asyncio loop on thread ``worker-endpoint-<port>``; the worker's sinks are fed
 from the engine loop thread (``call_soon_threadsafe``, once per wake-up, not per response).
@@ -36,20 +36,16 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from bootstrap.auth import AuthError, _ReplayGuard, check_bind
 from serving.answering import start_or_fail
-from serving.parsing.child_codec import (
-    AUTH_METADATA,
-    CHILD_OUTPUTS,
-    encode_response,
-    verify_call,
-)
+from serving.parsing.child_codec import CHILD_OUTPUTS, encode_response, verify_call
+from serving.parsing.child_frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, read_frame, split_open
 from serving.parsing.pd_request import CONTROL_INPUT, PD_INPUT_NAMES, PDRequest, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
 from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink, merge_chunks
@@ -224,7 +220,8 @@ class WorkerEndpoint:
         self._worker: ChildWorker | None = None
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
-        self._server: Any = None
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()   # one per router connection (loop thread)
         self._stop_lock = threading.Lock()
         self._active = 0          # streams whose request was handed to the worker and has not ended (loop thread)
         self._draining = False
@@ -249,7 +246,8 @@ class WorkerEndpoint:
     def start(self, worker: ChildWorker) -> None:
         """Serve ``worker``'s requests from now on."""
         self._worker = worker
-        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
+        assert self._server is not None, "bind first"
+        asyncio.run_coroutine_threadsafe(self._server.start_serving(), self._loop).result(30)
         logger.info("worker endpoint of %s at %s", self._model_name, self.address)
 
     @property
@@ -276,7 +274,7 @@ class WorkerEndpoint:
                 return
             if self._server is not None:
                 try:
-                    asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(grace_s + 5)
+                    asyncio.run_coroutine_threadsafe(self._stop(grace_s), self._loop).result(grace_s + 10)
                 except Exception:
                     logger.exception("worker endpoint %s: stop failed", self.address)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -284,63 +282,112 @@ class WorkerEndpoint:
             self._thread = None
 
     async def _bind(self) -> int:
-        import grpc
-        from tritonclient.grpc import service_pb2_grpc
-
-        servicer = _Servicer(self)
-        # tritonserver's keepalive policy is stricter; routers ping every 300 s (launch.GrpcLauncher)
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                                ("grpc.so_reuseport", 0)])
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._server)
-        port = self._server.add_insecure_port(f"{self._host}:{self._port}")
-        if port == 0:
+        # the listening socket now (the port is known at once), accepting only from ``start`` on
+        self._server = await asyncio.start_server(self._connection, self._host, self._port,
+                                                  limit=2 * 2**20, start_serving=False)
+        sockets = self._server.sockets
+        if not sockets:
             raise OSError(f"the worker endpoint cannot bind {self._host}:{self._port}")
-        return port
+        return int(sockets[0].getsockname()[1])
 
-    def _authenticate(self, metadata: tuple[tuple[str, str | bytes], ...], request_id: str) -> None:
+    async def _stop(self, grace_s: float) -> None:
+        assert self._server is not None
+        self._server.close()   # no new connections
+        deadline = time.monotonic() + grace_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=5)
+
+    def _authenticate(self, signature: str | None, request_id: str) -> None:
         """Raises ``AuthError`` when a fleet secret is set and the stream's signature is missing or wrong."""
         if self._secret is None:
             return
-        header = next((str(v) for k, v in metadata if k == AUTH_METADATA), None)
         now = self._clock()
-        verify_call(self._secret, request_id, header, now)
-        self._guard.admit(header or "", now)
+        verify_call(self._secret, request_id, signature, now)
+        self._guard.admit(signature or "", now)
 
-    async def serve(self, requests: AsyncIterator[service_pb2.ModelInferRequest],
-                    metadata: tuple[tuple[str, str | bytes], ...]
-                    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
-        """One stream: its first request, answered until FINAL (module docstring)."""
-        request = None
-        async for request in requests:
-            break
-        if request is None:
-            return
-        request_id = request.id
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One router's connection: its ``OPEN``s and ``CANCEL``s (``child_frames``); every stream on it is
+        cancelled when it closes."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        streams: dict[int, asyncio.Task[None]] = {}
+        peer = writer.get_extra_info("peername")
+        try:
+            if await reader.readexactly(len(PREAMBLE)) != PREAMBLE:
+                logger.warning("worker endpoint %s: a connection from %s that does not speak child frames "
+                               "(version %d) closed", self.address, peer, PREAMBLE[-1])
+                return
+            keepalive(writer)
+            while True:
+                kind, stream_id, payload = await read_frame(reader)
+                if kind is FrameKind.OPEN:
+                    if stream_id in streams:
+                        logger.warning("worker endpoint %s: a second OPEN of stream %d from %s ignored",
+                                       self.address, stream_id, peer)
+                        continue
+                    stream = asyncio.ensure_future(self._stream(stream_id, payload, writer))
+                    streams[stream_id] = stream
+                    stream.add_done_callback(lambda _, sid=stream_id: streams.pop(sid, None))
+                elif kind is FrameKind.CANCEL:
+                    cancelled = streams.get(stream_id)
+                    if cancelled is not None:
+                        cancelled.cancel()
+                else:
+                    raise FrameError(f"a {kind.name} frame from a router")
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        except FrameError as e:
+            logger.warning("worker endpoint %s: connection from %s closed: %s", self.address, peer, e)
+        finally:
+            for stream in list(streams.values()):
+                stream.cancel()   # its sink turns cancelled: the worker aborts the request
+            writer.close()
+            self._connections.discard(task)
+
+    async def _stream(self, stream_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
+        """One child stream: its request handed to the worker, answered until FINAL (module docstring)."""
+        from tritonclient.grpc import service_pb2
+
         sink = _StreamSink(asyncio.get_running_loop())
         self._active += 1
-
-        def start() -> None:
-            if self._draining:
-                raise _Draining(f"{self._model_name} at {self.address} is being unloaded")
-            self._start(request, metadata, sink)
-
-        start_or_fail(start, sink, request_id, refusals=(AuthError, _Draining))
-        extra = asyncio.ensure_future(self._refuse_more(requests, request_id))
+        request_id = ""
         try:
+            try:
+                signature, raw = split_open(payload)
+                request = service_pb2.ModelInferRequest.FromString(raw)
+            except Exception as e:   # FrameError, protobuf's DecodeError: this stream's error, not the connection's
+                request, signature = None, None
+                sink.send_error(f"a malformed child request: {e}", ErrorKind.REQUEST)
+            if request is not None:
+                request_id = request.id
+
+                def start() -> None:
+                    if self._draining:
+                        raise _Draining(f"{self._model_name} at {self.address} is being unloaded")
+                    self._start(request, signature, sink)
+
+                start_or_fail(start, sink, request_id, refusals=(AuthError, _Draining))
             while True:
                 await sink.ready.wait()
                 for delta, final in sink.drain():
-                    yield response_message(delta, final, self._model_name, request_id)
+                    message = response_message(delta, final, self._model_name, request_id)
+                    writer.write(frame(FrameKind.RESPONSE, stream_id, message.SerializeToString()))
                     if final:
                         return
+                await writer.drain()   # a router that reads slowly: the sink merges what waits meanwhile
+        except ConnectionError:
+            pass   # the connection is gone: ``_connection`` cancels the rest
         finally:
             sink.cancelled = True   # cancelled by the router (or the server stopping): the worker aborts it
             self._active -= 1
-            extra.cancel()
 
-    def _start(self, request: service_pb2.ModelInferRequest, metadata: tuple[tuple[str, str | bytes], ...],
-               sink: _StreamSink) -> None:
-        self._authenticate(metadata, request.id)
+    def _start(self, request: service_pb2.ModelInferRequest, signature: str | None, sink: _StreamSink) -> None:
+        self._authenticate(signature, request.id)
         if request.model_name != self._model_name:
             raise RequestError("model_name", f"this endpoint serves {self._model_name!r}, not "
                                              f"{request.model_name!r}")
@@ -354,28 +401,3 @@ class WorkerEndpoint:
 
         pd = parse_pd_request(scalars_from_arrays(llm), {n: arrays[n] for n in PD_INPUT_NAMES if n in arrays})
         self._worker.handle(pd, sink)
-
-    async def _refuse_more(self, requests: AsyncIterator[Any], request_id: str) -> None:
-        """Reads the rest of the stream's requests (a router sends one, then half-closes at FINAL): one more is
-        logged and ignored (the stream answers its first request only)."""
-        async for extra in requests:
-            logger.warning("request %r: a second request (%r) on one endpoint stream ignored", request_id,
-                           extra.id)
-
-
-def _servicer_base() -> type:
-    from tritonclient.grpc import service_pb2_grpc
-
-    return service_pb2_grpc.GRPCInferenceServiceServicer
-
-
-class _Servicer(_servicer_base()):   # type: ignore[misc]
-    """Triton's gRPC service with ``ModelStreamInfer`` only (every other method: UNIMPLEMENTED)."""
-
-    def __init__(self, endpoint: WorkerEndpoint) -> None:
-        self._endpoint = endpoint
-
-    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        # an async generator function itself: grpc.aio runs a plain function's result as a sync generator
-        async for response in self._endpoint.serve(request_iterator, tuple(context.invocation_metadata() or ())):
-            yield response

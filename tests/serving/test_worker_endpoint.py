@@ -1,10 +1,13 @@
-"""``WorkerEndpoint`` with the router's own ``GrpcLauncher``: the child protocol over a worker's own gRPC endpoint.
+"""``WorkerEndpoint`` with the router's own ``EndpointLauncher``: the child protocol in child frames over a worker's
+own endpoint.
 
 The worker here is a scripted ``ChildWorker`` (it answers from its own thread, as an engine loop does); the live
 PD tests run the real workers behind it. Invariants: the router reads exactly what the worker sent (text, ids,
 counts, errors with their kind) and one FINAL; a stream that fell behind arrives merged, nothing lost; closing the
-stream early cancels the worker's request; a bad request, another model's name or a missing fleet signature ends
-that stream with one error and nothing else.
+stream early cancels the worker's request and only it, on a connection other streams share; a bad or malformed
+request, another model's name or a missing fleet signature ends that stream with one error and nothing else; a
+connection that breaks fails its streams with ``ChildUnavailable`` and cancels them on the worker, and the next
+call reconnects; a peer that does not speak child frames is closed out.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import pytest
 from serving.parsing.pd_request import PDRequest
 from serving.parsing.request import RequestError
 from serving.router.fleet import Target
-from serving.router.launch import ChildCall, GrpcLauncher, child_arrays, child_request
+from serving.router.launch import ChildCall, EndpointLauncher, child_arrays, child_request
 from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
 from serving.workers.endpoint import WorkerEndpoint, request_arrays
 
@@ -54,7 +57,7 @@ def tokens(n: int, pause_s: float = 0.0) -> Callable[[PDRequest, ResponseSink], 
 
 
 def call_for(endpoint: WorkerEndpoint, model: str = "decode", room: int = 7) -> ChildCall:
-    target = Target("decode@x", "decode", endpoint.address, model)
+    target = Target("decode@x", "decode", endpoint.address, model, worker_endpoint=True)
     return ChildCall("decode", target, room=room, prefill_instance="", prefill_rendezvous="",
                      inputs={"text_input": b"Hello", "sampling_parameters": b'{"max_tokens": 16}'},
                      prompt_token_ids=(1, 2, 3), tokenizer_id="tok")
@@ -70,7 +73,7 @@ def run(worker: ScriptedWorker, scenario: Callable[[WorkerEndpoint], object], se
         endpoint.stop(1.0)
 
 
-async def collect(launcher: GrpcLauncher, call: ChildCall) -> list[Delta]:
+async def collect(launcher: EndpointLauncher, call: ChildCall) -> list[Delta]:
     try:
         return [d async for d in launcher.stream(call)]
     finally:
@@ -79,7 +82,7 @@ async def collect(launcher: GrpcLauncher, call: ChildCall) -> list[Delta]:
 
 def test_the_router_reads_what_the_worker_sent_and_one_final() -> None:
     worker = ScriptedWorker(tokens(20))
-    out = run(worker, lambda ep: collect(GrpcLauncher(), call_for(ep)))
+    out = run(worker, lambda ep: collect(EndpointLauncher(), call_for(ep)))
     assert [d.final for d in out].count(True) == 1 and out[-1].final
     assert "".join(d.text for d in out) == "".join(f"t{i} " for i in range(20))
     assert sum((d.token_ids for d in out), ()) == tuple(range(100, 120))
@@ -96,7 +99,7 @@ def test_a_stream_that_fell_behind_arrives_merged_with_nothing_lost() -> None:
             sink.send(ResponseChunk.single(text=f"{i},", num_output_tokens=i + 1, token_ids=(i,)), final=False)
         sink.send(ResponseChunk.single(finish_reason="stop", num_output_tokens=200), final=True)
 
-    out = run(ScriptedWorker(burst), lambda ep: collect(GrpcLauncher(), call_for(ep)))
+    out = run(ScriptedWorker(burst), lambda ep: collect(EndpointLauncher(), call_for(ep)))
     assert "".join(d.text for d in out) == "".join(f"{i}," for i in range(200))
     assert sum((d.token_ids for d in out), ()) == tuple(range(200))
     assert len(out) < 200 and out[-1].final and out[-1].finish_reason == "stop"
@@ -114,7 +117,7 @@ def test_closing_the_stream_early_cancels_the_workers_request() -> None:
     worker = ScriptedWorker(until_cancelled)
 
     async def scenario(endpoint: WorkerEndpoint) -> None:
-        launcher = GrpcLauncher()
+        launcher = EndpointLauncher()
         stream = launcher.stream(call_for(endpoint))
         first = await stream.__anext__()
         assert first.text == "x"
@@ -131,7 +134,7 @@ def test_errors_keep_their_kind_and_end_the_stream() -> None:
         sink.send_error("pool exhausted", ErrorKind.INSTANCE)
         sink.send(ResponseChunk.single(text="late"), final=True)   # after FINAL: dropped
 
-    out = run(ScriptedWorker(fail), lambda ep: collect(GrpcLauncher(), call_for(ep)))
+    out = run(ScriptedWorker(fail), lambda ep: collect(EndpointLauncher(), call_for(ep)))
     assert [d.text for d in out] == ["a", ""]
     assert out[-1].final and out[-1].error == "pool exhausted" and out[-1].error_kind is ErrorKind.INSTANCE
 
@@ -143,17 +146,17 @@ def test_a_bad_request_another_model_or_no_signature_fails_that_stream_only() ->
         bad = call_for(endpoint)
         bad = ChildCall(bad.role, bad.target, bad.room, "", "", inputs={"text_input": b"Hi",
                         "sampling_parameters": b'{"max_tokens": -3}'})
-        out = await collect(GrpcLauncher(fleet_secret=SECRET), bad)
+        out = await collect(EndpointLauncher(fleet_secret=SECRET), bad)
         assert len(out) == 1 and out[0].final and out[0].error_kind is ErrorKind.REQUEST
         assert "max_tokens" in out[0].error
         other = call_for(endpoint, model="prefill")
-        out = await collect(GrpcLauncher(fleet_secret=SECRET), other)
+        out = await collect(EndpointLauncher(fleet_secret=SECRET), other)
         assert out[0].error_kind is ErrorKind.REQUEST and "serves 'decode'" in out[0].error
-        unsigned = await collect(GrpcLauncher(), call_for(endpoint))
+        unsigned = await collect(EndpointLauncher(), call_for(endpoint))
         assert len(unsigned) == 1 and "fleet secret" in unsigned[0].error
-        wrong = await collect(GrpcLauncher(fleet_secret=b"other"), call_for(endpoint))
+        wrong = await collect(EndpointLauncher(fleet_secret=b"other"), call_for(endpoint))
         assert "bad signature" in wrong[0].error
-        good = await collect(GrpcLauncher(fleet_secret=SECRET), call_for(endpoint))
+        good = await collect(EndpointLauncher(fleet_secret=SECRET), call_for(endpoint))
         assert good[-1].final and not good[-1].error and "".join(d.text for d in good) == "t0 t1 "
 
     run(worker, scenario, secret=SECRET)
@@ -185,7 +188,7 @@ def test_drain_lets_open_streams_end_and_refuses_new_ones() -> None:
     worker = ScriptedWorker(tokens(30, pause_s=0.02))
 
     async def scenario(endpoint: WorkerEndpoint) -> None:
-        launcher = GrpcLauncher()
+        launcher = EndpointLauncher()
         stream = launcher.stream(call_for(endpoint, room=1))
         first = await stream.__anext__()
         drained = asyncio.get_running_loop().run_in_executor(None, endpoint.drain, 10.0)
@@ -215,3 +218,150 @@ def test_a_port_in_use_fails_the_bind_and_leaves_no_thread() -> None:
         time.sleep(0.2)
         assert not [t.name for t in threading.enumerate() if t.name.startswith("worker-endpoint")
                     and t.name not in before]
+
+
+def test_streams_share_one_connection_and_a_cancel_ends_only_its_own() -> None:
+    cancelled: list[int] = []
+
+    def until_cancelled(pd: PDRequest, sink: ResponseSink) -> None:
+        for i in range(40):
+            if sink.is_cancelled():
+                cancelled.append(pd.room)
+                return
+            sink.send(ResponseChunk.single(text=f"{pd.room}.{i} ", num_output_tokens=i + 1), final=False)
+            time.sleep(0.01)
+        sink.send(ResponseChunk.single(finish_reason="length", num_output_tokens=40), final=True)
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = EndpointLauncher()
+
+        async def whole(room: int) -> str:
+            return "".join([d.text async for d in launcher.stream(call_for(endpoint, room=room))])
+
+        doomed = launcher.stream(call_for(endpoint, room=99))
+        await doomed.__anext__()
+        others = asyncio.gather(*(whole(room) for room in range(8)))
+        await asyncio.sleep(0.05)
+        await doomed.aclose()
+        texts = await others
+        assert texts == ["".join(f"{room}.{i} " for i in range(40)) for room in range(8)]
+        assert len(launcher._connections._channels) == 1   # one connection carried all nine
+        await launcher.close()
+
+    run(ScriptedWorker(until_cancelled), scenario)
+    deadline = time.monotonic() + 5
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cancelled == [99]
+
+
+def test_a_broken_connection_fails_its_streams_cancels_them_and_the_next_call_reconnects() -> None:
+    from serving.router.launch import ChildUnavailable
+
+    cancelled = threading.Event()
+
+    def slow(pd: PDRequest, sink: ResponseSink) -> None:
+        if pd.room == 2:   # the call after the break
+            sink.send(ResponseChunk.single(text="again", finish_reason="stop", num_output_tokens=1), final=True)
+            return
+        for i in range(500):
+            if sink.is_cancelled():
+                cancelled.set()
+                return
+            sink.send(ResponseChunk.single(text="x", num_output_tokens=i + 1), final=False)
+            time.sleep(0.01)
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = EndpointLauncher()
+        stream = launcher.stream(call_for(endpoint, room=1))
+        await stream.__anext__()
+        channel = launcher._connections._channels[endpoint.address]
+        channel.client._writer.transport.abort()   # the connection breaks under the stream (no FIN)
+        with pytest.raises(ChildUnavailable, match="before the stream's FINAL"):
+            async for _ in stream:
+                pass
+        assert await asyncio.get_running_loop().run_in_executor(None, cancelled.wait, 5)
+        again = [d async for d in launcher.stream(call_for(endpoint, room=2))]
+        assert [d.text for d in again] == ["again"] and again[-1].final
+        await launcher.close()
+
+    run(ScriptedWorker(slow), scenario)
+
+
+def test_an_unreachable_endpoint_fails_the_call_at_once() -> None:
+    import socket
+
+    from serving.router.launch import ChildUnavailable
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]   # nothing listens there once closed
+
+    async def scenario() -> None:
+        launcher = EndpointLauncher(connect_timeout_s=2.0)
+        target = Target("decode@x", "decode", f"127.0.0.1:{port}", "decode", worker_endpoint=True)
+        call = ChildCall("decode", target, room=1, prefill_instance="", prefill_rendezvous="")
+        started = time.monotonic()
+        with pytest.raises(ChildUnavailable, match="unreachable: cannot connect"):
+            async for _ in launcher.stream(call):
+                pass
+        assert time.monotonic() - started < 2.0
+        await launcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_without_the_preamble_or_with_a_malformed_open_is_refused_and_others_go_on() -> None:
+    import struct
+
+    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame
+
+    worker = ScriptedWorker(tokens(3))
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        host, port = endpoint.address.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")   # a gRPC client, say
+        assert await asyncio.wait_for(reader.read(), 5) == b""   # closed, nothing answered
+        writer.close()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(PREAMBLE + frame(FrameKind.OPEN, 1, struct.pack("<H", 40) + b"short"))
+        header = await asyncio.wait_for(reader.readexactly(9), 5)
+        size, kind, stream_id = struct.unpack("<IBI", header)
+        from tritonclient.grpc import service_pb2
+
+        response = service_pb2.ModelStreamInferResponse.FromString(await reader.readexactly(size))
+        result = response.infer_response
+        assert (kind, stream_id) == (FrameKind.RESPONSE, 1)
+        assert result.parameters["triton_final_response"].bool_param
+        errors = [bytes(result.raw_output_contents[i]) for i, o in enumerate(result.outputs) if o.name == "error"]
+        assert errors and b"malformed child request" in errors[0]
+        writer.close()
+        launcher = EndpointLauncher()
+        good = await collect(launcher, call_for(endpoint))
+        assert "".join(d.text for d in good) == "t0 t1 t2 " and good[-1].final
+
+    run(worker, scenario)
+    assert len(worker.requests) == 1
+
+
+def test_a_worker_restarted_on_the_same_port_is_reached_on_the_next_call() -> None:
+    async def scenario() -> None:
+        launcher = EndpointLauncher()
+        first = WorkerEndpoint("127.0.0.1", 0, "decode").bind()
+        first.start(ScriptedWorker(tokens(2)))
+        call = call_for(first)
+        assert [d async for d in launcher.stream(call)][-1].final
+        await asyncio.get_running_loop().run_in_executor(None, first.stop, 1.0)
+        port = int(first.address.rsplit(":", 1)[1])
+        second = WorkerEndpoint("127.0.0.1", port, "decode").bind()
+        second.start(ScriptedWorker(tokens(3)))
+        try:
+            await asyncio.sleep(0.1)   # the old connection's close reaches the router
+            out = [d async for d in launcher.stream(call)]
+            assert "".join(d.text for d in out) == "t0 t1 t2 " and out[-1].final and not out[-1].error
+        finally:
+            await launcher.close()
+            await asyncio.get_running_loop().run_in_executor(None, second.stop, 1.0)
+
+    asyncio.run(scenario())
