@@ -68,12 +68,11 @@ SCHEMA_HASH: str = hashlib.sha256(json.dumps(
 
 #: The gRPC method every child stream calls (Triton's, served by tritonserver or a worker's own endpoint).
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-#: The stream metadata key of the fleet-secret signature (a worker endpoint checks it; tritonserver ignores it).
-AUTH_METADATA = "x-pd-fleet-auth"
 
 
 def sign_call(secret: bytes, request_id: str, now_s: float) -> str:
-    """Router side: the ``AUTH_METADATA`` value of one child stream whose request id is ``request_id``
+    """Router side: the fleet signature of one child stream whose request id is ``request_id`` (sent in its
+    ``OPEN`` frame, ``child_frames``)
     (``bootstrap.auth.sign`` over ``POST``, ``STREAM_METHOD`` and the id's bytes); ``now_s``: unix seconds."""
     return sign(secret, "POST", STREAM_METHOD, request_id.encode(), now_s)
 

@@ -4,8 +4,8 @@ Why not gRPC here: grpc.aio hands every event from its completion-queue poller t
 through a socket, so each message crosses one more thread than the bytes need; measured between two Python
 processes on this host (``scripts/perf/bench_child_hop.py``; ``docs/benchmarks.md``, "Session 19"), one child
 call (open a stream, one request, the first response) took 549 us over grpc.aio and 86 us over a plain asyncio
-TCP connection, and each streamed response cost the receiver 80 us of CPU against 6 us. A PD request's first token crosses this hop twice
-(router → prefill → router) and every streamed token once (decode → router). The messages stay Triton's
+TCP connection, and each streamed response cost the receiver 80 us of CPU against 6 us. A PD request's first
+token crosses this hop twice (router → prefill → router) and every streamed token once (decode → router). The messages stay Triton's
 (``tritonclient.grpc.service_pb2``: ``ModelInferRequest`` in, ``ModelStreamInferResponse`` out, raw contents,
 ``triton_final_response`` on the last), so ``child_codec`` and both sides' encoders are the same as through
 tritonserver; only the framing around them is ours.
@@ -27,8 +27,8 @@ One TCP connection per (router, endpoint) carries any number of child streams:
 - The connection closing (either side, or the network) ends every stream on it: the router fails them with
   ``ChildUnavailable``; the endpoint cancels them.
 
-Stream ids are the router's (unique per connection, never reused on it). Everything here is pure encoding:
-callers are the router's event loop thread (``serving.router.launch.EndpointLauncher``) and the endpoint's loop
+Stream ids are the router's (unique per connection, never reused on it). Everything here is encoding, plus the
+connections' TCP keepalive (``keepalive``): callers are the router's event loop thread (``serving.router.launch.EndpointLauncher``) and the endpoint's loop
 thread (``serving.workers.endpoint``).
 """
 

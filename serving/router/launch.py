@@ -1,11 +1,11 @@
 """The ``Launcher`` seam: send one child request (prefill or decode) and stream its responses.
 
-``GrpcLauncher`` reaches the child over asyncio gRPC streaming (Triton's ``ModelStreamInfer`` through the service
-stub tritonclient ships, ``tritonclient.grpc.service_pb2_grpc``) at its target's endpoint: the worker's own endpoint
-(``serving.workers.endpoint``, the same service for one model) when it has one, else the tritonserver that serves
-it, whichever server that is (the router's own included): one bidirectional stream per child request, so that cancelling the stream cancels
-exactly that request (Triton then reports ``is_cancelled()`` to the child, which aborts it and frees its
-pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
+``ChildLauncher`` (the router's) sends a child request to the worker's own endpoint when its target is one
+(``serving.workers.endpoint``: ``EndpointLauncher``, child frames over TCP, ``serving.parsing.child_frames``), else
+to the tritonserver that serves it, whichever server that is (the router's own included): ``GrpcLauncher``, asyncio
+gRPC streaming (Triton's ``ModelStreamInfer`` through the service stub tritonclient ships,
+``tritonclient.grpc.service_pb2_grpc``). Either way one stream per child request, so that cancelling the stream
+cancels exactly that request (the child then sees ``is_cancelled()``, aborts it and frees its pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
 stub and not ``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
 ``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one per
 streamed token) once, straight from its raw contents (``child_codec.decode_raw_response``): 110 -> ~20 us per
@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from serving.parsing.child_codec import (
-    AUTH_METADATA,
     CHILD_OUTPUTS,
     SCHEMA_HASH,
     SCHEMA_INPUT,
@@ -159,11 +158,9 @@ class GrpcLauncher:
     by ``request_idle_timeout_s``.
     """
 
-    def __init__(self, keepalive_s: float = 300.0, fleet_secret: bytes | None = None) -> None:
-        """``fleet_secret``: every stream carries its signature (``serving.parsing.child_codec.sign_call``), which a
-        worker endpoint checks (tritonserver ignores it)."""
+    def __init__(self, keepalive_s: float = 300.0) -> None:
+        # no fleet signature: tritonserver has no place to check one (worker endpoints do: ``EndpointLauncher``)
         self._channels = ChannelPool(keepalive_s)
-        self._secret = fleet_secret
 
     async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         import grpc
@@ -176,9 +173,7 @@ class GrpcLauncher:
             await ended.wait()   # keep our half open until the child's FINAL: closing it ends the stream
 
         channel = self._channels.acquire(call.target.endpoint)
-        metadata = None if self._secret is None else \
-            ((AUTH_METADATA, sign_call(self._secret, request.id, time.time())),)
-        responses = channel.client.stub.ModelStreamInfer(requests(), metadata=metadata)
+        responses = channel.client.stub.ModelStreamInfer(requests())
         finished = False
         try:
             async for response in responses:
@@ -398,7 +393,7 @@ class ChildLauncher:
     ``EndpointLauncher``, any other (a tritonserver) through ``GrpcLauncher``."""
 
     def __init__(self, keepalive_s: float = 300.0, fleet_secret: bytes | None = None) -> None:
-        self._grpc = GrpcLauncher(keepalive_s, fleet_secret)
+        self._grpc = GrpcLauncher(keepalive_s)
         self._frames = EndpointLauncher(fleet_secret)
 
     def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
