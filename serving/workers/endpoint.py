@@ -25,7 +25,9 @@ over ``POST``, the method path and the request id (``child_codec.sign_call``); a
 one is answered with an error. Without a secret the endpoint binds loopback only (``check_bind``).
 
 Threads: the endpoint runs its own asyncio loop on thread ``worker-endpoint-<port>``; the worker's sinks are fed
-from the engine loop thread (``call_soon_threadsafe``, once per wake-up, not per response).
+from the engine loop thread, which wakes the loop once for every stream with something new (``_Outbox``: one
+``call_soon_threadsafe`` per engine step, not one per stream), and the loop writes what they hold to each
+router connection in one write (a decode step's tokens of every stream on it in one ``send``).
 """
 
 from __future__ import annotations
@@ -119,19 +121,70 @@ def response_message(delta: Delta, final: bool, model_name: str, request_id: str
     return message
 
 
+class _Outbox:
+    """The hand-off from the engine loop thread to the endpoint's loop, shared by every stream of the endpoint:
+    a sink with something new joins ``ready``, and the loop is woken once for all of them (one
+    ``call_soon_threadsafe`` per engine step, not one per stream: each is a write to the loop's self-pipe, on
+    the engine thread). ``flush`` runs on the loop thread with the sinks that have something pending."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, flush: Callable[[list[_StreamSink]], None]) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()   # every sink's pending and scheduled, and ``ready``
+        self._flush = flush
+        self._ready: list[_StreamSink] = []
+        self._woken = False
+
+    def schedule(self, sink: _StreamSink) -> None:
+        """``sink`` has something pending (caller holds ``lock``); any thread."""
+        self._ready.append(sink)
+        if self._woken:
+            return
+        self._woken = True
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:   # the endpoint's loop is closed: its streams are gone with it
+            pass
+
+    def _run(self) -> None:
+        with self.lock:
+            sinks, self._ready = self._ready, []
+            self._woken = False
+        self._flush(sinks)
+
+
+class _Connection:
+    """One router's connection as the flush writes to it (loop thread): the frames of one flush go out in one
+    write; while the socket's send buffer is over ``WRITE_HIGH_WATER`` its sinks wait in ``waiting`` (their
+    responses merge meanwhile) until ``drain`` brings it down."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.out: list[bytes] = []
+        self.waiting: list[_StreamSink] = []
+        self.draining = False
+
+
+#: Bytes in a router connection's send buffer above which the endpoint stops writing responses to it (the
+#: router reads slowly: the streams' responses merge until it is below; asyncio's own default high-water mark)
+WRITE_HIGH_WATER = 64 * 1024
+
+
 class _StreamSink:
-    """``ResponseSink`` of one endpoint stream: the engine loop thread appends, the endpoint's loop drains.
+    """``ResponseSink`` of one endpoint stream: the engine loop thread appends, the endpoint's loop drains (in
+    ``WorkerEndpoint._flush``, with every other stream that has something new).
 
     FINAL once (later calls dropped); ``is_cancelled`` is True once the stream was cancelled or FINAL queued."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self, outbox: _Outbox, connection: _Connection, stream_id: int) -> None:
+        self._outbox = outbox
+        self.connection = connection
+        self.stream_id = stream_id
+        self.request_id = ""
         self._pending: collections.deque[tuple[ResponseChunk | Delta, bool]] = collections.deque()
-        self._lock = threading.Lock()
-        self._scheduled = False
+        self._scheduled = False   # in the outbox's ready list or its connection's waiting list (under its lock)
         self._closed = False
         self.cancelled = False
-        self.ready = asyncio.Event()   # set on the loop thread when something is pending
+        self.finished: asyncio.Future[None] = outbox.loop.create_future()   # set once FINAL is written
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         self._put(chunk, final)
@@ -146,30 +199,21 @@ class _StreamSink:
         return self.cancelled or self._closed
 
     def _put(self, item: ResponseChunk | Delta, final: bool) -> None:
-        with self._lock:
+        with self._outbox.lock:
             if self._closed:
                 return
             self._closed = final
             self._pending.append((item, final))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:   # the endpoint's loop is closed: the stream is gone with it
-            pass
-
-    def _wake(self) -> None:
-        with self._lock:
-            self._scheduled = False
-        self.ready.set()
+            if not self._scheduled:
+                self._scheduled = True
+                self._outbox.schedule(self)
 
     def drain(self) -> list[tuple[Delta, bool]]:
         """Loop thread: the pending responses as deltas, consecutive non-final chunks merged into one."""
-        self.ready.clear()
-        with self._lock:
+        with self._outbox.lock:
             items = list(self._pending)
             self._pending.clear()
+            self._scheduled = False
         out: list[tuple[Delta, bool]] = []
         merged: ResponseChunk | None = None
         for item, final in items:
@@ -219,9 +263,11 @@ class WorkerEndpoint:
         self._guard = _ReplayGuard(30.0)
         self._worker: ChildWorker | None = None
         self._loop = asyncio.new_event_loop()
+        self._outbox = _Outbox(self._loop, self._flush)
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()   # one per router connection (loop thread)
+        self._drains: set[asyncio.Task[None]] = set()        # ``_wait_drained`` of a slow router (loop thread)
         self._stop_lock = threading.Lock()
         self._active = 0          # streams whose request was handed to the worker and has not ended (loop thread)
         self._draining = False
@@ -296,7 +342,7 @@ class WorkerEndpoint:
         deadline = time.monotonic() + grace_s
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for task in list(self._connections):
+        for task in [*self._connections, *self._drains]:
             task.cancel()
         if self._connections:
             await asyncio.wait(list(self._connections), timeout=5)
@@ -323,6 +369,7 @@ class WorkerEndpoint:
                                "(version %d) closed", self.address, peer, PREAMBLE[-1])
                 return
             keepalive(writer)
+            connection = _Connection(writer)
             while True:
                 kind, stream_id, payload = await read_frame(reader)
                 if kind is FrameKind.OPEN:
@@ -330,7 +377,7 @@ class WorkerEndpoint:
                         logger.warning("worker endpoint %s: a second OPEN of stream %d from %s ignored",
                                        self.address, stream_id, peer)
                         continue
-                    stream = asyncio.ensure_future(self._stream(stream_id, payload, writer))
+                    stream = asyncio.ensure_future(self._stream(stream_id, payload, connection))
                     streams[stream_id] = stream
                     stream.add_done_callback(lambda _, sid=stream_id: streams.pop(sid, None))
                 elif kind is FrameKind.CANCEL:
@@ -349,13 +396,13 @@ class WorkerEndpoint:
             writer.close()
             self._connections.discard(task)
 
-    async def _stream(self, stream_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
-        """One child stream: its request handed to the worker, answered until FINAL (module docstring)."""
+    async def _stream(self, stream_id: int, payload: bytes, connection: _Connection) -> None:
+        """One child stream: its request handed to the worker; its responses are written by ``_flush`` until
+        FINAL (module docstring)."""
         from tritonclient.grpc import service_pb2
 
-        sink = _StreamSink(asyncio.get_running_loop())
+        sink = _StreamSink(self._outbox, connection, stream_id)
         self._active += 1
-        request_id = ""
         try:
             try:
                 signature, raw = split_open(payload)
@@ -364,27 +411,64 @@ class WorkerEndpoint:
                 request, signature = None, None
                 sink.send_error(f"a malformed child request: {e}", ErrorKind.REQUEST)
             if request is not None:
-                request_id = request.id
+                sink.request_id = request.id
 
                 def start() -> None:
                     if self._draining:
                         raise _Draining(f"{self._model_name} at {self.address} is being unloaded")
                     self._start(request, signature, sink)
 
-                start_or_fail(start, sink, request_id, refusals=(AuthError, _Draining))
-            while True:
-                await sink.ready.wait()
-                for delta, final in sink.drain():
-                    message = response_message(delta, final, self._model_name, request_id)
-                    writer.write(frame(FrameKind.RESPONSE, stream_id, message.SerializeToString()))
-                    if final:
-                        return
-                await writer.drain()   # a router that reads slowly: the sink merges what waits meanwhile
-        except ConnectionError:
-            pass   # the connection is gone: ``_connection`` cancels the rest
+                start_or_fail(start, sink, request.id, refusals=(AuthError, _Draining))
+            await sink.finished
         finally:
             sink.cancelled = True   # cancelled by the router (or the server stopping): the worker aborts it
             self._active -= 1
+
+    def _flush(self, sinks: list[_StreamSink]) -> None:
+        """Loop thread: the pending responses of ``sinks`` written, each connection's in one write (a decode
+        step's tokens of every stream on it: one ``send`` instead of one per stream). A connection whose send
+        buffer is full keeps its sinks waiting (``_Connection``); a cancelled stream's responses are dropped."""
+        touched: list[_Connection] = []
+        for sink in sinks:
+            connection = sink.connection
+            if sink.cancelled or connection.writer.is_closing():
+                sink.drain()
+                continue
+            if connection.draining:
+                connection.waiting.append(sink)   # still scheduled: ``_put`` does not queue it again
+                continue
+            for delta, final in sink.drain():
+                message = response_message(delta, final, self._model_name, sink.request_id)
+                connection.out.append(frame(FrameKind.RESPONSE, sink.stream_id, message.SerializeToString()))
+                if final:
+                    sink.cancelled = True   # nothing after FINAL
+                    if not sink.finished.done():
+                        sink.finished.set_result(None)
+                    break
+            if connection not in touched:
+                touched.append(connection)
+        for connection in touched:
+            if not connection.out:
+                continue
+            data, connection.out = b"".join(connection.out), []
+            connection.writer.write(data)
+            if connection.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER and not connection.draining:
+                connection.draining = True
+                waiter = asyncio.ensure_future(self._wait_drained(connection))
+                self._drains.add(waiter)
+                waiter.add_done_callback(self._drains.discard)
+
+    async def _wait_drained(self, connection: _Connection) -> None:
+        """The router reads slowly: its sinks wait (merging) until the socket's buffer drained, then flush."""
+        try:
+            await connection.writer.drain()
+        except ConnectionError:
+            pass   # the connection is gone: ``_connection`` cancels its streams
+        finally:
+            connection.draining = False
+            waiting, connection.waiting = connection.waiting, []
+            if waiting:
+                self._flush(waiting)
 
     def _start(self, request: service_pb2.ModelInferRequest, signature: str | None, sink: _StreamSink) -> None:
         self._authenticate(signature, request.id)

@@ -365,3 +365,55 @@ def test_a_worker_restarted_on_the_same_port_is_reached_on_the_next_call() -> No
             await asyncio.get_running_loop().run_in_executor(None, second.stop, 1.0)
 
     asyncio.run(scenario())
+
+
+def test_a_router_that_stops_reading_gets_every_stream_merged_and_whole_and_others_go_on() -> None:
+    """Several streams on one connection whose router reads nothing for a while (the socket's buffers fill and
+    the endpoint stops writing to it): once it reads again, each stream's text arrives whole, in fewer
+    responses, with one FINAL; a stream on another connection is served meanwhile."""
+    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
+    from tritonclient.grpc import service_pb2
+
+    from serving.router.launch import _response_delta
+
+    piece = "y" * 4000
+
+    def big(pd: PDRequest, sink: ResponseSink) -> None:
+        for i in range(600):   # 2.4 MB per stream: 7.2 MB, more than the sockets' buffers hold
+            sink.send(ResponseChunk.single(text=f"{i}:{piece};", num_output_tokens=i + 1), final=False)
+            if i % 50 == 0:
+                time.sleep(0.005)
+        sink.send(ResponseChunk.single(finish_reason="length", num_output_tokens=600), final=True)
+
+    expected = "".join(f"{i}:{piece};" for i in range(600))
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        host, port = endpoint.address.split(":")
+        import socket
+
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=2**14)   # stops reading at 32 KiB
+        writer.write(PREAMBLE)
+        streams = (1, 2, 3)
+        for sid in streams:
+            writer.write(frame(FrameKind.OPEN, sid, open_payload("", child_request(call_for(endpoint,
+                                                                                         room=sid)).SerializeToString())))
+        await writer.drain()
+        # meanwhile another router, on its own connection, is served at once
+        other = await asyncio.wait_for(collect(EndpointLauncher(), call_for(endpoint, room=9)), 20)
+        assert "".join(d.text for d in other) == expected and other[-1].final
+        await asyncio.sleep(1.0)   # this router reads nothing: the worker keeps producing
+        call = call_for(endpoint)
+        deltas: dict[int, list[Delta]] = {sid: [] for sid in streams}
+        while not all(d and d[-1].final for d in deltas.values()):
+            kind, sid, payload = await asyncio.wait_for(read_frame(reader), 20)
+            assert kind is FrameKind.RESPONSE and sid in streams and not (deltas[sid] and deltas[sid][-1].final)
+            deltas[sid].append(_response_delta(call, service_pb2.ModelStreamInferResponse.FromString(payload)))
+        for sid in streams:
+            assert "".join(d.text for d in deltas[sid]) == expected
+            assert [d.final for d in deltas[sid]].count(True) == 1 and deltas[sid][-1].finish_reason == "length"
+            assert len(deltas[sid]) < 600
+        writer.close()
+
+    run(ScriptedWorker(big), scenario)
