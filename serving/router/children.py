@@ -1,4 +1,5 @@
-"""``ChildStreams``: the child streams one request has open, each read by its own task into one queue.
+"""``ChildStreams``: the child streams one request has open, each read into one queue: by its own task, or,
+where the launcher pushes (``PushLauncher``: worker endpoints), by the connection's reader directly.
 
 The merge loop of ``PDOrchestrator`` reads ``(call, response)`` events with ``next_event``. A call that was
 replaced (a migration cancels the open children and starts a direct decode elsewhere) may still have events in
@@ -13,7 +14,7 @@ import asyncio
 import logging
 from collections import deque
 
-from serving.router.launch import ChildCall, ChildUnavailable, Launcher
+from serving.router.launch import ChildCall, ChildUnavailable, Launcher, PushLauncher
 from serving.stream import Delta, ErrorKind
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,11 @@ class ChildStreams:
     def start(self, call: ChildCall) -> None:
         """Send ``call`` now; it becomes the current call of its role."""
         self._current[call.role] = call
-        reader = asyncio.ensure_future(self._read(call))
+        reader: asyncio.Future[None] | None = None
+        if isinstance(self._launcher, PushLauncher):   # responses handed over by the connection's reader
+            reader = self._launcher.push(call, lambda response: self._put((call, response)))
+        if reader is None:
+            reader = asyncio.ensure_future(self._read(call))
         self._readers.append(reader)
         self._reader_of[id(call)] = reader
 

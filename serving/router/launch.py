@@ -5,7 +5,9 @@
 to the tritonserver that serves it, whichever server that is (the router's own included): ``GrpcLauncher``, asyncio
 gRPC streaming (Triton's ``ModelStreamInfer`` through the service stub tritonclient ships,
 ``tritonclient.grpc.service_pb2_grpc``). Either way one stream per child request, so that cancelling the stream
-cancels exactly that request (the child then sees ``is_cancelled()``, aborts it and frees its pages). Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
+cancels exactly that request (the child then sees ``is_cancelled()``, aborts it and frees its pages). A worker
+endpoint's stream can also be pushed (``PushLauncher.push``: each response handed to a callback by the
+connection's reader task, no task per child stream), which ``ChildStreams`` prefers. Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
 stub and not ``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
 ``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one per
 streamed token) once, straight from its raw contents (``child_codec.decode_raw_response``): 110 -> ~20 us per
@@ -21,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,7 +48,7 @@ from serving.parsing.child_frames import (
 from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
-from serving.stream import Delta
+from serving.stream import Delta, ErrorKind
 
 Room = int
 #: Inputs of the client's request that are forwarded as they are to both children.
@@ -102,6 +104,24 @@ class Launcher(Protocol):
 
     async def close(self) -> None:
         """Release connections (after every stream ended)."""
+        ...
+
+
+#: Where a pushed child stream's responses go (``PushLauncher.push``), each once, in order, the last one final.
+Deliver = Callable[[Delta], None]
+
+
+@runtime_checkable
+class PushLauncher(Launcher, Protocol):
+    """A ``Launcher`` that can also hand a child's responses straight to a callback, on the event loop thread,
+    as its connection reads them: no task between the socket and the caller (``stream`` needs one to run its
+    generator), one loop turn less per streamed token. ``ChildStreams`` uses it where it is offered."""
+
+    def push(self, call: ChildCall, deliver: Deliver) -> asyncio.Future[None] | None:
+        """Send ``call``; ``deliver`` gets each response, the last one final (a child that cannot be reached or
+        whose stream breaks: one ``ErrorKind.UNREACHABLE`` failure, as ``stream`` raises ``ChildUnavailable``).
+        Returns a future done once the final response was delivered; cancelling it before that cancels the child
+        request (as closing ``stream``'s iterator does). None: this call has no push path (use ``stream``)."""
         ...
 
 
@@ -266,13 +286,15 @@ class FrameConnection:
         if self._writer is not None:
             self._writer.close()
 
-    def open(self, signature: str, request: bytes) -> tuple[int, _Inbox]:
+    def open(self, signature: str, request: bytes,
+             on_payload: Callable[[bytes | None], None] | None = None) -> tuple[int, _Inbox]:
         """Starts one stream (after ``connected``): its id and the inbox its responses arrive in (None: the
-        connection ended). Raises ``ChildUnavailable`` when the connection is gone."""
+        connection ended); with ``on_payload``, the reader task calls it with each instead. Raises
+        ``ChildUnavailable`` when the connection is gone."""
         if self.lost is not None or self._writer is None:
             raise ChildUnavailable(self.lost or "not connected")
         stream_id, self._next_id = self._next_id, self._next_id + 1
-        inbox = self._inboxes[stream_id] = _Inbox()
+        inbox = self._inboxes[stream_id] = _Inbox(on_payload)
         self._writer.write(frame(FrameKind.OPEN, stream_id, open_payload(signature, request)))
         return stream_id, inbox
 
@@ -309,13 +331,18 @@ class FrameConnection:
 
 class _Inbox:
     """One stream's responses (serialized, or None when the connection ended), in order: the reader task puts,
-    the stream's task gets. Event loop thread only."""
+    the stream's task gets; or, with ``on_payload``, the reader task hands each to it at once. Event loop thread
+    only."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_payload: Callable[[bytes | None], None] | None = None) -> None:
         self._items: collections.deque[bytes | None] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._on_payload = on_payload
 
     def put(self, item: bytes | None) -> None:
+        if self._on_payload is not None:
+            self._on_payload(item)
+            return
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -381,11 +408,88 @@ class EndpointLauncher:
                 connection.finish(stream_id, cancel=not finished)
             self._connections.release(channel)
 
+    def push(self, call: ChildCall, deliver: Deliver) -> asyncio.Future[None]:
+        """``PushLauncher.push``: the same stream as ``stream``, its responses handed to ``deliver`` by the
+        connection's reader task."""
+        return _PushedStream(self, call, deliver).done
+
     def reset(self, endpoint: str) -> None:
         self._connections.retire_endpoint(endpoint)
 
     async def close(self) -> None:
         await self._connections.close()
+
+
+class _PushedStream:
+    """One ``EndpointLauncher.push`` call: connects and opens the stream in a short task, then its responses go
+    from the connection's reader straight to ``deliver``; ``done`` ends it (set after the final response, or
+    cancelled by the caller: the worker is told to cancel). Event loop thread only."""
+
+    def __init__(self, launcher: EndpointLauncher, call: ChildCall, deliver: Deliver) -> None:
+        self._launcher, self._call, self._deliver = launcher, call, deliver
+        self._stream_id = 0
+        self._finished = False
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        pool = launcher._connections
+        self._channel = pool.acquire(call.target.endpoint)
+        if self._channel.client.lost is not None:   # the worker closed it since (it restarted, say): a new one
+            pool.retire(self._channel)
+            pool.release(self._channel)
+            self._channel = pool.acquire(call.target.endpoint)
+        self._connection: FrameConnection = self._channel.client
+        self._opening: asyncio.Task[None] | None = asyncio.ensure_future(self._open())
+        self.done.add_done_callback(self._end)
+
+    def _where(self) -> str:
+        return f"{self._call.role} {self._call.target.instance_id} at {self._call.target.endpoint}"
+
+    async def _open(self) -> None:
+        request = child_request(self._call)
+        secret = self._launcher._secret
+        signature = "" if secret is None else sign_call(secret, request.id, time.time())
+        try:
+            await self._connection.connected()
+            if self.done.done():
+                return
+            self._stream_id, _ = self._connection.open(signature, request.SerializeToString(), self._on_payload)
+            await self._connection.drain()
+        except ChildUnavailable as e:
+            self._fail(f"{self._where()} unreachable: {e}")
+        finally:
+            self._opening = None
+
+    def _on_payload(self, payload: bytes | None) -> None:
+        if self.done.done():
+            return
+        if payload is None:
+            self._fail(f"{self._where()}: {self._connection.lost} before the stream's FINAL")
+            return
+        from tritonclient.grpc import service_pb2
+
+        try:
+            delta = _response_delta(self._call, service_pb2.ModelStreamInferResponse.FromString(payload))
+        except Exception as e:   # a malformed response: this child fails, the connection's other streams go on
+            self._deliver(Delta.failure(f"{self._call.role} failed: {e}"))
+            self.done.set_result(None)   # not finished: ``_end`` cancels it on the worker
+            return
+        self._finished = delta.final
+        self._deliver(delta)
+        if delta.final:
+            self.done.set_result(None)
+
+    def _fail(self, message: str) -> None:
+        """The stream broke or could not start: the connection is retired (the next call opens a new one)."""
+        self._launcher._connections.retire(self._channel)
+        if not self.done.done():
+            self._deliver(Delta.failure(message, ErrorKind.UNREACHABLE))
+            self.done.set_result(None)
+
+    def _end(self, _: asyncio.Future[None]) -> None:
+        if self._opening is not None:
+            self._opening.cancel()
+        if self._stream_id:
+            self._connection.finish(self._stream_id, cancel=not self._finished)
+        self._launcher._connections.release(self._channel)
 
 
 class ChildLauncher:
@@ -398,6 +502,10 @@ class ChildLauncher:
 
     def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         return (self._frames if call.target.worker_endpoint else self._grpc).stream(call)
+
+    def push(self, call: ChildCall, deliver: Deliver) -> asyncio.Future[None] | None:
+        """A worker endpoint's stream pushed (``EndpointLauncher.push``); None for a tritonserver target."""
+        return self._frames.push(call, deliver) if call.target.worker_endpoint else None
 
     def reset(self, endpoint: str) -> None:
         self._grpc.reset(endpoint)

@@ -371,9 +371,9 @@ def test_a_router_that_stops_reading_gets_every_stream_merged_and_whole_and_othe
     """Several streams on one connection whose router reads nothing for a while (the socket's buffers fill and
     the endpoint stops writing to it): once it reads again, each stream's text arrives whole, in fewer
     responses, with one FINAL; a stream on another connection is served meanwhile."""
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
     from tritonclient.grpc import service_pb2
 
+    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
     from serving.router.launch import _response_delta
 
     piece = "y" * 4000
@@ -417,3 +417,111 @@ def test_a_router_that_stops_reading_gets_every_stream_merged_and_whole_and_othe
         writer.close()
 
     run(ScriptedWorker(big), scenario)
+
+
+# -- the push path (``EndpointLauncher.push``, what ``ChildStreams`` uses): the same stream, no task per child --
+
+async def pushed(launcher: EndpointLauncher, call: ChildCall) -> list[Delta]:
+    out: list[Delta] = []
+    await launcher.push(call, out.append)
+    return out
+
+
+def test_push_delivers_what_the_worker_sent_and_one_final() -> None:
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = EndpointLauncher()
+        outs = await asyncio.gather(*(pushed(launcher, call_for(endpoint, room=r)) for r in range(4)))
+        for out in outs:
+            assert [d.final for d in out].count(True) == 1 and out[-1].final
+            assert "".join(d.text for d in out) == "".join(f"t{i} " for i in range(20))
+            assert sum((d.token_ids for d in out), ()) == tuple(range(100, 120))
+        assert len(launcher._connections._channels) == 1
+        await launcher.close()
+
+    run(ScriptedWorker(tokens(20)), scenario)
+
+
+def test_push_cancelled_early_cancels_the_workers_request_and_only_it() -> None:
+    cancelled: list[int] = []
+
+    def until_cancelled(pd: PDRequest, sink: ResponseSink) -> None:
+        for i in range(40):
+            if sink.is_cancelled():
+                cancelled.append(pd.room)
+                return
+            sink.send(ResponseChunk.single(text=f"{pd.room}.{i} ", num_output_tokens=i + 1), final=False)
+            time.sleep(0.01)
+        sink.send(ResponseChunk.single(finish_reason="length", num_output_tokens=40), final=True)
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = EndpointLauncher()
+        doomed_out: list[Delta] = []
+        doomed = launcher.push(call_for(endpoint, room=99), doomed_out.append)
+        others = asyncio.gather(*(pushed(launcher, call_for(endpoint, room=r)) for r in range(4)))
+        while not doomed_out:
+            await asyncio.sleep(0.01)
+        doomed.cancel()
+        outs = await others
+        assert ["".join(d.text for d in out) for out in outs] == [
+            "".join(f"{r}.{i} " for i in range(40)) for r in range(4)]
+        assert not any(d.final for d in doomed_out)
+        await launcher.close()
+
+    run(ScriptedWorker(until_cancelled), scenario)
+    deadline = time.monotonic() + 5
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cancelled == [99]
+
+
+def test_push_on_a_broken_connection_delivers_one_unreachable_failure_and_the_next_call_reconnects() -> None:
+    cancelled = threading.Event()
+
+    def slow(pd: PDRequest, sink: ResponseSink) -> None:
+        if pd.room == 2:
+            sink.send(ResponseChunk.single(text="again", finish_reason="stop", num_output_tokens=1), final=True)
+            return
+        for i in range(500):
+            if sink.is_cancelled():
+                cancelled.set()
+                return
+            sink.send(ResponseChunk.single(text="x", num_output_tokens=i + 1), final=False)
+            time.sleep(0.01)
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = EndpointLauncher()
+        out: list[Delta] = []
+        done = launcher.push(call_for(endpoint, room=1), out.append)
+        while not out:
+            await asyncio.sleep(0.01)
+        launcher._connections._channels[endpoint.address].client._writer.transport.abort()
+        await asyncio.wait_for(done, 5)
+        assert out[-1].final and out[-1].error_kind is ErrorKind.UNREACHABLE
+        assert "before the stream's FINAL" in (out[-1].error or "")
+        assert [d.final for d in out].count(True) == 1
+        assert await asyncio.get_running_loop().run_in_executor(None, cancelled.wait, 5)
+        again = await pushed(launcher, call_for(endpoint, room=2))
+        assert [d.text for d in again] == ["again"] and again[-1].final
+        await launcher.close()
+
+    run(ScriptedWorker(slow), scenario)
+
+
+def test_push_to_an_unreachable_endpoint_fails_at_once() -> None:
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+
+    async def scenario() -> None:
+        launcher = EndpointLauncher(connect_timeout_s=2.0)
+        target = Target("decode@x", "decode", f"127.0.0.1:{port}", "decode", worker_endpoint=True)
+        started = time.monotonic()
+        out = await pushed(launcher, ChildCall("decode", target, room=1, prefill_instance="", prefill_rendezvous=""))
+        assert time.monotonic() - started < 2.0
+        assert len(out) == 1 and out[0].final and out[0].error_kind is ErrorKind.UNREACHABLE
+        assert "unreachable: cannot connect" in (out[0].error or "")
+        await launcher.close()
+
+    asyncio.run(scenario())
