@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 from serving.stream import Delta, ErrorKind
+
+logger = logging.getLogger(__name__)
 
 Room = int
 #: Inputs of the client's request that are forwarded as they are to both children.
@@ -444,10 +447,10 @@ class _PushedStream:
         return f"{self._call.role} {self._call.target.instance_id} at {self._call.target.endpoint}"
 
     async def _open(self) -> None:
-        request = child_request(self._call)
-        secret = self._launcher._secret
-        signature = "" if secret is None else sign_call(secret, request.id, time.time())
         try:
+            request = child_request(self._call)
+            secret = self._launcher._secret
+            signature = "" if secret is None else sign_call(secret, request.id, time.time())
             await self._connection.connected()
             if self.done.done():
                 return
@@ -455,6 +458,11 @@ class _PushedStream:
             await self._connection.drain()
         except ChildUnavailable as e:
             self._fail(f"{self._where()} unreachable: {e}")
+        except Exception as e:   # a launcher bug fails this child, never the loop (as ``ChildStreams._read``)
+            logger.exception("room=%d: %s stream failed", self._call.room, self._call.role)
+            if not self.done.done():
+                self._deliver(Delta.failure(f"{self._call.role} failed: {e}"))
+                self.done.set_result(None)
         finally:
             self._opening = None
 

@@ -525,3 +525,22 @@ def test_push_to_an_unreachable_endpoint_fails_at_once() -> None:
         await launcher.close()
 
     asyncio.run(scenario())
+
+
+def test_push_whose_request_cannot_be_built_fails_that_child_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import serving.router.launch as launch
+
+    def broken(call: ChildCall) -> object:
+        raise ValueError("cannot encode")
+
+    async def scenario(endpoint: WorkerEndpoint) -> None:
+        launcher = EndpointLauncher()
+        monkeypatch.setattr(launch, "child_request", broken)
+        out = await asyncio.wait_for(pushed(launcher, call_for(endpoint)), 5)
+        assert len(out) == 1 and out[0].final and "cannot encode" in (out[0].error or "")
+        monkeypatch.undo()
+        good = await pushed(launcher, call_for(endpoint, room=8))
+        assert good[-1].final and "".join(d.text for d in good) == "t0 t1 "
+        await launcher.close()
+
+    run(ScriptedWorker(tokens(2)), scenario)
