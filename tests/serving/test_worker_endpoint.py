@@ -56,6 +56,44 @@ def tokens(n: int, pause_s: float = 0.0) -> Callable[[PDRequest, ResponseSink], 
     return script
 
 
+def forty_until_cancelled(cancelled: list[int]) -> Callable[[PDRequest, ResponseSink], None]:
+    """40 tokens 10 ms apart, ``"<room>.<i> "``; a request that sees its cancel stops and is noted."""
+    def script(pd: PDRequest, sink: ResponseSink) -> None:
+        for i in range(40):
+            if sink.is_cancelled():
+                cancelled.append(pd.room)
+                return
+            sink.send(ResponseChunk.single(text=f"{pd.room}.{i} ", num_output_tokens=i + 1), final=False)
+            time.sleep(0.01)
+        sink.send(ResponseChunk.single(finish_reason="length", num_output_tokens=40), final=True)
+    return script
+
+
+def slow_until_cancelled(cancelled: threading.Event) -> Callable[[PDRequest, ResponseSink], None]:
+    """Room 2 answers ``"again"`` at once; any other streams ``"x"`` every 10 ms until cancelled (then sets
+    ``cancelled``)."""
+    def script(pd: PDRequest, sink: ResponseSink) -> None:
+        if pd.room == 2:   # the call after the break
+            sink.send(ResponseChunk.single(text="again", finish_reason="stop", num_output_tokens=1), final=True)
+            return
+        for i in range(500):
+            if sink.is_cancelled():
+                cancelled.set()
+                return
+            sink.send(ResponseChunk.single(text="x", num_output_tokens=i + 1), final=False)
+            time.sleep(0.01)
+    return script
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return int(free.getsockname()[1])
+
+
 def call_for(endpoint: WorkerEndpoint, model: str = "decode", room: int = 7) -> ChildCall:
     target = Target("decode@x", "decode", endpoint.address, model, worker_endpoint=True)
     return ChildCall("decode", target, room=room, prefill_instance="", prefill_rendezvous="",
@@ -223,15 +261,6 @@ def test_a_port_in_use_fails_the_bind_and_leaves_no_thread() -> None:
 def test_streams_share_one_connection_and_a_cancel_ends_only_its_own() -> None:
     cancelled: list[int] = []
 
-    def until_cancelled(pd: PDRequest, sink: ResponseSink) -> None:
-        for i in range(40):
-            if sink.is_cancelled():
-                cancelled.append(pd.room)
-                return
-            sink.send(ResponseChunk.single(text=f"{pd.room}.{i} ", num_output_tokens=i + 1), final=False)
-            time.sleep(0.01)
-        sink.send(ResponseChunk.single(finish_reason="length", num_output_tokens=40), final=True)
-
     async def scenario(endpoint: WorkerEndpoint) -> None:
         launcher = EndpointLauncher()
 
@@ -248,7 +277,7 @@ def test_streams_share_one_connection_and_a_cancel_ends_only_its_own() -> None:
         assert len(launcher._connections._channels) == 1   # one connection carried all nine
         await launcher.close()
 
-    run(ScriptedWorker(until_cancelled), scenario)
+    run(ScriptedWorker(forty_until_cancelled(cancelled)), scenario)
     deadline = time.monotonic() + 5
     while not cancelled and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -259,17 +288,6 @@ def test_a_broken_connection_fails_its_streams_cancels_them_and_the_next_call_re
     from serving.router.launch import ChildUnavailable
 
     cancelled = threading.Event()
-
-    def slow(pd: PDRequest, sink: ResponseSink) -> None:
-        if pd.room == 2:   # the call after the break
-            sink.send(ResponseChunk.single(text="again", finish_reason="stop", num_output_tokens=1), final=True)
-            return
-        for i in range(500):
-            if sink.is_cancelled():
-                cancelled.set()
-                return
-            sink.send(ResponseChunk.single(text="x", num_output_tokens=i + 1), final=False)
-            time.sleep(0.01)
 
     async def scenario(endpoint: WorkerEndpoint) -> None:
         launcher = EndpointLauncher()
@@ -285,17 +303,14 @@ def test_a_broken_connection_fails_its_streams_cancels_them_and_the_next_call_re
         assert [d.text for d in again] == ["again"] and again[-1].final
         await launcher.close()
 
-    run(ScriptedWorker(slow), scenario)
+    run(ScriptedWorker(slow_until_cancelled(cancelled)), scenario)
 
 
 def test_an_unreachable_endpoint_fails_the_call_at_once() -> None:
-    import socket
 
     from serving.router.launch import ChildUnavailable
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]   # nothing listens there once closed
+    port = closed_port()
 
     async def scenario() -> None:
         launcher = EndpointLauncher(connect_timeout_s=2.0)
@@ -444,15 +459,6 @@ def test_push_delivers_what_the_worker_sent_and_one_final() -> None:
 def test_push_cancelled_early_cancels_the_workers_request_and_only_it() -> None:
     cancelled: list[int] = []
 
-    def until_cancelled(pd: PDRequest, sink: ResponseSink) -> None:
-        for i in range(40):
-            if sink.is_cancelled():
-                cancelled.append(pd.room)
-                return
-            sink.send(ResponseChunk.single(text=f"{pd.room}.{i} ", num_output_tokens=i + 1), final=False)
-            time.sleep(0.01)
-        sink.send(ResponseChunk.single(finish_reason="length", num_output_tokens=40), final=True)
-
     async def scenario(endpoint: WorkerEndpoint) -> None:
         launcher = EndpointLauncher()
         doomed_out: list[Delta] = []
@@ -467,7 +473,7 @@ def test_push_cancelled_early_cancels_the_workers_request_and_only_it() -> None:
         assert not any(d.final for d in doomed_out)
         await launcher.close()
 
-    run(ScriptedWorker(until_cancelled), scenario)
+    run(ScriptedWorker(forty_until_cancelled(cancelled)), scenario)
     deadline = time.monotonic() + 5
     while not cancelled and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -476,17 +482,6 @@ def test_push_cancelled_early_cancels_the_workers_request_and_only_it() -> None:
 
 def test_push_on_a_broken_connection_delivers_one_unreachable_failure_and_the_next_call_reconnects() -> None:
     cancelled = threading.Event()
-
-    def slow(pd: PDRequest, sink: ResponseSink) -> None:
-        if pd.room == 2:
-            sink.send(ResponseChunk.single(text="again", finish_reason="stop", num_output_tokens=1), final=True)
-            return
-        for i in range(500):
-            if sink.is_cancelled():
-                cancelled.set()
-                return
-            sink.send(ResponseChunk.single(text="x", num_output_tokens=i + 1), final=False)
-            time.sleep(0.01)
 
     async def scenario(endpoint: WorkerEndpoint) -> None:
         launcher = EndpointLauncher()
@@ -504,15 +499,12 @@ def test_push_on_a_broken_connection_delivers_one_unreachable_failure_and_the_ne
         assert [d.text for d in again] == ["again"] and again[-1].final
         await launcher.close()
 
-    run(ScriptedWorker(slow), scenario)
+    run(ScriptedWorker(slow_until_cancelled(cancelled)), scenario)
 
 
 def test_push_to_an_unreachable_endpoint_fails_at_once() -> None:
-    import socket
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = closed_port()
 
     async def scenario() -> None:
         launcher = EndpointLauncher(connect_timeout_s=2.0)
