@@ -85,6 +85,16 @@ def slow_until_cancelled(cancelled: threading.Event) -> Callable[[PDRequest, Res
     return script
 
 
+def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Polls ``predicate`` every 10 ms until it holds (True) or ``timeout_s`` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on."""
     import socket
@@ -278,10 +288,7 @@ def test_streams_share_one_connection_and_a_cancel_ends_only_its_own() -> None:
         await launcher.close()
 
     run(ScriptedWorker(forty_until_cancelled(cancelled)), scenario)
-    deadline = time.monotonic() + 5
-    while not cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cancelled == [99]
+    assert until(lambda: bool(cancelled)) and cancelled == [99]
 
 
 def test_a_broken_connection_fails_its_streams_cancels_them_and_the_next_call_reconnects() -> None:
@@ -474,10 +481,7 @@ def test_push_cancelled_early_cancels_the_workers_request_and_only_it() -> None:
         await launcher.close()
 
     run(ScriptedWorker(forty_until_cancelled(cancelled)), scenario)
-    deadline = time.monotonic() + 5
-    while not cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cancelled == [99]
+    assert until(lambda: bool(cancelled)) and cancelled == [99]
 
 
 def test_push_on_a_broken_connection_delivers_one_unreachable_failure_and_the_next_call_reconnects() -> None:
