@@ -12,7 +12,11 @@ runs on the router's event loop thread only, so it takes no lock.
 Load between two reports: an instance reports its load with every heartbeat (``InstanceLoad``), so a burst of
 requests routed within one heartbeat would all see the same numbers. The router therefore adds what it itself
 assigned to an instance after that instance's last report (``note_assigned``) and drops those notes once a
-newer report covers them — the same correction SGLang's router makes with its local request counts.
+newer report covers them — the same correction SGLang's router makes with its local request counts. The other way
+round too: a request that ended after the instance's last report (``note_finished``) may still be counted in it
+(its prompt as queued, its pages as used), so the router takes it out of that report until a newer one comes. A
+conversation's next turn, sent the moment the last one ended, would otherwise find its own previous turn still
+queued on the prefill holding its prefix, and go to the other one.
 """
 
 from __future__ import annotations
@@ -122,10 +126,18 @@ class _Pending:
 
 
 @dataclass
+class _Ended:
+    ended_s: float
+    prompt_tokens: int
+    tokens_to_reserve: int
+
+
+@dataclass
 class _InstanceState:
     breaker: CircuitBreaker
     epoch: int
-    pending: list[_Pending] = field(default_factory=list)
+    pending: list[_Pending] = field(default_factory=list)   # assigned after the last report
+    ended: list[_Ended] = field(default_factory=list)       # assigned before the last report, ended after it
 
 
 class Fleet:
@@ -198,14 +210,29 @@ class Fleet:
         longer holds it, decode freed or is freeing its pages): stop counting it now instead of at the next report,
         which a short request can beat (a conversation's next turn, sent the moment the last one ended, found its
         own previous turn still counted as queued on the prefill holding its prefix, and went to the other one).
-        Removes one not yet reported assignment of the same sizes; none when a report already covered it."""
+        Removes one not yet reported assignment of the same sizes; when a report already covered it, that report
+        (and any other taken before now) counts it no longer: its prompt tokens leave the queued ones and its
+        reserved pages come back, floored at nothing queued and capped at the pool, until a newer report. A
+        report taken after the request left the instance's queue but before the router heard it end is then
+        corrected twice; the floor bounds that, and the next report (every heartbeat) replaces it."""
         state = self._states.get(target.instance_id)
-        if state is None:
+        if state is None or state.epoch != target.epoch:
             return
+        reported_s = self._reported_s(target)
+        if reported_s is not None:
+            state.pending = [p for p in state.pending if p.assigned_s >= reported_s]
         for i, pending in enumerate(state.pending):
             if (pending.prompt_tokens, pending.tokens_to_reserve) == (prompt_tokens, tokens_to_reserve):
                 del state.pending[i]
                 return
+        state.ended.append(_Ended(self._now(), prompt_tokens, tokens_to_reserve))
+
+    def _reported_s(self, target: Target) -> float | None:
+        """Local time of ``target``'s last report in the current reading; None when it is not in it."""
+        for status in self._snapshot.instances:
+            if status.instance_id == target.instance_id and status.epoch == target.epoch:
+                return self._snapshot.taken_s - status.age_s
+        return None
 
     def record(self, target: Target, ok: bool) -> None:
         """Outcome of one request on ``target`` for its breaker (client cancels are not outcomes)."""
@@ -245,15 +272,23 @@ class Fleet:
 
     def _candidate(self, status: InstanceStatus, state: _InstanceState, reported_s: float) -> Candidate:
         state.pending = [p for p in state.pending if p.assigned_s >= reported_s]
+        state.ended = [e for e in state.ended if e.ended_s > reported_s]
         load: InstanceLoad = status.load
-        pending_pages = sum(-(-p.tokens_to_reserve // load.page_size) if load.page_size else 0
-                            for p in state.pending)
+
+        def pages(tokens: int) -> int:
+            return -(-tokens // load.page_size) if load.page_size else 0
+
+        pending_pages = sum(pages(p.tokens_to_reserve) for p in state.pending)
+        ended_pages = sum(pages(e.tokens_to_reserve) for e in state.ended)
+        reported_tokens = max(0, load.num_queued_prompt_tokens - sum(e.prompt_tokens for e in state.ended))
+        reported_free = min(load.num_total_pages, load.num_free_pages + ended_pages) if load.num_total_pages \
+            else load.num_free_pages
         direct = bool(self._config.worker_endpoints and status.worker_endpoint)
         target = Target(status.instance_id, status.role, status.worker_endpoint if direct else status.address,
                         status.model_name, status.epoch, status.rendezvous_url, worker_endpoint=direct)
         return Candidate(target, load.num_queued_requests + len(state.pending),
-                         load.num_queued_prompt_tokens + sum(p.prompt_tokens for p in state.pending),
-                         load.num_free_pages - pending_pages, load.num_total_pages, load.page_size)
+                         reported_tokens + sum(p.prompt_tokens for p in state.pending),
+                         reported_free - pending_pages, load.num_total_pages, load.page_size)
 
 
 class FleetWatcher:

@@ -137,29 +137,41 @@ def test_2p1d_across_servers_uses_both_prefill_servers(fleet: Fleet, reference) 
     assert after[0] > before[0] and after[1] > before[1], (before, after)
 
 
+def prefill_selections(fleet: Fleet) -> dict[str, float]:
+    """The router's ``pd_router_selections_total{role="prefill"}`` per prefill instance (counted when it pairs a
+    request, so a request the client saw end is always in it)."""
+    import requests
+
+    text = requests.get(fleet.router.metrics_url, timeout=5).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pd_router_selections_total{") and 'role="prefill"' in line:
+            out[line.split('target="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_cache_aware_pairing_sends_a_conversation_back_to_its_prefill(fleet: Fleet) -> None:
     """The default policy (cache_aware) on an idle 2P1D fleet: each next turn of a conversation (its earlier
-    prompt + a question) goes to the prefill server that holds its prefix, not round robin."""
+    prompt + a question), sent the moment the last one ended, goes to the prefill server that holds its prefix,
+    not round robin, also while the servers' last load reports still count the turn before."""
     fleet.wait_healthy(prefills=2)
+    wait_pools_full((fleet.prefill_a, "prefill"), (fleet.prefill_b, "prefill"), (fleet.decode, "decode"))
 
-    def counts_after(expected_total: float) -> tuple[float, float]:
-        deadline = time.monotonic() + 10.0
-        while True:
-            now = served(fleet.prefill_a, "prefill"), served(fleet.prefill_b, "prefill")
-            if sum(now) >= expected_total or time.monotonic() > deadline:
-                return now
-            time.sleep(0.1)
+    def send(prompt: str) -> str:
+        """The prefill instance the router paired ``prompt`` with."""
+        before = prefill_selections(fleet)
+        assert fleet.generate(prompt).error is None
+        after = prefill_selections(fleet)
+        chosen = [target for target, n in after.items() if n != before.get(target, 0.0)]
+        assert len(chosen) == 1 and after[chosen[0]] == before.get(chosen[0], 0.0) + 1, (before, after)
+        return chosen[0]
 
     convo = "Keeper's log. " + " ".join(f"Day {i}: the lamp burned {i % 5 + 3} hours." for i in range(40))
-    base = counts_after(0)
-    assert fleet.generate(convo).error is None
-    first = counts_after(sum(base) + 1)
-    to_a = first[0] > base[0]
+    turns = [send(convo)]
     for turn in range(3):
         convo += f" Question {turn}: what came next?"
-        assert fleet.generate(convo).error is None
-    last = counts_after(sum(first) + 3)
-    assert (last[0] - first[0], last[1] - first[1]) == ((3, 0) if to_a else (0, 3)), (base, first, last)
+        turns.append(send(convo))
+    assert turns == [turns[0]] * 4, turns
 
 
 def test_killing_a_prefill_server_fails_over_and_it_rejoins_when_restarted(fleet: Fleet, reference) -> None:

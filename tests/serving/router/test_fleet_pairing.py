@@ -91,6 +91,60 @@ def test_an_assignment_stops_counting_when_its_request_ended_before_the_next_rep
     assert fleet.candidates("prefill")[0].queued_prompt_tokens == 300
 
 
+def test_a_request_that_ended_after_the_last_report_leaves_that_report_until_a_newer_one() -> None:
+    """The report was taken while the request was queued (prefill) or held its pages (decode); it ended after:
+    its tokens leave the queue and its pages come back (floored, capped) until a report taken after the end."""
+    clock = [100.0]
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=500), status("d0@h:1", "decode", free_pages=60),
+                     now=lambda: clock[0])
+    prefill, decode = fleet.candidates("prefill")[0].target, fleet.candidates("decode")[0].target
+    clock[0] = 99.0   # both were assigned before the report (taken at 100.0), which counts them
+    fleet.note_assigned(prefill, 500, 500)
+    fleet.note_assigned(decode, 500, 640)
+    clock[0] = 100.5
+    fleet.note_finished(prefill, 500, 500)
+    fleet.note_finished(decode, 500, 640)
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 0
+    assert fleet.candidates("decode")[0].free_pages == 100            # 60 + 40 pages, at most the pool's 100
+    fleet.note_finished(prefill, 500, 500)                               # a second end of the same size: floored
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 0
+    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", queued_tokens=300),
+                                status("d0@h:1", "decode", free_pages=70)), taken_s=101.0))
+    clock[0] = 101.0   # a report taken after the ends: its numbers stand
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 300
+    assert fleet.candidates("decode")[0].free_pages == 70
+
+
+def test_an_end_on_a_restarted_instance_does_not_correct_the_new_one() -> None:
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=500))
+    old = fleet.candidates("prefill")[0].target
+    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", queued_tokens=500, epoch=2),), taken_s=99.0))
+    assert fleet.candidates("prefill")[0].target.epoch == 2
+    fleet.note_finished(old, 500, 500)
+    assert fleet.candidates("prefill")[0].queued_prompt_tokens == 500
+
+
+def test_cache_aware_sends_the_next_turn_back_while_the_report_still_counts_the_last_one() -> None:
+    """The live failure this guards: turn k's prefill was in p0's last report; turn k+1 came before the next."""
+    clock = [100.0]
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"),
+                     now=lambda: clock[0])
+    policy = CacheAwarePairing()
+    turn = list(range(1, 513))
+    first = policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(len(turn), 16, tuple(turn)))
+    assert first.prefill is not None
+    clock[0] = 100.2
+    fleet.note_assigned(first.prefill, len(turn), len(turn))
+    fleet.update(FleetSnapshot((status(first.prefill.instance_id, "prefill", queued_tokens=900),
+                                status("p0@h:1" if first.prefill.instance_id == "p1@h:1" else "p1@h:1", "prefill"),
+                                status("d0@h:1", "decode")), taken_s=100.3))
+    clock[0] = 100.6
+    fleet.note_finished(first.prefill, len(turn), len(turn))
+    turn += list(range(600, 620))
+    second = policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(len(turn), 16, tuple(turn)))
+    assert second.prefill == first.prefill
+
+
 def test_load_aware_picks_least_queued_prefill_and_roomiest_decode_that_fits() -> None:
     fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900), status("p1@h:1", "prefill", queued_tokens=10),
                      status("d0@h:1", "decode", free_pages=40), status("d1@h:1", "decode", free_pages=30))
