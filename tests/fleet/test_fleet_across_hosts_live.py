@@ -1,7 +1,8 @@
 """Whole servers across network hosts (issue #21): ``scripts/serve.sh`` per host, as the README's "Across servers"
 commands say (``scripts/fleet/serve_hosts.py``): registry on ``reg``, router on ``rt``, prefill on ``pf``, decode on
-``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL (the greedy test also with Mooncake, on a
-fleet of its own started and stopped inside that test: a model repository copy with ``kv_backend: mooncake``).
+``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL; the greedy test and the decode host's
+link-down also with Mooncake (``TestMooncake``, first in the module: a fleet of its own, a model repository copy
+with ``kv_backend: mooncake``, stopped before the NIXL fleet starts).
 
 Invariants: greedy text through the router equals the colocated engine's; a seeded sampled request and its
 logprobs equal the colocated engine's; the KV bytes the prefill reports crossed the prefill host's link; a client
@@ -85,19 +86,18 @@ def mooncake_repository(dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture
-def backend_hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HostFleet]:
-    """The module's NIXL fleet, or (``kv_backend`` mooncake) a Mooncake fleet of this test only."""
-    if request.param == "nixl":
-        yield request.getfixturevalue("hosts")
-        return
+@pytest.fixture(scope="class")
+def mooncake_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
+    """The fleet with ``kv_backend`` mooncake, for the tests of ``TestMooncake`` (stopped at the end of the class,
+    before the module's NIXL fleet starts: 2 cores, one fleet at a time)."""
     pytest.importorskip("pytriton")
     from kv_transfer import unavailable_reason
 
     if unavailable_reason("mooncake"):
         pytest.skip(str(unavailable_reason("mooncake")))
-    repo = mooncake_repository(tmp_path / "models")
-    yield from started_fleet(tmp_path, {"MODEL_REPOSITORY": str(repo)})
+    tmp = tmp_path_factory.mktemp("mooncake-hosts")
+    repo = mooncake_repository(tmp / "models")
+    yield from started_fleet(tmp, {"MODEL_REPOSITORY": str(repo)})
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +187,9 @@ def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tup
     return text, tokens, cumulative
 
 
-# mooncake first: its fleet is stopped before the module's NIXL fleet starts (2 cores: one fleet at a time)
-@pytest.mark.parametrize("backend_hosts", [pytest.param("mooncake", marks=pytest.mark.mooncake), "nixl"],
-                         indirect=True)
-def test_greedy_text_across_hosts_equals_colocated(backend_hosts: HostFleet, reference: dict[str, str]) -> None:
-    hosts = backend_hosts
+def check_greedy_text_crossed_the_link(hosts: HostFleet, reference: dict[str, str]) -> None:
+    """Greedy text through the router equals the colocated engine's, and the KV bytes crossed the prefill host's
+    link."""
     assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
     kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
     link_before = hosts.host("pf").counters().tx_bytes
@@ -199,6 +197,60 @@ def test_greedy_text_across_hosts_equals_colocated(backend_hosts: HostFleet, ref
     kv_bytes = metric(hosts, "pd_kv_transfer_bytes_total", "prefill") - kv_before
     link_bytes = hosts.host("pf").counters().tx_bytes - link_before
     assert 0 < kv_bytes <= link_bytes, (kv_bytes, link_bytes)
+
+
+def check_decode_link_down_5s_mid_transfer(hosts: HostFleet, reference: dict[str, str]) -> None:
+    """The decode host's link down 5 s as soon as the first KV transfer of 4 concurrent long prompts completed:
+    every stream ends (FINAL, or an error) once the link is back, no pages leak, no process restarts, the next
+    request gives the colocated text."""
+    before = stubs(hosts)
+    kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    results: dict[int, StreamResult] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(hosts, LONG[i], params)))
+               for i in range(len(LONG))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while metric(hosts, "pd_kv_transfer_bytes_total", "prefill") == kv_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hosts.host("dc").set_link(False)
+    in_flight = len(LONG) - len(results)
+    time.sleep(5.0)
+    hosts.host("dc").set_link(True)
+    down_end = time.monotonic()
+    for t in threads:
+        t.join(300)
+    assert in_flight > 0, "every stream had ended before the link went down: the fault hit nothing"
+    assert len(results) == len(LONG), "a stream never ended"
+    for i, res in results.items():
+        assert res.final_seen or res.error, f"stream {i} ended without FINAL or an error"
+        if res.error is None:
+            assert len(res.num_output_tokens) and res.num_output_tokens[-1] == params["max_tokens"], i
+    ended_s = max(r.end_s or down_end for r in results.values()) - down_end
+    print(f"link-down outcome: {[('ok' if r.error is None else r.error[:80]) for r in results.values()]}, "
+          f"{in_flight} in flight at the link-down, the last ended {ended_s:.1f} s after the link came back")
+    wait_pools_full(hosts, POOL_S)
+    assert stubs(hosts) == before, "a server or stub restarted"
+    after = generate(hosts, PROMPTS[0])
+    assert after.error is None and after.text == reference[PROMPTS[0]]
+
+
+@pytest.mark.mooncake
+class TestMooncake:
+    """The first tests of the module (file order): the same fleet with Mooncake over TCP."""
+
+    def test_greedy_text_across_hosts_equals_colocated(self, mooncake_hosts: HostFleet,
+                                                        reference: dict[str, str]) -> None:
+        check_greedy_text_crossed_the_link(mooncake_hosts, reference)
+
+    def test_decode_hosts_link_down_5s_mid_transfer(self, mooncake_hosts: HostFleet,
+                                                    reference: dict[str, str]) -> None:
+        check_decode_link_down_5s_mid_transfer(mooncake_hosts, reference)
+
+
+def test_greedy_text_across_hosts_equals_colocated(hosts: HostFleet, reference: dict[str, str]) -> None:
+    check_greedy_text_crossed_the_link(hosts, reference)
 
 
 def test_kv_bytes_crossed_the_prefill_hosts_link(hosts: HostFleet, reference: dict[str, str]) -> None:
@@ -295,38 +347,7 @@ def test_prefill_link_throttled_to_1gbit_under_load(hosts: HostFleet) -> None:
 
 
 def test_decode_hosts_link_down_5s_mid_transfer(hosts: HostFleet, reference: dict[str, str]) -> None:
-    """Every stream ends (FINAL, or an error) once the link is back, no pages leak, no process restarts."""
-    before = stubs(hosts)
-    kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
-    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    results: dict[int, StreamResult] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(hosts, LONG[i], params)))
-               for i in range(len(LONG))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while metric(hosts, "pd_kv_transfer_bytes_total", "prefill") == kv_before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    hosts.host("dc").set_link(False)
-    in_flight = len(LONG) - len(results)
-    time.sleep(5.0)
-    hosts.host("dc").set_link(True)
-    down_end = time.monotonic()
-    for t in threads:
-        t.join(300)
-    assert in_flight > 0, "every stream had ended before the link went down: the fault hit nothing"
-    assert len(results) == len(LONG), "a stream never ended"
-    for i, res in results.items():
-        assert res.final_seen or res.error, f"stream {i} ended without FINAL or an error"
-        if res.error is None:
-            assert len(res.num_output_tokens) and res.num_output_tokens[-1] == params["max_tokens"], i
-    ended_s = max(r.end_s or down_end for r in results.values()) - down_end
-    print(f"link-down outcome: {[('ok' if r.error is None else r.error[:80]) for r in results.values()]}, "
-          f"{in_flight} in flight at the link-down, the last ended {ended_s:.1f} s after the link came back")
-    wait_pools_full(hosts, POOL_S)
-    assert stubs(hosts) == before, "a server or stub restarted"
-    after = generate(hosts, PROMPTS[0])
-    assert after.error is None and after.text == reference[PROMPTS[0]]
+    check_decode_link_down_5s_mid_transfer(hosts, reference)
 
 
 def test_registry_hosts_link_down_10s(hosts: HostFleet, reference: dict[str, str]) -> None:
