@@ -231,6 +231,7 @@ def check_decode_link_down_5s_mid_transfer(hosts: HostFleet, reference: dict[str
     print(f"link-down outcome: {[('ok' if r.error is None else r.error[:80]) for r in results.values()]}, "
           f"{in_flight} in flight at the link-down, the last ended {ended_s:.1f} s after the link came back")
     wait_pools_full(hosts, POOL_S)
+    print(f"pools full {time.monotonic() - down_end:.1f} s after the link came back")
     assert stubs(hosts) == before, "a server or stub restarted"
     after = generate(hosts, PROMPTS[0])
     assert after.error is None and after.text == reference[PROMPTS[0]]
