@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,32 @@ def _huge_page_tensor(dims: tuple[int, ...], dtype: torch.dtype,
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h: fault pages in writable, contents unchanged (Linux 5.14+)
 _POPULATE_CHUNK_BYTES = HUGE_PAGE_BYTES
+#: ``madvise``'s system call number (asm/unistd_64.h; asm-generic/unistd.h for aarch64)
+_SYS_MADVISE = {"x86_64": 28, "aarch64": 233}.get(os.uname().machine)
+
+
+def _raw_madvise() -> Callable[[int, int, int], int]:
+    """``madvise(addr, length, advice) -> 0 or -1 (errno set)`` as the raw system call (``syscall(2)``), not
+    libc's ``madvise``: UCX (NIXL's UCX backend) live-patches libc's ``madvise``, ``mmap`` and the like when it
+    starts (its UCM "bistro" memory hooks), and a thread parked inside one of those functions while its first
+    bytes are rewritten resumes on half-written instructions (SIGSEGV or SIGILL: a known UCM race, openucx/ucx's
+    ``test_hooks``). The populate thread spends the worker's start inside ``madvise`` calls of a few ms each,
+    right when NIXL starts UCX; a decode stub died so once (2026-12-04, its fault handler's trace in ``populate``).
+    ``syscall`` itself is not patched. Elsewhere (another architecture) libc's ``madvise``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if _SYS_MADVISE is None:
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    syscall = libc.syscall
+    syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    syscall.restype = ctypes.c_long
+
+    def madvise(addr: int, length: int, advice: int) -> int:
+        return syscall(_SYS_MADVISE, addr, length, advice)
+
+    return madvise
 
 
 def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
@@ -159,14 +186,12 @@ def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
     when the kernel refuses the advice (tried on the first huge page, here): the caller then touches the memory
     itself. The thread holds no Python object of the pool: if the mapping is closed first, its madvise fails
     (ENOMEM) and it ends."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = _raw_madvise()
     first = min(nbytes, HUGE_PAGE_BYTES)
     if madvise(base, first, _MADV_POPULATE_WRITE) != 0:
         return None
 
-    def populate() -> None:   # ctypes releases the GIL for the call
+    def populate() -> None:   # ctypes releases the GIL for the call; the raw syscall: see ``_raw_madvise``
         try:   # lowest priority (Linux: per thread): a starting server's own work and its serving come first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:

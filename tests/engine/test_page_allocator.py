@@ -124,3 +124,30 @@ def test_pages_for_bytes_rounds_down():
     page_bytes = shape.page_bytes(torch.float32)
     assert page_bytes == 2 * 2 * 4 * 1 * 2 * 4
     assert shape.pages_for_bytes(3 * page_bytes + 1, torch.float32) == 3
+
+
+def test_kv_pool_populates_through_the_raw_madvise_syscall():
+    """The background populate calls ``madvise`` as a raw system call, never libc's ``madvise`` (which UCX
+    live-patches while NIXL starts: a thread inside it then can crash); it faults a fresh mapping in with its
+    contents unchanged, and reports a bad address as -1."""
+    import mmap as mmap_module
+
+    from engine import kv_pool
+
+    if kv_pool._SYS_MADVISE is None:
+        pytest.skip("no raw madvise number for this architecture: libc's is used")
+    madvise = kv_pool._raw_madvise()
+    assert not hasattr(madvise, "argtypes")   # a Python wrapper over syscall(2), not the libc symbol
+    region = mmap_module.mmap(-1, 4 * HUGE_PAGE_BYTES, flags=mmap_module.MAP_PRIVATE | mmap_module.MAP_ANONYMOUS)
+    base = torch.frombuffer(memoryview(region), dtype=torch.uint8, count=1).data_ptr()
+    aligned = base + (-base % 4096)
+    assert madvise(aligned, HUGE_PAGE_BYTES, kv_pool._MADV_POPULATE_WRITE) in (0, -1)   # -1: kernel < 5.14
+    assert madvise(aligned, HUGE_PAGE_BYTES, mmap_module.MADV_NORMAL) == 0
+    assert madvise(aligned + 1, 4096, mmap_module.MADV_NORMAL) == -1   # not page aligned: EINVAL
+    assert bytes(region[:16]) == bytes(16)
+    del madvise
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=4, page_size=16)
+    pool = KVPool(shape, num_pages=2048, dtype=torch.float32, device="cpu")
+    if pool.populating is not None:
+        pool.populating.join(30)
+    assert torch.count_nonzero(pool.kv_cache) == 0
