@@ -72,18 +72,25 @@ class ChildStreams:
         return self._current.get(call.role) is call
 
     def forget(self, role: str) -> None:
-        """Give up ``role``'s current call without cancelling it (its instance stopped answering: a frozen
-        server, a host cut off from the router): its events become stale, and its stream is left to end by
-        itself (its FINAL once the path is back, or a transport error) instead of being cancelled by
-        ``cancel_all``. Why not cancel: a cancel that reached tritonserver 2.51 once the path was back, while
-        the server's writes to this router were still stalled, aborted that server (a gRPC assertion,
-        ``interceptor_common.h: ASSERTION FAILED: ops_``; docs/multihost.md). The instance's work for the
-        request runs to its end (its pages come back then)."""
+        """Give up ``role``'s current call (its instance stopped answering: a frozen server, a host cut off from
+        the router): its events become stale, and ``cancel_all`` no longer waits for it.
+
+        A call to a worker's own endpoint (``Target.worker_endpoint``) is cancelled now: its ``CANCEL`` frame
+        waits in the router's socket until the path is back, and the worker then aborts the request and frees
+        its pages at once, also when what it waits for can no longer come (its prefill aborted the room while
+        the link was down, and that abort never reached it: docs/multihost.md). A call through tritonserver is
+        left to end by itself: a cancel that reached tritonserver 2.51 once the path was back, while the
+        server's writes to this router were still stalled, aborted that server (a gRPC assertion,
+        ``interceptor_common.h: ASSERTION FAILED: ops_``; docs/multihost.md); the instance's work for the request
+        then runs to its end (its pages come back then, or at the waiting timeout)."""
         call = self._current.pop(role, None)
         reader = self._reader_of.pop(id(call), None) if call is not None else None
-        if reader is not None and reader in self._readers:
-            self._readers.remove(reader)
-            reader.add_done_callback(lambda r: r.cancelled() or r.exception())   # retrieved: no "never retrieved"
+        if call is None or reader is None or reader not in self._readers:
+            return
+        self._readers.remove(reader)
+        if call.target.worker_endpoint:
+            reader.cancel()
+        reader.add_done_callback(lambda r: r.cancelled() or r.exception())   # retrieved: no "never retrieved"
 
     async def cancel_all(self, grace_s: float = FINISH_GRACE_S) -> None:
         """End every open stream: one that ends by itself within ``grace_s`` (its FINAL already on its way, e.g.

@@ -375,10 +375,10 @@ def test_router_cut_off_from_the_decode_host_mid_stream(hosts: HostFleet, refere
     their other links). The decode host stops answering the router's rendezvous polls too, so the router gives
     the stream up after ``instance_stale_s`` (3 s) of silence, not after the 300 s idle timeout: with no other
     decode host to migrate to, the client gets one error naming the decode instance, within seconds. The router
-    leaves that stream to end by itself instead of cancelling it (a cancel that arrived while tritonserver 2.51's
-    writes to the router were stalled aborted the decode server in 3 of 5 runs: ``ChildStreams.forget``): once
-    the path is back the decode host finishes the request and its pages come back, the router lists it healthy
-    again, new requests succeed, and nothing restarted."""
+    cancels that stream on the decode's own endpoint (``ChildStreams.forget``; through tritonserver it would
+    leave it to end by itself: a late cancel aborted tritonserver 2.51): once the path is back the decode host
+    ends the request and its pages come back, the router lists it healthy again, new requests succeed, and
+    nothing restarted."""
     before = stubs(hosts)
     params = {"max_tokens": 600, "temperature": 0, "ignore_eos": True}
     done: dict[str, StreamResult] = {}

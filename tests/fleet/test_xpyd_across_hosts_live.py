@@ -155,8 +155,8 @@ def test_a_decode_host_cut_off_mid_stream_migrates_to_the_other_decode_host(host
     in (every other path up). The router hears nothing from that decode for ``instance_stale_s`` (3 s) and
     migrates the stream to the other decode host: it resumes the request with the tokens already sent, so the
     client gets every token once, no error, and the colocated greedy text. Once the path is back the cut-off host
-    finishes its copy of the request by itself (the router leaves such a stream to end instead of cancelling
-    it), its pages come back, the router lists both decode hosts again, and no server or stub restarted."""
+    ends its copy of the request (the router's CANCEL of that stream, on its own endpoint, arrives then), its
+    pages come back, the router lists both decode hosts again, and no server or stub restarted."""
     decodes = [h for h in WORKERS if XPYD_2P2D[h] == "decode"]
     prompt = LONG[2]
     params = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
@@ -186,7 +186,7 @@ def test_a_decode_host_cut_off_mid_stream_migrates_to_the_other_decode_host(host
     assert result.error is None and result.final_seen, result.error
     assert result.text == expected
     assert migrated >= 1
-    wait_pools_full(hosts, 150.0)   # the cut-off host's copy ends by itself once the path is back
+    wait_pools_full(hosts, 150.0)   # the cut-off host's copy ends once the path is back
     deadline = time.monotonic() + 30
     while healthy(hosts, "decode") != 2:
         assert time.monotonic() < deadline, "the router did not list both decode hosts again"

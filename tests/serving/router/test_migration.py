@@ -5,6 +5,7 @@ consistent counts and logprobs; the limit and a cancel end it cleanly. Over a sc
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
 from test_orchestrator import run
@@ -143,6 +144,28 @@ def test_a_decode_that_stops_answering_mid_stream_is_migrated_within_instance_st
     assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"] and decodes[1].resume_token_ids == (10, 11, 12)
     # d0's stream was left to end by itself, never cancelled (a late cancel aborted tritonserver 2.51)
     assert not [c for c in launcher.cancelled if c.target.instance_id == "d0@h:1"]
+
+
+def test_a_silent_decode_on_its_own_endpoint_is_migrated_and_its_stream_cancelled() -> None:
+    """The same through the workers' own endpoints: the stream given up is cancelled at once (its CANCEL frame
+    reaches the worker once the path is back, which then frees its pages even when its KV can no longer come);
+    tritonserver's streams are left to end by themselves (the test above)."""
+    start = time.monotonic()
+
+    def endpoint(s):
+        return replace(s, worker_endpoint=f"127.0.0.1:{9000 + len(s.instance_id)}")
+
+    fleet = fleet_of(endpoint(status("p0@h:1", "prefill", age_s=-1000)), endpoint(status("d0@h:1", "decode")),
+                     endpoint(status("d1@h:1", "decode", age_s=-1000)),
+                     config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
+    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (1.5, tok("X", 4, (99,), -2.0)),
+              (0.0, tok("Y", 5, (98,), -2.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent}, resumed=[RESUMED_AFTER_3])
+    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3)
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
+    decodes = [c for c in launcher.calls if c.role == "decode"]
+    assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"] and decodes[0].target.worker_endpoint
+    assert [c.target.instance_id for c in launcher.cancelled] == ["d0@h:1"]
 
 
 def test_a_silent_decode_that_still_answers_its_rendezvous_keeps_its_stream() -> None:
