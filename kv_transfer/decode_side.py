@@ -31,6 +31,15 @@ from kv_transfer.transport import LockedTransport, PeerUnreachable, TransportErr
 logger = logging.getLogger(__name__)
 RETRY_S = 0.05
 RELEASE_INTERVAL_S = 0.02
+#: A release the prefill's rendezvous did not take (partitioned, overloaded) is tried again after
+#: ``RELEASE_INTERVAL_S * 2**attempts`` seconds, at most ``RELEASE_BACKOFF_MAX_S`` (a partition of the decode
+#: host made a failing release every 20 ms, one log line each, for the partition's length).
+RELEASE_BACKOFF_MAX_S = 2.0
+#: A cancel the writer has not answered (``done``) is sent again after this long, doubling up to
+#: ``CANCEL_RESEND_MAX_S``: a message may be lost (Mooncake drops the messages queued behind a write that failed,
+#: as after a partition; a peer's answer can be queued behind it), and the room's pages wait for the answer.
+CANCEL_RESEND_S = 1.0
+CANCEL_RESEND_MAX_S = 8.0
 FULL_ROUND_S = 0.001   # between full rounds, a round nobody woke only drains notifications
 INLINE_DRAIN_INTERVAL_S = 50e-6   # receivers polled back to back drain once (one drain serves every room)
 INLINE_ACTIVE_TICK_S = 0.005      # thread wait while rooms are open, with inline progress
@@ -90,7 +99,8 @@ class DecodeSide:
             self._timeouts(now_s)
         if now_s >= self._next_release_s:   # rendezvous HTTP in batches, away from the moment a room completes
             self._next_release_s = now_s + RELEASE_INTERVAL_S
-            self._cancel_and_release()
+            self._cancel_and_release(now_s)
+            self._resend_cancels(now_s)
             self._fence(now_s)   # failed rooms only: batched with the releases, off the per-round path
         self._check_peers(now_s)
         with self._lock:
@@ -116,7 +126,7 @@ class DecodeSide:
             self._drain_notifs(now_fn())
             # an unreachable prefill rendezvous is not waited for: it drops this instance's rooms when the
             # registration goes (deregistered next, or expired)
-            self._cancel_and_release(give_up_unreachable=True)
+            self._cancel_and_release(now_fn(), give_up_unreachable=True)
             self._fence(now_fn())
             with self._lock:
                 self._close()
@@ -292,10 +302,13 @@ class DecodeSide:
             return receiver.progress_s
         return max(receiver.progress_s, self._peer_progress_s.get(receiver.peer.agent_name, 0.0))
 
-    def _cancel_and_release(self, give_up_unreachable: bool = False) -> None:
+    def _cancel_and_release(self, now_s: float, give_up_unreachable: bool = False) -> None:
+        """Releases finished rooms at their prefill's rendezvous; a failed room's writer is sent a cancel. A
+        release that fails is tried again with a backoff (``RELEASE_BACKOFF_MAX_S``), or, with
+        ``give_up_unreachable`` (shutdown), given up: the room is fenced instead."""
         with self._lock:
             todo = [r for r in self.receivers.values()
-                    if r.published and not r.room_released and r.state.is_terminal]
+                    if r.published and not r.room_released and r.state.is_terminal and now_s >= r.release_next_s]
         for receiver in todo:
             try:
                 released = self._clients.get(receiver.prefill_rendezvous_url).release_room(
@@ -306,7 +319,11 @@ class DecodeSide:
                     receiver.writer_done = receiver.fence_needed = True
                 continue
             except BootstrapError as exc:
-                logger.warning("room %d: cannot release at prefill's rendezvous: %s", receiver.room, exc)
+                receiver.release_attempts += 1
+                delay_s = min(RELEASE_BACKOFF_MAX_S, RELEASE_INTERVAL_S * 2 ** receiver.release_attempts)
+                receiver.release_next_s = now_s + delay_s
+                logger.warning("room %d: cannot release at prefill's rendezvous (attempt %d, next in %.2f s): %s",
+                               receiver.room, receiver.release_attempts, delay_s, exc)
                 if give_up_unreachable:
                     with self._lock:
                         receiver.room_released = True
@@ -317,7 +334,30 @@ class DecodeSide:
                 if receiver.state == KVPoll.Failed and released.known and not released.delivered:
                     receiver.writer_done = True   # the prefill side never learned where to write
                 if receiver.state == KVPoll.Failed and not receiver.writer_done and receiver.peer is not None:
-                    self._send_cancel(receiver)
+                    self._send_cancel(receiver, now_s)
+
+    def _resend_cancels(self, now_s: float) -> None:
+        """A failed room whose writer has not answered its cancel (``done``, or an ``abort``) gets it again,
+        every ``CANCEL_RESEND_S`` doubling to ``CANCEL_RESEND_MAX_S`` (either message may have been lost: the
+        prefill side answers a cancel of a room it forgot too). No answer within ``KVArgs.waiting_timeout_s`` of
+        the first cancel: the writer's connections are fenced (``_fence``) and the pages go back, as for a room
+        whose KV stopped coming."""
+        with self._lock:
+            for receiver in self.receivers.values():
+                if (receiver.state != KVPoll.Failed or not receiver.room_released or receiver.writer_done
+                        or receiver.peer is None or now_s < receiver.cancel_next_s):
+                    continue
+                first_s = receiver.cancel_first_s
+                if first_s is not None and now_s - first_s > self._args.waiting_timeout_s:
+                    logger.warning("room %d: %s did not answer its cancel in %.0f s; fencing its connections "
+                                   "before the pages go back", receiver.room, receiver.peer.instance_id,
+                                   now_s - first_s)
+                    receiver.writer_done = receiver.fence_needed = True
+                    continue
+                if first_s is not None:
+                    logger.info("room %d: no answer to its cancel from %s in %.1f s; sending it again",
+                                receiver.room, receiver.peer.instance_id, now_s - first_s)
+                self._send_cancel(receiver, now_s)
 
     def _fence(self, now_s: float) -> None:
         """Fences the writers of failed rooms whose last write may still be on the way (``fence_needed``), once
@@ -348,10 +388,16 @@ class DecodeSide:
                     receiver.fenced = True
                     self.metrics.fenced_rooms_total += 1
 
-    def _send_cancel(self, receiver: KVReceiver) -> None:
+    def _send_cancel(self, receiver: KVReceiver, now_s: float) -> None:
+        """Tells the room's writer to stop (caller holds the lock); the next one goes out after a backoff unless
+        the writer answers first (``_resend_cancels``)."""
         reason = receiver.failure.reason if receiver.failure else ""
         peer = receiver.peer
         assert peer is not None   # the caller checked
+        if receiver.cancel_first_s is None:
+            receiver.cancel_first_s = now_s
+        waited_s = now_s - receiver.cancel_first_s
+        receiver.cancel_next_s = now_s + min(CANCEL_RESEND_MAX_S, max(CANCEL_RESEND_S, waited_s))
         try:
             tag = Tag(TagKind.CANCEL, receiver.room, receiver.xfer_id, 0, reason)
             self._transport.send_notif(peer.agent_name, tag.encode())

@@ -14,9 +14,11 @@ without waiting (the manager thread must not wait out a stopped peer), ``close``
 (a zero-length write carrying it), so a notification always follows every byte of its write. ``send_notif``
 queues behind the peer's writes too: it never blocks the manager thread on a stopped peer. A failed write or
 message makes every write queued before the failure fail at once (a stopped peer holds only its own writer,
-for ``MC_TRANSFER_TIMEOUT`` once, not once per queued write); later writes try again. Mooncake reports a
-failed write to the writer only: the decode side learns it from the prefill side's ``abort`` message, or from
-the bootstrap (registration gone) and its waiting timeout when the prefill process died.
+for ``MC_TRANSFER_TIMEOUT`` once, not once per queued write); later writes try again. Messages queued behind
+the failure are dropped with them (logged): the protocol above asks again for what it waits on (decode sends an
+unanswered cancel again, ``decode_side.CANCEL_RESEND_S``). Mooncake reports a failed write to the writer only:
+the decode side learns it from the prefill side's ``abort`` message, or from the bootstrap (registration gone)
+and its waiting timeout when the prefill process died.
 """
 
 from __future__ import annotations
@@ -275,6 +277,8 @@ class MooncakeTransport(Transport):
                 continue
             if write.queued_s < peer.failed_s:
                 write.state = XferState.ERR
+                if not write.nbytes and write.notif:
+                    logger.info("mooncake: a message to %s queued before its last failure dropped", name)
                 continue
             if self._run(peer, write):
                 write.state, peer.broken = XferState.DONE, ""

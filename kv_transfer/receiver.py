@@ -64,6 +64,10 @@ class KVReceiver(BaseKVReceiver):
         self.fenced = False             # the transport made sure they cannot land any more (``fence_incoming``)
         self.fence_since_s: float | None = None   # the first fence attempt (monotonic seconds)
         self.cancel_sent = False
+        self.cancel_first_s: float | None = None   # the first cancel sent to the writer (monotonic seconds)
+        self.cancel_next_s = 0.0        # when an unanswered cancel goes out again
+        self.release_attempts = 0       # failed releases at the prefill's rendezvous (backoff)
+        self.release_next_s = 0.0       # when the release is tried again
         self.progress_s = created_s     # last time a chunk arrived (or the destination went out)
         self.chunks_seen: set[int] = set()
         self.total_chunks = 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client, live_prompts
 
@@ -129,11 +130,22 @@ def wait_pools_full(hosts: HostFleet, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while pools_full(hosts) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not pools_full(hosts), f"pages still held after {timeout_s:.0f} s: {pools_full(hosts)}"
+    held = pools_full(hosts)
+    assert not held, f"pages still held after {timeout_s:.0f} s: {held}; {worker_state(hosts)}"
+
+
+def worker_state(hosts: HostFleet) -> str:
+    """The workers' queue and KV gauges and counters (``pd_queue_requests``, ``pd_kv_*``), for a failure's message."""
+    lines = []
+    for host in ("pf", "dc"):
+        text = requests.get(hosts.servers[host].metrics_url, timeout=5).text
+        lines += [f"{host}: {line}" for line in text.splitlines()
+                  if line.startswith(("pd_queue_requests", "pd_kv_")) and "_bucket" not in line]
+    return "\n".join(lines)
 
 
 def healthy(hosts: HostFleet, role: str) -> int:
-    text = __import__("requests").get(hosts.servers["rt"].metrics_url, timeout=5).text
+    text = requests.get(hosts.servers["rt"].metrics_url, timeout=5).text
     return sum(1 for line in text.splitlines() if line.startswith("pd_router_healthy_instances{")
                and f'role="{role}"' in line and line.endswith(" 1"))
 
