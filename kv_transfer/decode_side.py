@@ -305,10 +305,11 @@ class DecodeSide:
     def _cancel_and_release(self, now_s: float, give_up_unreachable: bool = False) -> None:
         """Releases finished rooms at their prefill's rendezvous; a failed room's writer is sent a cancel. A
         release that fails is tried again with a backoff (``RELEASE_BACKOFF_MAX_S``), or, with
-        ``give_up_unreachable`` (shutdown), given up: the room is fenced instead."""
+        ``give_up_unreachable`` (shutdown: no backoff), given up: the room is fenced instead."""
         with self._lock:
             todo = [r for r in self.receivers.values()
-                    if r.published and not r.room_released and r.state.is_terminal and now_s >= r.release_next_s]
+                    if r.published and not r.room_released and r.state.is_terminal
+                    and (give_up_unreachable or now_s >= r.release_next_s)]
         for receiver in todo:
             try:
                 released = self._clients.get(receiver.prefill_rendezvous_url).release_room(
