@@ -8,8 +8,9 @@
   the KV cache stay in the model dtype. A tied embedding shares the int8 rows of the LM head (a lookup
   dequantizes the looked-up rows only).
 
-Small batches (at most ``SMALL_BATCH_ROWS`` rows, i.e. decode) run on the AVX2 kernels of ``kernels/``, which
-read each weight byte once per step; larger ones (prefill chunks) on torch's BLAS after widening one weight at
+Small batches (at most ``SMALL_BATCH_ROWS`` rows, i.e. decode) run on the kernels of ``kernels/``, which
+read each weight byte once per step (AVX2 + FMA; bf16 against bf16 on AVX512_BF16's dot products where the CPU
+has them, which at 16 rows take half the AVX2 loop's time); larger ones (prefill chunks) on torch's BLAS after widening one weight at
 a time to float32 (int8 always; bf16 where the CPU has no native bf16 GEMM, i.e. below AVX-512). Without the
 kernels (another CPU, a GPU, no compiler) every product goes through torch. On the kernels a row's result does
 not depend on the other rows of its batch (they sum every row in the same order), so a decode step gives the
@@ -73,7 +74,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if kernels is not None and isinstance(weight, Int8Weight):
         y = kernels.int8(x.to(torch.float32).contiguous(), weight.qweight, weight.scale)
     elif kernels is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous():
-        y = kernels.bf16(x.to(torch.float32).contiguous(), weight)
+        if kernels.native_bf16 and x.dtype == torch.bfloat16:
+            y = kernels.bf16_native(x.contiguous(), weight)
+        else:
+            y = kernels.bf16(x.to(torch.float32).contiguous(), weight)
     elif isinstance(weight, Int8Weight) or weight.dtype != x.dtype or _widen_bf16(x):
         wide = torch.float32 if _widen_bf16(x) else x.dtype
         dense = weight.dequantize(wide) if isinstance(weight, Int8Weight) else weight.to(wide)

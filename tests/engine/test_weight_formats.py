@@ -6,6 +6,7 @@ every mode (same kernels on both sides)."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -45,6 +46,39 @@ def test_bf16_kernel_equals_the_fp32_product_of_the_same_weights(m):
     w = torch.randn(37, 77, generator=gen).bfloat16()  # 37 x 77: tails in N and K
     y = _kernels().bf16(x, w)
     torch.testing.assert_close(y, F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+
+
+def _has_avx512_bf16() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    return "avx512_bf16" in flags and "avx512bw" in flags
+
+
+def test_the_native_bf16_kernel_is_on_exactly_where_the_cpu_has_avx512_bf16():
+    """The kernels' own CPU check agrees with the kernel's flags in /proc/cpuinfo (a silent fallback to the AVX2
+    loop would double the time of a 16-row decode step in bf16)."""
+    assert _kernels().native_bf16 == _has_avx512_bf16()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, SMALL_BATCH_ROWS])
+@pytest.mark.parametrize("k", [77, 64, 576, 31])
+def test_native_bf16_kernel_equals_the_exact_product(m, k):
+    """bf16 x bf16 on AVX512_BF16: each product of two bf16 is exact in float32, so the only error is the float32
+    sum's, at most one rounding per step of the k sum (bound: k roundings of the sum of |terms|); N = 37 and
+    odd k leave tails in both."""
+    kernels = _kernels()
+    if not kernels.native_bf16:
+        pytest.skip("this CPU has no AVX512_BF16")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(37, k, generator=gen).bfloat16()
+    exact = F.linear(x.double(), w.double())
+    bound = k * 2 ** -24 * F.linear(x.double().abs(), w.double().abs())
+    got = kernels.bf16_native(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, 37)
+    assert torch.all((got.double() - exact).abs() <= bound)
+    for i in range(m):   # a row alone gives the same bits as in its batch (paired or not)
+        assert torch.equal(kernels.bf16_native(x[i:i + 1].contiguous(), w), got[i:i + 1])
 
 
 @pytest.mark.parametrize("m", [1, 5, SMALL_BATCH_ROWS])

@@ -3,7 +3,9 @@
 Why a kernel of our own: on AVX2-only CPUs (no AVX-512, no AMX) torch's CPU paths for a one-row product
 (``F.linear`` in bf16, ``aten._weight_int8pack_mm``) are bound by their conversion loops, not by memory, and
 oneDNN's prepacked bf16 weights (``mkldnn._reorder_linear_weight``) refuse to run without AVX-512; the
-measurements are in docs/benchmarks.md ("Weight dtypes"). The library is compiled with the system C compiler
+measurements are in docs/benchmarks.md ("Weight dtypes"). On CPUs with AVX512_BF16 the library's
+``gemm_bf16_native`` multiplies bf16 activations by bf16 weights with ``vdpbf16ps`` (half the AVX2 loop's time at
+16 rows: docs/benchmarks.md, "Weight formats", session 22); ``has_avx512_bf16`` tells whether it may run. The library is compiled with the system C compiler
 (``cc``, ~1 s) into ``<cache root>/kernels/gemv_avx2-<source hash>.so``, written to a temporary name and
 renamed, so concurrent builders never load a half-written file. ctypes releases the GIL for the call.
 """
@@ -30,22 +32,36 @@ _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
 
 
 class GemvKernels:
-    """The two entry points of the built library; every call is single-threaded and synchronous.
+    """The entry points of the built library; every call is single-threaded and synchronous.
 
-    Both compute ``y[M, N] = x[M, K] @ W[N, K].T`` (times ``scale[N]`` for int8) in float32 accumulation.
+    Each computes ``y[M, N] = x[M, K] @ W[N, K].T`` (times ``scale[N]`` for int8) in float32 accumulation:
+    ``bf16`` and ``int8`` with float32 ``x`` on AVX2 + FMA, ``bf16_native`` with bfloat16 ``x`` on AVX512_BF16.
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._lib = library
-        for fn in (library.gemv_bf16, library.gemv_int8):
+        for fn in (library.gemv_bf16, library.gemv_int8, library.gemm_bf16_native):
             fn.argtypes = _ARGTYPES
             fn.restype = None
+        library.has_avx512_bf16.restype = ctypes.c_int
+        #: True where the CPU has AVX512_BF16 (``bf16_native`` may be called)
+        self.native_bf16 = bool(library.has_avx512_bf16())
 
     def bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, K]`` float32, ``weight`` ``[N, K]`` bfloat16, both contiguous -> ``[M, N]`` float32."""
         y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         self._lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), x.shape[0], weight.shape[0],
                             x.shape[1])
+        return y
+
+    def bf16_native(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` bfloat16, ``weight`` ``[N, K]`` bfloat16, both contiguous -> ``[M, N]`` float32, on
+        AVX512_BF16's dot products (``native_bf16`` must be True). Raises ``RuntimeError`` otherwise."""
+        if not self.native_bf16:
+            raise RuntimeError("this CPU has no AVX512_BF16")
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        self._lib.gemm_bf16_native(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), x.shape[0],
+                                   weight.shape[0], x.shape[1])
         return y
 
     def int8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

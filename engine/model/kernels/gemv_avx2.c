@@ -1,4 +1,5 @@
-/* Small-batch matrix products for memory-bound decode on AVX2 + FMA CPUs (no AVX-512, no AMX).
+/* Small-batch matrix products for memory-bound decode on AVX2 + FMA CPUs, and bf16 x bf16 on AVX512_BF16 (at
+ * the end of this file).
  *
  * y[m, n] = sum_k x[m, k] * W[n, k] (* scale[n])   for m < M, n < N, k < K
  *
@@ -6,7 +7,8 @@
  * float32 scale per output row. Each weight element is read from memory once per call: four weight rows are
  * streamed together against every x row while they sit in L1, so at M = 1 the loop runs at the memory
  * bandwidth of the weight bytes (half of fp32's for bf16, a quarter for int8). Single-threaded; the caller
- * owns every buffer. Built by engine/model/kernels/build.py with -O3 -mavx2 -mfma.
+ * owns every buffer. Built by engine/model/kernels/build.py with -O3 -mavx2 -mfma (the AVX512_BF16 function
+ * by its target attribute).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -96,3 +98,95 @@ void gemv_##name(const float *x, const wtype *w, const float *scale, float *y,  
 #define I8_TO_F32(v) ((float)(v))
 DEFINE_GEMV(bf16, uint16_t, load_bf16x8, bf16_to_f32)
 DEFINE_GEMV(int8, int8_t, load_i8x8, I8_TO_F32)
+
+/* bf16 activations against bf16 weights on CPUs with AVX512_BF16 (Zen 4, Cooper Lake and later Xeons):
+ * vdpbf16ps multiplies 32 bf16 pairs and adds each adjacent pair of products into one of 16 float32 lanes, so
+ * a weight element costs one lane of one instruction and no conversion (the AVX2 loop above widens every
+ * weight to float32 once per x row, which bounds it at M > 1). Same blocking as above: four weight rows
+ * against every x row while they sit in L1, two accumulators per row; K's tail through masked loads. A row's
+ * result depends only on its own x row (fixed summation order), so it is the same at any M. Products of two
+ * bf16 are exact in float32; the instruction flushes denormals (its DAZ/FTZ semantics). Compiled for these
+ * instructions by the function's target attribute; call it only where has_avx512_bf16() says so. */
+int has_avx512_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+BF16_TARGET static inline __m512bh load_bh32(const uint16_t *p, __mmask32 mask) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+/* One 32-element step of row n's dot product with x row m: acc += x[m, k:k+32] . w[n, k:k+32] (mask: the valid
+ * elements of a tail). Each (m, n) pair sums its steps in k order into one accumulator, whichever rows it is
+ * paired with, so a row's result does not depend on M. */
+#define DP(acc, xv, wp) acc = _mm512_dpbf16_ps(acc, xv, load_bh32(wp, mask))
+
+BF16_TARGET void gemm_bf16_native(const uint16_t *x, const uint16_t *w, const float *unused, float *y,
+                                  int64_t M, int64_t N, int64_t K) {
+    (void)unused;
+    const __mmask32 all = 0xFFFFFFFFu;
+    int64_t K32 = K & ~(int64_t)31;
+    __mmask32 tail = (K - K32) ? (__mmask32)((1u << (K - K32)) - 1u) : 0;
+    int64_t n = 0;
+    for (; n + ROWS <= N; n += ROWS) {
+        const uint16_t *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {   /* two x rows against the four weight rows: each weight load serves both */
+            const uint16_t *xm = x + m * K, *xn = xm + K;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+            for (int64_t k = 0; k < K; k += 32) {
+                __mmask32 mask = k + 32 <= K ? all : tail;
+                if (m == 0) {
+                    _mm_prefetch((const char *)(w0 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w1 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w2 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w3 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                }
+                __m512bh xa = load_bh32(xm + k, mask), xb = load_bh32(xn + k, mask);
+                __m512bh v0 = load_bh32(w0 + k, mask), v1 = load_bh32(w1 + k, mask);
+                __m512bh v2 = load_bh32(w2 + k, mask), v3 = load_bh32(w3 + k, mask);
+                a0 = _mm512_dpbf16_ps(a0, xa, v0); c0 = _mm512_dpbf16_ps(c0, xb, v0);
+                a1 = _mm512_dpbf16_ps(a1, xa, v1); c1 = _mm512_dpbf16_ps(c1, xb, v1);
+                a2 = _mm512_dpbf16_ps(a2, xa, v2); c2 = _mm512_dpbf16_ps(c2, xb, v2);
+                a3 = _mm512_dpbf16_ps(a3, xa, v3); c3 = _mm512_dpbf16_ps(c3, xb, v3);
+            }
+            float *ym = y + m * N + n, *yn = ym + N;
+            ym[0] = _mm512_reduce_add_ps(a0); ym[1] = _mm512_reduce_add_ps(a1);
+            ym[2] = _mm512_reduce_add_ps(a2); ym[3] = _mm512_reduce_add_ps(a3);
+            yn[0] = _mm512_reduce_add_ps(c0); yn[1] = _mm512_reduce_add_ps(c1);
+            yn[2] = _mm512_reduce_add_ps(c2); yn[3] = _mm512_reduce_add_ps(c3);
+        }
+        for (; m < M; m++) {
+            const uint16_t *xm = x + m * K;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t k = 0; k < K; k += 32) {
+                __mmask32 mask = k + 32 <= K ? all : tail;
+                if (m == 0) {
+                    _mm_prefetch((const char *)(w0 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w1 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w2 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w3 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                }
+                __m512bh xa = load_bh32(xm + k, mask);
+                DP(a0, xa, w0 + k); DP(a1, xa, w1 + k); DP(a2, xa, w2 + k); DP(a3, xa, w3 + k);
+            }
+            float *ym = y + m * N + n;
+            ym[0] = _mm512_reduce_add_ps(a0); ym[1] = _mm512_reduce_add_ps(a1);
+            ym[2] = _mm512_reduce_add_ps(a2); ym[3] = _mm512_reduce_add_ps(a3);
+        }
+    }
+    for (; n < N; n++) {
+        const uint16_t *wn = w + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const uint16_t *xm = x + m * K;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32) {
+                __mmask32 mask = k + 32 <= K ? all : tail;
+                DP(a, load_bh32(xm + k, mask), wn + k);
+            }
+            y[m * N + n] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
