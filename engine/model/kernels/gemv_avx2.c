@@ -118,75 +118,74 @@ BF16_TARGET static inline __m512bh load_bh32(const uint16_t *p, __mmask32 mask) 
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-/* One 32-element step of row n's dot product with x row m: acc += x[m, k:k+32] . w[n, k:k+32] (mask: the valid
- * elements of a tail). Each (m, n) pair sums its steps in k order into one accumulator, whichever rows it is
- * paired with, so a row's result does not depend on M. */
-#define DP(acc, xv, wp) acc = _mm512_dpbf16_ps(acc, xv, load_bh32(wp, mask))
+BF16_TARGET static inline void prefetch_rows(const uint16_t *w0, const uint16_t *w1, const uint16_t *w2,
+                                             const uint16_t *w3, int64_t ahead) {
+    _mm_prefetch((const char *)(w0 + ahead), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w1 + ahead), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w2 + ahead), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w3 + ahead), _MM_HINT_T0);
+}
 
+/* Each (x row, weight row) pair sums its 32-element steps in k order into two accumulators (even and odd
+ * steps: two dependency chains), then the masked tail into the first; nothing depends on the other rows. */
 BF16_TARGET void gemm_bf16_native(const uint16_t *x, const uint16_t *w, const float *unused, float *y,
                                   int64_t M, int64_t N, int64_t K) {
     (void)unused;
     const __mmask32 all = 0xFFFFFFFFu;
-    int64_t K32 = K & ~(int64_t)31;
+    int64_t K64 = K & ~(int64_t)63, K32 = K & ~(int64_t)31;
     __mmask32 tail = (K - K32) ? (__mmask32)((1u << (K - K32)) - 1u) : 0;
     int64_t n = 0;
     for (; n + ROWS <= N; n += ROWS) {
         const uint16_t *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        int64_t m = 0;
-        for (; m + 2 <= M; m += 2) {   /* two x rows against the four weight rows: each weight load serves both */
-            const uint16_t *xm = x + m * K, *xn = xm + K;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-            for (int64_t k = 0; k < K; k += 32) {
-                __mmask32 mask = k + 32 <= K ? all : tail;
-                if (m == 0) {
-                    _mm_prefetch((const char *)(w0 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w1 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w2 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w3 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
-                }
-                __m512bh xa = load_bh32(xm + k, mask), xb = load_bh32(xn + k, mask);
-                __m512bh v0 = load_bh32(w0 + k, mask), v1 = load_bh32(w1 + k, mask);
-                __m512bh v2 = load_bh32(w2 + k, mask), v3 = load_bh32(w3 + k, mask);
-                a0 = _mm512_dpbf16_ps(a0, xa, v0); c0 = _mm512_dpbf16_ps(c0, xb, v0);
-                a1 = _mm512_dpbf16_ps(a1, xa, v1); c1 = _mm512_dpbf16_ps(c1, xb, v1);
-                a2 = _mm512_dpbf16_ps(a2, xa, v2); c2 = _mm512_dpbf16_ps(c2, xb, v2);
-                a3 = _mm512_dpbf16_ps(a3, xa, v3); c3 = _mm512_dpbf16_ps(c3, xb, v3);
-            }
-            float *ym = y + m * N + n, *yn = ym + N;
-            ym[0] = _mm512_reduce_add_ps(a0); ym[1] = _mm512_reduce_add_ps(a1);
-            ym[2] = _mm512_reduce_add_ps(a2); ym[3] = _mm512_reduce_add_ps(a3);
-            yn[0] = _mm512_reduce_add_ps(c0); yn[1] = _mm512_reduce_add_ps(c1);
-            yn[2] = _mm512_reduce_add_ps(c2); yn[3] = _mm512_reduce_add_ps(c3);
-        }
-        for (; m < M; m++) {
+        for (int64_t m = 0; m < M; m++) {
             const uint16_t *xm = x + m * K;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t k = 0; k < K; k += 32) {
-                __mmask32 mask = k + 32 <= K ? all : tail;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            int64_t k = 0;
+            for (; k < K64; k += 64) {
                 if (m == 0) {
-                    _mm_prefetch((const char *)(w0 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w1 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w2 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w3 + k + PREFETCH_ROWS * K), _MM_HINT_T0);
+                    prefetch_rows(w0, w1, w2, w3, k + PREFETCH_ROWS * K);
+                    prefetch_rows(w0, w1, w2, w3, k + 32 + PREFETCH_ROWS * K);
                 }
+                __m512bh xa = load_bh32(xm + k, all), xb = load_bh32(xm + k + 32, all);
+                a0 = _mm512_dpbf16_ps(a0, xa, load_bh32(w0 + k, all));
+                b0 = _mm512_dpbf16_ps(b0, xb, load_bh32(w0 + k + 32, all));
+                a1 = _mm512_dpbf16_ps(a1, xa, load_bh32(w1 + k, all));
+                b1 = _mm512_dpbf16_ps(b1, xb, load_bh32(w1 + k + 32, all));
+                a2 = _mm512_dpbf16_ps(a2, xa, load_bh32(w2 + k, all));
+                b2 = _mm512_dpbf16_ps(b2, xb, load_bh32(w2 + k + 32, all));
+                a3 = _mm512_dpbf16_ps(a3, xa, load_bh32(w3 + k, all));
+                b3 = _mm512_dpbf16_ps(b3, xb, load_bh32(w3 + k + 32, all));
+            }
+            for (; k < K; k += 32) {   /* at most one whole step of 32, then the masked tail */
+                __mmask32 mask = k + 32 <= K ? all : tail;
                 __m512bh xa = load_bh32(xm + k, mask);
-                DP(a0, xa, w0 + k); DP(a1, xa, w1 + k); DP(a2, xa, w2 + k); DP(a3, xa, w3 + k);
+                a0 = _mm512_dpbf16_ps(a0, xa, load_bh32(w0 + k, mask));
+                a1 = _mm512_dpbf16_ps(a1, xa, load_bh32(w1 + k, mask));
+                a2 = _mm512_dpbf16_ps(a2, xa, load_bh32(w2 + k, mask));
+                a3 = _mm512_dpbf16_ps(a3, xa, load_bh32(w3 + k, mask));
             }
             float *ym = y + m * N + n;
-            ym[0] = _mm512_reduce_add_ps(a0); ym[1] = _mm512_reduce_add_ps(a1);
-            ym[2] = _mm512_reduce_add_ps(a2); ym[3] = _mm512_reduce_add_ps(a3);
+            ym[0] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0));
+            ym[1] = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1));
+            ym[2] = _mm512_reduce_add_ps(_mm512_add_ps(a2, b2));
+            ym[3] = _mm512_reduce_add_ps(_mm512_add_ps(a3, b3));
         }
     }
     for (; n < N; n++) {
         const uint16_t *wn = w + n * K;
         for (int64_t m = 0; m < M; m++) {
             const uint16_t *xm = x + m * K;
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32) {
-                __mmask32 mask = k + 32 <= K ? all : tail;
-                DP(a, load_bh32(xm + k, mask), wn + k);
+            __m512 a = _mm512_setzero_ps(), b = a;
+            int64_t k = 0;
+            for (; k < K64; k += 64) {
+                a = _mm512_dpbf16_ps(a, load_bh32(xm + k, all), load_bh32(wn + k, all));
+                b = _mm512_dpbf16_ps(b, load_bh32(xm + k + 32, all), load_bh32(wn + k + 32, all));
             }
-            y[m * N + n] = _mm512_reduce_add_ps(a);
+            for (; k < K; k += 32) {
+                __mmask32 mask = k + 32 <= K ? all : tail;
+                a = _mm512_dpbf16_ps(a, load_bh32(xm + k, mask), load_bh32(wn + k, mask));
+            }
+            y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
         }
     }
 }
