@@ -8,15 +8,16 @@
   the KV cache stay in the model dtype. A tied embedding shares the int8 rows of the LM head (a lookup
   dequantizes the looked-up rows only).
 
-Small batches (at most ``SMALL_BATCH_ROWS`` rows, i.e. decode) run on the kernels of ``kernels/``, which
-read each weight byte once per step (AVX2 + FMA; bf16 against bf16 on AVX512_BF16's dot products where the CPU
-has them, which at 16 rows take half the AVX2 loop's time); larger ones (prefill chunks) on torch's BLAS after widening one weight at
-a time to float32 (int8 always; bf16 where the CPU has no native bf16 GEMM, i.e. below AVX-512). Without the
-kernels (another CPU, a GPU, no compiler) every product goes through torch. On the kernels a row's result does
-not depend on the other rows of its batch (they sum every row in the same order), so a decode step gives the
-same numbers alone or batched with up to ``SMALL_BATCH_ROWS`` rows. Torch's BLAS gives no such promise: its
-blocking varies with the row count, so a prompt's numbers depend on the other prompts of its step (seen in
-bf16: in 3 of 21 rounds of six concurrent PD requests one greedy text took another word at a near tie).
+Small batches (at most ``SMALL_BATCH_ROWS`` rows, i.e. decode) run on the kernels of ``kernels/``, which read
+each weight byte once per step (AVX2 + FMA; bf16 against bf16 on AVX512_BF16's dot products where the CPU has
+them, which at 16 rows take half the AVX2 loop's time); larger ones (prefill chunks) on torch's BLAS after
+widening one weight at a time to float32 (int8 always; bf16 where the CPU has no native bf16 GEMM, i.e. below
+AVX-512). Without the kernels (another CPU, a GPU, no compiler) every product goes through torch. On the
+kernels a row's result does not depend on the other rows of its batch (they sum every row in the same order),
+so a decode step gives the same numbers alone or batched with up to ``SMALL_BATCH_ROWS`` rows. Torch's BLAS
+gives no such promise: its blocking varies with the row count, so a prompt's numbers depend on the other
+prompts of its step (seen in bf16: in 3 of 21 rounds of six concurrent PD requests one greedy text took
+another word at a near tie).
 """
 
 from __future__ import annotations

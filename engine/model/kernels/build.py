@@ -4,10 +4,11 @@ Why a kernel of our own: on AVX2-only CPUs (no AVX-512, no AMX) torch's CPU path
 (``F.linear`` in bf16, ``aten._weight_int8pack_mm``) are bound by their conversion loops, not by memory, and
 oneDNN's prepacked bf16 weights (``mkldnn._reorder_linear_weight``) refuse to run without AVX-512; the
 measurements are in docs/benchmarks.md ("Weight dtypes"). On CPUs with AVX512_BF16 the library's
-``gemm_bf16_native`` multiplies bf16 activations by bf16 weights with ``vdpbf16ps`` (half the AVX2 loop's time at
-16 rows: docs/benchmarks.md, "Weight formats", session 22); ``has_avx512_bf16`` tells whether it may run. The library is compiled with the system C compiler
-(``cc``, ~1 s) into ``<cache root>/kernels/gemv_avx2-<source hash>.so``, written to a temporary name and
-renamed, so concurrent builders never load a half-written file. ctypes releases the GIL for the call.
+``gemm_bf16_native`` multiplies bf16 activations by bf16 weights with ``vdpbf16ps`` (half the AVX2 loop's time
+at 16 rows: docs/benchmarks.md, "Weight formats", session 22); ``has_avx512_bf16`` tells whether it may run.
+The library is compiled with the system C compiler (``cc``, ~1 s) into
+``<cache root>/kernels/gemv_avx2-<source hash>.so``, written to a temporary name and renamed, so concurrent
+builders never load a half-written file. ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
