@@ -79,14 +79,24 @@ class LocalServerMembers:
         self._cards: dict[str, InstanceCard] = {}   # model name → its card
         self._not_pd: set[str] = set()              # READY models without a pd_control input
         self._last: list[FleetMember] = []
+        self._failing_since_s: float | None = None   # monotonic: the index unread since then
 
     def members(self) -> tuple[list[FleetMember], bool]:
         try:
             ready = self._ready_models()
         except Exception as e:   # the server is loading, stopping or unreachable: keep the last view
-            logger.warning("repository index of %s not read: %s", self._grpc_url, e)
+            # once when it starts failing (a server still starting or stopping answers UNAVAILABLE every round,
+            # 4 a second), then at debug level until it reads again
+            log = logger.warning if self._failing_since_s is None else logger.debug
+            log("repository index of %s not read (retrying every round): %s", self._grpc_url, e)
+            if self._failing_since_s is None:
+                self._failing_since_s = time.monotonic()
             self.close()   # the next round connects afresh instead of waiting out this channel's backoff
             return list(self._last), False
+        if self._failing_since_s is not None:
+            logger.info("repository index of %s read again after %.1f s", self._grpc_url,
+                        time.monotonic() - self._failing_since_s)
+            self._failing_since_s = None
         for gone in set(self._cards) - ready:
             del self._cards[gone]
         self._not_pd &= ready
