@@ -166,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     if stub_ended_on_purpose(sys.stdin.buffer):
         return 0
     died_s = time.monotonic()
-    logger.error("%s: its stub (pid %d) died; healing", stub.model, stub.stub_pid)
+    # not an error yet: a server that stops (its exit timeout expiring) ends its stubs without a finalize too;
+    # ``heal`` logs the error when the stub died under a server that still serves
+    logger.warning("%s: its stub (pid %d) ended without a finalize; checking its server", stub.model, stub.stub_pid)
     outcome = heal(stub, GrpcHealth(stub.grpc_url), end_server)
-    logger.warning("%s: %s %.1f s after the stub's death", stub.model, outcome, time.monotonic() - died_s)
+    log = logger.warning if outcome == "server ended" else logger.info
+    log("%s: %s %.1f s after the stub's end", stub.model, outcome, time.monotonic() - died_s)
     return 0
 
 

@@ -71,9 +71,9 @@ def test_a_guardian_process_exits_quietly_after_finalize_and_acts_at_once_on_a_d
 
     calm = guardian()
     _, err = calm.communicate(FINALIZE, timeout=30)
-    assert calm.returncode == 0 and b"died" not in err
+    assert calm.returncode == 0 and b"without a finalize" not in err
     dead = guardian()
     time.sleep(0.5)
     assert process_alive(dead.pid)   # waiting on its pipe
     _, err = dead.communicate(b"", timeout=30)   # the write end closes: the stub "died"
-    assert dead.returncode == 0 and b"its stub (pid 1) died" in err and b"server gone" in err
+    assert dead.returncode == 0 and b"its stub (pid 1) ended without a finalize" in err and b"server gone" in err
