@@ -20,9 +20,16 @@ class OrphanWatch:
     rooms would fail against its stale agent; and a stub whose thread was sending a metric update when the
     server died waits for the answer forever (tritonserver 2.51's stub then deadlocks its own exit). ``stop``
     (the model's ``finalize``) ends and joins the thread, so it never runs Python while the stub tears down.
+
+    It checks every ``interval_s`` (default 50 ms) to end the stub with ``os._exit`` before the stub's own health
+    thread (python_backend's ``pb_stub.cc``, every 300 ms) notices the dead parent: that one destroys the stub
+    and calls ``exit(1)`` while this process's Python threads still run, and an operator's trial saw the
+    ``colocated`` stub segfault there once after its server was killed. At 50 ms the stub's check comes first in
+    about 1 of 12 deaths instead of 17 of 20 at the former 1 s; the cost is 20 wake-ups a second of a thread that
+    reads the parent pid.
     """
 
-    def __init__(self, name: str, interval_s: float = 1.0) -> None:
+    def __init__(self, name: str, interval_s: float = 0.05) -> None:
         self._name = name
         self._interval_s = interval_s
         self._parent = os.getppid()
