@@ -8,7 +8,7 @@ message                                                status  type             
 ``invalid input 'sampling_parameters.<key>': ...``     400     ``invalid_request_error`` ``<key>`` (OpenAI's
                                                                                          name where it differs)
 ``invalid input '<input>': ...``                       400     ``invalid_request_error`` prompt / messages
-``request '...' rejected: ...`` (too long, ...)        400     ``invalid_request_error`` None
+``request rejected: ...`` (too long, ...)              400     ``invalid_request_error`` None
 ``server busy: ...``                                   429     ``rate_limit_error``      None
 ``no healthy ... instance ...``, unreachable server    503     ``service_unavailable``   None
 anything else                                          500     ``internal_error``        None

@@ -190,6 +190,14 @@ class PendingTokens:
         return num_new, logprobs
 
 
+def client_message(error: BaseException) -> str:
+    """What the client reads for ``error``: an engine rejection without the worker's internal request id (a PD
+    child's id, ``decode@host:port-10``, means nothing to the client), everything else as it is."""
+    if isinstance(error, RequestRejected):
+        return f"request rejected: {error.reason}"
+    return str(error)
+
+
 def error_kind_of(error: BaseException) -> ErrorKind:
     """``REQUEST`` for the request's own errors (``RequestError``, ``InvalidSamplingParams``,
     ``RequestRejected``), else ``INSTANCE``."""
@@ -274,7 +282,7 @@ class GenerationStream:
             self.finish_reason = "abort"
             self.sink.close()
             return
-        self.error = str(error)
+        self.error = client_message(error)
         logger.info("request %s failed: %s", self.request_id, error)
         self.sink.send_error(self.error, error_kind_of(error))
 

@@ -40,7 +40,7 @@ from serving.workers.events import LoopEvent
 from serving.workers.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.parsing.pd_request import PDRequest
-from serving.stream import ErrorKind, GenerationStream, ResponseSink
+from serving.stream import ErrorKind, GenerationStream, ResponseSink, client_message
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class DecodeWorker:
                 continue
             except RequestRejected as e:
                 self._prealloc.remove(job)
-                self._fail(job, str(e), ErrorKind.REQUEST)
+                self._fail(job, client_message(e), ErrorKind.REQUEST)
                 continue
             except Exception as e:   # an engine fault on this request only: never stall the other queues
                 logger.exception("request %s: reserving its pages failed", job.request_id)

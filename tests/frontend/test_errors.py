@@ -13,6 +13,7 @@ from frontend.errors import from_triton_message
      "logprobs"),
     ("invalid input 'text_input': must not be empty", 400, "invalid_request_error", "prompt"),
     ("request 'x' rejected: needs 2000 pages, the pool has 1024", 400, "invalid_request_error", None),
+    ("request rejected: prompt of 9000 tokens exceeds max_model_len 8192", 400, "invalid_request_error", None),
     ("server busy: 256 requests in flight and 512 queued; retry later", 429, "rate_limit_error", None),
     ("no healthy prefill instance in the fleet", 503, "service_unavailable", None),
     ("decode decode@127.0.0.1:8001 unreachable: UNAVAILABLE", 503, "service_unavailable", None),
