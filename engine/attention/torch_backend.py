@@ -208,15 +208,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(q: torch.Tensor, layer_kv: torch.Tensor, d: DecodeBucket, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         keys, values = d.kv.read(layer_kv, batch)  # [batch, kv_heads, key_len, head_dim]
+        query = q.unsqueeze(2)
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
             # torch's CPU SDPA in bf16 ran 4.3x slower than in fp32 on these shapes (docs/benchmarks.md,
             # "Weight formats"): widen; the scores and the softmax are then fp32, as the math path's would be
-            out = F.scaled_dot_product_attention(q.unsqueeze(2).float(), keys.float(), values.float(),
-                                                 attn_mask=d.mask, scale=scale, enable_gqa=True).to(q.dtype)
-        else:
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=scale,
-                                                 enable_gqa=True)  # [batch, num_heads, 1, head_dim]
-        return out.reshape(batch, num_heads * head_dim)
+            query, keys, values = query.float(), keys.float(), values.float()
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=d.mask, scale=scale,
+                                             enable_gqa=True)  # [batch, num_heads, 1, head_dim]
+        return out.to(q.dtype).reshape(batch, num_heads * head_dim)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
