@@ -402,7 +402,6 @@ class DecodeSide:
         try:
             tag = Tag(TagKind.CANCEL, receiver.room, receiver.xfer_id, 0, reason)
             self._transport.send_notif(peer.agent_name, tag.encode())
-            receiver.cancel_sent = True
         except TransportError as exc:
             logger.warning("room %d: cannot send cancel: %s", receiver.room, exc)
 

@@ -63,7 +63,6 @@ class KVReceiver(BaseKVReceiver):
         self.fence_needed = False       # ...but a write of it failed or its writer vanished: bytes may still come
         self.fenced = False             # the transport made sure they cannot land any more (``fence_incoming``)
         self.fence_since_s: float | None = None   # the first fence attempt (monotonic seconds)
-        self.cancel_sent = False
         self.cancel_first_s: float | None = None   # the first cancel sent to the writer (monotonic seconds)
         self.cancel_next_s = 0.0        # when an unanswered cancel goes out again
         self.release_attempts = 0       # failed releases at the prefill's rendezvous (backoff)
