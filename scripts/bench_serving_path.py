@@ -12,7 +12,8 @@ run, greedy, ``ignore_eos``, a tiny prompt:
   and ``pd_triton`` (child requests through tritonserver) over gRPC streaming (``perf/stream_client.py``): ITL
   p50 and TTFT p50 at
   1 stream (``--single-requests`` requests one after another), streamed tokens/s at ``--streams`` concurrent
-  streams x ``--tokens`` tokens (tokens / first send to last FINAL);
+  streams x ``--tokens`` tokens (tokens / first send to last FINAL); the client asks for one optional output,
+  each response's ``num_output_tokens`` (``--outputs all``: also ``finish_reason`` and ``num_input_tokens``);
 
 then the ratios: PD tok/s / colocated, colocated tok/s / engine, ITL - engine ITL (each path), PD TTFT -
 colocated TTFT (ms), and the first and last of these for ``pd_triton``. Where the time goes: for each served path, the CPU time each process (tritonserver, every
@@ -43,7 +44,7 @@ if str(SCRIPTS.parent) not in sys.path:   # the project's packages (engine, serv
 
 from perf.server import Deployment, RunningServer, ServerPorts, free_ports  # noqa: E402
 from perf.stats import RequestRecord, percentile, run_duration_s  # noqa: E402
-from perf.stream_client import run_phase_sync  # noqa: E402
+from perf.stream_client import COUNT_ONLY, RETURN_FLAGS, run_phase_sync  # noqa: E402
 from perf.tiny_model import build_tiny_llama  # noqa: E402
 from perf.workload import Phase, RequestSpec  # noqa: E402
 
@@ -64,6 +65,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--single-requests", type=int, default=8, help="1-stream requests (ITL, TTFT)")
     p.add_argument("--quick", action="store_true", help="CI smoke: 4 streams x 16 tokens, 2 single requests")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--outputs", choices=("count", "all"), default="count",
+                   help="the optional outputs the client asks for: 'count' (each response's num_output_tokens, "
+                        "all it needs) or 'all' (also finish_reason and num_input_tokens: 3 more tensors per "
+                        "response, as bench_serving.py asks)")
     args = p.parse_args()
     if args.quick:
         args.streams, args.tokens, args.single_requests = 4, 16, 2
@@ -138,7 +143,8 @@ def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int])
                            max_tokens=max_tokens, slot=slot)
 
     def run(name: str, specs: tuple[RequestSpec, ...]) -> list[RequestRecord]:
-        return _checked(run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S), f"{model} {name}")
+        flags = COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
+        return _checked(run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S, flags), f"{model} {name}")
 
     run("warmup", (spec("warmup", 4, 0),))
     single = run("single", tuple(spec(f"single-{i}", args.tokens, 0) for i in range(args.single_requests)))
@@ -216,7 +222,7 @@ def main() -> None:
           f"{compared['pd_triton_ttft_minus_colocated_ms']:+.1f} ms", flush=True)
     out: dict[str, Any] = {k: round(v, 3) for k, v in {**figures, **compared}.items()}
     out.update(model=args.model, streams=args.streams, tokens=args.tokens, single_requests=args.single_requests,
-               load_1m=load_1m(), commit=commit())
+               outputs=args.outputs, load_1m=load_1m(), commit=commit())
     print(json.dumps(out), flush=True)
 
 

@@ -22,26 +22,31 @@ from perf.workload import Phase, RequestSpec
 logger = logging.getLogger(__name__)
 
 
-def build_inputs(spec: RequestSpec) -> list[grpcclient.InferInput]:
-    """The vLLM-backend inputs of one streaming request (``ignore_eos``: exactly ``max_tokens`` tokens)."""
-    params = json.dumps({"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True})
-    return stream_inputs(spec.prompt, params)
-
-
 #: The optional outputs the benchmark clients ask for (``num_output_tokens``: tokens of each response).
 RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+#: The least a client counting streamed tokens needs: a response may carry several tokens (a stream that fell
+#: behind gets its tokens merged), so it asks for each response's count and nothing else.
+COUNT_ONLY = ("return_num_output_tokens",)
 
 
-def stream_inputs(prompt: str, sampling_json: str) -> list[grpcclient.InferInput]:
+def build_inputs(spec: RequestSpec, return_flags: Sequence[str] = RETURN_FLAGS) -> list[grpcclient.InferInput]:
+    """The vLLM-backend inputs of one streaming request (``ignore_eos``: exactly ``max_tokens`` tokens)."""
+    params = json.dumps({"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True})
+    return stream_inputs(spec.prompt, params, return_flags)
+
+
+def stream_inputs(prompt: str, sampling_json: str,
+                  return_flags: Sequence[str] = RETURN_FLAGS) -> list[grpcclient.InferInput]:
     """The inputs of one streaming request in the vLLM-backend convention: ``text_input``, ``stream=true``,
     ``sampling_parameters`` (a JSON object string), ``exclude_input_in_output=true``, and the ``return_*``
-    flags of the outputs the benchmarks read (finish reason, prompt tokens, tokens per response)."""
+    flags of the outputs the benchmark reads (by default finish reason, prompt tokens, tokens per response;
+    each asked output is one more tensor in every response, built by the model and parsed here)."""
     values: list[tuple[str, str, np.ndarray]] = [
         ("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_)),
         ("stream", "BOOL", np.array([True], dtype=bool)),
         ("sampling_parameters", "BYTES", np.array([sampling_json.encode()], dtype=np.object_)),
         ("exclude_input_in_output", "BOOL", np.array([True], dtype=bool)),
-        *((name, "BOOL", np.array([True], dtype=bool)) for name in RETURN_FLAGS),
+        *((name, "BOOL", np.array([True], dtype=bool)) for name in return_flags),
     ]
     inputs = []
     for name, dtype, array in values:
@@ -78,14 +83,15 @@ async def read_to_end(responses: Any, grace_s: float = STREAM_END_GRACE_S) -> No
 
 
 async def send_request(client: grpcclient.InferenceServerClient, model: str, spec: RequestSpec,
-                       timeout_s: float) -> RequestRecord:
+                       timeout_s: float, return_flags: Sequence[str] = RETURN_FLAGS) -> RequestRecord:
     """Send ``spec`` on a new stream and record every response's arrival until the final flag.
 
     Never raises for a server-side failure: the record carries ``error``. ``timeout_s`` bounds the whole
-    request (the stream is cancelled after it).
+    request (the stream is cancelled after it). ``return_flags``: the optional outputs asked for
+    (``stream_inputs``); without ``num_input_tokens`` the record keeps the spec's prompt length.
     """
     async def one_request() -> AsyncIterator[dict[str, Any]]:
-        yield {"model_name": model, "inputs": build_inputs(spec), "request_id": spec.request_id,
+        yield {"model_name": model, "inputs": build_inputs(spec, return_flags), "request_id": spec.request_id,
                "parameters": {"triton_enable_empty_final_response": True}}
 
     record = RequestRecord(request_id=spec.request_id, kind=spec.kind, num_prompt_tokens=spec.num_prompt_tokens,
@@ -131,24 +137,26 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
 
 
 async def _run_slot(client: grpcclient.InferenceServerClient, model: str, specs: Sequence[RequestSpec],
-                    stop: asyncio.Event, timeout_s: float, out: list[RequestRecord]) -> None:
+                    stop: asyncio.Event, timeout_s: float, out: list[RequestRecord],
+                    return_flags: Sequence[str]) -> None:
     for spec in specs:
         if stop.is_set():
             return
-        out.append(await send_request(client, model, spec, timeout_s))
+        out.append(await send_request(client, model, spec, timeout_s, return_flags))
 
 
 async def _run_open(client: grpcclient.InferenceServerClient, model: str, spec: RequestSpec, start_s: float,
-                    timeout_s: float, out: list[RequestRecord]) -> None:
+                    timeout_s: float, out: list[RequestRecord], return_flags: Sequence[str]) -> None:
     assert spec.arrival_s is not None
     await asyncio.sleep(max(0.0, start_s + spec.arrival_s - time.perf_counter()))
-    out.append(await send_request(client, model, spec, timeout_s))
+    out.append(await send_request(client, model, spec, timeout_s, return_flags))
 
 
-async def run_phase(url: str, model: str, phase: Phase, timeout_s: float) -> list[RequestRecord]:
+async def run_phase(url: str, model: str, phase: Phase, timeout_s: float,
+                    return_flags: Sequence[str] = RETURN_FLAGS) -> list[RequestRecord]:
     """Run every request of ``phase`` against ``model`` at ``url`` (``host:port`` of gRPC); records in
     completion order. Closed-loop slots stop early when ``phase.stop_closed_loop_after_open`` and every
-    open-loop request has ended."""
+    open-loop request has ended. ``return_flags``: as ``send_request``."""
     records: list[RequestRecord] = []
     stop = asyncio.Event()
     closed = [r for r in phase.requests if r.arrival_s is None]
@@ -157,8 +165,8 @@ async def run_phase(url: str, model: str, phase: Phase, timeout_s: float) -> lis
     async with grpcclient.InferenceServerClient(url) as client:
         start_s = time.perf_counter()
         slot_tasks = [asyncio.create_task(_run_slot(client, model, [r for r in closed if r.slot == s], stop,
-                                                    timeout_s, records)) for s in slots]
-        open_tasks = [asyncio.create_task(_run_open(client, model, r, start_s, timeout_s, records))
+                                                    timeout_s, records, return_flags)) for s in slots]
+        open_tasks = [asyncio.create_task(_run_open(client, model, r, start_s, timeout_s, records, return_flags))
                       for r in opened]
         if open_tasks:
             await asyncio.gather(*open_tasks)
@@ -168,6 +176,7 @@ async def run_phase(url: str, model: str, phase: Phase, timeout_s: float) -> lis
     return records
 
 
-def run_phase_sync(url: str, model: str, phase: Phase, timeout_s: float) -> list[RequestRecord]:
+def run_phase_sync(url: str, model: str, phase: Phase, timeout_s: float,
+                   return_flags: Sequence[str] = RETURN_FLAGS) -> list[RequestRecord]:
     """``run_phase`` in a fresh event loop."""
-    return asyncio.run(run_phase(url, model, phase, timeout_s))
+    return asyncio.run(run_phase(url, model, phase, timeout_s, return_flags))

@@ -85,7 +85,9 @@ class ResponseDispatcher:
         self._final_flag = final_flag
         self._poll_s = cancel_poll_interval_s
         self._merge = merge
-        self._ready: queue.Queue[StreamHandle | None] = queue.Queue()   # streams with pending responses
+        # streams with pending responses; SimpleQueue (C, no Condition): one put per response on the engine's
+        # thread and one get on this one, both under the GIL the engine shares with this thread
+        self._ready: queue.SimpleQueue[StreamHandle | None] = queue.SimpleQueue()
         self._lock = threading.Lock()   # every handle's pending and scheduled
         self._open: dict[int, StreamHandle] = {}
         self._open_lock = threading.Lock()
