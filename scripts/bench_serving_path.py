@@ -3,23 +3,27 @@
 
 Builds a tiny random Llama (``perf/tiny_model.py``: SmolLM2's config with 1 layer, hidden 64; its tokenizer),
 serves it from one tritonserver (``colocated``, ``prefill``, ``decode`` over NIXL, ``pd_ensemble`` with
-``worker_endpoints`` true and ``pd_triton``, a copy with it false, over the same workers; the model repository's ``model`` parameter pointing at the tiny folder; ``perf/server.py``'s harness), and measures in one
-run, greedy, ``ignore_eos``, a tiny prompt:
+``worker_endpoints`` true and ``pd_triton``, a copy with it false, over the same workers; the model
+repository's ``model`` parameter pointing at the tiny folder; ``perf/server.py``'s harness), and measures in
+one run, greedy, ``ignore_eos``, a tiny prompt:
 
 * engine alone (offline, same model and engine settings as served): ITL p50 at 1 stream (time per decode step),
   tokens/s at ``--streams`` requests x ``--tokens`` new tokens submitted at once;
 * ``colocated``, ``pd_ensemble`` (child requests to the workers' own endpoints, ``serving/workers/endpoint.py``)
-  and ``pd_triton`` (child requests through tritonserver) over gRPC streaming (``perf/stream_client.py``): ITL
-  p50 and TTFT p50 at
-  1 stream (``--single-requests`` requests one after another), streamed tokens/s at ``--streams`` concurrent
-  streams x ``--tokens`` tokens (tokens / first send to last FINAL); the client asks for one optional output,
-  each response's ``num_output_tokens`` (``--outputs all``: also ``finish_reason`` and ``num_input_tokens``);
+  and ``pd_triton`` (child requests through tritonserver) over gRPC streaming (``perf/stream_client.py``), each
+  path in turn: ITL p50 and TTFT p50 at 1 stream (``--single-requests`` requests one after another), streamed
+  tokens/s at ``--streams`` concurrent streams x ``--tokens`` tokens (tokens / first send to last FINAL);
+* TTFT p50 interleaved: ``--single-requests`` rounds in which the three paths send one request each in turn,
+  so that a drift of the host's speed reaches them alike (the paths' own phases run minutes apart).
 
-then the ratios: PD tok/s / colocated, colocated tok/s / engine, ITL - engine ITL (each path), PD TTFT -
-colocated TTFT (ms), and the first and last of these for ``pd_triton``. Where the time goes: for each served path, the CPU time each process (tritonserver, every
-model's stub, this client) spent during the streams phase, per streamed token (``psutil``), and how many of the
-cores were busy. Every figure line carries the 1-minute load average: on a shared machine the figures are
-contended. The last line is one JSON object with every figure (``*_ms``, ``*_tok_s``) and ratio.
+The client asks for one optional output, each response's ``num_output_tokens`` (``--outputs all``: also
+``finish_reason`` and ``num_input_tokens``). Then the ratios: PD tok/s / colocated, colocated tok/s / engine,
+ITL - engine ITL (each path), PD TTFT - colocated TTFT (ms; interleaved, and between the paths' own phases),
+and the same for ``pd_triton``. Where the time goes: for each served path, the CPU time each process
+(tritonserver, every model's stub, this client) spent during the streams phase, per streamed token
+(``psutil``), and how many of the cores were busy. Every figure line carries the 1-minute load average: on a
+shared machine the figures are contended. The last line is one JSON object with every figure (``*_ms``,
+``*_tok_s``) and ratio.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_serving_path.py            # 32 streams x 128 tokens
     PYTHONPATH=. .venv/bin/python scripts/bench_serving_path.py --quick    # CI smoke: 4 x 16
@@ -29,6 +33,7 @@ contended. The last line is one JSON object with every figure (``*_ms``, ``*_tok
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -44,7 +49,8 @@ if str(SCRIPTS.parent) not in sys.path:   # the project's packages (engine, serv
 
 from perf.server import Deployment, RunningServer, ServerPorts, free_ports  # noqa: E402
 from perf.stats import RequestRecord, percentile, run_duration_s  # noqa: E402
-from perf.stream_client import COUNT_ONLY, RETURN_FLAGS, run_phase_sync  # noqa: E402
+from perf.stream_client import (COUNT_ONLY, RETURN_FLAGS, grpcclient, run_phase_sync,  # noqa: E402
+                               send_request)
 from perf.tiny_model import build_tiny_llama  # noqa: E402
 from perf.workload import Phase, RequestSpec  # noqa: E402
 
@@ -53,6 +59,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 PROMPT = "Hi"
 ENGINE_MODELS = ("colocated", "prefill", "decode")
 REQUEST_TIMEOUT_S = 300.0
+#: Pause between two requests of the interleaved TTFT rounds, seconds: the previous request's tail (its pages
+#: freed, its KV released) is over before the next path's request arrives.
+INTERLEAVE_GAP_S = 0.05
 
 
 def parse_args() -> argparse.Namespace:
@@ -144,7 +153,8 @@ def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int])
 
     def run(name: str, specs: tuple[RequestSpec, ...]) -> list[RequestRecord]:
         flags = COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
-        return _checked(run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S, flags), f"{model} {name}")
+        records = run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S, flags)
+        return _checked(records, f"{model} {name}")
 
     run("warmup", (spec("warmup", 4, 0),))
     single = run("single", tuple(spec(f"single-{i}", args.tokens, 0) for i in range(args.single_requests)))
@@ -160,6 +170,31 @@ def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int])
             "cores_busy": sum(spent.values()) / wall_s}
 
 
+async def _interleaved(url: str, entries: tuple[str, ...], rounds: int, tokens: int,
+                       flags: tuple[str, ...]) -> dict[str, list[float]]:
+    ttfts: dict[str, list[float]] = {entry: [] for entry in entries}
+    async with grpcclient.InferenceServerClient(url) as client:
+        for i in range(rounds):
+            for entry in entries:
+                spec = RequestSpec(request_id=f"{entry}-interleaved-{i}", kind="decode", prompt=PROMPT,
+                                   num_prompt_tokens=1, max_tokens=tokens, slot=0)
+                record = await send_request(client, entry, spec, REQUEST_TIMEOUT_S, flags)
+                _checked([record], f"{entry} interleaved")
+                ttfts[entry].append(record.ttft_ms)
+                await asyncio.sleep(INTERLEAVE_GAP_S)
+    return ttfts
+
+
+def interleaved_ttft(url: str, entries: tuple[str, ...], args: argparse.Namespace) -> dict[str, float]:
+    """TTFT p50 of each of ``entries`` (model names), ms, from ``--single-requests`` rounds in which each sends
+    one request in turn (``INTERLEAVE_GAP_S`` apart): a drift of the host's speed during the run (other
+    tenants, frequency) then reaches every path alike, where each path's own single phase runs minutes apart
+    from the others'."""
+    flags = COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
+    ttfts = asyncio.run(_interleaved(url, entries, args.single_requests, args.tokens, flags))
+    return {entry: percentile(values, 50) for entry, values in ttfts.items()}
+
+
 def ratios(fig: dict[str, float]) -> dict[str, float]:
     """The comparisons, from the unrounded figures: rates as quotients, latencies as differences (ms)."""
     return {"pd_over_colocated_tok_s": fig["pd_tok_s"] / fig["colocated_tok_s"],
@@ -167,8 +202,12 @@ def ratios(fig: dict[str, float]) -> dict[str, float]:
             "colocated_itl_minus_engine_ms": fig["colocated_itl_p50_ms"] - fig["engine_itl_p50_ms"],
             "pd_itl_minus_engine_ms": fig["pd_itl_p50_ms"] - fig["engine_itl_p50_ms"],
             "pd_ttft_minus_colocated_ms": fig["pd_ttft_p50_ms"] - fig["colocated_ttft_p50_ms"],
+            "pd_ttft_minus_colocated_interleaved_ms":
+                fig["pd_ttft_interleaved_p50_ms"] - fig["colocated_ttft_interleaved_p50_ms"],
             "pd_triton_over_colocated_tok_s": fig["pd_triton_tok_s"] / fig["colocated_tok_s"],
-            "pd_triton_ttft_minus_colocated_ms": fig["pd_triton_ttft_p50_ms"] - fig["colocated_ttft_p50_ms"]}
+            "pd_triton_ttft_minus_colocated_ms": fig["pd_triton_ttft_p50_ms"] - fig["colocated_ttft_p50_ms"],
+            "pd_triton_ttft_minus_colocated_interleaved_ms":
+                fig["pd_triton_ttft_interleaved_p50_ms"] - fig["colocated_ttft_interleaved_p50_ms"]}
 
 
 def commit() -> str:
@@ -205,6 +244,12 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
             print(f"{'':17} CPU per streamed token, us: " + ", ".join(
                 f"{k} {v:.0f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v >= 5) +
                 f"; total {sum(split.values()):.0f} ({path['cores_busy']:.2f} cores busy)", flush=True)
+        paths = (("colocated", "colocated"), ("pd", "pd_ensemble"), ("pd_triton", "pd_triton"))
+        interleaved = interleaved_ttft(ports.grpc_url, tuple(entry for _, entry in paths), args)
+        for name, entry in paths:
+            figures[f"{name}_ttft_interleaved_p50_ms"] = interleaved[entry]
+        each = ", ".join(f"{entry} {interleaved[entry]:.2f} ms" for _, entry in paths)
+        print(f"interleaved       TTFT p50 {each}   (load {load_1m()})", flush=True)
     return figures
 
 
@@ -217,9 +262,11 @@ def main() -> None:
     print(f"PD / colocated tok/s {compared['pd_over_colocated_tok_s']:.2f}; colocated / engine tok/s "
           f"{compared['colocated_over_engine_tok_s']:.2f}; ITL - engine: colocated "
           f"{compared['colocated_itl_minus_engine_ms']:+.2f} ms, PD {compared['pd_itl_minus_engine_ms']:+.2f} ms; "
-          f"PD TTFT - colocated TTFT {compared['pd_ttft_minus_colocated_ms']:+.1f} ms; through tritonserver "
+          f"PD TTFT - colocated TTFT {compared['pd_ttft_minus_colocated_interleaved_ms']:+.1f} ms interleaved "
+          f"({compared['pd_ttft_minus_colocated_ms']:+.1f} ms between their own phases); through tritonserver "
           f"(pd_triton): tok/s {compared['pd_triton_over_colocated_tok_s']:.2f}x colocated, TTFT "
-          f"{compared['pd_triton_ttft_minus_colocated_ms']:+.1f} ms", flush=True)
+          f"{compared['pd_triton_ttft_minus_colocated_interleaved_ms']:+.1f} ms interleaved "
+          f"({compared['pd_triton_ttft_minus_colocated_ms']:+.1f})", flush=True)
     out: dict[str, Any] = {k: round(v, 3) for k, v in {**figures, **compared}.items()}
     out.update(model=args.model, streams=args.streams, tokens=args.tokens, single_requests=args.single_requests,
                outputs=args.outputs, load_1m=load_1m(), commit=commit())

@@ -58,6 +58,12 @@ def test_smoke_bench_serving_path_quick_ratios_come_from_its_figures() -> None:
     assert _near(out["colocated_itl_minus_engine_ms"], out["colocated_itl_p50_ms"] - out["engine_itl_p50_ms"])
     assert _near(out["pd_itl_minus_engine_ms"], out["pd_itl_p50_ms"] - out["engine_itl_p50_ms"])
     assert _near(out["pd_ttft_minus_colocated_ms"], out["pd_ttft_p50_ms"] - out["colocated_ttft_p50_ms"])
+    for path in ("colocated", "pd", "pd_triton"):
+        assert out[f"{path}_ttft_interleaved_p50_ms"] > 0, path
+    assert _near(out["pd_ttft_minus_colocated_interleaved_ms"],
+                 out["pd_ttft_interleaved_p50_ms"] - out["colocated_ttft_interleaved_p50_ms"])
+    assert _near(out["pd_triton_ttft_minus_colocated_interleaved_ms"],
+                 out["pd_triton_ttft_interleaved_p50_ms"] - out["colocated_ttft_interleaved_p50_ms"])
     assert _near(out["pd_triton_over_colocated_tok_s"], out["pd_triton_tok_s"] / out["colocated_tok_s"])
     assert _near(out["pd_triton_ttft_minus_colocated_ms"],
                  out["pd_triton_ttft_p50_ms"] - out["colocated_ttft_p50_ms"])
