@@ -14,7 +14,7 @@ one run, greedy, ``ignore_eos``, a tiny prompt:
   path in turn: ITL p50 and TTFT p50 at 1 stream (``--single-requests`` requests one after another), streamed
   tokens/s at ``--streams`` concurrent streams x ``--tokens`` tokens (tokens / first send to last FINAL);
 * TTFT p50 interleaved: ``--single-requests`` rounds in which the three paths send one request each in turn,
-  so that a drift of the host's speed reaches them alike (the paths' own phases run minutes apart).
+  back to back, so that a drift of the host's speed reaches them alike (the paths' own phases run minutes apart).
 
 The client asks for one optional output, each response's ``num_output_tokens`` (``--outputs all``: also
 ``finish_reason`` and ``num_input_tokens``). Then the ratios: PD tok/s / colocated, colocated tok/s / engine,
@@ -59,9 +59,6 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 PROMPT = "Hi"
 ENGINE_MODELS = ("colocated", "prefill", "decode")
 REQUEST_TIMEOUT_S = 300.0
-#: Pause between two requests of the interleaved TTFT rounds, seconds: the previous request's tail (its pages
-#: freed, its KV released) is over before the next path's request arrives.
-INTERLEAVE_GAP_S = 0.05
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,6 +75,11 @@ def parse_args() -> argparse.Namespace:
                    help="the optional outputs the client asks for: 'count' (each response's num_output_tokens, "
                         "all it needs) or 'all' (also finish_reason and num_input_tokens: 3 more tensors per "
                         "response, as bench_serving.py asks)")
+    p.add_argument("--interleave-gap-ms", type=float, default=0.0,
+                   help="pause between two requests of the interleaved TTFT rounds, ms (default none: as in each "
+                        "path's own phase, where a client at concurrency 1 sends the next request as the last "
+                        "one ends; after 50 ms pauses colocated's first token took twice as long here: "
+                        "docs/benchmarks.md 'Session 23')")
     args = p.parse_args()
     if args.quick:
         args.streams, args.tokens, args.single_requests = 4, 16, 2
@@ -170,7 +172,7 @@ def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int])
             "cores_busy": sum(spent.values()) / wall_s}
 
 
-async def _interleaved(url: str, entries: tuple[str, ...], rounds: int, tokens: int,
+async def _interleaved(url: str, entries: tuple[str, ...], rounds: int, tokens: int, gap_s: float,
                        flags: tuple[str, ...]) -> dict[str, list[float]]:
     ttfts: dict[str, list[float]] = {entry: [] for entry in entries}
     async with grpcclient.InferenceServerClient(url) as client:
@@ -181,17 +183,20 @@ async def _interleaved(url: str, entries: tuple[str, ...], rounds: int, tokens: 
                 record = await send_request(client, entry, spec, REQUEST_TIMEOUT_S, flags)
                 _checked([record], f"{entry} interleaved")
                 ttfts[entry].append(record.ttft_ms)
-                await asyncio.sleep(INTERLEAVE_GAP_S)
+                if gap_s:
+                    await asyncio.sleep(gap_s)
     return ttfts
 
 
 def interleaved_ttft(url: str, entries: tuple[str, ...], args: argparse.Namespace) -> dict[str, float]:
     """TTFT p50 of each of ``entries`` (model names), ms, from ``--single-requests`` rounds in which each sends
-    one request in turn (``INTERLEAVE_GAP_S`` apart): a drift of the host's speed during the run (other
+    one request in turn (back to back, or ``--interleave-gap-ms`` apart): a drift of the host's speed during the
+    run (other
     tenants, frequency) then reaches every path alike, where each path's own single phase runs minutes apart
     from the others'."""
     flags = COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
-    ttfts = asyncio.run(_interleaved(url, entries, args.single_requests, args.tokens, flags))
+    ttfts = asyncio.run(_interleaved(url, entries, args.single_requests, args.tokens,
+                                     args.interleave_gap_ms / 1000.0, flags))
     return {entry: percentile(values, 50) for entry, values in ttfts.items()}
 
 
@@ -269,7 +274,7 @@ def main() -> None:
           f"({compared['pd_triton_ttft_minus_colocated_ms']:+.1f})", flush=True)
     out: dict[str, Any] = {k: round(v, 3) for k, v in {**figures, **compared}.items()}
     out.update(model=args.model, streams=args.streams, tokens=args.tokens, single_requests=args.single_requests,
-               outputs=args.outputs, load_1m=load_1m(), commit=commit())
+               outputs=args.outputs, interleave_gap_ms=args.interleave_gap_ms, load_1m=load_1m(), commit=commit())
     print(json.dumps(out), flush=True)
 
 
