@@ -191,9 +191,8 @@ async def _interleaved(url: str, entries: tuple[str, ...], rounds: int, tokens: 
 def interleaved_ttft(url: str, entries: tuple[str, ...], args: argparse.Namespace) -> dict[str, float]:
     """TTFT p50 of each of ``entries`` (model names), ms, from ``--single-requests`` rounds in which each sends
     one request in turn (back to back, or ``--interleave-gap-ms`` apart): a drift of the host's speed during the
-    run (other
-    tenants, frequency) then reaches every path alike, where each path's own single phase runs minutes apart
-    from the others'."""
+    run (other tenants, frequency) then reaches every path alike, where each path's own single phase runs
+    minutes apart from the others'."""
     flags = COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
     ttfts = asyncio.run(_interleaved(url, entries, args.single_requests, args.tokens,
                                      args.interleave_gap_ms / 1000.0, flags))
