@@ -36,7 +36,7 @@ from serving.workers.events import LoopEvent, RequestFailed
 from serving.workers.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.parsing.pd_request import PDRequest
-from serving.stream import ErrorKind, ResponseChunk, ResponseSink, error_kind_of
+from serving.stream import ErrorKind, ResponseChunk, ResponseSink, client_message, error_kind_of
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class PrefillWorker:
         assert job.sender is not None
         if isinstance(event, RequestFailed):
             self._prefilling.pop(job.request_id, None)
-            reason = job.failed or str(event.error)
+            reason = job.failed or client_message(event.error)
             job.sender.abort(reason)
             # a rejection by the engine is the request's fault; a transfer failure (job.failed) is ours
             self._end_failed(job, reason, ErrorKind.INSTANCE if job.failed else error_kind_of(event.error))
