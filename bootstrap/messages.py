@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_ROOM = 2**63 - 1
 Room = int
 
@@ -104,6 +104,9 @@ class InstanceStatus:
     """One entry of the fleet listing: a registration without its agent metadata, and its freshness.
 
     ``age_s``: seconds since the rendezvous last heard from the instance (its own load report, every ``KVArgs.heartbeat_interval_s``: 1 s by default).
+    ``draining``: the instance's model is being unloaded (a reload or an unload): it ends the streams it has and
+    takes no new ones; routers pair it no more, and a router that found it through its server's repository index
+    asks that model again (a reloaded successor answers there).
     """
 
     instance_id: str
@@ -115,6 +118,7 @@ class InstanceStatus:
     age_s: float
     rendezvous_url: str = ""
     worker_endpoint: str = ""   # Registration.worker_endpoint
+    draining: bool = False
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,12 @@ class Rendezvous:
         with self._lock:
             return self._registry.take_destinations(prefill_instance_id)
 
+    def set_draining(self, instance_id: str, epoch: int) -> bool:
+        """The owner's model is being unloaded: its listing says ``draining`` from now on (routers stop pairing
+        it). False when that registration is gone."""
+        with self._lock:
+            return self._registry.set_draining(instance_id, epoch)
+
     def deregister(self, instance_id: str, epoch: int) -> None:
         with self._lock:
             self._registry.deregister(instance_id, epoch, time.monotonic())

@@ -71,6 +71,7 @@ class KVManager(BaseKVManager):
         self._round_started_s: float | None = None   # set while a manager round runs (a float write: atomic)
         self._stall_logged = False
         self._load: Callable[[], InstanceLoad | None] = lambda: None
+        self._draining = False
 
     def set_load_source(self, load: Callable[[], InstanceLoad | None]) -> None:
         """``load()`` is called on the heartbeat thread before every heartbeat; what it returns travels with the
@@ -106,6 +107,8 @@ class KVManager(BaseKVManager):
                                     self._rendezvous.url)
         self.epoch = time.time_ns()
         self._rendezvous.register(self._registration())
+        if self._draining:
+            self._rendezvous.set_draining(self.args.instance_id, self.epoch)
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.args.role}-{self.args.instance_id}",
                                         daemon=True)
         self._thread.start()
@@ -209,6 +212,16 @@ class KVManager(BaseKVManager):
             except Exception:
                 logger.exception("kv manager %s: heartbeat failed", self.args.instance_id)
 
+    def set_draining(self) -> None:
+        """The model is being unloaded: this instance's listing at its own rendezvous says ``draining`` from
+        now on, so routers stop pairing it (``InstanceStatus.draining``); its rooms carry on. Any thread,
+        idempotent; before ``start`` it takes effect at the registration."""
+        self._draining = True
+        if self.epoch:
+            self._rendezvous.set_draining(self.args.instance_id, self.epoch)
+
     def _heartbeat(self) -> None:
         if not self._rendezvous.report_load(self.args.instance_id, self.epoch, self._load()):
             self._rendezvous.register(self._registration())   # it expired (the process stalled past the TTL)
+            if self._draining:
+                self._rendezvous.set_draining(self.args.instance_id, self.epoch)

@@ -63,7 +63,8 @@ class MemberSource(Protocol):
         ...
 
     def forget(self, instance_id: str) -> None:
-        """The member's rendezvous refused a connection (its process is gone): learn it anew next time."""
+        """The member's rendezvous refused a connection (its process is gone), or lists it draining (its model is
+        being unloaded; a reload's successor serves that model now): learn it anew next time."""
         ...
 
     def close(self) -> None: ...

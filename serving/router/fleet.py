@@ -173,12 +173,12 @@ class Fleet:
 
     def _fresh(self, role: str,
                exclude: frozenset[InstanceId] = frozenset()) -> list[tuple[InstanceStatus, _InstanceState, float]]:
-        """Registered, allowed instances of ``role`` heard from within ``instance_stale_s``, with their state and
-        the local time of their last report."""
+        """Registered, allowed instances of ``role`` heard from within ``instance_stale_s`` and not draining, with
+        their state and the local time of their last report."""
         now_s = self._now()
         out = []
         for status in self._snapshot.instances:
-            if status.role != role or status.instance_id in exclude or not self._allowed(status):
+            if status.role != role or status.instance_id in exclude or status.draining or not self._allowed(status):
                 continue
             reported_s = self._snapshot.taken_s - status.age_s
             if now_s - reported_s <= self._config.instance_stale_s:
@@ -356,6 +356,9 @@ class FleetWatcher:
                 self._source.forget(member.instance_id)
             elif isinstance(status, InstanceStatus):
                 current[member.instance_id] = (status, now_s)
+                if status.draining:   # being unloaded: kept (its streams run on) but never paired; a reload's
+                    # successor has its model's name: learn the member anew, which asks that model again
+                    self._source.forget(member.instance_id)
             elif member.instance_id in self._last:   # no answer: keep the last status until it is stale
                 current[member.instance_id] = self._last[member.instance_id]
         self._last = current

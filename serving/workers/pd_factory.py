@@ -115,8 +115,11 @@ class PDWorkerHandle:
         return self.kv_manager.epoch
 
     def withdraw(self, timeout_s: float = 2.0) -> None:
-        """Leave the fleet's registry (routers stop pairing this worker within one refresh); the worker keeps
-        serving what it has. Idempotent; ``stop`` does it too."""
+        """Leave the fleet: out of its registry, and listed as draining at this worker's own rendezvous (routers
+        stop pairing it within one refresh, also those that find their workers through their server's repository
+        index, which then ask the model again and find a reloaded successor); the worker keeps serving what it
+        has. Idempotent; ``stop`` does it too."""
+        self.kv_manager.set_draining()
         membership, self.membership = self.membership, None
         if membership is not None:
             membership.stop(timeout_s)
