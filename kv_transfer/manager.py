@@ -106,9 +106,7 @@ class KVManager(BaseKVManager):
             self._side = DecodeSide(self.args, self._transport, self._clients, self._peers, self._aux, self._lock,
                                     self._rendezvous.url)
         self.epoch = time.time_ns()
-        self._rendezvous.register(self._registration())
-        if self._draining:
-            self._rendezvous.set_draining(self.args.instance_id, self.epoch)
+        self._register()
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.args.role}-{self.args.instance_id}",
                                         daemon=True)
         self._thread.start()
@@ -222,6 +220,10 @@ class KVManager(BaseKVManager):
 
     def _heartbeat(self) -> None:
         if not self._rendezvous.report_load(self.args.instance_id, self.epoch, self._load()):
-            self._rendezvous.register(self._registration())   # it expired (the process stalled past the TTL)
-            if self._draining:
-                self._rendezvous.set_draining(self.args.instance_id, self.epoch)
+            self._register()   # it expired (the process stalled past the TTL)
+
+    def _register(self) -> None:
+        """This epoch's registration at the instance's own rendezvous, with its draining mark if it has one."""
+        self._rendezvous.register(self._registration())
+        if self._draining:
+            self._rendezvous.set_draining(self.args.instance_id, self.epoch)

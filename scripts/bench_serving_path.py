@@ -144,24 +144,31 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return used
 
 
+def request_spec(model: str, name: str, max_tokens: int, slot: int = 0) -> RequestSpec:
+    """One greedy request of ``PROMPT`` to ``model`` (``ignore_eos``: exactly ``max_tokens`` tokens)."""
+    return RequestSpec(request_id=f"{model}-{name}", kind="decode", prompt=PROMPT, num_prompt_tokens=1,
+                       max_tokens=max_tokens, slot=slot)
+
+
+def return_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The optional outputs the client asks for (``--outputs``)."""
+    return COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
+
+
 def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int]) -> dict[str, float]:
     """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, via ``model``; and
     where the CPU time of those streams went: ``cpu_us_per_token_<process>`` for each of ``pids`` (the server,
     each model's stub, ``client``: this process), microseconds per streamed token, and ``cores_busy`` (their
     CPU seconds over the phase's wall time)."""
-    def spec(name: str, max_tokens: int, slot: int) -> RequestSpec:
-        return RequestSpec(request_id=f"{model}-{name}", kind="decode", prompt=PROMPT, num_prompt_tokens=1,
-                           max_tokens=max_tokens, slot=slot)
-
     def run(name: str, specs: tuple[RequestSpec, ...]) -> list[RequestRecord]:
-        flags = COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
-        records = run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S, flags)
+        records = run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S, return_flags(args))
         return _checked(records, f"{model} {name}")
 
-    run("warmup", (spec("warmup", 4, 0),))
-    single = run("single", tuple(spec(f"single-{i}", args.tokens, 0) for i in range(args.single_requests)))
+    run("warmup", (request_spec(model, "warmup", 4),))
+    single = run("single", tuple(request_spec(model, f"single-{i}", args.tokens)
+                                 for i in range(args.single_requests)))
     before, began = cpu_seconds(pids), time.perf_counter()
-    many = run("streams", tuple(spec(f"stream-{i}", args.tokens, i) for i in range(args.streams)))
+    many = run("streams", tuple(request_spec(model, f"stream-{i}", args.tokens, i) for i in range(args.streams)))
     after, wall_s = cpu_seconds(pids), time.perf_counter() - began
     tokens = sum(r.num_output_tokens for r in many)
     spent = {name: after[name] - before[name] for name in after if name in before}
@@ -178,8 +185,7 @@ async def _interleaved(url: str, entries: tuple[str, ...], rounds: int, tokens: 
     async with grpcclient.InferenceServerClient(url) as client:
         for i in range(rounds):
             for entry in entries:
-                spec = RequestSpec(request_id=f"{entry}-interleaved-{i}", kind="decode", prompt=PROMPT,
-                                   num_prompt_tokens=1, max_tokens=tokens, slot=0)
+                spec = request_spec(entry, f"interleaved-{i}", tokens)
                 record = await send_request(client, entry, spec, REQUEST_TIMEOUT_S, flags)
                 _checked([record], f"{entry} interleaved")
                 ttfts[entry].append(record.ttft_ms)
@@ -193,9 +199,8 @@ def interleaved_ttft(url: str, entries: tuple[str, ...], args: argparse.Namespac
     one request in turn (back to back, or ``--interleave-gap-ms`` apart): a drift of the host's speed during the
     run (other tenants, frequency) then reaches every path alike, where each path's own single phase runs
     minutes apart from the others'."""
-    flags = COUNT_ONLY if args.outputs == "count" else RETURN_FLAGS
     ttfts = asyncio.run(_interleaved(url, entries, args.single_requests, args.tokens,
-                                     args.interleave_gap_ms / 1000.0, flags))
+                                     args.interleave_gap_ms / 1000.0, return_flags(args)))
     return {entry: percentile(values, 50) for entry, values in ttfts.items()}
 
 

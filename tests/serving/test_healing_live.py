@@ -1,11 +1,11 @@
 """Healing on one tritonserver (``pd_ensemble``, ``prefill``, ``decode``, started by serve.sh).
 
-Invariants: unloading and loading ``prefill``, and reloading ``decode`` in place (a load with a changed config),
-through Triton's repository API while requests stream through the router never stops the router or another
-model's loop: a long request in flight runs to its last token on the old version, every stream ends (FINAL or
-one error; through the reload in place, no error at all), after each reload new requests give the colocated
-text, and the new version's metric series are still on ``/metrics`` once the old version is gone (the old
-version deleting a series it shared with the new one was a use-after-free in tritonserver that aborted it:
+Invariants: unloading and loading ``prefill``, and reloading ``decode`` in place (a load with a changed
+config), through Triton's repository API while requests stream through the router never stops the router or
+another model's loop: a long request in flight runs to its last token on the old version, every stream ends
+(FINAL or one error; through the reload in place, no error at all), after each reload new requests give the
+colocated text, and the new version's metric series are still on ``/metrics`` once the old version is gone (the
+old version deleting a series it shared with the new one was a use-after-free in tritonserver that aborted it:
 ``serving.metrics``). ``kill -9`` of the prefill stub: within seconds the server stops reporting ``prefill`` ready (its
 stub's guardian ends the server), serve.sh starts it again, and requests through the router give the colocated
 text again within 30 s (or, on a machine so loaded that one start of the server takes longer, within 1.5x its
@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -91,15 +91,32 @@ class Traffic:
         self._thread.join(300)
 
 
+def start_long_request(server: ServeScript, pool: ThreadPoolExecutor,
+                       params: dict[str, str]) -> Future[StreamResult]:
+    """A long request through the router, returned once its prefill is done (it decodes on the current decode
+    version, and no prefill holds it any more)."""
+    before = finished(server, "prefill")
+    long = pool.submit(generate, server, "Write a long story about a lighthouse keeper.", params)
+    deadline = time.monotonic() + 120
+    while finished(server, "prefill") <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return long
+
+
+def wait_for_series_of(server: ServeScript, model: str, pid: int) -> set[str]:
+    """The ``pid`` labels of ``model``'s ``pd_kv_total_pages`` once they are the new stub ``pid``'s alone, or
+    after 10 s whatever they are: the new version's series must still be there after the old one's went."""
+    deadline = time.monotonic() + 10
+    while series_pids(server, "pd_kv_total_pages", model) != {str(pid)} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return series_pids(server, "pd_kv_total_pages", model)
+
+
 def reload_under_traffic(server: ServeScript, model: str) -> tuple[StreamResult, list[StreamResult]]:
     """A long request decoding, then ``model`` unloaded and loaded again while short ones keep coming; returns
     the long request's result (it ends on the old version) and the short ones'."""
     with Traffic(server) as traffic, ThreadPoolExecutor(1) as pool:
-        before = finished(server, "prefill")
-        long = pool.submit(generate, server, "Write a long story about a lighthouse keeper.", LONG)
-        deadline = time.monotonic() + 120
-        while finished(server, "prefill") <= before and time.monotonic() < deadline:   # its prefill is done
-            time.sleep(0.05)
+        long = start_long_request(server, pool, LONG)
         repository(server, model, "unload")
         repository(server, model, "load")
         time.sleep(1.0)
@@ -114,21 +131,17 @@ LONGER = {"max_tokens": "200", "temperature": "0", "ignore_eos": "true"}
 def test_reloading_decode_in_place_under_traffic_fails_no_new_request(triton_server: ServeScript,
                                                                       reference) -> None:
     """A reload in place (a load of the loaded ``decode`` with a changed config: tritonserver starts the new
-    version beside the old one, swaps, then unloads the old one, whose ``finalize`` waits for its streams) while
-    a long request decodes on the old version and short ones keep coming. The old version lists itself draining
-    at its rendezvous, so the router stops pairing it and asks the model again, finding the new version within
-    a refresh: no short request fails (before, every one failed until the old version's last stream ended, a
-    trial's 3-14 s), and the long one ends on the old version with every token."""
+    version beside the old one, swaps, then unloads the old one, whose ``finalize`` waits for its streams)
+    while a long request decodes on the old version and short ones keep coming. The old version lists itself
+    draining at its rendezvous, so the router stops pairing it and asks the model again, finding the new
+    version within a refresh: no short request fails (before, every one failed until the old version's last
+    stream ended, a trial's 3-14 s), and the long one ends on the old version with every token."""
     server = triton_server
     config = requests.get(f"{server.http_url}/v2/models/decode/config", timeout=10).json()
     config["parameters"]["waiting_timeout_s"]["string_value"] = "121"   # a change: the load is a reload
     old = stub_pid(server, "decode")
     with Traffic(server) as traffic, ThreadPoolExecutor(1) as pool:
-        before = finished(server, "prefill")
-        long = pool.submit(generate, server, "Write a long story about a lighthouse keeper.", LONGER)
-        deadline = time.monotonic() + 120
-        while finished(server, "prefill") <= before and time.monotonic() < deadline:   # decoding on the old one
-            time.sleep(0.05)
+        long = start_long_request(server, pool, LONGER)   # decoding on the old version
         began_s = time.monotonic()
         resp = requests.post(f"{server.http_url}/v2/repository/models/decode/load",
                              json={"parameters": {"config": json.dumps(config)}}, timeout=600,
@@ -141,19 +154,17 @@ def test_reloading_decode_in_place_under_traffic_fails_no_new_request(triton_ser
         drained_s = time.monotonic()
         time.sleep(1.0)
         result = long.result(timeout=600)
-    print(f"decode reloaded in {swapped_s - began_s:.1f} s; the old version drained {drained_s - swapped_s:.1f} s "
-          f"after; {len(traffic.results)} short requests meanwhile")
+    print(f"decode reloaded in {swapped_s - began_s:.1f} s; the old version drained "
+          f"{drained_s - swapped_s:.1f} s after; {len(traffic.results)} short requests meanwhile")
     assert result.error is None and result.final_seen, result.error
     assert result.num_output_tokens[-1] == int(LONGER["max_tokens"])
     failed = [r.error for r in traffic.results if r.error]
-    assert not failed, f"{len(failed)} of {len(traffic.results)} requests failed during the reload: {failed[:3]}"
+    assert not failed, \
+        f"{len(failed)} of {len(traffic.results)} requests failed during the reload: {failed[:3]}"
     assert len(traffic.results) >= 5 and {r.text for r in traffic.results} == {reference[PROMPTS[0]]}
     new = stub_pid(server, "decode")
     assert new != old
-    deadline = time.monotonic() + 10   # the new version's series, still there after the old one's went
-    while series_pids(server, "pd_kv_total_pages", "decode") != {str(new)} and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert series_pids(server, "pd_kv_total_pages", "decode") == {str(new)}
+    assert wait_for_series_of(server, "decode", new) == {str(new)}
 
 
 def series_pids(server: ServeScript, name: str, model: str) -> set[str]:
@@ -168,26 +179,23 @@ def test_reloading_prefill_or_decode_never_stops_the_router_or_the_other_loop(tr
     server = triton_server
     # decode: unloaded and loaded again here until session 23; now reloaded in place, with the same checks and
     # more, by test_reloading_decode_in_place_under_traffic_fails_no_new_request (CI's time)
-    for model in ("prefill",):
-        old = stub_pid(server, model)
-        long, short = reload_under_traffic(server, model)
-        assert long.error is None and long.final_seen, (model, long.error)   # it ran through the reload
-        assert long.num_output_tokens[-1] == int(LONG["max_tokens"])
-        assert short and all(r.final_seen or r.error for r in short), "every stream ends"
-        assert not [r.error for r in short if r.error and "not running" in r.error], model
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            after = list(pool.map(lambda p: generate(server, p), PROMPTS))
-        assert [(r.error, r.text) for r in after] == [(None, reference[p]) for p in PROMPTS], model
-        deadline = time.monotonic() + 30   # the old version finalizes after its last request: one stub left
-        while len(stub_pids_of(server, model)) != 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        new = stub_pid(server, model)
-        assert new != old
-        deadline = time.monotonic() + 10   # the new version's series, still there after the old one's went
-        while series_pids(server, "pd_kv_total_pages", model) != {str(new)} and time.monotonic() < deadline:
-            time.sleep(0.2)
-        found = series_pids(server, "pd_kv_total_pages", model)
-        assert found == {str(new)}, f"{model}: the new stub {new}'s series, not {found} (old stub {old})"
+    model = "prefill"
+    old = stub_pid(server, model)
+    long, short = reload_under_traffic(server, model)
+    assert long.error is None and long.final_seen, (model, long.error)   # it ran through the reload
+    assert long.num_output_tokens[-1] == int(LONG["max_tokens"])
+    assert short and all(r.final_seen or r.error for r in short), "every stream ends"
+    assert not [r.error for r in short if r.error and "not running" in r.error], model
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        after = list(pool.map(lambda p: generate(server, p), PROMPTS))
+    assert [(r.error, r.text) for r in after] == [(None, reference[p]) for p in PROMPTS], model
+    deadline = time.monotonic() + 30   # the old version finalizes after its last request: one stub left
+    while len(stub_pids_of(server, model)) != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    new = stub_pid(server, model)
+    assert new != old
+    found = wait_for_series_of(server, model, new)
+    assert found == {str(new)}, f"{model}: the new stub {new}'s series, not {found} (old stub {old})"
 
 
 def stub_pids_of(server: ServeScript, model: str) -> list[int]:
