@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.base import AttentionBackend, write_kv_slots
 from engine.forward_batch import ForwardBatch
@@ -28,6 +31,14 @@ from engine.forward_batch import ForwardBatch
 # What one more decode bucket costs per layer (a gather and an SDPA call), in gathered pages; measured on
 # SmolLM2-135M shapes (3 KV heads x 64, 16-token pages) at ~7 us per page and ~50 us per bucket.
 _BUCKET_COST_PAGES = 8
+# SDPA's kernels on CUDA without cuDNN's: torch 2.11 picks cuDNN attention for bf16 on an H200, which spent
+# ~1.9 ms of CPU per call on decode shapes (the key length changes every step; a profile of 10 steps: 70 % of
+# the CPU time, bf16 decode 79 ms per step against fp32's 21; docs/benchmarks.md, "Weight formats", session 24)
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    return sdpa_kernel(_CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -213,8 +224,9 @@ class TorchAttentionBackend(AttentionBackend):
             # torch's CPU SDPA in bf16 ran 4.3x slower than in fp32 on these shapes (docs/benchmarks.md,
             # "Weight formats"): widen; the scores and the softmax are then fp32, as the math path's would be
             query, keys, values = query.float(), keys.float(), values.float()
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=d.mask, scale=scale,
-                                             enable_gqa=True)  # [batch, num_heads, 1, head_dim]
+        with _sdpa_backends(q.device):
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=d.mask, scale=scale,
+                                                 enable_gqa=True)  # [batch, num_heads, 1, head_dim]
         return out.to(q.dtype).reshape(batch, num_heads * head_dim)
 
     @staticmethod
@@ -226,6 +238,8 @@ class TorchAttentionBackend(AttentionBackend):
             values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
         else:
             keys, values = chunk.kv.read(layer_kv, 1)  # [1, kv_heads, seq_len, head_dim]
-        out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=chunk.mask, is_causal=chunk.kv is None,
-                                             scale=scale, enable_gqa=True)  # [1, num_heads, q_len, head_dim]
+        with _sdpa_backends(q.device):
+            out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=chunk.mask,
+                                                 is_causal=chunk.kv is None, scale=scale,
+                                                 enable_gqa=True)  # [1, num_heads, q_len, head_dim]
         return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
