@@ -31,6 +31,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2",
+                   help="what engine.model.load_model loads: 'smollm2' (the bundled GGUF) or a model folder, e.g. "
+                        "one of scripts/perf/tiny_model.py's random models")
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=64, help="(a) new tokens at batch 1")
     p.add_argument("--mixed-requests", type=int, default=16)
@@ -113,7 +116,7 @@ def main() -> None:
 
     from engine.model import load_model
 
-    loaded = load_model("smollm2")
+    loaded = load_model(args.model)
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # same as ignore_eos: always n new tokens
     text = "The quick brown fox jumps over the lazy dog while the farmer counts his sheep. " * 60

