@@ -3,8 +3,8 @@
 Which path should multiply a decode step's activations ``x`` ``[M, K]`` by the weights? For each ``M`` of
 ``--rows`` this times every weight product of one SmolLM2-135M decode step (per layer the fused ``qkv``
 960x576, ``o`` 576x576, fused ``gate_up`` 3072x576, ``down`` 576x1536, 30 layers, then the LM head 49152x576:
-the 121 products of ``engine.model.llama``; 134.5 M weights, more than any cache, so each step streams them
-from memory) through each path available here:
+the 121 products of ``engine.model.llama``; 134.5 M weights, more than most CPUs' caches, so each step streams
+them from memory; not on a CPU with 300 MB of L3, which holds the bf16 set) through each path available here:
 
 - ``fp32``: ``F.linear`` in float32 (oneDNN/MKL); the baseline.
 - ``bf16 torch``: ``F.linear`` in bfloat16 (oneDNN: AMX tiles where the CPU has AMX, AVX512_BF16 else).
@@ -17,9 +17,10 @@ from memory) through each path available here:
 Weights are random (seeded): a product's time does not depend on its values. Each path runs ``--repeats``
 steps after one warm-up; the best step is kept. Printed per thread count: ms per step, the ratio to fp32 at
 the same ``M``, the memory-bandwidth limit (weight bytes / a 256 MiB ``copy_``'s rate, measured just before),
-and whether the path is batch-invariant (every row of an ``M``-row product equals the same row multiplied
-alone, copied to a buffer of its own as the engine's ``PackedBF16Weight`` does, bit for bit: the engine's decode kernels promise that; docs/benchmarks.md "Weight formats"). The CPU's
-model and AMX/AVX-512 flags come first. Run: ``python scripts/bench_cpu_products.py --threads 1``.
+and whether the path is batch-invariant (every row of an ``M``-row product equals, bit for bit, the same row
+multiplied alone, copied to a buffer of its own as ``engine.model.linear.PackedBF16Weight`` does; the engine's
+decode kernels promise that: docs/benchmarks.md "Weight formats"). The CPU's model and AMX/AVX-512 flags come
+first. Run: ``python scripts/bench_cpu_products.py --threads 1``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,7 @@ def cpu_facts() -> dict[str, object]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and not model.strip():
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("model name"):
+                if line.startswith("model name"):
                     model = line.split(":", 1)[1].strip()
                 elif line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
