@@ -8,8 +8,8 @@ them from memory; not on a CPU with 300 MB of L3, which holds the bf16 set) thro
 
 - ``fp32``: ``F.linear`` in float32 (oneDNN/MKL); the baseline.
 - ``bf16 torch``: ``F.linear`` in bfloat16 (oneDNN: AMX tiles where the CPU has AMX, AVX512_BF16 else).
-- ``bf16 packed for 1`` / ``for 16``: oneDNN's prepacked bf16 weight (``torch.ops.mkldnn._reorder_linear_weight``
-  once, for a batch of 1 or of 16 rows, then ``torch.ops.mkldnn._linear_pointwise``), the layout torch's own
+- ``bf16 packed for 1`` / ``for 16``: oneDNN's prepacked bf16 weight
+  (``torch.ops.mkldnn._reorder_linear_weight`` once, for a batch of 1 or of 16 rows, then ``torch.ops.mkldnn._linear_pointwise``), the layout torch's own
   CPU inference passes use; the engine packs for 16 rows (``engine.model.linear.PackedBF16Weight``).
 - ``bf16 kernel``, ``bf16 kernel fp32-x``, ``int8 kernel``: the engine's kernels (``engine/model/kernels``).
 - ``int8 torch``: ``aten._weight_int8pack_mm`` (int8 weights per output channel, bfloat16 activations).

@@ -1,14 +1,15 @@
-"""The engine on a CUDA device against the same engine on the CPU (a check for a machine with a GPU; not a test:
-CI has none).
+"""The engine on a CUDA device against the same engine on the CPU (a check for a machine with a GPU; not a
+test: CI has none).
 
-Loads one model folder twice (``--model``; a random SmolLM2-135M from ``scripts/perf/tiny_model.py --full`` where
-the bundled GGUF cannot travel), runs the same greedy requests (``--prompts`` prompts of 8 to 300 tokens cut from
-the shipped perplexity text, ``--new-tokens`` each, logprobs on, all added at once: continuous batching, chunked
-prefill) through ``LLMEngine`` on ``cpu`` and on ``--device``, per dtype of ``--dtypes``, and prints per dtype:
-how many requests produced the same tokens, the first differing position of the others, the largest logprob
-difference before it, and the device's batch-1 inter-token latency and batched tokens/s. The attention backend is
-whatever ``engine.attention.select_backend`` picks there (flashinfer when installed, torch's otherwise: printed).
-Exit status 1 when any stage raised (the traceback is printed and the next stage still runs).
+Loads one model folder twice (``--model``; a random SmolLM2-135M from ``scripts/perf/tiny_model.py --full``
+where the bundled GGUF cannot travel), runs the same greedy requests (``--prompts`` prompts of 8 to 300 tokens
+cut from the shipped perplexity text, ``--new-tokens`` each, logprobs on, all added at once: continuous
+batching, chunked prefill) through ``LLMEngine`` on ``cpu`` and on ``--device``, per dtype of ``--dtypes``,
+and prints per dtype: how many requests produced the same tokens, the first differing position of the others,
+the largest logprob difference before it, and the device's batch-1 inter-token latency and batched tokens/s.
+The attention backend is whatever ``engine.attention.select_backend`` picks there (flashinfer when installed,
+torch's otherwise: printed). Exit status 1 when any stage raised (the traceback is printed and the next stage
+still runs).
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def main() -> int:
             if upto:
                 gap = max(abs(a - b) for a, b in zip(logprobs[:upto], got_logprobs[:upto]))
                 diffs.append(f"{rid} max|dlogprob| {gap:.2e}")
-        print(f"{dtype}: {same}/{len(cpu)} requests token-identical to the CPU; {'; '.join(diffs)}", flush=True)
-        print(f"{dtype}: {args.device} ({backend}) b1 ITL {itl:.2f} ms, {tok_s:.0f} tok/s batched; cpu b1 ITL "
+        print(f"{dtype}: {same}/{len(cpu)} requests token-identical to the CPU; {'; '.join(diffs)}",
+              flush=True)
+        print(f"{dtype}: {args.device} ({backend}) b1 ITL {itl:.2f} ms, {tok_s:.0f} tok/s batched; "
+              f"cpu b1 ITL "
               f"{cpu_itl:.2f} ms, {cpu_tok_s:.0f} tok/s", flush=True)
     return 1 if failed else 0
 

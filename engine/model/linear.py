@@ -21,11 +21,11 @@ another word at a near tie).
 
 Dense bf16 weights on a CPU with AVX512_BF16 and no AMX (Zen 4, Cooper Lake) are instead held prepacked in
 oneDNN's blocked layout (``PackedBF16Weight``), and every product of them, decode and prefill, runs on oneDNN
-(``torch.ops.mkldnn._linear_pointwise``, the prepacked path torch's own CPU inference uses): measured on such a
-host, a SmolLM2 decode step's products at 16 rows in 0.6x the kernel's time, at 1 row in 0.9x; their rows are
-checked at packing to be batch-invariant too. On AMX CPUs the weights stay plain: the kernel below
-``AMX_ONEDNN_ROWS`` rows, oneDNN's AMX matmul from there, so there a row alone (the kernel) and the same row in a
-batch of 8 or more (oneDNN) differ in rounding (docs/benchmarks.md, "Weight formats", session 24).
+(``torch.ops.mkldnn._linear_pointwise``, the prepacked path torch's own CPU inference uses): measured on such
+a host, a SmolLM2 decode step's products at 16 rows in 0.6x the kernel's time, at 1 row in 0.9x; their rows
+are checked at packing to be batch-invariant too. On AMX CPUs the weights stay plain: the kernel below
+``AMX_ONEDNN_ROWS`` rows, oneDNN's AMX matmul from there, so there a row alone (the kernel) and the same row
+in a batch of 8 or more (oneDNN) differ in rounding (docs/benchmarks.md, "Weight formats", session 24).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 WEIGHT_QUANTS: tuple[str, ...] = ("none", "int8")
 SMALL_BATCH_ROWS = 16  # the kernels beat torch's products up to here (docs/benchmarks.md, "Weight dtypes")
 #: on AMX CPUs, bf16 products of this many rows or more go to oneDNN's AMX matmul instead of the kernel:
-#: measured there (1 thread, a SmolLM2 decode step's products) the kernel wins at 1, 2 and 4 rows and oneDNN at
-#: 16 (0.5-0.6x the kernel's time); the engine's decode step at 8 rows ran the same on both
+#: measured there (1 thread, a SmolLM2 decode step's products) the kernel wins at 1, 2 and 4 rows and oneDNN
+#: at 16 (0.5-0.6x the kernel's time); the engine's decode step at 8 rows ran the same on both
 AMX_ONEDNN_ROWS = 8
 
 
@@ -82,17 +82,18 @@ class Int8Weight(nn.Module):
 
 
 class PackedBF16Weight(nn.Module):
-    """A bfloat16 weight ``[N, K]`` prepacked for oneDNN's matmul (``torch.ops.mkldnn._reorder_linear_weight``,
-    an opaque ``mkldnn`` tensor: no indexing, no views), multiplied by ``torch.ops.mkldnn._linear_pointwise``.
+    """A bfloat16 weight ``[N, K]`` prepacked for oneDNN's matmul
+    (``torch.ops.mkldnn._reorder_linear_weight``, an opaque ``mkldnn`` tensor: no indexing, no views),
+    multiplied by ``torch.ops.mkldnn._linear_pointwise``.
 
-    Built by ``pack`` only where the rows of its products are batch-invariant at the current torch thread count:
-    every row of an ``M``-row product (``M`` up to ``SMALL_BATCH_ROWS``) equals, bit for bit, that row
+    Built by ``pack`` only where the rows of its products are batch-invariant at the current torch thread
+    count: every row of an ``M``-row product (``M`` up to ``SMALL_BATCH_ROWS``) equals, bit for bit, that row
     multiplied alone. oneDNN gives no such promise, so ``pack`` checks it once per shape and thread count on
     seeded random rows: sub-batches of 2..15 rows against a 16-row product, and single rows, which oneDNN may
     route to another kernel (seen here: ``4096 x 4096`` at 2 threads; and a row not 64-byte aligned, so
-    ``matmul`` copies such a row first); where a single row differs, it is padded to two rows (same kernel as a
-    batch; ~4 ms more per SmolLM2 decode step here). CPU only; calls are synchronous and release the GIL inside
-    oneDNN.
+    ``matmul`` copies such a row first); where a single row differs, it is padded to two rows (same kernel as
+    a batch; ~4 ms more per SmolLM2 decode step here). CPU only; calls are synchronous and release the GIL
+    inside oneDNN.
 
     Attributes:
         packed: the oneDNN tensor (a plain attribute: module machinery such as ``state_dict`` or ``to`` cannot
@@ -145,10 +146,10 @@ class PackedBF16Weight(nn.Module):
 
 @functools.cache
 def _pack_bf16_here() -> bool:
-    """True where bf16 product weights are packed: oneDNN multiplies bf16 natively (AVX512_BF16) and the CPU has
-    no AMX. On AMX (measured on a Xeon with 300 MB of L3, 1 thread) a weight packed for 16 rows decodes one row
-    in 1.2-1.8x the AVX512_BF16 kernel's time inside the engine, so AMX CPUs keep plain weights: the kernel for
-    fewer than ``AMX_ONEDNN_ROWS`` rows, oneDNN's unpacked bf16 matmul (AMX tiles) from there
+    """True where bf16 product weights are packed: oneDNN multiplies bf16 natively (AVX512_BF16) and the CPU
+    has no AMX. On AMX (measured on a Xeon with 300 MB of L3, 1 thread) a weight packed for 16 rows decodes
+    one row in 1.2-1.8x the AVX512_BF16 kernel's time inside the engine, so AMX CPUs keep plain weights: the
+    kernel for fewer than ``AMX_ONEDNN_ROWS`` rows, oneDNN's unpacked bf16 matmul (AMX tiles) from there
     (docs/benchmarks.md, "Weight formats", session 24)."""
     return (torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_bf16_supported()
             and not _cpu_has_amx())
@@ -159,28 +160,30 @@ def _cpu_has_amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
 
-#: (N, K, torch threads) -> the pack-time check's verdict ("exact", "pad" or None); the first weight of a shape
-#: stands for the others (oneDNN picks its kernels by shape, ISA and threads, not by values)
+#: (N, K, torch threads) -> the pack-time check's verdict ("exact", "pad" or None); the first weight of a
+#: shape stands for the others (oneDNN picks its kernels by shape, ISA and threads, not by values)
 _SINGLE_ROW_MODE: dict[tuple[int, int, int], str | None] = {}
 
 
 def _single_row_mode(weight: PackedBF16Weight) -> str | None:
-    """``PackedBF16Weight``'s pack-time check: "exact" when every sub-batch and single row equals its rows of a
+    """``PackedBF16Weight``'s pack-time check: "exact" when every sub-batch and single row equals its rows of
+    a
     16-row product, "pad" when single rows do only padded to two, None otherwise (logged)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(weight.CHECK_ROWS, weight.shape[1], generator=gen).to(torch.bfloat16)
     whole = weight.matmul(x)
     if not all(torch.equal(weight.matmul(x[:m].clone()), whole[:m]) for m in range(2, weight.CHECK_ROWS)):
-        logger.warning("oneDNN's bf16 rows depend on their batch for a %s weight at %d threads: that shape stays "
-                       "on the kernels", "x".join(map(str, weight.shape)), torch.get_num_threads())
+        logger.warning("oneDNN's bf16 rows depend on their batch for a %s weight at %d threads: that shape "
+                       "stays on the kernels", "x".join(map(str, weight.shape)), torch.get_num_threads())
         return None
     rows = (0, weight.CHECK_ROWS // 2, weight.CHECK_ROWS - 1)
     for mode in ("exact", "pad"):
         weight.pad_single_row = mode == "pad"
         if all(torch.equal(weight.matmul(x[i:i + 1].clone()), whole[i:i + 1]) for i in rows):
             return mode
-    logger.warning("oneDNN's bf16 single rows differ from a batch's for a %s weight at %d threads, even padded: "
-                   "that shape stays on the kernels", "x".join(map(str, weight.shape)), torch.get_num_threads())
+    logger.warning("oneDNN's bf16 single rows differ from a batch's for a %s weight at %d threads, even "
+                   "padded: that shape stays on the kernels", "x".join(map(str, weight.shape)),
+                   torch.get_num_threads())
     return None
 
 

@@ -88,9 +88,11 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="write a random SmolLM2-shaped Llama folder")
     parser.add_argument("dest", type=Path)
-    parser.add_argument("--full", action="store_true", help="SmolLM2-135M's own shape (default: the tiny one)")
+    parser.add_argument("--full", action="store_true",
+                        help="SmolLM2-135M's own shape (default: the tiny one)")
     parser.add_argument("--source", type=Path, default=None,
-                        help="folder with SmolLM2's config.json and tokenizer files (default: the GGUF's cache)")
+                        help="folder with SmolLM2's config.json and tokenizer files "
+                             "(default: the GGUF's cache)")
     parser.add_argument("--seed", type=int, default=0)
     cli = parser.parse_args()
     print(build_random_llama(cli.dest, cli.seed, {} if cli.full else TINY_SHAPE,

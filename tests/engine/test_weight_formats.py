@@ -17,8 +17,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.forward_batch import ForwardBatch
 from engine.model import LlamaForCausalLM, ModelConfig
 from engine.model.kernels import gemv_kernels
-from engine.model.linear import (AMX_ONEDNN_ROWS, SMALL_BATCH_ROWS, Int8Weight, PackedBF16Weight, _cpu_has_amx,
-                                 _pack_bf16_here, linear, weight_bytes)
+from engine.model.linear import (AMX_ONEDNN_ROWS, SMALL_BATCH_ROWS, Int8Weight, PackedBF16Weight,
+                                 _cpu_has_amx, _pack_bf16_here, linear, weight_bytes)
 from engine.model.perplexity import perplexity
 from tests.engine.engine_fakes import VOCAB, FakeTokenizer
 
@@ -114,7 +114,8 @@ def test_a_decode_row_does_not_depend_on_its_batch(dtype, quant):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 64, generator=gen).to(dtype)
     weight = Int8Weight.quantize(w) if quant else w
-    rows = AMX_ONEDNN_ROWS - 1 if dtype == torch.bfloat16 and not quant and _cpu_has_amx() else SMALL_BATCH_ROWS
+    amx_split = dtype == torch.bfloat16 and not quant and _cpu_has_amx()
+    rows = AMX_ONEDNN_ROWS - 1 if amx_split else SMALL_BATCH_ROWS
     x = torch.randn(rows, 64, generator=gen).to(dtype)
     batched = linear(x, weight)
     assert batched.dtype == dtype and batched.shape == (rows, 48)
@@ -152,8 +153,8 @@ def test_a_packed_bf16_row_does_not_depend_on_its_batch_and_equals_torch(n, k):
 
 
 def test_bf16_weights_are_packed_exactly_on_avx512_bf16_without_amx():
-    """Where the CPU's flags say AVX512_BF16 and no AMX the weights must be packed (a silent fallback would cost
-    0.6x at 16 rows); on AMX they must not (a packed weight decodes one row slower there)."""
+    """Where the CPU's flags say AVX512_BF16 and no AMX the weights must be packed (a silent fallback would
+    cost 0.6x at 16 rows); on AMX they must not (a packed weight decodes one row slower there)."""
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert _pack_bf16_here() == (_has_avx512_bf16() and "amx_tile" not in flags)
 
@@ -222,7 +223,8 @@ def test_tiny_model_logits_stay_close_to_fp32(dtype, weight_quant, tie):
         assert isinstance(layer.gate_up_proj, Int8Weight) and isinstance(model.lm_head, Int8Weight)
         assert (model.lm_head is model.embed_tokens) == tie
     elif dtype == "bfloat16" and _pack_bf16_here():
-        assert isinstance(layer.gate_up_proj, PackedBF16Weight) and isinstance(model.lm_head, PackedBF16Weight)
+        assert isinstance(layer.gate_up_proj, PackedBF16Weight)
+        assert isinstance(model.lm_head, PackedBF16Weight)
         assert model.embed_tokens.dtype == torch.bfloat16  # lookups read the plain rows
     else:
         assert layer.gate_up_proj.dtype == model.lm_head.dtype == getattr(torch, dtype)
