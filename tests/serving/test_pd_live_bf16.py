@@ -26,12 +26,18 @@ GREEDY = {"max_tokens": "16", "temperature": "0"}
 
 def make_model_repository(tmp_dir: Path) -> Path:
     """model_repository with prefill and decode switched from ``SHIPPED`` to ``FORMAT``."""
+    return repository_in_format(tmp_dir, FORMAT)
+
+
+def repository_in_format(tmp_dir: Path, fmt: dict[str, str]) -> Path:
+    """``TRITON_MODELS`` of model_repository copied into ``tmp_dir``, prefill and decode switched from
+    ``SHIPPED`` to ``fmt`` (also used by ``test_pd_live_bf16_dense.py``)."""
     for name in TRITON_MODELS:
         shutil.copytree(REPOSITORY / name, tmp_dir / name)
     for role in ("prefill", "decode"):
         path = tmp_dir / role / "config.pbtxt"
         text = path.read_text()
-        for key, value in FORMAT.items():
+        for key, value in fmt.items():
             shipped = f'{{ key: "{key}", value: {{ string_value: "{SHIPPED[key]}" }} }}'
             assert shipped in text, (path, shipped)
             text = text.replace(shipped, shipped.replace(f'"{SHIPPED[key]}"', f'"{value}"'))
