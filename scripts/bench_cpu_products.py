@@ -39,6 +39,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_weight_formats import memcpy_bytes_per_s  # noqa: E402 (this folder, as a script)
+
 from engine.model.kernels import gemv_kernels  # noqa: E402
 
 #: SmolLM2-135M's product shapes (N, K) in one decode step, in order (config.json of the model).
@@ -66,19 +68,6 @@ def cpu_facts() -> dict[str, object]:
             "capability": torch.backends.cpu.get_cpu_capability(),
             "amx_tile": torch.cpu._is_amx_tile_supported(),
             "flags": sorted(f for f in flags if f.startswith(("amx", "avx512")))}
-
-
-def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes copied per second by one ``Tensor.copy_`` of ``nbytes`` (best of ``repeats``)."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
 
 
 def build_paths(m: int, gen: torch.Generator) -> dict[str, tuple[list[Product], int, torch.dtype]]:

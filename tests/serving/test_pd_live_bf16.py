@@ -45,15 +45,19 @@ def repository_in_format(tmp_dir: Path, fmt: dict[str, str]) -> Path:
     return tmp_dir
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, str]:
-    return colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, **FORMAT)
+def check_streams_equal_colocated_and_kv_crosses(server, fmt: dict[str, str]) -> None:
+    """Each prompt of ``PROMPTS`` through ``server``'s ``pd_ensemble`` streams the greedy text of a colocated
+    engine of format ``fmt`` run in-process one prompt at a time, and KV bytes crossed from prefill (also used by
+    ``test_pd_live_bf16_dense.py``)."""
+    reference = colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, **fmt)
 
-
-def test_bf16_int8_streams_equal_the_colocated_engine_and_kv_crosses(triton_server, reference) -> None:
     def generate(prompt: str):
-        return grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
+        return grpc_generate(server.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
 
     for prompt in PROMPTS:
         streams_match_reference(generate, [prompt], reference)
-    assert metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
+    assert metric_value(server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
+
+
+def test_bf16_int8_streams_equal_the_colocated_engine_and_kv_crosses(triton_server) -> None:
+    check_streams_equal_colocated_and_kv_crosses(triton_server, FORMAT)
