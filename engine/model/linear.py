@@ -26,6 +26,9 @@ a host, a SmolLM2 decode step's products at 16 rows in 0.6x the kernel's time, a
 are checked at packing to be batch-invariant too. On AMX CPUs the weights stay plain: the kernel below
 ``AMX_ONEDNN_ROWS`` rows, oneDNN's AMX matmul from there, so there a row alone (the kernel) and the same row
 in a batch of 8 or more (oneDNN) differ in rounding (docs/benchmarks.md, "Weight formats", session 24).
+The kernels are single-threaded: with more than one torch thread on an AVX-512 CPU, a bf16 model's small
+batches go to torch's multi-threaded products instead (``_threads_beat_kernels``), and the batch invariance
+above holds at one thread (the engine's default) only.
 """
 
 from __future__ import annotations
@@ -74,6 +77,15 @@ class Int8Weight(nn.Module):
     @property
     def shape(self) -> torch.Size:
         return self.qweight.shape
+
+    def int8pack_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` bfloat16 -> ``x @ (qweight * scale).T`` ``[M, N]`` bfloat16 through torch's
+        multi-threaded weight-only int8 CPU product (``aten._weight_int8pack_mm``; the scales converted to
+        bfloat16 once and kept)."""
+        scale = getattr(self, "_scale_bf16", None)
+        if scale is None:
+            scale = self._scale_bf16 = self.scale.to(torch.bfloat16)
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, scale)
 
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float weight (or only its ``rows``, an index tensor) in ``dtype``."""
@@ -196,11 +208,14 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         y = weight.matmul(x)
         return (y if bias is None else y + bias).to(x.dtype)
     kernels = gemv_kernels() if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS else None
-    if kernels is not None and isinstance(weight, Int8Weight):
+    threaded = kernels is not None and x.dtype == torch.bfloat16 and _threads_beat_kernels()
+    if threaded and isinstance(weight, Int8Weight):
+        y = weight.int8pack_mm(x)
+    elif kernels is not None and isinstance(weight, Int8Weight):
         y = kernels.int8(x.to(torch.float32).contiguous(), weight.qweight, weight.scale)
     elif kernels is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous():
         if kernels.native_bf16 and x.dtype == torch.bfloat16:
-            if x.shape[0] >= AMX_ONEDNN_ROWS and _cpu_has_amx():
+            if threaded or x.shape[0] >= AMX_ONEDNN_ROWS and _cpu_has_amx():
                 return F.linear(x, weight, bias)
             y = kernels.bf16_native(x.contiguous(), weight)
         else:
@@ -214,6 +229,17 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if bias is not None:
         y += bias
     return y.to(x.dtype)
+
+
+def _threads_beat_kernels() -> bool:
+    """True with more than one torch thread on an AVX-512 CPU: the kernels are single-threaded, while torch's
+    bf16 products (oneDNN) and its int8 weight-only product with bf16 activations (``_weight_int8pack_mm``) use
+    every thread; measured here at 2 threads, a SmolLM2 decode step's int8 products took 9.5 ms against the
+    kernel's 13.8 (1 row) and 44 against 84 (16 rows); on the AMX host at 8 threads bf16 9.5 against 19.2 ms
+    and int8 4.2 against 13.1 (1 row). With float32 activations ``_weight_int8pack_mm`` runs a scalar loop (111
+    ms at 1 row), so ``float32`` models keep the kernel. Read per call (``torch.get_num_threads`` is cheap): an
+    engine sets its count at start."""
+    return torch.get_num_threads() > 1 and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def _widen_bf16(x: torch.Tensor) -> bool:

@@ -26,6 +26,17 @@ MODES = [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloa
 _AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread, an engine's default (with more, a bf16 model's small batches leave the kernels;
+    ``test_more_threads_take_torchs_products`` sets its own); an engine created earlier in this process may
+    have set any count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _kernels():
     kernels = gemv_kernels()
     if kernels is None:
@@ -157,6 +168,36 @@ def test_bf16_weights_are_packed_exactly_on_avx512_bf16_without_amx():
     cost 0.6x at 16 rows); on AMX they must not (a packed weight decodes one row slower there)."""
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert _pack_bf16_here() == (_has_avx512_bf16() and "amx_tile" not in flags)
+
+
+def test_more_threads_take_torchs_products_for_bf16_activations(monkeypatch):
+    """With 2 torch threads on an AVX-512 CPU a bf16 model's small batches run on torch's multi-threaded
+    products (int8: ``_weight_int8pack_mm``), which equal the dequantized product up to bf16 rounding; float32
+    activations keep the kernel (torch's int8 product runs a scalar loop for them)."""
+    _kernels()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("not an AVX-512 CPU: the kernels serve every thread count")
+    calls = []
+    inner = Int8Weight.int8pack_mm
+    monkeypatch.setattr(Int8Weight, "int8pack_mm", lambda self, x: calls.append(x.dtype) or inner(self, x))
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(40, 96, generator=gen)
+    int8 = Int8Weight.quantize(w)
+    x = torch.randn(SMALL_BATCH_ROWS, 96, generator=gen)
+    torch.set_num_threads(2)
+    y = linear(x.bfloat16(), int8)
+    assert y.dtype == torch.bfloat16 and calls == [torch.bfloat16]
+    torch.testing.assert_close(y.float(), F.linear(x.bfloat16().float(), int8.dequantize(torch.float32)),
+                               rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(linear(x, int8), F.linear(x, int8.dequantize(torch.float32)), rtol=1e-5,
+                               atol=1e-4)
+    assert calls == [torch.bfloat16]  # float32 activations: the kernel
+    y = linear(x.bfloat16(), w.bfloat16())
+    torch.testing.assert_close(y.float(), F.linear(x.bfloat16().float(), w.bfloat16().float()), rtol=2e-2,
+                               atol=5e-2)
+    torch.set_num_threads(1)
+    linear(x.bfloat16(), int8)
+    assert calls == [torch.bfloat16]  # one thread: the kernel again
 
 
 def test_packing_is_refused_for_other_dtypes_and_devices():
