@@ -79,7 +79,7 @@ class WorkerConfig:
         dtype: weights and KV dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
         weight_quant: ``"none"`` or ``"int8"`` (weight-only int8, quantized at load; ``EngineConfig``). The
             shipped configs keep ``float32``/``none`` (token-exact with transformers); docs/benchmarks.md
-            ("Weight dtypes") gives the fastest mode whose quality holds on each machine.
+            ("Weight formats") gives the fastest mode whose quality holds on each machine.
         device: torch device of the engine; set from the Triton instance (``instance_device``), not a parameter.
         cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
             no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.

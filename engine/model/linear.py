@@ -45,7 +45,7 @@ from engine.model.kernels import gemv_kernels
 logger = logging.getLogger(__name__)
 
 WEIGHT_QUANTS: tuple[str, ...] = ("none", "int8")
-SMALL_BATCH_ROWS = 16  # the kernels beat torch's products up to here (docs/benchmarks.md, "Weight dtypes")
+SMALL_BATCH_ROWS = 16  # the kernels beat torch's products up to here (docs/benchmarks.md, "Weight formats")
 #: on AMX CPUs, bf16 products of this many rows or more go to oneDNN's AMX matmul instead of the kernel:
 #: measured there (1 thread, a SmolLM2 decode step's products) the kernel wins at 1, 2 and 4 rows and oneDNN
 #: at 16 (0.5-0.6x the kernel's time); the engine's decode step at 8 rows ran the same on both
@@ -102,10 +102,11 @@ class PackedBF16Weight(nn.Module):
     count: every row of an ``M``-row product (``M`` up to ``SMALL_BATCH_ROWS``) equals, bit for bit, that row
     multiplied alone. oneDNN gives no such promise, so ``pack`` checks it once per shape and thread count on
     seeded random rows: sub-batches of 2..15 rows against a 16-row product, and single rows, which oneDNN may
-    route to another kernel (seen here: ``4096 x 4096`` at 2 threads; and a row not 64-byte aligned, so
-    ``matmul`` copies such a row first); where a single row differs, it is padded to two rows (same kernel as
-    a batch; ~4 ms more per SmolLM2 decode step here). CPU only; calls are synchronous and release the GIL
-    inside oneDNN.
+    route to another kernel (seen here: SmolLM2's ``576 x 1536`` at 1 and 2 threads, ``4096 x 4096`` at 2;
+    and a row not 64-byte aligned, so ``matmul`` copies such a row first); where a single row differs, it is
+    padded to two rows (the batches' kernel; the ``576 x 1536`` products of a SmolLM2 decode step then cost
+    ~1 ms more). Checked at one thread from 2 to 128 rows, a row's product does not depend on its batch (a
+    prefill chunk's rows too). CPU only; calls are synchronous and release the GIL inside oneDNN.
 
     Attributes:
         packed: the oneDNN tensor (a plain attribute: module machinery such as ``state_dict`` or ``to`` cannot
@@ -172,26 +173,39 @@ def _cpu_has_amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
 
+#: batches of ``PackedBF16Weight.CHECK_ROWS`` rows the pack-time check multiplies per weight shape
+CHECK_BATCHES = 8
 #: (N, K, torch threads) -> the pack-time check's verdict ("exact", "pad" or None); the first weight of a
 #: shape stands for the others (oneDNN picks its kernels by shape, ISA and threads, not by values)
 _SINGLE_ROW_MODE: dict[tuple[int, int, int], str | None] = {}
 
 
 def _single_row_mode(weight: PackedBF16Weight) -> str | None:
-    """``PackedBF16Weight``'s pack-time check: "exact" when every sub-batch and single row equals its rows of
-    a
-    16-row product, "pad" when single rows do only padded to two, None otherwise (logged)."""
+    """``PackedBF16Weight``'s pack-time check: "exact" when every sub-batch and every single row equals its
+    rows of a 16-row product, "pad" when single rows do only padded to two, None otherwise (logged).
+
+    The inputs are what a decode step feeds the products, not plain Gaussian rows: ``silu(a) * b`` of seeded
+    Gaussians (the MLP's down product sees exactly that), heavy-tailed, over ``CHECK_BATCHES`` batches of
+    ``CHECK_ROWS``. A kernel that sums in another order differs from the batch's only where the bf16 result
+    rounds differently: on SmolLM2's ``576 x 1536`` one-row kernel, in 31 of 320 such rows and in none of 16
+    Gaussian rows (an operator's trial found the difference in served text that a 3-row Gaussian check had
+    passed)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(weight.CHECK_ROWS, weight.shape[1], generator=gen).to(torch.bfloat16)
-    whole = weight.matmul(x)
-    if not all(torch.equal(weight.matmul(x[:m].clone()), whole[:m]) for m in range(2, weight.CHECK_ROWS)):
+    rows = weight.CHECK_ROWS * CHECK_BATCHES
+    x = (F.silu(torch.randn(rows, weight.shape[1], generator=gen)) *
+         torch.randn(rows, weight.shape[1], generator=gen)).to(torch.bfloat16)
+    batches = [x[i:i + weight.CHECK_ROWS].clone() for i in range(0, rows, weight.CHECK_ROWS)]
+    weight.pad_single_row = True
+    wholes = [weight.matmul(b) for b in batches]
+    if not all(torch.equal(weight.matmul(b[:m].clone()), whole[:m])
+               for b, whole in zip(batches, wholes) for m in range(2, weight.CHECK_ROWS)):
         logger.warning("oneDNN's bf16 rows depend on their batch for a %s weight at %d threads: that shape "
                        "stays on the kernels", "x".join(map(str, weight.shape)), torch.get_num_threads())
         return None
-    rows = (0, weight.CHECK_ROWS // 2, weight.CHECK_ROWS - 1)
     for mode in ("exact", "pad"):
         weight.pad_single_row = mode == "pad"
-        if all(torch.equal(weight.matmul(x[i:i + 1].clone()), whole[i:i + 1]) for i in rows):
+        if all(torch.equal(weight.matmul(b[i:i + 1].clone()), whole[i:i + 1])
+               for b, whole in zip(batches, wholes) for i in range(weight.CHECK_ROWS)):
             return mode
     logger.warning("oneDNN's bf16 single rows differ from a batch's for a %s weight at %d threads, even "
                    "padded: that shape stays on the kernels", "x".join(map(str, weight.shape)),
@@ -233,11 +247,12 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 
 def _threads_beat_kernels() -> bool:
     """True with more than one torch thread on an AVX-512 CPU: the kernels are single-threaded, while torch's
-    bf16 products (oneDNN) and its int8 weight-only product with bf16 activations (``_weight_int8pack_mm``) use
-    every thread; measured here at 2 threads, a SmolLM2 decode step's int8 products took 9.5 ms against the
-    kernel's 13.8 (1 row) and 44 against 84 (16 rows); on the AMX host at 8 threads bf16 9.5 against 19.2 ms
-    and int8 4.2 against 13.1 (1 row). With float32 activations ``_weight_int8pack_mm`` runs a scalar loop (111
-    ms at 1 row), so ``float32`` models keep the kernel. Read per call (``torch.get_num_threads`` is cheap): an
+    bf16 products (oneDNN) and its int8 weight-only product with bf16 activations (``_weight_int8pack_mm``)
+    use every thread; measured here at 2 threads, a SmolLM2 decode step's int8 products took 9.5 ms against
+    the kernel's 13.8 (1 row) and 44 against 84 (16 rows); on the AMX host at 8 threads bf16 9.5 against 19.2
+    ms and int8 4.2 against 13.1 (1 row). With float32 activations ``_weight_int8pack_mm`` runs a scalar loop
+    (111 ms at 1 row), so ``float32`` models keep the kernel. Read per call (``torch.get_num_threads`` is
+    cheap): an
     engine sets its count at start."""
     return torch.get_num_threads() > 1 and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
