@@ -17,9 +17,8 @@ A chunk whose sequence has cached tokens uses a bottom-right-aligned causal mask
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +32,7 @@ from engine.forward_batch import ForwardBatch
 _BUCKET_COST_PAGES = 8
 # SDPA's kernels on CUDA without cuDNN's: torch 2.11 picks cuDNN attention for bf16 on an H200, which spent
 # ~1.9 ms of CPU per call on decode shapes (the key length changes every step; a profile of 10 steps: 70 % of
-# the CPU time, bf16 decode 79 ms per step against fp32's 21; docs/benchmarks.md, "Weight formats", session
-# 24)
+# the CPU time, bf16 decode 79 ms per step against fp32's 21; docs/benchmarks.md "Weight formats", session 24)
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
