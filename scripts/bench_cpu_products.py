@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_weight_formats import memcpy_bytes_per_s  # noqa: E402 (this folder, as a script)
 
 from engine.model.kernels import gemv_kernels  # noqa: E402
+from engine.model.linear import Int8Weight, weight_bytes  # noqa: E402
 
 #: SmolLM2-135M's product shapes (N, K) in one decode step, in order (config.json of the model).
 LAYERS, HIDDEN, INTER, QKV = 30, 576, 1536, 960
@@ -76,8 +77,8 @@ def build_paths(m: int, gen: torch.Generator) -> dict[str, tuple[list[Product], 
     """name -> (one product per shape, weight bytes per step, activation dtype) for ``m`` rows."""
     fp32 = [torch.randn(n, k, generator=gen) * 0.02 for n, k in SHAPES]
     bf16 = [w.bfloat16() for w in fp32]
-    scales = [w.abs().amax(dim=1) / 127.0 for w in fp32]
-    int8 = [torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8) for w, s in zip(fp32, scales)]
+    int8 = [Int8Weight.quantize(w) for w in fp32]  # the engine's weight-only int8 (per output row)
+    int8_bytes = sum(weight_bytes(q) for q in int8)
     nbytes = sum(n * k for n, k in SHAPES)
     paths: dict[str, tuple[list[Product], int, torch.dtype]] = {
         "fp32": ([lambda x, w=w: F.linear(x, w) for w in fp32], 4 * nbytes, torch.float32),
@@ -98,12 +99,9 @@ def build_paths(m: int, gen: torch.Generator) -> dict[str, tuple[list[Product], 
                                     torch.bfloat16)
         paths["bf16 kernel fp32-x"] = ([lambda x, w=w: kernels.bf16(x, w) for w in bf16], 2 * nbytes,
                                        torch.float32)
-        paths["int8 kernel"] = ([lambda x, q=q, s=s: kernels.int8(x, q, s) for q, s in zip(int8, scales)],
-                                nbytes + 4 * sum(n for n, _ in SHAPES), torch.float32)
-    bf16_scales = [s.bfloat16() for s in scales]
-    paths["int8 torch"] = ([lambda x, q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s)
-                            for q, s in zip(int8, bf16_scales)], nbytes + 2 * sum(n for n, _ in SHAPES),
-                           torch.bfloat16)
+        paths["int8 kernel"] = ([lambda x, q=q: kernels.int8(x, q.qweight, q.scale) for q in int8],
+                                int8_bytes, torch.float32)
+    paths["int8 torch"] = ([lambda x, q=q: q.int8pack_mm(x) for q in int8], int8_bytes, torch.bfloat16)
     return paths
 
 

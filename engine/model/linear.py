@@ -195,7 +195,6 @@ def _single_row_mode(weight: PackedBF16Weight) -> str | None:
     x = (F.silu(torch.randn(rows, weight.shape[1], generator=gen)) *
          torch.randn(rows, weight.shape[1], generator=gen)).to(torch.bfloat16)
     batches = [x[i:i + weight.CHECK_ROWS].clone() for i in range(0, rows, weight.CHECK_ROWS)]
-    weight.pad_single_row = True
     wholes = [weight.matmul(b) for b in batches]
     if not all(torch.equal(weight.matmul(b[:m].clone()), whole[:m])
                for b, whole in zip(batches, wholes) for m in range(2, weight.CHECK_ROWS)):
@@ -252,9 +251,8 @@ def _threads_beat_kernels() -> bool:
     the kernel's 13.8 (1 row) and 44 against 84 (16 rows); on the AMX host at 8 threads bf16 9.5 against 19.2
     ms and int8 4.2 against 13.1 (1 row). With float32 activations ``_weight_int8pack_mm`` runs a scalar loop
     (111 ms at 1 row), so ``float32`` models keep the kernel. Read per call (``torch.get_num_threads`` is
-    cheap): an
-    engine sets its count at start."""
-    return torch.get_num_threads() > 1 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    cheap): an engine sets its count at start."""
+    return torch.get_num_threads() > 1 and not _cpu_lacks_bf16_gemm()
 
 
 def _widen_bf16(x: torch.Tensor) -> bool:

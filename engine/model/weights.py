@@ -73,11 +73,9 @@ class WeightMapper:
         setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
 
     def _packed(self, tensor: torch.Tensor) -> PackedBF16Weight | None:
-        """A bf16 product weight prepacked for oneDNN, or None (another dtype or device, int8, or no native
-        bf16 matmul here: ``PackedBF16Weight.pack``)."""
-        if self.quantize or self.dtype != torch.bfloat16 or self.device.type != "cpu":
-            return None
-        return PackedBF16Weight.pack(tensor)
+        """A bf16 product weight prepacked for oneDNN, or None (int8, or what ``PackedBF16Weight.pack``
+        refuses: another dtype or device, no native bf16 matmul here)."""
+        return None if self.quantize else PackedBF16Weight.pack(tensor)
 
     def _layer(self, model: "LlamaForCausalLM", i: int) -> None:
         c = self.cfg
