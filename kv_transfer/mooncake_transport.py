@@ -1,24 +1,29 @@
 """Mooncake transport (``mooncake-transfer-engine-non-cuda``): the only module that imports mooncake.
 
 Facts it relies on (seen on loopback, docs/protocol.md "Mooncake"): ``P2PHANDSHAKE`` needs no metadata
-server, a peer is addressed as ``host:rpc_port``; memory is registered once; ``batch_transfer_sync_write``
-blocks until the peer acknowledged every byte and returns non-zero on failure (a dead peer at once, a stopped
-one after ``MC_TRANSFER_TIMEOUT`` seconds); the async batch status call blocks too, so there is no
-non-blocking completion check to poll; TCP batches of a few thousand descriptors fail ("lane queue-full"), so
-runs contiguous on both sides are merged and at most ``MAX_BATCH_DESCRIPTORS`` go in one batch; a zero-length
-write with a ``TransferNotify`` delivers a message to the peer's ``get_notifies`` (TCP included).
+server, a peer is addressed as ``host:rpc_port``; memory is registered once; a write counts as done when the
+peer acknowledged that its bytes are in its memory (the TCP transport's acknowledged framing);
+``transfer_submit_write`` submits one request as a batch of its own and returns 0 when it cannot (no connection
+to the peer), ``transfer_check_status`` polls that batch without blocking (1 done, -1 failed: the engine freed
+the batch; 0 under way); a dead peer fails a write at once, a stopped one never ends it, so a write has a
+deadline of its own (``_timeout_s``, the rule of the engine's blocking calls). The engine's blocking calls
+(``batch_transfer_sync_write``, ``get_batch_transfer_status``) poll the batch status in a loop that never
+sleeps, a core for as long as a write lasts, which on two cores halved the transfer rate (docs/multihost.md,
+"Figures"): they are used only for the zero-length write that carries a message, which lasts one round trip
+(``transfer_sync`` with a ``TransferNotify`` delivers it to the peer's ``get_notifies``, TCP included).
 
 Threads: ``add_peer`` starts one writer thread per peer (``mc-write-<peer>``); ``remove_peer`` stops it
 without waiting (the manager thread must not wait out a stopped peer), ``close`` joins every writer for at most
-``WRITER_STOP_S``. ``post_write`` only queues; the writer runs the batches in order, then the write's notification
-(a zero-length write carrying it), so a notification always follows every byte of its write. ``send_notif``
-queues behind the peer's writes too: it never blocks the manager thread on a stopped peer. A failed write or
-message makes every write queued before the failure fail at once (a stopped peer holds only its own writer,
-for ``MC_TRANSFER_TIMEOUT`` once, not once per queued write); later writes try again. Messages queued behind
-the failure are dropped with them (logged): the protocol above asks again for what it waits on (decode sends an
-unanswered cancel again, ``decode_side.CANCEL_RESEND_S``). Mooncake reports a failed write to the writer only:
-the decode side learns it from the prefill side's ``abort`` message, or from the bootstrap (registration gone)
-and its waiting timeout when the prefill process died.
+``WRITER_STOP_S``. ``post_write`` only queues; the writer cuts the write's runs into pieces (at least one per
+connection the engine keeps to the peer), keeps up to ``WINDOW`` in flight, polls them with sleeps
+(``POLL_FRACTION``), then sends the write's notification, so a notification always follows every byte of its
+write. ``send_notif`` queues behind the peer's writes too: it never blocks the manager thread on a stopped peer.
+A failed write or message makes every write queued before the failure fail at once (a stopped peer holds only
+its own writer, until one write's deadline, not once per queued write); later writes try again. Messages queued
+behind the failure are dropped with them (logged): the protocol above asks again for what it waits on (decode
+sends an unanswered cancel again, ``decode_side.CANCEL_RESEND_S``). Mooncake reports a failed write to the
+writer only: the decode side learns it from the prefill side's ``abort`` message, or from the bootstrap
+(registration gone) and its waiting timeout when the prefill process died.
 """
 
 from __future__ import annotations
@@ -45,8 +50,20 @@ from kv_transfer.transport import BackendOptions, OptionError, PeerUnreachable, 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
 
-#: Descriptors per batch call; 2048 worked on TCP, 3000 failed.
-MAX_BATCH_DESCRIPTORS = 1024
+#: Pieces of one write in flight at once (each a one-request batch); the engine queues at most
+#: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (1024) per peer and refuses more.
+WINDOW = 32
+#: A write is cut into at least as many pieces as the engine has connections per peer
+#: (``MC_TCP_LANES_PER_PEER``, 4 by default), none smaller than this, bytes: one connection carries one
+#: piece at a time, so a single run would use one of them.
+MIN_PIECE_BYTES = 1 << 20
+#: How often a write's pieces are polled: this fraction of the time the write has taken so far, within
+#: ``[POLL_MIN_S, POLL_MAX_S]`` (a completion is seen at most ~5 % late, and never more than 1 ms).
+POLL_FRACTION = 0.05
+POLL_MIN_S = 50e-6
+POLL_MAX_S = 1e-3
+#: How long the pieces of a failed write are polled for before they are forgotten, seconds.
+ABANDONED_KEEP_S = 600.0
 #: Mooncake settings this package chooses when the operator did not: a bounded per-transfer timeout (the
 #: library's default, 30 s, is longer than a decode request waits). The one place it touches the environment.
 MOONCAKE_DEFAULTS = {"MC_TRANSFER_TIMEOUT": "10"}
@@ -104,6 +121,7 @@ class _Peer:
     stop: threading.Event = field(default_factory=threading.Event)
     broken: str = ""                       # why the last delivery failed ("" once one succeeds again)
     failed_s: float = float("-inf")        # when it failed: writes queued before then fail without trying
+    abandoned: list[tuple[int, float]] = field(default_factory=list)   # (batch id, since): failed writes' pieces
 
 
 class MooncakeTransport(Transport):
@@ -120,6 +138,7 @@ class MooncakeTransport(Transport):
         self._endpoints: dict[str, str] = {}   # every peer ever added → "host:rpc_port" (kept after removal)
         self._data_ports: set[int] = set()     # the engine's TCP data listener(s): what peers write into
         self._registered: list[int] = []
+        self._lanes = _lanes_per_peer()
 
     @classmethod
     def create(cls, args: KVArgs, options: MooncakeOptions) -> MooncakeTransport:
@@ -288,13 +307,80 @@ class MooncakeTransport(Transport):
             logger.warning("mooncake write to %s at %s failed", name, peer.endpoint)
 
     def _run(self, peer: _Peer, write: MooncakeWrite) -> bool:
-        for start in range(0, len(write.nbytes), MAX_BATCH_DESCRIPTORS):
-            stop = start + MAX_BATCH_DESCRIPTORS
-            if not _retry_fast_failures(lambda: self._engine.batch_transfer_sync_write(
-                    peer.endpoint, write.src_addrs[start:stop], write.dst_addrs[start:stop],
-                    write.nbytes[start:stop]) == 0):
-                return False
+        """Writes ``write``'s runs, then its notification; True when every byte and the message went. Each
+        piece (``_pieces``) is a one-request batch of its own (``transfer_submit_write``), polled with
+        ``transfer_check_status``, at most ``WINDOW`` in flight: the engine's own blocking calls poll the batch
+        status in a loop that never sleeps, a core for as long as the write lasts. Fails at ``_deadline_s``
+        (the library's sync rule); pieces still in flight then are left on ``peer.abandoned``."""
+        self._reap(peer)
+        pieces = _pieces(write.src_addrs, write.dst_addrs, write.nbytes, self._lanes)
+        started_s = time.monotonic()
+        deadline_s = started_s + _timeout_s(sum(write.nbytes))
+        in_flight: dict[int, tuple[int, float, int]] = {}     # batch id -> (piece, submitted at, tries)
+        next_piece = 0
+        while next_piece < len(pieces) or in_flight:
+            while next_piece < len(pieces) and len(in_flight) < WINDOW:
+                if not self._submit(peer, pieces, next_piece, 1, in_flight):
+                    return self._give_up(peer, in_flight)
+                next_piece += 1
+            for batch_id, (piece, submitted_s, tries) in list(in_flight.items()):
+                status = self._engine.transfer_check_status(batch_id)
+                if status == 0:
+                    continue
+                del in_flight[batch_id]
+                if status == 1:
+                    continue
+                if status == -2:      # timed out inside the engine: not freed, keep polling it elsewhere
+                    peer.abandoned.append((batch_id, time.monotonic()))
+                failed_in_s = time.monotonic() - submitted_s
+                if failed_in_s >= FAST_FAILURE_S or tries > FAST_RETRIES:
+                    return self._give_up(peer, in_flight)
+                logger.info("mooncake: a write failed in %.0f ms; trying it again", failed_in_s * 1e3)
+                if not self._submit(peer, pieces, piece, tries + 1, in_flight):
+                    return self._give_up(peer, in_flight)
+            if not in_flight and next_piece == len(pieces):
+                break
+            now_s = time.monotonic()
+            if now_s > deadline_s:
+                logger.warning("mooncake: a write to %s timed out after %.1f s", peer.endpoint, now_s - started_s)
+                return self._give_up(peer, in_flight)
+            time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, (now_s - started_s) * POLL_FRACTION)))
         return not write.notif or self._deliver(peer.endpoint, write.notif)
+
+    def _submit(self, peer: _Peer, pieces: list[tuple[int, int, int]], piece: int, tries: int,
+                in_flight: dict[int, tuple[int, float, int]]) -> bool:
+        """Submits ``pieces[piece]`` into ``in_flight``; a refused submit (no connection to the peer, a full lane
+        queue) is tried again at once up to ``FAST_RETRIES`` times. False when it never went."""
+        src, dst, nbytes = pieces[piece]
+        for attempt in range(tries, FAST_RETRIES + 2):
+            batch_id = self._engine.transfer_submit_write(peer.endpoint, src, dst, nbytes)
+            if batch_id:
+                in_flight[batch_id] = (piece, time.monotonic(), attempt)
+                return True
+        return False
+
+    @staticmethod
+    def _give_up(peer: _Peer, in_flight: dict[int, tuple[int, float, int]]) -> bool:
+        """The write failed: its pieces still in flight are polled later (``_reap``) so the engine frees them
+        once they end; returns False."""
+        now_s = time.monotonic()
+        peer.abandoned.extend((batch_id, now_s) for batch_id in in_flight)
+        in_flight.clear()
+        return False
+
+    def _reap(self, peer: _Peer) -> None:
+        """Polls the pieces of failed writes once: an ended one is freed by the engine; one still in flight
+        after ``ABANDONED_KEEP_S`` is forgotten (its batch descriptor leaks, logged)."""
+        now_s, kept = time.monotonic(), []
+        for batch_id, since_s in peer.abandoned:
+            if self._engine.transfer_check_status(batch_id) in (1, -1):
+                continue
+            if now_s - since_s > ABANDONED_KEEP_S:
+                logger.warning("mooncake: a transfer to %s still in flight after %.0f s: forgotten",
+                               peer.endpoint, now_s - since_s)
+                continue
+            kept.append((batch_id, since_s))
+        peer.abandoned = kept
 
     def _deliver(self, endpoint: str, message: bytes) -> bool:
         from mooncake.engine import TransferNotify, TransferOpcode  # type: ignore[import-not-found]
@@ -331,3 +417,34 @@ def _retry_fast_failures(attempt: Callable[[], bool]) -> bool:
             return False
         logger.info("mooncake: a write failed in %.0f ms; trying it again", failed_in_s * 1e3)
     return attempt()
+
+
+def _lanes_per_peer() -> int:
+    """The engine's connections per peer: ``MC_TCP_LANES_PER_PEER`` (as the engine reads it), default 4."""
+    try:
+        return max(1, int(os.environ.get("MC_TCP_LANES_PER_PEER", "4")))
+    except ValueError:
+        return 4
+
+
+def _timeout_s(nbytes: int) -> float:
+    """A write's deadline, seconds: ``MC_TRANSFER_TIMEOUT`` (at least 5, as the engine's Python binding reads it)
+    plus a second per GiB, the rule of the engine's own blocking calls."""
+    try:
+        base_s = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", MOONCAKE_DEFAULTS["MC_TRANSFER_TIMEOUT"])))
+    except ValueError:
+        base_s = 5     # the binding's atoi reads 0; max(5, 0)
+    return base_s + nbytes / (1 << 30)
+
+
+def _pieces(src_addrs: list[int], dst_addrs: list[int], nbytes: list[int],
+            lanes: int) -> list[tuple[int, int, int]]:
+    """``(src, dst, nbytes)`` of each piece a write goes as: its runs in order, a run longer than the piece size
+    cut in consecutive pieces. Piece size: the write's bytes over ``lanes``, at least ``MIN_PIECE_BYTES`` (a
+    single 180 MiB run goes as 4 pieces of 45 MiB, one per connection)."""
+    piece_bytes = max(MIN_PIECE_BYTES, -(-sum(nbytes) // max(1, lanes)))
+    out = []
+    for src, dst, size in zip(src_addrs, dst_addrs, nbytes):
+        for offset in range(0, size, piece_bytes):
+            out.append((src + offset, dst + offset, min(piece_bytes, size - offset)))
+    return out
