@@ -163,6 +163,17 @@ def test_two_rooms_interleaved(pair: tuple[Any, Any]) -> None:
     assert_pages_back(prefill, decode)
 
 
+def test_scattered_room_of_more_runs_than_a_write_keeps_in_flight(pair: tuple[Any, Any]) -> None:
+    """40 pages reversed at decode: 40 runs and the aux slot, more than Mooncake keeps in flight at once
+    (``mooncake_transport.WINDOW``), as one chunk."""
+    prefill, decode = pair
+    num_tokens = 40 * PAGE_SIZE - 5
+    room = open_room(prefill, decode, num_tokens, scatter=True)
+    prefill.call("send", room, 40, True)
+    finish(prefill, decode, room)
+    assert_pages_back(prefill, decode)
+
+
 def test_same_room_twice_rejects_only_the_second(pair: tuple[Any, Any], make_side: Any) -> None:
     prefill, decode = pair
     other_decode = make_side("decode")
