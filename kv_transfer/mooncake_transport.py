@@ -1,28 +1,29 @@
 """Mooncake transport (``mooncake-transfer-engine-non-cuda``): the only module that imports mooncake.
 
-Facts it relies on (seen on loopback, docs/protocol.md "Mooncake"): ``P2PHANDSHAKE`` needs no metadata
-server, a peer is addressed as ``host:rpc_port``; memory is registered once; a write counts as done when the
-peer acknowledged that its bytes are in its memory (the TCP transport's acknowledged framing);
-``transfer_submit_write`` submits one request as a batch of its own and returns 0 when it cannot (no connection
-to the peer), ``transfer_check_status`` polls that batch without blocking (1 done, -1 failed: the engine freed
-the batch; 0 under way); a dead peer fails a write at once, a stopped one never ends it, so a write has a
-deadline of its own (``_timeout_s``, the rule of the engine's blocking calls). The engine's blocking calls
-(``batch_transfer_sync_write``, ``get_batch_transfer_status``) poll the batch status in a loop that never
-sleeps, a core for as long as a write lasts, which on two cores halved the transfer rate (docs/multihost.md,
-"Figures"): they are used only for the zero-length write that carries a message, which lasts one round trip
-(``transfer_sync`` with a ``TransferNotify`` delivers it to the peer's ``get_notifies``, TCP included).
+Facts it relies on (seen on loopback, docs/protocol.md "Mooncake"): ``P2PHANDSHAKE`` needs no metadata server,
+a peer is addressed as ``host:rpc_port``; memory is registered once; a write counts as done when the peer
+acknowledged that its bytes are in its memory (the TCP transport's acknowledged framing);
+``transfer_submit_write`` submits one request as a batch of its own and returns 0 when it cannot (no
+connection to the peer), ``transfer_check_status`` polls that batch without blocking (1 done, -1 failed: the
+engine freed the batch; 0 under way); a dead peer fails a write at once, a stopped one never ends it, so a
+write has a deadline of its own (``_timeout_s``, the rule of the engine's blocking calls). The engine's
+blocking calls (``batch_transfer_sync_write``, ``get_batch_transfer_status``) poll the batch status in a loop
+that never sleeps, a core for as long as a write lasts, which on two cores halved the transfer rate
+(docs/multihost.md, "Figures"): they are used only for the zero-length write that carries a message, which
+lasts one round trip (``transfer_sync`` with a ``TransferNotify`` delivers it to the peer's ``get_notifies``,
+TCP included).
 
 Threads: ``add_peer`` starts one writer thread per peer (``mc-write-<peer>``); ``remove_peer`` stops it
-without waiting (the manager thread must not wait out a stopped peer), ``close`` joins every writer for at most
-``WRITER_STOP_S``. ``post_write`` only queues; the writer cuts the write's runs into pieces (at least one per
-connection the engine keeps to the peer), keeps up to ``WINDOW`` in flight, polls them with sleeps
+without waiting (the manager thread must not wait out a stopped peer), ``close`` joins every writer for at
+most ``WRITER_STOP_S``. ``post_write`` only queues; the writer cuts the write's runs into pieces (at least one
+per connection the engine keeps to the peer), keeps up to ``WINDOW`` in flight, polls them with sleeps
 (``POLL_FRACTION``), then sends the write's notification, so a notification always follows every byte of its
-write. ``send_notif`` queues behind the peer's writes too: it never blocks the manager thread on a stopped peer.
-A failed write or message makes every write queued before the failure fail at once (a stopped peer holds only
-its own writer, until one write's deadline, not once per queued write); later writes try again. Messages queued
-behind the failure are dropped with them (logged): the protocol above asks again for what it waits on (decode
-sends an unanswered cancel again, ``decode_side.CANCEL_RESEND_S``). Mooncake reports a failed write to the
-writer only: the decode side learns it from the prefill side's ``abort`` message, or from the bootstrap
+write. ``send_notif`` queues behind the peer's writes too: it never blocks the manager thread on a stopped
+peer. A failed write or message makes every write queued before the failure fail at once (a stopped peer holds
+only its own writer, until one write's deadline, not once per queued write); later writes try again. Messages
+queued behind the failure are dropped with them (logged): the protocol above asks again for what it waits on
+(decode sends an unanswered cancel again, ``decode_side.CANCEL_RESEND_S``). Mooncake reports a failed write to
+the writer only: the decode side learns it from the prefill side's ``abort`` message, or from the bootstrap
 (registration gone) and its waiting timeout when the prefill process died.
 """
 
@@ -121,7 +122,6 @@ class _Peer:
     stop: threading.Event = field(default_factory=threading.Event)
     broken: str = ""                       # why the last delivery failed ("" once one succeeds again)
     failed_s: float = float("-inf")        # when it failed: writes queued before then fail without trying
-    abandoned: list[tuple[int, float]] = field(default_factory=list)   # (batch id, since): failed writes' pieces
 
 
 class MooncakeTransport(Transport):
@@ -139,6 +139,9 @@ class MooncakeTransport(Transport):
         self._data_ports: set[int] = set()     # the engine's TCP data listener(s): what peers write into
         self._registered: list[int] = []
         self._lanes = _lanes_per_peer()
+        # pieces of failed writes still in flight: (batch id, since); every writer thread appends and reaps
+        self._abandoned: list[tuple[int, float]] = []
+        self._abandoned_lock = threading.Lock()
 
     @classmethod
     def create(cls, args: KVArgs, options: MooncakeOptions) -> MooncakeTransport:
@@ -264,8 +267,9 @@ class MooncakeTransport(Transport):
 
     def close(self) -> None:
         """Stops the writers, unregisters the memory, drops the engine. A writer still inside a transfer after
-        ``WRITER_STOP_S`` (a stopped peer) keeps the engine alive: tearing it down under a running call would
-        crash the process; its transfer ends at ``MC_TRANSFER_TIMEOUT``."""
+        ``WRITER_STOP_S`` (a stopped peer), or a piece of a failed write still in flight, keeps the engine
+        alive: tearing it down under a running transfer could crash the process; a write ends at its deadline
+        (``_timeout_s``)."""
         busy = [peer.thread for peer in self._peers.values() if peer.thread is not None]
         for name in list(self._peers):
             self.remove_peer(name)
@@ -276,6 +280,10 @@ class MooncakeTransport(Transport):
             return
         if any(thread.is_alive() for thread in busy):
             logger.warning("mooncake transport %s closed with a writer still busy: engine left alive", self._name)
+            return
+        if self._reap():
+            logger.warning("mooncake transport %s closed with pieces of a failed write in flight: engine "
+                           "left alive", self._name)
             return
         for addr in self._registered:
             if self._engine.unregister_memory(addr) != 0:
@@ -309,10 +317,10 @@ class MooncakeTransport(Transport):
     def _run(self, peer: _Peer, write: MooncakeWrite) -> bool:
         """Writes ``write``'s runs, then its notification; True when every byte and the message went. Each
         piece (``_pieces``) is a one-request batch of its own (``transfer_submit_write``), polled with
-        ``transfer_check_status``, at most ``WINDOW`` in flight: the engine's own blocking calls poll the batch
-        status in a loop that never sleeps, a core for as long as the write lasts. Fails at ``_deadline_s``
-        (the library's sync rule); pieces still in flight then are left on ``peer.abandoned``."""
-        self._reap(peer)
+        ``transfer_check_status``, at most ``WINDOW`` in flight: the engine's own blocking calls poll the
+        batch status in a loop that never sleeps, a core for as long as the write lasts. Fails at
+        ``_timeout_s`` (the library's sync rule); pieces still in flight then are handed to ``_abandon``."""
+        self._reap()
         pieces = _pieces(write.src_addrs, write.dst_addrs, write.nbytes, self._lanes)
         started_s = time.monotonic()
         deadline_s = started_s + _timeout_s(sum(write.nbytes))
@@ -321,7 +329,7 @@ class MooncakeTransport(Transport):
         while next_piece < len(pieces) or in_flight:
             while next_piece < len(pieces) and len(in_flight) < WINDOW:
                 if not self._submit(peer, pieces, next_piece, 1, in_flight):
-                    return self._give_up(peer, in_flight)
+                    return self._abandon(in_flight)
                 next_piece += 1
             for batch_id, (piece, submitted_s, tries) in list(in_flight.items()):
                 status = self._engine.transfer_check_status(batch_id)
@@ -331,26 +339,27 @@ class MooncakeTransport(Transport):
                 if status == 1:
                     continue
                 if status == -2:      # timed out inside the engine: not freed, keep polling it elsewhere
-                    peer.abandoned.append((batch_id, time.monotonic()))
+                    self._abandon({batch_id: (piece, submitted_s, tries)})
                 failed_in_s = time.monotonic() - submitted_s
                 if failed_in_s >= FAST_FAILURE_S or tries > FAST_RETRIES:
-                    return self._give_up(peer, in_flight)
+                    return self._abandon(in_flight)
                 logger.info("mooncake: a write failed in %.0f ms; trying it again", failed_in_s * 1e3)
                 if not self._submit(peer, pieces, piece, tries + 1, in_flight):
-                    return self._give_up(peer, in_flight)
+                    return self._abandon(in_flight)
             if not in_flight and next_piece == len(pieces):
                 break
             now_s = time.monotonic()
             if now_s > deadline_s:
-                logger.warning("mooncake: a write to %s timed out after %.1f s", peer.endpoint, now_s - started_s)
-                return self._give_up(peer, in_flight)
+                logger.warning("mooncake: a write to %s timed out after %.1f s", peer.endpoint,
+                               now_s - started_s)
+                return self._abandon(in_flight)
             time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, (now_s - started_s) * POLL_FRACTION)))
         return not write.notif or self._deliver(peer.endpoint, write.notif)
 
     def _submit(self, peer: _Peer, pieces: list[tuple[int, int, int]], piece: int, tries: int,
                 in_flight: dict[int, tuple[int, float, int]]) -> bool:
-        """Submits ``pieces[piece]`` into ``in_flight``; a refused submit (no connection to the peer, a full lane
-        queue) is tried again at once up to ``FAST_RETRIES`` times. False when it never went."""
+        """Submits ``pieces[piece]`` into ``in_flight``; a refused submit (no connection to the peer, a full
+        lane queue) is tried again at once up to ``FAST_RETRIES`` times. False when it never went."""
         src, dst, nbytes = pieces[piece]
         for attempt in range(tries, FAST_RETRIES + 2):
             batch_id = self._engine.transfer_submit_write(peer.endpoint, src, dst, nbytes)
@@ -359,28 +368,31 @@ class MooncakeTransport(Transport):
                 return True
         return False
 
-    @staticmethod
-    def _give_up(peer: _Peer, in_flight: dict[int, tuple[int, float, int]]) -> bool:
-        """The write failed: its pieces still in flight are polled later (``_reap``) so the engine frees them
-        once they end; returns False."""
+    def _abandon(self, in_flight: dict[int, tuple[int, float, int]]) -> bool:
+        """A write failed: its pieces still in flight are polled later (``_reap``) so that the engine frees
+        them once they end, and ``close`` keeps the engine while any is in flight; returns False."""
         now_s = time.monotonic()
-        peer.abandoned.extend((batch_id, now_s) for batch_id in in_flight)
+        with self._abandoned_lock:
+            self._abandoned.extend((batch_id, now_s) for batch_id in in_flight)
         in_flight.clear()
         return False
 
-    def _reap(self, peer: _Peer) -> None:
+    def _reap(self) -> int:
         """Polls the pieces of failed writes once: an ended one is freed by the engine; one still in flight
-        after ``ABANDONED_KEEP_S`` is forgotten (its batch descriptor leaks, logged)."""
+        after ``ABANDONED_KEEP_S`` is forgotten (its batch descriptor leaks, logged). Returns how many are
+        still in flight. Any writer thread, or ``close``."""
         now_s, kept = time.monotonic(), []
-        for batch_id, since_s in peer.abandoned:
-            if self._engine.transfer_check_status(batch_id) in (1, -1):
-                continue
-            if now_s - since_s > ABANDONED_KEEP_S:
-                logger.warning("mooncake: a transfer to %s still in flight after %.0f s: forgotten",
-                               peer.endpoint, now_s - since_s)
-                continue
-            kept.append((batch_id, since_s))
-        peer.abandoned = kept
+        with self._abandoned_lock:
+            for batch_id, since_s in self._abandoned:
+                if self._engine.transfer_check_status(batch_id) in (1, -1):
+                    continue
+                if now_s - since_s > ABANDONED_KEEP_S:
+                    logger.warning("mooncake: a transfer still in flight after %.0f s: forgotten",
+                                   now_s - since_s)
+                    continue
+                kept.append((batch_id, since_s))
+            self._abandoned = kept
+        return len(kept)
 
     def _deliver(self, endpoint: str, message: bytes) -> bool:
         from mooncake.engine import TransferNotify, TransferOpcode  # type: ignore[import-not-found]
@@ -428,8 +440,8 @@ def _lanes_per_peer() -> int:
 
 
 def _timeout_s(nbytes: int) -> float:
-    """A write's deadline, seconds: ``MC_TRANSFER_TIMEOUT`` (at least 5, as the engine's Python binding reads it)
-    plus a second per GiB, the rule of the engine's own blocking calls."""
+    """A write's deadline, seconds: ``MC_TRANSFER_TIMEOUT`` (at least 5, as the engine's Python binding reads
+    it) plus a second per GiB, the rule of the engine's own blocking calls."""
     try:
         base_s = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", MOONCAKE_DEFAULTS["MC_TRANSFER_TIMEOUT"])))
     except ValueError:
@@ -439,9 +451,9 @@ def _timeout_s(nbytes: int) -> float:
 
 def _pieces(src_addrs: list[int], dst_addrs: list[int], nbytes: list[int],
             lanes: int) -> list[tuple[int, int, int]]:
-    """``(src, dst, nbytes)`` of each piece a write goes as: its runs in order, a run longer than the piece size
-    cut in consecutive pieces. Piece size: the write's bytes over ``lanes``, at least ``MIN_PIECE_BYTES`` (a
-    single 180 MiB run goes as 4 pieces of 45 MiB, one per connection)."""
+    """``(src, dst, nbytes)`` of each piece a write goes as: its runs in order, a run longer than the piece
+    size cut in consecutive pieces. Piece size: the write's bytes over ``lanes``, at least
+    ``MIN_PIECE_BYTES`` (a single 180 MiB run goes as 4 pieces of 45 MiB, one per connection)."""
     piece_bytes = max(MIN_PIECE_BYTES, -(-sum(nbytes) // max(1, lanes)))
     out = []
     for src, dst, size in zip(src_addrs, dst_addrs, nbytes):
