@@ -14,11 +14,15 @@ restarted, the next request succeeds; the registry host's link down 10 s: reques
 membership stays as it was, and after the link is back the fleet still serves; the router's host cut off from the
 decode host alone mid-stream: the stream ends with an error within seconds (instance_stale_s), the decode host's
 pages come back once the path does, and the fleet serves again with no restart.
+
+``PD_FLEET_KV_BACKEND=mooncake`` runs the module's NIXL tests on a Mooncake fleet instead (by hand: CI runs
+``TestMooncake`` only, for its time).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import shutil
 import sys
@@ -49,12 +53,17 @@ POOL_S = 150.0   # a room whose peer vanished ends at the bootstrap timeout (120
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
+    """The module's fleet: NIXL, or the backend ``PD_FLEET_KV_BACKEND`` names (``nixl`` or ``mooncake``)."""
     pytest.importorskip("pytriton")
     from kv_transfer import unavailable_reason
 
-    if unavailable_reason("nixl"):
-        pytest.skip(str(unavailable_reason("nixl")))
-    yield from started_fleet(tmp_path_factory.mktemp("hosts"))
+    backend = os.environ.get("PD_FLEET_KV_BACKEND", "nixl")
+    assert backend in ("nixl", "mooncake"), f"PD_FLEET_KV_BACKEND={backend!r}: nixl or mooncake"
+    if unavailable_reason(backend):
+        pytest.skip(str(unavailable_reason(backend)))
+    tmp = tmp_path_factory.mktemp("hosts")
+    env = {"MODEL_REPOSITORY": str(mooncake_repository(tmp / "models"))} if backend == "mooncake" else None
+    yield from started_fleet(tmp, env)
 
 
 def started_fleet(tmp: Path, env: dict[str, str] | None = None) -> Iterator[HostFleet]:
