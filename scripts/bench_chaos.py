@@ -18,6 +18,7 @@ must-be-0 figure is not 0, a heal exceeded its bound, or a stop was unclean.
     .venv/bin/python scripts/bench_chaos.py --duration-s 1800 --concurrency 32 --out docs/bench_chaos.json
     .venv/bin/python scripts/bench_chaos.py --duration-s 60 --kill-interval-s 20 --concurrency 4 \
         --prefills 1 --decodes 1 --max-new-tokens 32 --cancel-fraction 0                     # CI smoke
+    .venv/bin/python scripts/bench_chaos.py --kv-backend mooncake ...                       # KV over Mooncake
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -40,7 +42,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench_soak import SoakConfig, SoakRun, read_pages  # noqa: E402 - needs scripts/ on sys.path
-from perf.server import RegistryProcess, ServeScript, fault_lines, free_ports, kernel_log  # noqa: E402
+from perf.server import (Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines,  # noqa: E402
+                         free_ports, kernel_log)
 from perf.soak import Outcome, SoakWorkload, classify_error, summarize  # noqa: E402
 from perf.stats import percentile  # noqa: E402
 
@@ -65,11 +68,20 @@ class Kill:
 class ChaosFleet:
     """The fleet's processes on free loopback ports; logs in ``log_dir``."""
 
-    def __init__(self, log_dir: Path, prefills: int = 2, decodes: int = 2) -> None:
+    def __init__(self, log_dir: Path, prefills: int = 2, decodes: int = 2, kv_backend: str = "") -> None:
+        """``kv_backend``: the workers' ``kv_backend`` ("nixl" or "mooncake"; "": model_repository's own) through a
+        repository of ``pd_ensemble``, ``prefill`` and ``decode`` written under ``log_dir`` (their ``1/`` linked)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.size = (prefills, decodes)
         self.registry = RegistryProcess(log_dir / "registry.log")
         env = {"PD_REGISTRY_URL": self.registry.url}
+        if kv_backend:
+            repository = log_dir / f"models-{kv_backend}"
+            shutil.rmtree(repository, ignore_errors=True)
+            backend = {"kv_backend": kv_backend}
+            build_model_repository(Deployment("chaos", "pd_ensemble", ("pd_ensemble", "prefill", "decode"),
+                                              overrides={"prefill": backend, "decode": backend}), repository)
+            env["MODEL_REPOSITORY"] = str(repository)
         self.router = ServeScript("pd_ensemble", log_dir / "router.log", env={**env, "ROLE": "router"})
         self.front_port = free_ports(1)[0]
         self.front = ServeScript("", log_dir / "front.log", env={
@@ -233,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window-grace-s", type=float, default=10.0,
                    help="an error this long after a heal still counts as the kill's")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-backend", choices=("nixl", "mooncake"), default="",
+                   help="the workers' KV backend (default: model_repository's, nixl)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--log-dir", type=Path, default=REPO_ROOT / "artifacts" / "bench_chaos")
     return p.parse_args(argv)
@@ -242,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     args = parse_args(argv)
-    fleet = ChaosFleet(args.log_dir, args.prefills, args.decodes)
+    fleet = ChaosFleet(args.log_dir, args.prefills, args.decodes, args.kv_backend)
     try:
         fleet.start()
     except (RuntimeError, TimeoutError) as exc:
