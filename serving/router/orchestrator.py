@@ -357,6 +357,8 @@ class PDOrchestrator:
                     # a child whose instance stopped answering (a host cut off from the router, a frozen
                     # server) is treated as a broken stream: retried before the first token, else migrated
                     children.forget(role)
+                    if self._ended_by_decode(room, role, response, state, targets):
+                        continue
                     outcome = self._failed(room, role, response, state, targets)
                     if outcome.migrate:
                         outcome = await self._migrate(room, children, state, targets, request, outcome)
@@ -386,6 +388,8 @@ class PDOrchestrator:
             if response.error is None:
                 self._accept(call.role, response, state, emit)
                 continue
+            if self._ended_by_decode(room, call.role, response, state, targets):
+                continue
             outcome = self._failed(room, call.role, response, state, targets)
             if outcome.migrate:
                 outcome = await self._migrate(room, children, state, targets, request, outcome)
@@ -414,6 +418,23 @@ class PDOrchestrator:
                      f"from its rendezvous for over {stale_s:g} s (instance_stale_s)")
             return role, Delta.failure(error, ErrorKind.UNREACHABLE)
         return None
+
+    def _ended_by_decode(self, room: Room, role: str, response: Delta, state: _MergeState,
+                         targets: dict[str, Target]) -> bool:
+        """True when ``role``'s failure (``response``) comes from the prefill after decode ended the request
+        with its FINAL: decode decoded from the prompt's KV, so the request is whole and the prefill's own end
+        (its transfer's last acknowledgment, which a prefill host cut off from the router, or a lost message,
+        holds back) no longer concerns the client. The prefill then counts as ended; an unreachable one counts
+        against its instance. The caller has given the stream up or it has ended."""
+        if role != "prefill" or not state.decode_final or "prefill" not in targets:
+            return False
+        target = targets.pop("prefill")
+        logger.warning("room=%d: prefill %s failed after decode ended the request (%s); the request is complete",
+                       room, target.instance_id, response.error)
+        if response.error_kind is ErrorKind.UNREACHABLE:
+            self._fleet.record(target, ok=False)
+        state.prefill_final = True
+        return True
 
     def _failed(self, room: Room, role: str, response: Delta, state: _MergeState,
                 targets: dict[str, Target]) -> _Outcome:

@@ -13,7 +13,8 @@ the decode host's link down 5 s mid-transfer: every stream ends (FINAL, or an er
 restarted, the next request succeeds; the registry host's link down 10 s: requests keep succeeding, the router's
 membership stays as it was, and after the link is back the fleet still serves; the router's host cut off from the
 decode host alone mid-stream: the stream ends with an error within seconds (instance_stale_s), the decode host's
-pages come back once the path does, and the fleet serves again with no restart.
+pages come back once the path does, and the fleet serves again with no restart; the router's host cut off from
+the prefill host right after the first token: the request still ends with the colocated text.
 
 ``PD_FLEET_KV_BACKEND=mooncake`` runs the module's NIXL tests on a Mooncake fleet instead (by hand: CI runs
 ``TestMooncake`` only, for its time).
@@ -423,6 +424,43 @@ def test_router_cut_off_from_the_decode_host_mid_stream(hosts: HostFleet, refere
     while healthy(hosts, "decode") != 1:
         assert time.monotonic() < deadline, "the router did not list the decode host healthy again"
         time.sleep(0.5)
+    streams_match_reference(lambda p: generate(hosts, p), PROMPTS[:2], reference)
+    assert stubs(hosts) == before, "a server or stub restarted"
+
+
+def test_router_cut_off_from_the_prefill_host_after_the_first_token(hosts: HostFleet,
+                                                                   reference: dict[str, str]) -> None:
+    """The router's host and the prefill host partitioned from each other as soon as the first token reached the
+    client, the prefill link throttled to 100 Mbit/s so that the prompt's last KV chunk is still crossing to the
+    decode host (that path stays up): the prefill's own FINAL, sent once its transfer settled, cannot reach the
+    router, while decode decodes and streams to its end. The request ends with the colocated text and its finish
+    reason, not with the prefill's unreachability (found by an operator's trial, session 25: the last tokens were
+    lost to that error); pages come back on both hosts once the path is back; nothing restarted."""
+    before = stubs(hosts)
+    prompt = LONG[1]
+    cut, released = threading.Event(), threading.Event()
+
+    def partition() -> None:
+        if cut.wait(120):
+            with hosts.fleet.partitioned("rt", "pf", at_least_s=8.0):
+                released.wait(60)
+
+    thread = threading.Thread(target=partition)
+    thread.start()
+    hosts.host("pf").throttle(100)
+    try:
+        result = grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble",
+                               on_first_text=cut.set)
+    finally:
+        released.set()
+        cut.set()
+        thread.join(90)
+        hosts.host("pf").throttle(0)
+    print(f"router cut off from prefill after the first token: error {result.error}, "
+          f"{len(result.texts)} responses, finish {result.finish_reasons}")
+    assert result.error is None and result.final_seen, result.error
+    assert result.text == reference[prompt]
+    wait_pools_full(hosts, 60.0)
     streams_match_reference(lambda p: generate(hosts, p), PROMPTS[:2], reference)
     assert stubs(hosts) == before, "a server or stub restarted"
 

@@ -60,9 +60,11 @@ def make_inputs(prompt: str | bytes, params: dict[str, Any] | str | None = None,
 
 
 def grpc_generate(url: str, inputs: list[grpcclient.InferInput], model: str = "colocated",
-                  cancel_after: int | None = None) -> StreamResult:
+                  cancel_after: int | None = None,
+                  on_first_text: Callable[[], None] | None = None) -> StreamResult:
     """Send one request on its own stream; read until FINAL, an error, or ``cancel_after`` responses (then
-    cancel: ``stop_stream(cancel_requests=True)``)."""
+    cancel: ``stop_stream(cancel_requests=True)``). ``on_first_text`` is called once, on this thread, when the
+    first text arrived."""
     events: queue.Queue[tuple[Any, Any]] = queue.Queue()
     result = StreamResult()
     client = grpcclient.InferenceServerClient(url)
@@ -75,7 +77,10 @@ def grpc_generate(url: str, inputs: list[grpcclient.InferInput], model: str = "c
                 result.error = str(err)
                 result.end_s = time.monotonic()
                 return result
+            had_text = result.first_text_s is not None
             _record(result, res)
+            if on_first_text is not None and not had_text and result.first_text_s is not None:
+                on_first_text()
             if result.final_seen:
                 result.end_s = time.monotonic()
                 return result

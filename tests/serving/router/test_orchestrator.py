@@ -317,3 +317,29 @@ def test_a_client_that_cancels_while_its_request_waits_for_the_fleet_gets_an_abo
                         fleet_refresh_s=0.05)
     assert out == [Delta(finish_reason="abort", final=True)] and launcher.calls == []
     assert time.monotonic() - start < 2.0
+
+
+def test_a_prefill_gone_silent_after_decode_ended_the_request_does_not_fail_it() -> None:
+    """The prefill host is cut off from the router after the first token, before its own FINAL (sent once its KV
+    transfer settled) arrives; decode, which decoded from that KV, streams to its FINAL: the request ends with
+    its finish reason and its last tokens, not with prefill's error, and without waiting on the prefill."""
+    start = time.monotonic()
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode", age_s=-1000),
+                     config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
+    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1)), (30.0, Delta(final=True))],
+                                 "decode": OK_DECODE})
+    out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3, fleet_wait_s=0.5)
+    assert out[-1].error is None and out[-1].finish_reason == "length"
+    assert "".join(c.text for c in out) == "ABC"
+    assert time.monotonic() - start < 5.0   # not the prefill's FINAL, 30 s later
+    assert launcher.resets == ["127.0.0.1:8001"]   # the silent server's connection reset, as for any lost child
+
+
+def test_a_prefill_error_after_decode_ended_the_request_does_not_fail_it() -> None:
+    """Prefill reports a failure (its transfer's last acknowledgment lost, say) after decode streamed the
+    request to its FINAL: decode decoded from the prompt's KV, so the client gets the finished request."""
+    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1)), (0.2, Delta.failure("KV transfer failed"))],
+                                 "decode": OK_DECODE})
+    out, _ = run(launcher)
+    assert out[-1].error is None and out[-1].finish_reason == "length"
+    assert "".join(c.text for c in out) == "ABC"
