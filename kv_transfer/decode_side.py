@@ -267,7 +267,7 @@ class DecodeSide:
                 else:
                     self._fail(receiver, "aux data check failed")
         elif tag.kind == TagKind.ABORT:
-            self._fail(receiver, f"aborted by prefill: {tag.text}")
+            self._fail(receiver, f"aborted by prefill: {tag.text.removeprefix('aborted by prefill: ')}")
             receiver.writer_done = True
             receiver.fence_needed |= tag.index == UNSETTLED
         elif tag.kind == TagKind.DONE:

@@ -382,7 +382,7 @@ class PrefillSide:
                 done = Tag(TagKind.DONE, tag.room, tag.xfer_id)
                 dest = sender.destination if sender is not None else None
                 if sender is not None and dest is not None and dest.xfer_id == tag.xfer_id:
-                    self._fail(sender, f"cancelled by decode: {tag.text}")
+                    self._fail(sender, f"cancelled by decode: {tag.text.removeprefix('aborted by decode: ')}")
                     sender.pending_notif = done
                     continue
                 pending = self._pending.get(tag.room)
