@@ -118,6 +118,7 @@ class _MergeState:
     emitted: bool = False   # a chunk with text went to the client: no retry after this
     prefill_final: bool = False
     decode_final: bool = False
+    decode_has_kv: bool = False   # decode sent tokens of its own (or its FINAL): it holds the prompt's whole KV
     held: list[Delta] = field(default_factory=list)
     num_input_tokens: int = 0
     num_output_tokens: int = 0
@@ -421,15 +422,16 @@ class PDOrchestrator:
 
     def _ended_by_decode(self, room: Room, role: str, response: Delta, state: _MergeState,
                          targets: dict[str, Target]) -> bool:
-        """True when ``role``'s failure (``response``) comes from the prefill after decode ended the request
-        with its FINAL: decode decoded from the prompt's KV, so the request is whole and the prefill's own end
-        (its transfer's last acknowledgment, which a prefill host cut off from the router, or a lost message,
-        holds back) no longer concerns the client. The prefill then counts as ended; an unreachable one counts
-        against its instance. The caller has given the stream up or it has ended."""
-        if role != "prefill" or not state.decode_final or "prefill" not in targets:
+        """True when ``role``'s failure (``response``) comes from the prefill after decode sent tokens of its
+        own or its FINAL: decode decodes only once the prompt's whole KV is in, so the request no longer needs
+        the prefill, and the prefill's own end (its transfer's last acknowledgment, which a prefill host cut off
+        from the router, a killed prefill or a lost message holds back) does not concern the client: the request
+        goes on, or ends, with decode alone (no migration). The prefill then counts as ended; an unreachable one
+        counts against its instance. The caller has given the stream up or it has ended."""
+        if role != "prefill" or not state.decode_has_kv or "prefill" not in targets:
             return False
         target = targets.pop("prefill")
-        logger.warning("room=%d: prefill %s failed after decode ended the request (%s); the request is complete",
+        logger.warning("room=%d: prefill %s failed after decode had the prompt's KV (%s); decode goes on alone",
                        room, target.instance_id, response.error)
         if response.error_kind is ErrorKind.UNREACHABLE:
             self._fleet.record(target, ok=False)
@@ -517,6 +519,7 @@ class PDOrchestrator:
                 state.held.clear()
             return
         state.decode_final = state.decode_final or response.final
+        state.decode_has_kv = state.decode_has_kv or bool(response.token_ids or response.text or response.final)
         if state.first_done:
             self._forward(response, state, emit)
         else:

@@ -343,3 +343,15 @@ def test_a_prefill_error_after_decode_ended_the_request_does_not_fail_it() -> No
     out, _ = run(launcher)
     assert out[-1].error is None and out[-1].finish_reason == "length"
     assert "".join(c.text for c in out) == "ABC"
+
+
+def test_a_prefill_that_dies_while_decode_streams_is_let_go_not_migrated() -> None:
+    """The prefill's stream breaks (its server killed) after decode sent tokens of its own: decode had the
+    prompt's whole KV, so the request goes on with decode alone, uninterrupted; no migration, no error."""
+    decode = [(0.0, tok("B", 2)), (0.3, tok("C", 3)), (0.0, tok("D", 4, final=True, finish_reason="length"))]
+    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1)), (0.1, unavailable("stream removed"))],
+                                 "decode": decode})
+    out, launcher = run(launcher, migration_limit=1)
+    assert out[-1].error is None and out[-1].finish_reason == "length"
+    assert "".join(c.text for c in out) == "ABCD"
+    assert [c.role for c in launcher.calls] == ["prefill", "decode"]   # no resumed decode
