@@ -422,14 +422,14 @@ class PDOrchestrator:
 
     def _ended_by_decode(self, room: Room, role: str, response: Delta, state: _MergeState,
                          targets: dict[str, Target]) -> bool:
-        """True when ``role``'s failure (``response``) comes from the prefill after decode sent tokens of its
-        own or its FINAL: decode decodes only once the prompt's whole KV is in, so the request no longer needs
+        """True when ``role``'s failure (``response``) comes from the prefill after its first token arrived and
+        decode sent tokens of its own or its FINAL: decode decodes only once the prompt's whole KV is in, so the request no longer needs
         the prefill, and the prefill's own end (its transfer's last acknowledgment, which a prefill host cut off
         from the router, a killed prefill or a lost message holds back) does not concern the client: the request
         goes on, or ends, with decode alone (no migration). The prefill then counts as ended; an unreachable one
         counts against its instance. The caller has given the stream up or it has ended."""
-        if role != "prefill" or not state.decode_has_kv or "prefill" not in targets:
-            return False
+        if role != "prefill" or not (state.first_done and state.decode_has_kv) or "prefill" not in targets:
+            return False   # without the first token (it comes from the prefill) the request is retried
         target = targets.pop("prefill")
         logger.warning("room=%d: prefill %s failed after decode had the prompt's KV (%s); decode goes on alone",
                        room, target.instance_id, response.error)

@@ -355,3 +355,15 @@ def test_a_prefill_that_dies_while_decode_streams_is_let_go_not_migrated() -> No
     assert out[-1].error is None and out[-1].finish_reason == "length"
     assert "".join(c.text for c in out) == "ABCD"
     assert [c.role for c in launcher.calls] == ["prefill", "decode"]   # no resumed decode
+
+
+def test_a_prefill_that_dies_before_its_first_token_arrived_is_retried_though_decode_answered() -> None:
+    """Decode's tokens arrive (held: the first token comes from the prefill) but the prefill's stream breaks
+    before its first token reached the router: that token is lost with it, so the request is retried on another
+    pair (nothing reached the client), not finished by decode alone."""
+    launcher = ScriptedLauncher({"decode": OK_DECODE},
+                                by_instance={"p0@h:1": [(0.2, unavailable("stream removed"))],
+                                             "p1@h:1": OK_PREFILL})
+    out, launcher = run(launcher)
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABC"
+    assert [c.role for c in launcher.calls] == ["prefill", "decode", "prefill", "decode"]
