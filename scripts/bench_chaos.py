@@ -42,8 +42,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench_soak import SoakConfig, SoakRun, read_pages  # noqa: E402 - needs scripts/ on sys.path
-from perf.server import (Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines,  # noqa: E402
-                         free_ports, kernel_log)
+from perf.server import (  # noqa: E402
+    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, free_ports, kernel_log)
 from perf.soak import Outcome, SoakWorkload, classify_error, summarize  # noqa: E402
 from perf.stats import percentile  # noqa: E402
 
@@ -69,8 +69,9 @@ class ChaosFleet:
     """The fleet's processes on free loopback ports; logs in ``log_dir``."""
 
     def __init__(self, log_dir: Path, prefills: int = 2, decodes: int = 2, kv_backend: str = "") -> None:
-        """``kv_backend``: the workers' ``kv_backend`` ("nixl" or "mooncake"; "": model_repository's own) through a
-        repository of ``pd_ensemble``, ``prefill`` and ``decode`` written under ``log_dir`` (their ``1/`` linked)."""
+        """``kv_backend``: the workers' ``kv_backend`` ("nixl" or "mooncake"; "": model_repository's own)
+        through a repository of ``pd_ensemble``, ``prefill`` and ``decode`` written under ``log_dir`` (their
+        ``1/`` linked)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.size = (prefills, decodes)
         self.registry = RegistryProcess(log_dir / "registry.log")

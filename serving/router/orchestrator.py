@@ -118,7 +118,7 @@ class _MergeState:
     emitted: bool = False   # a chunk with text went to the client: no retry after this
     prefill_final: bool = False
     decode_final: bool = False
-    decode_has_kv: bool = False   # decode sent tokens of its own (or its FINAL): it holds the prompt's whole KV
+    decode_has_kv: bool = False   # decode sent tokens of its own or its FINAL: it holds the prompt's KV
     held: list[Delta] = field(default_factory=list)
     num_input_tokens: int = 0
     num_output_tokens: int = 0
@@ -422,17 +422,18 @@ class PDOrchestrator:
 
     def _ended_by_decode(self, room: Room, role: str, response: Delta, state: _MergeState,
                          targets: dict[str, Target]) -> bool:
-        """True when ``role``'s failure (``response``) comes from the prefill after its first token arrived and
-        decode sent tokens of its own or its FINAL: decode decodes only once the prompt's whole KV is in, so the request no longer needs
-        the prefill, and the prefill's own end (its transfer's last acknowledgment, which a prefill host cut off
-        from the router, a killed prefill or a lost message holds back) does not concern the client: the request
-        goes on, or ends, with decode alone (no migration). The prefill then counts as ended; an unreachable one
-        counts against its instance. The caller has given the stream up or it has ended."""
+        """True when ``role``'s failure (``response``) comes from the prefill after its first token arrived
+        and decode sent tokens of its own or its FINAL: decode decodes only once the prompt's whole KV is in,
+        so the request no longer needs the prefill, and the prefill's own end (its transfer's last
+        acknowledgment, which a prefill host cut off from the router, a killed prefill or a lost message holds
+        back) does not concern the client: the request goes on, or ends, with decode alone (no migration). The
+        prefill then counts as ended; an unreachable one counts against its instance. The caller has given the
+        stream up or it has ended."""
         if role != "prefill" or not (state.first_done and state.decode_has_kv) or "prefill" not in targets:
             return False   # without the first token (it comes from the prefill) the request is retried
         target = targets.pop("prefill")
-        logger.warning("room=%d: prefill %s failed after decode had the prompt's KV (%s); decode goes on alone",
-                       room, target.instance_id, response.error)
+        logger.warning("room=%d: prefill %s failed after decode had the prompt's KV (%s); decode goes on "
+                       "alone", room, target.instance_id, response.error)
         if response.error_kind is ErrorKind.UNREACHABLE:
             self._fleet.record(target, ok=False)
         state.prefill_final = True
@@ -519,7 +520,8 @@ class PDOrchestrator:
                 state.held.clear()
             return
         state.decode_final = state.decode_final or response.final
-        state.decode_has_kv = state.decode_has_kv or bool(response.token_ids or response.text or response.final)
+        state.decode_has_kv = state.decode_has_kv or bool(response.token_ids or response.text
+                                                           or response.final)
         if state.first_done:
             self._forward(response, state, emit)
         else:

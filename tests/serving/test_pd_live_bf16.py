@@ -47,8 +47,8 @@ def repository_in_format(tmp_dir: Path, fmt: dict[str, str]) -> Path:
 
 def check_streams_equal_colocated_and_kv_crosses(server, fmt: dict[str, str]) -> None:
     """Each prompt of ``PROMPTS`` through ``server``'s ``pd_ensemble`` streams the greedy text of a colocated
-    engine of format ``fmt`` run in-process one prompt at a time, and KV bytes crossed from prefill (also used by
-    ``test_pd_live_bf16_dense.py``)."""
+    engine of format ``fmt`` run in-process one prompt at a time, and KV bytes crossed from prefill (also used
+    by ``test_pd_live_bf16_dense.py``)."""
     reference = colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, **fmt)
 
     def generate(prompt: str):

@@ -12,7 +12,8 @@ from test_pd_live_bf16 import (TRITON_MODELS, check_streams_equal_colocated_and_
                                repository_in_format)
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
-FORMAT = {"dtype": "bfloat16", "weight_quant": "none"}  # TRITON_MODELS above: read by the triton_server fixture
+# TRITON_MODELS above: read by the triton_server fixture
+FORMAT = {"dtype": "bfloat16", "weight_quant": "none"}
 
 
 def make_model_repository(tmp_dir: Path) -> Path:

@@ -320,9 +320,10 @@ def test_a_client_that_cancels_while_its_request_waits_for_the_fleet_gets_an_abo
 
 
 def test_a_prefill_gone_silent_after_decode_ended_the_request_does_not_fail_it() -> None:
-    """The prefill host is cut off from the router after the first token, before its own FINAL (sent once its KV
-    transfer settled) arrives; decode, which decoded from that KV, streams to its FINAL: the request ends with
-    its finish reason and its last tokens, not with prefill's error, and without waiting on the prefill."""
+    """The prefill host is cut off from the router after the first token, before its own FINAL (sent once its
+    KV transfer settled) arrives; decode, which decoded from that KV, streams to its FINAL: the request ends
+    with its finish reason and its last tokens, not with prefill's error, and without waiting on the
+    prefill."""
     start = time.monotonic()
     fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode", age_s=-1000),
                      config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
@@ -332,7 +333,7 @@ def test_a_prefill_gone_silent_after_decode_ended_the_request_does_not_fail_it()
     assert out[-1].error is None and out[-1].finish_reason == "length"
     assert "".join(c.text for c in out) == "ABC"
     assert time.monotonic() - start < 5.0   # not the prefill's FINAL, 30 s later
-    assert launcher.resets == ["127.0.0.1:8001"]   # the silent server's connection reset, as for any lost child
+    assert launcher.resets == ["127.0.0.1:8001"]   # the silent server's connection reset, as for any lost one
 
 
 def test_a_prefill_error_after_decode_ended_the_request_does_not_fail_it() -> None:
@@ -359,8 +360,8 @@ def test_a_prefill_that_dies_while_decode_streams_is_let_go_not_migrated() -> No
 
 def test_a_prefill_that_dies_before_its_first_token_arrived_is_retried_though_decode_answered() -> None:
     """Decode's tokens arrive (held: the first token comes from the prefill) but the prefill's stream breaks
-    before its first token reached the router: that token is lost with it, so the request is retried on another
-    pair (nothing reached the client), not finished by decode alone."""
+    before its first token reached the router: that token is lost with it, so the request is retried on
+    another pair (nothing reached the client), not finished by decode alone."""
     launcher = ScriptedLauncher({"decode": OK_DECODE},
                                 by_instance={"p0@h:1": [(0.2, unavailable("stream removed"))],
                                              "p1@h:1": OK_PREFILL})
