@@ -145,7 +145,7 @@ def measure(fleet: Fleet, pairs: list[Pair], tcp: RawTCP, tokens: int, reps: int
         raw_s = min(tcp.times_s(nbytes, 1))
         if rep >= 2:
             raw.append(raw_s)
-    key = {128: "kv128", 1024: "kv1k", 4096: "kv4k"}[tokens]
+    key = {1024: "kv1k", 4096: "kv4k"}.get(tokens, f"kv{tokens}")
     raw_ms = statistics.median(raw) * 1e3
     out: dict[str, Any] = {f"{key}_bytes": nbytes, f"tcp{key[2:]}_ms": round(raw_ms, 3),
                            f"tcp{key[2:]}_gbps": round(nbytes / raw_ms / 1e6, 3)}
@@ -207,7 +207,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="nixl", help="comma-separated: nixl, mooncake")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--sizes", default="128,4096")
+    parser.add_argument("--sizes", default="128,4096",
+                        help="prompt lengths in tokens, multiples of 16 (keys kv<tokens>; 1024, 4096: kv1k, kv4k)")
     parser.add_argument("--rate-mbit", type=float, default=0.0, help="tc tbf limit on the prefill link")
     parser.add_argument("--local", action="store_true", help="without network_only (shared memory allowed)")
     parser.add_argument("--ucx", action="append", default=[], help="VAR=VALUE for both workers (repeatable)")
