@@ -110,11 +110,9 @@ class DecodeSide:
         idle_s = RETRY_S / 5 if waiting else self._args.idle_tick_s
         # with inline progress the callers' polls read the notifications that complete rooms; the thread only
         # keeps timeouts, releases and late tags going, and rounds every 0.2 ms would burn the decode core
-        # while a room waits for its KV (the whole prefill). Not where the bytes land only as the transport is
-        # polled (UCX over TCP): the engine loop polls every 2 ms idle, once per step busy, too seldom to read
-        # a socket at the link's rate; the thread's rounds between full ones only drain (``tick``)
-        slow = self._args.inline_progress and not self._transport.receives_by_polling
-        active_s = max(self._args.active_tick_s, INLINE_ACTIVE_TICK_S) if slow else self._args.active_tick_s
+        # while a room waits for its KV (the whole prefill)
+        active_s = max(self._args.active_tick_s, INLINE_ACTIVE_TICK_S) if self._args.inline_progress \
+            else self._args.active_tick_s
         self._wait_s = active_s if busy else idle_s
         return self._wait_s
 

@@ -109,7 +109,7 @@ class NixlTransport(Transport):
         cma, even to a peer on this kernel (``kv_transfer.network``)."""
         # before nixl is imported (``_nixl_errors``): UCX reads some at load
         apply_ucx_defaults(local_hostname, network_only)
-        self._hostname, self._network_only = local_hostname, network_only
+        self._hostname = local_hostname
         for warning in network.reachability_warnings(local_hostname):
             logger.warning("%s: %s", instance_id, warning)
         self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
@@ -134,13 +134,6 @@ class NixlTransport(Transport):
     @property
     def agent_name(self) -> str:
         return self._name
-
-    @property
-    def receives_by_polling(self) -> bool:
-        """True when peers may reach this instance over the network (``network_only``, or an address other
-        than loopback): UCX's TCP transport lands a peer's WRITE only as this worker is progressed (the
-        progress thread is off). On loopback UCX uses ``cma``/shared memory, where the writer copies."""
-        return self._network_only or not network.is_loopback(self._hostname)
 
     def register(self, table: BlockTable) -> None:
         """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;

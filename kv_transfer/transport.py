@@ -123,16 +123,6 @@ class Transport(ABC):
     def agent_name(self) -> str:
         """Unique per process start (peers detect restarts by a changed name)."""
 
-    @property
-    def receives_by_polling(self) -> bool:
-        """True when a peer's WRITE into this side's memory moves only while this side calls into the transport
-        (``get_notifs`` progresses it): UCX over TCP carries a remote write as messages that the target's worker
-        copies in when progressed. The decode side's manager thread then drains every ``active_tick_s`` while
-        rooms are open instead of leaving progress to the engine loop's polls (inline progress), whose pace
-        (every 2 ms idle, once per step busy) would set the transfer rate (docs/multihost.md, "The decode side's
-        pace"). This default: False (the peer, or threads of the transport's own, move the bytes)."""
-        return False
-
     @abstractmethod
     def register(self, table: BlockTable) -> None:
         """Caller: the manager's ``start``, once. Registers the KV and aux regions of ``table`` (and prepares
@@ -244,10 +234,6 @@ class LockedTransport(Transport):
     @property
     def agent_name(self) -> str:
         return self._inner.agent_name
-
-    @property
-    def receives_by_polling(self) -> bool:
-        return self._inner.receives_by_polling
 
     def register(self, table: BlockTable) -> None:
         with self._lock:
