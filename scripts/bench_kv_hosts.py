@@ -10,8 +10,9 @@ Each KV room is the bench_kv_transfer one (decode publishes its pages, prefill r
 forward pass would, sends them as one last chunk; latency from ``send`` at prefill to ``Success`` at decode on
 the shared monotonic clock; each worker polls its room as ``fleet.kv_worker._wait`` does, no faster than a
 serving engine loop: an end is seen up to 5 % / 1 ms late, and NIXL's decode side is progressed only by those
-polls and its manager thread, as in serving). Baselines, interleaved with the rooms (same load): a Python socket pair across
-the same two namespaces moving the same bytes as one message and waiting for a 1-byte answer (``tcp<size>_ms``:
+polls and its manager thread, as in serving). Baselines, interleaved with the rooms (same load): a Python
+socket pair across the same two namespaces moving the same bytes as one message and waiting for a 1-byte answer
+(``tcp<size>_ms``:
 the bytes at the link's TCP rate plus one round trip), the streaming rate of that pair (``tcp_stream_gbps``),
 and the round trip of a 1-byte message (``rtt_ms``). Ratios: ``kv4k_ratio`` = tcp4k_ms / kv4k_ms (target >=
 0.85), ``kv128_overhead_ms`` = kv128_ms - tcp128_ms (target <= 1 ms above the round trip TCP itself needs).
