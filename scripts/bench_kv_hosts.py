@@ -11,8 +11,8 @@ forward pass would, sends them as one last chunk; latency from ``send`` at prefi
 the shared monotonic clock; each worker polls its room as ``fleet.kv_worker._wait`` does, no faster than a
 serving engine loop: an end is seen up to 5 % / 1 ms late, and NIXL's decode side is progressed only by those
 polls and its manager thread, as in serving). Baselines, interleaved with the rooms (same load): a Python
-socket pair across the same two namespaces moving the same bytes as one message and waiting for a 1-byte answer
-(``tcp<size>_ms``:
+socket pair across the same two namespaces moving the same bytes as one message and waiting for a 1-byte
+answer (``tcp<size>_ms``:
 the bytes at the link's TCP rate plus one round trip), the streaming rate of that pair (``tcp_stream_gbps``),
 and the round trip of a 1-byte message (``rtt_ms``). Ratios: ``kv4k_ratio`` = tcp4k_ms / kv4k_ms (target >=
 0.85), ``kv128_overhead_ms`` = kv128_ms - tcp128_ms (target <= 1 ms above the round trip TCP itself needs).
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--backend", default="nixl", help="comma-separated: nixl, mooncake")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sizes", default="128,4096",
-                        help="prompt lengths in tokens, multiples of 16 (keys kv<tokens>; 1024, 4096: kv1k, kv4k)")
+                        help="prompt lengths in tokens, multiples of 16 (keys kv<tokens>; 1024/4096: kv1k/kv4k)")
     parser.add_argument("--rate-mbit", type=float, default=0.0, help="tc tbf limit on the prefill link")
     parser.add_argument("--local", action="store_true", help="without network_only (shared memory allowed)")
     parser.add_argument("--ucx", action="append", default=[], help="VAR=VALUE for both workers (repeatable)")

@@ -55,11 +55,11 @@ def smollm2_layout(num_pages: int = NUM_PAGES) -> Any:
 
 
 #: How ``_wait`` polls: every ``POLL_FRACTION`` of the time waited so far, within ``[POLL_MIN_S, POLL_MAX_S]``
-#: (an end is seen at most ~5 % late, never more than 1 ms; a serving engine loop waiting only on KV ticks every
-#: 2 ms, ``EngineLoop.busy_wait_s``, and once per step when busy). Until session 26 a fixed 50 us poll: it took
-#: CPU from Mooncake's I/O threads on 2 cores, and, since the decode side's ``poll`` drains the transport, it
-#: progressed NIXL's UCX worker 20,000 times a second, which no engine loop does (docs/multihost.md, "The decode
-#: side's pace").
+#: (an end is seen at most ~5 % late, never more than 1 ms; a serving engine loop waiting only on KV ticks
+#: every 2 ms, ``EngineLoop.busy_wait_s``, and once per step when busy). Until session 26 a fixed 50 us poll:
+#: it took CPU from Mooncake's I/O threads on 2 cores, and, since the decode side's ``poll`` drains the
+#: transport, it progressed NIXL's UCX worker 20,000 times a second, which no engine loop does
+#: (docs/multihost.md, "The decode side's pace").
 POLL_FRACTION = 0.05
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
