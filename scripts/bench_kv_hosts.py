@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--backend", default="nixl", help="comma-separated: nixl, mooncake")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sizes", default="128,4096",
-                        help="prompt lengths in tokens, multiples of 16 (keys kv<tokens>; 1024/4096: kv1k/kv4k)")
+                        help="prompt lengths in tokens, multiples of 16 (keys kv<tokens>, kv1k, kv4k)")
     parser.add_argument("--rate-mbit", type=float, default=0.0, help="tc tbf limit on the prefill link")
     parser.add_argument("--local", action="store_true", help="without network_only (shared memory allowed)")
     parser.add_argument("--ucx", action="append", default=[], help="VAR=VALUE for both workers (repeatable)")
