@@ -25,7 +25,7 @@ from kv_transfer.metrics import Metrics
 from kv_transfer.peers import PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.receiver import KVReceiver, Room
-from kv_transfer.tags import UNSETTLED, Tag, TagKind
+from kv_transfer.tags import ABORTED_BY_PREFILL, UNSETTLED, Tag, TagKind
 from kv_transfer.transport import LockedTransport, PeerUnreachable, TransportError
 
 logger = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class DecodeSide:
                 else:
                     self._fail(receiver, "aux data check failed")
         elif tag.kind == TagKind.ABORT:
-            self._fail(receiver, f"aborted by prefill: {tag.text.removeprefix('aborted by prefill: ')}")
+            self._fail(receiver, ABORTED_BY_PREFILL + tag.text.removeprefix(ABORTED_BY_PREFILL))
             receiver.writer_done = True
             receiver.fence_needed |= tag.index == UNSETTLED
         elif tag.kind == TagKind.DONE:

@@ -32,7 +32,7 @@ from kv_transfer.metrics import Metrics
 from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.sender import Chunk, KVSender, Room
-from kv_transfer.tags import UNSETTLED, Tag, TagKind, chunk_tag
+from kv_transfer.tags import ABORTED_BY_DECODE, UNSETTLED, Tag, TagKind, chunk_tag
 from kv_transfer.transport import LockedTransport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
@@ -382,7 +382,7 @@ class PrefillSide:
                 done = Tag(TagKind.DONE, tag.room, tag.xfer_id)
                 dest = sender.destination if sender is not None else None
                 if sender is not None and dest is not None and dest.xfer_id == tag.xfer_id:
-                    self._fail(sender, f"cancelled by decode: {tag.text.removeprefix('aborted by decode: ')}")
+                    self._fail(sender, f"cancelled by decode: {tag.text.removeprefix(ABORTED_BY_DECODE)}")
                     sender.pending_notif = done
                     continue
                 pending = self._pending.get(tag.room)

@@ -26,6 +26,7 @@ from kv_transfer.errors import TransferError
 from kv_transfer.layout import PageId
 from kv_transfer.peers import Peer
 from kv_transfer.poll import KVPoll, advance
+from kv_transfer.tags import ABORTED_BY_DECODE
 from kv_transfer.timings import ReceiverTimings
 
 Room = int
@@ -126,7 +127,7 @@ class KVReceiver(BaseKVReceiver):
     def abort(self, reason: str) -> None:
         """Gives the room up; the prefill side is told to stop. Idempotent."""
         with self._lock:
-            self.fail(f"aborted by decode: {reason}")
+            self.fail(ABORTED_BY_DECODE + reason)
         self._wake.set()
 
     def pages_releasable(self) -> bool:

@@ -28,7 +28,7 @@ from kv_transfer.errors import TransferError
 from kv_transfer.layout import PageId
 from kv_transfer.peers import Peer
 from kv_transfer.poll import KVPoll, advance
-from kv_transfer.tags import Tag, TagKind
+from kv_transfer.tags import ABORTED_BY_PREFILL, Tag, TagKind
 from kv_transfer.timings import SenderTimings
 
 Room = int
@@ -169,7 +169,7 @@ class KVSender(BaseKVSender):
     def abort(self, reason: str) -> None:
         """Gives the room up; the decode side learns it and ends Failed too. Idempotent."""
         with self._lock:
-            self.fail(f"aborted by prefill: {reason}", notify_peer=True)
+            self.fail(ABORTED_BY_PREFILL + reason, notify_peer=True)
         self._wake.set()
 
     def pages_releasable(self) -> bool:
