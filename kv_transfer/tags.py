@@ -23,9 +23,10 @@ from enum import Enum
 Room = int
 #: ``index`` of an ``abort``/``done`` whose room had a failed write (see above).
 UNSETTLED = 1
-#: How a room's failure text starts when its sender (``KVSender.abort``) or its receiver (``KVReceiver.abort``)
-#: gave it up; that text travels as the ``abort``/``cancel`` tag's ``text``, and the side that reads it puts its
-#: own words in front instead (``PrefillSide``, ``DecodeSide``), so a reason never repeats the prefix.
+#: How a room's failure text starts when its sender (``KVSender.abort``) or its receiver
+#: (``KVReceiver.abort``) gave it up; that text travels as the ``abort``/``cancel`` tag's ``text``, and the
+#: side that reads it puts its own words in front instead (``PrefillSide``, ``DecodeSide``), so a reason never
+#: repeats the prefix.
 ABORTED_BY_PREFILL = "aborted by prefill: "
 ABORTED_BY_DECODE = "aborted by decode: "
 
