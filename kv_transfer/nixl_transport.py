@@ -5,8 +5,14 @@ every KV block and aux slot is prepared once for ourselves and once per peer (``
 chunk is one ``make_prepped_xfer`` with index lists — NIXL merges runs contiguous on both sides — which cost
 ~6 us per request against ~100-300 us for building descriptor lists per chunk; a peer's connection is warmed
 up at handshake with a notification (the first transfer to a new peer otherwise pays ~10 ms of lazy set-up);
-the progress thread is off because the manager thread polls; failures raise (a dead peer gives
-``nixlRemoteDisconnectError`` from ``transfer``/``check_xfer_state``).
+failures raise (a dead peer gives ``nixlRemoteDisconnectError`` from ``transfer``/``check_xfer_state``).
+
+Progress thread: off on the prefill side (its manager thread posts and polls; a second thread on the same UCX
+worker took turns with the posting one, docs/multihost.md) and where every peer is on this host (the writer
+copies with ``cma``); on a decode whose KV may come over the network NIXL's progress thread runs, woken by
+UCX's events, so a peer's WRITE over TCP lands as its bytes arrive whatever the engine loop's pace (UCX's TCP
+transport carries a remote write as messages the target copies in only when its worker is progressed;
+docs/multihost.md, "The decode side's progress thread").
 
 Copy threads (host memory): on one host UCX moves the bytes with ``cma`` (``process_vm_writev``), one kernel
 copy with cached stores in the posting thread, ~0.55x a streaming memcpy of a 4k prompt's 180 MiB here
@@ -21,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +39,8 @@ from kv_transfer import network
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
-from kv_transfer.transport import BackendOptions, PeerUnreachable, Transport, TransportError, XferState
+from kv_transfer.transport import (BackendOptions, OptionError, PeerUnreachable, Transport, TransportError,
+                                   XferState)
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
@@ -46,6 +54,8 @@ SPLIT_MIN_DESCS = 16
 SPLIT_WAIT_S = 0.25      # longest wait of post_write for a split WRITE: the first one to a peer needs the
 #                          peer to progress (the copy threads connect lazily); after it the manager tracks it
 SPLIT_POLL_S = 0.00005
+#: Longest ``NixlOptions.progress_thread_ms``: the thread's fallback wake-up, not its pace (1 s is plenty).
+MAX_PROGRESS_THREAD_MS = 1000.0
 
 
 def ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) -> dict[str, str]:
@@ -76,6 +86,52 @@ def _nixl_errors() -> tuple[type[BaseException], ...]:
     return found + (RuntimeError,)
 
 
+_AGENT_LOCK = threading.Lock()
+
+
+def _new_agent(name: str, progress_thread_ms: float) -> Any:
+    """A ``nixl_agent`` with no backend yet; with ``progress_thread_ms`` > 0, NIXL's progress thread on, its
+    longest sleep that many ms. Caller: ``NixlTransport.register`` (any thread).
+
+    Why the bindings' constructor is wrapped: nixl's Python API (``nixl._api.nixl_agent``, 1.5) builds the
+    agent's ``nixlAgentConfig`` itself and always sets ``pthrDelay`` (the thread's ``poll()`` timeout, us) to
+    0, and a thread with a 0 timeout never sleeps (a whole core, measured: docs/multihost.md). NIXL's UCX
+    backend (``nixlUcxSharedThread::run``, src/plugins/ucx/ucx_backend.cpp) polls the workers' event fds with
+    that timeout, so with one set the thread sleeps until UCX has something for it. The wrapper sets it on the
+    config nixl built, for this one construction; every agent this module makes is made under one lock, so no
+    other construction sees the wrapper."""
+    from nixl import _api  # type: ignore[import-not-found]
+
+    if progress_thread_ms <= 0:
+        with _AGENT_LOCK:
+            return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    bindings = getattr(_api, "nixlBind", None)
+    make = getattr(bindings, "nixlAgent", None)
+    if make is None:   # not the nixl this was written against: no thread rather than a spinning one
+        logger.warning("%s: nixl._api has no nixlBind.nixlAgent; running without a progress thread", name)
+        return _new_agent(name, 0.0)
+    delay_us = max(1, round(progress_thread_ms * 1000))
+
+    def with_delay(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return make(agent_name, config)
+
+    with _AGENT_LOCK:
+        bindings.nixlAgent = with_delay
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=True, backends=[]))
+        finally:
+            bindings.nixlAgent = make
+
+
+def receives_over_network(local_hostname: str, network_only: bool) -> bool:
+    """Whether a peer's WRITE may reach this agent over the network: ``network_only``, or an advertised
+    address other than loopback (peers on other hosts may reach it). False: all peers are on this host; UCX
+    moves the bytes with ``cma``/shared memory, copied by the writer, so the target has nothing to progress
+    (there a progress thread cost 4-20 % of the one-host transfer figures: docs/multihost.md)."""
+    return network_only or not network.is_loopback(local_hostname)
+
+
 def copy_threads_for(mem_type: str) -> int:
     """``COPY_THREADS`` for host memory where the calling thread may run on that many cores, else 0 (the
     backend's plain single-thread path)."""
@@ -91,22 +147,40 @@ class NixlOptions(BackendOptions):
         network_only: the transport never takes shared memory or cma, even to a peer on the same kernel
             (``UCX_TLS=tcp,self``, ``kv_transfer.network``): for hosts that are network namespaces of one
             machine (docs/multihost.md).
+        progress_thread_ms: the decode side's NIXL progress thread (model parameter
+            ``kv_progress_thread_ms``, env ``PD_KV_PROGRESS_THREAD_MS``): it sleeps in ``poll()`` on the UCX
+            worker's event fd, so it wakes when bytes or messages arrive, and at the latest every this many
+            milliseconds (NIXL rounds it up to whole ms; its fallback for a wake-up the fd misses). 0: no
+            thread; the decode's manager and engine threads then progress UCX at their own pace, which over
+            TCP bounds how fast a WRITE lands (docs/multihost.md). Only a decode whose KV may come over the
+            network runs one (``receives_over_network``); prefill never does. Idle cost here: 0.7 % of a core
+            at 5 ms (1.0 % at 2, 0.3 % at 10). Raises ``OptionError`` below 0 or above
+            ``MAX_PROGRESS_THREAD_MS``.
     """
 
-    ENV: ClassVar[Mapping[str, str]] = {"network_only": "PD_KV_NETWORK_ONLY"}
+    ENV: ClassVar[Mapping[str, str]] = {"network_only": "PD_KV_NETWORK_ONLY",
+                                        "progress_thread_ms": "PD_KV_PROGRESS_THREAD_MS"}
 
     network_only: bool = False
+    progress_thread_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.progress_thread_ms <= MAX_PROGRESS_THREAD_MS:
+            raise OptionError("kv_progress_thread_ms", f"must be 0 (no progress thread) to "
+                              f"{MAX_PROGRESS_THREAD_MS:g} ms, got {self.progress_thread_ms!r}")
 
 
 class NixlTransport(Transport):
     def __init__(self, instance_id: str, mem_type: str = "DRAM", device_id: int = 0,
                  copy_threads: int | None = None, local_hostname: str = "127.0.0.1",
-                 network_only: bool = False) -> None:
+                 network_only: bool = False, progress_thread_ms: float = 0.0) -> None:
         """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``.
         ``copy_threads``: the UCX backend's dedicated copy threads; None: ``copy_threads_for(mem_type)`` when
         ``register`` runs (after serving pinned the process, if it does); 0: none. ``local_hostname``: the
         address peers reach this instance at (its interface is UCX's); ``network_only``: no shared memory or
-        cma, even to a peer on this kernel (``kv_transfer.network``)."""
+        cma, even to a peer on this kernel (``kv_transfer.network``); ``progress_thread_ms``: > 0 runs NIXL's
+        progress thread with that longest sleep (``NixlOptions.progress_thread_ms``; ``create`` gives it to
+        the decode role only), 0 none."""
         # before nixl is imported (``_nixl_errors``): UCX reads some at load
         apply_ucx_defaults(local_hostname, network_only)
         self._hostname = local_hostname
@@ -123,13 +197,17 @@ class NixlTransport(Transport):
         # agent name → (its prepared lists, its number of KV blocks)
         self._peer_dlists: dict[str, tuple[list[object], int]] = {}
         self._copy_threads = copy_threads
+        self._progress_thread_ms = progress_thread_ms
 
     @classmethod
     def create(cls, args: KVArgs, options: NixlOptions) -> NixlTransport:
         """The backend's factory (``kv_transfer.backends``): host or GPU memory per ``args.mem_type``, UCX on
-        ``args.local_hostname``'s interface."""
+        ``args.local_hostname``'s interface; ``options.progress_thread_ms`` on a decode whose KV may come over
+        the network (``receives_over_network``), else no progress thread."""
+        receiving = args.role == "decode" and receives_over_network(args.local_hostname, options.network_only)
         return cls(args.instance_id, args.mem_type, args.device_id, local_hostname=args.local_hostname,
-                   network_only=options.network_only)
+                   network_only=options.network_only,
+                   progress_thread_ms=options.progress_thread_ms if receiving else 0.0)
 
     @property
     def agent_name(self) -> str:
@@ -138,11 +216,12 @@ class NixlTransport(Transport):
     def register(self, table: BlockTable) -> None:
         """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;
         in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
-
         if self._copy_threads is None:
             self._copy_threads = copy_threads_for(self._mem_type)
-        self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self._agent = _new_agent(self._name, self._progress_thread_ms)
+        if self._progress_thread_ms > 0:
+            logger.info("%s: NIXL progress thread on (woken by UCX events, at the latest every %g ms)",
+                        self._name, self._progress_thread_ms)
         params = {"num_threads": str(self._copy_threads),
                   "split_batch_size": str(SPLIT_MIN_DESCS)} if self._copy_threads > 1 else {}
         self._agent.create_backend("UCX", params)

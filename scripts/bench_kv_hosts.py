@@ -9,8 +9,10 @@ Usage: python scripts/bench_kv_hosts.py [--backend nixl,mooncake] [--reps 10] [-
 Each KV room is the bench_kv_transfer one (decode publishes its pages, prefill rewrites its source pages as a
 forward pass would, sends them as one last chunk; latency from ``send`` at prefill to ``Success`` at decode on
 the shared monotonic clock; each worker polls its room as ``fleet.kv_worker._wait`` does, no faster than a
-serving engine loop: an end is seen up to 5 % / 1 ms late, and NIXL's decode side is progressed only by those
-polls and its manager thread, as in serving). Baselines, interleaved with the rooms (same load): a Python
+serving engine loop: an end is seen up to 5 % / 1 ms late; NIXL's decode side is progressed by those polls,
+its manager thread and NIXL's progress thread, as in serving: ``kv_progress_thread_ms``, its default unless
+``PD_KV_PROGRESS_THREAD_MS`` is set for the workers, e.g. ``--ucx-b PD_KV_PROGRESS_THREAD_MS=0`` for an A/B).
+Baselines, interleaved with the rooms (same load): a Python
 socket pair across the same two namespaces moving the same bytes as one message and waiting for a 1-byte
 answer (``tcp<size>_ms``:
 the bytes at the link's TCP rate plus one round trip), the streaming rate of that pair (``tcp_stream_gbps``),

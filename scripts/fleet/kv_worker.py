@@ -96,8 +96,10 @@ class _Worker:
                          kv_nbytes=flat.nbytes, layout=smollm2_layout(), model_id=MODEL_ID,
                          local_hostname=args.hostname, fleet_secret=load_fleet_secret(),
                          waiting_timeout_s=args.waiting_timeout_s, bootstrap_timeout_s=args.waiting_timeout_s)
-        # --network-only is NIXL's option; a backend without it (Mooncake, always over its network) ignores it
-        options = parse_options(args.backend, {"kv_network_only": "1"} if args.network_only else {})
+        # --network-only is NIXL's option; a backend without it (Mooncake, always over its network) ignores
+        # it. Of the environment only NIXL's progress thread is read (an A/B of it); --local keeps its meaning
+        environ = {k: v for k, v in os.environ.items() if k == "PD_KV_PROGRESS_THREAD_MS"}
+        options = parse_options(args.backend, {"kv_network_only": "1"} if args.network_only else {}, environ)
         self.manager = make_kv_manager(kv_args, args.backend, options)
         self.rooms: dict[int, Any] = {}
 

@@ -1,0 +1,70 @@
+"""Child of test_nixl_progress_thread.py (its own process: UCX reads ``UCX_TLS`` once per process). Two NIXL
+transports over TCP only (``network_only``); the target's caller never calls into NIXL while the sender's
+WRITE is in flight. Prints one JSON object: the write's state and seconds, and whether the bytes landed.
+
+Usage: python nixl_progress_child.py PROGRESS_THREAD_MS WAIT_S"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kv_harness import smollm2_layout  # noqa: E402
+
+from kv_transfer.aux import AUX_SLOT_BYTES  # noqa: E402
+from kv_transfer.blocks import BlockTable  # noqa: E402
+from kv_transfer.nixl_transport import NixlTransport  # noqa: E402
+
+NUM_PAGES = 40
+
+
+def main() -> None:
+    progress_thread_ms, wait_s = float(sys.argv[1]), float(sys.argv[2])
+    layout = smollm2_layout(num_pages=NUM_PAGES)
+    src_pool = np.arange(layout.pool_bytes // 4, dtype=np.float32)
+    dst_pool = np.full(layout.pool_bytes // 4, 1.0, dtype=np.float32)
+    src_aux, dst_aux = np.full(2 * AUX_SLOT_BYTES, 7, np.uint8), np.full(2 * AUX_SLOT_BYTES, 1, np.uint8)
+    src_table = BlockTable(src_pool.ctypes.data, layout, src_aux.ctypes.data, 2)
+    dst_table = BlockTable(dst_pool.ctypes.data, layout, dst_aux.ctypes.data, 2)
+    sender = NixlTransport("progress-src", copy_threads=0, network_only=True)
+    target = NixlTransport("progress-dst", copy_threads=0, network_only=True,
+                           progress_thread_ms=progress_thread_ms)
+    sender.register(src_table)
+    target.register(dst_table)
+    peer = sender.add_peer(target.metadata(), dst_table)
+    # the first contact (add_peer's warm-up message) is met by the target's first progress, as in serving
+    deadline = time.monotonic() + 5.0
+    while not target.get_notifs() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    src_pages, dst_pages = list(range(2, 34)), list(range(5, 37))   # 32 pages: ~1.4 MiB
+    t0 = time.monotonic()
+    handle = sender.post_write(peer, src_table.kv_indices(src_pages, aux_slot=0),
+                               dst_table.kv_indices(dst_pages, aux_slot=1), b"done")
+    state = sender.check(handle).name
+    while state == "PROC" and time.monotonic() - t0 < wait_s:   # only the sender's side is progressed
+        time.sleep(0.0005)
+        state = sender.check(handle).name
+    done_s = time.monotonic() - t0
+    page_floats = src_table.kv_desc_bytes // 4
+    landed = bool(np.array_equal(dst_pool.reshape(NUM_PAGES, page_floats)[dst_pages],
+                                 src_pool.reshape(NUM_PAGES, page_floats)[src_pages]))
+    if state == "DONE":
+        sender.release(handle)
+    print(json.dumps({"state": state, "seconds": round(done_s, 4), "landed": landed}), flush=True)
+    # the target progresses now: an unfinished write ends, so both agents close cleanly
+    deadline = time.monotonic() + 10.0
+    while state == "PROC" and time.monotonic() < deadline:
+        target.get_notifs()
+        state = sender.check(handle).name
+    sender.close()
+    target.close()
+
+
+if __name__ == "__main__":
+    main()
