@@ -17,14 +17,15 @@ Threads: ``add_peer`` starts one writer thread per peer (``mc-write-<peer>``); `
 without waiting (the manager thread must not wait out a stopped peer), ``close`` joins every writer for at
 most ``WRITER_STOP_S``. ``post_write`` only queues; the writer cuts the write's runs into pieces (at least one
 per connection the engine keeps to the peer), keeps up to ``WINDOW`` in flight, polls them with sleeps
-(``POLL_FRACTION``), then sends the write's notification, so a notification always follows every byte of its
-write. ``send_notif`` queues behind the peer's writes too: it never blocks the manager thread on a stopped
-peer. A failed write or message makes every write queued before the failure fail at once (a stopped peer holds
-only its own writer, until one write's deadline, not once per queued write); later writes try again. Messages
-queued behind the failure are dropped with them (logged): the protocol above asks again for what it waits on
-(decode sends an unanswered cancel again, ``decode_side.CANCEL_RESEND_S``). Mooncake reports a failed write to
-the writer only: the decode side learns it from the prefill side's ``abort`` message, or from the bootstrap
-(registration gone) and its waiting timeout when the prefill process died.
+(``kv_transfer.poll.poll_interval_s``), then sends the write's notification, so a notification always follows
+every byte of its write. ``send_notif`` queues behind the peer's writes too: it never blocks the manager
+thread on a stopped peer. A failed write or message makes every write queued before the failure fail at once
+(a stopped peer holds only its own writer, until one write's deadline, not once per queued write); later
+writes try again. Messages queued behind the failure are dropped with them (logged): the protocol above asks
+again for what it waits on (decode sends an unanswered cancel again, ``decode_side.CANCEL_RESEND_S``).
+Mooncake reports a failed write to the writer only: the decode side learns it from the prefill side's
+``abort`` message, or from the bootstrap (registration gone) and its waiting timeout when the prefill process
+died.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable, merge_runs
 from kv_transfer import network, tcp_fence
 from kv_transfer.config import KVArgs
+from kv_transfer.poll import poll_interval_s
 from kv_transfer.transport import BackendOptions, OptionError, PeerUnreachable, Transport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
@@ -58,11 +60,6 @@ WINDOW = 32
 #: (``MC_TCP_LANES_PER_PEER``, 4 by default), none smaller than this, bytes: one connection carries one
 #: piece at a time, so a single run would use one of them.
 MIN_PIECE_BYTES = 1 << 20
-#: How often a write's pieces are polled: this fraction of the time the write has taken so far, within
-#: ``[POLL_MIN_S, POLL_MAX_S]`` (a completion is seen at most ~5 % late, and never more than 1 ms).
-POLL_FRACTION = 0.05
-POLL_MIN_S = 50e-6
-POLL_MAX_S = 1e-3
 #: How long the pieces of a failed write are polled for before they are forgotten, seconds.
 ABANDONED_KEEP_S = 600.0
 #: Mooncake settings this package chooses when the operator did not: a bounded per-transfer timeout (the
@@ -353,7 +350,7 @@ class MooncakeTransport(Transport):
                 logger.warning("mooncake: a write to %s timed out after %.1f s", peer.endpoint,
                                now_s - started_s)
                 return self._abandon(in_flight)
-            time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, (now_s - started_s) * POLL_FRACTION)))
+            time.sleep(poll_interval_s(now_s - started_s))
         return not write.notif or self._deliver(peer.endpoint, write.notif)
 
     def _submit(self, peer: _Peer, pieces: list[tuple[int, int, int]], piece: int, tries: int,

@@ -54,25 +54,21 @@ def smollm2_layout(num_pages: int = NUM_PAGES) -> Any:
     return KVLayout(num_layers=30, num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=3, head_dim=64)
 
 
-#: How ``_wait`` polls: every ``POLL_FRACTION`` of the time waited so far, within ``[POLL_MIN_S, POLL_MAX_S]``
-#: (an end is seen at most ~5 % late, never more than 1 ms; a serving engine loop waiting only on KV ticks
-#: every 2 ms, ``EngineLoop.busy_wait_s``, and once per step when busy). Until session 26 a fixed 50 us poll:
-#: it took CPU from Mooncake's I/O threads on 2 cores, and, since the decode side's ``poll`` drains the
-#: transport, it progressed NIXL's UCX worker 20,000 times a second, which no engine loop does
-#: (docs/multihost.md, "The decode side's pace").
-POLL_FRACTION = 0.05
-POLL_MIN_S = 50e-6
-POLL_MAX_S = 1e-3
-
-
 def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
-    """Polls ``pred`` until it is true (True) or ``timeout_s`` passed (False)."""
+    """Polls ``pred`` until it is true (True) or ``timeout_s`` passed (False), at ``poll_interval_s``'s pace
+    (an end is seen at most ~5 % / 1 ms late; a serving engine loop waiting only on KV ticks every 2 ms,
+    ``EngineLoop.busy_wait_s``, and once per step when busy). Until session 26 a fixed 50 us poll: it took
+    CPU from Mooncake's I/O threads on 2 cores, and, since the decode side's ``poll`` drains the transport, it
+    progressed NIXL's UCX worker 20,000 times a second, which no engine loop does (docs/multihost.md, "The
+    decode side's pace")."""
+    from kv_transfer.poll import poll_interval_s
+
     started_s = time.monotonic()
     while not pred():
         now_s = time.monotonic()
         if now_s - started_s > timeout_s:
             return False
-        time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, (now_s - started_s) * POLL_FRACTION)))
+        time.sleep(poll_interval_s(now_s - started_s))
     return True
 
 
