@@ -62,6 +62,14 @@ def test_kv_network_only_is_nixls_parameter_and_the_environment_overrides_it() -
     assert info.value.param == "PD_KV_NETWORK_ONLY"
 
 
+def test_nixls_progress_thread_is_a_parameter_and_the_environment_overrides_it() -> None:
+    assert build_worker_config({}, environ={}).kv_options.progress_thread_ms == 5.0
+    assert build_worker_config(_sv(kv_progress_thread_ms="2"), environ={}).kv_options \
+        == NixlOptions(progress_thread_ms=2.0)
+    assert build_worker_config(_sv(kv_progress_thread_ms="2"), environ={"PD_KV_PROGRESS_THREAD_MS": "0"}) \
+        .kv_options == NixlOptions(progress_thread_ms=0.0)
+
+
 def test_a_backends_options_come_from_its_own_parameters_and_others_are_ignored() -> None:
     """Each backend owns its options (``kv_transfer.backends``): Mooncake reads ``kv_protocol``/``kv_device``
     and refuses a protocol it does not run, naming the parameter; NIXL's ``kv_network_only`` (parameter or
@@ -74,6 +82,7 @@ def test_a_backends_options_come_from_its_own_parameters_and_others_are_ignored(
     assert build_worker_config(_sv(kv_backend="inprocess"), environ={}).kv_options == BackendOptions()
     for params, param in ((_sv(kv_backend="mooncake", kv_protocol="udp"), "kv_protocol"),
                           (_sv(kv_network_only="maybe"), "kv_network_only"),
+                          (_sv(kv_progress_thread_ms="-1"), "kv_progress_thread_ms"),
                           (_sv(kv_bogus="1"), "kv_bogus")):
         with pytest.raises(ConfigError) as info:
             build_worker_config(params, environ={})
