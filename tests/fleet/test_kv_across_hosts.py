@@ -2,7 +2,8 @@
 (the prefill host's link sent at least the KV's bytes) and land exact, on NIXL and on Mooncake; a transport that
 cannot reach the peer fails the room at once with a message naming the settings; a link down for 3 s in the
 middle of a transfer ends the room (Success with exact bytes, or Failed with a clear error) within the stated
-timeout, both sides' pages are releasable, and the next transfer succeeds."""
+timeout, both sides' pages are releasable, and the next transfer succeeds; the prefill process killed
+mid-transfer fails the decode room at once and a new prefill process sends the next one."""
 
 from __future__ import annotations
 
@@ -132,4 +133,42 @@ def test_a_write_given_up_during_a_partition_never_lands_in_reused_pages(kv_pair
     time.sleep(8.0)   # what the partition left in flight arrives within a few backoff rounds, or never
     assert pair.prefill.call("digest", reused_src) == pair.decode.call("digest", reused_dst)
     assert got.state == "Failed", "the 5 s timeout should have given the partitioned write up"
+    _rooms_close(pair.prefill, pair.decode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_killed_mid_transfer_fails_the_room_and_decode_takes_the_next(kv_pair: Callable[..., Any],
+                                                                              backend: str) -> None:
+    """The prefill process killed (SIGKILL) while a 4k-token room's KV crosses a throttled link: the decode
+    room fails with a reason within seconds (prefill's rendezvous refuses at once; ``peer_lost_s`` bounds it),
+    its pages are releasable, the decode process lives on (with NIXL its progress thread met the reset
+    connection), and a new prefill process on the same host sends the next room exactly."""
+    from fleet.kv_worker import KVWorker
+
+    pair = kv_pair(backend)
+    src, dst = list(range(PAGES_4K)), list(range(4, 4 + PAGES_4K))
+    pair.fleet["pf"].throttle(300)   # ~5 s for the room's bytes
+    try:
+        pair.decode.call("recv", (1, dst, pair.prefill.instance_id, pair.prefill.rendezvous_url), 30)
+        pair.decode.post("wait", (1, 60.0))
+        pair.prefill.post("send", (1, src, 60.0, False))
+        time.sleep(1.5)
+        pair.prefill.proc.kill()
+        pair.prefill.proc.wait(10)
+        t_kill = time.monotonic()
+        got = pair.decode.call_raw(75)
+    finally:
+        pair.fleet["pf"].throttle(0)
+    print(f"prefill killed mid-transfer ({backend}): decode {got.state} {got.failure!r} "
+          f"{got.t_s - t_kill:.1f} s after the kill")
+    assert got.state == "Failed" and got.failure, "the room must fail and say why"
+    assert got.releasable
+    assert got.t_s - t_kill < 15.0
+    assert pair.decode.proc.poll() is None, "the decode process must outlive its peer"
+    pair.prefill = KVWorker(pair.fleet["pf"], "prefill", backend, True, instance_id="prefill-pf-2",
+                            log=pair.log)
+    again_src, again_dst = list(range(8)), dst[-8:]
+    sent, got = pair.transfer(2, again_src, again_dst)
+    assert (sent.state, got.state) == ("Success", "Success"), (sent.failure, got.failure)
+    assert pair.prefill.call("digest", again_src) == pair.decode.call("digest", again_dst)
     _rooms_close(pair.prefill, pair.decode)
