@@ -12,17 +12,16 @@ the shared monotonic clock; each worker polls its room as ``fleet.kv_worker._wai
 serving engine loop: an end is seen up to 5 % / 1 ms late; NIXL's decode side is progressed by those polls,
 its manager thread and NIXL's progress thread, as in serving: ``kv_progress_thread_ms``, its default unless
 ``PD_KV_PROGRESS_THREAD_MS`` is set for the workers, e.g. ``--ucx-b PD_KV_PROGRESS_THREAD_MS=0`` for an A/B).
-Baselines, interleaved with the rooms (same load): a Python
-socket pair across the same two namespaces moving the same bytes as one message and waiting for a 1-byte
-answer (``tcp<size>_ms``:
-the bytes at the link's TCP rate plus one round trip), the streaming rate of that pair (``tcp_stream_gbps``),
-and the round trip of a 1-byte message (``rtt_ms``). Ratios: ``kv4k_ratio`` = tcp4k_ms / kv4k_ms (target >=
-0.85), ``kv128_overhead_ms`` = kv128_ms - tcp128_ms (target <= 1 ms above the round trip TCP itself needs).
-``link_bytes_ratio``: bytes the prefill host's link sent during the rooms over the KV bytes (>= 1: they crossed
-the veth). ``--local``: the managers without ``network_only`` (UCX may take shared memory/cma between namespaces;
-the link then carries almost nothing). ``--rate-mbit``: a ``tc tbf`` limit on the prefill host's link.
-``--ucx-b``: a second prefill/decode pair on two more hosts with other UCX settings, its rooms interleaved with
-the first pair's (an A/B under the same load; keys ``b_*``).
+Baselines, interleaved with the rooms (same load): a Python socket pair across the same two namespaces moving
+the same bytes as one message and waiting for a 1-byte answer (``tcp<size>_ms``: the bytes at the link's TCP
+rate plus one round trip), the streaming rate of that pair (``tcp_stream_gbps``), and the round trip of a
+1-byte message (``rtt_ms``). Ratios: ``kv4k_ratio`` = tcp4k_ms / kv4k_ms (target >= 0.85),
+``kv128_overhead_ms`` = kv128_ms - tcp128_ms (target <= 1 ms above the round trip TCP itself needs).
+``link_bytes_ratio``: bytes the prefill host's link sent during the rooms over the KV bytes (>= 1: they
+crossed the veth). ``--local``: the managers without ``network_only`` (UCX may take shared memory/cma between
+namespaces; the link then carries almost nothing). ``--rate-mbit``: a ``tc tbf`` limit on the prefill host's
+link. ``--ucx-b``: a second prefill/decode pair on two more hosts with other UCX settings, its rooms
+interleaved with the first pair's (an A/B under the same load; keys ``b_*``).
 Prints one line per size, then a JSON object (last line).
 """
 

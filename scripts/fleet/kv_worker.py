@@ -82,6 +82,7 @@ class _Worker:
         from engine.kv_pool import KVPool, KVShape
         from bootstrap.auth import load_fleet_secret
         from kv_transfer import KVArgs, make_kv_manager, parse_options
+        from kv_transfer.nixl_transport import NixlOptions
 
         self._pool_owner = KVPool(KVShape(num_layers=30, num_kv_heads=3, head_dim=64, page_size=PAGE_SIZE),
                                   NUM_PAGES, torch.float32, "cpu", huge_pages=True)
@@ -94,7 +95,8 @@ class _Worker:
                          waiting_timeout_s=args.waiting_timeout_s, bootstrap_timeout_s=args.waiting_timeout_s)
         # --network-only is NIXL's option; a backend without it (Mooncake, always over its network) ignores
         # it. Of the environment only NIXL's progress thread is read (an A/B of it); --local keeps its meaning
-        environ = {k: v for k, v in os.environ.items() if k == "PD_KV_PROGRESS_THREAD_MS"}
+        progress_env = NixlOptions.ENV["progress_thread_ms"]
+        environ = {progress_env: os.environ[progress_env]} if progress_env in os.environ else {}
         options = parse_options(args.backend, {"kv_network_only": "1"} if args.network_only else {}, environ)
         self.manager = make_kv_manager(kv_args, args.backend, options)
         self.rooms: dict[int, Any] = {}
