@@ -14,9 +14,12 @@ its manager thread and NIXL's progress thread, as in serving: ``kv_progress_thre
 ``PD_KV_PROGRESS_THREAD_MS`` is set for the workers, e.g. ``--ucx-b PD_KV_PROGRESS_THREAD_MS=0`` for an A/B).
 Baselines, interleaved with the rooms (same load): a Python socket pair across the same two namespaces moving
 the same bytes as one message and waiting for a 1-byte answer (``tcp<size>_ms``: the bytes at the link's TCP
-rate plus one round trip), the streaming rate of that pair (``tcp_stream_gbps``), and the round trip of a
-1-byte message (``rtt_ms``). Ratios: ``kv4k_ratio`` = tcp4k_ms / kv4k_ms (target >= 0.85),
-``kv128_overhead_ms`` = kv128_ms - tcp128_ms (target <= 1 ms above the round trip TCP itself needs).
+rate plus one round trip; the receiver reads every byte into one cache-resident window, as iperf does), the
+streaming rate of that pair (``tcp_stream_gbps``), and the round trip of a 1-byte message (``rtt_ms``); and a
+second pair whose receiver lands the bytes at their own offsets of memory made as the KV pool is
+(``tcp<size>_landed_ms``: the receive copy then writes DRAM, as a KV transfer's must). Ratios: ``kv4k_ratio``
+= tcp4k_ms / kv4k_ms (target >= 0.85), ``kv128_overhead_ms`` = kv128_ms - tcp128_ms (target <= 1 ms above the
+round trip TCP itself needs); ``*_landed_ratio`` / ``*_landed_overhead_ms``: the same against the landed pair.
 ``link_bytes_ratio``: bytes the prefill host's link sent during the rooms over the KV bytes (>= 1: they
 crossed the veth). ``--local``: the managers without ``network_only`` (UCX may take shared memory/cma between
 namespaces; the link then carries almost nothing). ``--rate-mbit``: a ``tc tbf`` limit on the prefill host's
@@ -46,17 +49,23 @@ from fleet.netns import Fleet, Host, unavailable_reason  # noqa: E402
 
 PAGE_SIZE = 16
 TCP_PORT = 5201
-# the raw TCP pair: the sink answers every message (8-byte length, then the bytes) with one byte
+# the raw TCP pair: the sink answers every message (8-byte length, then the bytes) with one byte. argv[3]
+# "discard": every read lands in the buffer's start, which stays in cache (what iperf does); "land": the bytes
+# land at their own offsets of a 256 MiB mapping made as the KV pool is (MADV_HUGEPAGE, every page touched
+# first: engine/kv_pool.py), so the receive copy writes DRAM as a KV transfer's must
 SINK = """
-import socket, sys
+import mmap, socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))
+land = sys.argv[3] == 'land'
+region = mmap.mmap(-1, 1 << 28, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+if land and hasattr(mmap, 'MADV_HUGEPAGE'): region.madvise(mmap.MADV_HUGEPAGE)
+region.write(bytes(1 << 28) if land else bytes(1 << 20)); buf = memoryview(region)
 s.listen(); c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-buf = memoryview(bytearray(1 << 28))
 while True:
     head = c.recv(8, socket.MSG_WAITALL)
     if len(head) < 8: break
-    n = int.from_bytes(head, 'little')
-    while n: n -= c.recv_into(buf[:min(n, len(buf))])
+    n = int.from_bytes(head, 'little'); got = 0
+    while got < n: got += c.recv_into(buf[got:n] if land else buf[:min(n - got, len(buf))])
     c.sendall(b'k')
 """
 SOURCE = """
@@ -76,12 +85,13 @@ for line in sys.stdin:
 
 
 class RawTCP:
-    """A socket pair from ``src`` to ``dst`` (two fleet hosts), kept open for the whole run."""
+    """A socket pair from ``src`` to ``dst`` (two fleet hosts) on ``port``, kept open for the whole run; the
+    sink ``"discard"``s the bytes or ``"land"``s them in memory (``SINK``)."""
 
-    def __init__(self, src: Host, dst: Host) -> None:
-        dst.popen(["python", "-c", SINK, dst.address, str(TCP_PORT)])
-        time.sleep(1.0)
-        self.proc = src.popen(["python", "-c", SOURCE, dst.address, str(TCP_PORT)], stdin=subprocess.PIPE,
+    def __init__(self, src: Host, dst: Host, sink: str = "discard", port: int = TCP_PORT) -> None:
+        dst.popen(["python", "-c", SINK, dst.address, str(port), sink])
+        time.sleep(1.5)
+        self.proc = src.popen(["python", "-c", SOURCE, dst.address, str(port)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
 
     def times_s(self, nbytes: int, reps: int) -> list[float]:
@@ -128,13 +138,15 @@ class Pair:
     link: int = 0
 
 
-def measure(fleet: Fleet, pairs: list[Pair], tcp: RawTCP, tokens: int, reps: int,
+def measure(fleet: Fleet, pairs: list[Pair], tcp: RawTCP, landed: RawTCP, tokens: int, reps: int,
             first_room: int) -> dict[str, Any]:
-    """``reps`` rooms per pair after two warm-up rooms, interleaved (room on each pair, then raw TCP)."""
+    """``reps`` rooms per pair after two warm-up rooms, interleaved (a room on each pair, then the same bytes
+    over raw TCP discarded, then landed)."""
     pages = tokens // PAGE_SIZE
     nbytes = pages * smollm2_layout().page_bytes
     src, dst = list(range(pages)), list(range(NUM_PAGES - pages, NUM_PAGES))
     raw: list[float] = []
+    raw_landed: list[float] = []
     for pair in pairs:
         pair.kv, pair.segs, pair.link = [], [], 0
     for rep in range(reps + 2):   # two warm-up rooms
@@ -146,24 +158,28 @@ def measure(fleet: Fleet, pairs: list[Pair], tcp: RawTCP, tokens: int, reps: int
                 pair.kv.append(kv_s)
                 pair.segs.append(seg)
                 pair.link += fleet[pair.src].counters().tx_bytes - before
-        raw_s = min(tcp.times_s(nbytes, 1))
+        raw_s, landed_s = tcp.times_s(nbytes, 1)[0], landed.times_s(nbytes, 1)[0]
         if rep >= 2:
             raw.append(raw_s)
+            raw_landed.append(landed_s)
     key = {1024: "kv1k", 4096: "kv4k"}.get(tokens, f"kv{tokens}")
-    raw_ms = statistics.median(raw) * 1e3
+    raw_ms, landed_ms = statistics.median(raw) * 1e3, statistics.median(raw_landed) * 1e3
     out: dict[str, Any] = {f"{key}_bytes": nbytes, f"tcp{key[2:]}_ms": round(raw_ms, 3),
-                           f"tcp{key[2:]}_gbps": round(nbytes / raw_ms / 1e6, 3)}
+                           f"tcp{key[2:]}_gbps": round(nbytes / raw_ms / 1e6, 3),
+                           f"tcp{key[2:]}_landed_ms": round(landed_ms, 3)}
     for pair in pairs:
-        out.update(summarize(pair, key, nbytes, raw_ms))
+        out.update(summarize(pair, key, nbytes, raw_ms, landed_ms))
     return out
 
 
-def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float) -> dict[str, Any]:
+def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float, landed_ms: float) -> dict[str, Any]:
+    """The pair's figures for one size against raw TCP's medians (ms): discarded (the targets') and landed."""
     kv_ms = statistics.median(pair.kv) * 1e3
     k = pair.prefix + key
     out = {f"{k}_ms": round(kv_ms, 3), f"{k}_gbps": round(nbytes / kv_ms / 1e6, 3),
            f"{k}_p90_ms": round(sorted(pair.kv)[int(0.9 * (len(pair.kv) - 1))] * 1e3, 3),
            f"{k}_ratio": round(raw_ms / kv_ms, 3), f"{k}_overhead_ms": round(kv_ms - raw_ms, 3),
+           f"{k}_landed_ratio": round(landed_ms / kv_ms, 3), f"{k}_landed_overhead_ms": round(kv_ms - landed_ms, 3),
            f"{k}_link_bytes_ratio": round(pair.link / (nbytes * len(pair.kv)), 3),
            **{f"{k}_{n}_ms": round(statistics.median(s[n] for s in pair.segs) * 1e3, 3) for n, _, _ in SEGMENTS}}
     label = f"[{pair.prefix.rstrip('_') or 'a'}] " if pair.prefix or len(pair.ucx) else ""
@@ -171,6 +187,8 @@ def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float) -> dict[str, Any
           f"{out[k + '_p90_ms']:.2f} ms) | raw TCP same bytes {raw_ms:.2f} ms ({nbytes / raw_ms / 1e6:.3f} GB/s) "
           f"| ratio {out[k + '_ratio']:.2f} | overhead {out[k + '_overhead_ms']:.2f} ms | link/KV bytes "
           f"{out[k + '_link_bytes_ratio']:.3f} | load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"      raw TCP landing the bytes in memory {landed_ms:.2f} ms: ratio {out[k + '_landed_ratio']:.2f}, "
+          f"overhead {out[k + '_landed_overhead_ms']:.2f} ms", flush=True)
     print("      median ms from send: " + ", ".join(f"{n} {out[f'{k}_{n}_ms']:.2f}" for n, _, _ in SEGMENTS),
           flush=True)
     return out
@@ -193,12 +211,13 @@ def run(backend: str, reps: int, sizes: tuple[int, ...], network_only: bool, rat
             pair.prefill = KVWorker(fleet[pair.src], "prefill", backend, network_only, env=pair.ucx, log=log)
             pair.decode = KVWorker(fleet[pair.dst], "decode", backend, network_only, env=pair.ucx, log=log)
         tcp = RawTCP(fleet["pf"], fleet["dc"])
+        landed = RawTCP(fleet["pf"], fleet["dc"], "land", TCP_PORT + 1)
         result["rtt_ms"] = round(statistics.median(tcp.times_s(0, 200)) * 1e3, 4)
         result["tcp_stream_gbps"] = round((1 << 28) / min(tcp.times_s(1 << 28, 3)) / 1e9, 3)
         print(f"link: round trip {result['rtt_ms']:.3f} ms, TCP stream {result['tcp_stream_gbps']:.3f} GB/s",
               flush=True)
         for i, tokens in enumerate(sizes):
-            result.update(measure(fleet, pairs, tcp, tokens, reps, 1 + 1000 * i))
+            result.update(measure(fleet, pairs, tcp, landed, tokens, reps, 1 + 1000 * i))
         for pair in pairs:
             for worker in (pair.prefill, pair.decode):
                 assert worker is not None
