@@ -16,10 +16,13 @@ docs/multihost.md, "The decode side's progress thread").
 
 Copy threads (host memory): on one host UCX moves the bytes with ``cma`` (``process_vm_writev``), one kernel
 copy with cached stores in the posting thread, ~0.55x a streaming memcpy of a 4k prompt's 180 MiB here
-(docs/benchmarks.md, "KV transfer"). Where this process may run on two or more cores, the UCX backend gets
-``COPY_THREADS`` dedicated threads (NIXL's ``num_threads``) and a WRITE of at least ``SPLIT_MIN_DESCS``
-descriptors is posted unmerged, so NIXL splits it between them (it splits by descriptor count; a merged run
-is one descriptor). A process pinned to one core (serving's ``cpu_affinity``) keeps the single-thread path.
+(docs/benchmarks.md, "KV transfer"). Where this process may run on two or more cores and every peer is on this
+host, the UCX backend gets ``COPY_THREADS`` dedicated threads (NIXL's ``num_threads``) and a WRITE of at least
+``SPLIT_MIN_DESCS`` descriptors is posted unmerged, so NIXL splits it between them (it splits by descriptor
+count; a merged run is one descriptor). A process pinned to one core (serving's ``cpu_affinity``) keeps the
+single-thread path, and so does one whose KV may cross the network (``kv_may_cross_network``): over TCP the
+split became two connections' worth of socket writes on the same cores, and a 4k prompt's room took 74-91 ms
+against 66-68 ms merged (5 of 5 paired runs, docs/multihost.md "Copy threads over the network").
 """
 
 from __future__ import annotations
@@ -124,19 +127,20 @@ def _new_agent(name: str, progress_thread_ms: float) -> Any:
             bindings.nixlAgent = make
 
 
-def receives_over_network(local_hostname: str, network_only: bool) -> bool:
-    """Whether a peer's WRITE may reach this agent over the network: ``network_only``, or an advertised
-    address other than loopback (peers on other hosts may reach it). False: all peers are on this host; UCX
-    moves the bytes with ``cma``/shared memory, copied by the writer, so the target has nothing to progress
-    (there a progress thread cost 4-20 % of the one-host transfer figures: docs/multihost.md)."""
+def kv_may_cross_network(local_hostname: str, network_only: bool) -> bool:
+    """Whether KV this agent writes or receives may travel over the network: ``network_only``, or an
+    advertised address other than loopback (peers on other hosts may reach it). False: all peers are on this
+    host; UCX moves the bytes with ``cma``/shared memory, copied by the writer, so the target has nothing to
+    progress (there a progress thread cost 4-20 % of the one-host transfer figures: docs/multihost.md)."""
     return network_only or not network.is_loopback(local_hostname)
 
 
-def copy_threads_for(mem_type: str) -> int:
-    """``COPY_THREADS`` for host memory where the calling thread may run on that many cores, else 0 (the
-    backend's plain single-thread path)."""
+def copy_threads_for(mem_type: str, over_network: bool = False) -> int:
+    """``COPY_THREADS`` for host memory where the calling thread may run on that many cores and every peer is on
+    this host (not ``over_network``: ``kv_may_cross_network``), else 0 (the backend's plain single-thread
+    path; module docstring)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    return COPY_THREADS if mem_type == "DRAM" and cores >= COPY_THREADS else 0
+    return COPY_THREADS if mem_type == "DRAM" and cores >= COPY_THREADS and not over_network else 0
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ class NixlOptions(BackendOptions):
             milliseconds (NIXL rounds it up to whole ms; its fallback for a wake-up the fd misses). 0: no
             thread; the decode's manager and engine threads then progress UCX at their own pace, which over
             TCP bounds how fast a WRITE lands (docs/multihost.md). Only a decode whose KV may come over the
-            network runs one (``receives_over_network``); prefill never does. Idle cost here: 0.7 % of a core
+            network runs one (``kv_may_cross_network``); prefill never does. Idle cost here: 0.7 % of a core
             at 5 ms (1.0 % at 2, 0.3 % at 10). Raises ``OptionError`` below 0 or above
             ``MAX_PROGRESS_THREAD_MS``.
     """
@@ -175,8 +179,9 @@ class NixlTransport(Transport):
                  copy_threads: int | None = None, local_hostname: str = "127.0.0.1",
                  network_only: bool = False, progress_thread_ms: float = 0.0) -> None:
         """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``.
-        ``copy_threads``: the UCX backend's dedicated copy threads; None: ``copy_threads_for(mem_type)`` when
-        ``register`` runs (after serving pinned the process, if it does); 0: none. ``local_hostname``: the
+        ``copy_threads``: the UCX backend's dedicated copy threads; None: ``copy_threads_for`` (of
+        ``mem_type`` and ``kv_may_cross_network``) when ``register`` runs (after serving pinned the process, if
+        it does); 0: none. ``local_hostname``: the
         address peers reach this instance at (its interface is UCX's); ``network_only``: no shared memory or
         cma, even to a peer on this kernel (``kv_transfer.network``); ``progress_thread_ms``: > 0 runs NIXL's
         progress thread with that longest sleep (``NixlOptions.progress_thread_ms``; ``create`` gives it to
@@ -184,6 +189,7 @@ class NixlTransport(Transport):
         # before nixl is imported (``_nixl_errors``): UCX reads some at load
         apply_ucx_defaults(local_hostname, network_only)
         self._hostname = local_hostname
+        self._network_only = network_only
         for warning in network.reachability_warnings(local_hostname):
             logger.warning("%s: %s", instance_id, warning)
         self._name = f"{instance_id}#{os.getpid()}-{time.time_ns()}-{next(_agent_counter)}"
@@ -203,8 +209,8 @@ class NixlTransport(Transport):
     def create(cls, args: KVArgs, options: NixlOptions) -> NixlTransport:
         """The backend's factory (``kv_transfer.backends``): host or GPU memory per ``args.mem_type``, UCX on
         ``args.local_hostname``'s interface; ``options.progress_thread_ms`` on a decode whose KV may come over
-        the network (``receives_over_network``), else no progress thread."""
-        receiving = args.role == "decode" and receives_over_network(args.local_hostname, options.network_only)
+        the network (``kv_may_cross_network``), else no progress thread."""
+        receiving = args.role == "decode" and kv_may_cross_network(args.local_hostname, options.network_only)
         return cls(args.instance_id, args.mem_type, args.device_id, local_hostname=args.local_hostname,
                    network_only=options.network_only,
                    progress_thread_ms=options.progress_thread_ms if receiving else 0.0)
@@ -217,7 +223,8 @@ class NixlTransport(Transport):
         """KV in ``mem_type``; the aux region is host memory. In DRAM mode one prepared list covers both;
         in VRAM mode KV and aux get a list each (a NIXL list holds one memory type)."""
         if self._copy_threads is None:
-            self._copy_threads = copy_threads_for(self._mem_type)
+            self._copy_threads = copy_threads_for(self._mem_type,
+                                                  kv_may_cross_network(self._hostname, self._network_only))
         self._agent = _new_agent(self._name, self._progress_thread_ms)
         if self._progress_thread_ms > 0:
             logger.info("%s: NIXL progress thread on (woken by UCX events, at the latest every %g ms)",

@@ -1,6 +1,7 @@
 """Child of test_nixl_progress_thread.py (its own process: UCX reads ``UCX_TLS`` once per process). Two NIXL
 transports over TCP only (``network_only``); the target's caller never calls into NIXL while the sender's
-WRITE is in flight. Prints one JSON object: the write's state and seconds, and whether the bytes landed.
+WRITE is in flight. Prints one JSON object: the write's state and seconds, whether the bytes landed, and the
+copy threads each side chose for itself (``copy_threads_for``: none where KV may cross the network).
 
 Usage: python nixl_progress_child.py PROGRESS_THREAD_MS WAIT_S"""
 
@@ -32,9 +33,8 @@ def main() -> None:
     src_aux, dst_aux = np.full(2 * AUX_SLOT_BYTES, 7, np.uint8), np.full(2 * AUX_SLOT_BYTES, 1, np.uint8)
     src_table = BlockTable(src_pool.ctypes.data, layout, src_aux.ctypes.data, 2)
     dst_table = BlockTable(dst_pool.ctypes.data, layout, dst_aux.ctypes.data, 2)
-    sender = NixlTransport("progress-src", copy_threads=0, network_only=True)
-    target = NixlTransport("progress-dst", copy_threads=0, network_only=True,
-                           progress_thread_ms=progress_thread_ms)
+    sender = NixlTransport("progress-src", network_only=True)   # copy threads: the transport's own rule
+    target = NixlTransport("progress-dst", network_only=True, progress_thread_ms=progress_thread_ms)
     sender.register(src_table)
     target.register(dst_table)
     peer = sender.add_peer(target.metadata(), dst_table)
@@ -56,7 +56,8 @@ def main() -> None:
                                  src_pool.reshape(NUM_PAGES, page_floats)[src_pages]))
     if state == "DONE":
         sender.release(handle)
-    print(json.dumps({"state": state, "seconds": round(done_s, 4), "landed": landed}), flush=True)
+    print(json.dumps({"state": state, "seconds": round(done_s, 4), "landed": landed,
+                      "copy_threads": [sender._copy_threads, target._copy_threads]}), flush=True)
     # the target progresses now: an unfinished write ends, so both agents close cleanly
     deadline = time.monotonic() + 10.0
     while state == "PROC" and time.monotonic() < deadline:

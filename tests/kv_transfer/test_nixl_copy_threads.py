@@ -87,3 +87,4 @@ def test_no_copy_threads_when_pinned_to_one_core() -> None:
     finally:
         os.sched_setaffinity(0, cores)
     assert copy_threads_for("DRAM") == (COPY_THREADS if len(cores) >= COPY_THREADS else 0)
+    assert copy_threads_for("DRAM", over_network=True) == 0   # over TCP the split loses: docs/multihost.md

@@ -19,7 +19,7 @@ from kv_harness import MODEL_ID, smollm2_layout
 
 from kv_transfer.backends import parse_options
 from kv_transfer.config import KVArgs
-from kv_transfer.nixl_transport import NixlOptions, NixlTransport, receives_over_network
+from kv_transfer.nixl_transport import NixlOptions, NixlTransport, kv_may_cross_network
 from kv_transfer.transport import OptionError
 
 pytestmark = [pytest.mark.nixl,
@@ -38,6 +38,7 @@ def _write_with_target_silent(progress_thread_ms: float, wait_s: float) -> dict[
 def test_a_write_over_tcp_lands_with_the_targets_threads_silent() -> None:
     result = _write_with_target_silent(5.0, 5.0)
     assert result["state"] == "DONE" and result["landed"], result
+    assert result["copy_threads"] == [0, 0]   # KV over the network: no copy threads (copy_threads_for)
 
 
 def test_without_the_thread_the_same_write_waits_for_the_target() -> None:
@@ -66,8 +67,8 @@ def test_only_a_decode_whose_kv_may_cross_the_network_runs_the_thread(environ_re
 
     assert made("decode", network_only=True) == 3.0
     assert made("decode", network_only=False) == 0.0          # loopback: peers on this host, cma
-    assert receives_over_network("10.0.0.7", network_only=False)
-    assert not receives_over_network("localhost", network_only=False)
+    assert kv_may_cross_network("10.0.0.7", network_only=False)
+    assert not kv_may_cross_network("localhost", network_only=False)
     assert made("prefill", network_only=True) == 0.0
 
 
