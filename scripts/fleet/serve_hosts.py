@@ -32,7 +32,7 @@ SCRIPTS_DIR = Path(__file__).resolve().parents[1]
 if str(SCRIPTS_DIR) not in sys.path:
     sys.path.insert(0, str(SCRIPTS_DIR))
 
-from fleet.netns import Fleet, Host, unavailable_reason  # noqa: E402
+from fleet.netns import Fleet, Host, project_env, unavailable_reason  # noqa: E402
 from fleet.relay import Relay  # noqa: E402
 from perf.server import (  # noqa: E402
     Deployment,
@@ -91,6 +91,15 @@ class HostFleet:
                 "HTTP_PORT": str(HTTP_PORT), "GRPC_PORT": str(GRPC_PORT), "METRICS_PORT": str(METRICS_PORT),
                 "REGISTRY_PORT": str(REGISTRY_PORT), "SKIP_SETUP": "1", "OPENAI": "0", **self._extra}
 
+    def serve_script(self, name: str, secret_file: Path) -> ServeScript:
+        """The ``ServeScript`` of host ``name``'s server (not started; its URLs still local): the README's
+        "Across servers" variables over ``project_env()``, so this process's own transport settings (a test's
+        in-process NIXL agent sets ``UCX_NET_DEVICES=lo``) never reach a host."""
+        return ServeScript(MODEL_OF_ROLE[self.roles[name]], self.tmp / f"{name}.log",
+                           env=self._env(name, secret_file),
+                           ports=(HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT),
+                           launcher=["ip", "netns", "exec", self.fleet[name].netns], base_env=project_env())
+
     def start(self, ready_timeout_s: float) -> HostFleet:
         """Makes the hosts and starts every server; raises (RuntimeError, TimeoutError, CalledProcessError) with
         the failing server's log tail when one does not come up. The caller runs ``stop`` in any case."""
@@ -104,10 +113,8 @@ class HostFleet:
         proc = reg.popen([SERVE_SH], env=self._env("reg", secret_file), stdout=self._registry_log,
                          stderr=subprocess.STDOUT)
         self._wait_registry(proc, ready_timeout_s)
-        for name, role in self.roles.items():
-            server = ServeScript(MODEL_OF_ROLE[role], self.tmp / f"{name}.log", env=self._env(name, secret_file),
-                                 ports=(HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT),
-                                 launcher=["ip", "netns", "exec", self.fleet[name].netns])
+        for name in self.roles:
+            server = self.serve_script(name, secret_file)
             server.http_url = f"http://{self.relay(name, HTTP_PORT).hostport}"
             server.grpc_url = self.relay(name, GRPC_PORT).hostport
             server.metrics_url = f"http://{self.relay(name, METRICS_PORT).hostport}/metrics"

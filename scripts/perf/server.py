@@ -500,8 +500,10 @@ class ServeScript:
 
     def __init__(self, models: str, log_path: Path, model_repository: Path | None = None,
                  env: Mapping[str, str] | None = None, ports: Sequence[int] | None = None,
-                 launcher: Sequence[str] = ()) -> None:
-        """``env``: extra environment of serve.sh (``ROLE``, ``PD_REGISTRY_URL``, ...);
+                 launcher: Sequence[str] = (), base_env: Mapping[str, str] | None = None) -> None:
+        """``env``: extra environment of serve.sh (``ROLE``, ``PD_REGISTRY_URL``, ...) over ``base_env``
+        (default this process's environment; a host of ``scripts/fleet`` gives ``fleet.netns.project_env()``,
+        without this process's transport settings);
         ``ports``: (http, grpc, metrics, registry) to reuse (a restarted server), else free ones;
         ``launcher``: argv that runs serve.sh (``ip netns exec <ns>``: a host of ``scripts/fleet``; it must exec,
         so that the process group is serve.sh's); the caller then points the URLs at where it reaches them."""
@@ -515,7 +517,8 @@ class ServeScript:
         # a server with its own router and workers is ready once the router sees a prefill and a decode
         self._router_with_workers = "pd_ensemble" in names and any(n.startswith("prefill") for n in names) \
             and any(n.startswith("decode") for n in names)
-        self._env = {**os.environ, "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
+        self._env = {**(os.environ if base_env is None else base_env),
+                     "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
                      "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "REGISTRY_PORT": str(registry),
                      "OPENAI": "0",   # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
                      **(env or {})}

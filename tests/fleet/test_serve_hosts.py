@@ -28,3 +28,25 @@ def test_a_fleet_whose_servers_fail_raises_with_the_log_and_leaves_nothing(tmp_p
     assert not [n for n in spaces + links if n.startswith(fleet.fleet.base)], (spaces, links)
     assert netns not in spaces
     fleet.stop()   # idempotent
+
+
+def test_a_hosts_server_gets_none_of_this_process_transport_settings(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test's in-process NIXL agent leaves ``UCX_NET_DEVICES=lo`` in this process's environment; a host's
+    server that inherited it could not reach another host (every room failed: "UCX cannot load the peer's
+    address", seen when tests/kv_transfer ran before tests/fleet in one process). Settings the run gives the
+    fleet itself still reach every server."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setenv("MC_TCP_LANES_PER_PEER", "1")
+    fleet = HostFleet(tmp_path, env={"UCX_TLS": "tcp,self"})
+    try:
+        fleet.fleet.create()
+        env = fleet.serve_script("pf", tmp_path / "fleet-secret")._env
+        address = fleet.host("pf").address
+    finally:
+        fleet.stop()
+    assert "UCX_NET_DEVICES" not in env and "MC_TCP_LANES_PER_PEER" not in env
+    assert env["UCX_TLS"] == "tcp,self" and env["ADVERTISE_HOST"] == address and env["ROLE"] == "prefill"
