@@ -136,8 +136,8 @@ def kv_may_cross_network(local_hostname: str, network_only: bool) -> bool:
 
 
 def copy_threads_for(mem_type: str, over_network: bool = False) -> int:
-    """``COPY_THREADS`` for host memory where the calling thread may run on that many cores and every peer is on
-    this host (not ``over_network``: ``kv_may_cross_network``), else 0 (the backend's plain single-thread
+    """``COPY_THREADS`` for host memory where the calling thread may run on that many cores and every peer is
+    on this host (not ``over_network``: ``kv_may_cross_network``), else 0 (the backend's plain single-thread
     path; module docstring)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     return COPY_THREADS if mem_type == "DRAM" and cores >= COPY_THREADS and not over_network else 0
@@ -180,8 +180,8 @@ class NixlTransport(Transport):
                  network_only: bool = False, progress_thread_ms: float = 0.0) -> None:
         """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``.
         ``copy_threads``: the UCX backend's dedicated copy threads; None: ``copy_threads_for`` (of
-        ``mem_type`` and ``kv_may_cross_network``) when ``register`` runs (after serving pinned the process, if
-        it does); 0: none. ``local_hostname``: the
+        ``mem_type`` and ``kv_may_cross_network``) when ``register`` runs (after serving pinned the process,
+        if it does); 0: none. ``local_hostname``: the
         address peers reach this instance at (its interface is UCX's); ``network_only``: no shared memory or
         cma, even to a peer on this kernel (``kv_transfer.network``); ``progress_thread_ms``: > 0 runs NIXL's
         progress thread with that longest sleep (``NixlOptions.progress_thread_ms``; ``create`` gives it to

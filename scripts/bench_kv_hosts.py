@@ -179,7 +179,8 @@ def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float, landed_ms: float
     out = {f"{k}_ms": round(kv_ms, 3), f"{k}_gbps": round(nbytes / kv_ms / 1e6, 3),
            f"{k}_p90_ms": round(sorted(pair.kv)[int(0.9 * (len(pair.kv) - 1))] * 1e3, 3),
            f"{k}_ratio": round(raw_ms / kv_ms, 3), f"{k}_overhead_ms": round(kv_ms - raw_ms, 3),
-           f"{k}_landed_ratio": round(landed_ms / kv_ms, 3), f"{k}_landed_overhead_ms": round(kv_ms - landed_ms, 3),
+           f"{k}_landed_ratio": round(landed_ms / kv_ms, 3),
+           f"{k}_landed_overhead_ms": round(kv_ms - landed_ms, 3),
            f"{k}_link_bytes_ratio": round(pair.link / (nbytes * len(pair.kv)), 3),
            **{f"{k}_{n}_ms": round(statistics.median(s[n] for s in pair.segs) * 1e3, 3) for n, _, _ in SEGMENTS}}
     label = f"[{pair.prefix.rstrip('_') or 'a'}] " if pair.prefix or len(pair.ucx) else ""
@@ -187,7 +188,8 @@ def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float, landed_ms: float
           f"{out[k + '_p90_ms']:.2f} ms) | raw TCP same bytes {raw_ms:.2f} ms ({nbytes / raw_ms / 1e6:.3f} GB/s) "
           f"| ratio {out[k + '_ratio']:.2f} | overhead {out[k + '_overhead_ms']:.2f} ms | link/KV bytes "
           f"{out[k + '_link_bytes_ratio']:.3f} | load {os.getloadavg()[0]:.2f}", flush=True)
-    print(f"      raw TCP landing the bytes in memory {landed_ms:.2f} ms: ratio {out[k + '_landed_ratio']:.2f}, "
+    print(f"      raw TCP landing the bytes in memory {landed_ms:.2f} ms: "
+          f"ratio {out[k + '_landed_ratio']:.2f}, "
           f"overhead {out[k + '_landed_overhead_ms']:.2f} ms", flush=True)
     print("      median ms from send: " + ", ".join(f"{n} {out[f'{k}_{n}_ms']:.2f}" for n, _, _ in SEGMENTS),
           flush=True)

@@ -1,5 +1,6 @@
 """The two-host KV benchmark runs end to end (one room per size after the warm-ups) and prints the JSON keys
-docs/multihost.md names (both raw TCP baselines), with every KV byte on the link. No figure is checked here (figures: docs/multihost.md)."""
+docs/multihost.md names (both raw TCP baselines), with every KV byte on the link. No figure is checked here
+(figures: docs/multihost.md)."""
 
 from __future__ import annotations
 
