@@ -118,6 +118,16 @@ def build_model_repository(deployment: Deployment, dest: Path) -> Path:
     return dest
 
 
+def pd_model_repository(dest: Path, kv_backend: str) -> Path:
+    """``dest`` with the PD models (``pd_ensemble``, ``prefill``, ``decode``) of ``model_repository/``,
+    prefill's and decode's ``kv_backend`` set to ``kv_backend`` (``nixl``, ``mooncake``, ...); configuration
+    only."""
+    backend = {"kv_backend": kv_backend}
+    return build_model_repository(Deployment(name="pd", entry_model="pd_ensemble",
+                                             models=("pd_ensemble", "prefill", "decode"),
+                                             overrides={"prefill": backend, "decode": backend}), dest)
+
+
 # what a dying process leaves in the server log: faulthandler, libstdc++, glibc, UCX's handler, python_backend
 _CRASH = re.compile(r"Fatal Python error|terminate called|Segmentation fault|Aborted|Caught signal|"
                     r"corrupted|double free|fastbin|lock_exception|is not healthy|Killed|MemoryError")

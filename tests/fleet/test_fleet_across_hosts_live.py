@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
 from fleet.serve_hosts import HostFleet  # noqa: E402
+from perf.server import pd_model_repository  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1500)]
 READY_S = 240.0
@@ -63,7 +63,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
     if unavailable_reason(backend):
         pytest.skip(str(unavailable_reason(backend)))
     tmp = tmp_path_factory.mktemp("hosts")
-    env = {"MODEL_REPOSITORY": str(mooncake_repository(tmp / "models"))} if backend == "mooncake" else None
+    repository = pd_model_repository(tmp / "models", backend) if backend != "nixl" else None
+    env = {"MODEL_REPOSITORY": str(repository)} if repository else None
     yield from started_fleet(tmp, env)
 
 
@@ -84,19 +85,6 @@ def started_fleet(tmp: Path, env: dict[str, str] | None = None) -> Iterator[Host
     assert not unclean, f"servers needed SIGKILL to stop (a stream left without FINAL?): {unclean}"
 
 
-def mooncake_repository(dest: Path) -> Path:
-    """model_repository's PD models with ``kv_backend`` switched to mooncake (configuration only)."""
-    source = Path(__file__).resolve().parents[2] / "model_repository"
-    for name in ("pd_ensemble", "prefill", "decode"):
-        shutil.copytree(source / name, dest / name)
-    for role in ("prefill", "decode"):
-        path = dest / role / "config.pbtxt"
-        old = '{ key: "kv_backend", value: { string_value: "nixl" } }'
-        assert old in path.read_text(), path
-        path.write_text(path.read_text().replace(old, old.replace("nixl", "mooncake")))
-    return dest
-
-
 @pytest.fixture(scope="class")
 def mooncake_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
     """The fleet with ``kv_backend`` mooncake, for the tests of ``TestMooncake`` (stopped at the end of the class,
@@ -107,7 +95,7 @@ def mooncake_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFle
     if unavailable_reason("mooncake"):
         pytest.skip(str(unavailable_reason("mooncake")))
     tmp = tmp_path_factory.mktemp("mooncake-hosts")
-    repo = mooncake_repository(tmp / "models")
+    repo = pd_model_repository(tmp / "models", "mooncake")
     yield from started_fleet(tmp, {"MODEL_REPOSITORY": str(repo)})
 
 

@@ -1,6 +1,7 @@
-"""2 prefill hosts + 2 decode hosts behind a router host (issue #21 item 3): ``scripts/serve.sh`` per host as the
-README's "Across servers" commands say (``scripts/fleet/serve_hosts.py``, ``XPYD_2P2D``), NIXL over TCP on the veth
-links (``PD_KV_NETWORK_ONLY=1``).
+"""2 prefill hosts + 2 decode hosts behind a router host (issue #21 item 3): ``scripts/serve.sh`` per host as
+the README's "Across servers" commands say (``scripts/fleet/serve_hosts.py``, ``XPYD_2P2D``), NIXL over TCP on
+the veth links (``PD_KV_NETWORK_ONLY=1``); ``PD_FLEET_KV_BACKEND=mooncake`` runs the module on a Mooncake
+fleet instead (by hand: CI runs NIXL).
 
 Invariants: the router lists both prefill and both decode hosts; greedy text through the router equals the
 colocated engine's for prompts sent at once, and every worker host served some of them (each prefill host's link
@@ -12,6 +13,7 @@ the cut-off host comes back by itself; no page is held afterwards on any host an
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # liv
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
 from fleet.serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
+from perf.server import pd_model_repository  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1200)]
 READY_S = 240.0
@@ -44,10 +47,15 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
 
     from kv_transfer import unavailable_reason
 
-    for reason in (unavailable_reason("nixl"), netns_unavailable()):
+    backend = os.environ.get("PD_FLEET_KV_BACKEND", "nixl")
+    assert backend in ("nixl", "mooncake"), f"PD_FLEET_KV_BACKEND={backend!r}: nixl or mooncake"
+    for reason in (unavailable_reason(backend), netns_unavailable()):
         if reason:
             pytest.skip(str(reason))
-    fleet = HostFleet(tmp_path_factory.mktemp("xpyd_hosts"), roles=XPYD_2P2D)
+    tmp = tmp_path_factory.mktemp("xpyd_hosts")
+    repository = pd_model_repository(tmp / "models", backend) if backend != "nixl" else None
+    env = {"MODEL_REPOSITORY": str(repository)} if repository else None
+    fleet = HostFleet(tmp, env, roles=XPYD_2P2D)
     try:
         fleet.start(READY_S)
         deadline = time.monotonic() + 60

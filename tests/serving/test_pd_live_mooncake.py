@@ -9,7 +9,6 @@ bytes; afterwards both pools are back at their size. Kept to two requests: the C
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -21,25 +20,18 @@ from test_pd_live import GREEDY, PROMPTS, generate
 from bootstrap.client import BootstrapClient
 from serving.router.discovery import LocalServerMembers
 from kv_transfer import unavailable_reason
+from perf.server import pd_model_repository
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.mooncake, pytest.mark.timeout(600),
               pytest.mark.skipif(unavailable_reason("mooncake") is not None,
                                  reason=str(unavailable_reason("mooncake")))]
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode")
-REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 MOONCAKE_PROMPTS = [PROMPTS[0], PROMPTS[-2]]
 
 
 def make_model_repository(tmp_dir: Path) -> Path:
     """model_repository's PD models with ``kv_backend`` switched to mooncake (configuration only)."""
-    for name in TRITON_MODELS:
-        shutil.copytree(REPOSITORY / name, tmp_dir / name)
-    for role in ("prefill", "decode"):
-        path = tmp_dir / role / "config.pbtxt"
-        old = '{ key: "kv_backend", value: { string_value: "nixl" } }'
-        assert old in path.read_text(), path
-        path.write_text(path.read_text().replace(old, old.replace("nixl", "mooncake")))
-    return tmp_dir
+    return pd_model_repository(tmp_dir, "mooncake")
 
 
 @pytest.fixture(scope="module")
