@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
 LOCAL = "NIXL_INIT_AGENT"   # nixl's name for "this agent" in prep_xfer_dlist
 
-#: Dedicated copy threads of the UCX backend where the process may use that many cores (see module docstring).
+#: Dedicated copy threads of the UCX backend where the process may use that many cores and every peer is on
+#: this host (see module docstring).
 COPY_THREADS = 2
 #: Smallest WRITE (descriptors: pages + aux slot) split between the copy threads; smaller ones (a 128-token
 #: chunk is 9) gain less than the hand-off costs.
@@ -129,16 +130,17 @@ def _new_agent(name: str, progress_thread_ms: float) -> Any:
 
 def kv_may_cross_network(local_hostname: str, network_only: bool) -> bool:
     """Whether KV this agent writes or receives may travel over the network: ``network_only``, or an
-    advertised address other than loopback (peers on other hosts may reach it). False: all peers are on this
-    host; UCX moves the bytes with ``cma``/shared memory, copied by the writer, so the target has nothing to
+    advertised address other than loopback (peers on other hosts may reach it). True: a decode runs the
+    progress thread and no agent gets copy threads (``copy_threads_for``). False: all peers are on this host;
+    UCX moves the bytes with ``cma``/shared memory, copied by the writer, so the target has nothing to
     progress (there a progress thread cost 4-20 % of the one-host transfer figures: docs/multihost.md)."""
     return network_only or not network.is_loopback(local_hostname)
 
 
 def copy_threads_for(mem_type: str, over_network: bool = False) -> int:
-    """``COPY_THREADS`` for host memory where the calling thread may run on that many cores and every peer is
-    on this host (not ``over_network``: ``kv_may_cross_network``), else 0 (the backend's plain single-thread
-    path; module docstring)."""
+    """``COPY_THREADS`` for host memory where the calling thread may run on that many cores, else 0 (the
+    backend's plain single-thread path; module docstring); 0 as well with ``over_network`` (the caller's
+    ``kv_may_cross_network``)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     return COPY_THREADS if mem_type == "DRAM" and cores >= COPY_THREADS and not over_network else 0
 
@@ -181,11 +183,10 @@ class NixlTransport(Transport):
         """Cheap: the NIXL agent (and whatever UCX starts with it) is created by ``register``.
         ``copy_threads``: the UCX backend's dedicated copy threads; None: ``copy_threads_for`` (of
         ``mem_type`` and ``kv_may_cross_network``) when ``register`` runs (after serving pinned the process,
-        if it does); 0: none. ``local_hostname``: the
-        address peers reach this instance at (its interface is UCX's); ``network_only``: no shared memory or
-        cma, even to a peer on this kernel (``kv_transfer.network``); ``progress_thread_ms``: > 0 runs NIXL's
-        progress thread with that longest sleep (``NixlOptions.progress_thread_ms``; ``create`` gives it to
-        the decode role only), 0 none."""
+        if it does); 0: none. ``local_hostname``: the address peers reach this instance at (its interface is
+        UCX's); ``network_only``: no shared memory or cma, even to a peer on this kernel
+        (``kv_transfer.network``); ``progress_thread_ms``: > 0 runs NIXL's progress thread with that longest
+        sleep (``NixlOptions.progress_thread_ms``; ``create`` gives it to the decode role only), 0 none."""
         # before nixl is imported (``_nixl_errors``): UCX reads some at load
         apply_ucx_defaults(local_hostname, network_only)
         self._hostname = local_hostname

@@ -16,7 +16,7 @@ Baselines, interleaved with the rooms (same load): a Python socket pair across t
 the same bytes as one message and waiting for a 1-byte answer (``tcp<size>_ms``: the bytes at the link's TCP
 rate plus one round trip; the receiver reads every byte into one cache-resident window, as iperf does), the
 streaming rate of that pair (``tcp_stream_gbps``), and the round trip of a 1-byte message (``rtt_ms``); and a
-second pair whose receiver lands the bytes at their own offsets of memory made as the KV pool is
+second pair whose receiver lands the bytes at their own offsets of memory advised as the KV pool's is
 (``tcp<size>_landed_ms``: the receive copy then writes DRAM, as a KV transfer's must). Ratios: ``kv4k_ratio``
 = tcp4k_ms / kv4k_ms (target >= 0.85), ``kv128_overhead_ms`` = kv128_ms - tcp128_ms (target <= 1 ms above the
 round trip TCP itself needs); ``*_landed_ratio`` / ``*_landed_overhead_ms``: the same against the landed pair.
@@ -51,16 +51,19 @@ PAGE_SIZE = 16
 TCP_PORT = 5201
 # the raw TCP pair: the sink answers every message (8-byte length, then the bytes) with one byte. argv[3]
 # "discard": every read lands in the buffer's start, which stays in cache (what iperf does); "land": the bytes
-# land at their own offsets of a 256 MiB mapping made as the KV pool is (MADV_HUGEPAGE, every page touched
-# first: engine/kv_pool.py), so the receive copy writes DRAM as a KV transfer's must
+# land at their own offsets of a 256 MiB mapping advised as the KV pool's is (MADV_HUGEPAGE, every page
+# touched first: engine/kv_pool.py), so the receive copy writes DRAM as a KV transfer's must. It listens
+# before it touches the memory: the source's connection waits in the backlog meanwhile
 SINK = """
 import mmap, socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))
-land = sys.argv[3] == 'land'
+s.listen(); land = sys.argv[3] == 'land'
 region = mmap.mmap(-1, 1 << 28, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 if land and hasattr(mmap, 'MADV_HUGEPAGE'): region.madvise(mmap.MADV_HUGEPAGE)
-region.write(bytes(1 << 28) if land else bytes(1 << 20)); buf = memoryview(region)
-s.listen(); c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+zeros = bytes(1 << 21)
+for _ in range(len(region) // len(zeros) if land else 1): region.write(zeros)
+buf = memoryview(region)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 while True:
     head = c.recv(8, socket.MSG_WAITALL)
     if len(head) < 8: break

@@ -5,7 +5,9 @@ Hosts: ``reg`` (``ROLE=registry``) and, by default, ``rt`` (``ROLE=router``), ``
 (``ROLE=decode``); ``HostFleet(roles=...)`` names other worker hosts (``XPYD_2P2D``: two of each).
 Every server gets ``HOST=0.0.0.0``, ``ADVERTISE_HOST=<its address>``, ``PD_REGISTRY_URL=http://<reg>:8998``, a
 fleet secret file (it binds a non-loopback address) and ``PD_KV_NETWORK_ONLY=1`` (the hosts share one kernel:
-docs/multihost.md), on the README's default ports (each host has its own port space). The test process reaches
+docs/multihost.md), on the README's default ports (each host has its own port space), and none of this
+process's ``UCX_*``/``MC_*`` variables (a test's in-process NIXL agent leaves ``UCX_NET_DEVICES=lo`` there):
+a run gives the hosts transport settings in ``HostFleet(env=...)``. The test process reaches
 each server through a ``fleet.relay.Relay`` in the server's own host (``ServeScript``'s ``http_url``,
 ``grpc_url``, ``metrics_url`` are the relays' loopback ports): client traffic never crosses a host's link, so the
 links carry only what the servers send each other (KV, gRPC between router and workers, registry traffic).
@@ -32,7 +34,7 @@ SCRIPTS_DIR = Path(__file__).resolve().parents[1]
 if str(SCRIPTS_DIR) not in sys.path:
     sys.path.insert(0, str(SCRIPTS_DIR))
 
-from fleet.netns import Fleet, Host, project_env, unavailable_reason  # noqa: E402
+from fleet.netns import TRANSPORT_ENV_PREFIXES, Fleet, Host, project_env, unavailable_reason  # noqa: E402
 from fleet.relay import Relay  # noqa: E402
 from perf.server import (  # noqa: E402
     Deployment,
@@ -167,7 +169,9 @@ class HostsServer:
     """``perf.server.RunningServer``'s interface over a ``HostFleet`` (router, prefill and decode each on its own
     network host, plus the registry's): what ``scripts/bench_serving.py --models pd_hosts`` runs. The
     deployment's model configs (its overrides) become the fleet's ``MODEL_REPOSITORY``; the stubs of each worker
-    host are pinned to ``deployment.cpus[role]`` as the one-host run pins them. Needs root (network namespaces).
+    host are pinned to ``deployment.cpus[role]`` as the one-host run pins them; the ``UCX_*``/``MC_*``
+    variables of the shell that started the benchmark reach every server (an operator's settings, as on one
+    host). Needs root (network namespaces).
     """
 
     def __init__(self, deployment: Deployment, log_dir: Path, ready_timeout_s: float = 300.0) -> None:
@@ -188,7 +192,8 @@ class HostsServer:
         repo = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
         logs = self._log_dir / f"hosts-{self.deployment.name}"
         logs.mkdir(parents=True, exist_ok=True)
-        self._fleet = HostFleet(logs, env={"MODEL_REPOSITORY": str(repo)})
+        transport = {k: v for k, v in os.environ.items() if k.startswith(TRANSPORT_ENV_PREFIXES)}
+        self._fleet = HostFleet(logs, env={"MODEL_REPOSITORY": str(repo), **transport})
         self._fleet.start(self._ready_timeout_s)
         servers = self._fleet.servers
         self.ports = HostEndpoints(servers["rt"].grpc_url, servers["pf"].metrics_url)

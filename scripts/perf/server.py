@@ -123,9 +123,14 @@ def pd_model_repository(dest: Path, kv_backend: str) -> Path:
     prefill's and decode's ``kv_backend`` set to ``kv_backend`` (``nixl``, ``mooncake``, ...); configuration
     only."""
     backend = {"kv_backend": kv_backend}
-    return build_model_repository(Deployment(name="pd", entry_model="pd_ensemble",
-                                             models=("pd_ensemble", "prefill", "decode"),
-                                             overrides={"prefill": backend, "decode": backend}), dest)
+    build_model_repository(Deployment(name="pd", entry_model="pd_ensemble",
+                                      models=("pd_ensemble", "prefill", "decode"),
+                                      overrides={"prefill": backend, "decode": backend}), dest)
+    for role in ("prefill", "decode"):   # the one kv_backend entry rewritten, not a second one appended
+        config = (dest / role / "config.pbtxt").read_text()
+        if config.count('key: "kv_backend"') != 1 or f'string_value: "{kv_backend}"' not in config:
+            raise ValueError(f"{role}/config.pbtxt: kv_backend not set to {kv_backend!r} in place")
+    return dest
 
 
 # what a dying process leaves in the server log: faulthandler, libstdc++, glibc, UCX's handler, python_backend

@@ -1,6 +1,6 @@
 """A WRITE split between the UCX backend's copy threads keeps the transport contract: every byte has landed
 when the peer sees the notification, and the write is done when ``post_write`` returns; a process pinned to
-one core gets no copy threads."""
+one core, or one whose KV may cross the network, gets no copy threads."""
 
 from __future__ import annotations
 
@@ -87,4 +87,13 @@ def test_no_copy_threads_when_pinned_to_one_core() -> None:
     finally:
         os.sched_setaffinity(0, cores)
     assert copy_threads_for("DRAM") == (COPY_THREADS if len(cores) >= COPY_THREADS else 0)
-    assert copy_threads_for("DRAM", over_network=True) == 0   # over TCP the split loses: docs/multihost.md
+
+
+def test_no_copy_threads_where_kv_may_cross_the_network() -> None:
+    from kv_transfer.nixl_transport import copy_threads_for, kv_may_cross_network
+
+    # over TCP a split WRITE was two connections' socket writes on the same cores: docs/multihost.md
+    assert copy_threads_for("DRAM", over_network=True) == 0
+    assert kv_may_cross_network("127.0.0.1", network_only=True)
+    assert kv_may_cross_network("10.0.0.7", network_only=False)
+    assert not kv_may_cross_network("127.0.0.1", network_only=False)
