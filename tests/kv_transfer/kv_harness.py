@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from kv_transfer import AuxData, KVArgs, KVLayout, KVPoll, make_kv_manager
+from kv_transfer.aux import AUX_SLOT_BYTES
+from kv_transfer.blocks import BlockTable
 from kv_transfer.errors import TransferError
 
 PAGE_SIZE = 16
@@ -30,6 +32,16 @@ def smollm2_layout(num_pages: int = NUM_PAGES, **changes: Any) -> KVLayout:
                               "num_kv_heads": 3, "head_dim": 64}
     fields.update(changes)
     return KVLayout(**fields)  # type: ignore[arg-type]
+
+
+def host_side(num_pages: int, fill: float) -> tuple[np.ndarray, np.ndarray, BlockTable]:
+    """A transport's memory without a manager: a float32 pool of ``num_pages`` SmolLM2 pages filled with
+    ``fill``, two aux slots filled with ``int(fill)``, and their ``BlockTable``. The arrays must outlive every
+    transport that registers the table."""
+    layout = smollm2_layout(num_pages=num_pages)
+    pool = np.full(layout.pool_bytes // 4, fill, dtype=np.float32)
+    aux = np.full(2 * AUX_SLOT_BYTES, int(fill), dtype=np.uint8)
+    return pool, aux, BlockTable(pool.ctypes.data, layout, aux.ctypes.data, 2)
 
 
 def page_pattern(room: int, index: int) -> np.ndarray:

@@ -16,10 +16,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_harness import smollm2_layout  # noqa: E402
+from kv_harness import host_side  # noqa: E402
 
-from kv_transfer.aux import AUX_SLOT_BYTES  # noqa: E402
-from kv_transfer.blocks import BlockTable  # noqa: E402
 from kv_transfer.nixl_transport import NixlTransport  # noqa: E402
 
 NUM_PAGES = 40
@@ -27,12 +25,9 @@ NUM_PAGES = 40
 
 def main() -> None:
     progress_thread_ms, wait_s = float(sys.argv[1]), float(sys.argv[2])
-    layout = smollm2_layout(num_pages=NUM_PAGES)
-    src_pool = np.arange(layout.pool_bytes // 4, dtype=np.float32)
-    dst_pool = np.full(layout.pool_bytes // 4, 1.0, dtype=np.float32)
-    src_aux, dst_aux = np.full(2 * AUX_SLOT_BYTES, 7, np.uint8), np.full(2 * AUX_SLOT_BYTES, 1, np.uint8)
-    src_table = BlockTable(src_pool.ctypes.data, layout, src_aux.ctypes.data, 2)
-    dst_table = BlockTable(dst_pool.ctypes.data, layout, dst_aux.ctypes.data, 2)
+    src_pool, _src_aux, src_table = host_side(NUM_PAGES, 7.0)   # _src_aux: registered memory, kept alive
+    dst_pool, _dst_aux, dst_table = host_side(NUM_PAGES, 1.0)
+    src_pool[:] = np.arange(len(src_pool), dtype=np.float32)
     sender = NixlTransport("progress-src", network_only=True)   # copy threads: the transport's own rule
     target = NixlTransport("progress-dst", network_only=True, progress_thread_ms=progress_thread_ms)
     sender.register(src_table)

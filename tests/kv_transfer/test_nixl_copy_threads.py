@@ -11,10 +11,9 @@ import time
 
 import numpy as np
 import pytest
-from kv_harness import smollm2_layout
+from kv_harness import host_side
 
 from kv_transfer.aux import AUX_SLOT_BYTES
-from kv_transfer.blocks import BlockTable
 
 pytestmark = [pytest.mark.nixl,
               pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")]
@@ -22,18 +21,11 @@ pytestmark = [pytest.mark.nixl,
 NUM_PAGES = 40   # a write of 32 pages + the aux slot: above SPLIT_MIN_DESCS
 
 
-def _side(fill: float) -> tuple[np.ndarray, np.ndarray, BlockTable]:
-    layout = smollm2_layout(num_pages=NUM_PAGES)
-    pool = np.full(layout.pool_bytes // 4, fill, dtype=np.float32)
-    aux = np.full(2 * AUX_SLOT_BYTES, int(fill), dtype=np.uint8)
-    return pool, aux, BlockTable(pool.ctypes.data, layout, aux.ctypes.data, 2)
-
-
 def test_split_write_lands_every_byte_before_its_notification() -> None:
     from kv_transfer.nixl_transport import SPLIT_MIN_DESCS, NixlTransport
 
-    src_pool, _src_aux, src_table = _side(7.0)   # _src_aux: registered memory, kept alive
-    dst_pool, dst_aux, dst_table = _side(1.0)
+    src_pool, _src_aux, src_table = host_side(NUM_PAGES, 7.0)   # _src_aux: registered memory, kept alive
+    dst_pool, dst_aux, dst_table = host_side(NUM_PAGES, 1.0)
     src_pool[:] = np.arange(len(src_pool), dtype=np.float32)
     sender, target = NixlTransport("split-src", copy_threads=2), NixlTransport("split-dst", copy_threads=0)
     try:
