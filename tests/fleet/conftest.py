@@ -20,6 +20,27 @@ from fleet.kv_worker import KVWorker  # noqa: E402
 from fleet.netns import Fleet, unavailable_reason  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def fleet_kv_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str] | None:
+    """The servers' extra environment for the KV backend ``PD_FLEET_KV_BACKEND`` names: ``nixl`` (the default,
+    the model repository's own): none; ``mooncake``: a copy of the PD models with it as ``MODEL_REPOSITORY``.
+    Skips the module where that backend is not installed."""
+    import os
+
+    from kv_transfer import unavailable_reason as backend_unavailable
+    from perf.server import pd_model_repository
+
+    backend = os.environ.get("PD_FLEET_KV_BACKEND", "nixl")
+    assert backend in ("nixl", "mooncake"), f"PD_FLEET_KV_BACKEND={backend!r}: nixl or mooncake"
+    reason = backend_unavailable(backend)
+    if reason:
+        pytest.skip(str(reason))
+    if backend == "nixl":
+        return None
+    repository = pd_model_repository(tmp_path_factory.mktemp(f"{backend}-models"), backend)
+    return {"MODEL_REPOSITORY": str(repository)}
+
+
 @pytest.fixture
 def make_fleet() -> Iterator[Callable[[Sequence[str]], Fleet]]:
     """``make_fleet(["a", "b"])`` -> a created ``Fleet``; every fleet made is torn down at the end."""

@@ -23,7 +23,6 @@ the prefill host right after the first token: the request still ends with the co
 from __future__ import annotations
 
 import json
-import os
 import queue
 import sys
 import threading
@@ -53,19 +52,11 @@ POOL_S = 150.0   # a room whose peer vanished ends at the bootstrap timeout (120
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
-    """The module's fleet: NIXL, or the backend ``PD_FLEET_KV_BACKEND`` names (``nixl`` or ``mooncake``)."""
+def hosts(tmp_path_factory: pytest.TempPathFactory,
+          fleet_kv_env: dict[str, str] | None) -> Iterator[HostFleet]:
+    """The module's fleet: NIXL, or the backend ``PD_FLEET_KV_BACKEND`` names (``fleet_kv_env``)."""
     pytest.importorskip("pytriton")
-    from kv_transfer import unavailable_reason
-
-    backend = os.environ.get("PD_FLEET_KV_BACKEND", "nixl")
-    assert backend in ("nixl", "mooncake"), f"PD_FLEET_KV_BACKEND={backend!r}: nixl or mooncake"
-    if unavailable_reason(backend):
-        pytest.skip(str(unavailable_reason(backend)))
-    tmp = tmp_path_factory.mktemp("hosts")
-    repository = pd_model_repository(tmp / "models", backend) if backend != "nixl" else None
-    env = {"MODEL_REPOSITORY": str(repository)} if repository else None
-    yield from started_fleet(tmp, env)
+    yield from started_fleet(tmp_path_factory.mktemp("hosts"), fleet_kv_env)
 
 
 def started_fleet(tmp: Path, env: dict[str, str] | None = None) -> Iterator[HostFleet]:

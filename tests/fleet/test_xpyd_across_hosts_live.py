@@ -13,7 +13,6 @@ the cut-off host comes back by itself; no page is held afterwards on any host an
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -28,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # liv
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
 from fleet.serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
-from perf.server import pd_model_repository  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1200)]
 READY_S = 240.0
@@ -41,21 +39,15 @@ LONG = [f"Report {i}. " + "The river wound through the valley, past orchards and
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
+def hosts(tmp_path_factory: pytest.TempPathFactory,
+          fleet_kv_env: dict[str, str] | None) -> Iterator[HostFleet]:
     pytest.importorskip("pytriton")
     from fleet.netns import unavailable_reason as netns_unavailable
 
-    from kv_transfer import unavailable_reason
-
-    backend = os.environ.get("PD_FLEET_KV_BACKEND", "nixl")
-    assert backend in ("nixl", "mooncake"), f"PD_FLEET_KV_BACKEND={backend!r}: nixl or mooncake"
-    for reason in (unavailable_reason(backend), netns_unavailable()):
-        if reason:
-            pytest.skip(str(reason))
-    tmp = tmp_path_factory.mktemp("xpyd_hosts")
-    repository = pd_model_repository(tmp / "models", backend) if backend != "nixl" else None
-    env = {"MODEL_REPOSITORY": str(repository)} if repository else None
-    fleet = HostFleet(tmp, env, roles=XPYD_2P2D)
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    fleet = HostFleet(tmp_path_factory.mktemp("xpyd_hosts"), fleet_kv_env, roles=XPYD_2P2D)
     try:
         fleet.start(READY_S)
         deadline = time.monotonic() + 60
