@@ -80,6 +80,9 @@ def parse_args() -> argparse.Namespace:
                         "path's own phase, where a client at concurrency 1 sends the next request as the last "
                         "one ends; after 50 ms pauses colocated's first token took twice as long here: "
                         "docs/benchmarks.md 'Session 23')")
+    p.add_argument("--engine-nice", type=int, default=None,
+                   help="the served engines' engine_nice (default: the model repository's, -10); the engine "
+                        "alone runs at this process's priority, on an otherwise idle machine")
     args = p.parse_args()
     if args.quick:
         args.streams, args.tokens, args.single_requests = 4, 16, 2
@@ -232,11 +235,12 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
     print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms  (CPU {engine['cpu_ms_per_step']:5.2f} ms/step)  "
           f"{engine['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
     http, grpc, metrics = free_ports(3)
+    nice = {} if args.engine_nice is None else {"engine_nice": str(args.engine_nice)}
     # pd_triton: a second router over the same workers that reaches them through tritonserver (worker_endpoints
     # false), the path every child request took before the workers' own endpoints
     deployment = Deployment(name="path", entry_model="pd_ensemble",
                             models=(*ENGINE_MODELS, "pd_ensemble", "pd_triton"),
-                            overrides={**{m: {"model": model} for m in ENGINE_MODELS},
+                            overrides={**{m: {"model": model, **nice} for m in ENGINE_MODELS},
                                        "pd_ensemble": {"worker_endpoints": "true"},
                                        "pd_triton": {"worker_endpoints": "false"}},
                             copies={"pd_triton": "pd_ensemble"})
@@ -278,7 +282,8 @@ def main() -> None:
           f"({compared['pd_triton_ttft_minus_colocated_ms']:+.1f})", flush=True)
     out: dict[str, Any] = {k: round(v, 3) for k, v in {**figures, **compared}.items()}
     out.update(model=args.model, streams=args.streams, tokens=args.tokens, single_requests=args.single_requests,
-               outputs=args.outputs, interleave_gap_ms=args.interleave_gap_ms, load_1m=load_1m(), commit=commit())
+               outputs=args.outputs, interleave_gap_ms=args.interleave_gap_ms, engine_nice=args.engine_nice,
+               load_1m=load_1m(), commit=commit())
     print(json.dumps(out), flush=True)
 
 

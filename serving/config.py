@@ -76,6 +76,10 @@ class WorkerConfig:
         bootstrap_timeout_s: how long a PD request may wait for its peer to show up at the rendezvous.
         waiting_timeout_s: how long a PD request may wait for its KV once the transfer was set up.
         idle_wait_s: longest block of the engine loop on its input queue when there is nothing to do.
+        engine_nice: nice value of the engine loop thread, -20..19 (``EngineLoop``'s ``nice``: that thread
+            alone, and torch's intra-op threads it starts); -10 by default, so that the server's other threads
+            and a local client do not preempt engine steps (serving/workers/engine_loop.py); without
+            ``CAP_SYS_NICE`` the thread keeps the process's priority (a warning in the log).
         dtype: weights and KV dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
         weight_quant: ``"none"`` or ``"int8"`` (weight-only int8, quantized at load; ``EngineConfig``). The
             shipped configs keep ``float32``/``none`` (token-exact with transformers); docs/benchmarks.md
@@ -107,6 +111,7 @@ class WorkerConfig:
     bootstrap_timeout_s: float = 120.0
     waiting_timeout_s: float = 120.0
     idle_wait_s: float = 0.1
+    engine_nice: int = -10
     dtype: str = "float32"
     weight_quant: str = "none"
     device: str = "cpu"
@@ -121,6 +126,8 @@ class WorkerConfig:
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        if not -20 <= self.engine_nice <= 19:
+            raise ConfigError("engine_nice", f"must be -20..19, got {self.engine_nice}")
         if not self.model:
             raise ConfigError("model", "must not be empty")
         if self.kv_backend not in KV_BACKENDS:

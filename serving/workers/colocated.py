@@ -79,7 +79,8 @@ class ColocatedWorker:
         from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
         engine = LLMEngine(config.engine_config("colocated"))
-        loop = EngineLoop(engine, name=f"{name}-engine-loop", idle_wait_s=config.idle_wait_s)
+        loop = EngineLoop(engine, name=f"{name}-engine-loop", idle_wait_s=config.idle_wait_s,
+                          nice=config.engine_nice)
         if metrics is not None:
             loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))

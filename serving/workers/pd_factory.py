@@ -154,7 +154,8 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
     from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
     engine = LLMEngine(config.engine_config("prefill" if role == "prefill" else "decode"))
-    loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s)
+    loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s,
+                      nice=config.engine_nice)
     kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name, worker_endpoint),
                                  backend=config.kv_backend, options=config.kv_options)
     worker: PrefillWorker | DecodeWorker

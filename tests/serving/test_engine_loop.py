@@ -3,8 +3,12 @@ reaches its own request only; an idle loop sleeps."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from serving_fakes import FakeEngine
@@ -225,3 +229,56 @@ def test_an_abort_before_the_submit_left_the_queue_still_aborts(engine: FakeEngi
     lp.submit("cancelled-early", [1], SamplingParams(max_tokens=3), later)
     assert isinstance(later.wait(), RequestOutput) and later.terminals == 1
     assert lp.stop(5)
+
+
+def test_the_loop_thread_alone_runs_at_its_nice(engine: FakeEngine) -> None:
+    """``nice`` is set by the loop thread on itself (Linux: per thread): the caller's priority is untouched. A
+    nice above the process's own needs no privilege."""
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    nice = min(19, caller + 3)
+    lp = EngineLoop(engine, name="nice-loop", nice=nice)
+    assert lp.native_id is None
+    lp.start()
+    try:
+        col = Collector()
+        lp.submit("r", [1, 2], SamplingParams(max_tokens=2), col)
+        assert isinstance(col.wait(), RequestOutput)
+        assert lp.native_id is not None and os.getpriority(os.PRIO_PROCESS, lp.native_id) == nice
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    finally:
+        assert lp.stop(5)
+
+
+_REFUSED = """
+import logging, os, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from serving_fakes import FakeEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from serving.workers.engine_loop import EngineLoop
+lp = EngineLoop(FakeEngine(), name="refused-loop", nice=-10)
+lp.start()
+done = []
+lp.submit("r", [1], SamplingParams(max_tokens=3), done.append)
+while not any(getattr(e, "finished", False) for e in done):
+    pass
+print("loop", os.getpriority(os.PRIO_PROCESS, lp.native_id), "process", os.getpriority(os.PRIO_PROCESS, 0),
+      "finished", done[-1].num_output_tokens)
+assert lp.stop(5)
+"""
+
+
+def test_a_refused_nice_leaves_the_loop_serving_at_the_process_priority() -> None:
+    """Without ``CAP_SYS_NICE`` (dropped here with ``setpriv`` when running as root) a nice below the
+    process's is refused: the loop says so once and serves as before."""
+    tests_dir = Path(__file__).resolve().parent
+    cmd = [sys.executable, "-c", _REFUSED, str(tests_dir), str(tests_dir.parents[1])]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--bounding-set=-sys_nice", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fields = next(line for line in proc.stdout.splitlines() if line.startswith("loop ")).split()
+    assert fields[1] == fields[3] and fields[5] == "3", proc.stdout   # the process's priority; 3 tokens
+    warnings = [line for line in proc.stdout.splitlines() if f"refused-loop keeps nice {fields[3]}" in line]
+    assert len(warnings) == 1 and "CAP_SYS_NICE" in warnings[0], proc.stdout

@@ -123,3 +123,28 @@ def test_nothing_runs_beside_tritonserver_and_its_stubs(plain: PlainTriton) -> N
     names = {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() for pid in children}
     assert names and all(name.endswith("triton_python_backend_stub") for name in names), names
     assert metric_value(plain.metrics_url, "pd_requests_total", model="prefill", outcome="finished") >= 1
+
+
+def _may_raise_priority() -> bool:
+    """True when this process (and so the tritonserver it starts) holds ``CAP_SYS_NICE`` (bit 23)."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    caps = next(line for line in status if line.startswith("CapEff:"))
+    return bool(int(caps.split()[1], 16) >> 23 & 1)
+
+
+def test_each_engine_thread_alone_runs_at_the_configured_nice(plain: PlainTriton) -> None:
+    """``engine_nice`` (-10 by default): in each engine's stub the engine loop thread, and no other thread,
+    runs at -10 where the server may raise a priority; elsewhere none does (the loop logs why). The router's
+    stub has no engine."""
+    assert plain.proc is not None
+    children = subprocess.run(["pgrep", "-P", str(plain.proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+    raised: dict[str, int] = {}
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        model = next(m for m in ("colocated", "prefill", "decode", "pd_ensemble")
+                     if f"/{m}/1/model.py".encode() in cmdline)
+        raised[model] = sum(os.getpriority(os.PRIO_PROCESS, int(tid)) == -10
+                            for tid in os.listdir(f"/proc/{pid}/task"))
+    expected = 1 if _may_raise_priority() else 0
+    assert raised == {"colocated": expected, "prefill": expected, "decode": expected, "pd_ensemble": 0}

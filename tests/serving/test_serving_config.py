@@ -115,6 +115,19 @@ def test_instance_device() -> None:
     assert build_worker_config(_sv(weight_quant="int8"), environ={}).engine_config("decode").weight_quant == "int8"
 
 
+def test_engine_nice_defaults_to_minus_10_and_is_checked() -> None:
+    import pytest
+
+    from serving.config import ConfigError, build_worker_config
+
+    assert build_worker_config({}, environ={}).engine_nice == -10
+    assert build_worker_config(_sv(engine_nice="0"), environ={}).engine_nice == 0
+    assert build_worker_config(_sv(engine_nice="19"), environ={}).engine_nice == 19
+    for bad in ("-21", "20", "high"):
+        with pytest.raises(ConfigError, match="engine_nice"):
+            build_worker_config(_sv(engine_nice=bad), environ={})
+
+
 def test_cpu_affinity_parses_validates_and_pins() -> None:
     import os
 
