@@ -34,14 +34,14 @@ def smollm2_layout(num_pages: int = NUM_PAGES, **changes: Any) -> KVLayout:
     return KVLayout(**fields)  # type: ignore[arg-type]
 
 
-def host_side(num_pages: int, fill: float) -> tuple[np.ndarray, np.ndarray, BlockTable]:
+def host_side(num_pages: int, fill: float, aux_slots: int = 2) -> tuple[np.ndarray, np.ndarray, BlockTable]:
     """A transport's memory without a manager: a float32 pool of ``num_pages`` SmolLM2 pages filled with
-    ``fill``, two aux slots filled with ``int(fill)``, and their ``BlockTable``. The arrays must outlive every
-    transport that registers the table."""
+    ``fill``, ``aux_slots`` aux slots filled with ``int(fill)``, and their ``BlockTable``. The arrays must
+    outlive every transport that registers the table."""
     layout = smollm2_layout(num_pages=num_pages)
     pool = np.full(layout.pool_bytes // 4, fill, dtype=np.float32)
-    aux = np.full(2 * AUX_SLOT_BYTES, int(fill), dtype=np.uint8)
-    return pool, aux, BlockTable(pool.ctypes.data, layout, aux.ctypes.data, 2)
+    aux = np.full(aux_slots * AUX_SLOT_BYTES, int(fill), dtype=np.uint8)
+    return pool, aux, BlockTable(pool.ctypes.data, layout, aux.ctypes.data, aux_slots)
 
 
 def page_pattern(room: int, index: int) -> np.ndarray:

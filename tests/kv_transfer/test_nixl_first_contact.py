@@ -19,30 +19,23 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kv_harness import smollm2_layout
+from kv_harness import host_side
 
-from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
 
 pytestmark = [pytest.mark.nixl,
               pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")]
 
 AUX_SLOTS = 4
+NUM_PAGES = 4
 ADD_PEER_LIMIT_S = 2.0   # measured ~3-15 ms on 2 busy cores; a peer-dependent wait would be the whole hold
-
-
-def _buffers() -> tuple[Any, np.ndarray, np.ndarray, BlockTable]:
-    layout = smollm2_layout(num_pages=4)
-    pool = np.zeros(layout.pool_bytes // 4, dtype=np.float32)
-    aux = np.zeros(AUX_SLOTS * AUX_SLOT_BYTES, dtype=np.uint8)
-    return layout, pool, aux, BlockTable(pool.ctypes.data, layout, aux.ctypes.data, AUX_SLOTS)
 
 
 def _silent_peer(conn: Any) -> None:
     """Registers, hands out its metadata, then makes no NIXL call until told to drain notifications."""
     from kv_transfer.nixl_transport import NixlTransport
 
-    _, pool, aux, table = _buffers()
+    pool, aux, table = host_side(NUM_PAGES, 0.0, AUX_SLOTS)
     transport = NixlTransport("silent-peer")
     transport.register(table)
     conn.send((transport.metadata(), pool.ctypes.data, aux.ctypes.data))
@@ -66,11 +59,11 @@ def test_add_peer_does_not_wait_for_a_silent_peer() -> None:
     peer.start()
     transport = NixlTransport("initiator")
     try:
-        layout, _pool, _aux, table = _buffers()   # _pool, _aux: the registered memory, kept alive
+        _pool, _aux, table = host_side(NUM_PAGES, 0.0, AUX_SLOTS)   # _pool, _aux: registered, kept alive
         transport.register(table)     # this (the "initialize") thread creates the agent
         assert here.poll(60), "peer process did not start"
         metadata, kv_ptr, aux_ptr = here.recv()
-        peer_table = BlockTable(kv_ptr, layout, aux_ptr, AUX_SLOTS)
+        peer_table = BlockTable(kv_ptr, table.layout, aux_ptr, AUX_SLOTS)
         result: dict[str, Any] = {}
 
         def manager_thread() -> None:   # every later call on another thread, as in KVManager
