@@ -250,7 +250,7 @@ def test_the_loop_thread_alone_runs_at_its_nice(engine: FakeEngine) -> None:
 
 
 _REFUSED = """
-import logging, os, sys
+import logging, os, sys, threading
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 from serving_fakes import FakeEngine
@@ -259,10 +259,13 @@ from engine.sampling_params import SamplingParams
 from serving.workers.engine_loop import EngineLoop
 lp = EngineLoop(FakeEngine(), name="refused-loop", nice=-10)
 lp.start()
-done = []
-lp.submit("r", [1], SamplingParams(max_tokens=3), done.append)
-while not any(getattr(e, "finished", False) for e in done):
-    pass
+done, finished = [], threading.Event()
+def on_event(event):
+    done.append(event)
+    if getattr(event, "finished", False):
+        finished.set()
+lp.submit("r", [1], SamplingParams(max_tokens=3), on_event)
+assert finished.wait(30)
 print("loop", os.getpriority(os.PRIO_PROCESS, lp.native_id), "process", os.getpriority(os.PRIO_PROCESS, 0),
       "finished", done[-1].num_output_tokens)
 assert lp.stop(5)
