@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
 from live_prompts import PROMPTS, colocated_greedy_texts
-from perf.server import REPO_ROOT, free_ports, tritonserver_paths, wait_ready
+from perf.server import REPO_ROOT, free_ports, stub_pids, tritonserver_paths, wait_ready
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
 GREEDY = {"max_tokens": "12", "temperature": "0"}
@@ -136,15 +136,9 @@ def test_each_engine_thread_alone_runs_at_the_configured_nice(plain: PlainTriton
     """``engine_nice`` (-10 by default): in each engine's stub the engine loop thread, and no other thread,
     runs at -10 where the server may raise a priority; elsewhere none does (the loop logs why). The router's
     stub has no engine."""
-    assert plain.proc is not None
-    children = subprocess.run(["pgrep", "-P", str(plain.proc.pid)], capture_output=True,
-                              text=True).stdout.split()
-    raised: dict[str, int] = {}
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        model = next(m for m in ("colocated", "prefill", "decode", "pd_ensemble")
-                     if f"/{m}/1/model.py".encode() in cmdline)
-        raised[model] = sum(os.getpriority(os.PRIO_PROCESS, int(tid)) == -10
-                            for tid in os.listdir(f"/proc/{pid}/task"))
+    raised = {model: sum(os.getpriority(os.PRIO_PROCESS, int(tid)) == -10
+                         for pid in stub_pids(REPO_ROOT / "model_repository" / model)
+                         for tid in os.listdir(f"/proc/{pid}/task"))
+              for model in ("colocated", "prefill", "decode", "pd_ensemble")}
     expected = 1 if _may_raise_priority() else 0
     assert raised == {"colocated": expected, "prefill": expected, "decode": expected, "pd_ensemble": 0}
