@@ -11,8 +11,12 @@ message shape refuse each other's messages instead of misreading them. Version h
 from __future__ import annotations
 
 import base64
+import dataclasses
+import functools
 import hashlib
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -154,6 +158,8 @@ class Destination:
             raise ValueError(f"room {self.room} is not a 63-bit id")
         if self.num_cached_tokens < 0:
             raise ValueError(f"num_cached_tokens {self.num_cached_tokens} is negative")
+        if self.aux_slot < 0 or any(page < 0 for page in self.dst_page_ids):
+            raise ValueError("aux_slot and dst_page_ids must be non-negative")
 
 
 ACCEPTED, ROOM_IN_USE, UNKNOWN_INSTANCE = "accepted", "room_in_use", "unknown_instance"
@@ -211,32 +217,76 @@ def encode(message: Any) -> bytes:
     return json.dumps(envelope).encode()
 
 
+#: Page ids one destination may list: a 1M-token prompt at page size 16. More is refused as malformed.
+MAX_DESTINATION_PAGES = 65536
+
+
 def decode(data: bytes | str, expected: type[M]) -> M:
-    """The one decoder. Raises ``BootstrapError`` on a version/schema mismatch, wrong type or bad body."""
+    """The one decoder. Raises ``BootstrapError`` on a version/schema mismatch, wrong type or bad body: a body
+    that is not a JSON object, a field of the wrong JSON type (a list where an int belongs, a string for a
+    list of page ids, ``true`` for a number), a missing or unknown field, or more than ``MAX_DESTINATION_PAGES``
+    page ids. Hostile input gets this error (HTTP 400 on the rendezvous), never another exception."""
     try:
         envelope = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise BootstrapError(f"not a JSON message: {exc}") from exc
+    if not isinstance(envelope, dict):
+        raise BootstrapError(f"a message must be a JSON object envelope, got {type(envelope).__name__}")
     if envelope.get("version") != PROTOCOL_VERSION or envelope.get("schema") != SCHEMA_HASH:
-        raise BootstrapError(f"protocol mismatch: peer speaks version {envelope.get('version')} schema "
-                             f"{envelope.get('schema')}, we speak {PROTOCOL_VERSION} schema {SCHEMA_HASH}")
+        raise BootstrapError(f"protocol mismatch: peer speaks version {str(envelope.get('version'))[:16]} schema "
+                             f"{str(envelope.get('schema'))[:16]}, we speak {PROTOCOL_VERSION} schema {SCHEMA_HASH}")
     if envelope.get("type") != expected.__name__:
-        raise BootstrapError(f"expected {expected.__name__}, got {envelope.get('type')}")
+        raise BootstrapError(f"expected {expected.__name__}, got {str(envelope.get('type'))[:64]}")
     return _build(expected, envelope.get("body"))
+
+
+def _check(cls: type, body: Any) -> dict[str, Any]:
+    """``body`` as the keyword arguments of ``cls``, each value checked against the field's declared type;
+    nested messages built. Raises ``BootstrapError`` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise BootstrapError(f"bad {cls.__name__} body: a JSON object is required, got {type(body).__name__}")
+    hints = _hints(cls)
+    unknown = sorted(set(body) - set(hints))
+    if unknown:
+        raise BootstrapError(f"bad {cls.__name__} body: unknown fields {unknown[:8]}")
+    return {name: _value(cls, name, hints[name], value) for name, value in body.items()}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _value(cls: type, name: str, hint: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return hint(**_check(hint, value))
+    if origin is list:
+        if not isinstance(value, list):
+            raise BootstrapError(f"bad {cls.__name__} body: {name} must be a list, got {type(value).__name__}")
+        if name == "dst_page_ids" and len(value) > MAX_DESTINATION_PAGES:
+            raise BootstrapError(f"bad {cls.__name__} body: {len(value)} {name}, more than "
+                                 f"{MAX_DESTINATION_PAGES}")
+        return [_value(cls, name, args[0], item) for item in value]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise BootstrapError(f"bad {cls.__name__} body: {name} must be an object, got {type(value).__name__}")
+        return value
+    expected = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}.get(hint)
+    if expected is None:
+        return value   # Any
+    if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
+        raise BootstrapError(f"bad {cls.__name__} body: {name} must be {hint.__name__}, got {type(value).__name__}")
+    return float(value) if hint is float else value
 
 
 def _build(cls: type[M], body: Any) -> M:
     try:
-        if cls is DestinationBatch:
-            return cls([Destination(**d) for d in body["destinations"]])  # type: ignore[call-arg]
-        if cls is InstanceList:
-            return cls([_status(d) for d in body["instances"]])  # type: ignore[call-arg]
-        if cls in (Registration, Heartbeat) and body.get("load") is not None:
-            body = {**body, "load": InstanceLoad(**body["load"])}
-        return cls(**body)
+        return cls(**_check(cls, body))
     except (TypeError, KeyError, ValueError) as exc:
         raise BootstrapError(f"bad {cls.__name__} body: {exc}") from exc
-
-
-def _status(body: dict[str, Any]) -> InstanceStatus:
-    return InstanceStatus(**{**body, "load": InstanceLoad(**body["load"])})

@@ -174,7 +174,8 @@ class Rendezvous:
     def build_app(self) -> web.Application:
         from bootstrap.auth import auth_middleware
 
-        app = web.Application(middlewares=[auth_middleware(self._config.secret), self._map_errors])
+        names = (self._config.host, self._config.advertise_host)
+        app = web.Application(middlewares=[auth_middleware(self._config.secret, names), self._map_errors])
         app.add_routes([web.get("/v1/instances", self._list), web.get("/v1/instances/{instance_id}", self._get),
                         web.post("/v1/rooms", self._post_room), web.post("/v1/rooms/release", self._release),
                         web.get("/health", self._health)])

@@ -151,7 +151,8 @@ trap 'stop_all' EXIT
 
 if [[ "$ROLE" == registry ]]; then
   say "membership registry on http://$HOST:$REGISTRY_PORT"
-  exec python3 -m bootstrap.membership --host "$HOST" --port "$REGISTRY_PORT"
+  exec python3 -m bootstrap.membership --host "$HOST" --port "$REGISTRY_PORT" \
+    --advertise-host "${ADVERTISE_HOST:-$HOST}"
 fi
 
 triton_index=-1

@@ -23,6 +23,7 @@ class RegistryArgs:
     port: int
     ttl_s: float
     ignore_sigint: bool
+    advertise_host: str = ""
 
 
 def parse_args(argv: list[str] | None = None) -> RegistryArgs:
@@ -31,12 +32,15 @@ def parse_args(argv: list[str] | None = None) -> RegistryArgs:
                                      description="PD fleet membership registry (embedded default backend)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--advertise-host", default="",
+                        help="the host name or address members dial (PD_REGISTRY_URL's host), when not --host: "
+                             "signed calls name the server they are for")
     parser.add_argument("--ttl-s", type=float, default=10.0,
                         help="TTL of a registration that does not name its own")
     parser.add_argument("--ignore-sigint", action="store_true",
                         help="stop on SIGTERM only (a launcher's Ctrl-C must not stop it before the members)")
     args = parser.parse_args(argv)
-    return RegistryArgs(args.host, args.port, args.ttl_s, args.ignore_sigint)
+    return RegistryArgs(args.host, args.port, args.ttl_s, args.ignore_sigint, args.advertise_host)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except AuthError as exc:
         print(f"python -m bootstrap.membership: {exc}", file=sys.stderr)
         return 2
-    run_forever(args.host, args.port, secret, args.ttl_s, args.ignore_sigint)
+    run_forever(args.host, args.port, secret, args.ttl_s, args.ignore_sigint, args.advertise_host)
     return 0
 
 

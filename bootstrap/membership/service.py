@@ -31,6 +31,8 @@ from bootstrap.membership.table import MemberTable, PutResult
 
 logger = logging.getLogger(__name__)
 EXPIRE_INTERVAL_S = 0.1
+#: The longest registration a PUT may ask for (s): a member that stops renewing leaves within this, always.
+MAX_TTL_S = 3600.0
 
 
 def _error(status: int, reason: str) -> web.Response:
@@ -60,8 +62,9 @@ class _Handlers:
             if not isinstance(body, dict) or body.get("version") != MEMBER_VERSION:
                 raise MembershipError(f"PUT body must be {{'version': {MEMBER_VERSION}, 'member', 'ttl_s'}}")
             member, ttl_s = Member.from_dict(body.get("member")), float(body.get("ttl_s", self._default_ttl_s))
-            if member.instance_id != request.match_info["instance_id"] or ttl_s <= 0:
-                raise MembershipError("the path's id must be the member's instance_id, and ttl_s > 0")
+            if member.instance_id != request.match_info["instance_id"] or not 0 < ttl_s <= MAX_TTL_S:
+                raise MembershipError(f"the path's id must be the member's instance_id, and 0 < ttl_s <= "
+                                      f"{MAX_TTL_S:g}")
         except (ValueError, TypeError, MembershipError) as exc:
             return _error(400, f"bad member registration: {exc}")
         if self._table.put(member, ttl_s, time.monotonic()) is PutResult.STALE_EPOCH:
@@ -104,11 +107,13 @@ class _Handlers:
         task.cancel()
 
 
-def build_app(table: MemberTable, secret: bytes | None, default_ttl_s: float = 10.0) -> web.Application:
+def build_app(table: MemberTable, secret: bytes | None, default_ttl_s: float = 10.0,
+              names: tuple[str, ...] = ()) -> web.Application:
     """The registry's aiohttp application over ``table``; the fleet secret (None: open) guards every route
-    but ``GET /health``; ``default_ttl_s`` applies to a PUT without ``ttl_s``."""
+    but ``GET /health``, for requests signed to this server (``names``: the bind and advertised hosts, see
+    ``bootstrap.auth.Authorities``); ``default_ttl_s`` applies to a PUT without ``ttl_s``."""
     h = _Handlers(table, default_ttl_s)
-    app = web.Application(middlewares=[auth_middleware(secret)])
+    app = web.Application(middlewares=[auth_middleware(secret, names)])
     member = "/v1/members/{instance_id:.+}"
     app.add_routes([web.post(member + "/keepalive", h.keepalive), web.put(member, h.put),
                     web.delete(member, h.delete), web.get("/v1/members", h.members),
@@ -126,8 +131,9 @@ class RegistryServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                 ttl_s: float = 10.0) -> None:
+                 ttl_s: float = 10.0, advertise_host: str = "") -> None:
         self._host, self._port, self._secret, self._ttl_s = host, port, secret, ttl_s
+        self._names = (host, advertise_host)
         self.table = MemberTable()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -166,7 +172,7 @@ class RegistryServer:
         asyncio.set_event_loop(self._loop)
         try:
             self._runner = self._loop.run_until_complete(_start_site(self.table, self._host, self._port,
-                                                                     self._secret, self._ttl_s))
+                                                                     self._secret, self._ttl_s, self._names))
             self.port = self._runner.addresses[0][1]
         except OSError as exc:
             errors.append(exc)
@@ -178,20 +184,21 @@ class RegistryServer:
 
 
 async def _start_site(table: MemberTable, host: str, port: int, secret: bytes | None,
-                      ttl_s: float) -> web.AppRunner:
-    runner = web.AppRunner(build_app(table, secret, ttl_s), access_log=None)
+                      ttl_s: float, names: tuple[str, ...] = ()) -> web.AppRunner:
+    runner = web.AppRunner(build_app(table, secret, ttl_s, names), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
 
 
 def run_forever(host: str, port: int, secret: bytes | None, ttl_s: float = 10.0,
-                ignore_sigint: bool = False) -> None:
+                ignore_sigint: bool = False, advertise_host: str = "") -> None:
     """Serves in the calling thread (``python -m bootstrap.membership``) until SIGTERM, or SIGINT unless
     ``ignore_sigint`` (a launcher's Ctrl-C reaches its whole process group: the registry should outlive the
-    members that withdraw while they stop)."""
+    members that withdraw while they stop). ``advertise_host``: the name members dial it by, when not ``host``
+    (signatures name the server they are for: ``bootstrap.auth.Authorities``)."""
     async def serve() -> None:
-        runner = await _start_site(MemberTable(), host, port, secret, ttl_s)
+        runner = await _start_site(MemberTable(), host, port, secret, ttl_s, (host, advertise_host))
         logger.info("membership registry on http://%s:%d (fleet secret %s)", host, runner.addresses[0][1],
                     "required" if secret else "off: loopback only")
         stop = asyncio.Event()

@@ -74,13 +74,13 @@ def sign_call(secret: bytes, request_id: str, now_s: float) -> str:
     """Router side: the fleet signature of one child stream whose request id is ``request_id`` (sent in its
     ``OPEN`` frame, ``child_frames``)
     (``bootstrap.auth.sign`` over ``POST``, ``STREAM_METHOD`` and the id's bytes); ``now_s``: unix seconds."""
-    return sign(secret, "POST", STREAM_METHOD, request_id.encode(), now_s)
+    return sign(secret, "POST", "", STREAM_METHOD, request_id.encode(), now_s)
 
 
 def verify_call(secret: bytes, request_id: str, header: str | None, now_s: float) -> None:
     """Child side, the inverse of ``sign_call``. Raises ``bootstrap.auth.AuthError`` naming the reason (missing,
     malformed, stale or wrong signature); replays are the caller's to refuse."""
-    verify(secret, "POST", STREAM_METHOD, request_id.encode(), header, now_s)
+    verify(secret, "POST", "", STREAM_METHOD, request_id.encode(), header, now_s)
 
 
 class ChildSchemaMismatch(Exception):

@@ -15,12 +15,16 @@ from aiohttp import web
 
 from bootstrap.auth import (
     AUTH_HEADER,
+    Authorities,
     AuthError,
     HmacAuth,
-    _ReplayGuard,
+    ReplayGuard,
+    admin_key,
     auth_middleware,
     check_bind,
+    check_record_mac,
     load_fleet_secret,
+    record_mac,
     sign,
     verify,
 )
@@ -29,42 +33,93 @@ SECRET = b"fleet-secret-for-tests"
 NOW = 1_800_000_000.0
 
 
+AUTHORITY = "10.0.0.2:8998"
+
+
 def test_a_signed_request_verifies() -> None:
-    header = sign(SECRET, "POST", "/v1/rooms?x=1", b'{"room": 7}', NOW)
-    assert header.startswith("v1 t=1800000000,n=")
-    verify(SECRET, "POST", "/v1/rooms?x=1", b'{"room": 7}', header, NOW + 29.0)
+    header = sign(SECRET, "POST", AUTHORITY, "/v1/rooms?x=1", b'{"room": 7}', NOW)
+    assert header.startswith("v2 t=1800000000,n=")
+    verify(SECRET, "POST", AUTHORITY, "/v1/rooms?x=1", b'{"room": 7}', header, NOW + 29.0)
 
 
-@pytest.mark.parametrize("method, path_qs, body, secret", [
-    ("POST", "/v1/rooms?x=1", b'{"room": 8}', SECRET),      # body altered
-    ("POST", "/v1/rooms?x=2", b'{"room": 7}', SECRET),      # query altered
-    ("POST", "/v1/rooms/abort?x=1", b'{"room": 7}', SECRET),  # path altered
-    ("DELETE", "/v1/rooms?x=1", b'{"room": 7}', SECRET),    # method altered
-    ("POST", "/v1/rooms?x=1", b'{"room": 7}', b"another fleet"),
+@pytest.mark.parametrize("method, authority, path_qs, body, secret", [
+    ("POST", AUTHORITY, "/v1/rooms?x=1", b'{"room": 8}', SECRET),        # body altered
+    ("POST", AUTHORITY, "/v1/rooms?x=2", b'{"room": 7}', SECRET),        # query altered
+    ("POST", AUTHORITY, "/v1/rooms/abort?x=1", b'{"room": 7}', SECRET),  # path altered
+    ("DELETE", AUTHORITY, "/v1/rooms?x=1", b'{"room": 7}', SECRET),      # method altered
+    ("POST", "10.0.0.3:8998", "/v1/rooms?x=1", b'{"room": 7}', SECRET),   # another server
+    ("POST", "10.0.0.2:8999", "/v1/rooms?x=1", b'{"room": 7}', SECRET),   # another port of the same host
+    ("POST", "decode@10.0.0.2:8001", "/v1/rooms?x=1", b'{"room": 7}', SECRET),   # another target instance
+    ("POST", AUTHORITY, "/v1/rooms?x=1", b'{"room": 7}', b"another fleet"),
 ])
-def test_any_change_breaks_the_signature(method: str, path_qs: str, body: bytes, secret: bytes) -> None:
-    header = sign(SECRET, "POST", "/v1/rooms?x=1", b'{"room": 7}', NOW)
+def test_any_change_breaks_the_signature(method: str, authority: str, path_qs: str, body: bytes,
+                                         secret: bytes) -> None:
+    header = sign(SECRET, "POST", AUTHORITY, "/v1/rooms?x=1", b'{"room": 7}', NOW)
     with pytest.raises(AuthError, match="bad signature"):
-        verify(secret, method, path_qs, body, header, NOW)
+        verify(secret, method, authority, path_qs, body, header, NOW)
 
 
-@pytest.mark.parametrize("skew_s", [-31.0, 31.0])
+@pytest.mark.parametrize("skew_s", [-31.0, 31.0, -1e9])
 def test_a_timestamp_outside_the_window_is_refused(skew_s: float) -> None:
-    header = sign(SECRET, "GET", "/v1/members", b"", NOW)
+    header = sign(SECRET, "GET", AUTHORITY, "/v1/members", b"", NOW)
     with pytest.raises(AuthError, match="timestamp outside the 30 s window"):
-        verify(SECRET, "GET", "/v1/members", b"", header, NOW + skew_s)
+        verify(SECRET, "GET", AUTHORITY, "/v1/members", b"", header, NOW + skew_s)
 
 
 @pytest.mark.parametrize("header, reason", [
     (None, "missing X-PD-Fleet-Auth header: this fleet requires the fleet secret .PD_FLEET_SECRET."),
     ("", "missing X-PD-Fleet-Auth header"),
-    ("v2 t=1,n=2,s=3", "unsupported X-PD-Fleet-Auth scheme 'v2'"),
-    ("v1 t=soon,n=2,s=3", "malformed X-PD-Fleet-Auth header"),
-    ("v1 n=2,s=3", "malformed X-PD-Fleet-Auth header"),
+    ("v1 t=1,n=2,s=3", "unsupported X-PD-Fleet-Auth scheme 'v1'"),
+    ("v2 t=soon,n=00000000000000000,s=" + "0" * 64, "malformed X-PD-Fleet-Auth header"),
+    ("v2 n=0000000000000000,s=" + "0" * 64, "malformed X-PD-Fleet-Auth header"),
+    ("v2 t=1" + "0" * 400 + ",n=0000000000000000,s=" + "0" * 64, "malformed X-PD-Fleet-Auth header"),
+    ("v2 t=1" + "0" * 40 + ",n=0000000000000000,s=" + "0" * 64, "malformed X-PD-Fleet-Auth header"),
+    ("v2 t=1,n=0000000000000000,s=" + "0" * 63, "malformed X-PD-Fleet-Auth header"),
+    ("v2 t=1,n=zz00000000000000,s=" + "0" * 64, "malformed X-PD-Fleet-Auth header"),
 ])
 def test_a_missing_or_malformed_header_says_so(header: str | None, reason: str) -> None:
     with pytest.raises(AuthError, match=reason):
-        verify(SECRET, "GET", "/v1/members", b"", header, NOW)
+        verify(SECRET, "GET", AUTHORITY, "/v1/members", b"", header, NOW)
+
+
+@pytest.mark.parametrize("authority, canonical", [
+    ("10.0.0.2:8998", "10.0.0.2:8998"), ("Registry.Example:80", "registry.example:80"),
+    ("registry.example", "registry.example:80"), ("[::1]:9000", "[::1]:9000"), ("[::1]", "[::1]:80"),
+])
+def test_authorities_are_compared_in_one_canonical_form(authority: str, canonical: str) -> None:
+    assert Authorities.canonical(authority) == canonical
+
+
+def test_an_authority_is_ours_only_on_our_port_and_under_our_names() -> None:
+    ours = Authorities(["registry.example", "0.0.0.0"])
+    assert ours.check("10.0.0.2:8998", "10.0.0.2", 8998) == "10.0.0.2:8998"      # the address dialed
+    assert ours.check("Registry.Example:8998", "10.0.0.2", 8998) == "registry.example:8998"   # a given name
+    assert ours.check("localhost:8998", "127.0.0.1", 8998) == "localhost:8998"
+    for authority in ("10.0.0.2:8999", "10.0.0.3:8998", "other.example:8998", "0.0.0.0:8998"):
+        with pytest.raises(AuthError, match="signed for another server"):
+            ours.check(authority, "10.0.0.2", 8998)
+    for authority in ("10.0.0.2:99999", "10.0.0.2:x", ":8998", "a:b:c"):
+        with pytest.raises(AuthError, match="malformed authority|signed for another server"):
+            ours.check(authority, "10.0.0.2", 8998)
+
+
+def test_a_record_mac_binds_kind_and_payload() -> None:
+    mac = record_mac(SECRET, "member", b'{"instance_id": "decode@h:1"}')
+    check_record_mac(SECRET, "member", b'{"instance_id": "decode@h:1"}', mac)
+    for secret, kind, payload in [(b"other", "member", b'{"instance_id": "decode@h:1"}'),
+                                  (SECRET, "other", b'{"instance_id": "decode@h:1"}'),
+                                  (SECRET, "member", b'{"instance_id": "decode@h:2"}')]:
+        with pytest.raises(AuthError, match="bad member record signature|bad other record signature"):
+            check_record_mac(secret, kind, payload, mac)
+    for missing in (None, "", 7, "ab"):
+        with pytest.raises(AuthError, match="unsigned member record"):
+            check_record_mac(SECRET, "member", b"{}", missing)
+
+
+def test_the_admin_key_is_derived_from_the_secret_and_is_not_it() -> None:
+    key = admin_key(SECRET)
+    assert len(key) == 64 and key == admin_key(SECRET) != admin_key(b"another fleet")
+    assert SECRET.decode() not in key
 
 
 class _App:
@@ -157,8 +212,8 @@ def test_middleware_refuses_a_wrong_secret_and_a_replay(secured: _App) -> None:
 
 
 def test_the_replay_guard_forgets_a_signature_once_verify_would_refuse_its_timestamp() -> None:
-    guard = _ReplayGuard(30.0)
-    header = sign(SECRET, "GET", "/v1/members", b"", NOW)
+    guard = ReplayGuard(30.0)
+    header = sign(SECRET, "GET", AUTHORITY, "/v1/members", b"", NOW)
     guard.admit(header, NOW)
     with pytest.raises(AuthError, match="replayed request"):
         guard.admit(header, NOW + 30.0)
@@ -166,9 +221,37 @@ def test_the_replay_guard_forgets_a_signature_once_verify_would_refuse_its_times
 
 
 def test_middleware_refuses_a_signature_for_another_body(secured: _App) -> None:
-    header = sign(SECRET, "POST", "/echo", b"what was signed", time.time())
+    header = sign(SECRET, "POST", f"127.0.0.1:{secured.port}", "/echo", b"what was signed", time.time())
     response = requests.post(secured.url("/echo"), data=b"what was sent", headers={AUTH_HEADER: header}, timeout=5)
     assert response.status_code == 401 and response.json()["error"].startswith("bad signature")
+
+
+def test_middleware_refuses_a_signature_made_for_another_server(secured: _App) -> None:
+    """A call signed for (and sent to) another server on this host, replayed here: refused, though its
+    method, path, body and time are all valid."""
+    other = _App(SECRET)
+    try:
+        sent = requests.post(other.url("/echo"), data=b"x", auth=HmacAuth(SECRET), timeout=5)
+        assert sent.status_code == 200
+        replay = requests.post(secured.url("/echo"), data=b"x", timeout=5,
+                               headers={AUTH_HEADER: sent.request.headers[AUTH_HEADER],
+                                        "Host": sent.request.headers["Host"]})
+        assert replay.status_code == 401 and "signed for another server" in replay.json()["error"]
+        # the same signature with this server's Host header: the MAC names the other server
+        replay = requests.post(secured.url("/echo"), data=b"x", timeout=5,
+                               headers={AUTH_HEADER: sent.request.headers[AUTH_HEADER]})
+        assert replay.status_code == 401 and replay.json()["error"].startswith("bad signature")
+    finally:
+        other.stop()
+
+
+@pytest.mark.parametrize("header", [
+    "v2 t=1" + "0" * 400 + ",n=0000000000000000,s=" + "0" * 64, "x" * 5_000, "x" * 10_000, "v2 t=,n=,s=", "\u00e9" * 20,
+])
+def test_middleware_answers_a_hostile_header_with_401_not_500(secured: _App, header: str) -> None:
+    response = requests.post(secured.url("/echo"), data=b"x", headers={AUTH_HEADER: header.encode("utf-8")},
+                             timeout=5)
+    assert 400 <= response.status_code < 500, response.text   # 10 k: aiohttp's own limit answers 400 first
 
 
 def test_load_fleet_secret_reads_the_variable_or_the_file(tmp_path: Path) -> None:

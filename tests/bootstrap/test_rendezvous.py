@@ -114,3 +114,78 @@ def test_without_the_fleet_secret_no_caller_can_post_release_or_read_a_room() ->
         fleet.close()
     finally:
         rendezvous.stop()
+
+
+def _secured(secret: bytes, instance_id: str) -> Rendezvous:
+    rendezvous = Rendezvous(RendezvousConfig(host="127.0.0.1", port=0, secret=secret))
+    rendezvous.start()
+    rendezvous.register(Registration(instance_id, "prefill", 1, f"{instance_id}#1", "", "h",
+                                     rendezvous_url=rendezvous.url))
+    return rendezvous
+
+
+def test_a_signed_call_replayed_to_another_instance_is_refused() -> None:
+    """A read-only GET signed for instance A (captured on the wire), sent to instance B within its 30 s with
+    either Host header: 401 (another server's signature); the same call signed for B works."""
+    import requests
+
+    from bootstrap.auth import AUTH_HEADER, HmacAuth
+
+    secret = b"fleet-secret"
+    a, b = _secured(secret, "p0"), _secured(secret, "p1")
+    try:
+        sent = requests.get(f"{a.url}/v1/instances", auth=HmacAuth(secret), timeout=5)
+        assert sent.status_code == 200
+        captured = {AUTH_HEADER: sent.request.headers[AUTH_HEADER]}
+        for headers in (captured, {**captured, "Host": sent.request.headers["Host"]}):
+            replay = requests.get(f"{b.url}/v1/instances", headers=headers, timeout=5)
+            assert replay.status_code == 401, replay.text
+        assert requests.get(f"{b.url}/v1/instances", auth=HmacAuth(secret), timeout=5).status_code == 200
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/rooms", b"[1, 2]"), ("/v1/rooms", b"null"), ("/v1/rooms", b'"text"'), ("/v1/rooms", b"\xff\xfe"),
+    ("/v1/rooms", b"[" * 100_000), ("/v1/rooms/release", b"[]"), ("/v1/rooms/release", b"{}"),
+])
+def test_hostile_bodies_are_a_400_before_and_after_authentication(path: str, body: bytes) -> None:
+    """Bodies that are not an envelope object: 401 unsigned, 400 signed (never a 500)."""
+    import requests
+
+    from bootstrap.auth import HmacAuth
+
+    secret = b"fleet-secret"
+    rendezvous = _secured(secret, "p0")
+    try:
+        assert requests.post(rendezvous.url + path, data=body, timeout=5).status_code == 401
+        signed = requests.post(rendezvous.url + path, data=body, auth=HmacAuth(secret), timeout=5)
+        assert signed.status_code == 400, signed.text
+    finally:
+        rendezvous.stop()
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("room", [7], "room must be int"), ("dst_page_ids", "1,2,3", "dst_page_ids must be a list"),
+    ("dst_page_ids", list(range(100_000)), "more than 65536"), ("dst_page_ids", [1, -2], "non-negative"),
+    ("dst_page_ids", [1, "2"], "dst_page_ids must be int"), ("aux_slot", True, "aux_slot must be int"),
+    ("decode_instance_id", None, "decode_instance_id must be str"), ("extra", 1, "unknown fields"),
+])
+def test_a_signed_destination_of_the_wrong_shape_is_refused_with_400(field: str, value: object,
+                                                                     reason: str) -> None:
+    import requests
+
+    from bootstrap.auth import HmacAuth
+
+    secret = b"fleet-secret"
+    rendezvous = _secured(secret, "p0")
+    try:
+        envelope = json.loads(encode(Destination(9, "p0", "d0", "d0#1", "x", [1], 0, 0, "http://d0:1")))
+        envelope["body"][field] = value
+        response = requests.post(rendezvous.url + "/v1/rooms", data=json.dumps(envelope).encode(),
+                                 auth=HmacAuth(secret), timeout=5)
+        assert response.status_code == 400 and reason in response.text, response.text
+        assert rendezvous.take_destinations("p0") == []
+    finally:
+        rendezvous.stop()
