@@ -1,17 +1,20 @@
 """HTTP client of a rendezvous (one instance's own, ``bootstrap.rendezvous``); every call has a timeout and raises
 ``BootstrapError`` on failure (``RendezvousRefused`` when nothing listens there any more).
 
+With the fleet's TLS setting (``bootstrap.tls.FleetTLS``) a client speaks HTTPS only: it checks the server's
+certificate against the fleet's CA and the URL's host, and refuses an ``http://`` URL.
+
 Not thread-safe: one client per thread (a KV manager's thread keeps a ``ClientPool``, one client per peer URL).
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import quote
 
 import requests
 
-from bootstrap.errors import BootstrapError, RendezvousRefused
+from bootstrap.errors import BootstrapError, RendezvousRefused, TLSRefused
 from bootstrap.messages import (
     Destination,
     DestinationBatch,
@@ -28,15 +31,28 @@ from bootstrap.messages import (
     encode,
 )
 
+if TYPE_CHECKING:
+    from bootstrap.tls import FleetTLS
+
 M = TypeVar("M")
 
 
 class BootstrapClient:
-    def __init__(self, base_url: str, timeout_s: float = 2.0, secret: bytes | None = None) -> None:
-        """``secret``: the fleet secret; every request is then signed (``bootstrap.auth.HmacAuth``)."""
+    def __init__(self, base_url: str, timeout_s: float = 2.0, secret: bytes | None = None,
+                 tls: FleetTLS | None = None) -> None:
+        """``secret``: the fleet secret; every request is then signed (``bootstrap.auth.HmacAuth``). ``tls``:
+        the fleet's TLS setting; the server must then be ``https://`` with a certificate its CA signed for the
+        URL's host. Raises ``bootstrap.tls.TLSError`` (a ``BootstrapError``) for an ``http://`` URL with
+        TLS."""
+        if tls is not None:
+            from bootstrap.tls import check_url
+
+            check_url(base_url, tls, "the rendezvous")
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s
         self._session = requests.Session()
+        if tls is not None:
+            tls.apply(self._session)
         if secret is not None:
             from bootstrap.auth import HmacAuth
 
@@ -97,6 +113,11 @@ class BootstrapClient:
         try:
             kwargs.setdefault("timeout", self._timeout_s)
             return self._session.request(method, self._base_url + path, **kwargs)  # type: ignore[arg-type]
+        except requests.exceptions.SSLError as exc:
+            error = TLSRefused if _tls_refused(exc) else BootstrapError
+            raise error(f"{method} {self._base_url}{path}: TLS handshake failed (a server whose certificate "
+                        f"the fleet's CA did not sign for this host, or one that does not speak TLS): "
+                        f"{exc}") from exc
         except requests.ConnectionError as exc:
             if _refused(exc):
                 raise RendezvousRefused(f"{method} {self._base_url}{path}: connection refused") from exc
@@ -113,18 +134,21 @@ class ClientPool:
     """One ``BootstrapClient`` per rendezvous URL (a manager talks to each peer's own rendezvous); the owner's
     thread only, like the clients."""
 
-    def __init__(self, timeout_s: float = 2.0, secret: bytes | None = None) -> None:
+    def __init__(self, timeout_s: float = 2.0, secret: bytes | None = None,
+                 tls: FleetTLS | None = None) -> None:
         self._timeout_s = timeout_s
         self._secret = secret
+        self._tls = tls
         self._clients: dict[str, BootstrapClient] = {}
 
     def get(self, url: str) -> BootstrapClient:
-        """The client of rendezvous ``url`` (``http://host:port``); raises ``BootstrapError`` on an empty URL."""
+        """The client of rendezvous ``url`` (``http://host:port``, ``https://`` with TLS); raises
+        ``BootstrapError`` on an empty URL, or an ``http://`` one with TLS."""
         if not url:
             raise BootstrapError("no rendezvous URL for this peer")
         client = self._clients.get(url)
         if client is None:
-            client = self._clients[url] = BootstrapClient(url, self._timeout_s, self._secret)
+            client = self._clients[url] = BootstrapClient(url, self._timeout_s, self._secret, self._tls)
         return client
 
     def close(self) -> None:
@@ -133,20 +157,35 @@ class ClientPool:
         self._clients.clear()
 
 
-def _refused(exc: BaseException) -> bool:
-    """True when the cause chain holds a ``ConnectionRefusedError`` (nothing listens at the port)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
+def _tls_refused(exc: BaseException) -> bool:
+    """True when the cause chain holds a certificate the client rejected, or a server that answered the
+    handshake with something else than TLS (``TLSRefused``); False for a handshake cut short."""
+    from bootstrap.tls import ssl_module
+
+    ssl = ssl_module()
+    return any(isinstance(e, ssl.SSLCertVerificationError)
+               or (isinstance(e, ssl.SSLError) and getattr(e, "reason", "") == "WRONG_VERSION_NUMBER")
+               for e in _causes(exc))
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception its cause chain, context and arguments hold (``requests`` wraps
+    urllib3's, which wraps the socket's)."""
+    seen: dict[int, BaseException] = {}
+    todo: list[object] = [exc]
     while todo:
         e = todo.pop()
-        if e is None or id(e) in seen:
+        if not isinstance(e, BaseException) or id(e) in seen:
             continue
-        seen.add(id(e))
-        if isinstance(e, ConnectionRefusedError):
-            return True
-        todo.extend([e.__cause__, e.__context__, *[a for a in getattr(e, "args", ()) if isinstance(a, BaseException)],
-                     getattr(e, "reason", None) if isinstance(getattr(e, "reason", None), BaseException) else None])
-    return "Connection refused" in str(exc)
+        seen[id(e)] = e
+        todo.extend([e.__cause__, e.__context__, *getattr(e, "args", ()), getattr(e, "reason", None)])
+    return list(seen.values())
+
+
+def _refused(exc: BaseException) -> bool:
+    """True when the cause chain holds a ``ConnectionRefusedError`` (nothing listens at the port)."""
+    causes = _causes(exc)
+    return any(isinstance(e, ConnectionRefusedError) for e in causes) or "Connection refused" in str(exc)
 
 
 def _path(instance_id: str) -> str:

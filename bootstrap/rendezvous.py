@@ -8,7 +8,7 @@ instance still lives (a refused connection says the process is gone). SGLang hos
 prefill server the same way; here both roles host one, since prefill fetches decode's registration too.
 
 Routes (every body a ``bootstrap.messages`` envelope; with a fleet secret every route but ``/health`` needs a
-valid ``X-PD-Fleet-Auth`` header):
+valid ``X-PD-Fleet-Auth`` header; with ``RendezvousConfig.tls`` it serves HTTPS, ``bootstrap.tls``):
   GET    /v1/instances                     → InstanceList (this instance, with its load: the routers' poll)
   GET    /v1/instances/{id}                → Registration (404 unless ``id`` is this instance)
   POST   /v1/rooms          Destination    → PostResult (409 room in use, 404 not this prefill instance)
@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -45,6 +46,9 @@ from bootstrap.messages import (
 )
 from bootstrap.registry import Registry, RegistryConfig
 
+if TYPE_CHECKING:
+    from bootstrap.tls import FleetTLS
+
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
@@ -54,13 +58,16 @@ Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 class RendezvousConfig:
     """``host``: the address the server binds (the one peers reach: the instance's advertised address);
     ``port`` 0 picks a free one. ``advertise_host``: how peers reach it (default ``host``). ``secret``: the
-    fleet secret (``bootstrap.auth``); None: unauthenticated, which only a loopback bind may be."""
+    fleet secret (``bootstrap.auth``); None: unauthenticated, which only a loopback bind may be. ``tls``:
+    serve HTTPS with the fleet's certificate (``bootstrap.tls``; it must name the advertised host); None:
+    HTTP."""
 
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str = ""
     registry: RegistryConfig = RegistryConfig()
     secret: bytes | None = None
+    tls: FleetTLS | None = None
 
 
 def _reply(message: object, status: int = 200) -> web.Response:
@@ -114,14 +121,15 @@ class Rendezvous:
 
     @property
     def url(self) -> str:
-        """``http://<advertise host>:<port>`` (after ``start``)."""
-        return f"http://{self._config.advertise_host or self._config.host}:{self.port}"
+        """``http://<advertise host>:<port>`` (``https://`` with TLS), after ``start``."""
+        scheme = "http" if self._config.tls is None else "https"
+        return f"{scheme}://{self._config.advertise_host or self._config.host}:{self.port}"
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def start(self, name: str = "rendezvous", timeout_s: float = 10.0) -> int:
         """Binds and serves on a new thread; returns the bound port. Raises ``BootstrapError`` when the server
         cannot start (address in use, an address this host does not have, a non-loopback bind without a
-        secret)."""
+        secret, TLS files that no longer load)."""
         from bootstrap.auth import check_bind
 
         check_bind(self._config.host, self._config.secret, "the rendezvous")
@@ -167,7 +175,9 @@ class Rendezvous:
     async def _start_site(self) -> web.AppRunner:
         runner = web.AppRunner(self.build_app(), access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, self._config.host, self._config.port).start()
+        tls = self._config.tls
+        await web.TCPSite(runner, self._config.host, self._config.port,
+                          ssl_context=None if tls is None else tls.server_context()).start()
         return runner
 
     # --- the routes (the server's loop thread) --------------------------------------------------------------

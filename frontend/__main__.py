@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 
 from frontend.app import create_app
-from frontend.backend import TritonGrpcBackend
+from frontend.backend import GrpcTlsFiles, TritonGrpcBackend
 from frontend.chat import ChatRenderer
 from frontend.config import FrontendConfig
 
@@ -37,18 +37,30 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[FrontendConfig, str
     p.add_argument("--graceful-shutdown-s", type=float, default=d.graceful_shutdown_s)
     p.add_argument("--grpc-keepalive-s", type=float, default=d.grpc_keepalive_s,
                    help="HTTP/2 keepalive pings to the server (0: none; the server must permit the interval)")
+    p.add_argument("--grpc-ssl-root-cert", default=d.grpc_ssl_root_cert,
+                   help="PEM CA of the server's certificate: TLS to a tritonserver with --grpc-use-ssl")
+    p.add_argument("--grpc-ssl-client-cert", default=d.grpc_ssl_client_cert,
+                   help="PEM certificate the front presents (a server with --grpc-use-ssl-mutual)")
+    p.add_argument("--grpc-ssl-client-key", default=d.grpc_ssl_client_key, help="its PEM private key")
+    p.add_argument("--grpc-ssl-target-name", default=d.grpc_ssl_target_name,
+                   help="the name the server's certificate must hold (default: the host of --grpc-url)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a = p.parse_args(argv)
     config = FrontendConfig(host=a.host, port=a.port, grpc_url=a.grpc_url, model=a.model,
                             served_model_name=a.served_model_name, tokenizer=a.tokenizer,
                             default_max_tokens=a.default_max_tokens, graceful_shutdown_s=a.graceful_shutdown_s,
-                            grpc_keepalive_s=a.grpc_keepalive_s)
+                            grpc_keepalive_s=a.grpc_keepalive_s, grpc_ssl_root_cert=a.grpc_ssl_root_cert,
+                            grpc_ssl_client_cert=a.grpc_ssl_client_cert,
+                            grpc_ssl_client_key=a.grpc_ssl_client_key,
+                            grpc_ssl_target_name=a.grpc_ssl_target_name)
     return config, a.log_level
 
 
 def build_app(config: FrontendConfig) -> FastAPI:
     """The app with its real collaborators (the gRPC backend, the model's chat template)."""
-    backend = TritonGrpcBackend(config.grpc_url, config.model, keepalive_s=config.grpc_keepalive_s)
+    tls = GrpcTlsFiles(config.grpc_ssl_root_cert, config.grpc_ssl_client_cert, config.grpc_ssl_client_key,
+                       config.grpc_ssl_target_name) if config.grpc_ssl_root_cert else None
+    backend = TritonGrpcBackend(config.grpc_url, config.model, keepalive_s=config.grpc_keepalive_s, tls=tls)
     return create_app(config, backend, ChatRenderer.load(config.tokenizer))
 
 

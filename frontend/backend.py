@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from frontend.wire import (
@@ -54,20 +55,36 @@ class Backend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class GrpcTlsFiles:
+    """TLS of the front's channel (``FrontendConfig.grpc_ssl_*``): the CA file, the optional client
+    certificate and key files (mutual TLS), the optional name the server's certificate must hold."""
+
+    root_cert: str
+    client_cert: str = ""
+    client_key: str = ""
+    target_name: str = ""
+
+
 class TritonGrpcBackend:
     """``Backend`` over tritonclient's asyncio gRPC client to ``model`` at ``url`` (``host:port``)."""
 
-    def __init__(self, url: str, model: str, keepalive_s: float = 0.0, health_timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, model: str, keepalive_s: float = 0.0, health_timeout_s: float = 2.0,
+                 tls: GrpcTlsFiles | None = None) -> None:
         """Builds nothing yet: the channel is made on first use (it must belong to the running event loop).
 
         ``keepalive_s``: HTTP/2 keepalive ping interval, 0 = none (tritonclient's default). tritonserver
         answers pings more frequent than its ``--grpc-http2-min-recv-ping-interval-without-data`` (5 min by
         default) with GOAWAY ``too_many_pings``, which breaks every stream on the channel: seen with 10 s pings
-        during a genai-perf run (503s). Set it only below a server configured to accept it."""
+        during a genai-perf run (503s). Set it only below a server configured to accept it.
+
+        ``tls``: speak TLS to a tritonserver with ``--grpc-use-ssl`` (its files are read when the channel is
+        made); None: plaintext."""
         self.url = url
         self.model = model
         self._keepalive_s = keepalive_s
         self._health_timeout_s = health_timeout_s
+        self._tls = tls
         self._client: Any = None   # tritonclient.grpc.aio.InferenceServerClient (untyped)
         self._contract: Contract | None = None
 
@@ -81,18 +98,42 @@ class TritonGrpcBackend:
                 ms = int(self._keepalive_s * 1000)
                 options = KeepAliveOptions(keepalive_time_ms=ms, keepalive_timeout_ms=ms,
                                            keepalive_permit_without_calls=False)
-            self._client = InferenceServerClient(self.url, keepalive_options=options)
+            self._client = InferenceServerClient(self.url, **self._tls_kwargs(options))
         return self._client
+
+    def _tls_kwargs(self, keepalive: Any) -> dict[str, Any]:
+        """tritonclient's channel arguments: keepalive, and TLS when set (with a target name, the channel's
+        options are given whole: tritonclient then uses them instead of its keepalive defaults)."""
+        if self._tls is None:
+            return {"keepalive_options": keepalive}
+        tls = self._tls
+        kwargs: dict[str, Any] = {"keepalive_options": keepalive, "ssl": True,
+                                  "root_certificates": tls.root_cert, "private_key": tls.client_key or None,
+                                  "certificate_chain": tls.client_cert or None}
+        if tls.target_name:
+            from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
+
+            kwargs["channel_args"] = [
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+                ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+                ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+                ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+                ("grpc.ssl_target_name_override", tls.target_name)]
+        return kwargs
 
     async def contract(self) -> Contract:
         if self._contract is None:
             from tritonclient.utils import InferenceServerException
 
             try:
-                config = await self._grpc().get_model_config(self.model, as_json=True)
+                # metadata, not the model config: a fleet server restricts model-config to its admin key
+                # (serving.triton.admin_access); the declared inputs are in both
+                metadata = await self._grpc().get_model_metadata(self.model, as_json=True)
             except InferenceServerException as e:
                 raise BackendUnavailable(f"model {self.model!r} at {self.url}: {e.message()}") from None
-            names = frozenset(item["name"] for item in config.get("config", {}).get("input", []))
+            names = frozenset(item["name"] for item in metadata.get("inputs", []))
             self._contract = Contract(names)
             logger.info("model %s at %s declares inputs %s", self.model, self.url, sorted(names))
         return self._contract

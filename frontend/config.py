@@ -19,6 +19,12 @@ class FrontendConfig:
         graceful_shutdown_s: how long open streams may run on at shutdown before they are cancelled.
         grpc_keepalive_s: HTTP/2 keepalive pings to the server, seconds; 0 = none (see ``TritonGrpcBackend``:
             tritonserver's defaults answer frequent pings with GOAWAY, which breaks every open stream).
+        grpc_ssl_root_cert: PEM file of the CA that signed the server's certificate: the front speaks TLS to a
+            tritonserver with ``--grpc-use-ssl``; empty: plaintext.
+        grpc_ssl_client_cert, grpc_ssl_client_key: PEM certificate and key the front presents (a server with
+            ``--grpc-use-ssl-mutual``); both or neither, and only with ``grpc_ssl_root_cert``.
+        grpc_ssl_target_name: the name the server's certificate is checked against instead of the host of
+            ``grpc_url``; empty: that host.
     """
 
     host: str = "127.0.0.1"
@@ -30,6 +36,10 @@ class FrontendConfig:
     default_max_tokens: int = 512
     graceful_shutdown_s: float = 5.0
     grpc_keepalive_s: float = 0.0
+    grpc_ssl_root_cert: str = ""
+    grpc_ssl_client_cert: str = ""
+    grpc_ssl_client_key: str = ""
+    grpc_ssl_target_name: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +52,10 @@ class FrontendConfig:
             raise ValueError(f"grpc_keepalive_s must be >= 0, got {self.grpc_keepalive_s}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if bool(self.grpc_ssl_client_cert) != bool(self.grpc_ssl_client_key):
+            raise ValueError("grpc_ssl_client_cert and grpc_ssl_client_key go together: set both or neither")
+        if not self.grpc_ssl_root_cert and (self.grpc_ssl_client_cert or self.grpc_ssl_target_name):
+            raise ValueError("the other grpc_ssl_* settings need grpc_ssl_root_cert")
 
     @property
     def public_name(self) -> str:

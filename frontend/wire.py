@@ -35,7 +35,7 @@ _LOGPROB_FLAGS = ("return_logprobs", "return_cumulative_logprob")
 
 @dataclass(frozen=True)
 class Contract:
-    """What the served model declares, read once from its config (``get_model_config``).
+    """What the served model declares, read once from its metadata (``get_model_metadata``).
 
     Attributes:
         input_names: the model's declared inputs.

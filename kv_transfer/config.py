@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kv_transfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    from bootstrap.tls import FleetTLS
 
 ROLES = ("prefill", "decode")
 
@@ -38,6 +42,7 @@ class KVArgs:
                                            # connection: at once)
     rendezvous_port: int = 0               # our rendezvous server's port on ``local_hostname`` (0: a free one)
     fleet_secret: bytes | None = None      # HMAC key of rendezvous calls (bootstrap.auth); None: loopback only
+    fleet_tls: FleetTLS | None = None      # the rendezvous serves HTTPS, peers' are dialed so (bootstrap.tls)
     bootstrap_poll_interval_s: float = 0.005   # prefill: destination polling while a sender waits
     idle_poll_interval_s: float = 0.1          # prefill: destination polling with no sender waiting
     active_tick_s: float = 0.0002          # thread wait while transfers are open

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from bootstrap.client import ClientPool
-from bootstrap.errors import BootstrapError, RendezvousRefused
+from bootstrap.errors import BootstrapError, RendezvousRefused, TLSRefused
 from bootstrap.messages import Destination
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.config import KVArgs
@@ -148,9 +148,9 @@ class DecodeSide:
             except CompatibilityError as exc:
                 self._fail_bootstrapping(instance_id, f"incompatible prefill instance: {exc}")
                 continue
-            except (RendezvousRefused, LookupError, PeerUnreachable) as exc:
-                # nothing listens there, another instance does, or the transport cannot reach it: a retry would
-                # fail the same way until the rooms time out
+            except (RendezvousRefused, TLSRefused, LookupError, PeerUnreachable) as exc:
+                # nothing listens there, another instance does, its certificate is not the fleet's, or the
+                # transport cannot reach it: a retry would fail the same way until the rooms time out
                 self._fail_bootstrapping(instance_id, f"prefill instance {instance_id} unreachable: {exc}")
                 continue
             except (TransportError, BootstrapError) as exc:

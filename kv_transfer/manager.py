@@ -62,8 +62,9 @@ class KVManager(BaseKVManager):
         self._thread: threading.Thread | None = None
         self._aux = AuxBuffer(args.aux_slots)
         self._rendezvous = Rendezvous(RendezvousConfig(host=args.local_hostname, port=args.rendezvous_port,
-                                                       secret=args.fleet_secret), on_destination=self._wake.set)
-        self._clients = ClientPool(args.http_timeout_s, args.fleet_secret)
+                                                       secret=args.fleet_secret, tls=args.fleet_tls),
+                                      on_destination=self._wake.set)
+        self._clients = ClientPool(args.http_timeout_s, args.fleet_secret, args.fleet_tls)
         self._peers = PeerTable(self._clients, self._transport, args.model_id, args.layout, args.peer_lost_s)
         self._side: PrefillSide | DecodeSide | None = None   # built in start(): decode needs our rendezvous URL
         self.epoch = 0
@@ -85,7 +86,8 @@ class KVManager(BaseKVManager):
 
     @property
     def rendezvous_url(self) -> str:
-        """``http://host:port`` of this instance's rendezvous (after ``start``): what routers pass to decode."""
+        """``http://host:port`` (``https://`` with TLS) of this instance's rendezvous (after ``start``): what
+        routers pass to decode."""
         return self._rendezvous.url
 
     def start(self) -> None:

@@ -30,6 +30,18 @@
 #      OPENAI_MODEL, OPENAI_SERVED_MODEL_NAME (the name clients use; default OPENAI_MODEL), GRPC_URL (the
 #      tritonserver the front calls; default HOST:GRPC_PORT), RESTART (1: start tritonserver again when it exits
 #      after it had become ready, e.g. a model's stub died; 0: exit with it).
+#      METRICS_HOST (127.0.0.1: the address of tritonserver's metrics port, which answers anyone; set it to
+#      HOST or 0.0.0.0 only where a scraper on another host needs it).
+#      With a fleet secret, tritonserver's admin APIs (model repository, model config, shared memory,
+#      statistics, trace, logging) answer only requests with the header `pd-admin-key: <key>`, the key printed
+#      by `python -m bootstrap.auth admin-key`; a HOST other than loopback without a secret refuses to start.
+#      TLS on tritonserver's gRPC (docs/security.md): GRPC_SSL_CERT, GRPC_SSL_KEY (this server's PEM
+#      certificate and key; they turn it on), GRPC_SSL_ROOT_CERT (the CA that signed the fleet's gRPC
+#      certificates: this server's own clients, routers and the front verify servers with it; required with
+#      GRPC_SSL_CERT, and for a ROLE=router or frontend host dialing TLS servers), GRPC_SSL_MUTUAL=1 (clients
+#      must present a certificate signed by GRPC_SSL_ROOT_CERT; ours present GRPC_SSL_CLIENT_CERT /
+#      GRPC_SSL_CLIENT_KEY, default GRPC_SSL_CERT / GRPC_SSL_KEY), GRPC_SSL_TARGET_NAME (the name clients
+#      check in servers' certificates instead of the host they dial).
 # Uses a tritonserver found on PATH (NGC container) when there is one, else the one in the nvidia-pytriton wheel.
 set -euo pipefail
 
@@ -38,6 +50,7 @@ HOST="${HOST:-127.0.0.1}"
 HTTP_PORT="${HTTP_PORT:-8000}"
 GRPC_PORT="${GRPC_PORT:-8001}"
 METRICS_PORT="${METRICS_PORT:-8002}"
+METRICS_HOST="${METRICS_HOST:-127.0.0.1}"
 REGISTRY_PORT="${REGISTRY_PORT:-8998}"
 MODEL_REPOSITORY="${MODEL_REPOSITORY:-$ROOT/model_repository}"
 VENV="${VENV:-$ROOT/.venv}"
@@ -94,7 +107,7 @@ server_args+=(
   --model-repository="$MODEL_REPOSITORY"
   --http-address="$HOST" --http-port="$HTTP_PORT"
   --grpc-address="$HOST" --grpc-port="$GRPC_PORT"
-  --metrics-address="$HOST" --metrics-port="$METRICS_PORT"
+  --metrics-address="$METRICS_HOST" --metrics-port="$METRICS_PORT"
   --allow-gpu-metrics=false --pinned-memory-pool-byte-size=0
   --exit-timeout-secs="${EXIT_TIMEOUT_S:-20}"
   # Every config.pbtxt here is complete: without this flag each model load first runs a short-lived python stub
@@ -111,6 +124,44 @@ if [[ -n "${MODELS:-}" ]]; then
 else
   server_args+=(--load-model='*')
 fi
+# ... which is also how code gets in (a load can carry a whole python model): with a fleet secret, the admin
+# APIs answer only the fleet's admin key; a HOST that other hosts reach refuses to start without a secret
+# (serving/triton/admin_access.py, docs/security.md). The registry checks its own bind.
+if [[ "$ROLE" != registry && "$ROLE" != frontend ]]; then
+  admin_out="$(python3 -m serving.triton.admin_access server-args --host "$HOST")" || exit 2
+  if [[ -n "$admin_out" ]]; then
+    mapfile -t admin_lines <<< "$admin_out"
+    server_args+=("${admin_lines[@]}")
+  fi
+fi
+# TLS on tritonserver's gRPC, and for our own gRPC clients of tritonservers (this server's stubs, a router,
+# the front): every server of a fleet speaks TLS, or none does
+if [[ -n "${GRPC_SSL_CERT:-}${GRPC_SSL_KEY:-}" ]]; then
+  if [[ -z "${GRPC_SSL_CERT:-}" || -z "${GRPC_SSL_KEY:-}" || -z "${GRPC_SSL_ROOT_CERT:-}" ]]; then
+    echo "[serve] GRPC_SSL_CERT, GRPC_SSL_KEY and GRPC_SSL_ROOT_CERT go together (docs/security.md)" >&2
+    exit 2
+  fi
+  server_args+=(--grpc-use-ssl=true --grpc-server-cert="$GRPC_SSL_CERT" --grpc-server-key="$GRPC_SSL_KEY")
+  if [[ "${GRPC_SSL_MUTUAL:-0}" == 1 ]]; then
+    server_args+=(--grpc-use-ssl-mutual=true --grpc-root-cert="$GRPC_SSL_ROOT_CERT")
+  fi
+fi
+if [[ -n "${GRPC_SSL_ROOT_CERT:-}" ]]; then
+  export PD_GRPC_SSL_ROOT_CERT="$GRPC_SSL_ROOT_CERT"
+  client_cert="${GRPC_SSL_CLIENT_CERT:-}" client_key="${GRPC_SSL_CLIENT_KEY:-}"
+  if [[ -z "$client_cert" && "${GRPC_SSL_MUTUAL:-0}" == 1 ]]; then
+    client_cert="${GRPC_SSL_CERT:-}" client_key="${GRPC_SSL_KEY:-}"
+  fi
+  if [[ -n "$client_cert" ]]; then
+    export PD_GRPC_SSL_CLIENT_CERT="$client_cert" PD_GRPC_SSL_CLIENT_KEY="$client_key"
+  fi
+  if [[ -n "${GRPC_SSL_TARGET_NAME:-}" ]]; then export PD_GRPC_SSL_TARGET_NAME="$GRPC_SSL_TARGET_NAME"; fi
+fi
+front_tls=()   # the same for the OpenAI front: PD_GRPC_SSL_ROOT_CERT -> --grpc-ssl-root-cert, ...
+for setting in ROOT_CERT CLIENT_CERT CLIENT_KEY TARGET_NAME; do
+  var="PD_GRPC_SSL_$setting" flag="${setting,,}"
+  if [[ -n "${!var:-}" ]]; then front_tls+=("--grpc-ssl-${flag//_/-}" "${!var}"); fi
+done
 
 pids=()
 triton_pid=""
@@ -159,12 +210,13 @@ triton_index=-1
 triton_started_s=0
 triton_pid=""
 ready_mark="$(mktemp "${TMPDIR:-/tmp}/serve-ready.XXXXXX")"
-# http_ok PORT PATH: whether this host's PORT answers GET PATH with 200 (plain bash /dev/tcp, nothing to install)
+# http_ok HOST PORT PATH: whether HOST (a bind address of this host) answers GET PATH on PORT with 200 (plain
+# bash /dev/tcp, nothing to install)
 http_ok() {
-  local host=$HOST line
+  local host=$1 line
   [[ "$host" == 0.0.0.0 ]] && host=127.0.0.1
-  { exec 3<>"/dev/tcp/$host/$1"; } 2>/dev/null || return 1
-  printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$2" "$host" >&3
+  { exec 3<>"/dev/tcp/$host/$2"; } 2>/dev/null || return 1
+  printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$3" "$host" >&3
   IFS= read -r -t 5 line <&3 || line=""
   exec 3>&-
   [[ "$line" == *" 200 "* ]]
@@ -178,7 +230,8 @@ mark_ready() {
   shift
   [[ " $* " == *" --allow-metrics=false "* ]] && metrics=0
   while kill -0 "$pid" 2>/dev/null; do
-    if http_ok "$HTTP_PORT" /v2/health/ready && { ((metrics == 0)) || http_ok "$METRICS_PORT" /metrics; }; then
+    if http_ok "$HOST" "$HTTP_PORT" /v2/health/ready \
+        && { ((metrics == 0)) || http_ok "$METRICS_HOST" "$METRICS_PORT" /metrics; }; then
       echo "$pid" > "$ready_mark"
       return 0
     fi
@@ -187,7 +240,7 @@ mark_ready() {
 }
 # start_triton ARGS...: tritonserver in the background, at its place in pids
 start_triton() {
-  say "$TRITONSERVER ${server_args[*]} $*"
+  say "$TRITONSERVER ${server_args[*]//pd-admin-key=*/pd-admin-key=<admin key>} $*"
   "$TRITONSERVER" "${server_args[@]}" "$@" &
   triton_pid=$!
   triton_started_s=$SECONDS
@@ -200,7 +253,7 @@ if [[ "$ROLE" != frontend ]]; then start_triton "$@"; fi
 if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
   say "OpenAI front on http://$HOST:$OPENAI_PORT/v1 -> $OPENAI_MODEL at $GRPC_URL"
   python3 -m frontend --host "$HOST" --port "$OPENAI_PORT" --grpc-url "$GRPC_URL" --model "$OPENAI_MODEL" \
-    --served-model-name "${OPENAI_SERVED_MODEL_NAME:-$OPENAI_MODEL}" &
+    --served-model-name "${OPENAI_SERVED_MODEL_NAME:-$OPENAI_MODEL}" "${front_tls[@]}" &
   pids+=($!)
 fi
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from serving.parsing.child_codec import ChildSchemaMismatch
+from serving.parsing.child_codec import ChildSchemaMismatch, ChildUnauthenticated
 from serving.parsing.request import RequestError
 from serving.stream import ErrorKind, ResponseSink
 
@@ -23,16 +23,16 @@ def start_or_fail(start: Callable[[], None], sink: ResponseSink, request_id: str
     becomes the request's one error response, with FINAL, on ``sink``. Never raises.
 
     - ``RequestError`` (the request's own input): ``ErrorKind.REQUEST``, the error's message.
-    - ``ChildSchemaMismatch`` (a router of another build) or one of ``refusals`` (the entry point's own reasons
-      to refuse: a stream without the fleet's signature, an endpoint being unloaded): ``ErrorKind.INSTANCE``, the
-      message, logged as an error.
+    - ``ChildSchemaMismatch`` (a router of another build), ``ChildUnauthenticated`` (a child request without
+      a valid fleet signature) or one of ``refusals`` (the entry point's own reasons to refuse: an endpoint
+      being unloaded): ``ErrorKind.INSTANCE``, the message, logged as an error.
     - Anything else is a bug: ``ErrorKind.INSTANCE``, "internal error: <message>", logged with its traceback.
     """
     try:
         start()
     except RequestError as e:
         sink.send_error(str(e), ErrorKind.REQUEST)
-    except (ChildSchemaMismatch, *refusals) as e:
+    except (ChildSchemaMismatch, ChildUnauthenticated, *refusals) as e:
         logger.error("request %r: %s", request_id, e)
         sink.send_error(str(e), ErrorKind.INSTANCE)
     except Exception as e:  # a bug must still end this request's stream (FINAL), and only this one

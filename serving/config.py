@@ -6,8 +6,13 @@ This module is the only place in ``serving/`` that reads environment variables:
   the embedded registry service, ``etcd://``: etcd; empty: none, a router pairs the workers of its own server);
 * ``PD_FLEET_SECRET`` / ``PD_FLEET_SECRET_FILE`` (read by ``bootstrap.auth.load_fleet_secret``, called from
   here only): the fleet secret that signs rendezvous and registry calls;
+* ``PD_TLS_CERT`` / ``PD_TLS_KEY`` / ``PD_TLS_CA`` (read by ``bootstrap.tls.load_fleet_tls``, called from here
+  only; ``read_fleet_tls``): TLS of the fleet's own listeners (rendezvous, registry, worker endpoints);
 * ``PD_GRPC_URL`` overrides the ``grpc_url`` parameter: the ``host:port`` at which this tritonserver's gRPC
   endpoint is reached by routers (``scripts/serve.sh`` sets it from ``ADVERTISE_HOST`` and ``GRPC_PORT``);
+* ``PD_GRPC_SSL_ROOT_CERT`` (and ``PD_GRPC_SSL_CLIENT_CERT`` / ``_CLIENT_KEY``, ``PD_GRPC_SSL_TARGET_NAME``):
+  TLS of our gRPC clients of tritonservers (``read_grpc_tls``; ``scripts/serve.sh`` sets them from its
+  ``GRPC_SSL_*``);
 * a KV backend's own environment overrides (``PD_KV_NETWORK_ONLY`` for NIXL's ``kv_network_only``,
   docs/multihost.md), read by ``kv_transfer.backends.parse_options`` with the environment passed from here.
 """
@@ -18,11 +23,15 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig, Mode
 from kv_transfer.backends import BackendOptions, OptionError, backend_names, option_parameters, options_type, \
     parse_options
+
+if TYPE_CHECKING:
+    from bootstrap.tls import FleetTLS
+    from serving.triton.grpc_tls import GrpcTls
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +100,9 @@ class WorkerConfig:
             default; ``"false"`` turns it off. Every worker uses it: decode shares the pages it already holds
             and prefill sends only the rest of the prompt's KV.
         fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
+        fleet_tls: TLS of the instance's rendezvous and worker endpoint and of its calls to peers' and to the
+            registry (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
+            ``http://`` ``registry_url`` is refused.
 
     Raises:
         ConfigError: at construction, naming the parameter, when a value is out of range.
@@ -118,6 +130,7 @@ class WorkerConfig:
     cpu_affinity: str = ""
     enable_prefix_caching: bool = True
     fleet_secret: bytes | None = field(default=None, repr=False)
+    fleet_tls: FleetTLS | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads"):
@@ -135,7 +148,7 @@ class WorkerConfig:
         if self.kv_options is not None and type(self.kv_options) is not options_type(self.kv_backend):
             raise ConfigError("kv_backend", f"{self.kv_backend!r} takes {options_type(self.kv_backend).__name__}, "
                                             f"got {type(self.kv_options).__name__}")
-        validate_registry_url("registry_url", self.registry_url)
+        validate_registry_url("registry_url", self.registry_url, self.fleet_tls)
         if not 0 <= self.rendezvous_port < 65536:
             raise ConfigError("rendezvous_port", f"must be 0..65535, got {self.rendezvous_port}")
         if not -1 <= self.worker_port < 65536:
@@ -211,10 +224,50 @@ def read_fleet_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
         raise ConfigError("PD_FLEET_SECRET", str(e)) from None
 
 
-def validate_registry_url(param: str, url: str) -> None:
-    """Raise ``ConfigError(param)`` unless ``url`` is empty or ``http(s)://`` / ``etcd://``."""
+def read_fleet_tls(environ: Mapping[str, str] | None = None) -> FleetTLS | None:
+    """TLS of the fleet's own listeners and their clients (``PD_TLS_CERT``, ``PD_TLS_KEY``, ``PD_TLS_CA``: all
+    three or none; ``bootstrap.tls``); None (plaintext) when none is set. Raises ``ConfigError`` naming the
+    variable when only some are set, a file does not exist, or the certificate and key do not load."""
+    from bootstrap.tls import CERT_ENV, TLSError, load_fleet_tls
+
+    try:
+        return load_fleet_tls(os.environ if environ is None else environ)
+    except TLSError as e:
+        raise ConfigError(CERT_ENV, str(e)) from None
+
+
+GRPC_SSL_ENV = ("PD_GRPC_SSL_ROOT_CERT", "PD_GRPC_SSL_CLIENT_CERT", "PD_GRPC_SSL_CLIENT_KEY",
+                "PD_GRPC_SSL_TARGET_NAME")
+
+
+def read_grpc_tls(environ: Mapping[str, str] | None = None) -> GrpcTls | None:
+    """TLS of this process's gRPC channels to tritonservers: ``PD_GRPC_SSL_ROOT_CERT`` (the fleet's CA, PEM)
+    turns it on; ``PD_GRPC_SSL_CLIENT_CERT`` / ``PD_GRPC_SSL_CLIENT_KEY`` add a client certificate (servers
+    with ``--grpc-use-ssl-mutual``); ``PD_GRPC_SSL_TARGET_NAME`` is the name servers' certificates are checked
+    against instead of the dialed host. None (plaintext) when the root is unset. Raises ``ConfigError`` when a
+    file cannot be read, a client certificate comes without its key, or a client setting without the root."""
+    from serving.triton.grpc_tls import GrpcTls, GrpcTlsError
+
+    env = os.environ if environ is None else environ
+    root, cert, key, name = (env.get(var, "") for var in GRPC_SSL_ENV)
+    if not root:
+        if cert or key or name:
+            raise ConfigError(GRPC_SSL_ENV[0], "must be set when any other PD_GRPC_SSL_* variable is")
+        return None
+    try:
+        return GrpcTls(root, cert, key, name)
+    except GrpcTlsError as e:
+        raise ConfigError(GRPC_SSL_ENV[0], str(e)) from None
+
+
+def validate_registry_url(param: str, url: str, tls: FleetTLS | None = None) -> None:
+    """Raise ``ConfigError(param)`` unless ``url`` is empty or ``http(s)://`` / ``etcd://``, or when it is
+    ``http://`` while the fleet speaks TLS (``tls`` set: the registry is ``https://``)."""
     if url and not url.startswith(REGISTRY_SCHEMES):
         raise ConfigError(param, f"must be empty, http://host:port or etcd://host:port[,...], got {url!r}")
+    if tls is not None and url.startswith("http://"):
+        raise ConfigError(param, f"is plaintext ({url}) while PD_TLS_* are set: the registry serves "
+                                 "https:// in a TLS fleet")
 
 
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
@@ -311,7 +364,8 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     """
     owned = option_parameters()
     values = parse_parameters({k: v for k, v in parameters.items() if k not in owned}, WorkerConfig,
-                              skip=("device", "fleet_secret", "kv_options"), also_known=tuple(owned))
+                              skip=("device", "fleet_secret", "fleet_tls", "kv_options"),
+                              also_known=tuple(owned))
     config = WorkerConfig(**values, device=device)
     backend_params = {k: _text(v) for k, v in parameters.items() if k in owned}
     for name in backend_params:
@@ -324,7 +378,7 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
         raise ConfigError(exc.param, exc.reason) from None
     return replace(config, registry_url=read_registry_url(config.registry_url, environ),
                    grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ),
-                   kv_options=kv_options)
+                   fleet_tls=read_fleet_tls(environ), kv_options=kv_options)
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:

@@ -15,7 +15,7 @@ def _sentence(text: str, start: str, end: str) -> str:
 
 
 def test_the_variables_the_readme_says_serve_sh_sets_are_the_ones_it_exports() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())   # lines reflowed freely
     serve = (ROOT / "scripts" / "serve.sh").read_text()
     claimed = set(re.findall(r"`([A-Z][A-Z0-9_]+)=", _sentence(readme, "It sets `", "puts the venv first")))
     exported = set(re.findall(r"export ([A-Z][A-Z0-9_]+)=", serve))

@@ -1,5 +1,6 @@
-"""The ``Membership`` contract, and two thread-safe pieces both backends compose: the view they publish
-(``ViewState``) and the members this process announces (``Announcements``)."""
+"""The ``Membership`` contract, and three thread-safe pieces both backends compose: the view they publish
+(``ViewState``), the members this process announces (``Announcements``) and what a reader accepts from its
+store (``MemberCheck``: signed records)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from bootstrap.membership.member import Member, MembershipError, MembershipView
+from bootstrap.membership.member import Member, MembershipError, MembershipView, MemberSignatureError
 
 
 class Membership(ABC):
@@ -36,7 +37,8 @@ class Membership(ABC):
         """Keeps ``member`` registered while this process lives: its registration expires ``ttl_s`` seconds
         after the last renewal, which the thread sends about every ``ttl_s / 3``. It registers again after the
         store lost it (restarted empty, lease expired). Announcing the same ``instance_id`` again replaces the
-        entry. Non-blocking; raises ``MembershipError`` only for ``ttl_s`` < 1."""
+        entry. With a fleet secret the store gets the member signed (``Member.signed``). Non-blocking; raises
+        ``MembershipError`` only for ``ttl_s`` < 1."""
 
     @abstractmethod
     def withdraw(self, instance_id: str) -> None:
@@ -45,7 +47,8 @@ class Membership(ABC):
 
     @abstractmethod
     def view(self) -> MembershipView:
-        """The fleet as last read; never blocks on the network."""
+        """The fleet as last read; never blocks on the network. With a fleet secret it lists only records
+        signed with it (``MemberCheck``); the others are left out and logged."""
 
 
 class ViewState:
@@ -142,3 +145,84 @@ class Announcements:
             everything = list(self._entries.values()) + list(self._withdrawn.values())
             self._entries, self._withdrawn = {}, {}
             return everything
+
+
+#: How many refused (instance id, reason) pairs ``MemberCheck`` remembers, to log each once; past it, it
+#: forgets them all (a store flooded with forged ids costs log lines, never unbounded memory).
+MAX_REFUSALS_LOGGED = 1024
+
+
+class MemberCheck:
+    """What a reader accepts from its store, the check that counts whatever the store is: a record that
+    parses as a ``Member`` of this version, is signed with the fleet ``secret`` (when one is set; without one
+    nothing is signed or checked), sits under its own instance id (a signed record copied to another key is
+    refused), and is not older than an epoch of that id this reader accepted before (a replayed record of an
+    earlier process). A refused record is left out and logged at WARNING once per (instance id, reason) with
+    its key and the reason; ``accept`` never raises. Thread-safe."""
+
+    def __init__(self, secret: bytes | None, logger: logging.Logger, store: str) -> None:
+        self._secret = secret
+        self._logger = logger
+        self._store = store
+        self._lock = threading.Lock()
+        self._epochs: dict[str, int] = {}          # instance id -> highest epoch accepted
+        self._logged: set[tuple[str, str]] = set()  # (instance id or key, reason) already logged
+
+    def sign(self, member: Member) -> Member:
+        """``member`` signed with the fleet secret (unchanged without one)."""
+        return member.signed(self._secret)
+
+    def accept(self, record: object, key: str, key_id: str | None = None) -> Member | None:
+        """The member of ``record`` (a JSON object, or the JSON text of one), or None when refused.
+
+        ``key``: where the store holds it (for the log line). ``key_id``: the instance id the key names
+        (etcd: the key without the prefix), which must be the record's; None where the store keys records by
+        their own id (the registry's table)."""
+        try:
+            if isinstance(record, (str, bytes)):
+                member = Member.from_json(record)
+            else:
+                member = Member.from_dict(record)
+        except MembershipError as exc:
+            self._refuse(key_id or key, key, "unreadable", str(exc))
+            return None
+        reason = self._reason(member, key_id)
+        if reason is not None:
+            self._refuse(member.instance_id, key, *reason)
+            return None
+        with self._lock:
+            self._epochs[member.instance_id] = max(member.epoch, self._epochs.get(member.instance_id, 0))
+        return member
+
+    def genuine(self, member: Member) -> bool:
+        """Whether ``member`` carries this fleet's signature (always True without a secret); logs nothing."""
+        try:
+            if self._secret is not None:
+                member.check(self._secret)
+            return True
+        except MemberSignatureError:
+            return False
+
+    def _reason(self, member: Member, key_id: str | None) -> tuple[str, str] | None:
+        if self._secret is not None:
+            try:
+                member.check(self._secret)
+            except MemberSignatureError as exc:
+                return ("unsigned" if not member.signature else "bad signature"), str(exc)
+        if key_id is not None and key_id != member.instance_id:
+            return "moved", f"the record of {member.instance_id!r} is under the key of {key_id!r}"
+        with self._lock:
+            newest = self._epochs.get(member.instance_id, 0)
+        if member.epoch < newest:
+            return "old epoch", (f"epoch {member.epoch} is older than epoch {newest} read before (a replayed "
+                                 "record of an earlier process)")
+        return None
+
+    def _refuse(self, instance_id: str, key: str, kind: str, reason: str) -> None:
+        with self._lock:
+            if (instance_id, kind) in self._logged:
+                return
+            if len(self._logged) >= MAX_REFUSALS_LOGGED:
+                self._logged.clear()
+            self._logged.add((instance_id, kind))
+        self._logger.warning("ignoring the member record at %s of %s: %s", key, self._store, reason)

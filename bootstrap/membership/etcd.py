@@ -1,12 +1,18 @@
 """``EtcdMembership``: membership in etcd. Each announced member is one key ``/triton-pd/members/<id>``
 holding ``Member.to_json()``, attached to its own lease (TTL = the member's ``ttl_s``, whole seconds).
+With a fleet secret the JSON is signed (``Member.signed``) and the view holds only the keys whose record
+``MemberCheck`` accepts (signed with the secret, under the key of its own instance id, not an older epoch);
+a key written by anyone else is left out and logged, so an etcd others can write cannot add or redirect
+members (deleting keys it still can: etcd's auth is what stops that, docs/membership.md).
 
 Threads (both daemon, both named, both ended by ``stop``):
   ``membership-etcd-lease``  every ``tick_s``: revokes the leases of withdrawn members (etcd deletes their keys
       at once); grants a lease and puts the key of each member not yet registered; renews each lease every
-      ``ttl_s / 3``. A lease etcd no longer knows (expired during an outage, or a wiped etcd) is granted again
-      and the key put again. Before a put the key is read: a newer epoch there means a successor process holds
-      the id, and this one stops announcing it (logged as an error).
+      ``ttl_s / 3`` and reads its key back: a lease etcd no longer knows (expired during an outage, or a wiped
+      etcd) is granted again and the key put again, so is a key deleted or overwritten by another writer (a
+      forged record there comes back to ours within ``ttl_s / 3``). Before a put the key is read: a newer
+      epoch there means a successor process holds the id, and this one stops announcing it (logged as an
+      error); a record there that is not genuine (not signed with the fleet secret) is overwritten.
   ``membership-etcd-watch``  reads every key under the prefix (the view), then watches the prefix from the
       next revision and applies each change. The watch stream is reopened from the next revision after
       ``watch_idle_s`` without data (which also proves etcd still answers: the view stays fresh). A broken
@@ -23,7 +29,7 @@ import time
 
 import requests
 
-from bootstrap.membership.base import Announced, Announcements, Membership, ViewState
+from bootstrap.membership.base import Announced, Announcements, MemberCheck, Membership, ViewState
 from bootstrap.membership.etcd_client import EtcdClient, EtcdError, EtcdOptions, WatchCompacted
 from bootstrap.membership.member import Member, MembershipError, MembershipView
 
@@ -32,11 +38,14 @@ PREFIX = "/triton-pd/members/"
 
 
 class EtcdMembership(Membership):
-    """Membership in the etcd cluster of ``options``; see the module docstring."""
+    """Membership in the etcd cluster of ``options``; see the module docstring. ``secret``: the fleet secret
+    that signs the announced members and that every record read must carry (None: nothing signed or
+    checked)."""
 
-    def __init__(self, options: EtcdOptions, tick_s: float = 0.25, watch_idle_s: float = 1.0,
-                 retry_s: float = 0.5) -> None:
+    def __init__(self, options: EtcdOptions, secret: bytes | None = None, tick_s: float = 0.25,
+                 watch_idle_s: float = 1.0, retry_s: float = 0.5) -> None:
         self._options = options
+        self._check = MemberCheck(secret, logger, "etcd://" + ",".join(options.endpoints))
         self._tick_s, self._watch_idle_s, self._retry_s = tick_s, watch_idle_s, retry_s
         self._announced = Announcements()
         self._state = ViewState(logger, "etcd://" + ",".join(options.endpoints))
@@ -70,7 +79,7 @@ class EtcdMembership(Membership):
             client.close()
 
     def announce(self, member: Member, ttl_s: float = 10.0) -> None:
-        self._announced.add(member, ttl_s)
+        self._announced.add(self._check.sign(member), ttl_s)
 
     def withdraw(self, instance_id: str) -> None:
         self._announced.remove(instance_id)
@@ -100,19 +109,23 @@ class EtcdMembership(Membership):
             if not entry.registered or entry.lease_id == 0:
                 self._register(client, entry)
             elif now_s >= entry.renew_at_s:
-                if client.keepalive(entry.lease_id) > 0:
-                    entry.renew_at_s = time.monotonic() + entry.ttl_s / 3
-                else:
+                if client.keepalive(entry.lease_id) <= 0:
                     logger.warning("etcd lost the lease of %s: registering it again", entry.member.instance_id)
                     self._register(client, entry)
+                elif client.get(PREFIX + entry.member.instance_id) != entry.member.to_json():
+                    logger.warning("the etcd key of %s no longer holds its record (deleted or overwritten by "
+                                   "another writer): putting it again", entry.member.instance_id)
+                    self._register(client, entry)
+                else:
+                    entry.renew_at_s = time.monotonic() + entry.ttl_s / 3
         self._lease_health.touch()
 
     def _register(self, client: EtcdClient, entry: Announced) -> None:
         member, key = entry.member, PREFIX + entry.member.instance_id
-        held = client.get(key)
-        if held is not None and _epoch_of(held) > member.epoch:
+        held = self._held_epoch(client.get(key))
+        if held > member.epoch:
             logger.error("not announcing %s epoch %d any more: etcd holds epoch %d (a newer process)",
-                         member.instance_id, member.epoch, _epoch_of(held))
+                         member.instance_id, member.epoch, held)
             self._announced.drop(member.instance_id)
             return
         if entry.lease_id and client.keepalive(entry.lease_id) <= 0:
@@ -147,7 +160,7 @@ class EtcdMembership(Membership):
                         reread = False
                     for events in client.watch(PREFIX, revision + 1, self._watch_idle_s):
                         for event in events:
-                            _apply(members, event.kv.key, event.kv.value, event.deleted)
+                            self._apply(members, event.kv.key, event.kv.value, event.deleted)
                             revision = max(revision, event.kv.mod_revision)
                         self._state.publish(members.values())
                         if self._stop.is_set():
@@ -168,25 +181,23 @@ class EtcdMembership(Membership):
         kvs, revision = client.range_prefix(PREFIX)
         members: dict[str, Member] = {}
         for kv in kvs:
-            _apply(members, kv.key, kv.value, False)
+            self._apply(members, kv.key, kv.value, False)
         self._state.publish(members.values())
         return members, revision
 
+    def _apply(self, members: dict[str, Member], key: str, value: str, deleted: bool) -> None:
+        """One key's change into ``members`` (keyed by etcd key): a record ``MemberCheck`` refuses (logged
+        there) leaves the key out, also when it replaced an accepted one."""
+        member = None if deleted else self._check.accept(value, key, key.removeprefix(PREFIX))
+        if member is None:
+            members.pop(key, None)
+        else:
+            members[key] = member
 
-def _apply(members: dict[str, Member], key: str, value: str, deleted: bool) -> None:
-    """One key's change into ``members`` (keyed by etcd key); a value we cannot read is skipped, logged."""
-    if deleted:
-        members.pop(key, None)
-        return
-    try:
-        members[key] = Member.from_json(value)
-    except MembershipError as exc:
-        members.pop(key, None)
-        logger.error("ignoring etcd key %s: %s", key, exc)
-
-
-def _epoch_of(value: str) -> int:
-    try:
-        return Member.from_json(value).epoch
-    except MembershipError:
-        return -1
+    def _held_epoch(self, value: str | None) -> int:
+        """The epoch of the genuine record ``value`` (-1: none, unreadable, or not signed by this fleet)."""
+        try:
+            member = Member.from_json(value) if value is not None else None
+        except MembershipError:
+            return -1
+        return member.epoch if member is not None and self._check.genuine(member) else -1

@@ -110,10 +110,12 @@ class EtcdClient:
     def __init__(self, options: EtcdOptions) -> None:
         self._options = options
         self._session = requests.Session()
+        # Per call, not on the session: requests lets REQUESTS_CA_BUNDLE override a session's ``verify``.
+        self._tls: dict[str, Any] = {}
         if options.ca:
-            self._session.verify = options.ca
+            self._tls["verify"] = options.ca
         if options.cert:
-            self._session.cert = (options.cert, options.key)
+            self._tls["cert"] = (options.cert, options.key)
         self._endpoint = 0
         self._token = ""
         self._stream: requests.Response | None = None   # the open watch stream, for ``interrupt``
@@ -145,8 +147,11 @@ class EtcdClient:
 
     def _post_once(self, path: str, body: JsonObject) -> JsonObject:
         response = self._session.post(self._url(path), json=body, headers=self._headers(),
-                                      timeout=self._options.timeout_s)
-        answer = response.json() if response.content else {}
+                                      timeout=self._options.timeout_s, **self._tls)
+        try:
+            answer = response.json() if response.content else {}
+        except ValueError:   # the gateway's own refusals are plain text
+            answer = {"message": response.text.strip()[:200]}
         if response.status_code != 200 or "error" in answer:
             raise _error(path, answer, response.status_code)
         return dict(answer)
@@ -214,7 +219,7 @@ class EtcdClient:
         body = {"create_request": {"key": b64(prefix), "range_end": b64(prefix_end(prefix)),
                                    "start_revision": str(start_revision)}}
         with self._session.post(self._url("/v3/watch"), json=body, headers=self._headers(), stream=True,
-                                timeout=(self._options.timeout_s, idle_s)) as response:
+                                timeout=(self._options.timeout_s, idle_s), **self._tls) as response:
             self._stream = response
             if response.status_code != 200:
                 raise _error("/v3/watch", response.json(), response.status_code)
@@ -256,4 +261,7 @@ def _error(path: str, answer: JsonObject, status: int) -> EtcdError:
     code = int(answer.get("code", 0))
     if "user name is empty" in message:
         message += " (etcd has auth enabled: set PD_ETCD_USER and PD_ETCD_PASSWORD)"
+    if "CommonName of client" in message:
+        message += (" (with etcd auth enabled, PD_ETCD_CERT must be a certificate without a common name: the "
+                    "gateway logs in by PD_ETCD_USER/PD_ETCD_PASSWORD only)")
     return EtcdError(f"etcd {path}: {message}", code)

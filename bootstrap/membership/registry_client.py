@@ -4,7 +4,11 @@ One thread (``membership-registry-client``) does everything, every ``refresh_s``
 registers announced ones not yet registered (PUT), renews the others when due (keepalive every ``ttl_s / 3``;
 a 404 means the registry lost them, restarted empty or expired them: PUT again), then reads the member list
 into the view. Any failure marks the view stale (``fresh=False``, last members kept) and the next tick retries.
-Every request is signed with the fleet secret (``HmacAuth``) when one is set.
+Every request is signed with the fleet secret (``HmacAuth``) when one is set, and so is every announced
+member (``Member.signed``): the view holds only the listed members whose record ``MemberCheck`` accepts
+(signed with the secret; not an older epoch than one read before), whatever the registry answers, so an
+open or compromised registry cannot add or redirect members. With the fleet's TLS setting
+(``bootstrap.tls``) the registry must be ``https://``, its certificate one the fleet's CA signed for its host.
 """
 
 from __future__ import annotations
@@ -12,13 +16,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import requests
 
 from bootstrap.auth import HmacAuth
-from bootstrap.membership.base import Announced, Announcements, Membership, ViewState
+from bootstrap.membership.base import Announced, Announcements, MemberCheck, Membership, ViewState
 from bootstrap.membership.member import MEMBER_VERSION, Member, MembershipError, MembershipView
+
+if TYPE_CHECKING:
+    from bootstrap.tls import FleetTLS
 
 logger = logging.getLogger(__name__)
 
@@ -28,19 +36,29 @@ def _member_path(instance_id: str) -> str:
 
 
 class RegistryMembership(Membership):
-    """Membership kept in a registry at ``url`` (``http://host:port``); see the module docstring.
+    """Membership kept in a registry at ``url`` (``http://host:port``, ``https://`` with TLS); see the module
+    docstring.
 
     ``timeout_s`` bounds every HTTP call (so one tick takes at most a few of them when the registry hangs).
+    ``tls``: the fleet's TLS setting (the registry is checked against its CA). Raises ``MembershipError`` for
+    an ``http://`` URL with TLS.
     """
 
-    def __init__(self, url: str, secret: bytes | None, refresh_s: float = 0.25, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, secret: bytes | None, refresh_s: float = 0.25, timeout_s: float = 1.0,
+                 tls: FleetTLS | None = None) -> None:
+        if tls is not None and url.startswith("http://"):
+            raise MembershipError(f"registry {url} is plaintext, but this fleet speaks TLS (PD_TLS_* are "
+                                  "set): give its https:// URL")
         self._url = url.rstrip("/")
         self._refresh_s = refresh_s
         self._timeout_s = timeout_s
         self._session = requests.Session()
+        if tls is not None:
+            tls.apply(self._session)
         self._session.auth = HmacAuth(secret) if secret is not None else None
         self._announced = Announcements()
         self._state = ViewState(logger, self._url)
+        self._check = MemberCheck(secret, logger, self._url)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -66,7 +84,7 @@ class RegistryMembership(Membership):
         self._session.close()
 
     def announce(self, member: Member, ttl_s: float = 10.0) -> None:
-        self._announced.add(member, ttl_s)
+        self._announced.add(self._check.sign(member), ttl_s)
 
     def withdraw(self, instance_id: str) -> None:
         self._announced.remove(instance_id)
@@ -135,7 +153,21 @@ class RegistryMembership(Membership):
         body = response.json()
         if not isinstance(body, dict) or body.get("version") != MEMBER_VERSION:
             raise MembershipError(f"GET /v1/members: answer of another version ({str(body)[:80]})")
-        self._state.publish(Member.from_dict(m) for m in body.get("members", []))
+        listed = body.get("members")
+        if not isinstance(listed, list):
+            raise MembershipError(f"GET /v1/members: 'members' is not a list ({str(listed)[:80]})")
+        newest: dict[str, Member] = {}   # one record per id (a registry that lists two: the newer epoch)
+        for record in listed:
+            member = self._check.accept(record, _member_path(_id_of(record)))
+            if member is not None and member.epoch >= newest.get(member.instance_id, member).epoch:
+                newest[member.instance_id] = member
+        self._state.publish(newest.values())
+
+
+def _id_of(record: object) -> str:
+    """The instance id a listed record claims (for the log line), ``"?"`` when it has none."""
+    instance_id = record.get("instance_id") if isinstance(record, dict) else None
+    return instance_id if isinstance(instance_id, str) and instance_id else "?"
 
 
 def _reason(response: requests.Response) -> str:

@@ -78,10 +78,11 @@ class HostFleet:
     def host(self, name: str) -> Host:
         return self.fleet[name]
 
-    def relay(self, name: str, port: int) -> Relay:
-        """A started relay to ``port`` of host ``name`` (its own address, from inside it)."""
+    def relay(self, name: str, port: int, address: str = "") -> Relay:
+        """A started relay to ``port`` of host ``name``, at ``address`` as seen from inside it (default: the
+        host's own address; ``127.0.0.1`` for what a server binds on loopback only, its metrics)."""
         host = self.fleet[name]
-        relay = Relay(host.netns, host.address, port).start()
+        relay = Relay(host.netns, address or host.address, port).start()
         self.relays.append(relay)
         return relay
 
@@ -119,7 +120,8 @@ class HostFleet:
             server = self.serve_script(name, secret_file)
             server.http_url = f"http://{self.relay(name, HTTP_PORT).hostport}"
             server.grpc_url = self.relay(name, GRPC_PORT).hostport
-            server.metrics_url = f"http://{self.relay(name, METRICS_PORT).hostport}/metrics"
+            # serve.sh binds metrics to loopback (METRICS_HOST): read inside the host, as a local agent would
+            server.metrics_url = f"http://{self.relay(name, METRICS_PORT, '127.0.0.1').hostport}/metrics"
             self.servers[name] = server
         with ThreadPoolExecutor(len(self.servers)) as pool:   # ~20 s of start each: at once
             for done in [pool.submit(s.start, ready_timeout_s) for s in self.servers.values()]:

@@ -261,9 +261,12 @@ def pin_process(pid: int, cpus: Sequence[int]) -> int:
     return count
 
 
-def server_command(repo: Path, ports: ServerPorts) -> list[str]:
+def server_command(repo: Path, ports: ServerPorts, fleet_secret: bytes | None = None) -> list[str]:
     """tritonserver on loopback, CPU only, explicit model control (what ``scripts/serve.sh`` runs; started
-    directly so that whatever stops serve.sh processes on a shared machine leaves a benchmark alone)."""
+    directly so that whatever stops serve.sh processes on a shared machine leaves a benchmark alone); with a
+    ``fleet_secret``, its admin APIs restricted to the fleet's admin key, as serve.sh does."""
+    from serving.triton.admin_access import restricted_api_args
+
     binary, backends = tritonserver_paths()
     models = [f"--load-model={m.name}" for m in sorted(repo.iterdir()) if m.is_dir()]
     return [str(binary), f"--model-repository={repo}", f"--backend-directory={backends}",
@@ -274,7 +277,7 @@ def server_command(repo: Path, ports: ServerPorts) -> list[str]:
             # the routers' keepalive pings (serve.sh says why)
             "--grpc-keepalive-permit-without-calls=1", "--grpc-http2-min-recv-ping-interval-without-data=5000",
             "--grpc-http2-max-ping-strikes=0",
-            "--model-control-mode=explicit", *models, "--log-verbose=0"]
+            "--model-control-mode=explicit", *models, "--log-verbose=0", *restricted_api_args(fleet_secret)]
 
 
 def ucx_defaults() -> dict[str, str]:
@@ -320,11 +323,14 @@ class RunningServer:
     def start(self) -> RunningServer:
         """Start the server, wait for ready, pin stubs. Raises RuntimeError (the
         server exited) or TimeoutError (not ready in time)."""
+        from bootstrap.auth import load_fleet_secret
+
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{self.deployment.name}-")
         repo = self.repository = build_model_repository(self.deployment, Path(self._tmp.name) / "models")
         env = server_env(repo, self.deployment.models, self.ports)
-        server = self._spawn(server_command(repo, self.ports), env, f"tritonserver-{self.deployment.name}.log")
+        server = self._spawn(server_command(repo, self.ports, load_fleet_secret(env)), env,
+                             f"tritonserver-{self.deployment.name}.log")
         wait_ready(f"http://127.0.0.1:{self.ports.http}", server, self._ready_timeout_s)
         routers = [m for m in self.deployment.models if self.deployment.copies.get(m, m) == "pd_ensemble"]
         if routers:   # each router has found its prefill and decode models

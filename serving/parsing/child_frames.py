@@ -17,9 +17,10 @@ One TCP connection per (router, endpoint) carries any number of child streams:
   closed", as a wrong port would).
 - Every message is a frame: ``HEADER`` (payload bytes: u32, kind: u8, stream id: u32, little-endian), then the
   payload. ``MAX_FRAME_BYTES`` bounds a payload; a larger one is a protocol error that closes the connection.
-- ``OPEN`` (router → endpoint): a new stream; payload = u16 length + the fleet signature (``child_codec.sign_call``
-  over the request id; empty without a fleet secret), then the serialized ``ModelInferRequest``. One request per
-  stream; an ``OPEN`` for a stream id already open is ignored (logged).
+- ``OPEN`` (router → endpoint): a new stream; payload = u16 length + the fleet signature
+  (``child_codec.sign_call``: bound to the target instance and to the request's model, id and inputs; empty
+  without a fleet secret), then the serialized ``ModelInferRequest``. One request per stream; an ``OPEN`` for
+  a stream id already open is ignored (logged).
 - ``CANCEL`` (router → endpoint, empty payload): the router closed the stream before its FINAL; the worker
   aborts the request (its ``is_cancelled`` turns true).
 - ``RESPONSE`` (endpoint → router): one serialized ``ModelStreamInferResponse``; the one with

@@ -17,12 +17,14 @@ be served). Everything runs on the router's event loop thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from serving.triton.control_client import fast_reconnect_args
+from serving.triton.grpc_tls import GrpcTls
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +50,20 @@ class ChannelPool:
     """gRPC clients by endpoint; ``acquire``/``release`` around every call, ``retire`` after a transport failure,
     ``retire_endpoint`` when the router lost touch with an instance."""
 
-    def __init__(self, keepalive_s: float = 300.0, connect: Callable[[str, list[tuple[str, int]]], Any] | None = None
-                 ) -> None:
+    def __init__(self, keepalive_s: float = 300.0,
+                 connect: Callable[[str, list[tuple[str, int]]], Any] | None = None,
+                 tls: GrpcTls | None = None) -> None:
         """
         Args:
             keepalive_s: keepalive ping interval (300 s: tritonserver's default ping policy answers more frequent
                 pings, or pings on a channel without calls, with GOAWAY ``too_many_pings``); a ping unanswered
                 for 20 s fails the channel's streams.
             connect: (endpoint, channel args) → client; default: ``GrpcClient.connect`` (an asyncio channel).
+            tls: TLS of the default ``connect``'s channels (tritonservers with ``--grpc-use-ssl``); None:
+                plaintext.
         """
         self._keepalive_ms = int(keepalive_s * 1000)
-        self._connect = connect or GrpcClient.connect
+        self._connect = connect or functools.partial(GrpcClient.connect, tls=tls)
         self._channels: dict[str, Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -127,12 +132,18 @@ class GrpcClient:
         self.stub = stub         # tritonclient.grpc.service_pb2_grpc.GRPCInferenceServiceStub
 
     @classmethod
-    def connect(cls, endpoint: str, channel_args: list[tuple[str, int]]) -> GrpcClient:
-        """An insecure channel to ``endpoint`` (``host:port``) with ``channel_args``; connects lazily."""
+    def connect(cls, endpoint: str, channel_args: list[tuple[str, int]],
+                tls: GrpcTls | None = None) -> GrpcClient:
+        """A channel to ``endpoint`` (``host:port``) with ``channel_args``, over TLS when ``tls`` is set;
+        connects lazily. Raises ``GrpcTlsError`` when a TLS file cannot be read."""
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
-        channel = grpc.aio.insecure_channel(endpoint, options=channel_args)
+        if tls is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=channel_args)
+        else:
+            channel = grpc.aio.secure_channel(endpoint, tls.credentials(),
+                                              options=[*channel_args, *tls.channel_args()])
         return cls(channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
 
     async def close(self) -> None:

@@ -7,17 +7,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.config import (
     ConfigError,
     parse_parameters,
     read_fleet_secret,
+    read_fleet_tls,
+    read_grpc_tls,
     read_grpc_url,
     read_registry_url,
     validate_endpoint,
     validate_registry_url,
 )
+
+if TYPE_CHECKING:
+    from bootstrap.tls import FleetTLS
+    from serving.triton.grpc_tls import GrpcTls
 
 POLICIES: tuple[str, ...] = ("cache_aware", "load_aware", "round_robin")
 
@@ -73,6 +79,12 @@ class RouterConfig:
             (``serving.workers.endpoint``, child frames over TCP; its ``worker_endpoint`` in the fleet listing),
             past its tritonserver (the default; figures in docs/benchmarks.md "Serving path"); false: over gRPC
             through the worker's tritonserver.
+        fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
+        grpc_tls: TLS of the router's gRPC channels to tritonservers (its own server's index, children over
+            gRPC; ``PD_GRPC_SSL_*``, never a parameter); None: plaintext.
+        fleet_tls: TLS of the router's calls to the registry, the instances' rendezvous and the worker
+            endpoints (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
+            ``http://`` ``registry_url`` is refused.
 
     Raises:
         ConfigError: at construction, naming the parameter.
@@ -99,6 +111,8 @@ class RouterConfig:
     health_port: int = 0
     worker_endpoints: bool = True
     fleet_secret: bytes | None = field(default=None, repr=False)
+    grpc_tls: GrpcTls | None = None
+    fleet_tls: FleetTLS | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -117,7 +131,7 @@ class RouterConfig:
             raise ConfigError("fleet_wait_s", f"must be >= 0 seconds, got {self.fleet_wait_s}")
         if not 0 <= self.health_port <= 65535:
             raise ConfigError("health_port", f"must be a port number, got {self.health_port}")
-        validate_registry_url("registry_url", self.registry_url)
+        validate_registry_url("registry_url", self.registry_url, self.fleet_tls)
         validate_endpoint("grpc_url", self.grpc_url)
         self.static_targets("prefill_models")
         self.static_targets("decode_models")
@@ -144,13 +158,15 @@ class RouterConfig:
 def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RouterConfig:
     """The router config from ``model_config["parameters"]`` (``{"key": {"string_value": "..."}}`` or plain
     strings); ``PD_REGISTRY_URL`` / ``PD_GRPC_URL`` override ``registry_url`` / ``grpc_url``; the fleet secret
-    comes from the environment only.
+    and the TLS settings (``PD_GRPC_SSL_*``, ``PD_TLS_*``) come from the environment only.
 
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    values = parse_parameters(parameters, RouterConfig, skip=("fleet_secret",))
+    values = parse_parameters(parameters, RouterConfig, skip=("fleet_secret", "grpc_tls", "fleet_tls"))
     values["registry_url"] = read_registry_url(values.get("registry_url", RouterConfig.registry_url), environ)
     values["fleet_secret"] = read_fleet_secret(environ)
+    values["fleet_tls"] = read_fleet_tls(environ)
+    values["grpc_tls"] = read_grpc_tls(environ)
     values["grpc_url"] = read_grpc_url(values.get("grpc_url", RouterConfig.grpc_url), environ)
     return RouterConfig(**values)

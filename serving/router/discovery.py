@@ -25,8 +25,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from serving.parsing.child_codec import AUTH_PARAMETER, sign_call
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, InstanceCard
+from serving.triton.admin_access import admin_headers
 from serving.triton.control_client import control_client
+from serving.triton.grpc_tls import GrpcTls
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +74,16 @@ class MemberSource(Protocol):
 
 
 class LocalServerMembers:
-    """The PD workers of one tritonserver (the router's own), found through its repository index."""
+    """The PD workers of one tritonserver (the router's own), found through its repository index (an admin
+    API: with a fleet secret, read with the admin key, ``serving.triton.admin_access``)."""
 
-    def __init__(self, grpc_url: str, timeout_s: float = DESCRIBE_TIMEOUT_S) -> None:
+    def __init__(self, grpc_url: str, timeout_s: float = DESCRIBE_TIMEOUT_S,
+                 fleet_secret: bytes | None = None, tls: GrpcTls | None = None) -> None:
         self._grpc_url = grpc_url
         self._timeout_s = timeout_s
+        self._admin_headers = admin_headers(fleet_secret, grpc=True)
+        self._secret = fleet_secret   # signs each describe request (checked as any child request)
+        self._tls = tls
         self._client: Any = None
         self._cards: dict[str, InstanceCard] = {}   # model name → its card
         self._not_pd: set[str] = set()              # READY models without a pd_control input
@@ -119,11 +127,12 @@ class LocalServerMembers:
 
     def _grpc(self) -> Any:
         if self._client is None:
-            self._client = control_client(self._grpc_url)
+            self._client = control_client(self._grpc_url, self._tls)
         return self._client
 
     def _ready_models(self) -> set[str]:
-        index = self._grpc().get_model_repository_index(as_json=True, client_timeout=self._timeout_s)
+        index = self._grpc().get_model_repository_index(headers=self._admin_headers or None, as_json=True,
+                                                         client_timeout=self._timeout_s)
         return {m["name"] for m in index.get("models", []) if m.get("state") == "READY"}
 
     def _learn(self, model: str) -> None:
@@ -132,7 +141,8 @@ class LocalServerMembers:
             if CONTROL_INPUT not in {i["name"] for i in metadata.get("inputs", [])}:
                 self._not_pd.add(model)
                 return
-            card = describe(self._grpc(), model, self._timeout_s)
+            # the worker's instance id is <model>@<its grpc_url>, which is this server's: the signed authority
+            card = describe(self._grpc(), model, self._timeout_s, self._secret, f"{model}@{self._grpc_url}")
         except Exception as e:   # loading, unloading or a dead stub: asked again next round
             logger.info("PD model %s not described yet: %s", model, e)
             return
@@ -143,25 +153,36 @@ class LocalServerMembers:
         logger.info("fleet member %s (%s) at rendezvous %s", card.instance_id, card.role, card.rendezvous_url)
 
 
-def describe(client: Any, model: str, timeout_s: float) -> InstanceCard:
+def describe(client: Any, model: str, timeout_s: float, fleet_secret: bytes | None = None,
+             instance_id: str = "") -> InstanceCard:
     """Ask PD worker ``model`` for its card over one gRPC stream (the model is decoupled). The stream is
     half-closed only after the FINAL flag (cancelling right after FINAL keeps tritonserver 2.51 from unloading
-    the model later). Raises ``TimeoutError``, ``ValueError`` (a bad card) or the client's errors."""
+    the model later). With ``fleet_secret`` the request is signed for ``instance_id``
+    (``child_codec.sign_call``, in its ``pd_fleet_auth`` parameter), as every child request is. Raises
+    ``TimeoutError``, ``ValueError`` (a bad card), ``RuntimeError`` (the worker's error, e.g. a refused
+    signature) or the client's errors."""
     from tritonclient.grpc import InferInput
 
+    arrays = {"text_input": np.array([b""], dtype=np.object_),
+              CONTROL_INPUT: np.array([DESCRIBE.encode()], dtype=np.object_)}
+    parameters = None if fleet_secret is None else {
+        AUTH_PARAMETER: sign_call(fleet_secret, instance_id, model, "", arrays, time.time())}
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
-        inputs = [InferInput("text_input", [1], "BYTES"), InferInput(CONTROL_INPUT, [1], "BYTES")]
-        inputs[0].set_data_from_numpy(np.array([b""], dtype=np.object_))
-        inputs[1].set_data_from_numpy(np.array([DESCRIBE.encode()], dtype=np.object_))
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        inputs = [InferInput(name, list(array.shape), "BYTES") for name, array in arrays.items()]
+        for tensor, array in zip(inputs, arrays.values()):
+            tensor.set_data_from_numpy(array)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
         deadline = time.monotonic() + timeout_s
         card: InstanceCard | None = None
         while True:
             result, error = answers.get(timeout=max(0.01, deadline - time.monotonic()))
             if error is not None:
                 raise RuntimeError(f"describe {model}: {error}")
+            failure = result.as_numpy("error")
+            if failure is not None and np.size(failure):
+                raise RuntimeError(f"describe {model}: {np.asarray(failure, np.uint8).tobytes().decode()}")
             text = result.as_numpy("text_output")
             if text is not None and np.size(text):
                 card = InstanceCard.from_json(np.asarray(text).astype(np.uint8).tobytes().decode())

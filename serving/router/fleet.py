@@ -374,10 +374,11 @@ class FleetWatcher:
         """The member's status (None: refused; the error: no answer) as its rendezvous reports it, with the
         member's address as the router reaches it."""
         client = self._clients.get(member.rendezvous_url)
-        if client is None:
-            client = self._clients.setdefault(member.rendezvous_url, BootstrapClient(
-                member.rendezvous_url, self._poll_timeout_s, self._config.fleet_secret))
         try:
+            if client is None:   # an http:// URL in a TLS fleet is refused here (TLSError): no answer
+                client = self._clients.setdefault(member.rendezvous_url, BootstrapClient(
+                    member.rendezvous_url, self._poll_timeout_s, self._config.fleet_secret,
+                    self._config.fleet_tls))
             statuses = client.list_instances()
         except RendezvousRefused:
             logger.warning("fleet member %s is gone (its rendezvous %s refused)", member.instance_id,

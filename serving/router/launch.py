@@ -15,7 +15,9 @@ response measured here.
 
 Child protocol: ``serving.parsing.child_codec`` (inputs, outputs and their types, the response decoder this module uses,
 the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error`` (and
-``error_kind``) is set.
+``error_kind``) is set. With a fleet secret every child request is signed (``sign_child``: bound to the target
+instance and to the request's model, id and inputs) on both paths: in the ``OPEN`` frame to a worker endpoint,
+in the request parameter ``pd_fleet_auth`` through tritonserver; the worker refuses a request without it.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from bootstrap.tls import FleetTLS, ssl_module
 from serving.parsing.child_codec import (
+    AUTH_PARAMETER,
     CHILD_OUTPUTS,
     SCHEMA_HASH,
     SCHEMA_INPUT,
@@ -50,6 +54,10 @@ from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
 from serving.stream import Delta, ErrorKind
+from serving.triton.grpc_tls import GrpcTls
+
+if TYPE_CHECKING:
+    import ssl
 
 logger = logging.getLogger(__name__)
 
@@ -150,16 +158,38 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
     return arrays
 
 
-def child_request(call: ChildCall) -> Any:
+def child_request_id(call: ChildCall) -> str:
+    """The request id of ``call``'s child request: ``"<room>-<role>"``."""
+    return f"{call.room}-{call.role}"
+
+
+def sign_child(call: ChildCall, secret: bytes | None, arrays: Mapping[str, np.ndarray] | None = None) -> str:
+    """The fleet signature of ``call``'s child request (``child_codec.sign_call``: for its target instance,
+    over its model name, request id and inputs, ``arrays`` or else ``child_arrays(call)``), timestamped now;
+    "" without a secret. Once per child stream, never per token (its cost: docs/benchmarks.md, "Fleet
+    signatures")."""
+    if secret is None:
+        return ""
+    return sign_call(secret, call.target.instance_id, call.target.model_name, child_request_id(call),
+                     child_arrays(call) if arrays is None else arrays, time.time())
+
+
+def child_request(call: ChildCall, signature: str = "",
+                  arrays: Mapping[str, np.ndarray] | None = None) -> Any:
     """The ``ModelInferRequest`` (``tritonclient.grpc.service_pb2``) of ``call``: its inputs (``child_arrays``) as
     raw contents (BYTES as Triton's length-prefixed elements), every ``CHILD_OUTPUTS`` requested, request id
-    ``"<room>-<role>"``, and ``triton_enable_empty_final_response`` so the FINAL flag always comes."""
+    ``child_request_id``, and ``triton_enable_empty_final_response`` so the FINAL flag always comes.
+    ``signature`` (``sign_child``; the tritonserver path) goes in the request parameter ``pd_fleet_auth``
+    (``child_codec.AUTH_PARAMETER``); "": none (a worker endpoint's travels in the stream's ``OPEN``).
+    ``arrays``: ``child_arrays(call)`` when the caller has them already."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
-    request = service_pb2.ModelInferRequest(model_name=call.target.model_name, id=f"{call.room}-{call.role}")
+    request = service_pb2.ModelInferRequest(model_name=call.target.model_name, id=child_request_id(call))
     request.parameters["triton_enable_empty_final_response"].bool_param = True
-    for name, array in child_arrays(call).items():
+    if signature:
+        request.parameters[AUTH_PARAMETER].string_param = signature
+    for name, array in (child_arrays(call) if arrays is None else arrays).items():
         tensor = request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype))
         tensor.shape.extend(array.shape)
         if array.dtype == np.object_:
@@ -181,14 +211,18 @@ class GrpcLauncher:
     by ``request_idle_timeout_s``.
     """
 
-    def __init__(self, keepalive_s: float = 300.0) -> None:
-        # no fleet signature: tritonserver has no place to check one (worker endpoints do: ``EndpointLauncher``)
-        self._channels = ChannelPool(keepalive_s)
+    def __init__(self, keepalive_s: float = 300.0, tls: GrpcTls | None = None,
+                 fleet_secret: bytes | None = None) -> None:
+        """``fleet_secret``: every request carries its signature (``sign_child``) in its ``pd_fleet_auth``
+        parameter, which the worker model checks (``serving.workers.child_auth``)."""
+        self._channels = ChannelPool(keepalive_s, tls=tls)
+        self._secret = fleet_secret
 
     async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         import grpc
 
-        request = child_request(call)
+        arrays = child_arrays(call)
+        request = child_request(call, sign_child(call, self._secret, arrays), arrays)
         ended = asyncio.Event()
 
         async def requests() -> AsyncIterator[Any]:
@@ -228,11 +262,15 @@ class GrpcLauncher:
 class FrameConnection:
     """One TCP connection to a worker endpoint in child frames (``serving.parsing.child_frames``), shared by every
     child stream the router opens there; its reader task hands each ``RESPONSE`` to its stream's inbox. Event
-    loop thread only. ``ChannelPool`` keeps one per endpoint (``connect`` lazily, ``close``)."""
+    loop thread only. ``ChannelPool`` keeps one per endpoint (``connect`` lazily, ``close``). With
+    ``ssl_context`` (``FleetTLS.client_context``) it speaks TLS, checking the worker's certificate against the
+    endpoint's host."""
 
-    def __init__(self, endpoint: str, connect_timeout_s: float) -> None:
+    def __init__(self, endpoint: str, connect_timeout_s: float,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.endpoint = endpoint
         self._connect_timeout_s = connect_timeout_s
+        self._ssl_context = ssl_context
         self._connecting: asyncio.Future[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -251,11 +289,18 @@ class FrameConnection:
 
     async def _connect(self) -> None:
         host, _, port = self.endpoint.rpartition(":")
+        host, tls = host.strip("[]"), self._ssl_context
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host.strip("[]"), int(port), limit=2 * 2**20), self._connect_timeout_s)
+                asyncio.open_connection(host, int(port), limit=2 * 2**20, ssl=tls,
+                                        server_hostname=host if tls is not None else None),
+                self._connect_timeout_s)
         except (OSError, ValueError, asyncio.TimeoutError) as e:
-            self.lost = f"cannot connect: {e or type(e).__name__}"
+            if tls is not None and isinstance(e, (ssl_module().SSLError, ConnectionResetError)):
+                # a certificate the fleet's CA did not sign for this host, or a peer that closed the handshake
+                self.lost = f"TLS handshake failed: {str(e) or 'connection closed (a plaintext endpoint?)'}"
+            else:
+                self.lost = f"cannot connect: {str(e) or type(e).__name__}"
             return
         keepalive(writer)
         writer.write(PREAMBLE)
@@ -363,25 +408,31 @@ class EndpointLauncher:
     failed is replaced, so a restarted worker is reached on the next call), one stream per call. Responses are
     read straight from their raw contents, as ``GrpcLauncher`` reads them."""
 
-    def __init__(self, fleet_secret: bytes | None = None, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, fleet_secret: bytes | None = None, connect_timeout_s: float = 5.0,
+                 tls: FleetTLS | None = None) -> None:
         """``fleet_secret``: every stream carries its signature (``child_codec.sign_call``), which the endpoint
-        checks. ``connect_timeout_s``: a worker whose host does not answer the connection fails the call (the
-        router retries elsewhere) after this many seconds."""
-        self._connections = ChannelPool(connect=lambda endpoint, _args: FrameConnection(endpoint,
-                                                                                          connect_timeout_s))
+        checks. ``connect_timeout_s``: a worker whose host does not answer the connection (or the TLS
+        handshake) fails the call (the router retries elsewhere) after this many seconds. ``tls``: the
+        fleet's TLS setting: every connection speaks TLS and checks the worker's certificate against the
+        fleet's CA and the endpoint's host (``bootstrap.tls``); None: plain TCP. Raises ``TLSError`` when the
+        CA no longer loads."""
+        context = None if tls is None else tls.client_context()   # one per launcher: it caches the CA
+        self._connections = ChannelPool(
+            connect=lambda endpoint, _args: FrameConnection(endpoint, connect_timeout_s, context))
         self._secret = fleet_secret
 
     async def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         from tritonclient.grpc import service_pb2
 
-        request = child_request(call)
+        arrays = child_arrays(call)
+        request = child_request(call, arrays=arrays)
         channel = self._connections.acquire(call.target.endpoint)
         if channel.client.lost is not None:   # the worker closed it since (it restarted, say): a new one
             self._connections.retire(channel)
             self._connections.release(channel)
             channel = self._connections.acquire(call.target.endpoint)
         connection: FrameConnection = channel.client
-        signature = "" if self._secret is None else sign_call(self._secret, request.id, time.time())
+        signature = sign_child(call, self._secret, arrays)
         stream_id = 0
         finished = False
         try:
@@ -448,9 +499,9 @@ class _PushedStream:
 
     async def _open(self) -> None:
         try:
-            request = child_request(self._call)
-            secret = self._launcher._secret
-            signature = "" if secret is None else sign_call(secret, request.id, time.time())
+            arrays = child_arrays(self._call)
+            request = child_request(self._call, arrays=arrays)
+            signature = sign_child(self._call, self._launcher._secret, arrays)
             await self._connection.connected()
             if self.done.done():
                 return
@@ -504,9 +555,10 @@ class ChildLauncher:
     """The router's ``Launcher``: a target on a worker's own endpoint (``Target.worker_endpoint``) through
     ``EndpointLauncher``, any other (a tritonserver) through ``GrpcLauncher``."""
 
-    def __init__(self, keepalive_s: float = 300.0, fleet_secret: bytes | None = None) -> None:
-        self._grpc = GrpcLauncher(keepalive_s)
-        self._frames = EndpointLauncher(fleet_secret)
+    def __init__(self, keepalive_s: float = 300.0, fleet_secret: bytes | None = None,
+                 grpc_tls: GrpcTls | None = None, fleet_tls: FleetTLS | None = None) -> None:
+        self._grpc = GrpcLauncher(keepalive_s, grpc_tls, fleet_secret=fleet_secret)
+        self._frames = EndpointLauncher(fleet_secret, tls=fleet_tls)
 
     def stream(self, call: ChildCall) -> AsyncIterator[Delta]:
         return (self._frames if call.target.worker_endpoint else self._grpc).stream(call)

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from bootstrap.membership import Membership, MembershipError, make_membership
 from serving.router.discovery import FleetMember
+
+if TYPE_CHECKING:
+    from bootstrap.tls import FleetTLS
 
 logger = logging.getLogger(__name__)
 KV_ROLES = ("prefill", "decode")
@@ -25,12 +29,14 @@ GRACE_S = 10.0
 class RegistryMembers:
     """A ``MemberSource`` over a started ``Membership`` client."""
 
-    def __init__(self, registry_url: str, secret: bytes | None, grace_s: float = GRACE_S) -> None:
-        """Raises ``MembershipError`` for a URL no backend takes."""
+    def __init__(self, registry_url: str, secret: bytes | None, grace_s: float = GRACE_S,
+                 tls: FleetTLS | None = None) -> None:
+        """``tls``: the fleet's TLS setting (an ``https://`` registry). Raises ``MembershipError`` for a URL
+        no backend takes, or an ``http://`` one with TLS."""
         self._grace_s = grace_s
         self._seen: dict[str, tuple[FleetMember, float]] = {}   # instance id → member, last listed (monotonic)
         self._refused: set[tuple[str, int]] = set()   # (instance id, epoch) whose rendezvous refused: gone
-        membership: Membership | None = make_membership(registry_url, secret)
+        membership: Membership | None = make_membership(registry_url, secret, tls=tls)
         if membership is None:
             raise MembershipError("RegistryMembers needs a registry URL")
         self._membership = membership

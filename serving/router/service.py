@@ -95,7 +95,9 @@ class Router:
         self._metrics = metrics
         self.fleet = Fleet(config)
         self._watcher = FleetWatcher(self.fleet, config, members or make_member_source(config), name)
-        self._launcher: Launcher = launcher or ChildLauncher(fleet_secret=config.fleet_secret)
+        self._launcher: Launcher = launcher or ChildLauncher(fleet_secret=config.fleet_secret,
+                                                             grpc_tls=config.grpc_tls,
+                                                             fleet_tls=config.fleet_tls)
         self._count_tokens = count_tokens
         self.orchestrator: PDOrchestrator | None = None
         self._loop = asyncio.new_event_loop()
@@ -254,5 +256,5 @@ def make_member_source(config: RouterConfig) -> MemberSource:
     if config.registry_url:
         from serving.router.registry_members import RegistryMembers
 
-        return RegistryMembers(config.registry_url, config.fleet_secret)
-    return LocalServerMembers(config.grpc_url)
+        return RegistryMembers(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
+    return LocalServerMembers(config.grpc_url, fleet_secret=config.fleet_secret, tls=config.grpc_tls)

@@ -17,7 +17,10 @@ Any thread; a client is used by one thread at a time (tritonclient's sync client
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serving.triton.grpc_tls import GrpcTls
 
 #: (initial, max) reconnect backoff of a channel, ms (gRPC's defaults: 1000, 120000)
 RECONNECT_BACKOFF_MS: tuple[int, int] = (100, 1000)
@@ -33,10 +36,11 @@ def fast_reconnect_args() -> list[tuple[str, int]]:
             ("grpc.use_local_subchannel_pool", 1)]
 
 
-def control_client(url: str) -> Any:
+def control_client(url: str, tls: GrpcTls | None = None) -> Any:
     """A ``tritonclient.grpc.InferenceServerClient`` for ``url`` (``host:port``) with tritonclient's own message
-    size limits and keepalive defaults plus ``fast_reconnect_args``; connects lazily (never raises for an
-    unreachable server: its calls do). Returns the client (tritonclient is untyped)."""
+    size limits and keepalive defaults plus ``fast_reconnect_args``, over TLS when ``tls`` is set (a server
+    with ``--grpc-use-ssl``); connects lazily (never raises for an unreachable server: its calls do). Returns
+    the client (tritonclient is untyped). Raises ``GrpcTlsError`` when a TLS file cannot be read."""
     import tritonclient.grpc as grpcclient
 
     keepalive = grpcclient.KeepAliveOptions()
@@ -47,4 +51,7 @@ def control_client(url: str) -> Any:
             ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
             ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
             *fast_reconnect_args()]
-    return grpcclient.InferenceServerClient(url, channel_args=args)
+    if tls is None:
+        return grpcclient.InferenceServerClient(url, channel_args=args)
+    return grpcclient.InferenceServerClient(url, creds=tls.credentials(),
+                                            channel_args=[*args, *tls.channel_args()])

@@ -29,6 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+from serving.config import read_grpc_tls
 from serving.metrics import ServingMetrics
 from serving.triton.orphan_watch import OrphanWatch
 from serving.triton.response_dispatch import ResponseDispatcher
@@ -98,6 +99,7 @@ class ModelHost(ABC):
         self.responses = new_dispatcher(self.instance_name)
         self.responses.start()
         try:
+            self._grpc_tls = read_grpc_tls()
             grpc_url = self.start(args, model_config)
         except BaseException:   # a failed load: nothing of this instance may outlive it (no finalize follows)
             self.responses.stop(self.STOP_TIMEOUT_S)
@@ -105,8 +107,9 @@ class ModelHost(ABC):
             teardown_logging()
             raise
         self._orphan_watch = OrphanWatch(self.instance_name).start()
-        self._server_watch = ServerShutdownWatch(self.instance_name, grpc_url, self.on_server_stop).start()
-        self._stub_guard = StubGuard(self.model_name, grpc_url).start()
+        self._server_watch = ServerShutdownWatch(self.instance_name, grpc_url, self.on_server_stop,
+                                                 tls=self._grpc_tls).start()
+        self._stub_guard = StubGuard(self.model_name, grpc_url, self._grpc_tls).start()
 
     def execute(self, requests: list[Any]) -> None:
         if self.ANSWER_CHILD:

@@ -13,6 +13,13 @@ Identity: a PD model runs exactly one instance, known to the fleet as ``<model n
 reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter). A request with ``pd_control =
 "describe"`` is answered at once with the instance's ``InstanceCard`` (its rendezvous URL): how a router of the
 same tritonserver finds it with no registry.
+
+Authentication: with a fleet secret every request here, ``describe`` included, must carry the router's
+signature in its ``pd_fleet_auth`` parameter (``child_codec.AUTH_PARAMETER``, ``child_codec.sign_call``: bound
+to this instance's id and to a digest of the request's model, id and inputs), checked by the worker's
+``ChildAuth`` (``serving.workers.child_auth``, shared with its own endpoint: one replay guard for both paths)
+before anything else; a request without a valid one gets one FINAL ``instance`` error, "unauthenticated child
+request: ...".
 """
 
 from __future__ import annotations
@@ -24,24 +31,29 @@ from typing import Any
 import numpy as np
 
 from serving.config import ConfigError, apply_cpu_affinity, build_worker_config, instance_device
+from serving.parsing.child_codec import AUTH_PARAMETER
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, InstanceCard, parse_pd_request
-from serving.parsing.request import RequestError
+from serving.parsing.request import INPUT_NAMES, RequestError
 from serving.stream import ResponseChunk
 from serving.triton.host import ModelHost
-from serving.triton.io import TritonResponseSink, pb_utils, read_inputs
+from serving.triton.io import TritonResponseSink, read_parameters, scalars_from_arrays
+from serving.workers.child_auth import NO_AUTH, ChildAuth
 from serving.workers.endpoint import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 
 
-def read_pd_inputs(request: Any) -> dict[str, np.ndarray]:
-    """``bootstrap_room`` / ``prefill_instance`` of one child request, as numpy arrays (absent ones left out)."""
-    arrays = {}
-    for name in (*PD_INPUT_NAMES, CONTROL_INPUT):
-        tensor = pb_utils().get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            arrays[name] = tensor.as_numpy()
-    return arrays
+def read_child_inputs(request: Any) -> dict[str, np.ndarray]:
+    """Every input of one child request (a ``pb_utils.InferenceRequest``), as numpy arrays by name (``BYTES``:
+    object arrays of bytes), as ``child_codec.inputs_digest`` takes them."""
+    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+
+
+def read_signature(request: Any) -> str | None:
+    """The fleet signature in the request's ``pd_fleet_auth`` parameter (``child_codec.AUTH_PARAMETER``); None
+    when absent or not a string. Raises ``RequestError`` when the parameters are not a JSON object."""
+    value = read_parameters(request).get(AUTH_PARAMETER)
+    return value if isinstance(value, str) else None
 
 
 class PDChildModel(ModelHost):
@@ -51,17 +63,20 @@ class PDChildModel(ModelHost):
     ROLE = ""
     ANSWER_CHILD = True
     _endpoint: WorkerEndpoint | None = None
+    _auth: ChildAuth = NO_AUTH
 
     def start(self, args: dict[str, Any], model_config: dict[str, Any]) -> str:
         _check_one_instance(model_config, self.ROLE)
         device = instance_device(args["model_instance_kind"], int(args["model_instance_device_id"]))
         config = build_worker_config(model_config.get("parameters", {}), device=device)
         instance_id = f"{self.model_name}@{config.grpc_url}"
+        self._auth = ChildAuth(config.fleet_secret, instance_id)   # both paths: one replay guard
         apply_cpu_affinity(config)
         from serving.workers.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
 
         self._endpoint = None if config.worker_port < 0 else WorkerEndpoint(
-            config.grpc_url.rsplit(":", 1)[0], config.worker_port, self.model_name, config.fleet_secret).bind()
+            config.grpc_url.rsplit(":", 1)[0], config.worker_port, self.model_name, self._auth,
+            fleet_tls=config.fleet_tls).bind()
         try:
             self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics, model_name=self.model_name,
                                             worker_endpoint=self._endpoint.address if self._endpoint else "")
@@ -96,7 +111,10 @@ class PDChildModel(ModelHost):
             self._endpoint.stop(grace_s=2.0)
 
     def handle(self, request: Any, sink: TritonResponseSink) -> None:
-        pd_inputs = read_pd_inputs(request)
+        arrays = read_child_inputs(request)
+        # before any work: a request without the fleet's signature for this instance and these inputs ends
+        self._auth.check(read_signature(request), self.model_name, request.request_id(), arrays)
+        pd_inputs = {name: arrays[name] for name in (*PD_INPUT_NAMES, CONTROL_INPUT) if name in arrays}
         if CONTROL_INPUT in pd_inputs:
             command = np.asarray(pd_inputs[CONTROL_INPUT]).reshape(-1)[0]
             command = command.decode() if isinstance(command, bytes) else str(command)
@@ -104,7 +122,8 @@ class PDChildModel(ModelHost):
                 raise RequestError(CONTROL_INPUT, f"unknown command {command!r} (known: {DESCRIBE!r})")
             sink.send(ResponseChunk.single(text=self._card.to_json()), final=True)
             return
-        pd = parse_pd_request(read_inputs(request), pd_inputs)
+        llm_inputs = scalars_from_arrays({name: arrays[name] for name in INPUT_NAMES if name in arrays})
+        pd = parse_pd_request(llm_inputs, pd_inputs)
         self._handle.worker.handle(pd, sink)
 
 

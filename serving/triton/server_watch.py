@@ -23,14 +23,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serving.triton.grpc_tls import GrpcTls
 
 logger = logging.getLogger(__name__)
 
 
 class ServerShutdownWatch:
     def __init__(self, name: str, grpc_url: str, on_shutdown: Callable[[], None], interval_s: float = 1.0,
-                 timeout_s: float = 2.0, misses: int = 2, is_live: Callable[[], bool] | None = None) -> None:
+                 timeout_s: float = 2.0, misses: int = 2, is_live: Callable[[], bool] | None = None,
+                 tls: GrpcTls | None = None) -> None:
         """
         Args:
             name: thread name suffix (the model instance).
@@ -41,10 +45,12 @@ class ServerShutdownWatch:
             misses: consecutive failed checks (after one success) that mean shutdown.
             is_live: the check (raises when the server cannot be reached or answers an error, as it does
                 while exiting); default: tritonclient's ``is_server_live`` on ``grpc_url``.
+            tls: TLS of that check's channel (a server with ``--grpc-use-ssl``); None: plaintext.
         """
         self._name = name
         self._url = grpc_url
         self._is_live = is_live
+        self._tls = tls
         self._on_shutdown = on_shutdown
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -66,7 +72,7 @@ class ServerShutdownWatch:
         if self._is_live is None:
             from serving.triton.control_client import control_client
 
-            client = control_client(self._url)
+            client = control_client(self._url, self._tls)
             self._is_live = lambda: bool(client.is_server_live(client_timeout=self._timeout_s))
         seen_live, missed = False, 0
         try:

@@ -20,6 +20,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serving.triton.grpc_tls import GrpcTls
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +41,16 @@ def python_executable() -> str:
 class StubGuard:
     """Starts ``python -m serving.triton.stub_guardian`` for this stub's model, with a pipe only this stub writes."""
 
-    def __init__(self, model_name: str, grpc_url: str) -> None:
+    def __init__(self, model_name: str, grpc_url: str, tls: GrpcTls | None = None) -> None:
         """
         Args:
             model_name: the Triton model this stub serves (the guardian checks it is READY).
             grpc_url: ``host:port`` of this tritonserver's gRPC endpoint (``WorkerConfig.grpc_url``).
+            tls: TLS of the guardian's channel to it (a server with ``--grpc-use-ssl``); None: plaintext.
         """
         self._model_name = model_name
         self._grpc_url = grpc_url
+        self._tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> StubGuard:
@@ -53,6 +59,10 @@ class StubGuard:
         argv = [python_executable(), "-m", "serving.triton.stub_guardian", "--model", self._model_name,
                 "--grpc-url", self._grpc_url, "--server-pid", str(os.getppid()), "--stub-pid", str(os.getpid()),
                 "--shm-region", _own_shm_region()]
+        if self._tls is not None:
+            tls = self._tls
+            argv += ["--grpc-ssl-root-cert", tls.root_cert, "--grpc-ssl-client-cert", tls.client_cert,
+                     "--grpc-ssl-client-key", tls.client_key, "--grpc-ssl-target-name", tls.target_name]
         # close_fds (the default) keeps the write end out of every other child: only our death closes it
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
         logger.info("%s: stub guardian pid %d", self._model_name, self._proc.pid)

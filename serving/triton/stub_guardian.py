@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from serving.triton.grpc_tls import GrpcTls
+
 logger = logging.getLogger("serving.triton.stub_guardian")
 
 FINALIZE = b"finalize\n"
@@ -139,10 +141,10 @@ def stub_children(server_pid: int, proc: Path = Path("/proc")) -> Iterable[int]:
 class GrpcHealth:
     """``Health`` over tritonclient.grpc."""
 
-    def __init__(self, grpc_url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, grpc_url: str, timeout_s: float = 5.0, tls: GrpcTls | None = None) -> None:
         from serving.triton.control_client import control_client
 
-        self._client = control_client(grpc_url)
+        self._client = control_client(grpc_url, tls)
         self._timeout_s = timeout_s
 
     def is_live(self) -> bool:
@@ -159,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-pid", type=int, required=True)
     parser.add_argument("--stub-pid", type=int, required=True)
     parser.add_argument("--shm-region", default="")
+    parser.add_argument("--grpc-ssl-root-cert", default="", help="TLS to the server's gRPC (GrpcTls)")
+    parser.add_argument("--grpc-ssl-client-cert", default="")
+    parser.add_argument("--grpc-ssl-client-key", default="")
+    parser.add_argument("--grpc-ssl-target-name", default="")
     args = parser.parse_args(argv)
+    tls = GrpcTls(args.grpc_ssl_root_cert, args.grpc_ssl_client_cert, args.grpc_ssl_client_key,
+                  args.grpc_ssl_target_name) if args.grpc_ssl_root_cert else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C of serve.sh's group is the server's to handle
     stub = GuardedStub(args.model, args.grpc_url, args.server_pid, args.stub_pid, args.shm_region)
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     # not an error yet: a server that stops (its exit timeout expiring) ends its stubs without a finalize too;
     # ``heal`` logs the error when the stub died under a server that still serves
     logger.warning("%s: its stub (pid %d) ended without a finalize; checking its server", stub.model, stub.stub_pid)
-    outcome = heal(stub, GrpcHealth(stub.grpc_url), end_server)
+    outcome = heal(stub, GrpcHealth(stub.grpc_url, tls=tls), end_server)
     log = logger.warning if outcome == "server ended" else logger.info
     log("%s: %s %.1f s after the stub's end", stub.model, outcome, time.monotonic() - died_s)
     return 0

@@ -20,9 +20,17 @@ the router's ``decode_raw_response`` reads. A stream that fell behind gets its p
 Another model's name, a bad or malformed input or a missing fleet signature each end that stream with one FINAL
 error response; nothing else is touched.
 
-Authentication: with a fleet secret (``bootstrap.auth``), every stream's ``OPEN`` carries the router's signature
-over ``POST``, the method path and the request id (``child_codec.sign_call``); a stream without a valid, fresh
-one is answered with an error. Without a secret the endpoint binds loopback only (``check_bind``).
+Authentication: with a fleet secret (``bootstrap.auth``), every stream's ``OPEN`` carries the router's
+signature of its request (``child_codec.sign_call``): an HMAC bound to this worker's instance id, the gRPC
+method path, a timestamp, a nonce and a digest of the request (model name, request id and every input:
+``child_codec.inputs_digest``). The worker's ``ChildAuth`` (``serving.workers.child_auth``, shared with the
+worker's tritonserver path, one replay guard for both) checks it before anything else: a stream whose
+signature is missing, stale, already used on either path, or made for another instance or another request (a
+captured one put on another prompt or model) is answered with one FINAL ``instance`` error, "unauthenticated
+child request: <reason>", and the worker never sees it. Without a secret the endpoint binds loopback only
+(``check_bind``). With the fleet's TLS setting (``bootstrap.tls``) the endpoint speaks TLS only (its
+certificate must name the advertised host, which routers dial); a plaintext connection fails its handshake and
+never reaches a stream.
 
 Threads: the endpoint runs its own asyncio loop on thread ``worker-endpoint-<port>``; the worker's sinks are fed
 from the engine loop thread, which wakes the loop once for every stream with something new (``_Outbox``: one
@@ -44,16 +52,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from bootstrap.auth import AuthError, _ReplayGuard, check_bind
+from bootstrap.auth import check_bind
 from serving.answering import start_or_fail
-from serving.parsing.child_codec import CHILD_OUTPUTS, encode_response, verify_call
+from serving.parsing.child_codec import CHILD_OUTPUTS, encode_response
 from serving.parsing.child_frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, read_frame, split_open
 from serving.parsing.pd_request import CONTROL_INPUT, PD_INPUT_NAMES, PDRequest, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
 from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink, merge_chunks
+from serving.workers.child_auth import NO_AUTH, ChildAuth
 
 if TYPE_CHECKING:
     from tritonclient.grpc import service_pb2
+
+    from bootstrap.tls import FleetTLS
 
 logger = logging.getLogger(__name__)
 
@@ -249,18 +260,20 @@ class WorkerEndpoint:
         host: the address to bind and advertise (the host of the worker's ``grpc_url``).
         port: 0 for a free one.
         model_name: the only model this endpoint answers for.
-        fleet_secret: HMAC key of stream signatures (``bootstrap.auth``); None: loopback only.
+        auth: the worker's check of child request signatures (``ChildAuth``, shared with its tritonserver
+            path); without a fleet secret (``NO_AUTH``, the default): no check, loopback only.
+        fleet_tls: serve TLS with the fleet's certificate (``bootstrap.tls``); None: plain TCP.
     Raises (``bind``):
-        AuthError: ``host`` is not loopback and no fleet secret is set.
+        AuthError: ``host`` is not loopback and ``auth`` has no fleet secret.
         OSError: the port cannot be bound.
+        TLSError: the TLS files no longer load (``bootstrap.tls``).
     """
 
-    def __init__(self, host: str, port: int, model_name: str, fleet_secret: bytes | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, host: str, port: int, model_name: str, auth: ChildAuth = NO_AUTH,
+                 fleet_tls: FleetTLS | None = None) -> None:
         self._host, self._port, self._model_name = host, port, model_name
-        self._secret = fleet_secret
-        self._clock = clock
-        self._guard = _ReplayGuard(30.0)
+        self._auth = auth
+        self._tls = fleet_tls
         self._worker: ChildWorker | None = None
         self._loop = asyncio.new_event_loop()
         self._outbox = _Outbox(self._loop, self._flush)
@@ -278,7 +291,7 @@ class WorkerEndpoint:
         return f"{self._host}:{self._port}"
 
     def bind(self) -> WorkerEndpoint:
-        check_bind(self._host, self._secret, "the worker endpoint")
+        check_bind(self._host, self._auth.secret, "the worker endpoint")
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-endpoint", daemon=True)
         self._thread.start()
         try:
@@ -329,8 +342,9 @@ class WorkerEndpoint:
 
     async def _bind(self) -> int:
         # the listening socket now (the port is known at once), accepting only from ``start`` on
+        context = None if self._tls is None else self._tls.server_context()
         self._server = await asyncio.start_server(self._connection, self._host, self._port,
-                                                  limit=2 * 2**20, start_serving=False)
+                                                  limit=2 * 2**20, start_serving=False, ssl=context)
         sockets = self._server.sockets
         if not sockets:
             raise OSError(f"the worker endpoint cannot bind {self._host}:{self._port}")
@@ -346,14 +360,6 @@ class WorkerEndpoint:
             task.cancel()
         if self._connections:
             await asyncio.wait(list(self._connections), timeout=5)
-
-    def _authenticate(self, signature: str | None, request_id: str) -> None:
-        """Raises ``AuthError`` when a fleet secret is set and the stream's signature is missing or wrong."""
-        if self._secret is None:
-            return
-        now = self._clock()
-        verify_call(self._secret, request_id, signature, now)
-        self._guard.admit(signature or "", now)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One router's connection: its ``OPEN``s and ``CANCEL``s (``child_frames``); every stream on it is
@@ -418,7 +424,7 @@ class WorkerEndpoint:
                         raise _Draining(f"{self._model_name} at {self.address} is being unloaded")
                     self._start(request, signature, sink)
 
-                start_or_fail(start, sink, request.id, refusals=(AuthError, _Draining))
+                start_or_fail(start, sink, request.id, refusals=(_Draining,))
             await sink.finished
         finally:
             sink.cancelled = True   # cancelled by the router (or the server stopping): the worker aborts it
@@ -471,13 +477,13 @@ class WorkerEndpoint:
                 self._flush(waiting)
 
     def _start(self, request: service_pb2.ModelInferRequest, signature: str | None, sink: _StreamSink) -> None:
-        self._authenticate(signature, request.id)
+        arrays = request_arrays(request)
+        self._auth.check(signature, request.model_name, request.id, arrays)   # before any work
         if request.model_name != self._model_name:
             raise RequestError("model_name", f"this endpoint serves {self._model_name!r}, not "
                                              f"{request.model_name!r}")
         if self._worker is None:
             raise RuntimeError("the worker endpoint is not serving yet")
-        arrays = request_arrays(request)
         if CONTROL_INPUT in arrays:
             raise RequestError(CONTROL_INPUT, "is answered by the model through tritonserver, not here")
         llm = {name: arrays[name] for name in INPUT_NAMES if name in arrays}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from bootstrap.membership import Member, Membership, make_membership
 from kv_transfer import BaseKVManager, KVArgs, KVLayout, make_kv_manager
-from serving.config import WorkerConfig
+from serving.config import ConfigError, WorkerConfig
 from serving.workers.decode import DecodeWorker
 from serving.workers.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
@@ -170,5 +170,6 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
-    return PDWorkerHandle(worker, loop, kv_manager, make_membership(config.registry_url, config.fleet_secret),
+    membership = make_membership(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
+    return PDWorkerHandle(worker, loop, kv_manager, membership,
                           instance_id=instance_id, model_name=model_name, grpc_url=config.grpc_url)

@@ -1,5 +1,6 @@
 """``EtcdMembership`` against a real etcd: etcd's own auth (right password works, none or a wrong one fails
-with the reason), a lost lease is granted again, and a wiped etcd gets every member back."""
+with the reason), TLS with client certificates beside it (the recommended set-up: no certificate, no user or
+plaintext are refused), a lost lease is granted again, and a wiped etcd gets every member back."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from membership_stores import ETCD, ETCDCTL, NO_ETCD, EtcdProcess, free_port, wait_until
+import requests
+from membership_stores import ETCD, ETCDCTL, NO_ETCD, OPENSSL, EtcdCerts, EtcdProcess, free_port, wait_until
 
-from bootstrap.membership import EtcdMembership, EtcdOptions, Member, make_membership
+from bootstrap.membership import EtcdMembership, EtcdOptions, Member, Membership, make_membership
 
 pytestmark = pytest.mark.skipif(ETCD is None or ETCDCTL is None, reason=NO_ETCD)
 
@@ -69,6 +71,52 @@ def test_etcd_auth_admits_the_right_password_and_names_the_missing_one(
     finally:
         for m in (member, anonymous, wrong):
             m.stop()
+
+
+@pytest.mark.skipif(OPENSSL is None, reason="the openssl command is not installed")
+def test_etcd_with_tls_client_certificates_and_auth(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", requests.certs.where())   # must not replace PD_ETCD_CA
+    certs = EtcdCerts.make(tmp_path / "certs")
+    etcd = EtcdProcess(tmp_path, certs)
+    etcd.start()
+    tls = {"PD_ETCD_CA": str(certs.ca), "PD_ETCD_CERT": str(certs.client_cert),
+           "PD_ETCD_KEY": str(certs.client_key)}
+    login = {"PD_ETCD_USER": "fleet", "PD_ETCD_PASSWORD": "fleetpw"}
+    clients: list[Membership] = []
+    try:   # docs/membership.md's commands: a root user, and a fleet user that may write the members only
+        etcd.etcdctl("user", "add", "root:rootpw")
+        etcd.etcdctl("user", "add", "fleet:fleetpw")
+        etcd.etcdctl("role", "add", "fleet")
+        etcd.etcdctl("role", "grant-permission", "fleet", "--prefix=true", "readwrite", "/triton-pd/members/")
+        etcd.etcdctl("user", "grant-role", "fleet", "fleet")
+        etcd.etcdctl("auth", "enable")
+        named = {**tls, **login, "PD_ETCD_CERT": str(certs.server_cert), "PD_ETCD_KEY": str(certs.server_key)}
+        envs = ({**tls, **login}, {"PD_ETCD_CA": str(certs.ca), **login}, tls, named)
+        member, no_cert, no_user, with_cn = (make_membership(etcd.url, b"fleet", env) for env in envs)
+        assert member is not None and no_cert is not None and no_user is not None and with_cn is not None
+        clients = [member, no_cert, no_user, with_cn]
+        member.announce(_member("d0"), ttl_s=2.0)
+        no_user.announce(_member("intruder"), ttl_s=2.0)
+        with caplog.at_level(logging.WARNING, logger="bootstrap.membership.etcd"):
+            for client in clients:
+                client.start()
+            wait_until(lambda: member.view().fresh and _ids(member) == {"d0@127.0.0.1:8001"}, 5.0,
+                       "announced and watched over TLS with a certificate and a password")
+            wait_until(lambda: "SSL" in caplog.text and "user name is empty" in caplog.text, 5.0,
+                       "the client without a certificate and the one without a user told why")
+            wait_until(lambda: "PD_ETCD_CERT must be a certificate without a common name" in caplog.text, 5.0,
+                       "a certificate with a common name told why etcd's gateway refuses it")
+        assert not no_cert.view().fresh and not no_user.view().fresh and not with_cn.view().fresh
+        assert _ids(member) == {"d0@127.0.0.1:8001"}, "the write without a user did not get in"
+        member.stop(2.0)   # revokes its lease: the fleet user may, holding write on the members' prefix
+        assert etcd.etcdctl("get", "--prefix", "/triton-pd/members/", user="root:rootpw") == ""
+        with pytest.raises(requests.ConnectionError):   # plaintext on the TLS port
+            requests.post(f"http://{etcd.endpoint}/v3/kv/range", json={"key": "Lw=="}, timeout=2)
+    finally:
+        for client in clients:
+            client.stop(2.0)
+        etcd.kill()
 
 
 def test_a_lost_lease_is_granted_again(etcd: EtcdProcess) -> None:

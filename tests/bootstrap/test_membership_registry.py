@@ -15,7 +15,7 @@ import requests
 from membership_stores import ROOT, child_env, wait_until
 
 from bootstrap.auth import HmacAuth
-from bootstrap.membership import Member, RegistryMembership, RegistryServer
+from bootstrap.membership import MEMBER_VERSION, Member, RegistryMembership, RegistryServer
 
 SECRET = b"registry secret"
 
@@ -69,7 +69,8 @@ def test_ids_with_slashes_and_the_epoch_rule_over_http(registry: RegistryServer)
 def test_a_bad_registration_gets_400_with_the_reason(registry: RegistryServer) -> None:
     with requests.Session() as session:
         session.auth = HmacAuth(SECRET)
-        body: dict[str, Any] = {"version": 1, "member": {**_member(1).to_dict(), "role": "boss"}, "ttl_s": 5}
+        body: dict[str, Any] = {"version": MEMBER_VERSION, "member": {**_member(1).to_dict(), "role": "boss"},
+                                "ttl_s": 5}
         response = session.put(registry.url + "/v1/members/x", json=body, timeout=5)
         assert response.status_code == 400 and "role must be one of" in response.json()["error"]
         response = session.post(registry.url + "/v1/members/x/keepalive", timeout=5)

@@ -21,7 +21,7 @@ class _Recorder:
 
 def _fake_watch(log: _Recorder, name: str) -> type:
     class Watch:
-        def __init__(self, *args: Any) -> None:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.args = args
             if name == "server_watch":
                 log.server_stop = args[-1]   # type: ignore[attr-defined]

@@ -25,6 +25,7 @@ from serving.parsing.request import RequestError
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, EndpointLauncher, child_arrays, child_request
 from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
+from serving.workers.child_auth import NO_AUTH, ChildAuth
 from serving.workers.endpoint import WorkerEndpoint, request_arrays
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,7 +114,8 @@ def call_for(endpoint: WorkerEndpoint, model: str = "decode", room: int = 7) -> 
 
 def run(worker: ScriptedWorker, scenario: Callable[[WorkerEndpoint], object], secret: bytes | None = None,
         model: str = "decode") -> object:
-    endpoint = WorkerEndpoint("127.0.0.1", 0, model, secret).bind()
+    auth = NO_AUTH if secret is None else ChildAuth(secret, "decode@x")   # call_for's target instance
+    endpoint = WorkerEndpoint("127.0.0.1", 0, model, auth).bind()
     endpoint.start(worker)
     try:
         return asyncio.run(scenario(endpoint))   # type: ignore[arg-type]
@@ -229,7 +231,7 @@ def test_a_non_loopback_endpoint_needs_a_fleet_secret() -> None:
     from bootstrap.auth import AuthError
 
     with pytest.raises(AuthError, match="worker endpoint"):
-        WorkerEndpoint("10.1.2.3", 0, "decode", None).bind()
+        WorkerEndpoint("10.1.2.3", 0, "decode").bind()
 
 
 def test_drain_lets_open_streams_end_and_refuses_new_ones() -> None:
@@ -526,7 +528,7 @@ def test_push_to_an_unreachable_endpoint_fails_at_once() -> None:
 def test_push_whose_request_cannot_be_built_fails_that_child_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import serving.router.launch as launch
 
-    def broken(call: ChildCall) -> object:
+    def broken(call: ChildCall, *args: object, **kwargs: object) -> object:
         raise ValueError("cannot encode")
 
     async def scenario(endpoint: WorkerEndpoint) -> None:
