@@ -233,15 +233,32 @@ mark_ready() {
     if http_ok "$HOST" "$HTTP_PORT" /v2/health/ready \
         && { ((metrics == 0)) || http_ok "$METRICS_HOST" "$METRICS_PORT" /metrics; }; then
       echo "$pid" > "$ready_mark"
+      say_ready "$metrics"
       return 0
     fi
     sleep 1
   done
 }
+# say_ready METRICS: the one line that says this server is ready, with every endpoint it serves (the OpenAI front's
+# once its /health answers, up to 60 s; METRICS 0: metrics off)
+say_ready() {
+  local line="ready: HTTP $HOST:$HTTP_PORT  gRPC $HOST:$GRPC_PORT" i
+  if (($1)); then line+="  metrics $METRICS_HOST:$METRICS_PORT"; fi
+  if [[ "$OPENAI" == 1 && -n "$OPENAI_MODEL" ]]; then
+    for i in $(seq 60); do http_ok "$HOST" "$OPENAI_PORT" /health && break; sleep 1; done
+    line+="  OpenAI http://$HOST:$OPENAI_PORT/v1"
+  fi
+  say "$line  (models: ${MODELS:-every model in $MODEL_REPOSITORY})"
+}
 # start_triton ARGS...: tritonserver in the background, at its place in pids
 start_triton() {
   say "$TRITONSERVER ${server_args[*]//pd-admin-key=*/pd-admin-key=<admin key>} $*"
-  "$TRITONSERVER" "${server_args[@]}" "$@" &
+  if [[ -e /dev/nvidiactl ]]; then
+    "$TRITONSERVER" "${server_args[@]}" "$@" &
+  else   # no GPU: tritonserver 2.51 logs "CudaDriverHelper has not been initialized." at every start, an error
+    # line with nothing to act on here; everything else it says passes through
+    "$TRITONSERVER" "${server_args[@]}" "$@" 2> >(grep --line-buffered -v 'CudaDriverHelper has not been' >&2) &
+  fi
   triton_pid=$!
   triton_started_s=$SECONDS
   if ((triton_index < 0)); then triton_index=${#pids[@]}; fi

@@ -32,6 +32,9 @@ from serving.triton.control_client import control_client
 from serving.triton.grpc_tls import GrpcTls
 
 logger = logging.getLogger(__name__)
+#: How long the router's own server may refuse its repository index at start-up before that is worth a warning
+#: (tritonserver opens its gRPC port once every model loaded; a real model's load takes tens of seconds).
+STARTUP_GRACE_S = 120.0
 
 DESCRIBE_TIMEOUT_S = 5.0
 
@@ -89,23 +92,32 @@ class LocalServerMembers:
         self._not_pd: set[str] = set()              # READY models without a pd_control input
         self._last: list[FleetMember] = []
         self._failing_since_s: float | None = None   # monotonic: the index unread since then
+        self._warned = False      # this failure was logged at WARNING
+        self._ever_read = False   # read once: failures after it are not the server's start
 
     def members(self) -> tuple[list[FleetMember], bool]:
         try:
             ready = self._ready_models()
         except Exception as e:   # the server is loading, stopping or unreachable: keep the last view
             # once when it starts failing (a server still starting or stopping answers UNAVAILABLE every round,
-            # 4 a second), then at debug level until it reads again
-            log = logger.warning if self._failing_since_s is None else logger.debug
-            log("repository index of %s not read (retrying every round): %s", self._grpc_url, e)
+            # 4 a second), then at debug level until it reads again; while the server starts (the router's model
+            # loads before tritonserver opens its gRPC port: refused at first, every start) only once that took
+            # longer than STARTUP_GRACE_S
+            now = time.monotonic()
             if self._failing_since_s is None:
-                self._failing_since_s = time.monotonic()
+                self._failing_since_s = now
+            starting = not self._ever_read
+            first = not self._warned and (not starting or now - self._failing_since_s > STARTUP_GRACE_S)
+            (logger.warning if first else logger.debug)(
+                "repository index of %s not read%s (retrying every round): %s", self._grpc_url,
+                f" {now - self._failing_since_s:.0f} s after the router started" if starting else "", e)
+            self._warned = self._warned or first
             self.close()   # the next round connects afresh instead of waiting out this channel's backoff
             return list(self._last), False
-        if self._failing_since_s is not None:
+        if self._failing_since_s is not None and self._warned:
             logger.info("repository index of %s read again after %.1f s", self._grpc_url,
                         time.monotonic() - self._failing_since_s)
-            self._failing_since_s = None
+        self._failing_since_s, self._warned, self._ever_read = None, False, True
         for gone in set(self._cards) - ready:
             del self._cards[gone]
         self._not_pd &= ready

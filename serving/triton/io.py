@@ -284,6 +284,18 @@ def new_dispatcher(name: str) -> ResponseDispatcher:
     return ResponseDispatcher(name, pb_utils().TRITONSERVER_RESPONSE_COMPLETE_FINAL, merge=merge_chunks)
 
 
+def from_router(request: Any) -> bool:
+    """Whether a prefill/decode request comes from a router: it carries ``child_schema`` (every router sends it,
+    ``serving.router.launch.child_arrays``) or ``pd_control`` (the router's ``describe``). A request without
+    either (a client calling the worker model directly) is answered in the public layout: its error is a
+    ``pb_utils.TritonError`` (HTTP 400 with the message as text), not bytes in the child's ``error`` output."""
+    from serving.parsing.child_codec import SCHEMA_INPUT
+    from serving.parsing.pd_request import CONTROL_INPUT
+
+    return any(pb_utils().get_input_tensor_by_name(request, name) is not None
+               for name in (SCHEMA_INPUT, CONTROL_INPUT))
+
+
 def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],
                 dispatcher: ResponseDispatcher, child: bool = False,
                 timing: RequestTimingSink | None = None) -> None:
@@ -296,10 +308,11 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
         requests: the ``pb_utils.InferenceRequest`` list ``execute`` got.
         handle: parses and starts one request; its responses go to the sink.
         dispatcher: the instance's response thread.
-        child: the requests come from the router (``TritonResponseSink``'s child layout).
+        child: the requests come to a prefill/decode model: those from a router (``from_router``) get
+            ``TritonResponseSink``'s child layout.
         timing: the public models' latency histograms (``TritonResponseSink``'s ``timing``).
     """
     for request in requests:
-        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child,
-                                  timing=timing)
+        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(),
+                                  child=child and from_router(request), timing=timing)
         start_or_fail(lambda: handle(request, sink), sink, request.request_id())  # noqa: B023 - called at once

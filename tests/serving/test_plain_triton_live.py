@@ -142,3 +142,15 @@ def test_each_engine_thread_alone_runs_at_the_configured_nice(plain: PlainTriton
               for model in ("colocated", "prefill", "decode", "pd_ensemble")}
     expected = 1 if _may_raise_priority() else 0
     assert raised == {"colocated": expected, "prefill": expected, "decode": expected, "pd_ensemble": 0}
+
+
+@pytest.mark.parametrize("model", ["prefill", "decode"])
+def test_a_client_calling_a_worker_model_directly_gets_a_readable_400(plain: PlainTriton, model: str) -> None:
+    """``prefill``/``decode`` are the router's: a client's own request (no ``child_schema``) lacks the bootstrap
+    room; its error is a Triton error (HTTP 400, the message as text), not the child layout's bytes."""
+    import requests
+
+    response = requests.post(f"http://127.0.0.1:{plain.http}/v2/models/{model}/generate",
+                             json={"text_input": "hi"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "bootstrap_room" in response.json()["error"], response.text
