@@ -10,6 +10,7 @@ Mode = Literal["colocated", "prefill", "decode"]
 MODES: tuple[str, ...] = ("colocated", "prefill", "decode")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 WEIGHT_QUANTS: tuple[str, ...] = ("none", "int8")  # engine.model.linear.WEIGHT_QUANTS
+TP_COLLECTIVES: tuple[str, ...] = ("auto", "shm", "gloo")
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
@@ -40,6 +41,16 @@ class EngineConfig:
             requests share their longest cached prefix (``engine/prefix_cache.py``). In every mode: colocated
             and prefill skip the compute of the cached prefix; decode (``reserve_request``) shares it and
             tells the prefill side, which then sends only the rest of the prompt's KV.
+        tensor_parallel_size: ranks the model is split over (``engine/parallel``, docs/parallelism.md): this
+            process is rank 0 and starts ranks 1..N-1 as processes of its own; 1 (the default) runs the whole
+            model here. Must fit the model's heads (checked at load: ``engine.parallel.layout``). Each rank
+            runs ``num_threads`` torch threads and holds ``num_pages`` pages of its own KV heads; sized by
+            ``kv_cache_bytes``, that budget is per rank.
+        tp_timeout_s: how long a rank waits for the others inside a step before the group fails (a rank that
+            hangs); a rank process that dies fails the group within ~50 ms instead.
+        tp_collectives: ``"auto"`` (CPU: shared-memory collectives, ``engine.parallel.shm``, where its C file
+            builds, else gloo; CUDA: NCCL), ``"shm"`` (required) or ``"gloo"`` (torch's gloo process group; on
+            this project's hosts ~1-2 ms per all-reduce, for comparison).
 
     Raises:
         ValueError: at construction, naming the field, when a value is out of range.
@@ -61,6 +72,9 @@ class EngineConfig:
     seed: int = 0
     cache_dir: str | None = None
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 10.0
+    tp_collectives: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -69,8 +83,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.weight_quant not in WEIGHT_QUANTS:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {self.weight_quant!r}")
+        if self.tp_collectives not in TP_COLLECTIVES:
+            raise ValueError(f"tp_collectives must be one of {TP_COLLECTIVES}, got {self.tp_collectives!r}")
+        if not isinstance(self.tp_timeout_s, (int, float)) or not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be > 0 seconds, got {self.tp_timeout_s!r}")
         for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests",
-                     "num_threads"):
+                     "num_threads", "tensor_parallel_size"):
             _require_positive(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
             # ValueError like every other field here (the documented contract), not TypeError

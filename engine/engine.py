@@ -8,6 +8,10 @@ stop conditions and returns one ``RequestOutput`` per request that progressed. R
   chunk the pages stay held until ``release_request`` (their KV is being sent).
 - decode: ``reserve_request`` takes pages for a request whose prompt KV a prefill engine writes;
   ``add_prebuilt_request`` then continues it from the first token with no prefill forward.
+
+With ``tensor_parallel_size`` N > 1 this engine is rank 0 of N (``engine/parallel``): scheduling, sampling and
+the page allocator stay here, the model and the KV pool are split over N rank processes, and each step's
+forward runs on all of them (``ParallelCausalLM``). ``close`` stops them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,12 +30,16 @@ from engine.model_runner import ModelRunner, SampledToken
 from engine.output_processor import OutputProcessor
 from engine.outputs import FinishReason, PrefillChunk, RequestOutput, Reservation
 from engine.page_allocator import PageAllocator
+from engine.parallel.layout import KVHeadSlice
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.resume import check_resumed, replay_outputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestId, Sequence, pages_for_tokens
 from engine.structured import GrammarCompiler, GrammarState
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -42,24 +50,48 @@ class LLMEngine:
     Args:
         config: the engine's configuration.
         loaded: an already loaded model (``engine.model.LoadedModel``: ``.model``, ``.config``,
-            ``.tokenizer``); None loads ``config.model`` with ``engine.model.load_model``.
+            ``.tokenizer``); None loads ``config.model`` with ``engine.model.load_model``. Must be None with
+            ``tensor_parallel_size`` > 1 (every rank loads its own slice).
     Attributes:
         tokenizer: the model's tokenizer.
         model_config: the model's ``ModelConfig``.
         kv_pool: the ``KVPool``; ``kv_cache`` is its tensor
-            ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``.
+            ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` (``num_kv_heads``: this rank's).
+        kv_heads: the model's KV heads this engine's pool holds (all of them unless tensor-parallel).
+        parallel: the ``engine.parallel.group.TensorParallelGroup`` of a tensor-parallel engine, else None.
+    Raises:
+        ValueError: a bad ``tensor_parallel_size`` for the model (named), or ``loaded`` given with it.
+        TensorParallelError: a rank process failed to start.
     """
 
     def __init__(self, config: EngineConfig, loaded: Any | None = None) -> None:
         torch.set_num_threads(config.num_threads)
         self.config = config
-        loaded = loaded if loaded is not None else _load_model(config)
+        self.parallel: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size > 1 loads each rank's slice itself: pass no loaded "
+                                 "model")
+            from engine.parallel.group import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup.start(config)
+            loaded = self.parallel.loaded
+        try:
+            self._build(config, loaded if loaded is not None else _load_model(config))
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: Any) -> None:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         mc = self.model_config
         dtype = getattr(torch, config.dtype)
-        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.page_size)
-        num_pages = config.num_pages or shape.pages_for_bytes(config.pool_bytes, dtype)
+        self.kv_heads = self.parallel.kv_heads if self.parallel else KVHeadSlice.whole(mc.num_kv_heads)
+        shape = KVShape(mc.num_layers, self.kv_heads.num_heads, mc.head_dim, config.page_size,
+                        mc.kv_layout_kind)
+        num_pages = self.parallel.num_pages if self.parallel else \
+            config.num_pages or shape.pages_for_bytes(config.pool_bytes, dtype)
         self.kv_pool = KVPool(shape, num_pages, dtype, config.device)
         self.kv_cache = self.kv_pool.kv_cache
         context = mc.max_position_embeddings
@@ -69,7 +101,8 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_running_requests)
         eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
         self._eos_token_ids = eos
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, eos)
+        model = self.parallel.model if self.parallel else loaded.model
+        self.runner = ModelRunner(model, self.kv_cache, config.device, eos)
         self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer),
                                                 lambda token_id: self.tokenizer.decode([token_id], False))
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -77,8 +110,15 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._finish_next: list[tuple[Sequence, FinishReason]] = []
-        logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d prefix_caching=%s", config.mode,
-                    num_pages, config.page_size, self.kv_pool.nbytes, pages.enabled)
+        logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d prefix_caching=%s "
+                    "tensor_parallel_size=%d", config.mode, num_pages, config.page_size, self.kv_pool.nbytes,
+                    pages.enabled, config.tensor_parallel_size)
+
+    def close(self) -> None:
+        """Stop the rank processes of a tensor-parallel engine (nothing otherwise); idempotent. Call it once
+        no thread steps the engine any more (the engine loop stopped)."""
+        if self.parallel is not None:
+            self.parallel.stop()
 
     @property
     def num_free_pages(self) -> int:
@@ -132,6 +172,7 @@ class LLMEngine:
                 (compiled here, on the engine thread, unless ``prepare_request`` compiled it before); resumed
                 tokens in prefill mode, out of vocabulary, not fewer than ``max_tokens``, outside the grammar,
                 or already ending the request.
+            TensorParallelError: the engine's rank group has failed (it takes no request any more).
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         resumed = [int(t) for t in resumed_output_ids]
@@ -163,7 +204,7 @@ class LLMEngine:
         Raises:
             EngineError: not in decode mode.
             OutOfPages: the pool is short now (retry later); nothing is taken.
-            RequestRejected: as ``add_request``.
+            RequestRejected, TensorParallelError: as ``add_request``.
         """
         self._require_mode("decode", "reserve_request")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
@@ -293,6 +334,8 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: RequestId, prompt_token_ids: list[int],
                       params: SamplingParams) -> Sequence:
+        if self.parallel is not None:
+            self.parallel.check()   # a failed rank group takes no request (TensorParallelError)
         self._check_request(request_id, prompt_token_ids, params)
         prompt_len = len(prompt_token_ids)
         # the last sampled token's KV is never written; prefill mode keeps only the prompt's KV

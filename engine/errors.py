@@ -1,4 +1,5 @@
-"""Typed engine errors. Each concerns a single request (or a single parameter), never the whole engine."""
+"""Typed engine errors. Each concerns a single request (or a single parameter), never the whole engine, but
+``TensorParallelError``: a rank group that failed ends the engine."""
 
 from __future__ import annotations
 
@@ -43,4 +44,18 @@ class InvalidSamplingParams(EngineError, ValueError):
     def __init__(self, param: str, reason: str) -> None:
         super().__init__(f"invalid sampling parameter {param!r}: {reason}")
         self.param = param
+        self.reason = reason
+
+
+class TensorParallelError(EngineError):
+    """The tensor-parallel rank group of this engine failed: a rank process died, a collective timed out
+    (``EngineConfig.tp_timeout_s``) or failed. Sticky: the failed step's requests get it, and so does every
+    later step and new request (the engine has stopped its rank processes; a new engine is needed).
+
+    Attributes:
+        reason: what failed, naming the rank (and its process id and exit status where one died).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"tensor-parallel group failed: {reason}")
         self.reason = reason

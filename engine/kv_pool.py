@@ -7,6 +7,10 @@ The model sees the same memory as ``kv_cache[l, kv, p, s, h, d]`` (a strided vie
 ``h`` of the K (``kv=0``) or V (``kv=1``) vector of the token in slot ``s`` of page ``p`` in layer ``l``.
 The block of one (layer, kv, page) is contiguous; its byte offset from the region base is
 ``((p * num_layers + l) * 2 + kv) * block_bytes``, and page ``p`` starts at ``p * page_bytes``.
+
+MLA models (``KVShape.kind == "mla"``) keep one plane instead of two: the token's latent ``c_kv | k_pe``
+(``num_kv_heads`` 1, ``head_dim`` = ``kv_lora_rank + qk_rope_head_dim``), no separate V; everywhere above, 2
+becomes ``num_planes`` = 1 (``[num_pages, num_layers, 1, page_size, 1, latent_dim]``).
 """
 
 from __future__ import annotations
@@ -29,22 +33,41 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 << 20
 
 
+#: KV layout kinds and the planes (K and V, or the MLA latent alone) each holds per (page, layer)
+KV_PLANES = {"mha": 2, "mla": 1}
+
+
 @dataclass(frozen=True)
 class KVShape:
-    """Model-side dimensions of the pool."""
+    """Model-side dimensions of the pool.
+
+    Attributes:
+        kind: ``"mha"`` (a K and a V plane per layer) or ``"mla"`` (one latent plane; ``ModelConfig.
+            kv_layout_kind``).
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
+    kind: str = "mha"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_PLANES:
+            raise ValueError(f"KV layout kind {self.kind!r} not one of {sorted(KV_PLANES)}")
+
+    @property
+    def num_planes(self) -> int:
+        """Planes per (page, layer): 2 (K, V) or 1 (the MLA latent)."""
+        return KV_PLANES[self.kind]
 
     def block_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one (layer, kv, page) block: ``page_size * num_kv_heads * head_dim * itemsize``."""
         return self.page_size * self.num_kv_heads * self.head_dim * _itemsize(dtype)
 
     def page_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one page holds over all layers, K and V."""
-        return 2 * self.num_layers * self.block_bytes(dtype)
+        """Bytes one page holds over all layers and planes."""
+        return self.num_planes * self.num_layers * self.block_bytes(dtype)
 
     def pages_for_bytes(self, nbytes: int, dtype: torch.dtype) -> int:
         """Whole pages that fit in ``nbytes``."""
@@ -69,10 +92,10 @@ class KVPool:
     torch's own allocator never asks for huge pages. Without THP support the advice is a no-op.
 
     Attributes:
-        storage: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, ``dtype``, ``device``,
-            contiguous (the region a KV transport registers).
-        kv_cache: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``, a strided view of
-            ``storage`` (what the model indexes; never ``view`` it flat across pages).
+        storage: ``[num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim]``, ``dtype``,
+            ``device``, contiguous (the region a KV transport registers); ``num_planes`` 2 (K, V) or 1 (MLA).
+        kv_cache: ``[num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim]``, a strided view
+            of ``storage`` (what the model indexes; never ``view`` it flat across pages).
         num_pages: pages in the pool.
         block_bytes: bytes of one (layer, kv, page) block.
         page_bytes: bytes of one page over all layers, K and V.
@@ -89,9 +112,10 @@ class KVPool:
         self.dtype = dtype
         self.block_bytes = shape.block_bytes(dtype)
         self.page_bytes = shape.page_bytes(dtype)
-        dims = (num_pages, shape.num_layers, 2, shape.page_size, shape.num_kv_heads, shape.head_dim)
+        dims = (num_pages, shape.num_layers, shape.num_planes, shape.page_size, shape.num_kv_heads,
+                shape.head_dim)
         self._region: mmap.mmap | None = None   # owns the memory of ``storage`` when it is a host mapping
-        # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], contiguous
+        # [num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim], contiguous
         if huge_pages and torch.device(device).type == "cpu":
             self._region, self.storage = _huge_page_tensor(dims, dtype, num_pages * self.page_bytes)
             self.populating = _populate_in_background(self.storage.data_ptr(), num_pages * self.page_bytes)
@@ -100,7 +124,7 @@ class KVPool:
             self.populating = None
         if self.populating is None:
             self.storage.zero_()
-        # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], strided view of the same memory
+        # [num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim], a strided view of storage
         self.kv_cache = self.storage.permute(1, 2, 0, 3, 4, 5)
 
     @property
@@ -114,17 +138,19 @@ class KVPool:
         return int(self.storage.numel() * self.storage.element_size())
 
     def block_offset(self, layer: int, kv: int, page: PageId) -> int:
-        """Byte offset from ``base_ptr`` of the block of page ``page``, layer ``layer``, K (0) or V (1).
+        """Byte offset from ``base_ptr`` of the block of page ``page``, layer ``layer``, K (0) or V (1) (MLA:
+        the latent, 0).
 
         Raises:
             IndexError: an index outside the pool.
         """
-        if not (0 <= layer < self.shape.num_layers and kv in (0, 1) and 0 <= page < self.num_pages):
+        planes = self.shape.num_planes
+        if not (0 <= layer < self.shape.num_layers and 0 <= kv < planes and 0 <= page < self.num_pages):
             raise IndexError(f"block (layer={layer}, kv={kv}, page={page}) is outside the pool")
-        return ((page * self.shape.num_layers + layer) * 2 + kv) * self.block_bytes
+        return ((page * self.shape.num_layers + layer) * planes + kv) * self.block_bytes
 
     def page_offset(self, page: PageId) -> int:
-        """Byte offset from ``base_ptr`` of page ``page`` (all its layers, K and V: ``page_bytes``).
+        """Byte offset from ``base_ptr`` of page ``page`` (all its layers and planes: ``page_bytes``).
 
         Raises:
             IndexError: a page outside the pool.

@@ -65,14 +65,15 @@ class BlockTable:
         return np.stack([addr, nbytes], axis=1).astype(np.int64)
 
     def partial_page_spans(self, page: PageId, num_tokens: int) -> np.ndarray:
-        """(address, nbytes) of the first ``num_tokens`` token slots of ``page`` in every (layer, K/V) block:
-        int64 ``[2 * num_layers, 2]``, in address order. A page whose last slots hold no KV yet (a prompt's
-        last page) is sent as these spans instead of the whole page. Raises ``ValueError`` for a page out of
-        range or ``num_tokens`` outside ``[1, page_size]``."""
+        """(address, nbytes) of the first ``num_tokens`` token slots of ``page`` in every (layer, plane)
+        block (planes: K and V, or the MLA latent): int64 ``[num_planes * num_layers, 2]``, in address order.
+        A page whose last slots hold no KV yet (a prompt's last page) is sent as these spans instead of the
+        whole page. Raises ``ValueError`` for a page out of range or ``num_tokens`` outside
+        ``[1, page_size]``."""
         layout = self.layout
         if not 0 <= page < layout.num_pages or not 1 <= num_tokens <= layout.page_size:
             raise ValueError(f"page {page} / {num_tokens} tokens out of range")
-        blocks = np.arange(2 * layout.num_layers, dtype=np.int64)
+        blocks = np.arange(layout.num_planes * layout.num_layers, dtype=np.int64)
         addr = self.kv_base_ptr + page * layout.page_bytes + blocks * layout.block_bytes
         nbytes = np.full_like(addr, num_tokens * (layout.block_bytes // layout.page_size))
         return np.stack([addr, nbytes], axis=1)
@@ -80,7 +81,7 @@ class BlockTable:
     def pages_spans(self, pages: Sequence[PageId], last_page_tokens: int) -> np.ndarray:
         """(address, nbytes) of ``pages`` whose last page holds only ``last_page_tokens`` tokens: the whole
         pages before it (one span each), then that page's filled slots (``partial_page_spans``): int64
-        ``[len(pages) - 1 + 2 * num_layers, 2]``. Raises ``ValueError`` as ``kv_indices`` and
+        ``[len(pages) - 1 + num_planes * num_layers, 2]``. Raises ``ValueError`` as ``kv_indices`` and
         ``partial_page_spans`` do, and for no pages."""
         if not pages:
             raise ValueError("no pages")

@@ -6,6 +6,13 @@ layer, K and V) is the one contiguous range ``[p * page_bytes, (p + 1) * page_by
 of layer ``l``, K or V (``kv``), starts at ``((p * num_layers + l) * 2 + kv) * block_bytes``.
 Version history: 1 was layer-major (``[num_layers, 2, num_pages, ...]``, a page was ``2 * num_layers``
 separate blocks); 2 is page-major. The version is part of the compatibility hash.
+
+``kind`` names what a token's KV is: ``"mha"`` (K and V planes of ``num_kv_heads`` heads, as above) or
+``"mla"`` (multi-head latent attention, DeepSeek-V2/V3: one plane holding the latent ``c_kv | k_pe``, one
+"head" of ``kv_lora_rank + qk_rope_head_dim``, no V): the 2 above becomes ``num_planes`` (1 for MLA). Peers
+compare it by name, so an MLA pool never pairs with an MHA pool of equal byte sizes. It enters the hash only
+when not ``"mha"``: dense layouts keep the hash they had before the field existed, and a peer whose JSON lacks
+it is ``"mha"``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ LAYOUT_VERSION = 2
 PageId = int
 
 _ITEMSIZE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
+#: KV layout kinds and their planes per (page, layer)
+KV_KINDS = {"mha": 2, "mla": 1}
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class KVLayout:
     dtype: str = "float32"
     version: int = LAYOUT_VERSION
     weight_quant: str = "none"  # the producing weights' format: KV of int8 weights differs from fp32's
+    kind: str = "mha"           # "mha" (K and V planes) or "mla" (one latent plane): see the module docstring
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
@@ -43,6 +53,13 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in _ITEMSIZE_BYTES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} not one of {sorted(_ITEMSIZE_BYTES)}")
+        if self.kind not in KV_KINDS:
+            raise ValueError(f"KVLayout.kind {self.kind!r} not one of {sorted(KV_KINDS)}")
+
+    @property
+    def num_planes(self) -> int:
+        """Planes per (page, layer): 2 (K, V) for ``"mha"``, 1 (the latent) for ``"mla"``."""
+        return KV_KINDS[self.kind]
 
     @property
     def itemsize_bytes(self) -> int:
@@ -50,20 +67,20 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one (layer, kv, page) block."""
+        """Bytes of one (layer, plane, page) block."""
         return self.page_size * self.num_kv_heads * self.head_dim * self.itemsize_bytes
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page summed over all layers, K and V."""
-        return self.num_layers * 2 * self.block_bytes
+        """Bytes of one page summed over all layers and planes."""
+        return self.num_layers * self.num_planes * self.block_bytes
 
     @property
     def pool_bytes(self) -> int:
         return self.num_pages * self.page_bytes
 
     def block_offset_bytes(self, layer: int, kv: int, page: PageId) -> int:
-        return ((page * self.num_layers + layer) * 2 + kv) * self.block_bytes
+        return ((page * self.num_layers + layer) * self.num_planes + kv) * self.block_bytes
 
     def page_offset_bytes(self, page: PageId) -> int:
         """Byte offset of page ``page``; the page spans ``page_bytes`` from there."""
@@ -81,15 +98,20 @@ class KVLayout:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> KVLayout:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        """The layout of ``to_json``'s dict; a dict without ``kind`` (a peer from before it) is ``"mha"``.
+        Raises KeyError for another missing field, ValueError as the constructor."""
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k != "kind" or k in data})
 
 
-COMPAT_FIELDS = ("version", "dtype", "weight_quant", "page_size", "num_layers", "num_kv_heads", "head_dim")
+COMPAT_FIELDS = ("version", "kind", "dtype", "weight_quant", "page_size", "num_layers", "num_kv_heads",
+                 "head_dim")
 
 
 def compat_hash(model_id: str, layout: KVLayout) -> str:
-    """Hash over every field two peers must share; equal hashes mean compatible instances."""
-    fields = {"model_id": model_id, **{f: getattr(layout, f) for f in COMPAT_FIELDS}}
+    """Hash over every field two peers must share; equal hashes mean compatible instances (``kind`` only
+    when not ``"mha"``: see the module docstring)."""
+    names = [f for f in COMPAT_FIELDS if f != "kind" or layout.kind != "mha"]
+    fields = {"model_id": model_id, **{f: getattr(layout, f) for f in names}}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

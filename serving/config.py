@@ -99,6 +99,12 @@ class WorkerConfig:
         enable_prefix_caching: the engine's prefix cache (``EngineConfig.enable_prefix_caching``): on by
             default; ``"false"`` turns it off. Every worker uses it: decode shares the pages it already holds
             and prefill sends only the rest of the prompt's KV.
+        tensor_parallel_size: ranks the model is split over (``EngineConfig.tensor_parallel_size``): the
+            stub is rank 0 and starts ranks 1..N-1 as processes of its own; 1 (the default): none. Must fit
+            the model's heads (checked when the model loads: a bad value fails the load, naming it). Colocated
+            models only for now: prefill and decode refuse N > 1 until the KV transfer moves each rank's heads.
+        tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
+            (a hung rank); a rank process that dies fails it within ~50 ms.
         fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
         fleet_tls: TLS of the instance's rendezvous and worker endpoint and of its calls to peers' and to the
             registry (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
@@ -129,14 +135,17 @@ class WorkerConfig:
     device: str = "cpu"
     cpu_affinity: str = ""
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 10.0
     fleet_secret: bytes | None = field(default=None, repr=False)
     fleet_tls: FleetTLS | None = None
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads"):
+        for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads",
+                     "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s"):
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s", "tp_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
         if not -20 <= self.engine_nice <= 19:
@@ -184,7 +193,8 @@ class WorkerConfig:
                             num_pages=self.num_pages, chunk_size=self.chunk_size,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
                             device=self.device, dtype=self.dtype, weight_quant=self.weight_quant,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            tensor_parallel_size=self.tensor_parallel_size, tp_timeout_s=self.tp_timeout_s)
 
 
 def instance_device(kind: str, device_id: int) -> str:

@@ -14,6 +14,10 @@ Contract
   V; a strided view of the page-major pool, so pages are not adjacent: never ``view`` it flat, index it by
   (page, offset) as ``write_kv_slots`` does); output ``[num_tokens, num_heads * head_dim]``. dtype: that of ``q`` (fp32 on CPU; fp16/bf16 on CUDA),
   ``k``, ``v`` and ``layer_kv`` share it. ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
+- MLA (``forward_latent``, DeepSeek-V2/V3): ``layer_kv`` ``[1, num_pages, page_size, 1, latent_dim]`` holds
+  one plane, the token's latent ``c_kv | k_pe``; attention runs in the latent space (the absorbed form: one
+  KV head whose keys are the whole latent and whose values are its first ``value_dim`` elements). Backends
+  without it raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ import torch
 from engine.forward_batch import ForwardBatch
 
 
-def write_kv_slots(layer_kv: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv_slots(layer_kv: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor | None) -> None:
     """Write this step's ``k``/``v`` rows (``[num_tokens, num_kv_heads, head_dim]``) into ``layer_kv``
     (``[2, num_pages, page_size, num_kv_heads, head_dim]``, strided) at the flat slots ``slot_mapping``
-    (``[num_tokens]`` int64, ``page * page_size + offset``), in place."""
+    (``[num_tokens]`` int64, ``page * page_size + offset``), in place. ``v`` None: a one-plane (MLA) pool,
+    ``k`` the latent rows."""
     page_size = layer_kv.shape[2]
     index = (torch.div(slot_mapping, page_size, rounding_mode="floor"), slot_mapping % page_size)
     layer_kv[0].index_put_(index, k)
-    layer_kv[1].index_put_(index, v)
+    if v is not None:
+        layer_kv[1].index_put_(index, v)
 
 
 class AttentionBackend(ABC):
@@ -77,3 +84,27 @@ class AttentionBackend(ABC):
         Returns:
             ``[num_tokens, num_heads * head_dim]``, dtype of ``q``.
         """
+
+    def forward_latent(self, q: torch.Tensor, latent: torch.Tensor, layer_kv: torch.Tensor, metadata: Any,
+                       scale: float, value_dim: int) -> torch.Tensor:
+        """MLA in the latent space: write ``latent`` into ``layer_kv`` at the step's slots, then attend every
+        query head to the cached latents (keys: the whole latent; values: its first ``value_dim``
+        elements), causally as ``forward``.
+
+        Args:
+            q: ``[num_tokens, num_heads, latent_dim]``: the absorbed query (``q_nope`` through ``W_UK``, then
+                ``q_pe`` with RoPE).
+            latent: ``[num_tokens, 1, latent_dim]``: ``c_kv`` (normed) then ``k_pe`` (RoPE applied).
+            layer_kv: ``[1, num_pages, page_size, 1, latent_dim]``, written in place.
+            metadata: what ``prepare`` returned for this step.
+            scale: softmax scale (MLA: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``).
+            value_dim: ``kv_lora_rank``.
+
+        Returns:
+            ``[num_tokens, num_heads * value_dim]``, dtype of ``q``: the latent outputs (``W_UV`` not
+            applied).
+
+        Raises:
+            NotImplementedError: this backend has no MLA path.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not run MLA attention")

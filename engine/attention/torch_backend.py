@@ -13,6 +13,8 @@ chunks, as the allocator hands out pages in order) reads a slice of the pool ins
 A chunk whose sequence has cached tokens uses a bottom-right-aligned causal mask (query ``i`` of a chunk of
 ``q`` tokens over ``s`` keys sees keys ``<= s - q + i``); a chunk without cache attends to its own K/V with
 ``is_causal``, skipping the gather.
+MLA (``forward_latent``) runs the same buckets and chunks over the pool's one latent plane: a single KV head
+whose keys are the latent and whose values are a view of its first ``value_dim`` elements (no copy).
 """
 
 from __future__ import annotations
@@ -58,17 +60,20 @@ class KVSource:
     num_pages: int
     key_len: int
 
-    def read(self, layer_kv: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer_kv: torch.Tensor, batch: int,
+             value_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return K and V as ``[batch, kv_heads, key_len, head_dim]`` (copied once: pages of the page-major
-        pool are not adjacent, so their tokens cannot be one strided view)."""
+        pool are not adjacent, so their tokens cannot be one strided view). ``value_dim`` (a one-plane MLA
+        pool): V is a view of K's first ``value_dim`` elements."""
         page_size, kv_heads, head_dim = layer_kv.shape[2:]
+        planes = (0,) if value_dim is not None else (0, 1)
         if self.first_page is not None:
-            k, v = (layer_kv[i, self.first_page:self.first_page + self.num_pages] for i in (0, 1))
+            parts = [layer_kv[i, self.first_page:self.first_page + self.num_pages] for i in planes]
         else:
-            k, v = (layer_kv[i].index_select(0, self.pages) for i in (0, 1))
+            parts = [layer_kv[i].index_select(0, self.pages) for i in planes]
         shape = (batch, self.num_pages * page_size, kv_heads, head_dim)
-        k, v = k.reshape(shape)[:, :self.key_len], v.reshape(shape)[:, :self.key_len]
-        return k.transpose(1, 2), v.transpose(1, 2)
+        k, *rest = (p.reshape(shape)[:, :self.key_len].transpose(1, 2) for p in parts)
+        return k, (rest[0] if rest else k[..., :value_dim])
 
 
 @dataclass
@@ -202,22 +207,32 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
         write_kv_slots(layer_kv, metadata.slot_mapping, k, v)
+        return self._attend(q, k, v, layer_kv, metadata, scale, None)
+
+    def forward_latent(self, q: torch.Tensor, latent: torch.Tensor, layer_kv: torch.Tensor,
+                       metadata: TorchAttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+        write_kv_slots(layer_kv, metadata.slot_mapping, latent, None)
+        return self._attend(q, latent, latent[..., :value_dim], layer_kv, metadata, scale, value_dim)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
+                metadata: TorchAttentionMetadata, scale: float, value_dim: int | None) -> torch.Tensor:
+        num_tokens, num_heads = q.shape[:2]
         decodes = metadata.decodes
         if len(decodes) == 1 and not metadata.prefills and isinstance(decodes[0].rows, slice):
-            return self._decode(q, layer_kv, decodes[0], scale)  # rows 0:B are the whole batch
-        out = q.new_empty(num_tokens, num_heads * head_dim)
+            return self._decode(q, layer_kv, decodes[0], scale, value_dim)  # rows 0:B are the whole batch
+        out = q.new_empty(num_tokens, num_heads * v.shape[-1])
         for bucket in decodes:
-            out[bucket.rows] = self._decode(q[bucket.rows], layer_kv, bucket, scale)
+            out[bucket.rows] = self._decode(q[bucket.rows], layer_kv, bucket, scale, value_dim)
         for chunk in metadata.prefills:
-            out[chunk.start:chunk.end] = self._prefill(q, k, v, layer_kv, chunk, scale)
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, layer_kv, chunk, scale, value_dim)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, layer_kv: torch.Tensor, d: DecodeBucket, scale: float) -> torch.Tensor:
-        batch, num_heads, head_dim = q.shape
-        keys, values = d.kv.read(layer_kv, batch)  # [batch, kv_heads, key_len, head_dim]
+    def _decode(q: torch.Tensor, layer_kv: torch.Tensor, d: DecodeBucket, scale: float,
+                value_dim: int | None) -> torch.Tensor:
+        batch = q.shape[0]
+        keys, values = d.kv.read(layer_kv, batch, value_dim)  # [batch, kv_heads, key_len, head_dim]
         query = q.unsqueeze(2)
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
             # torch's CPU SDPA in bf16 ran 4.3x slower than in fp32 on these shapes (docs/benchmarks.md,
@@ -225,18 +240,18 @@ class TorchAttentionBackend(AttentionBackend):
             query, keys, values = query.float(), keys.float(), values.float()
         with _sdpa_backends(q.device):
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=d.mask, scale=scale,
-                                                 enable_gqa=True)  # [batch, num_heads, 1, head_dim]
-        return out.to(q.dtype).reshape(batch, num_heads * head_dim)
+                                                 enable_gqa=True)  # [batch, num_heads, 1, v head_dim]
+        return out.to(q.dtype).reshape(batch, -1)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
-                 chunk: PrefillSpan, scale: float) -> torch.Tensor:
+                 chunk: PrefillSpan, scale: float, value_dim: int | None) -> torch.Tensor:
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
         if chunk.kv is None:
             keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, head_dim]
             values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
         else:
-            keys, values = chunk.kv.read(layer_kv, 1)  # [1, kv_heads, seq_len, head_dim]
+            keys, values = chunk.kv.read(layer_kv, 1, value_dim)  # [1, kv_heads, seq_len, head_dim]
         with _sdpa_backends(q.device):
             out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=chunk.mask,
                                                  is_causal=chunk.kv is None, scale=scale,

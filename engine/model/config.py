@@ -1,13 +1,17 @@
-"""Model hyper-parameters of the supported decoder-only architectures (Llama, Qwen2, Mistral)."""
+"""Model hyper-parameters of the supported decoder-only architectures (Llama, Qwen2, Mistral; DeepSeek-V3 and
+Qwen3-MoE, whose mixture-of-experts and MLA fields are in ``moe_config``)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+from engine.model.moe_config import MLAConfig, MoEConfig
 
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "deepseek_v3", "qwen3_moe")
+
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+             "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -16,9 +20,10 @@ class ModelConfig:
 
     Attributes:
         architecture: ``"llama"``, ``"qwen2"`` or ``"mistral"`` (all share one forward; qwen2 adds q/k/v
-            bias).
+            bias); ``"deepseek_v3"`` or ``"qwen3_moe"`` (``engine.model.moe_lm``).
         num_layers, hidden_size, intermediate_size: transformer sizes.
-        num_heads, num_kv_heads, head_dim: attention heads (GQA when ``num_kv_heads < num_heads``).
+        num_heads, num_kv_heads, head_dim: attention heads (GQA when ``num_kv_heads < num_heads``); with
+            ``mla``, what one token's paged KV holds per layer: 1 latent head of ``mla.latent_dim``.
         vocab_size: rows of the embedding and of the logits.
         rope_theta: RoPE base frequency (Su et al. 2021).
         rms_norm_eps: epsilon of every RMSNorm (Zhang & Sennrich 2019).
@@ -29,6 +34,9 @@ class ModelConfig:
         eos_token_ids: ids that end generation (at least one).
         model_id: stable name of the weights, e.g. ``"smollm2-135m-instruct-q4_1"`` (cache folder, KV compat
             hash).
+        moe: the routed experts (``moe_config.MoEConfig``); None for a dense model.
+        mla: multi-head latent attention (``moe_config.MLAConfig``); None for GQA.
+        qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``).
 
     Raises:
         ValueError: from ``__post_init__`` when a field is out of range or the heads do not divide.
@@ -50,6 +58,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     model_id: str = "unnamed"
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -68,6 +79,12 @@ class ModelConfig:
             raise ValueError("eos_token_ids must name at least one token")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids {self.eos_token_ids} outside vocab of {self.vocab_size}")
+
+    @property
+    def kv_layout_kind(self) -> str:
+        """How the paged KV holds a token: ``"mha"`` (a K and a V plane of ``num_kv_heads`` heads) or
+        ``"mla"`` (one plane: the latent ``c_kv | k_pe``, no separate V)."""
+        return "mla" if self.mla is not None else "mha"
 
     @property
     def q_size(self) -> int:

@@ -1,6 +1,7 @@
 """Read a Hugging Face model folder: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
 
-Field names follow transformers' ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``; both the older
+Field names follow transformers' ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` (and
+``DeepseekV3Config`` / ``Qwen3MoeConfig``: ``engine.model.moe_config``); both the older
 top-level ``rope_theta`` and the newer ``rope_parameters`` dict are understood. RoPE scaling is not supported.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.model.errors import ModelLoadError
+from engine.model.moe_config import moe_fields
 from engine.model.safetensors_io import read_safetensors_file
 
 
@@ -62,7 +64,7 @@ def read_hf_config(path: Path, model_id: str) -> ModelConfig:
         max_pos = min(max_pos, int(raw["sliding_window"]))  # full attention is exact up to the window
     try:
         heads = int(raw["num_attention_heads"])
-        return ModelConfig(
+        fields: dict[str, Any] = dict(
             architecture=arch, num_layers=int(raw["num_hidden_layers"]), hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]), num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -74,6 +76,8 @@ def read_hf_config(path: Path, model_id: str) -> ModelConfig:
             bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw),
             model_id=str(raw.get("triton_pd_model_id", model_id)),
         )
+        fields.update(moe_fields(arch, raw))   # MoE / MLA architectures: their own fields, named on error
+        return ModelConfig(**fields)
     except KeyError as exc:
         raise ModelLoadError(str(path), f"missing field {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:

@@ -6,9 +6,16 @@ embedding). Attention uses RoPE (``rope.py``) and grouped-query heads (Ainslie e
 ``AttentionBackend``; the MLP is SwiGLU (Shazeer 2020): ``down(silu(gate(x)) * up(x))``. For speed, q/k/v are
 one matmul and gate/up are one matmul; ``load_weights`` concatenates the HF tensors accordingly. With
 ``weight_quant="int8"`` the five products per layer and the LM head hold ``linear.Int8Weight``s instead.
+
+Tensor parallelism (``engine/parallel``): built with a ``RankShard`` the model holds one rank's slice (its
+query and KV heads, MLP columns and LM head rows; ``engine.parallel.layout``); once a ``Communicator`` is
+attached, the outputs of o_proj and down_proj are summed over the ranks (row-parallel) and the logits gathered
+on rank 0 (vocabulary-parallel). Without a shard (one rank) nothing changes.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +26,10 @@ from engine.forward_batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.linear import WEIGHT_QUANTS, embedding, linear, weight_bytes
 from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.parallel.layout import RankShard, whole_model
+
+if TYPE_CHECKING:
+    from engine.parallel.communicator import Communicator
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -27,38 +38,44 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    """One transformer block; parameters in the fused layout (``qkv_proj``, ``gate_up_proj``)."""
+    """One transformer block; parameters in the fused layout (``qkv_proj``, ``gate_up_proj``), holding the
+    heads and MLP columns of ``shard`` (all of them on a single rank)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: RankShard) -> None:
         super().__init__()
         self.cfg = cfg
-        h = cfg.hidden_size
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        h, q_size, kv_size = cfg.hidden_size, len(shard.q_rows), len(shard.kv_rows)
+        inter = len(shard.intermediate)
         self.input_norm = _param(h)
-        self.qkv_proj = _param(cfg.q_size + 2 * cfg.kv_size, h)  # rows: q | k | v
-        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None
-        self.o_proj = _param(h, cfg.q_size)
+        self.qkv_proj = _param(q_size + 2 * kv_size, h)  # rows: q | k | v
+        self.qkv_bias = _param(q_size + 2 * kv_size) if cfg.attention_bias else None
+        self.o_proj = _param(h, q_size)
         self.post_norm = _param(h)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, h)  # rows: gate | up
-        self.down_proj = _param(h, cfg.intermediate_size)
+        self.gate_up_proj = _param(2 * inter, h)  # rows: gate | up
+        self.down_proj = _param(h, inter)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
-                backend: AttentionBackend, metadata: object) -> torch.Tensor:
+                backend: AttentionBackend, metadata: object,
+                comm: Communicator | None = None) -> torch.Tensor:
         """``h`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this layer's K/V into
-        ``layer_kv``."""
+        ``layer_kv``; with ``comm``, sums the row-parallel products over the ranks."""
         cfg = self.cfg
-        n = h.shape[0]
+        n, heads, kv_heads = h.shape[0], self.num_heads, self.num_kv_heads
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        qk_width = cfg.q_size + cfg.kv_size
-        qk = qkv[:, :qk_width].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, qk_width:].view(n, cfg.num_kv_heads, cfg.head_dim)
+        qk_width = (heads + kv_heads) * cfg.head_dim
+        qk = qkv[:, :qk_width].view(n, heads + kv_heads, cfg.head_dim)
+        q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)
+        v = qkv[:, qk_width:].view(n, kv_heads, cfg.head_dim)
         attn = backend.forward(q, k, v, layer_kv, metadata, self.scale)
-        h = h + linear(attn, self.o_proj)
+        out = linear(attn, self.o_proj)
+        h = h + (out if comm is None else comm.all_reduce(out))
         x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
         gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_proj)
+        out = linear(F.silu(gate) * up, self.down_proj)
+        return h + (out if comm is None else comm.all_reduce(out))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -71,6 +88,12 @@ class LlamaForCausalLM(nn.Module):
             KV cache use ``dtype`` too.
         weight_quant: ``"none"`` or ``"int8"`` (``linear.WEIGHT_QUANTS``): the format ``load_weights`` gives
             the linear layers and the LM head.
+        shard: the tensor-parallel rank's slice to hold (``engine.parallel.layout.shard_for``); None: the
+            whole model. ``load_weights`` takes the full HF tensors and keeps this slice of them.
+
+    Attributes:
+        shard: the ``RankShard`` held.
+        comm: the rank group's ``Communicator`` (``attach``), None on a single rank.
 
     Raises:
         ValueError: ``weight_quant`` is not one of ``WEIGHT_QUANTS``.
@@ -78,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weight_quant: str = "none") -> None:
+                 weight_quant: str = "none", shard: RankShard | None = None) -> None:
         super().__init__()
         if weight_quant not in WEIGHT_QUANTS:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
@@ -87,14 +110,21 @@ class LlamaForCausalLM(nn.Module):
         self.weight_quant = weight_quant
         self.device = torch.device(device)
         self.attention_backend = attention_backend or TorchAttentionBackend()
-        self.attention_backend.bind(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
+        self.shard = shard if shard is not None else whole_model(config)
+        self.comm: Communicator | None = None
+        self.attention_backend.bind(self.shard.num_heads, self.shard.num_kv_heads, config.head_dim, dtype)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.shard) for _ in range(config.num_layers))
         self.norm = _param(config.hidden_size)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(config.vocab_size,
-                                                                                 config.hidden_size)
+        tied_whole = config.tie_word_embeddings and self.shard.is_whole
+        self.lm_head = self.embed_tokens if tied_whole else _param(len(self.shard.vocab), config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.rotary = rotary.to(device)
+
+    def attach(self, comm: Communicator) -> None:
+        """Sum the row-parallel products and gather the logits through ``comm`` from the next forward on
+        (called once by the rank group, before the first step)."""
+        self.comm = comm
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -103,19 +133,24 @@ class LlamaForCausalLM(nn.Module):
         Args:
             batch: token ids, positions, slot mapping, page tables of this step (same device as the model).
             kv_cache: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``, model dtype; this
-                step's K/V are written into it at ``batch.slot_mapping``.
+                step's K/V are written into it at ``batch.slot_mapping`` (``num_kv_heads``: this rank's).
 
         Returns:
-            ``[len(batch.logits_indices), vocab_size]`` float32 logits of the rows ``batch.logits_indices``.
+            ``[len(batch.logits_indices), vocab_size]`` float32 logits of the rows ``batch.logits_indices``
+            (on ranks other than 0 of a group: this rank's ``[.., len(shard.vocab)]`` columns only).
+
+        Raises:
+            engine.parallel.communicator.CollectiveError: a collective of the rank group failed.
         """
         cfg = self.config
         metadata = self.attention_backend.prepare(batch, int(kv_cache.shape[3]))
         h = embedding(batch.input_ids, self.embed_tokens, self.dtype)
         cos, sin = self.rotary.tables(batch.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata)
+            h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata, self.comm)
         h = F.rms_norm(h[batch.logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        logits = linear(h, self.lm_head).float()
+        return logits if self.comm is None else self.comm.gather_logits(logits)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], source: str | None = None) -> None:
         """Take HF-named tensors (``model.layers.N.self_attn.q_proj.weight``, ...) as the fused parameters.

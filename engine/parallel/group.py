@@ -1,0 +1,354 @@
+"""``TensorParallelGroup``: rank 0's side of a tensor-parallel engine (its rank processes, their group, the
+step broadcast), and ``ParallelCausalLM``, the model the engine's runner calls.
+
+Lifecycle (``LLMEngine`` drives it; all on the thread that builds and closes the engine, but ``forward``):
+
+1. ``start(config)``: resolve the model folder, check ``tensor_parallel_size`` against its heads, size the KV
+   pool (``num_pages``: the same page ids on every rank), open a TCP store on loopback (port 0) and, for the
+   CPU, the shared region (``engine.parallel.shm``); start ranks 1..N-1 (``python -m
+   engine.parallel.rank_worker``, stdin a pipe only this process writes), load rank 0's own slice meanwhile,
+   join the process group once every rank said hello, wait until every rank is ready (each wait also watches
+   the processes: a rank that exits fails the start at once, naming it), attach the communicator, start the
+   rank watch (a daemon thread, ``tp-rank-watch``).
+2. ``ParallelCausalLM.forward`` (the engine thread, once per step): broadcast the step, run rank 0's slice;
+   its all-reduces meet the other ranks', the logits come back whole.
+3. A rank process that exits while serving: the rank watch (every 50 ms) aborts the communicator with the
+   rank's exit status, so a collective waiting on it fails at once; the step raises ``TensorParallelError``
+   and so does every later one; the other rank processes are killed. A rank that stops answering: the
+   collective times out after ``tp_timeout_s``, same outcome.
+4. ``stop()``: send ``STOP``, reap the processes (killed after a deadline), stop the watch, close the region
+   and the store. Idempotent. The rank processes also end by themselves when this process ends (their stdin
+   pipe closes), so no path leaves one behind; the region is a memfd, so none leaves shared memory behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.errors import TensorParallelError
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVShape
+from engine.model.config import ModelConfig
+from engine.parallel.communicator import CollectiveError, Communicator
+from engine.parallel.layout import KVHeadSlice, RankShard, shard_for
+from engine.parallel.spec import START_TIMEOUT_S, STORE_HOST, RankSpec, make_communicator
+from engine.parallel.step import encode_step, encode_stop
+from engine.parallel.torch_comm import open_process_group
+
+if TYPE_CHECKING:
+    from engine.model import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.05
+STOP_TIMEOUT_S = 10.0
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the ranks of one engine. Build it with ``start``.
+
+    Attributes:
+        world_size: ranks in the group (``tensor_parallel_size``).
+        loaded: rank 0's ``engine.model.LoadedModel`` (its slice of the model; tokenizer, full config).
+        model: the ``ParallelCausalLM`` the engine's runner calls.
+        kv_heads: the KV heads rank 0's pool holds.
+        num_pages: pages of every rank's KV pool.
+        comm: rank 0's communicator (its ``stats`` say where collective time goes).
+        rank_pids: process ids of ranks 1..N-1.
+        failure: why the group failed (None while healthy).
+    """
+
+    def __init__(self, config: EngineConfig, shards: list[RankShard], num_pages: int) -> None:
+        self.world_size = config.tensor_parallel_size
+        self.shards = shards
+        self.kv_heads: KVHeadSlice = shards[0].kv_heads
+        self.num_pages = num_pages
+        self.failure: str | None = None
+        self.loaded: LoadedModel | None = None
+        self.model: ParallelCausalLM | None = None
+        self.comm: Communicator | None = None
+        self._config = config
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._store: dist.TCPStore | None = None
+        self._region_fd = -1
+        self._stopping = threading.Event()
+        self._watch: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- start ---------------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, config: EngineConfig) -> TensorParallelGroup:
+        """Start the ranks of ``config`` (``tensor_parallel_size`` > 1) and load rank 0's slice (seconds).
+
+        Raises:
+            ValueError: ``tensor_parallel_size`` does not fit the model's heads, or the model is not a dense
+                Llama-family one (the message names it).
+            engine.model.ModelLoadError: the model cannot be loaded.
+            TensorParallelError: a rank process exited or did not join within ``START_TIMEOUT_S``.
+        """
+        from engine.model.hf_folder import read_hf_config
+        from engine.model.loader import resolve_model_folder
+
+        folder = resolve_model_folder(config.model, config.cache_dir)
+        mc = read_hf_config(folder / "config.json", model_id=folder.name.lower())
+        n = config.tensor_parallel_size
+        if getattr(mc, "moe", None) is not None or getattr(mc, "mla", None) is not None:
+            raise ValueError(f"tensor_parallel_size={n} is not supported for {mc.architecture}: the ranks "
+                             "split dense Llama-family models only")
+        shards = [shard_for(mc, r, n) for r in range(n)]
+        group = cls(config, shards, _num_pages(config, mc, shards))
+        try:
+            group._launch(folder, mc)
+        except BaseException:
+            group.stop()
+            raise
+        return group
+
+    def _launch(self, folder: Path, mc: ModelConfig) -> None:
+        from engine.model import load_model
+
+        config, n = self._config, self.world_size
+        self._store = dist.TCPStore(STORE_HOST, 0, n, True, timedelta(seconds=START_TIMEOUT_S),
+                                    wait_for_workers=False)
+        collectives = _collectives(config)
+        buffer_bytes = _buffer_bytes(config, mc, self.shards)
+        if collectives == "shm":
+            from engine.parallel.shm import create_region
+
+            self._region_fd = create_region(n, buffer_bytes)
+        widths = tuple(len(s.vocab) for s in self.shards)
+        specs = [RankSpec(r, n, str(folder), _rank_device(config.device, r), config.dtype,
+                          config.weight_quant, config.num_threads, config.page_size, self.num_pages,
+                          self._store.port, collectives, self._region_fd, buffer_bytes, widths,
+                          config.tp_timeout_s) for r in range(n)]
+        for spec in specs[1:]:
+            self._procs.append(_spawn(spec, self._region_fd))
+        logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank",
+                    n - 1, self.rank_pids, collectives, self.num_pages)
+        loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
+                                          device=config.device, weight_quant=config.weight_quant, rank=0,
+                                          tensor_parallel_size=n)
+        self._wait_keys("hello")
+        process_group = open_process_group(self._store, 0, n, torch.device(config.device))
+        self.comm = make_communicator(specs[0], process_group, self._region_fd)
+        self._wait_keys("ready")
+        loaded.model.attach(self.comm)
+        self.model = ParallelCausalLM(loaded.model, self)
+        self._watch = threading.Thread(target=self._watch_ranks, name="tp-rank-watch", daemon=True)
+        self._watch.start()
+
+    def _wait_keys(self, stage: str) -> None:
+        """Wait until every rank set ``<stage>/<rank>`` in the store, failing at once when one exits."""
+        assert self._store is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank in range(1, self.world_size):
+            while not self._store.check([f"{stage}/{rank}"]):
+                dead = self._exited()
+                if dead:
+                    raise TensorParallelError(f"{dead} while starting (its log says why)")
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(f"rank {rank} did not reach '{stage}' within "
+                                              f"{START_TIMEOUT_S:g} s")
+                time.sleep(0.02)
+
+    # ---- serving -------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` when the group has failed (any thread)."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+
+    def fail(self, reason: str) -> TensorParallelError:
+        """Mark the group failed (the first reason stays), abort the communicator, kill the rank processes;
+        returns the error to raise. Any thread."""
+        with self._lock:
+            first = self.failure is None
+            if first:
+                self.failure = reason
+        if first:
+            logger.error("tensor-parallel group failed: %s", reason)
+            if self.comm is not None:
+                self.comm.abort(reason)
+            self._kill()
+        return TensorParallelError(self.failure or reason)
+
+    def _watch_ranks(self) -> None:
+        while not self._stopping.wait(WATCH_INTERVAL_S):
+            dead = self._exited()
+            if dead:
+                self.fail(dead)
+                return
+
+    def _exited(self) -> str | None:
+        """'rank r (pid p) was killed by signal s' (or 'exited with status c') for the first rank process
+        that has exited, else None."""
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                return f"rank {rank} (pid {proc.pid}) {how}"
+        return None
+
+    def set_nice(self, nice: int) -> bool:
+        """Give every thread of the rank processes nice value ``nice`` (the engine loop thread's, so that
+        under load no rank is preempted more than rank 0: every step waits for its slowest rank). Returns
+        False (logged) when the kernel refused it (a nice below the process's needs ``CAP_SYS_NICE``)."""
+        for pid in self.rank_pids:
+            try:
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+            except PermissionError as e:
+                logger.warning("tensor parallel: rank processes keep their nice (%s)", e.strerror)
+                return False
+            except (FileNotFoundError, ProcessLookupError):   # a rank that exits: the watch reports it
+                continue
+        return True
+
+    # ---- stop ----------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every rank process and release the region and the store; idempotent. Call it after the engine
+        thread stopped stepping (it sends ``STOP`` through the communicator when the group is healthy)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self.comm is not None and self.failure is None and all(p.poll() is None for p in self._procs):
+            try:
+                self.comm.broadcast_step(encode_stop())
+            except CollectiveError as e:
+                logger.warning("tensor parallel: STOP not delivered (%s); killing the ranks", e)
+                self._kill()
+        else:   # never connected (a failed start) or failed: nothing to say to the ranks
+            self._kill()
+        _reap(self._procs, STOP_TIMEOUT_S)
+        if self._watch is not None:
+            self._watch.join(1.0)
+        if self.comm is not None:
+            self.comm.close()
+        if self._region_fd >= 0:
+            os.close(self._region_fd)
+            self._region_fd = -1
+        self._store = None
+        logger.info("tensor parallel: ranks stopped")
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+class ParallelCausalLM:
+    """The ``CausalLM`` of a tensor-parallel engine (rank 0): each ``forward`` broadcasts the step to the
+    other ranks and runs rank 0's slice; the logits it returns are whole (gathered)."""
+
+    def __init__(self, model: torch.nn.Module, group: TensorParallelGroup) -> None:
+        self._model = model
+        self._group = group
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``[len(batch.logits_indices), vocab_size]`` float32 logits (as ``LlamaForCausalLM.forward``).
+
+        Raises:
+            TensorParallelError: the group has failed, or fails during this step (a rank died or timed out).
+        """
+        group = self._group
+        group.check()
+        assert group.comm is not None
+        try:
+            group.comm.broadcast_step(encode_step(batch))
+            return self._model.forward(batch, kv_cache)
+        except CollectiveError as e:
+            raise group.fail(str(e)) from None
+        except BaseException as e:
+            group.fail(f"rank 0 failed inside a step: {e!r}")
+            raise
+
+
+def _num_pages(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]) -> int:
+    """Pages of every rank's pool: ``num_pages``, or what ``kv_cache_bytes`` holds on the rank with the most
+    KV heads (so no rank exceeds it)."""
+    if config.num_pages:
+        return config.num_pages
+    most = max(s.num_kv_heads for s in shards)
+    return KVShape(mc.num_layers, most, mc.head_dim, config.page_size).pages_for_bytes(
+        config.pool_bytes, getattr(torch, config.dtype))
+
+
+def _buffer_bytes(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]) -> int:
+    """Slot size of the shared region: one step's all-reduce (``max_num_batched_tokens`` rows of the hidden
+    size) or a 64-row logits gather, whichever is larger, in whole 4 KiB (larger collectives go in pieces)."""
+    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    largest = max(config.max_num_batched_tokens * mc.hidden_size * itemsize,
+                  64 * max(len(s.vocab) for s in shards) * 4, 1 << 16)
+    return -(-largest // 4096) * 4096
+
+
+def _collectives(config: EngineConfig) -> str:
+    """``"shm"`` for CPU ranks when ``shm_sync.c`` builds (``tp_collectives`` ``auto`` or ``shm``), else
+    ``"torch"`` (gloo on the CPU, NCCL on GPUs)."""
+    if torch.device(config.device).type != "cpu" or config.tp_collectives == "gloo":
+        return "torch"
+    try:
+        from engine.parallel.shm import shm_sync_library
+
+        shm_sync_library()
+        return "shm"
+    except (OSError, subprocess.SubprocessError) as e:
+        if config.tp_collectives == "shm":
+            raise
+        logger.warning("tensor parallel: shared-memory collectives unavailable (%s); using gloo's", e)
+        return "torch"
+
+
+def _rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device: the engine's for the CPU; for ``cuda:<i>``, ``cuda:<i + rank>`` (one rank per
+    device, the instance's devices consecutive)."""
+    d = torch.device(device)
+    return device if d.type != "cuda" else f"cuda:{(d.index or 0) + rank}"
+
+
+def _python() -> str:
+    """The interpreter for rank processes: a python-backend stub embeds Python, so ``sys.executable`` may name
+    the stub binary; then the ``python3`` on PATH (the one the stub was started with)."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or "python3"
+
+
+def _spawn(spec: RankSpec, region_fd: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen([_python(), "-m", "engine.parallel.rank_worker", "--spec", spec.to_json()],
+                            stdin=subprocess.PIPE, env=env, pass_fds=(region_fd,) if region_fd >= 0 else ())
+
+
+def _reap(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """Wait for the rank processes to exit (killed once ``timeout_s`` passed), then close their pipes."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("tensor parallel: rank pid %d did not stop; killing it", proc.pid)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        if proc.stdin is not None:
+            proc.stdin.close()
+
