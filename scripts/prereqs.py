@@ -55,6 +55,21 @@ def _stub_links() -> bool:
     return "not found" not in linked
 
 
+def _stub_runs_this_python() -> bool:
+    """The libpython the stub loads belongs to this venv's interpreter (under its ``sys.base_prefix``): the stub
+    runs this venv's standard library on it, and a standard library built for another interpreter fails there
+    (``import ssl``: undefined symbols)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations or shutil.which("ldd") is None:
+        return False
+    stub = Path(spec.submodule_search_locations[0]) / "tritonserver/backends/python/triton_python_backend_stub"
+    linked = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, check=False).stdout
+    paths = [line.split("=>")[1].split("(")[0].strip() for line in linked.splitlines()
+             if "libpython" in line and "=>" in line]
+    base = str(Path(sys.base_prefix).resolve()) + "/"
+    return bool(paths) and all(str(Path(p).resolve()).startswith(base) for p in paths)
+
+
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement("a C compiler (cc)", "the bf16/int8 CPU kernels (engine/model/kernels)", "apt: gcc",
@@ -67,6 +82,9 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "apt: libibverbs1 libnl-route-3-200", lambda: _library("ibverbs")() and _library("nl-route-3")()),
     Requirement(f"libpython{PY}.so", "tritonserver's python backend stub", f"apt: libpython{PY}",
                 _stub_links),
+    Requirement("a venv made with the Python the stub loads", "tritonserver's python backend stub (its standard "
+                "library must match its libpython)", "scripts/setup.sh (PYTHON=/usr/bin/python3)",
+                _stub_runs_this_python),
     Requirement("torch", "the engine", "pip: torch==2.13.0 (scripts/setup.sh)", _module("torch")),
     Requirement("nixl", "kv_backend nixl", "pip: nixl, nixl-cu12 (scripts/setup.sh)", _module("nixl")),
     Requirement("mooncake", "kv_backend mooncake", "pip: mooncake-transfer-engine-non-cuda (scripts/setup.sh)",

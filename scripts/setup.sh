@@ -15,12 +15,18 @@
 # installed with apt-get when missing; otherwise (no root, no apt) a warning says what to install. The same
 # step installs etcd (Debian's etcd-server + etcd-client, 3.4) for the etcd membership backend and its tests,
 # which start their own etcd on free ports: the system-wide service the package enables is stopped again.
-# Env: PYTHON (interpreter for the venv, default python3), VENV (default <repo>/.venv), TORCH_INDEX_URL (the
+# Env: PYTHON (interpreter for the venv, default /usr/bin/python3 where it exists, else python3), VENV (default <repo>/.venv), TORCH_INDEX_URL (the
 # index torch comes from; default pip's own).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python3}"
+# The venv's Python must be the one whose libpython3.X the python backend stub loads (the distribution's,
+# /usr/bin/python3 on Debian/Ubuntu): the stub runs the venv's standard library on that libpython, and one built
+# for another interpreter fails inside the stub (e.g. `import ssl`: "undefined symbol: _PyModule_Add" with a
+# pyenv 3.11.7 standard library on Debian's 3.11.2 libpython).
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x /usr/bin/python3 ]]; then PYTHON=/usr/bin/python3; else PYTHON=python3; fi
+fi
 VENV="${VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 
@@ -50,7 +56,14 @@ PY
 pip_install() { say "pip install $*"; "$PY" -m pip install --quiet "$@"; }
 
 make_venv() {
-  if [[ -x "$PY" ]]; then return; fi
+  local want have
+  if [[ -x "$PY" ]]; then
+    want="$("$PYTHON" -c 'import sys; print(sys.base_prefix, sys.version)')"
+    have="$("$PY" -c 'import sys; print(sys.base_prefix, sys.version)' 2>/dev/null || true)"
+    if [[ "$want" == "$have" ]]; then return; fi
+    say "$VENV was made with another Python ($have): making it again with $PYTHON"
+    rm -rf "$VENV"
+  fi
   say "creating $VENV with $("$PYTHON" --version)"
   if "$PYTHON" -m venv "$VENV"; then return; fi
   rm -rf "$VENV"
