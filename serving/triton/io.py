@@ -180,7 +180,7 @@ class TritonResponseSink:
 
     def __init__(self, response_sender: Any, dispatcher: ResponseDispatcher, request_id: str = "",
                  child: bool = False, options: OutputOptions = NO_OPTIONS,
-                 timing: RequestTimingSink | None = None) -> None:
+                 timing: RequestTimingSink | None = None, child_errors: bool = True) -> None:
         """
         Args:
             response_sender: ``request.get_response_sender()``.
@@ -190,6 +190,9 @@ class TritonResponseSink:
                 (``serving.parsing.child_codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
                 holds the message instead of a Triton error response (a decoupled BLS response iterator never
                 ends after an error response in tritonserver 2.51; over gRPC either form works).
+            child_errors: with ``child``, errors too in the child layout (the router reads them there); False:
+                as a Triton error (HTTP 400 with the message: a client calling prefill/decode directly,
+                ``from_router``), the other responses staying in the declared child layout.
             options: client layout: the optional outputs the request asked for (``set_options`` once the
                 request is parsed).
             timing: where a finished request's TTFT, TPOT, end-to-end latency and lengths go (measured from
@@ -200,6 +203,7 @@ class TritonResponseSink:
         self._handle = dispatcher.open(response_sender, request_id)
         self._request_id = request_id
         self._child = child
+        self._child_errors = child_errors
         self.options = options
         self._timing = timing
         self._arrival_s = time.monotonic()
@@ -241,7 +245,7 @@ class TritonResponseSink:
         return lambda: timing.request_timing(ttft, now - arrival, chunk.num_input_tokens, num_output, tpot)
 
     def send_error(self, message: str, kind: ErrorKind = ErrorKind.INSTANCE) -> None:
-        child = self._child
+        child = self._child and self._child_errors
 
         def build() -> Any:
             return child_error_response(message, kind) if child else error_response(message, kind)
@@ -287,8 +291,8 @@ def new_dispatcher(name: str) -> ResponseDispatcher:
 def from_router(request: Any) -> bool:
     """Whether a prefill/decode request comes from a router: it carries ``child_schema`` (every router sends it,
     ``serving.router.launch.child_arrays``) or ``pd_control`` (the router's ``describe``). A request without
-    either (a client calling the worker model directly) is answered in the public layout: its error is a
-    ``pb_utils.TritonError`` (HTTP 400 with the message as text), not bytes in the child's ``error`` output."""
+    either (a client calling the worker model directly) gets its error as a ``pb_utils.TritonError`` (HTTP 400
+    with the message as text), not as bytes in the child's ``error`` output."""
     from serving.parsing.child_codec import SCHEMA_INPUT
     from serving.parsing.pd_request import CONTROL_INPUT
 
@@ -313,6 +317,6 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
         timing: the public models' latency histograms (``TritonResponseSink``'s ``timing``).
     """
     for request in requests:
-        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(),
-                                  child=child and from_router(request), timing=timing)
+        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child,
+                                  timing=timing, child_errors=not child or from_router(request))
         start_or_fail(lambda: handle(request, sink), sink, request.request_id())  # noqa: B023 - called at once
