@@ -135,7 +135,8 @@ def create_app(config: FrontendConfig, backend: Backend, renderer: ChatRenderer)
         backend_request = BackendRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt,
                                          mapping.chat_sampling(body, config.default_max_tokens, plan),
                                          top is not None)
-        stream = generate(backend, backend_request, "messages")
+        stream = generate(backend, backend_request, "messages",
+                          "tools" if plan is not None and plan.constrained else "response_format")
         now, rid, n = int(time.time()), backend_request.request_id, backend_request.n
         if not body.stream:
             totals = await until_disconnected(request, collect(stream, n))
@@ -173,15 +174,17 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", "invalid_request_error", param)
 
 
-async def generate(backend: Backend, request: BackendRequest,
-                   prompt_field: str) -> AsyncGenerator[BackendResponse, None]:
-    """``backend.generate`` with its errors as ``OpenAIError``; closing this closes (cancels) the backend's."""
+async def generate(backend: Backend, request: BackendRequest, prompt_field: str,
+                   constraint_field: str = "response_format") -> AsyncGenerator[BackendResponse, None]:
+    """``backend.generate`` with its errors as ``OpenAIError`` (``prompt_field`` / ``constraint_field``: the
+    OpenAI fields that became ``text_input`` / ``structured_outputs``, named in them); closing this closes
+    (cancels) the backend's."""
     try:
         async with contextlib.aclosing(backend.generate(request)) as responses:
             async for response in responses:
                 yield response
     except TritonError as e:
-        raise from_triton_message(str(e), prompt_field) from None
+        raise from_triton_message(str(e), prompt_field, constraint_field) from None
     except BackendUnavailable as e:
         raise OpenAIError(503, str(e), "service_unavailable") from None
 

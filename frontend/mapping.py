@@ -7,7 +7,9 @@ max_tokens up front); ``temperature`` (absent: 1.0, OpenAI's default), ``top_p``
 ``logprobs: k`` and chat ``logprobs: true`` + ``top_logprobs: k`` → ``logprobs: k``. Only keys the client set are
 sent, so a server that predates a key still serves every request that does not use it. Chat ``response_format``
 and forced tool calls become ``structured_outputs`` (``frontend.structured``); tools are described in the system
-message and answers parsed back into ``tool_calls`` (``frontend.tools``).
+message and answers parsed back into ``tool_calls`` (``frontend.tools``); an answer cut short inside a call
+keeps its finish reason (``length``) and only the calls completed before the cut, never the call object as
+content.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def chat_sampling(req: ChatCompletionRequest, default_max_tokens: int,
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_parameters(req, max_tokens, top)
-    constraint = chat_constraint(req.response_format, plan)
+    constraint = chat_constraint(req.response_format, plan, req.whitespace)
     if constraint is not None:
         params["structured_outputs"] = constraint
     return params
@@ -215,15 +217,14 @@ def completion_response(totals: Totals, request_id: str, created: int, model: st
 def chat_response(totals: Totals, request_id: str, created: int, model: str,
                   top_logprobs: int | None, plan: tools.ToolPlan | None = None) -> ChatCompletionResponse:
     """The whole chat answer; with tools (not ``none``), an answer that is a tool call becomes ``tool_calls``
-    (content null, finish reason ``tool_calls``)."""
+    (content null, finish reason ``tool_calls``), one cut short keeps only its complete calls
+    (``tools.answer_of``)."""
     choices = []
     for i, s in enumerate(totals.samples):
-        text = "".join(s.text)
-        calls = tools.parse_calls(text, plan) if plan is not None and plan.mode != "none" else None
-        message = AssistantMessage(content=text) if calls is None else \
-            AssistantMessage(content=None, tool_calls=[ToolCall.model_validate(c) for c in calls])
-        choices.append(ChatChoice(index=i, message=message,
-                                  finish_reason=s.finish_reason if calls is None else "tool_calls",
+        answer = tools.answer_of("".join(s.text), s.finish_reason, plan)
+        message = AssistantMessage(content=answer.content, tool_calls=None if answer.tool_calls is None else
+                                   [ToolCall.model_validate(c) for c in answer.tool_calls])
+        choices.append(ChatChoice(index=i, message=message, finish_reason=answer.finish_reason,
                                   logprobs=None if top_logprobs is None else chat_logprobs(s.logprobs, top_logprobs)))
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage_of(totals))

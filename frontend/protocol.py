@@ -81,7 +81,10 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``. ``max_completion_tokens`` is the newer name of ``max_tokens``."""
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` is the newer name of ``max_tokens``.
+    ``whitespace`` (an extension; the SDK sends it with ``extra_body``): the JSON whitespace of a constrained
+    answer (``response_format`` json_object / json_schema, forced tool calls): ``"compact"`` (default) or
+    ``"flexible"`` (``frontend.structured``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -91,6 +94,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
+    whitespace: Literal["compact", "flexible"] | None = None
     functions: list[dict[str, object]] | None = None
     function_call: str | dict[str, object] | None = None
     modalities: list[str] | None = None

@@ -6,7 +6,8 @@ tool calls, or, if it is not a call, the held text as content). Text that starts
 once. With ``tool_choice`` ``required`` or a named function the answer is always a call, so it is held to the
 end. The tool calls go out in one delta per choice (each call whole: ``index``, ``id``, ``type``, ``function``
 with its ``name`` and complete ``arguments``), which OpenAI's SDK accumulates like split ones; the choice's
-finish reason becomes ``tool_calls``.
+finish reason becomes ``tool_calls``. A call cut short (``max_tokens``) sends the calls completed before the
+cut, if any, and its finish reason (``length``), never the held call object as content (``tools.answer_of``).
 
 Thread: one instance per request, used on the front's event loop only.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.tools import ToolPlan, parse_calls
+from frontend.tools import ToolPlan, answer_of
 
 
 @dataclass
@@ -54,7 +55,7 @@ class ToolCallStream:
             return ChoiceDelta(out, None, finish_reason)
         if finish_reason is None:
             return ChoiceDelta(None)
-        calls = parse_calls(choice.held, self.plan)
-        if calls is not None:
-            return ChoiceDelta(None, [{"index": i, **call} for i, call in enumerate(calls)], "tool_calls")
-        return ChoiceDelta(choice.held or None, None, finish_reason)
+        answer = answer_of(choice.held, finish_reason, self.plan)
+        calls = None if answer.tool_calls is None else \
+            [{"index": i, **call} for i, call in enumerate(answer.tool_calls)]
+        return ChoiceDelta(answer.content or None, calls, answer.finish_reason)

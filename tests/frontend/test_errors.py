@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from frontend.errors import from_triton_message
@@ -23,8 +25,20 @@ def test_triton_messages_map_to_a_fitting_status(message: str, status: int, type
     error = from_triton_message(message)
     assert (error.status, error.type, error.param) == (status, type_, param)
     body = error.body().model_dump()
-    assert body == {"error": {"message": message, "type": type_, "param": param, "code": error.code}}
+    shown = message if param is None else re.sub(r"'[^']+'", f"'{param}'", message, count=1)
+    assert body == {"error": {"message": shown, "type": type_, "param": param, "code": error.code}}
+    assert not any(name in body["error"]["message"] for name in ("sampling_parameters", "text_input"))
 
 
 def test_the_prompt_field_is_named_as_the_client_sent_it() -> None:
-    assert from_triton_message("invalid input 'text_input': x", prompt_field="messages").param == "messages"
+    error = from_triton_message("invalid input 'text_input': x", prompt_field="messages")
+    assert (error.param, error.message) == ("messages", "invalid input 'messages': x")
+
+
+@pytest.mark.parametrize("field", ["response_format", "tools"])
+def test_a_structured_outputs_error_names_the_field_the_front_made_it_from(field: str) -> None:
+    for kind in ("json", "json_object"):
+        message = f"invalid input 'sampling_parameters.structured_outputs.{kind}': cannot be compiled: oops"
+        error = from_triton_message(message, "messages", field)
+        assert (error.status, error.param) == (400, field)
+        assert error.message == f"invalid input '{field}': cannot be compiled: oops"

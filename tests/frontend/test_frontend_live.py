@@ -146,6 +146,18 @@ def test_bad_requests_get_openais_error_body(openai_stack: Any, client: openai.O
     with pytest.raises(openai.BadRequestError) as server_side:   # the server rejects it; the front maps it
         client.completions.create(model="pd_ensemble", prompt="x", max_tokens=4, extra_body={"top_k": -5})
     assert server_side.value.status_code == 400 and server_side.value.param == "top_k"   # type: ignore[attr-defined]
+    body: Any = server_side.value.body
+    assert body["message"].startswith("invalid input 'top_k': must be >= -1")   # as the client named it
+    for nonsense, param in [({"sampling_parameters": {"max_tokens": 4}}, "sampling_parameters"),
+                            ({"sampling_parameters": '{"max_tokens": 4}'}, "sampling_parameters"),
+                            ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": -1}, "seed"),
+                            ({"logit_bias": {"999999": 5}}, None), ({"whitespace": "pretty"}, "whitespace")]:
+        request = {"model": "pd_ensemble", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+        resp = requests.post(f"{openai_stack.openai_url}/chat/completions", json={**request, **nonsense},
+                             timeout=60)
+        error = resp.json()["error"]
+        assert (resp.status_code, error["param"]) == (400, param), (nonsense, error)
+        assert "sampling_parameters" not in error["message"] or param == "sampling_parameters", error
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(model="pd_ensemble", messages=[{"role": "user", "content": "x"}],
                                        tools=[{"type": "retrieval"}])  # type: ignore[list-item]
