@@ -131,6 +131,22 @@ class LLMEngine:
         return self.scheduler.pages.stats()
 
     @property
+    def kv_pools(self) -> list[tuple[KVHeadSlice, KVPool]]:
+        """Every rank's KV pool with the model KV heads it holds, rank 0 (this process's ``kv_pool``) first;
+        one entry unless tensor-parallel. Every pool has ``num_total_pages`` pages under the same page ids and
+        lives in this process's address space (ranks 1..N-1's as shared mappings), which is what one KV
+        transfer agent registers. Raises ``ValueError`` for a tensor-parallel engine on GPUs (each rank's pool
+        is on its own device, out of this process's reach)."""
+        if self.parallel is None:
+            return [(self.kv_heads, self.kv_pool)]
+        if self.parallel.world_size > 1 and not self.parallel.rank_pools:
+            raise ValueError("the KV pools of a tensor-parallel engine on GPUs are each on their rank's "
+                             "device")
+        return [(self.kv_heads, self.kv_pool),
+                *((shard.kv_heads, pool) for shard, pool in zip(self.parallel.shards[1:],
+                                                                self.parallel.rank_pools))]
+
+    @property
     def num_total_pages(self) -> int:
         return self.scheduler.allocator.num_pages
 

@@ -91,6 +91,10 @@ class KVPool:
     pages) and the model's reads walk 512 times fewer page-table entries (docs/benchmarks.md, "KV transfer").
     torch's own allocator never asks for huge pages. Without THP support the advice is a no-op.
 
+    ``shared_fd`` (a memfd of exactly the pool's bytes, ``shared_pool_fd``): the pool is a shared mapping of
+    it instead (no huge-page advice, no populate thread, zero already), so that two processes see the same KV:
+    a tensor-parallel rank's pool, which rank 0 maps too for its KV transfer agent (docs/parallelism.md).
+
     Attributes:
         storage: ``[num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim]``, ``dtype``,
             ``device``, contiguous (the region a KV transport registers); ``num_planes`` 2 (K, V) or 1 (MLA).
@@ -104,7 +108,7 @@ class KVPool:
     """
 
     def __init__(self, shape: KVShape, num_pages: int, dtype: torch.dtype,
-                 device: torch.device | str, huge_pages: bool = True) -> None:
+                 device: torch.device | str, huge_pages: bool = True, shared_fd: int = -1) -> None:
         if num_pages <= 0:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
         self.shape = shape
@@ -116,13 +120,16 @@ class KVPool:
                 shape.head_dim)
         self._region: mmap.mmap | None = None   # owns the memory of ``storage`` when it is a host mapping
         # [num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim], contiguous
-        if huge_pages and torch.device(device).type == "cpu":
+        if shared_fd >= 0:   # a tensor-parallel rank's pool, which rank 0 maps too (its KV transfer agent)
+            self._region, self.storage = _shared_tensor(shared_fd, dims, dtype, num_pages * self.page_bytes)
+            self.populating = None
+        elif huge_pages and torch.device(device).type == "cpu":
             self._region, self.storage = _huge_page_tensor(dims, dtype, num_pages * self.page_bytes)
             self.populating = _populate_in_background(self.storage.data_ptr(), num_pages * self.page_bytes)
         else:
             self.storage = torch.empty(dims, dtype=dtype, device=device)
             self.populating = None
-        if self.populating is None:
+        if self.populating is None and shared_fd < 0:   # a fresh memfd reads as zeros already
             self.storage.zero_()
         # [num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim], a strided view of storage
         self.kv_cache = self.storage.permute(1, 2, 0, 3, 4, 5)
@@ -158,6 +165,29 @@ class KVPool:
         if not 0 <= page < self.num_pages:
             raise IndexError(f"page {page} is outside the pool")
         return page * self.page_bytes
+
+
+def shared_pool_fd(nbytes: int) -> int:
+    """A zeroed memfd of ``nbytes`` for a KV pool that two processes map (a tensor-parallel rank's, mapped by
+    rank 0 for its transfer agent): close-on-exec, pass it with ``pass_fds``; owned by the caller. Raises
+    OSError (no memfd, no memory)."""
+    fd = os.memfd_create("triton-pd-kv-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _shared_tensor(fd: int, dims: tuple[int, ...], dtype: torch.dtype,
+                   nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A host tensor of ``dims`` over a shared mapping of memfd ``fd`` (``nbytes``, ``shared_pool_fd``):
+    what one process writes the others that map ``fd`` read. Returns (the mapping, which must outlive the
+    tensor; the tensor). Raises OSError / ValueError when the descriptor is not a memfd of ``nbytes``."""
+    region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    flat = torch.frombuffer(memoryview(region), dtype=torch.uint8, count=nbytes)
+    return region, flat.view(dtype).view(dims)
 
 
 def _huge_page_tensor(dims: tuple[int, ...], dtype: torch.dtype,

@@ -16,15 +16,37 @@ from typing import NamedTuple
 import numpy as np
 
 from kv_transfer.aux import AUX_SLOT_BYTES
+from kv_transfer.head_slices import KVRegion
 from kv_transfer.layout import KVLayout, PageId
 
 
 @dataclass(frozen=True)
 class BlockTable:
+    """One instance's registered memory. ``regions``: a tensor-parallel instance's rank pools
+    (``kv_transfer.head_slices``; ``kv_base_ptr`` is the first one's, ``layout.num_kv_heads`` the model's);
+    empty: one pool of every head at ``kv_base_ptr``. With regions, the descriptor index space's KV pages are
+    the first region's (what it registers as a list), and KV moves as head-sliced spans only."""
+
     kv_base_ptr: int
     layout: KVLayout
     aux_base_ptr: int
     aux_slots: int
+    regions: tuple[KVRegion, ...] = ()
+
+    @property
+    def kv_regions(self) -> tuple[KVRegion, ...]:
+        """Every KV pool: ``regions``, or the one pool of every head."""
+        return self.regions or (KVRegion(0, self.layout.num_kv_heads, self.kv_base_ptr),)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether the KV is split over several pools (a tensor-parallel instance): whole-page descriptors
+        then do not name a token's KV."""
+        return bool(self.regions)
+
+    def region_spans(self) -> list[tuple[int, int]]:
+        """(address, nbytes) of every KV pool, in region order: what a transport registers."""
+        return [(r.base_ptr, r.layout(self.layout).pool_bytes) for r in self.kv_regions]
 
     @property
     def num_kv_descs(self) -> int:
@@ -33,8 +55,8 @@ class BlockTable:
 
     @property
     def kv_desc_bytes(self) -> int:
-        """Bytes of one KV descriptor (a whole page)."""
-        return self.layout.page_bytes
+        """Bytes of one KV descriptor (a whole page; of the first region's pool when sliced)."""
+        return self.kv_regions[0].layout(self.layout).page_bytes
 
     @property
     def num_descriptors(self) -> int:

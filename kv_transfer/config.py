@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kv_transfer.head_slices import KVRegion, coverage_problem
 from kv_transfer.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -19,6 +20,9 @@ class KVArgs:
 
     ``kv_base_ptr``/``kv_nbytes`` describe the engine's page-major pool ``[num_pages, num_layers, 2, page_size,
     num_kv_heads, head_dim]`` (``kv_transfer.layout``); the caller owns that memory and keeps it alive until ``shutdown()``.
+    A tensor-parallel engine gives ``kv_regions`` instead (every rank's pool, ``kv_transfer.head_slices``,
+    rank 0 first): ``kv_base_ptr`` is then the first region's, ``kv_nbytes`` the sum of the regions' pool
+    bytes and ``layout.num_kv_heads`` the model's KV heads.
     """
 
     instance_id: str
@@ -56,6 +60,7 @@ class KVArgs:
     # UCX_NET_DEVICES, kv_transfer.network; Mooncake: the address it advertises). A backend's own options (its
     # protocol, its devices, ...) are not here: ``kv_transfer.backends.make_transport`` takes them.
     local_hostname: str = "127.0.0.1"
+    kv_regions: tuple[KVRegion, ...] = ()
 
     @property
     def queued_keepalive_s(self) -> float:
@@ -67,9 +72,16 @@ class KVArgs:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"KVArgs.role must be one of {ROLES}, got {self.role!r}")
-        if self.kv_nbytes != self.layout.pool_bytes:
-            raise ValueError(f"KVArgs.kv_nbytes {self.kv_nbytes} != layout pool bytes "
-                             f"{self.layout.pool_bytes}")
+        pool_bytes = sum(r.layout(self.layout).pool_bytes for r in self.kv_regions) if self.kv_regions \
+            else self.layout.pool_bytes
+        if self.kv_nbytes != pool_bytes:
+            raise ValueError(f"KVArgs.kv_nbytes {self.kv_nbytes} != layout pool bytes {pool_bytes}")
+        problem = coverage_problem(self.kv_regions, self.layout.num_kv_heads) if self.kv_regions else None
+        if problem is not None:
+            raise ValueError(f"KVArgs.kv_regions: {problem}")
+        if self.kv_regions and (self.kv_regions[0].base_ptr != self.kv_base_ptr or self.mem_type != "DRAM"):
+            raise ValueError("KVArgs.kv_regions: the first region must be kv_base_ptr's, in host memory "
+                             "(GPU ranks' pools are each on their own device: not supported)")
         if self.kv_base_ptr <= 0:
             raise ValueError("KVArgs.kv_base_ptr must be a valid address")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",

@@ -107,11 +107,15 @@ COMPAT_FIELDS = ("version", "kind", "dtype", "weight_quant", "page_size", "num_l
                  "head_dim")
 
 
-def compat_hash(model_id: str, layout: KVLayout) -> str:
+def compat_hash(model_id: str, layout: KVLayout, sliced: bool = False) -> str:
     """Hash over every field two peers must share; equal hashes mean compatible instances (``kind`` only
-    when not ``"mha"``: see the module docstring)."""
+    when not ``"mha"``: see the module docstring). ``sliced``: the instance's KV is split over tensor-parallel
+    ranks (``kv_transfer.head_slices``); it enters the hash only when True, so that a peer from before
+    head-sliced transfers, which would address the registration as one pool, refuses it."""
     names = [f for f in COMPAT_FIELDS if f != "kind" or layout.kind != "mha"]
-    fields = {"model_id": model_id, **{f: getattr(layout, f) for f in names}}
+    fields: dict[str, object] = {"model_id": model_id, **{f: getattr(layout, f) for f in names}}
+    if sliced:
+        fields["kv_regions"] = True
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -122,17 +126,18 @@ def describe(model_id: str, layout: KVLayout) -> str:
 
 
 def check_compatible(model_id: str, ours: KVLayout, their_model_id: str, theirs: KVLayout,
-                     their_hash: str | None = None) -> None:
+                     their_hash: str | None = None, their_sliced: bool = False) -> None:
     """Raise ``CompatibilityError`` naming the first field that differs (model id first) and both layouts.
 
     ``their_hash`` is the compatibility hash the peer registered; when it differs from the hash of what the
-    peer's layout says (a peer computing it differently, e.g. another layout version), that alone fails."""
+    peer's layout says (a peer computing it differently, e.g. another layout version), that alone fails;
+    ``their_sliced``: the peer registered ``kv_regions`` (its hash says so)."""
     mine, theirs_text = describe(model_id, ours), describe(their_model_id, theirs)
     if model_id != their_model_id:
         raise CompatibilityError("model_id", model_id, their_model_id, mine, theirs_text)
     for field in COMPAT_FIELDS:
         if getattr(ours, field) != getattr(theirs, field):
             raise CompatibilityError(field, getattr(ours, field), getattr(theirs, field), mine, theirs_text)
-    if their_hash is not None and their_hash != compat_hash(model_id, ours):
-        raise CompatibilityError("compat_hash", compat_hash(model_id, ours), their_hash, mine,
+    if their_hash is not None and their_hash != compat_hash(model_id, ours, their_sliced):
+        raise CompatibilityError("compat_hash", compat_hash(model_id, ours, their_sliced), their_hash, mine,
                                  f"{theirs_text} registered hash={their_hash}")

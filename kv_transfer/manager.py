@@ -99,7 +99,7 @@ class KVManager(BaseKVManager):
         if self._thread is not None:
             raise RuntimeError("KVManager.start called twice")
         self._transport.register(BlockTable(self.args.kv_base_ptr, self.args.layout, self._aux.base_ptr,
-                                            self.args.aux_slots))
+                                            self.args.aux_slots, self.args.kv_regions))
         self._rendezvous.start(name=f"rendezvous-{self.args.instance_id}")
         if self.args.role == "prefill":
             self._side = PrefillSide(self.args, self._transport, self._rendezvous, self._peers, self._aux,
@@ -172,9 +172,10 @@ class KVManager(BaseKVManager):
             instance_id=self.args.instance_id, role=self.args.role, epoch=self.epoch,
             agent_name=self._transport.agent_name,
             agent_metadata_b64=Registration.encode_metadata(self._transport.metadata()),
-            compat_hash=compat_hash(self.args.model_id, self.args.layout), address=self.args.address,
+            compat_hash=compat_hash(self.args.model_id, self.args.layout, bool(self.args.kv_regions)),
+            address=self.args.address,
             kv_info=kv_info(self.args.model_id, self.args.layout, self.args.kv_base_ptr, self._aux.base_ptr,
-                            self.args.aux_slots),
+                            self.args.aux_slots, self.args.kv_regions),
             model_name=self.args.model_name, load=self._load() or InstanceLoad(),
             rendezvous_url=self._rendezvous.url, worker_endpoint=self.args.worker_endpoint)
 

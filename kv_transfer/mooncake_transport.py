@@ -165,7 +165,7 @@ class MooncakeTransport(Transport):
         self._endpoint = f"{self._hostname}:{self._engine.get_rpc_port()}"
         # the listeners the engine opened, but its RPC (handshake) one: where peers' writes arrive
         self._data_ports = tcp_fence.listening_ports() - listening - {int(self._engine.get_rpc_port())}
-        regions = ((table.kv_base_ptr, table.layout.pool_bytes),
+        regions = (*table.region_spans(),   # every rank's pool of a tensor-parallel instance
                    (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES))
         for addr, nbytes in regions:
             if self._engine.register_memory(addr, nbytes) != 0:

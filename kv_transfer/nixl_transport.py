@@ -233,12 +233,13 @@ class NixlTransport(Transport):
         params = {"num_threads": str(self._copy_threads),
                   "split_batch_size": str(SPLIT_MIN_DESCS)} if self._copy_threads > 1 else {}
         self._agent.create_backend("UCX", params)
-        kv_region = (table.kv_base_ptr, table.layout.pool_bytes, self._device_id, "")
+        # every rank's pool of a tensor-parallel instance (head-sliced spans address them), else the one pool
+        kv_regions = [(addr, nbytes, self._device_id, "") for addr, nbytes in table.region_spans()]
         aux_region = (table.aux_base_ptr, table.aux_slots * AUX_SLOT_BYTES, 0, "")
         if self._mem_type == "DRAM":
-            self._reg_descs = [self._agent.register_memory([kv_region, aux_region], "DRAM")]
+            self._reg_descs = [self._agent.register_memory([*kv_regions, aux_region], "DRAM")]
         else:
-            self._reg_descs = [self._agent.register_memory([kv_region], self._mem_type),
+            self._reg_descs = [self._agent.register_memory(kv_regions, self._mem_type),
                                self._agent.register_memory([aux_region], "DRAM")]
         self._num_kv_descs = table.num_kv_descs
         self._local_dlists = self._prep(LOCAL, table)

@@ -19,6 +19,7 @@ from bootstrap.messages import Registration
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
 from kv_transfer.errors import CompatibilityError
+from kv_transfer.head_slices import KVRegion, coverage_problem
 from kv_transfer.layout import KVLayout, check_compatible
 from kv_transfer.transport import Transport
 
@@ -26,10 +27,30 @@ logger = logging.getLogger(__name__)
 
 
 def kv_info(model_id: str, layout: KVLayout, kv_base_ptr: int, aux_base_ptr: int,
-            aux_slots: int) -> dict[str, Any]:
-    """The KV part of a registration (what a peer needs to check us and address our memory)."""
-    return {"model_id": model_id, "layout": layout.to_json(), "kv_base_ptr": kv_base_ptr,
+            aux_slots: int, kv_regions: tuple[KVRegion, ...] = ()) -> dict[str, Any]:
+    """The KV part of a registration (what a peer needs to check us and address our memory);
+    ``kv_regions`` only for a tensor-parallel instance (``[head_start, head_stop, base_ptr]`` each)."""
+    info = {"model_id": model_id, "layout": layout.to_json(), "kv_base_ptr": kv_base_ptr,
             "aux_base_ptr": aux_base_ptr, "aux_slots": aux_slots, "aux_slot_bytes": AUX_SLOT_BYTES}
+    if kv_regions:
+        info["kv_regions"] = [r.to_json() for r in kv_regions]
+    return info
+
+
+def peer_regions(info: dict[str, Any], layout: KVLayout, ours: KVLayout) -> tuple[KVRegion, ...]:
+    """A peer's KV regions from its ``kv_info`` (empty: one pool). Raises ``CompatibilityError``
+    (``kv_regions``) when they cannot be mapped onto ours: malformed, or a model KV head no rank holds."""
+    raw = info.get("kv_regions")
+    if not raw:
+        return ()
+    try:
+        regions = tuple(KVRegion.from_json(r) for r in raw)
+    except (TypeError, ValueError) as exc:
+        raise CompatibilityError("kv_regions", "a list of [head_start, head_stop, base_ptr]", raw) from exc
+    problem = coverage_problem(regions, layout.num_kv_heads)
+    if problem is not None:
+        raise CompatibilityError("kv_regions", f"every KV head of {ours.num_kv_heads} held", problem)
+    return regions
 
 
 @dataclass(frozen=True)
@@ -128,11 +149,12 @@ class PeerTable:
     def _handshake(self, registration: Registration, rendezvous_url: str) -> Peer:
         info = registration.kv_info
         layout = KVLayout.from_json(info["layout"])
-        check_compatible(self._model_id, self._layout, str(info["model_id"]), layout, registration.compat_hash)
+        check_compatible(self._model_id, self._layout, str(info["model_id"]), layout,
+                         registration.compat_hash, their_sliced=bool(info.get("kv_regions")))
         if int(info["aux_slot_bytes"]) != AUX_SLOT_BYTES:
             raise CompatibilityError("aux_slot_bytes", AUX_SLOT_BYTES, info["aux_slot_bytes"])
         table = BlockTable(int(info["kv_base_ptr"]), layout, int(info["aux_base_ptr"]),
-                           int(info["aux_slots"]))
+                           int(info["aux_slots"]), peer_regions(info, layout, self._layout))
         self.forget(registration.instance_id)
         agent_name = self._transport.add_peer(registration.agent_metadata, table)
         peer = Peer(registration.instance_id, agent_name, registration.epoch, table, rendezvous_url)

@@ -28,6 +28,7 @@ from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError
+from kv_transfer.head_slices import head_sliced_spans
 from kv_transfer.metrics import Metrics
 from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
@@ -54,7 +55,7 @@ class PrefillSide:
     def __init__(self, args: KVArgs, transport: LockedTransport, rendezvous: Rendezvous, peers: PeerTable,
                  aux: AuxBuffer, lock: threading.RLock) -> None:
         self._args, self._transport, self._rendezvous, self._peers = args, transport, rendezvous, peers
-        self._table = BlockTable(args.kv_base_ptr, args.layout, aux.base_ptr, aux.num_slots)
+        self._table = BlockTable(args.kv_base_ptr, args.layout, aux.base_ptr, aux.num_slots, args.kv_regions)
         self._aux, self._lock = aux, lock
         self.metrics = Metrics()
         self.senders: dict[Room, KVSender] = {}
@@ -241,6 +242,8 @@ class PrefillSide:
             self.metrics.skipped_pages_total += drop
             chunk = replace(chunk, src_pages=chunk.src_pages[drop:], dst_start=chunk.dst_start + drop - skip)
         dst_pages = dest.dst_page_ids[chunk.dst_start:chunk.dst_start + len(chunk.src_pages)]
+        if self._table.sliced or peer.table.sliced:
+            return self._prepare_sliced(sender, chunk, peer, dst_pages)
         page_bytes = self._table.kv_desc_bytes
         if not (chunk.is_last and chunk.aux is not None):
             local, remote = self._table.kv_indices(chunk.src_pages), peer.table.kv_indices(dst_pages)
@@ -275,6 +278,33 @@ class PrefillSide:
         sender.aux_post = (np.array([self._table.aux_index(slot)], dtype=np.int64),
                            np.array([peer.table.aux_index(dest.aux_slot)], dtype=np.int64), tag)
         return sender, chunk, peer, local, remote, None, kv_bytes
+
+    def _prepare_sliced(self, sender: KVSender, chunk: Chunk, peer: Peer,
+                        dst_pages: list[int]) -> _Post | None:
+        """A chunk between instances whose KV is split over ranks differently (issue #45): one WRITE of
+        head-sliced spans, every rank pair's (``kv_transfer.head_slices``; this agent registered every rank's
+        pool, so one notification follows them all), and on the last chunk the aux slot, once. Lock held."""
+        dest = sender.destination
+        assert dest is not None
+        last = chunk.is_last and chunk.aux is not None
+        partial = sender.last_page_tokens if last else None
+        local, remote = head_sliced_spans(self._args.layout, self._table.kv_regions, peer.table.kv_regions,
+                                          chunk.src_pages, dst_pages, partial)
+        kv_bytes = int(local[:, 1].sum())
+        if not last:
+            return (sender, chunk, peer, local, remote, chunk_tag(sender.room, dest.xfer_id, chunk.index, 0),
+                    kv_bytes)
+        slot = self._aux.alloc()
+        if slot is None:
+            self._fail(sender, "no free aux staging slot (raise KVArgs.aux_slots)")
+            return None
+        assert chunk.aux is not None
+        self._aux.write(slot, chunk.aux)
+        sender.local_aux_slot = slot
+        local = np.concatenate([local, self._table.spans(np.array([self._table.aux_index(slot)]))])
+        remote = np.concatenate([remote, peer.table.spans(np.array([peer.table.aux_index(dest.aux_slot)]))])
+        return (sender, chunk, peer, local, remote,
+                chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1), kv_bytes)
 
     def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
               tag: Tag | None, kv_bytes: int = 0) -> None:

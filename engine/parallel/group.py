@@ -5,10 +5,11 @@ Lifecycle (``LLMEngine`` drives it; all on the thread that builds and closes the
 
 1. ``start(config)``: resolve the model folder, check ``tensor_parallel_size`` against its heads, size the KV
    pool (``num_pages``: the same page ids on every rank), open a TCP store on loopback (port 0) and, for the
-   CPU, the shared region (``engine.parallel.shm``); start ranks 1..N-1 (``python -m
-   engine.parallel.rank_worker``, stdin a pipe only this process writes), load rank 0's own slice meanwhile,
-   join the process group once every rank said hello, wait until every rank is ready (each wait also watches
-   the processes: a rank that exits fails the start at once, naming it), attach the communicator, start the
+   CPU, the shared region (``engine.parallel.shm``) and a memfd per rank 1..N-1 for its KV pool, mapped here
+   too (``rank_pools``: the KV transfer reaches every rank's heads from this process); start ranks 1..N-1
+   (``python -m engine.parallel.rank_worker``, stdin a pipe only this process writes), load rank 0's own
+   slice meanwhile, join the process group once every rank said hello, wait until every rank is ready (each
+   wait also watches the processes: a rank that exits fails the start at once, naming it), attach the communicator, start the
    rank watch (a daemon thread, ``tp-rank-watch``).
 2. ``ParallelCausalLM.forward`` (the engine thread, once per step): broadcast the step, run rank 0's slice;
    its all-reduces meet the other ranks', the logits come back whole.
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.errors import TensorParallelError
 from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVShape
+from engine.kv_pool import KVPool, KVShape, shared_pool_fd
 from engine.model.config import ModelConfig
 from engine.parallel.communicator import CollectiveError, Communicator
 from engine.parallel.layout import KVHeadSlice, RankShard, shard_for
@@ -70,6 +71,9 @@ class TensorParallelGroup:
         num_pages: pages of every rank's KV pool.
         comm: rank 0's communicator (its ``stats`` say where collective time goes).
         rank_pids: process ids of ranks 1..N-1.
+        rank_pools: on the CPU, ranks 1..N-1's KV pools as rank 0 maps them (``KVPool`` over each rank's
+            memfd: the same bytes the rank writes), in rank order, so that rank 0's KV transfer agent
+            registers every rank's heads; empty on GPUs (each rank's pool is its device's).
         failure: why the group failed (None while healthy).
     """
 
@@ -86,6 +90,8 @@ class TensorParallelGroup:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._store: dist.TCPStore | None = None
         self._region_fd = -1
+        self.rank_pools: list[KVPool] = []
+        self._kv_fds: list[int] = []
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -136,12 +142,15 @@ class TensorParallelGroup:
 
             self._region_fd = create_region(n, buffer_bytes)
         widths = tuple(len(s.vocab) for s in self.shards)
+        if torch.device(config.device).type == "cpu":
+            self._map_rank_pools(mc)
+        kv_fds = [-1, *self._kv_fds] if self._kv_fds else [-1] * n
         specs = [RankSpec(r, n, str(folder), _rank_device(config.device, r), config.dtype,
                           config.weight_quant, config.num_threads, config.page_size, self.num_pages,
                           self._store.port, collectives, self._region_fd, buffer_bytes, widths,
-                          config.tp_timeout_s) for r in range(n)]
+                          config.tp_timeout_s, kv_fds[r]) for r in range(n)]
         for spec in specs[1:]:
-            self._procs.append(_spawn(spec, self._region_fd))
+            self._procs.append(_spawn(spec, self._region_fd, spec.kv_fd))
         logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank",
                     n - 1, self.rank_pids, collectives, self.num_pages)
         loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
@@ -155,6 +164,15 @@ class TensorParallelGroup:
         self.model = ParallelCausalLM(loaded.model, self)
         self._watch = threading.Thread(target=self._watch_ranks, name="tp-rank-watch", daemon=True)
         self._watch.start()
+
+    def _map_rank_pools(self, mc: ModelConfig) -> None:
+        """A memfd per rank 1..N-1 holding its KV pool, mapped here too (``rank_pools``)."""
+        dtype = getattr(torch, self._config.dtype)
+        for shard in self.shards[1:]:
+            shape = KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, self._config.page_size)
+            fd = shared_pool_fd(self.num_pages * shape.page_bytes(dtype))
+            self._kv_fds.append(fd)
+            self.rank_pools.append(KVPool(shape, self.num_pages, dtype, "cpu", shared_fd=fd))
 
     def _wait_keys(self, stage: str) -> None:
         """Wait until every rank set ``<stage>/<rank>`` in the store, failing at once when one exits."""
@@ -245,6 +263,9 @@ class TensorParallelGroup:
         if self._region_fd >= 0:
             os.close(self._region_fd)
             self._region_fd = -1
+        for fd in self._kv_fds:   # the mappings (rank_pools) stay valid until dropped: a transfer agent may
+            os.close(fd)          # still hold them registered until its manager shut down
+        self._kv_fds = []
         self._store = None
         logger.info("tensor parallel: ranks stopped")
 
@@ -332,11 +353,12 @@ def _python() -> str:
     return shutil.which("python3") or "python3"
 
 
-def _spawn(spec: RankSpec, region_fd: int) -> subprocess.Popen[bytes]:
+def _spawn(spec: RankSpec, region_fd: int, kv_fd: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return subprocess.Popen([_python(), "-m", "engine.parallel.rank_worker", "--spec", spec.to_json()],
-                            stdin=subprocess.PIPE, env=env, pass_fds=(region_fd,) if region_fd >= 0 else ())
+                            stdin=subprocess.PIPE, env=env,
+                            pass_fds=tuple(fd for fd in (region_fd, kv_fd) if fd >= 0))
 
 
 def _reap(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:

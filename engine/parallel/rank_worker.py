@@ -83,7 +83,7 @@ def run(spec: RankSpec) -> int:
                         weight_quant=spec.weight_quant, rank=spec.rank, tensor_parallel_size=spec.world_size)
     shard, mc = loaded.model.shard, loaded.config
     pool = KVPool(KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, spec.page_size), spec.num_pages,
-                  getattr(torch, spec.dtype), device)
+                  getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd)
     comm = make_communicator(spec, group, spec.region_fd)
     loaded.model.attach(comm)
     store.set(f"ready/{spec.rank}", "1")

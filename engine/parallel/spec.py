@@ -41,6 +41,8 @@ class RankSpec:
         buffer_bytes: bytes of each rank's slot in the region.
         logit_widths: vocabulary columns of every rank, in rank order.
         timeout_s: ``EngineConfig.tp_timeout_s``.
+        kv_fd: the memfd holding this rank's KV pool, which rank 0 maps too (its KV transfer agent registers
+            every rank's pool: docs/parallelism.md), in the rank process; -1: a private pool (GPU ranks).
     """
 
     rank: int
@@ -58,6 +60,7 @@ class RankSpec:
     buffer_bytes: int
     logit_widths: tuple[int, ...]
     timeout_s: float
+    kv_fd: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

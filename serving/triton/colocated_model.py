@@ -15,6 +15,7 @@ from typing import Any
 from serving.workers.colocated import ColocatedWorker
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.triton.host import ModelHost
+from serving.workers.fatal import exit_process_soon
 from serving.triton.io import TritonResponseSink, parse_client_request
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ class ColocatedModel(ModelHost):
         device = instance_device(args["model_instance_kind"], int(args["model_instance_device_id"]))
         config = build_worker_config(model_config.get("parameters", {}), device=device)
         apply_cpu_affinity(config)
-        self._worker = ColocatedWorker.create(config, name=self.instance_name, metrics=self.metrics)
+        self._worker = ColocatedWorker.create(config, name=self.instance_name, metrics=self.metrics,
+                                              on_fatal=exit_process_soon)   # a dead rank: end as a dead stub
         self._worker.start()
         logger.info("%s ready: %s", self.instance_name, config)
         return config.grpc_url

@@ -39,6 +39,7 @@ from serving.triton.host import ModelHost
 from serving.triton.io import TritonResponseSink, read_parameters, scalars_from_arrays
 from serving.workers.child_auth import NO_AUTH, ChildAuth
 from serving.workers.endpoint import WorkerEndpoint
+from serving.workers.fatal import exit_process_soon
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class PDChildModel(ModelHost):
             fleet_tls=config.fleet_tls).bind()
         try:
             self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics, model_name=self.model_name,
-                                            worker_endpoint=self._endpoint.address if self._endpoint else "")
+                                            worker_endpoint=self._endpoint.address if self._endpoint else "",
+                                            on_fatal=exit_process_soon)   # a dead rank: end as a dead stub
             if self._endpoint is not None:   # serving before the registration: routers may use it from then on
                 self._endpoint.start(self._handle.worker)
             self._handle.start()

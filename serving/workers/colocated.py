@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from engine.errors import InvalidSamplingParams
+from engine.errors import EngineError, InvalidSamplingParams
 from serving.config import WorkerConfig
 from serving.workers.engine_loop import EngineLoop
 from serving.workers.events import LoopEvent, LoopStopped, RequestId
@@ -78,16 +78,17 @@ class ColocatedWorker:
         loop.add_hook(self)
 
     @classmethod
-    def create(cls, config: WorkerConfig, name: str = "colocated",
-               metrics: ServingMetrics | None = None) -> ColocatedWorker:
-        """Build the engine (loads the model: seconds), its loop and the worker. Starts nothing."""
+    def create(cls, config: WorkerConfig, name: str = "colocated", metrics: ServingMetrics | None = None,
+               on_fatal: Callable[[EngineError], None] | None = None) -> ColocatedWorker:
+        """Build the engine (loads the model: seconds), its loop and the worker. Starts nothing. ``on_fatal``:
+        as ``EngineLoop``'s (an engine failed for good, e.g. a tensor-parallel rank died)."""
         from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
         engine = LLMEngine(config.engine_config("colocated"))
         if engine.parallel is not None:   # the rank processes run at the engine loop thread's priority
             engine.parallel.set_nice(config.engine_nice)
         loop = EngineLoop(engine, name=f"{name}-engine-loop", idle_wait_s=config.idle_wait_s,
-                          nice=config.engine_nice)
+                          nice=config.engine_nice, on_fatal=on_fatal)
         if metrics is not None:
             loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))

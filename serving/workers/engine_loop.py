@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.errors import EngineError, RequestRejected
+from engine.errors import EngineError, RequestRejected, TensorParallelError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from serving.workers.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
@@ -108,7 +108,8 @@ class EngineLoop:
     """Owns an engine and the thread that steps it. The constructor starts nothing."""
 
     def __init__(self, engine: EngineCore, name: str = "engine-loop", idle_wait_s: float = 0.1,
-                 busy_wait_s: float = 0.002, hooks: Sequence[TickHook] = (), nice: int | None = None) -> None:
+                 busy_wait_s: float = 0.002, hooks: Sequence[TickHook] = (), nice: int | None = None,
+                 on_fatal: Callable[[EngineError], None] | None = None) -> None:
         """
         Args:
             engine: the engine; only the loop thread calls it once ``start`` returned.
@@ -119,6 +120,11 @@ class EngineLoop:
             nice: the loop thread's nice value, -20..19 (``set_thread_nice``, applied by the thread as it
                 starts: torch's intra-op threads, which the loop thread starts, inherit it); None: the thread
                 keeps the priority of the thread that calls ``start``.
+            on_fatal: called once, on the loop thread, after a step failed with an error that ends the engine
+                for good (``TensorParallelError``: a rank died or hung) and every request in flight was failed
+                with it; a Triton instance passes ``serving.workers.fatal.exit_process_soon`` so that it ends
+                as a dead stub does (its server is replaced). None: the engine stays up, failing every
+                request.
         """
         self.engine = engine
         self._name = name
@@ -140,6 +146,8 @@ class EngineLoop:
         self._hooks_busy = False
         self._steps_total = 0
         self._step_seconds_total = 0.0
+        self._on_fatal = on_fatal
+        self._fatal_reported = False
 
     # ---- any thread -------------------------------------------------------------------------------------------
     def add_hook(self, hook: TickHook) -> None:
@@ -359,6 +367,9 @@ class EngineLoop:
             logger.exception("%s: engine step failed; failing the %d requests in flight",
                              self._name, len(self._callbacks))
             self._fail_all(e)
+            if isinstance(e, TensorParallelError) and self._on_fatal is not None and not self._fatal_reported:
+                self._fatal_reported = True
+                self._on_fatal(e)
             return
         finally:
             self._steps_total += 1

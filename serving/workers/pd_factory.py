@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bootstrap.membership import Member, Membership, make_membership
+from engine.errors import EngineError
 from kv_transfer import BaseKVManager, KVArgs, KVLayout, make_kv_manager
+from kv_transfer.head_slices import KVRegion
 from serving.config import ConfigError, WorkerConfig
 from serving.workers.decode import DecodeWorker
 from serving.workers.engine_loop import EngineLoop
@@ -38,15 +41,20 @@ MEMBER_TTL_S = 10.0
 def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str, model_name: str = "",
             worker_endpoint: str = "") -> KVArgs:
     """The KV manager's arguments for ``engine``'s pool (``[num_layers, 2, num_pages, page_size, kv_heads,
-    head_dim]``, one contiguous region), registered as ``model_name`` served at ``config.grpc_url`` and at
-    ``worker_endpoint`` (empty: none)."""
+    head_dim]``, one contiguous region; a tensor-parallel engine: one per rank, as ``kv_regions``), registered
+    as ``model_name`` served at ``config.grpc_url`` and at ``worker_endpoint`` (empty: none)."""
+    pools = engine.kv_pools
     pool = engine.kv_pool
+    # split over ranks: the layout names the model's KV heads (each region its own); else the pool's (MLA: 1)
+    num_kv_heads = engine.kv_heads.num_model_kv_heads if len(pools) > 1 else pool.shape.num_kv_heads
     layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
-                      num_kv_heads=pool.shape.num_kv_heads, head_dim=pool.shape.head_dim, dtype=config.dtype,
-                      kind=pool.shape.kind,
-                      weight_quant=config.weight_quant)
+                      num_kv_heads=num_kv_heads, head_dim=pool.shape.head_dim,
+                      dtype=config.dtype, kind=pool.shape.kind, weight_quant=config.weight_quant)
+    regions = tuple(KVRegion(heads.start, heads.stop, p.base_ptr) for heads, p in pools) if len(pools) > 1 \
+        else ()
     on_gpu = config.device.startswith("cuda")
-    return KVArgs(instance_id=instance_id, role=role, kv_base_ptr=pool.base_ptr, kv_nbytes=pool.nbytes,
+    return KVArgs(instance_id=instance_id, role=role, kv_base_ptr=pool.base_ptr,
+                  kv_nbytes=sum(p.nbytes for _, p in pools), kv_regions=regions,
                   layout=layout, model_id=engine.model_config.model_id,
                   rendezvous_port=config.rendezvous_port, fleet_secret=config.fleet_secret,
                   fleet_tls=config.fleet_tls,
@@ -142,28 +150,31 @@ class PDWorkerHandle:
 
 def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
                      metrics: ServingMetrics | None = None, model_name: str = "",
-                     worker_endpoint: str = "") -> PDWorkerHandle:
+                     worker_endpoint: str = "",
+                     on_fatal: Callable[[EngineError], None] | None = None) -> PDWorkerHandle:
     """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started), known to its peers as
     ``instance_id`` serving ``model_name`` at ``config.grpc_url`` (and at ``worker_endpoint``, the address of its
-    own ``serving.workers.endpoint``, when not empty).
+    own ``serving.workers.endpoint``, when not empty). ``on_fatal``: as ``EngineLoop``'s (the engine failed
+    for good, e.g. a tensor-parallel rank died).
 
     Raises:
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
-        ConfigError: ``tensor_parallel_size`` > 1 (the KV transfer moves one pool per instance; a
-            tensor-parallel instance has one per rank).
+        ConfigError: ``tensor_parallel_size`` > 1 on a GPU (the KV transfer registers every rank's pool
+            in rank 0's process, which a GPU rank's device memory is not: docs/parallelism.md).
         engine.model.errors.ModelLoadError: the model cannot be loaded.
     """
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 and config.device.startswith("cuda"):
         raise ConfigError("tensor_parallel_size",
-                          f"must be 1 for {role} models, got {config.tensor_parallel_size}: the KV transfer "
-                          "does not move each rank's KV heads yet (colocated models take it)")
+                          f"must be 1 for {role} models on a GPU, got {config.tensor_parallel_size}: the KV "
+                          "transfer moves the ranks' pools from rank 0's process, which reaches host memory "
+                          "only (colocated models take it)")
     from engine import LLMEngine  # heavy import (torch): only when a worker is built
 
     engine = LLMEngine(config.engine_config("prefill" if role == "prefill" else "decode"))
     loop = EngineLoop(engine, name=f"{instance_id}-engine-loop", idle_wait_s=config.idle_wait_s,
-                      nice=config.engine_nice)
+                      nice=config.engine_nice, on_fatal=on_fatal)
     kv_manager = make_kv_manager(kv_args(config, engine, instance_id, role, model_name, worker_endpoint),
                                  backend=config.kv_backend, options=config.kv_options)
     worker: PrefillWorker | DecodeWorker

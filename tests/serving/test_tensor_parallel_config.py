@@ -1,6 +1,6 @@
 """The ``tensor_parallel_size`` model parameter: parsed into the engine's config (default 1), refused by name
-when out of range, when it does not fit the model's heads (the model's load fails) and, until the KV transfer
-moves each rank's heads, for prefill and decode models."""
+when out of range, when it does not fit the model's heads (the model's load fails) and, for prefill and decode
+models, on a GPU (the KV transfer reaches the ranks' pools in host memory only)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ def test_a_bad_value_is_refused_naming_the_parameter(params: dict[str, str]) -> 
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_prefill_and_decode_refuse_more_than_one_rank_by_name(role: str) -> None:
+def test_prefill_and_decode_refuse_more_than_one_rank_on_a_gpu_by_name(role: str) -> None:
     from serving.workers.pd_factory import create_pd_worker
 
     with pytest.raises(ConfigError) as info:
-        create_pd_worker(role, WorkerConfig(tensor_parallel_size=2), "i")
+        create_pd_worker(role, WorkerConfig(tensor_parallel_size=2, device="cuda:0"), "i")
     assert info.value.param == "tensor_parallel_size"
 
 

@@ -1,0 +1,120 @@
+"""KV heads split over the ranks of a tensor-parallel instance, and the head-sliced copies between two such
+instances of different TP sizes (issue #45; docs/parallelism.md, "PD between different TP sizes").
+
+A tensor-parallel instance's KV is one pool per rank, each page-major (``kv_transfer.layout``) over the KV
+heads that rank holds, all with the same page ids. ``KVRegion`` names one: model KV heads ``[head_start,
+head_stop)`` at ``base_ptr``. An instance's regions cover every model KV head at least once (more than once
+where heads are replicated). Inside a region's block (page, layer, plane) token ``t``'s heads are contiguous,
+so the heads ``[a, b)`` of one token are one span of ``(b - a) * head_dim * itemsize`` bytes: a copy between
+two regions that hold different head ranges moves one span per (page, layer, plane, token), and between two
+regions holding the same heads one span per page (``merge_runs`` joins what is contiguous on both sides).
+
+Each destination region receives each of its heads once, from the first source region that holds it: no byte
+is moved twice but into a replica (a decode whose KV heads are replicated gets each replica written).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kv_transfer.layout import KVLayout, PageId
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """One rank's KV pool: model KV heads ``[head_start, head_stop)`` (local heads ``0..stop-start-1``) in a
+    page-major pool of the instance's ``num_pages`` pages at address ``base_ptr``."""
+
+    head_start: int
+    head_stop: int
+    base_ptr: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_stop - self.head_start
+
+    def layout(self, instance: KVLayout) -> KVLayout:
+        """The instance layout (``num_kv_heads``: the model's) narrowed to this region's heads."""
+        return replace(instance, num_kv_heads=self.num_heads)
+
+    def to_json(self) -> list[int]:
+        return [self.head_start, self.head_stop, self.base_ptr]
+
+    @classmethod
+    def from_json(cls, data: Sequence[int]) -> KVRegion:
+        """Raises ValueError / TypeError for anything but three integers."""
+        start, stop, base = (int(x) for x in data)
+        return cls(start, stop, base)
+
+
+def coverage_problem(regions: Sequence[KVRegion], num_kv_heads: int) -> str | None:
+    """Why ``regions`` cannot be an instance's KV of ``num_kv_heads`` model heads (an empty or out-of-range
+    head range, a head no region holds, a null address), or None when they can."""
+    if not regions:
+        return "no KV region"
+    held = np.zeros(num_kv_heads, dtype=bool)
+    for r in regions:
+        if not 0 <= r.head_start < r.head_stop <= num_kv_heads or r.base_ptr <= 0:
+            return (f"region heads [{r.head_start}, {r.head_stop}) at {r.base_ptr:#x} outside "
+                    f"[0, {num_kv_heads})")
+        held[r.head_start:r.head_stop] = True
+    if not held.all():
+        return f"KV heads {np.flatnonzero(~held).tolist()} are held by no rank"
+    return None
+
+
+def _token_spans(region: KVRegion, layout: KVLayout, pages: np.ndarray, num_tokens: np.ndarray,
+                 head_start: int, num_heads: int) -> np.ndarray:
+    """(address, nbytes) of heads ``[head_start, head_start + num_heads)`` of every token slot ``t <
+    num_tokens[i]`` of page ``pages[i]``, every layer and plane, in (page, layer, plane, token) order: int64
+    ``[n, 2]``."""
+    local = region.layout(layout)
+    head_bytes = layout.head_dim * layout.itemsize_bytes
+    token_bytes = local.num_kv_heads * head_bytes
+    blocks = np.arange(layout.num_layers * layout.num_planes, dtype=np.int64)
+    tokens = np.arange(layout.page_size, dtype=np.int64)
+    # [pages, layer * plane, token]: the address of each token's head range
+    addr = (region.base_ptr + pages[:, None, None] * local.page_bytes
+            + blocks[None, :, None] * local.block_bytes + tokens[None, None, :] * token_bytes
+            + (head_start - region.head_start) * head_bytes)
+    mask = np.broadcast_to(tokens[None, None, :] < num_tokens[:, None, None], addr.shape)
+    flat = addr[mask]
+    return np.stack([flat, np.full_like(flat, num_heads * head_bytes)], axis=1)
+
+
+def head_sliced_spans(layout: KVLayout, src: Sequence[KVRegion], dst: Sequence[KVRegion],
+                      src_pages: Sequence[PageId], dst_pages: Sequence[PageId],
+                      last_page_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The copies that put source pages ``src_pages`` (an instance of regions ``src``) into destination pages
+    ``dst_pages`` (regions ``dst``), every destination region getting each of its heads from the first source
+    region holding it; the last page holds only ``last_page_tokens`` tokens (None: whole). Returns (source
+    spans, destination spans): int64 ``[n, 2]`` (address, nbytes), pairwise equal sizes, contiguous neighbours
+    merged. ``layout`` is the instance layout (``num_kv_heads``: the model's). Raises ``ValueError`` when the
+    page lists differ in length or a destination head has no source."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    sp, dp = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
+    ntok = np.full(len(sp), layout.page_size, dtype=np.int64)
+    if len(ntok) and last_page_tokens is not None:
+        ntok[-1] = last_page_tokens
+    parts_src, parts_dst = [], []
+    for d in dst:
+        head = d.head_start
+        while head < d.head_stop:
+            s = next((r for r in src if r.head_start <= head < r.head_stop), None)
+            if s is None:
+                raise ValueError(f"KV head {head} is held by no source region")
+            stop = min(d.head_stop, s.head_stop)
+            parts_src.append(_token_spans(s, layout, sp, ntok, head, stop - head))
+            parts_dst.append(_token_spans(d, layout, dp, ntok, head, stop - head))
+            head = stop
+    if not parts_src or not len(sp):
+        empty = np.zeros((0, 2), dtype=np.int64)
+        return empty, empty.copy()
+    from kv_transfer.blocks import merge_runs
+
+    runs = merge_runs(np.concatenate(parts_src), np.concatenate(parts_dst))
+    return (np.stack([runs.src_addrs, runs.nbytes], axis=1), np.stack([runs.dst_addrs, runs.nbytes], axis=1))
