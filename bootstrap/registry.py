@@ -106,11 +106,18 @@ class Registry:
         return entry.registration if entry else None
 
     def post_destination(self, destination: Destination, now_s: float) -> PostResult:
+        """Take room ``destination.room``'s destination for its prefill instance. The same destination posted
+        again (a decode retrying a post whose answer was lost: a link down) is accepted again and still
+        delivered once; another one for a room in use is refused (``ROOM_IN_USE``), as is an unknown prefill
+        instance."""
         prefill = self._instances.get(destination.prefill_instance_id)
         if prefill is None or prefill.registration.role != "prefill":
             return PostResult(destination.room, UNKNOWN_INSTANCE,
                               f"unknown prefill instance {destination.prefill_instance_id}")
-        if destination.room in self._rooms:
+        record = self._rooms.get(destination.room)
+        if record is not None:
+            if record.destination == destination:   # the same post again: its first answer was lost
+                return PostResult(destination.room, ACCEPTED, "", prefill.registration.agent_name)
             return PostResult(destination.room, ROOM_IN_USE, f"room {destination.room} is already in use")
         self._rooms[destination.room] = _RoomRecord(destination, now_s)
         return PostResult(destination.room, ACCEPTED, "", prefill.registration.agent_name)

@@ -255,6 +255,8 @@ class DecodeSide:
                 self._on_tag(receiver, tag, now_s)
 
     def _on_tag(self, receiver: KVReceiver, tag: Tag, now_s: float) -> None:
+        if receiver.peer is not None:
+            self._peers.heard_from(receiver.peer.instance_id)   # a notification from it: alive
         if tag.kind == TagKind.CHUNK and not receiver.state.is_terminal:
             self.metrics.chunks_total += 1
             if receiver.peer is not None:

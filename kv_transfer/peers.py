@@ -68,16 +68,22 @@ class Peer:
 
 class PeerTable:
     def __init__(self, clients: ClientPool, transport: Transport, model_id: str,
-                 layout: KVLayout, peer_lost_s: float = 10.0) -> None:
+                 layout: KVLayout, peer_lost_s: float = 10.0, silence_gap_s: float = 5.0) -> None:
+        """``peer_lost_s``: how long a peer's rendezvous may not answer before it is lost, seconds.
+        ``silence_gap_s``: unanswered checks further apart than this are two silences, not one (a peer is
+        checked only while it has open rooms: a silence that ended unseen must not count into the next
+        one)."""
         self._clients = clients
         self._transport = transport
         self._model_id = model_id
         self._layout = layout
         self._peer_lost_s = peer_lost_s
+        self._silence_gap_s = silence_gap_s
         self._peers: dict[str, Peer] = {}
         # agent name → (instance id, rendezvous URL), of peers forgotten (last 64)
         self._forgotten: dict[str, tuple[str, str]] = {}
-        self._silent_since_s: dict[str, float] = {}   # instance id → first unanswered liveness check
+        # instance id → (first, last) unanswered liveness check of its current silence
+        self._silent_since_s: dict[str, tuple[float, float]] = {}
         self.handshakes_total = 0
 
     def get(self, instance_id: str) -> Peer | None:
@@ -114,7 +120,10 @@ class PeerTable:
         except RendezvousRefused:
             registration = None
         except BootstrapError:
-            since_s = self._silent_since_s.setdefault(instance_id, now_s)
+            since_s, last_s = self._silent_since_s.get(instance_id, (now_s, now_s))
+            if now_s - last_s > self._silence_gap_s:   # an earlier silence, which ended unseen: a new one
+                since_s = now_s
+            self._silent_since_s[instance_id] = (since_s, now_s)
             if now_s - since_s < self._peer_lost_s:
                 raise
             registration = None
@@ -123,6 +132,11 @@ class PeerTable:
             return True
         self.forget(instance_id)
         return False
+
+    def heard_from(self, instance_id: str) -> None:
+        """The peer showed it is alive (it posted a destination, a WRITE to it completed, a notification came
+        from it): a silence of its rendezvous so far is over. Any thread (one dict removal)."""
+        self._silent_since_s.pop(instance_id, None)
 
     def forget(self, instance_id: str) -> None:
         peer = self._peers.pop(instance_id, None)

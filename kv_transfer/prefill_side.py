@@ -118,6 +118,7 @@ class PrefillSide:
         self._next_poll_s = now_s + interval_s
         destinations = self._rendezvous.take_destinations(self._args.instance_id)
         for destination in destinations:
+            self._peers.heard_from(destination.decode_instance_id)   # it reached us: alive
             self._accept(destination, now_s)
 
     def _accept(self, dest: Destination, now_s: float) -> None:
@@ -399,6 +400,8 @@ class PrefillSide:
             if state == XferState.ERR:
                 sender.write_failed = True
                 self._fail(sender, "a WRITE to decode failed (decode lost?)")
+            elif sender.peer is not None:
+                self._peers.heard_from(sender.peer.instance_id)   # a WRITE landed: decode is alive
         sender.inflight = still
 
     def _drain_notifs(self) -> None:

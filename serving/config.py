@@ -14,7 +14,9 @@ This module is the only place in ``serving/`` that reads environment variables:
   TLS of our gRPC clients of tritonservers (``read_grpc_tls``; ``scripts/serve.sh`` sets them from its
   ``GRPC_SSL_*``);
 * a KV backend's own environment overrides (``PD_KV_NETWORK_ONLY`` for NIXL's ``kv_network_only``,
-  docs/multihost.md), read by ``kv_transfer.backends.parse_options`` with the environment passed from here.
+  docs/multihost.md), read by ``kv_transfer.backends.parse_options`` with the environment passed from here;
+* ``PD_DRAIN_TIMEOUT_S`` overrides every model's ``drain_timeout_s`` parameter (``read_drain_timeout``:
+  ``scripts/serve.sh`` sets it from its ``DRAIN_TIMEOUT_S`` together with tritonserver's exit timeout).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ KV_BACKENDS: tuple[str, ...] = backend_names()   # kv_transfer.backends register
 REGISTRY_URL_ENV = "PD_REGISTRY_URL"
 REGISTRY_SCHEMES: tuple[str, ...] = ("http://", "https://", "etcd://")
 GRPC_URL_ENV = "PD_GRPC_URL"
+DRAIN_TIMEOUT_ENV = "PD_DRAIN_TIMEOUT_S"
+#: How long a stopping server lets its open streams run to their end, seconds (``drain_timeout_s``).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+#: How long a peer or child that says nothing (no answer, no reset) is waited for before it counts as lost,
+#: seconds (``blip_tolerance_s``): TCP's own retransmissions carry an established connection through a
+#: link-down of up to ~10 s; a refused or reset connection (the process is gone) is a death at once, whatever
+#: this says.
+DEFAULT_BLIP_TOLERANCE_S = 15.0
 
 
 class ConfigError(ValueError):
@@ -105,6 +115,13 @@ class WorkerConfig:
             models only for now: prefill and decode refuse N > 1 until the KV transfer moves each rank's heads.
         tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
             (a hung rank); a rank process that dies fails it within ~50 ms.
+        drain_timeout_s: a server stop or an unload: how long the requests in flight may run to their end
+            before they are ended with an error, seconds (``serving.triton.host.ModelHost``; docs/healing.md
+            "Stops"). ``PD_DRAIN_TIMEOUT_S`` overrides it. tritonserver's ``--exit-timeout-secs`` must exceed
+            it (serve.sh: by 15 s), or tritonserver exits under the streams.
+        blip_tolerance_s: a KV peer whose rendezvous does not answer (no reset, no refusal: a link down, a
+            stalled host) is lost only after this many seconds of silence; a refused connection loses it at
+            once (``KVArgs.peer_lost_s``).
         fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
         fleet_tls: TLS of the instance's rendezvous and worker endpoint and of its calls to peers' and to the
             registry (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
@@ -137,6 +154,8 @@ class WorkerConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 10.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    blip_tolerance_s: float = DEFAULT_BLIP_TOLERANCE_S
     fleet_secret: bytes | None = field(default=None, repr=False)
     fleet_tls: FleetTLS | None = None
 
@@ -145,9 +164,11 @@ class WorkerConfig:
                      "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s", "tp_timeout_s"):
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s", "tp_timeout_s",
+                     "blip_tolerance_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        validate_drain_timeout(self.drain_timeout_s)
         if not -20 <= self.engine_nice <= 19:
             raise ConfigError("engine_nice", f"must be -20..19, got {self.engine_nice}")
         if not self.model:
@@ -221,6 +242,28 @@ def read_registry_url(configured: str, environ: Mapping[str, str] | None = None)
     """The membership registry: ``PD_REGISTRY_URL`` from the environment when set, else ``configured``."""
     env = os.environ if environ is None else environ
     return env.get(REGISTRY_URL_ENV, configured)
+
+
+def read_drain_timeout(configured: float, environ: Mapping[str, str] | None = None) -> float:
+    """The drain timeout: ``PD_DRAIN_TIMEOUT_S`` from the environment when set, else ``configured`` (seconds).
+    Raises ``ConfigError`` when the variable is not a number >= 0."""
+    env = os.environ if environ is None else environ
+    text = env.get(DRAIN_TIMEOUT_ENV, "")
+    if not text:
+        return configured
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(DRAIN_TIMEOUT_ENV, f"must be a number of seconds, got {text!r}") from None
+    validate_drain_timeout(value, DRAIN_TIMEOUT_ENV)
+    return value
+
+
+def validate_drain_timeout(value: float, param: str = "drain_timeout_s") -> None:
+    """Raise ``ConfigError(param)`` unless ``value`` is a number of seconds >= 0 (0: no drain, a stop ends the
+    requests in flight at once)."""
+    if not value >= 0:
+        raise ConfigError(param, f"must be >= 0 seconds, got {value}")
 
 
 def read_fleet_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
@@ -388,6 +431,7 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
         raise ConfigError(exc.param, exc.reason) from None
     return replace(config, registry_url=read_registry_url(config.registry_url, environ),
                    grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ),
+                   drain_timeout_s=read_drain_timeout(config.drain_timeout_s, environ),
                    fleet_tls=read_fleet_tls(environ), kv_options=kv_options)
 
 

@@ -272,7 +272,8 @@ def server_command(repo: Path, ports: ServerPorts, fleet_secret: bytes | None = 
     return [str(binary), f"--model-repository={repo}", f"--backend-directory={backends}",
             "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
             f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
-            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=20",
+            # serve.sh's exit timeout: the models' drain (30 s by default) + 15 s
+            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=45",
             "--disable-auto-complete-config",   # as serve.sh: the configs are complete
             # the routers' keepalive pings (serve.sh says why)
             "--grpc-keepalive-permit-without-calls=1", "--grpc-http2-min-recv-ping-interval-without-data=5000",

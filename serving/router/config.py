@@ -10,13 +10,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from serving.config import (
+    DEFAULT_BLIP_TOLERANCE_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
     ConfigError,
     parse_parameters,
     read_fleet_secret,
     read_fleet_tls,
     read_grpc_tls,
+    read_drain_timeout,
     read_grpc_url,
     read_registry_url,
+    validate_drain_timeout,
     validate_endpoint,
     validate_registry_url,
 )
@@ -61,12 +65,19 @@ class RouterConfig:
         max_queued_requests: requests that may wait for admission; beyond it a request gets "server busy".
         queue_timeout_s: longest wait for admission before "server busy", seconds.
         request_idle_timeout_s: a request whose children say nothing for this long is aborted, seconds.
+        blip_tolerance_s: a child stream that says nothing while its instance does not answer its rendezvous
+            either (no reset, no refusal: a link down, a stalled host) is given up after this many seconds of
+            silence (retried before the first token, migrated after); TCP carries an established stream
+            through a link-down of up to ~10 s. An instance known dead (its connection refused or reset, its
+            rendezvous refusing) is given up at once, or after ``instance_stale_s`` of silence
+            (docs/healing.md, "Blips").
         max_retries: attempts on another pair after a failure before the first token (0: none).
         migration_limit: times one request may move to another decode instance when its children fail after
             the first token reached the client (a direct decode that resumes from the tokens already sent); 0:
             such a failure ends the request with the error.
         fleet_refresh_s: how often the membership is read and each instance's load asked, seconds.
-        instance_stale_s: an instance not heard from for this long is out of rotation, seconds.
+        instance_stale_s: an instance not heard from for this long is out of rotation (new requests go to
+            others), seconds; its open streams are given up only after ``blip_tolerance_s``.
         fleet_wait_s: a request that finds no healthy prefill or decode instance waits this long for one (the
             fleet asked again every ``fleet_refresh_s``) before it fails with "no healthy ... instance", seconds;
             0: it fails at once. Covers a router that loaded next to its workers and has not read them yet when
@@ -74,6 +85,9 @@ class RouterConfig:
             instance but the ones that failed it (by id and epoch) waits the same.
         breaker_failures: consecutive failures that take an instance out of rotation.
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
+        drain_timeout_s: a server stop: how long the router lets its open streams run to their end (new ones
+            refused) before it ends the rest with an error, seconds; ``PD_DRAIN_TIMEOUT_S`` overrides it. An
+            unload needs none: tritonserver waits for the model's requests before ``finalize``.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
         worker_endpoints: send child requests to each worker's own endpoint when it has one
             (``serving.workers.endpoint``, child frames over TCP; its ``worker_endpoint`` in the fleet listing),
@@ -101,6 +115,7 @@ class RouterConfig:
     max_queued_requests: int = 512
     queue_timeout_s: float = 30.0
     request_idle_timeout_s: float = 300.0
+    blip_tolerance_s: float = DEFAULT_BLIP_TOLERANCE_S
     max_retries: int = 1
     migration_limit: int = 3
     fleet_refresh_s: float = 0.25
@@ -108,6 +123,7 @@ class RouterConfig:
     fleet_wait_s: float = 3.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     health_port: int = 0
     worker_endpoints: bool = True
     fleet_secret: bytes | None = field(default=None, repr=False)
@@ -124,9 +140,10 @@ class RouterConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         for name in ("queue_timeout_s", "request_idle_timeout_s", "fleet_refresh_s", "instance_stale_s",
-                     "breaker_cooldown_s"):
+                     "breaker_cooldown_s", "blip_tolerance_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        validate_drain_timeout(self.drain_timeout_s)
         if not self.fleet_wait_s >= 0:
             raise ConfigError("fleet_wait_s", f"must be >= 0 seconds, got {self.fleet_wait_s}")
         if not 0 <= self.health_port <= 65535:
@@ -157,7 +174,8 @@ class RouterConfig:
 
 def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RouterConfig:
     """The router config from ``model_config["parameters"]`` (``{"key": {"string_value": "..."}}`` or plain
-    strings); ``PD_REGISTRY_URL`` / ``PD_GRPC_URL`` override ``registry_url`` / ``grpc_url``; the fleet secret
+    strings); ``PD_REGISTRY_URL`` / ``PD_GRPC_URL`` / ``PD_DRAIN_TIMEOUT_S`` override ``registry_url`` /
+    ``grpc_url`` / ``drain_timeout_s``; the fleet secret
     and the TLS settings (``PD_GRPC_SSL_*``, ``PD_TLS_*``) come from the environment only.
 
     Raises:
@@ -169,4 +187,6 @@ def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     values["fleet_tls"] = read_fleet_tls(environ)
     values["grpc_tls"] = read_grpc_tls(environ)
     values["grpc_url"] = read_grpc_url(values.get("grpc_url", RouterConfig.grpc_url), environ)
+    drain_timeout_s = values.get("drain_timeout_s", RouterConfig.drain_timeout_s)
+    values["drain_timeout_s"] = read_drain_timeout(drain_timeout_s, environ)
     return RouterConfig(**values)

@@ -4,10 +4,11 @@ each.
 
 Threads: ``FleetWatcher`` owns the thread ``router-fleet-<router>``, which every ``fleet_refresh_s`` reads the
 members and asks each member's own rendezvous for its status (``GET /v1/instances``: load, epoch); it swaps in
-an immutable ``FleetSnapshot`` (one reference assignment). A member whose rendezvous refuses the connection (its
-process is gone) leaves the snapshot at once; one that does not answer keeps its last status until it is stale
-(``instance_stale_s``). Everything else (``Fleet.candidates``, breakers, the router's own pending assignments)
-runs on the router's event loop thread only, so it takes no lock.
+an immutable ``FleetSnapshot`` (one reference assignment). A member whose rendezvous refuses the connection
+(its process is gone) leaves the snapshot at once; one that does not answer keeps its last status until it is
+stale (``instance_stale_s``; a router gives its open streams up only after ``blip_tolerance_s``). Everything
+else (``Fleet.candidates``, breakers, the router's own pending assignments) runs on the router's event loop
+thread only, so it takes no lock.
 
 Load between two reports: an instance reports its load with every heartbeat (``InstanceLoad``), so a burst of
 requests routed within one heartbeat would all see the same numbers. The router therefore adds what it itself
@@ -39,6 +40,9 @@ from serving.router.discovery import FleetMember, MemberSource
 logger = logging.getLogger(__name__)
 
 InstanceId = str
+#: How long the router remembers that an instance was draining after it last saw it so (a draining member
+#: leaves the member list while its streams run on), seconds: longer than any drain.
+DRAINING_MEMORY_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,13 @@ class Candidate:
 @dataclass(frozen=True)
 class FleetSnapshot:
     """The members' last statuses; ``taken_s`` is ``time.monotonic()`` of the reading, and each status's
-    ``age_s`` counts from its instance's last answer (so a member that stopped answering ages out)."""
+    ``age_s`` counts from its instance's last answer (so a member that stopped answering ages out).
+    ``draining``: (instance id, epoch) of every instance seen draining lately (``DRAINING_MEMORY_S``), also
+    after it left the member list: its streams still run there."""
 
     instances: tuple[InstanceStatus, ...] = ()
     taken_s: float = 0.0
+    draining: frozenset[tuple[InstanceId, int]] = frozenset()
 
 
 @dataclass
@@ -192,6 +199,21 @@ class Fleet:
         return any(status.instance_id == instance_id
                    and now_s - (self._snapshot.taken_s - status.age_s) <= self._config.instance_stale_s
                    for status in self._snapshot.instances)
+
+    def gone(self, target: Target) -> bool:
+        """Whether ``target``'s instance is known dead: no longer in the fleet's reading (its rendezvous
+        refused a connection, so its process ended; or the registry dropped it) and not draining. An instance
+        that only stopped answering (a link down, a stalled host) stays in the reading with its last status:
+        not gone."""
+        return not any(s.instance_id == target.instance_id for s in self._snapshot.instances) \
+            and not self.draining(target)
+
+    def draining(self, target: Target) -> bool:
+        """Whether ``target`` (this epoch of the instance) is draining: its server stops or its model unloads;
+        it ends the streams it has, and the router pairs it no more."""
+        key = (target.instance_id, target.epoch)
+        return key in self._snapshot.draining or any(
+            s.draining and (s.instance_id, s.epoch) == key for s in self._snapshot.instances)
 
     def epochs(self) -> dict[InstanceId, int]:
         """Instance id → the epoch of its registration in the current reading (a restarted or reloaded instance
@@ -320,6 +342,7 @@ class FleetWatcher:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix=f"router-poll-{name}")
         self._clients: dict[str, BootstrapClient] = {}   # rendezvous URL → client (one poll per URL at a time)
         self._last: dict[InstanceId, tuple[InstanceStatus, float]] = {}   # last status and when it was heard
+        self._draining: dict[tuple[InstanceId, int], float] = {}   # (id, epoch) seen draining → when, last
 
     def start(self) -> None:
         """Read the fleet once (a failure is retried by the thread) and start the thread."""
@@ -358,13 +381,16 @@ class FleetWatcher:
                 current[member.instance_id] = (status, now_s)
                 if status.draining:   # being unloaded: kept (its streams run on) but never paired; a reload's
                     # successor has its model's name: learn the member anew, which asks that model again
+                    self._draining[(status.instance_id, status.epoch)] = now_s
                     self._source.forget(member.instance_id)
             elif member.instance_id in self._last:   # no answer: keep the last status until it is stale
                 current[member.instance_id] = self._last[member.instance_id]
         self._last = current
+        self._draining = {key: seen_s for key, seen_s in self._draining.items()
+                          if now_s - seen_s <= DRAINING_MEMORY_S}
         statuses = tuple(replace(status, age_s=status.age_s + (now_s - heard_s))
                          for status, heard_s in current.values())
-        self._fleet.update(FleetSnapshot(statuses, now_s))
+        self._fleet.update(FleetSnapshot(statuses, now_s, frozenset(self._draining)))
         try:
             self._on_refresh()
         except Exception:

@@ -16,7 +16,9 @@
    pair; an instance the router could not reach but whose rendezvous still answers stays a last resort, once:
    the connection was stale); after the first token the request **migrates** (``migration.py``): the open
    children are cancelled and a direct decode on another decode instance resumes it from the tokens already
-   sent, into the same client stream, up to ``migration_limit`` times, then the error ends it. An error
+   sent, into the same client stream, up to ``migration_limit`` times, then the error ends it. A request
+   whose decode **drains** (its server stops) moves the same way, when another decode is in rotation, instead
+   of holding up that stop. An error
    about the request itself (bad input, rejected by the engine) is never retried nor migrated. Successes,
    unreachable children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and
    errors a child reports do not.
@@ -133,6 +135,7 @@ class _MergeState:
     tail_logprobs: list[TokenLogprob] | None = None
     migration: MigrationState = field(default_factory=MigrationState)
     rooms: list[Room] = field(default_factory=list)   # the rooms of migrated children, released at the end
+    drain_check_s: float = 0.0   # monotonic: when a draining decode's stream may next be checked for a move
 
     def final_chunk(self, finish_reason: str | None) -> Delta:
         return Delta(text=self.tail_text, finish_reason=finish_reason, num_input_tokens=self.num_input_tokens,
@@ -349,6 +352,14 @@ class PDOrchestrator:
         while not (state.prefill_final and state.decode_final):
             if is_cancelled():
                 return _Outcome(final=state.final_chunk("abort"))
+            draining = self._draining_decode(state, targets)
+            if draining is not None:   # its server stops: move the stream instead of holding up the stop
+                outcome = await self._migrate(room, children, state, targets, request, _Outcome(
+                    error=f"decode {draining.instance_id} is draining", culprit=draining, migrate=True))
+                if not outcome.migrate:
+                    return outcome
+                last_event_s = time.monotonic()
+                continue
             event = await children.next_event(CANCEL_POLL_INTERVAL_S)
             if event is None:
                 lost = self._lost_child(state, targets, time.monotonic() - last_event_s)
@@ -401,22 +412,63 @@ class PDOrchestrator:
             self._fleet.record(target, ok=True)
         return _Outcome(final=state.final_chunk(state.finish_reason))
 
+    def _draining_decode(self, state: _MergeState, targets: dict[str, Target]) -> Target | None:
+        """The request's decode when that instance drains (its server stops, its model unloads) and the
+        request can move to another decode: past its first token, not finished, migration on and not used up,
+        every token sent known by id, another decode in rotation. None otherwise: a request that cannot move
+        runs to its end there (the drain waits for it, up to its timeout). Checked at most every
+        ``fleet_refresh_s`` per request once its decode drains."""
+        target = targets.get("decode")
+        if target is None or state.decode_final or not state.first_done or state.finish_reason is not None \
+                or not self._fleet.draining(target):
+            return None
+        now_s = time.monotonic()
+        if now_s < state.drain_check_s:
+            return None
+        state.drain_check_s = now_s + self._config.fleet_refresh_s
+        migration = state.migration
+        if migration.num_migrations >= self._config.migration_limit or not migration.token_ids \
+                or len(migration.token_ids) != state.num_output_tokens:
+            return None
+        others = self._fleet.candidates("decode", frozenset(migration.failed | {target.instance_id}))
+        return target if others else None
+
     def _lost_child(self, state: _MergeState, targets: dict[str, Target],
                     silent_s: float) -> tuple[str, Delta] | None:
-        """The role of the open child to give up on, with the error it gets, when the request has heard nothing
-        for ``instance_stale_s`` and that child's instance has not answered its rendezvous for as long
-        (``Fleet.responsive``); None otherwise. Both conditions: a busy but answering instance (a long prefill,
-        decode waiting for KV) keeps its streams, and a stream that still delivers tokens is never dropped for a
-        late load report. Without this such a stream would wait for the idle timeout (300 s by default)."""
-        stale_s = self._config.instance_stale_s
+        """The role of the open child to give up on, with the error it gets, once the request has heard
+        nothing for a while and that child's instance has not answered its rendezvous either
+        (``Fleet.responsive``); None otherwise. How long depends on what the router knows of the instance
+        (docs/healing.md, "Blips"):
+
+        - known dead (``Fleet.gone``: its rendezvous refused the router, so its process ended): after
+          ``instance_stale_s`` of silence (its stream usually broke at once anyway: a reset);
+        - only silent (still listed with its last status: a link down, a stalled host): after
+          ``blip_tolerance_s``; TCP's retransmissions bring the stream back after a link-down of up to ~10 s;
+        - a prefill the request no longer needs (decode has the prompt's KV: ``_ended_by_decode``): after
+          ``instance_stale_s``, gone or silent (giving it up loses nothing, and the client waits for no
+          FINAL).
+
+        A busy instance that still answers (a long prefill, decode waiting for KV) keeps its streams, and a
+        stream that still delivers tokens is never dropped for a late load report. Without this such a stream
+        would wait for the idle timeout (300 s by default)."""
+        stale_s, blip_s = self._config.instance_stale_s, self._config.blip_tolerance_s
         if silent_s <= stale_s:
             return None
         for role, final in (("prefill", state.prefill_final), ("decode", state.decode_final)):
             target = targets.get(role)
             if final or target is None or self._fleet.responsive(target.instance_id):
                 continue
-            error = (f"{role} {target.instance_id} unreachable: no response for {silent_s:.1f} s and no answer "
-                     f"from its rendezvous for over {stale_s:g} s (instance_stale_s)")
+            done_with = role == "prefill" and state.first_done and state.decode_has_kv
+            if self._fleet.gone(target) or done_with:
+                why = "its process is gone (its rendezvous refused the router)" if self._fleet.gone(target) \
+                    else f"no answer from its rendezvous for over {stale_s:g} s"
+                error = (f"{role} {target.instance_id} unreachable: {why}; its stream said nothing for "
+                         f"{silent_s:.1f} s")
+            elif silent_s > blip_s:
+                error = (f"{role} {target.instance_id} unreachable: no response for {silent_s:.1f} s and no "
+                         f"answer from its rendezvous either, past blip_tolerance_s ({blip_s:g} s)")
+            else:
+                continue   # silence only, for less than a blip lasts: wait for the link to come back
             return role, Delta.failure(error, ErrorKind.UNREACHABLE)
         return None
 

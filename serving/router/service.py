@@ -12,6 +12,10 @@ Threads (owner ``Router``; started by ``start``, stopped by ``stop`` in reverse 
 ``router-poll-<name>_*``   the watcher's pool: one member's rendezvous poll each
 =========================  ========================================================================================
 
+Drain (``drain``, a server stop): refuse new requests ("the router is draining"), report not ready, and let
+the open ones run to their end (their orchestrations go on as usual: retries, migrations, a draining decode's
+streams moved to another decode) up to a timeout.
+
 Shutdown (``stop``): refuse new requests; cancel every orchestration (each ends its client stream with an error
 and FINAL, and cancels its child streams: Triton tells each child, which aborts its room and frees its pages);
 stop the fleet watcher; close the gRPC channels; stop the loop. A router that dies instead needs no cleanup of
@@ -103,7 +107,9 @@ class Router:
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._requests: set[asyncio.Task[None]] = set()   # the requests' tasks (loop thread)
         self._accepting = False
+        self._draining = False
         self._health_runner: Any = None
         self._stop_lock = threading.Lock()
 
@@ -144,8 +150,26 @@ class Router:
         self._loop.call_soon_threadsafe(self._start_request, routed, FinalOnce(emit), is_cancelled)
 
     def ready(self) -> bool:
-        """True while at least one prefill and one decode instance are in rotation."""
-        return self.fleet.ready()
+        """True while at least one prefill and one decode instance are in rotation and the router is not
+        draining."""
+        return self.fleet.ready() and not self._draining
+
+    @property
+    def num_requests(self) -> int:
+        """Requests being served now (any thread: a reading of the loop thread's set)."""
+        return len(self._requests)
+
+    def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Stop admitting (a new request ends at once with "the router is draining"; readiness turns false)
+        and wait up to ``timeout_s`` seconds for the requests in flight to end by themselves; returns how many
+        are still running (``stop`` ends them). Any thread but the loop's; idempotent."""
+        if not self._draining:
+            self._draining = True
+            logger.info("router %s draining: %d requests in flight", self._name, self.num_requests)
+        deadline = time.monotonic() + timeout_s
+        while self._requests and time.monotonic() < deadline:
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        return self.num_requests
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Idempotent and thread-safe; see the module docstring for the order."""
@@ -199,7 +223,12 @@ class Router:
         if not self._accepting:
             emit.fail("the router is shutting down")
             return
+        if self._draining:
+            emit.fail("the router is draining (its server is stopping): send the request to another router")
+            return
         task = self._spawn(self._serve(routed, emit, is_cancelled))
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
         task.add_done_callback(lambda _: emit.fail("the router is shutting down"))
 
     async def _serve(self, routed: RoutedRequest, emit: Callable[[Delta], None],
@@ -215,13 +244,14 @@ class Router:
             if self._metrics is not None and self.orchestrator is not None:
                 admission = self.orchestrator.admission
                 self._metrics.publish_queue(admission.queued, admission.inflight)
-                self._metrics.publish_health(self.fleet.health(), self.fleet.ready())
+                self._metrics.publish_health(self.fleet.health(), self.ready())
             await asyncio.sleep(METRICS_INTERVAL_S)
 
     async def _ready_handler(self, request: Any) -> Any:
         from aiohttp import web
 
-        body = {"ready": self.fleet.ready(), "router": self._name, "instances": self.fleet.health()}
+        body = {"ready": self.ready(), "draining": self._draining, "router": self._name,
+                "instances": self.fleet.health()}
         return web.Response(text=json.dumps(body), status=200 if body["ready"] else 503,
                             content_type="application/json")
 

@@ -3,8 +3,9 @@
 
 start: parameters → ``RouterConfig`` (an unknown key or a bad value fails the load, naming it) → a started
 ``Router`` (its own event loop thread). handle: parse each request and hand it to the router; nothing blocks
-Triton's thread. stop: the router (requests in flight end with an error and FINAL; their child streams are
-cancelled, so the workers drop their rooms).
+Triton's thread. drain (a server stop): the router admits nothing more and its open streams run to their end,
+up to ``drain_timeout_s``. stop: the router (requests in flight end with an error and FINAL; their child
+streams are cancelled, so the workers drop their rooms).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class RouterModel(ModelHost):
 
     def start(self, args: dict[str, Any], model_config: dict[str, Any]) -> str:
         config = build_router_config(model_config.get("parameters", {}))
+        self.drain_timeout_s = config.drain_timeout_s
         self._router = Router(config, self.instance_name, self.model_name, RouterMetricsSink(self.metrics))
         self._router.start()
         logger.info("%s ready: %s", self.instance_name, config)
@@ -44,10 +46,20 @@ class RouterModel(ModelHost):
         self._router.stop(timeout_s)
         logger.info("router stopped in %.2f s", time.monotonic() - began)
 
+    def drain(self, timeout_s: float) -> int:
+        """New requests refused ("the router is draining"), open streams run to their end (their children keep
+        going; a decode that drains too has them moved to another decode by the router), up to ``timeout_s``;
+        returns how many are left."""
+        return self._router.drain(timeout_s)
+
     def on_server_stop(self) -> None:
-        """The server is stopping: end every request now (tritonserver unloads a decoupled model only once each
-        of its streams sent FINAL), and name any stream still open after that."""
+        """The server is stopping: drain (open streams run to their end, up to ``drain_timeout_s``), then end
+        what is left (tritonserver unloads a decoupled model only once each of its streams sent FINAL), and
+        name any stream still open after that."""
         began = time.monotonic()
+        left = self.drain(self.drain_left_s())
+        logger.info("server stopping: router drained in %.2f s (%d requests left to end with an error)",
+                    time.monotonic() - began, left)
         self.stop(self.STOP_TIMEOUT_S)
         # a failed request's traceback keeps its frames (and their response senders) in reference cycles; a
         # python-backend response sender frees its request's response factory only when it is destroyed, and

@@ -35,7 +35,7 @@ from serving.parsing.child_codec import AUTH_PARAMETER
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, InstanceCard, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
 from serving.stream import ResponseChunk
-from serving.triton.host import ModelHost
+from serving.triton.host import ModelHost, wait_idle
 from serving.triton.io import TritonResponseSink, read_parameters, scalars_from_arrays
 from serving.workers.child_auth import NO_AUTH, ChildAuth
 from serving.workers.endpoint import WorkerEndpoint
@@ -70,6 +70,7 @@ class PDChildModel(ModelHost):
         _check_one_instance(model_config, self.ROLE)
         device = instance_device(args["model_instance_kind"], int(args["model_instance_device_id"]))
         config = build_worker_config(model_config.get("parameters", {}), device=device)
+        self.drain_timeout_s = config.drain_timeout_s
         instance_id = f"{self.model_name}@{config.grpc_url}"
         self._auth = ChildAuth(config.fleet_secret, instance_id)   # both paths: one replay guard
         apply_cpu_affinity(config)
@@ -94,17 +95,28 @@ class PDChildModel(ModelHost):
         logger.info("%s ready as %s instance %s: %s", self.instance_name, self.ROLE, instance_id, config)
         return config.grpc_url
 
-    def drain(self, timeout_s: float) -> None:
-        """An unload: out of the registry (routers stop pairing it), then the worker endpoint's streams run to
-        their end (up to ``timeout_s``; new ones are refused with an ``instance`` error, which routers retry
-        elsewhere)."""
-        if self._endpoint is None or not self._endpoint.num_active:
-            return
-        self._handle.withdraw(min(timeout_s, 2.0))
+    def drain(self, timeout_s: float) -> int:
+        """A server stop or an unload: out of the fleet first (its registry entry withdrawn, its rendezvous
+        listing it ``draining``: routers stop pairing it within a refresh, and move a decode's open streams to
+        another decode when there is one), new streams on the worker endpoint refused with an ``instance``
+        error (routers retry them elsewhere; tritonserver refuses its own), then the requests in flight, on
+        either path, run to their end up to ``timeout_s`` (a prefill's rooms finish their KV transfer).
+        Returns how
+        many are left (``stop`` ends them)."""
         began = time.monotonic()
-        left = self._endpoint.drain(timeout_s)
-        logger.info("drained the worker endpoint in %.1f s (%d streams left to end with an error)",
+        self._handle.withdraw(min(timeout_s, 2.0))
+        if self._endpoint is not None:
+            self._endpoint.refuse_new()
+        endpoint = self._endpoint
+
+        def in_flight() -> int:
+            return max(self._handle.worker.num_active(), endpoint.num_active if endpoint else 0)
+
+        logger.info("%s draining: %d requests in flight", self.instance_name, in_flight())
+        left = wait_idle(in_flight, max(0.0, timeout_s - (time.monotonic() - began)))
+        logger.info("%s drained in %.1f s (%d requests left to end with an error)", self.instance_name,
                     time.monotonic() - began, left)
+        return left
 
     def stop(self, timeout_s: float) -> None:
         logger.info("stopping (%d requests in flight)", self._handle.worker.num_active())

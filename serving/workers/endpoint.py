@@ -314,12 +314,17 @@ class WorkerEndpoint:
         """Streams whose request the worker is serving now."""
         return self._active
 
+    def refuse_new(self) -> None:
+        """From now on new streams are answered with an ``INSTANCE`` error ("... is being unloaded": the
+        router retries them elsewhere); the open ones run on. Any thread."""
+        self._draining = True
+
     def drain(self, timeout_s: float) -> int:
         """A model unload: new streams are answered with an ``INSTANCE`` error (the router retries them
         elsewhere); waits up to ``timeout_s`` seconds for the streams in flight to end, as tritonserver waits for
         a model's own requests before ``finalize``. Returns how many are still open (``stop`` then ends them).
         Any thread."""
-        self._draining = True
+        self.refuse_new()
         deadline = time.monotonic() + timeout_s
         while self._active and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -421,7 +426,8 @@ class WorkerEndpoint:
 
                 def start() -> None:
                     if self._draining:
-                        raise _Draining(f"{self._model_name} at {self.address} is being unloaded")
+                        raise _Draining(f"{self._model_name} at {self.address} is being unloaded (draining: "
+                                        "its model unloads or its server stops)")
                     self._start(request, signature, sink)
 
                 start_or_fail(start, sink, request.id, refusals=(_Draining,))

@@ -59,6 +59,7 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
                   rendezvous_port=config.rendezvous_port, fleet_secret=config.fleet_secret,
                   fleet_tls=config.fleet_tls,
                   bootstrap_timeout_s=config.bootstrap_timeout_s, waiting_timeout_s=config.waiting_timeout_s,
+                  peer_lost_s=config.blip_tolerance_s,
                   mem_type="VRAM" if on_gpu else "DRAM", address=config.grpc_url, model_name=model_name,
                   worker_endpoint=worker_endpoint,
                   heartbeat_interval_s=HEARTBEAT_INTERVAL_S, local_hostname=config.grpc_url.rsplit(":", 1)[0],

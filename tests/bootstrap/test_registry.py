@@ -102,3 +102,14 @@ def test_a_draining_instance_is_listed_as_draining_from_then_on(registry: Regist
     assert registry.heartbeat("d0", 1, 2.0, InstanceLoad(num_free_pages=3))   # its reports keep coming
     assert [s.draining for s in registry.instances(2.0, "decode")] == [True, False]
     assert not registry.set_draining("nobody", epoch=1)
+
+
+def test_the_same_destination_posted_again_is_accepted_once(registry: Registry) -> None:
+    """A decode whose post timed out (a link down: the prefill took it, its answer was lost) posts again: the
+    same destination is accepted again and still delivered once; another decode's post of that room is not."""
+    assert registry.post_destination(dest(7), 1.0).accepted
+    assert registry.take_destinations("p0") == [dest(7)]
+    again = registry.post_destination(dest(7), 3.0)
+    assert again.accepted and again.prefill_agent_name == "p0#1"
+    assert registry.take_destinations("p0") == []
+    assert not registry.post_destination(dest(7, "d1"), 3.0).accepted

@@ -7,7 +7,8 @@ Invariants: the router lists both prefill and both decode hosts; greedy text thr
 colocated engine's for prompts sent at once, and every worker host served some of them (each prefill host's link
 carried KV); cache-aware pairing across hosts: a long prompt sent again goes to the prefill host that holds its
 prefix (only that host's prefix-cache hits grow) with the text unchanged; a decode host cut off from the router
-mid-stream loses the stream to the other decode host, which resumes it (migration) with the colocated text, and
+mid-stream for longer than ``blip_tolerance_s`` loses the stream to the other decode host, which resumes it
+(migration) with the colocated text, and
 the cut-off host comes back by itself; no page is held afterwards on any host and nothing restarted.
 """
 
@@ -151,12 +152,13 @@ def migrations(hosts: HostFleet) -> float:
 
 
 def test_a_decode_host_cut_off_mid_stream_migrates_to_the_other_decode_host(hosts: HostFleet) -> None:
-    """The router's host and the decode host serving a stream partitioned from each other for 12 s, a few tokens
-    in (every other path up). The router hears nothing from that decode for ``instance_stale_s`` (3 s) and
-    migrates the stream to the other decode host: it resumes the request with the tokens already sent, so the
-    client gets every token once, no error, and the colocated greedy text. Once the path is back the cut-off host
-    ends its copy of the request (the router's CANCEL of that stream, on its own endpoint, arrives then), its
-    pages come back, the router lists both decode hosts again, and no server or stub restarted."""
+    """The router's host and the decode host serving a stream partitioned from each other for 20 s, a few
+    tokens in (every other path up). The router hears nothing from that decode for longer than
+    ``blip_tolerance_s`` (15 s; a shorter cut is waited out: tests/fleet/test_blips_live.py) and migrates the
+    stream to the other decode host: it resumes the request with the tokens already sent, so the client gets
+    every token once, no error, and the colocated greedy text. Once the path is back the cut-off host ends its
+    copy of the request (the router's CANCEL of that stream, on its own endpoint, arrives then), its pages
+    come back, the router lists both decode hosts again, and no server or stub restarted."""
     decodes = [h for h in WORKERS if XPYD_2P2D[h] == "decode"]
     prompt = LONG[2]
     params = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
@@ -175,7 +177,7 @@ def test_a_decode_host_cut_off_mid_stream_migrates_to_the_other_decode_host(host
                                                           model="decode", queue="running")), "")
         time.sleep(0.1)
     time.sleep(1.0)   # a few tokens streamed: the stream moves mid-way, not at its first token
-    with hosts.fleet.partitioned("rt", victim, at_least_s=12.0) as cut_s:
+    with hosts.fleet.partitioned("rt", victim, at_least_s=20.0) as cut_s:
         thread.join(90)
         ended_s = time.monotonic() - cut_s
     assert not thread.is_alive(), "the stream did not end within 90 s of the cut"

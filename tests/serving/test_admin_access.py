@@ -134,25 +134,55 @@ def test_the_front_takes_its_grpc_tls_from_its_flags(tmp_path: Path) -> None:
 
 
 def test_the_stub_guardian_gets_the_stubs_grpc_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The guardian (its own process) checks the server over the same TLS as the stub's watches."""
+    """The guardian (its own process) checks the server over the same TLS as the stub's watches: the stub
+    hands it over on its ``ready`` line once its model works, and a death after that is checked with it."""
+    import os
+    import subprocess
+    import sys
+
     from serving.triton import stub_guard, stub_guardian
 
     root, cert, key = _pem(tmp_path, "ca.pem"), _pem(tmp_path, "c.pem"), _pem(tmp_path, "k.pem")
-    started: list[list[str]] = []
-    monkeypatch.setattr(stub_guard.subprocess, "Popen", lambda argv, **_: started.append(argv) or _Proc())
-    stub_guard.StubGuard("decode", "127.0.0.1:1", GrpcTls(root, cert, key, "pd.example")).start()
-    argv = started[0][started[0].index("-m") + 2:]
-    assert argv[argv.index("--grpc-ssl-root-cert") + 1] == root
-    assert argv[argv.index("--grpc-ssl-client-key") + 1] == key
-    assert argv[argv.index("--grpc-ssl-target-name") + 1] == "pd.example"
+    tls = GrpcTls(root, cert, key, "pd.example")
+    stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])   # a live stub of ours
+    proc = _Proc()
+    monkeypatch.setattr(stub_guard.subprocess, "Popen", lambda argv, **_: proc)
+    guard = stub_guard.StubGuard("decode").start()
+    guard.arm("127.0.0.1:1", tls)
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, proc.stdin.getvalue())   # what the stub wrote, then its death: the pipe's end
+    os.close(write_fd)
     built: list[GrpcTls | None] = []
-    monkeypatch.setattr(stub_guardian, "stub_ended_on_purpose", lambda stream: False)
-    monkeypatch.setattr(stub_guardian, "GrpcHealth", lambda url, tls: built.append(tls))
-    monkeypatch.setattr(stub_guardian, "heal", lambda *args: "server still serves")
-    monkeypatch.setattr(stub_guardian.signal, "signal", lambda *args: None)   # keep this process's SIGINT
-    assert stub_guardian.main(argv) == 0
-    assert built == [GrpcTls(root, cert, key, "pd.example")]
+
+    class Exiting:
+        """The server's health as it answers while it stops."""
+
+        def is_live(self) -> bool:
+            raise ConnectionError("Server exiting")
+
+        def is_model_ready(self, model: str) -> bool:
+            return False
+
+    def health(armed: stub_guardian.GuardedStub) -> Exiting:
+        built.append(armed.tls)
+        return Exiting()
+
+    try:
+        outcome = stub_guardian.guard(stub_guardian.GuardedStub("decode", "", os.getpid(), stub.pid), read_fd,
+                                      make_health=health, end=lambda s: None)
+    finally:
+        os.close(read_fd)
+        stub.kill()
+        stub.wait(10)
+    assert outcome == "server gone" and built == [tls]
 
 
 class _Proc:
+    """A started guardian process, as ``StubGuard`` sees it: its stdin is a buffer."""
+
     pid = 0
+
+    def __init__(self) -> None:
+        import io
+
+        self.stdin = io.BytesIO()

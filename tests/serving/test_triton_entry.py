@@ -27,14 +27,37 @@ def test_importing_a_model_py_loads_no_torch_and_no_serving_code(model: str) -> 
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+class FakeGuard:
+    """Records what the deferred model does with its stub guardian."""
+
+    def __init__(self, calls: list[tuple[str, object]]) -> None:
+        self.calls = calls
+
+    def __call__(self, model_name: str) -> FakeGuard:
+        self.calls.append(("guard", model_name))
+        return self
+
+    def start(self) -> FakeGuard:
+        self.calls.append(("guard start", None))
+        return self
+
+    def stop(self) -> None:
+        self.calls.append(("guard stop", None))
+
+
 def test_the_deferred_model_imports_its_class_in_initialize_and_delegates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stub's guardian starts before the real class is imported (it watches tritonserver while the model
+    loads), is handed to the real class, and is stopped after its ``finalize``."""
+    import serving.triton.stub_guard as stub_guard
+
     calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(stub_guard, "StubGuard", FakeGuard(calls))
 
     class Real:
         ROLE = ""
 
         def initialize(self, args: dict[str, object]) -> None:
-            calls.append(("initialize", (self.ROLE, args)))
+            calls.append(("initialize", (self.ROLE, args, type(self.stub_guard).__name__)))
 
         def execute(self, requests: list[object]) -> None:
             calls.append(("execute", requests))
@@ -51,9 +74,17 @@ def test_the_deferred_model_imports_its_class_in_initialize_and_delegates(monkey
     model.initialize({"model_name": "m"})
     assert model.execute(["r1"]) is None
     model.finalize()
-    assert calls == [("initialize", ("decode", {"model_name": "m"})), ("execute", ["r1"]), ("finalize", None)]
+    assert calls == [("guard", "m"), ("guard start", None),
+                     ("initialize", ("decode", {"model_name": "m"}, "FakeGuard")), ("execute", ["r1"]),
+                     ("finalize", None), ("guard stop", None)]
 
 
-def test_a_missing_module_fails_initialize_with_the_import_error() -> None:
+def test_a_missing_module_fails_initialize_with_the_import_error_and_stops_the_guardian(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import serving.triton.stub_guard as stub_guard
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(stub_guard, "StubGuard", FakeGuard(calls))
     with pytest.raises(ModuleNotFoundError):
-        deferred_model("no_such_module_here", "X")().initialize({})
+        deferred_model("no_such_module_here", "X")().initialize({"model_name": "m"})
+    assert calls == [("guard", "m"), ("guard start", None), ("guard stop", None)]

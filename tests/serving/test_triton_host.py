@@ -5,6 +5,7 @@ running. The python backend, the watches and the metrics are fakes that record w
 from __future__ import annotations
 
 import json
+import time
 import types
 from typing import Any
 
@@ -17,6 +18,7 @@ from serving.triton.host import ModelHost
 class _Recorder:
     def __init__(self) -> None:
         self.events: list[str] = []
+        self.drain_timeouts: list[float] = []
 
 
 def _fake_watch(log: _Recorder, name: str) -> type:
@@ -25,13 +27,20 @@ def _fake_watch(log: _Recorder, name: str) -> type:
             self.args = args
             if name == "server_watch":
                 log.server_stop = args[-1]   # type: ignore[attr-defined]
+                log.unloaded = kwargs.get("on_unload")   # type: ignore[attr-defined]
 
         def start(self) -> Watch:
             log.events.append(f"{name} start")
             return self
 
-        def stop(self) -> None:
+        def stop(self, timeout_s: float = 5.0) -> None:
             log.events.append(f"{name} stop")
+
+        def arm(self, grpc_url: str, tls: Any = None, drain_timeout_s: float = 30.0) -> None:
+            log.events.append(f"{name} arm")
+
+        def ending(self) -> None:
+            log.events.append(f"{name} ending")
 
     return Watch
 
@@ -78,6 +87,11 @@ class _Adapter(ModelHost):
             raise ValueError("bad parameter")
         return "127.0.0.1:8001"
 
+    def drain(self, timeout_s: float) -> int:
+        self.log.events.append("service drain")
+        self.log.drain_timeouts.append(timeout_s)   # type: ignore[attr-defined]
+        return 0
+
     def stop(self, timeout_s: float) -> None:
         self.log.events.append("service stop")
 
@@ -91,24 +105,33 @@ def _args(decoupled: bool = True) -> dict[str, Any]:
 
 
 def test_the_watches_start_after_the_service_and_stop_before_it(log: _Recorder) -> None:
+    """The guardian first (it watches tritonserver while the model loads) and armed last; at ``finalize`` told
+    first, reaped last with the orphan watch: a server that dies while this stub drains still ends it at
+    once."""
     model = _Adapter(log)
     model.initialize(_args())
-    assert log.events == ["metrics open", "responses start", "service start", "orphan_watch start",
-                          "server_watch start", "stub_guard start"]
+    assert log.events == ["stub_guard start", "metrics open", "responses start", "service start",
+                          "orphan_watch start", "server_watch start", "stub_guard arm"]
     log.events.clear()
     model.finalize()
-    assert log.events == ["stub_guard stop", "server_watch stop", "orphan_watch stop", "service stop",
-                          "responses stop", "metrics close"]
+    assert log.events == ["stub_guard ending", "server_watch stop", "service drain", "service stop",
+                          "responses stop", "metrics close", "stub_guard stop", "orphan_watch stop"]
+    assert 29.0 < log.drain_timeouts[0] <= model.drain_timeout_s == 30.0
 
 
-def test_a_server_stop_stops_the_service(log: _Recorder) -> None:
+def test_a_server_stop_drains_then_stops_the_service_within_one_deadline(log: _Recorder) -> None:
     model = _Adapter(log)
+    model.drain_timeout_s = 2.0
     model.initialize(_args())
     log.events.clear()
     log.server_stop()   # type: ignore[attr-defined]   # what ServerShutdownWatch calls
-    assert log.events == ["service stop"]
-    model.finalize()   # the service is stopped again (stop is idempotent), then the rest as always
-    assert log.events[-1] == "metrics close"
+    assert log.events == ["service drain", "service stop"]
+    time.sleep(0.5)
+    model.finalize()   # drained again within what is left of the same deadline, stopped again (idempotent)
+    assert log.events[2:5] == ["stub_guard ending", "server_watch stop", "service drain"]
+    assert log.events[-1] == "orphan_watch stop"
+    first, second = log.drain_timeouts
+    assert 1.9 < first <= 2.0 and second < first - 0.4
 
 
 def test_a_failed_start_leaves_no_thread_and_no_metric_behind(log: _Recorder) -> None:
@@ -116,10 +139,23 @@ def test_a_failed_start_leaves_no_thread_and_no_metric_behind(log: _Recorder) ->
     model.fail_start = True
     with pytest.raises(ValueError, match="bad parameter"):
         model.initialize(_args())
-    assert log.events == ["metrics open", "responses start", "service start", "responses stop", "metrics close"]
+    assert log.events == ["stub_guard start", "metrics open", "responses start", "service start",
+                          "responses stop", "metrics close", "stub_guard stop"]
 
 
-def test_a_model_that_is_not_decoupled_fails_before_anything_starts(log: _Recorder) -> None:
+def test_a_model_that_is_not_decoupled_fails_before_anything_but_its_guardian_starts(log: _Recorder) -> None:
     with pytest.raises(RuntimeError, match="decoupled"):
         _Adapter(log).initialize(_args(decoupled=False))
-    assert log.events == []
+    assert log.events == ["stub_guard start", "stub_guard stop"]
+
+
+def test_an_unload_seen_by_the_watch_drains_and_stops_the_service(log: _Recorder) -> None:
+    """tritonserver reports the model not ready while the instance runs (an unload it does not finalize at
+    once): the service drains, then stops; ``finalize`` later finds it stopped (stop is idempotent)."""
+    model = _Adapter(log)
+    model.initialize(_args())
+    log.events.clear()
+    log.unloaded()   # type: ignore[attr-defined]   # what ServerShutdownWatch calls
+    assert log.events == ["service drain", "service stop"]
+    model.finalize()
+    assert log.events[-1] == "orphan_watch stop"

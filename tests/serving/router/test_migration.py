@@ -4,6 +4,7 @@ consistent counts and logprobs; the limit and a cancel end it cleanly. Over a sc
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -125,19 +126,20 @@ def test_a_decode_that_goes_silent_after_the_first_token_is_migrated_after_the_i
     assert [c.resume_token_ids for c in launcher.calls if c.role == "decode"] == [(), (10, 11)]
 
 
-def test_a_decode_that_stops_answering_mid_stream_is_migrated_within_instance_stale_s() -> None:
+def test_a_decode_that_stops_answering_mid_stream_is_migrated_after_blip_tolerance_s() -> None:
     """A host cut off from the router (no reset: the stream just goes silent) and no longer answering its
-    rendezvous: the request moves on after ``instance_stale_s``, not after the 300 s idle timeout."""
+    rendezvous: the request moves on after ``blip_tolerance_s``, not after the 300 s idle timeout."""
     start = time.monotonic()
     # d0's last report is the snapshot's; p0 and d1 keep reporting (their reports stay fresh for the test)
     fleet = fleet_of(status("p0@h:1", "prefill", age_s=-1000), status("d0@h:1", "decode"),
                      status("d1@h:1", "decode", age_s=-1000),
-                     config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
+                     config=RouterConfig(instance_stale_s=0.3, blip_tolerance_s=0.5),
+                     now=lambda: 100.0 + time.monotonic() - start)
     # d0 goes silent, then (its path back) delivers the rest of its backlog and its FINAL
     silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (1.5, tok("X", 4, (99,), -2.0)),
               (0.0, tok("Y", 5, (98,), -2.5, True, "length"))]
     launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent}, resumed=[RESUMED_AFTER_3])
-    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3)
+    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3, blip_tolerance_s=0.5)
     assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"   # nothing of d0's backlog
     assert time.monotonic() - start < 5.0
     decodes = [c for c in launcher.calls if c.role == "decode"]
@@ -157,15 +159,52 @@ def test_a_silent_decode_on_its_own_endpoint_is_migrated_and_its_stream_cancelle
 
     fleet = fleet_of(endpoint(status("p0@h:1", "prefill", age_s=-1000)), endpoint(status("d0@h:1", "decode")),
                      endpoint(status("d1@h:1", "decode", age_s=-1000)),
-                     config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
+                     config=RouterConfig(instance_stale_s=0.3, blip_tolerance_s=0.5),
+                     now=lambda: 100.0 + time.monotonic() - start)
     silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (1.5, tok("X", 4, (99,), -2.0)),
               (0.0, tok("Y", 5, (98,), -2.5, True, "length"))]
     launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent}, resumed=[RESUMED_AFTER_3])
-    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3)
+    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3, blip_tolerance_s=0.5)
     assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
     decodes = [c for c in launcher.calls if c.role == "decode"]
     assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"] and decodes[0].target.worker_endpoint
     assert [c.target.instance_id for c in launcher.cancelled] == ["d0@h:1"]
+
+
+def test_a_decode_silent_for_less_than_blip_tolerance_keeps_its_stream() -> None:
+    """A link-down of a few seconds (no reset: the stream and the rendezvous both go silent, the instance
+    keeps its last status): past ``instance_stale_s`` but within ``blip_tolerance_s`` the router waits, and
+    the stream goes on where it was once the link is back: no migration, no error."""
+    start = time.monotonic()
+    fleet = fleet_of(status("p0@h:1", "prefill", age_s=-1000), status("d0@h:1", "decode"),
+                     status("d1@h:1", "decode", age_s=-1000),
+                     config=RouterConfig(instance_stale_s=0.3, blip_tolerance_s=5.0),
+                     now=lambda: 100.0 + time.monotonic() - start)
+    blip = [(0.02, tok("B", 2, (11,), -1.0)), (1.5, tok("C", 3, (12,), -1.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": blip})
+    out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3, blip_tolerance_s=5.0)
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABC"
+    assert [c.target.instance_id for c in launcher.calls if c.role == "decode"] == ["d0@h:1"]
+
+
+def test_a_decode_known_dead_is_given_up_after_instance_stale_s_not_the_blip_tolerance() -> None:
+    """Its rendezvous refused the router (the process ended: the fleet's reading no longer lists it) and its
+    stream says nothing: the request moves after ``instance_stale_s``, without waiting
+    ``blip_tolerance_s``."""
+    from serving.router.fleet import FleetSnapshot
+
+    fleet = fleet_of(*FLEET)
+    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (30.0, Delta(final=True))]
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent},
+                                resumed=[RESUMED_AFTER_3])
+    left = FleetSnapshot((FLEET[0], FLEET[2], FLEET[3]), taken_s=100.0)
+    gone = threading.Timer(0.1, lambda: fleet.update(left))
+    gone.start()
+    start = time.monotonic()
+    out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3, blip_tolerance_s=30.0)
+    gone.join()
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
+    assert time.monotonic() - start < 3.0
 
 
 def test_a_silent_decode_that_still_answers_its_rendezvous_keeps_its_stream() -> None:
@@ -174,5 +213,49 @@ def test_a_silent_decode_that_still_answers_its_rendezvous_keeps_its_stream() ->
     slow = [(0.02, tok("B", 2, (11,), -1.0)), (0.8, tok("C", 3, (12,), -1.5, True, "length"))]
     launcher = ScriptedLauncher({"prefill": PREFILL, "decode": slow})
     out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3)
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABC"
+    assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.cancelled == []
+
+
+def drains_at(fleet, delay_s: float, instance_id: str, *remaining) -> threading.Timer:
+    """After ``delay_s``, ``fleet`` lists only ``remaining`` and remembers ``instance_id`` (epoch 1) as
+    draining: a decode whose server began to stop (it left the member list, its streams run on)."""
+    from serving.router.fleet import FleetSnapshot
+
+    timer = threading.Timer(delay_s, lambda: fleet.update(FleetSnapshot(
+        tuple(remaining), taken_s=100.0, draining=frozenset({(instance_id, 1)}))))
+    timer.start()
+    return timer
+
+
+def test_a_decode_that_drains_mid_stream_hands_the_stream_to_another_decode() -> None:
+    """A stopping decode server (its instance draining): the router moves its open stream to another decode,
+    which resumes it from the tokens sent, instead of waiting for it; the draining stream is cancelled (the
+    worker frees its pages and its drain ends), and the move is no failure of the draining instance."""
+    fleet = fleet_of(*FLEET)
+    slow = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)),
+            (5.0, tok("X", 4, (99,), -2.0)), (0.0, tok("Y", 5, (98,), -2.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": slow}, resumed=[RESUMED_AFTER_3])
+    timer = drains_at(fleet, 0.2, "d0@h:1", FLEET[0], FLEET[2], FLEET[3])
+    start = time.monotonic()
+    out, _ = run(launcher, fleet=fleet)
+    timer.join()
+    assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
+    assert time.monotonic() - start < 2.0
+    decodes = [c for c in launcher.calls if c.role == "decode"]
+    assert decodes[0].target.instance_id == "d0@h:1" and decodes[1].resume_token_ids == (10, 11, 12)
+    assert decodes[1].target.instance_id != "d0@h:1"
+    assert [c.target.instance_id for c in launcher.cancelled] == ["d0@h:1"]
+    assert logprob_ids(out) == [10, 11, 12, 13, 14]
+
+
+def test_a_decode_that_drains_with_no_other_decode_keeps_its_stream_to_the_end() -> None:
+    """No decode to move to: the stream runs to its end on the draining decode (its drain waits for it)."""
+    fleet = fleet_of(FLEET[0], FLEET[1])
+    slow = [(0.02, tok("B", 2, (11,), -1.0)), (0.5, tok("C", 3, (12,), -1.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": slow})
+    timer = drains_at(fleet, 0.1, "d0@h:1", FLEET[0])
+    out, _ = run(launcher, fleet=fleet)
+    timer.join()
     assert out[-1].error is None and "".join(c.text for c in out) == "ABC"
     assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.cancelled == []

@@ -231,14 +231,16 @@ def test_another_instance_goes_before_the_last_resort_and_a_second_connection_fa
 
 def test_a_child_whose_instance_went_silent_is_given_up_its_connection_reset_and_not_retried() -> None:
     """Before the first token, decode and its rendezvous go silent (a host cut off from the router): after
-    ``instance_stale_s`` the router gives the stream up, resets its connection to that server (a later request
+    ``blip_tolerance_s`` the router gives the stream up, resets its connection to that server (a later request
     connects afresh) and, the instance no longer answering, does not take it again."""
     start = time.monotonic()
     fleet = fleet_of(status("p0@h:1", "prefill", age_s=-1000), status("d0@h:1", "decode"),
-                     config=RouterConfig(instance_stale_s=0.3), now=lambda: 100.0 + time.monotonic() - start)
+                     config=RouterConfig(instance_stale_s=0.3, blip_tolerance_s=0.5),
+                     now=lambda: 100.0 + time.monotonic() - start)
     slow = [(1.5, tok("A", 1)), (0.0, Delta(final=True))]
     launcher = ScriptedLauncher({"prefill": slow, "decode": [(1.5, Delta(final=True))]})
-    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3, fleet_wait_s=0.5)
+    out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3, blip_tolerance_s=0.5,
+                 fleet_wait_s=0.5)
     assert "decode d0@h:1 unreachable" in (out[-1].error or "") and "no other decode" in (out[-1].error or "")
     assert time.monotonic() - start < 5.0
     assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.resets == ["127.0.0.1:8001"]
