@@ -22,11 +22,15 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from perf.server import SHM_PREFIX, Deployment, ServeScript, build_model_repository, kernel_log
+import requests
+from live_client import StreamResult, grpc_generate, make_inputs
+from perf.server import SHM_PREFIX, Deployment, ServeScript, build_model_repository, kernel_log, wait_ready
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.timeout(1200)]
 TRIES = 20
@@ -74,8 +78,10 @@ def group_left(pgid: int) -> list[str]:
     return out
 
 
-def one_try(server: ServeScript, delay_s: float, whole_group: bool) -> list[str]:
-    """Start ``server``, SIGTERM it after ``delay_s``; the list of what went wrong (empty: a clean stop)."""
+def one_try(server: ServeScript, delay_s: float, whole_group: bool,
+            before: Callable[[], None] = lambda: None) -> list[str]:
+    """Start ``server`` (in the background; ``before`` runs next, e.g. waits for ready and starts a reload),
+    SIGTERM it ``delay_s`` later; the list of what went wrong (empty: a clean stop)."""
     offset = server.log_path.stat().st_size if server.log_path.exists() else 0
     proc = server.start_background()
     seen, stop = Seen(), threading.Event()
@@ -83,6 +89,7 @@ def one_try(server: ServeScript, delay_s: float, whole_group: bool) -> list[str]
     watcher.start()
     problems: list[str] = []
     try:
+        before()
         time.sleep(delay_s)
         (os.killpg if whole_group else os.kill)(proc.pid, signal.SIGTERM)
         try:
@@ -110,7 +117,7 @@ def one_try(server: ServeScript, delay_s: float, whole_group: bool) -> list[str]
     if crashes:
         problems.append(f"crash reports: {crashes[:10]}")
     took_it = "successfully loaded 'colocated'" in text and "still loading" not in text
-    if took_it and "finalized in" not in text:
+    if took_it and "finalized in" not in text and "colocated unloaded: drained" not in text:
         problems.append("tritonserver took the stop with its model loaded, but the model was never finalized")
     return problems
 
@@ -147,4 +154,64 @@ def test_sigterm_at_random_moments_of_a_start_leaves_no_crash_orphan_or_shared_m
                   and re.search(r"segfault|general protection|trap", line)]
         assert not faults, f"faults in the kernel log: {faults}"
     print(f"a start took {start_s:.1f} s, a stop after ready {stop_s:.1f} s; tries: {' '.join(outcomes)}")
+    assert not failures, "\n".join(f"{name}: {problems}" for name, problems in failures.items())
+
+
+RELOAD_TRIES = 4
+
+
+def reload_in_place(server: ServeScript, timeout_s: float = 300.0) -> requests.Response:
+    """A load of the loaded ``colocated`` with a changed config (tritonserver loads a new version next to the
+    old one, then unloads the old one): what an operator's config change does."""
+    config = requests.get(f"{server.http_url}/v2/models/colocated/config", timeout=10).json()
+    config["parameters"]["waiting_timeout_s"] = {"string_value": str(100 + time.monotonic_ns() % 1000)}
+    return requests.post(f"{server.http_url}/v2/repository/models/colocated/load",
+                         json={"parameters": {"config": __import__("json").dumps(config)}}, timeout=timeout_s,
+                         headers={"Connection": "close"})
+
+
+def test_sigterm_during_a_reload_under_load_leaves_no_crash_orphan_or_shared_memory(tmp_path: Path) -> None:
+    """Issue #50 item 5, the other moments: a SIGTERM while a reload in place loads the new version next to
+    the old one, with streams running on the old one (4 tries, the delay drawn over a reload's length):
+    besides the checks of a start's tries, the streams must run to their end (the stop drains them)."""
+    from perf.tiny_model import build_tiny_llama
+
+    pytest.importorskip("pytriton")
+    tiny = str(build_tiny_llama(tmp_path / "tiny"))
+    repo = build_model_repository(Deployment("colo", "colocated", ("colocated",),
+                                             overrides={"colocated": {"model": tiny}}), tmp_path / "models")
+    server = ServeScript("colocated", tmp_path / "server.log", repo)
+    server.start(180.0)
+    began = time.monotonic()
+    assert reload_in_place(server).status_code == 200
+    reload_s = time.monotonic() - began
+    server.stop(60.0)
+    params = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}   # still streaming at the stop
+    rng = random.Random(51)
+    failures: dict[str, list[str]] = {}
+    for i in range(RELOAD_TRIES):
+        delay_s = rng.uniform(0.0, reload_s * 1.5)
+        pool = ThreadPoolExecutor(3)
+        try_server = ServeScript("colocated", tmp_path / f"reload{i}.log", repo)
+        streams: list[Future[StreamResult]] = []
+
+        def under_load_then_reload(srv: ServeScript = try_server, pool: ThreadPoolExecutor = pool,
+                                   streams: list[Future[StreamResult]] = streams) -> None:
+            assert srv._proc is not None
+            wait_ready(srv.http_url, srv._proc, 180.0, srv.log_tail)
+            streams.extend(pool.submit(grpc_generate, srv.grpc_url, make_inputs(f"Story {n}:", params))
+                           for n in range(2))
+            time.sleep(0.5)
+            pool.submit(reload_in_place, srv, 120.0)
+
+        problems = one_try(try_server, delay_s, False, before=under_load_then_reload)
+        pool.shutdown(wait=True)
+        for n, future in enumerate(streams):   # the stop drained them: every token, one FINAL
+            res = future.result()
+            whole = res.num_output_tokens[-1] == params["max_tokens"]
+            if res.error is not None or not res.final_seen or not whole:
+                problems.append(f"stream {n} cut: error {res.error!r}, FINAL {res.final_seen}")
+        if problems:
+            failures[f"reload try {i} (SIGTERM {delay_s:.2f} s into the reload)"] = problems
+    print(f"a reload took {reload_s:.1f} s")
     assert not failures, "\n".join(f"{name}: {problems}" for name, problems in failures.items())
