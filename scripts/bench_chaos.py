@@ -43,7 +43,8 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench_soak import SoakConfig, SoakRun, read_pages  # noqa: E402 - needs scripts/ on sys.path
 from perf.server import (  # noqa: E402
-    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, free_ports, kernel_log)
+    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, free_ports, healthy_instances,
+    kernel_log)
 from perf.soak import Outcome, SoakWorkload, classify_error, summarize  # noqa: E402
 from perf.stats import percentile  # noqa: E402
 
@@ -125,17 +126,7 @@ class ChaosFleet:
 
     def healthy(self) -> tuple[int, int]:
         """(prefill, decode) instances the router lists healthy; (0, 0) while it does not answer."""
-        try:
-            with urllib.request.urlopen(self.router.metrics_url, timeout=2) as resp:
-                text = resp.read().decode()
-        except OSError:
-            return 0, 0
-        counts = {"prefill": 0, "decode": 0}
-        for line in text.splitlines():
-            if line.startswith("pd_router_healthy_instances{") and line.rstrip().endswith(" 1"):
-                for role in counts:
-                    counts[role] += f'role="{role}"' in line
-        return counts["prefill"], counts["decode"]
+        return healthy_instances(self.router.metrics_url)
 
     def whole(self) -> bool:
         return self.healthy() == self.size and self.front_answers()

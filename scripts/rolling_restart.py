@@ -39,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,8 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench_soak import ERROR_BACKOFF_S, SoakConfig, SoakRun, read_pages, send_one  # noqa: E402
 from perf.server import (  # noqa: E402
-    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, kernel_log)
+    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, healthy_instances,
+    kernel_log)
 from perf.soak import Outcome, SoakWorkload, draw_spec, summarize  # noqa: E402
 
 logger = logging.getLogger("rolling_restart")
@@ -178,17 +178,7 @@ class RollingFleet:
 
     def healthy(self, router: ServeScript) -> tuple[int, int]:
         """(prefill, decode) instances ``router`` lists healthy; (0, 0) while it does not answer."""
-        try:
-            with urllib.request.urlopen(router.metrics_url, timeout=2) as resp:
-                text = resp.read().decode()
-        except OSError:
-            return 0, 0
-        counts = {"prefill": 0, "decode": 0}
-        for line in text.splitlines():
-            if line.startswith("pd_router_healthy_instances{") and line.rstrip().endswith(" 1"):
-                for role in counts:
-                    counts[role] += f'role="{role}"' in line
-        return counts["prefill"], counts["decode"]
+        return healthy_instances(router.metrics_url)
 
     def wait_whole(self, router: ServeScript, timeout_s: float) -> float | None:
         """Seconds until ``router`` lists every prefill and decode instance healthy; None after

@@ -212,6 +212,22 @@ def routers_ready(metrics_text: str, routers: Collection[str]) -> bool:
     return set(routers) <= ready
 
 
+def healthy_instances(metrics_url: str) -> tuple[int, int]:
+    """(prefill, decode) instances the router whose metrics are at ``metrics_url`` lists healthy
+    (``pd_router_healthy_instances``); (0, 0) while it does not answer."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0, 0
+    counts = {"prefill": 0, "decode": 0}
+    for line in text.splitlines():
+        if line.startswith("pd_router_healthy_instances{") and line.rstrip().endswith(" 1"):
+            for role in counts:
+                counts[role] += f'role="{role}"' in line
+    return counts["prefill"], counts["decode"]
+
+
 def wait_router_ready(metrics_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
                       routers: Collection[str] = ("pd_ensemble",)) -> None:
     """Polls the ``pd_router_ready`` gauge until each of ``routers`` (router model names) reads 1 (a prefill and
