@@ -78,8 +78,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interleave-gap-ms", type=float, default=0.0,
                    help="pause between two requests of the interleaved TTFT rounds, ms (default none: as in each "
                         "path's own phase, where a client at concurrency 1 sends the next request as the last "
-                        "one ends; after 50 ms pauses colocated's first token took twice as long here: "
-                        "docs/benchmarks.md 'Session 23')")
+                        "one ends; after 50 ms pauses colocated's first token took twice as long on a 2-core "
+                        "host)")
     p.add_argument("--engine-nice", type=int, default=None,
                    help="the served engines' engine_nice (default: the model repository's, -10); the engine "
                         "alone runs at this process's priority, on an otherwise idle machine")

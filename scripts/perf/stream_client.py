@@ -123,8 +123,7 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
                 # no break: our half of the stream is closed already (one request), so the server ends the
                 # stream right after FINAL; cancelling it here instead races tritonserver 2.51's gRPC
                 # frontend, which then (about one time in two) never releases the model and makes the
-                # server's shutdown wait out its whole exit timeout (docs/benchmarks.md, "Prefix cache
-                # (serving)")
+                # server's shutdown wait out its whole exit timeout (20 s)
     except Exception as exc:  # noqa: BLE001 - grpc errors / timeouts fail this request only
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
