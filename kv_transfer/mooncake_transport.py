@@ -43,12 +43,19 @@ from typing import Any
 
 import numpy as np
 
+from kv_transfer import network, tcp_fence
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable, merge_runs
-from kv_transfer import network, tcp_fence
 from kv_transfer.config import KVArgs
 from kv_transfer.poll import poll_interval_s
-from kv_transfer.transport import BackendOptions, OptionError, PeerUnreachable, Transport, TransportError, XferState
+from kv_transfer.transport import (
+    BackendOptions,
+    OptionError,
+    PeerUnreachable,
+    Transport,
+    TransportError,
+    XferState,
+)
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()

@@ -42,8 +42,14 @@ from kv_transfer import network
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
-from kv_transfer.transport import (BackendOptions, OptionError, PeerUnreachable, Transport, TransportError,
-                                   XferState)
+from kv_transfer.transport import (
+    BackendOptions,
+    OptionError,
+    PeerUnreachable,
+    Transport,
+    TransportError,
+    XferState,
+)
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()

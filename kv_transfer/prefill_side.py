@@ -20,10 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bootstrap.client import ClientPool
 from bootstrap.errors import BootstrapError
-from bootstrap.rendezvous import Rendezvous
 from bootstrap.messages import Destination
+from bootstrap.rendezvous import Rendezvous
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs

@@ -43,7 +43,14 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench_soak import SoakConfig, SoakRun, read_pages  # noqa: E402 - needs scripts/ on sys.path
 from perf.server import (  # noqa: E402
-    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, free_ports, kernel_log)
+    Deployment,
+    RegistryProcess,
+    ServeScript,
+    build_model_repository,
+    fault_lines,
+    free_ports,
+    kernel_log,
+)
 from perf.soak import Outcome, SoakWorkload, classify_error, summarize  # noqa: E402
 from perf.stats import percentile  # noqa: E402
 

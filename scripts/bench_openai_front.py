@@ -52,9 +52,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
-from perf.server import ServeScript, free_ports
-from perf.stats import RequestRecord, percentile
-from perf.workload import make_prompt
+from perf.server import ServeScript, free_ports  # noqa: E402 - scripts/ is on sys.path (above)
+from perf.stats import RequestRecord, percentile  # noqa: E402 - scripts/ is on sys.path (above)
+from perf.workload import make_prompt  # noqa: E402 - scripts/ is on sys.path (above)
 
 logger = logging.getLogger("bench_openai_front")
 READY_TIMEOUT_S = 300.0

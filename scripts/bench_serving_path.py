@@ -49,8 +49,7 @@ if str(SCRIPTS.parent) not in sys.path:   # the project's packages (engine, serv
 
 from perf.server import Deployment, RunningServer, ServerPorts, free_ports  # noqa: E402
 from perf.stats import RequestRecord, percentile, run_duration_s  # noqa: E402
-from perf.stream_client import (COUNT_ONLY, RETURN_FLAGS, grpcclient, run_phase_sync,  # noqa: E402
-                               send_request)
+from perf.stream_client import COUNT_ONLY, RETURN_FLAGS, grpcclient, run_phase_sync, send_request  # noqa: E402
 from perf.tiny_model import build_tiny_llama  # noqa: E402
 from perf.workload import Phase, RequestSpec  # noqa: E402
 

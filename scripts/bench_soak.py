@@ -41,7 +41,6 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
-from perf.stream_client import read_to_end  # noqa: E402
 from perf.server import ServeScript  # noqa: E402 - needs scripts/ on sys.path
 from perf.soak import (  # noqa: E402
     InstanceName,
@@ -60,6 +59,7 @@ from perf.soak import (  # noqa: E402
     summarize,
 )
 from perf.stats import RequestRecord  # noqa: E402
+from perf.stream_client import read_to_end  # noqa: E402
 
 logger = logging.getLogger("bench_soak")
 

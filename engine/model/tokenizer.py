@@ -53,7 +53,7 @@ class Tokenizer:
         self.fingerprint = fingerprint
 
     @classmethod
-    def from_folder(cls, folder: str | Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+    def from_folder(cls, folder: str | Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
         """Read ``tokenizer.json`` and (optional) ``tokenizer_config.json`` / ``chat_template.jinja``.
 
         Raises:

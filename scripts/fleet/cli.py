@@ -11,8 +11,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fleet.netns import (DEVICE, TRANSPORT_ENV_PREFIXES, Fleet, Host, cleanup, fleet_names, project_env, sh,
-                         teardown_names, unavailable_reason)
+from fleet.netns import (
+    DEVICE,
+    TRANSPORT_ENV_PREFIXES,
+    Fleet,
+    Host,
+    cleanup,
+    fleet_names,
+    project_env,
+    sh,
+    teardown_names,
+    unavailable_reason,
+)
 
 
 def existing_fleet(tag: str) -> Fleet:

@@ -79,8 +79,8 @@ class _Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from engine.kv_pool import KVPool, KVShape
         from bootstrap.auth import load_fleet_secret
+        from engine.kv_pool import KVPool, KVShape
         from kv_transfer import KVArgs, make_kv_manager, parse_options
         from kv_transfer.nixl_transport import NixlOptions
 

@@ -74,7 +74,7 @@ def sh(*argv: str, check: bool = True, timeout_s: float = 30.0) -> subprocess.Co
 def unavailable_reason() -> str | None:
     """None when this process can make network namespaces, else why not (not root, no ``ip``/``tc``)."""
     if os.geteuid() != 0:
-        return "network namespaces need root (euid is %d)" % os.geteuid()
+        return f"network namespaces need root (euid is {os.geteuid()})"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"

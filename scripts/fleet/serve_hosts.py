@@ -34,8 +34,6 @@ SCRIPTS_DIR = Path(__file__).resolve().parents[1]
 if str(SCRIPTS_DIR) not in sys.path:
     sys.path.insert(0, str(SCRIPTS_DIR))
 
-from fleet.netns import TRANSPORT_ENV_PREFIXES, Fleet, Host, project_env, unavailable_reason  # noqa: E402
-from fleet.relay import Relay  # noqa: E402
 from perf.server import (  # noqa: E402
     Deployment,
     ServeScript,
@@ -44,6 +42,9 @@ from perf.server import (  # noqa: E402
     wait_http_ok,
     wait_router_ready,
 )
+
+from fleet.netns import TRANSPORT_ENV_PREFIXES, Fleet, Host, project_env, unavailable_reason  # noqa: E402
+from fleet.relay import Relay  # noqa: E402
 
 SERVE_SH = str(Path(__file__).resolve().parents[2] / "scripts" / "serve.sh")
 HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT = 8000, 8001, 8002, 8998   # serve.sh's defaults

@@ -72,8 +72,9 @@ def _grpc_server(port: int, responses: int, ready: mp.synchronize.Event) -> None
 
 
 def _frames_server(port: int, responses: int, ready: mp.synchronize.Event) -> None:
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, read_frame, split_open
     from tritonclient.grpc import service_pb2
+
+    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, read_frame, split_open
 
     payload = _response()
 
@@ -111,7 +112,7 @@ async def _grpc_calls(port: int, calls: int, responses: int) -> list[tuple[float
         started = time.perf_counter()
         ended = asyncio.Event()
 
-        async def requests():
+        async def requests(ended: asyncio.Event = ended):
             yield _request()
             await ended.wait()
 
@@ -125,8 +126,9 @@ async def _grpc_calls(port: int, calls: int, responses: int) -> list[tuple[float
 
 
 async def _frames_calls(port: int, calls: int, responses: int) -> list[tuple[float, float]]:
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
     from tritonclient.grpc import service_pb2
+
+    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(PREAMBLE)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
+
 from perf.stats import RequestRecord
 from perf.workload import Phase, RequestSpec
 

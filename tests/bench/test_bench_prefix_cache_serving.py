@@ -29,7 +29,6 @@ from perf.prefix_chat import (
 from perf.server import build_model_repository
 
 
-
 class WordTokenizer:
     """One token per whitespace-separated word (each keeps its trailing space)."""
 

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from bootstrap.auth import (
     AUTH_HEADER,
-    Authorities,
     AuthError,
+    Authorities,
     HmacAuth,
     ReplayGuard,
     admin_key,

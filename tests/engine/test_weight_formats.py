@@ -17,8 +17,16 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.forward_batch import ForwardBatch
 from engine.model import LlamaForCausalLM, ModelConfig
 from engine.model.kernels import gemv_kernels
-from engine.model.linear import (AMX_ONEDNN_ROWS, SMALL_BATCH_ROWS, Int8Weight, PackedBF16Weight,
-                                 _cpu_has_amx, _pack_bf16_here, linear, weight_bytes)
+from engine.model.linear import (
+    AMX_ONEDNN_ROWS,
+    SMALL_BATCH_ROWS,
+    Int8Weight,
+    PackedBF16Weight,
+    _cpu_has_amx,
+    _pack_bf16_here,
+    linear,
+    weight_bytes,
+)
 from engine.model.perplexity import perplexity
 from tests.engine.engine_fakes import VOCAB, FakeTokenizer
 

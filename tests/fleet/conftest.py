@@ -27,8 +27,9 @@ def fleet_kv_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str] | N
     Skips the module where that backend is not installed."""
     import os
 
-    from kv_transfer import unavailable_reason as backend_unavailable
     from perf.server import pd_model_repository
+
+    from kv_transfer import unavailable_reason as backend_unavailable
 
     backend = os.environ.get("PD_FLEET_KV_BACKEND", "nixl")
     assert backend in ("nixl", "mooncake"), f"PD_FLEET_KV_BACKEND={backend!r}: nixl or mooncake"

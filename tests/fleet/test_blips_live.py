@@ -24,8 +24,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client
 
-from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from fleet.serve_hosts import HostFleet  # noqa: E402
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from perf.server import Deployment, build_model_repository  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns,

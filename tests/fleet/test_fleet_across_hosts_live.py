@@ -38,9 +38,9 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client, live_prompts
 
 import tritonclient.grpc as grpcclient  # noqa: E402
+from fleet.serve_hosts import HostFleet  # noqa: E402
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
-from fleet.serve_hosts import HostFleet  # noqa: E402
 from perf.server import pd_model_repository  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1500)]
@@ -173,9 +173,9 @@ def infer_outputs(url: str, prompt: str, params: dict[str, Any],
 def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tuple[int, float]], float]:
     """The colocated engine, in this process: (text, [(token id, logprob)], cumulative logprob)."""
     from engine import LLMEngine
-    from serving.workers.colocated import prompt_token_ids
     from serving.config import WorkerConfig
     from serving.parsing.request import parse_request
+    from serving.workers.colocated import prompt_token_ids
 
     engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
     req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(params)})

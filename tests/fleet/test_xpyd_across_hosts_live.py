@@ -25,9 +25,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client, live_prompts
 
+from fleet.serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
-from fleet.serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1200)]
 READY_S = 240.0

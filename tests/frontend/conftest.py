@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
-from perf.server import ServeScript, free_ports, supervised
+from perf.server import ServeScript, free_ports, supervised  # noqa: E402 - scripts/ is on sys.path (above)
 
 READY_TIMEOUT_S = 180.0
 FRONT_READY_TIMEOUT_S = 60.0

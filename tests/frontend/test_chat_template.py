@@ -20,8 +20,8 @@ def tokenizer():  # engine.model.tokenizer.Tokenizer
 
 
 def test_one_user_message_gives_the_servers_prompt_tokens(tokenizer) -> None:
-    from serving.workers.colocated import prompt_token_ids
     from serving.parsing.request import GenerateRequest
+    from serving.workers.colocated import prompt_token_ids
 
     for text in ("What is the capital of France?", "  spaces and\nnewlines  ", "ünïcödé ✓"):
         rendered = ChatRenderer(tokenizer).render([{"role": "user", "content": text}])

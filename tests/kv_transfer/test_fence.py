@@ -127,7 +127,8 @@ def test_rooms_ended_without_a_failed_write_are_not_fenced(ends: Any) -> None:
     wait_for(lambda: decode.call("poll", 2) == KVPoll.Transferring, TIMEOUT_S, "room 2's first chunk")
     decode.worker.rooms[2][0].abort("client cancelled")
     for room in (1, 2):
-        wait_for(lambda: _ended(decode, room) and _releasable(decode, room), TIMEOUT_S, f"room {room}'s pages")
+        wait_for(lambda room=room: _ended(decode, room) and _releasable(decode, room), TIMEOUT_S,
+                 f"room {room}'s pages")
     assert fence.fence_calls == []
     assert decode.call("metrics")["fenced_rooms_total"] == 0
     wait_for(lambda: decode.call("reap") == decode.start_free, TIMEOUT_S, "decode's pages")
@@ -225,9 +226,10 @@ def test_mooncake_fence_closes_the_writers_connections_and_later_rooms_arrive_wh
         for room in range(1, 5):
             decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 4 * PAGE_SIZE)
             prefill.call("open_sender", room, 4 * PAGE_SIZE)
-            wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S, "the destination")
+            wait_for(lambda room=room: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S,
+                     "the destination")
             prefill.call("send", room, 4, True)
-            wait_for(lambda: decode.call("poll", room) in (KVPoll.Success, KVPoll.Failed), TIMEOUT_S,
+            wait_for(lambda room=room: decode.call("poll", room) in (KVPoll.Success, KVPoll.Failed), TIMEOUT_S,
                      f"room {room}")
             assert decode.call("poll", room) == KVPoll.Success, decode.call("failure", room)
             assert decode.call("check_bytes", room)

@@ -37,9 +37,9 @@ def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], sequent
     import time
 
     from engine import LLMEngine
-    from serving.workers.colocated import prompt_token_ids
     from serving.config import WorkerConfig
     from serving.parsing.request import parse_request
+    from serving.workers.colocated import prompt_token_ids
 
     config = WorkerConfig(num_pages=256, **worker)  # type: ignore[arg-type]
     engine = LLMEngine(config.engine_config("colocated"))

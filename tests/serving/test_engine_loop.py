@@ -66,7 +66,7 @@ def test_requests_batch_and_finish_once_each(loop: EngineLoop, engine: FakeEngin
     cols = {f"r{i}": Collector() for i in range(4)}
     for i, (rid, col) in enumerate(cols.items()):
         loop.submit(rid, [1] * (i + 1), SamplingParams(max_tokens=3 + i), col)
-    for rid, col in cols.items():
+    for col in cols.values():
         last = col.wait()
         assert isinstance(last, RequestOutput) and last.finish_reason == "length"
         assert col.terminals == 1

@@ -18,8 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from live_client import (StreamResult, finished_requests, grpc_generate, make_inputs, metric_value,
-                         streams_match_reference)
+from live_client import (
+    StreamResult,
+    finished_requests,
+    grpc_generate,
+    make_inputs,
+    metric_value,
+    streams_match_reference,
+)
 from live_prompts import PROMPTS as BASE_PROMPTS
 from live_prompts import colocated_greedy_texts
 from perf.server import RegistryProcess, ServeScript

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from serving_fakes import RecordingSink
 
-from serving.workers.parallel_sampling import SampleFanIn
 from serving.stream import ResponseChunk
+from serving.workers.parallel_sampling import SampleFanIn
 
 
 def chunk(text: str, reason: str | None = None, total: int = 1, new: int = 1) -> ResponseChunk:

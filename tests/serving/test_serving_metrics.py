@@ -10,7 +10,6 @@ from serving_fakes import FakeFamily
 
 from serving.metrics import ServingMetrics
 
-
 PID = str(os.getpid())   # the ``pid`` label: no two stubs (an old and a new version of a model) share a series
 _live: list[ServingMetrics] = []   # what ``_series`` flushes before it reads
 
@@ -131,8 +130,8 @@ def test_loop_hook_publishes_prefix_cache_deltas(metrics: ServingMetrics) -> Non
     from serving_fakes import FakeEngine
 
     from engine.prefix_cache import PrefixCacheStats
-    from serving.workers.engine_loop import EngineLoop
     from serving.metrics import LoopMetricsHook
+    from serving.workers.engine_loop import EngineLoop
 
     snapshots = iter([PrefixCacheStats(100, 32, 4, 2), PrefixCacheStats(150, 80, 6, 6)])
     loop = EngineLoop(FakeEngine(), name="hook-test", idle_wait_s=0.02)   # never started: stats() only

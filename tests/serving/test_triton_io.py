@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from engine.outputs import TokenLogprob
+from serving.parsing.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
 from serving.parsing.request import OutputOptions, RequestError, parse_request
 from serving.stream import Delta, ResponseChunk
-from serving.parsing.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
 from serving.triton.io import logprobs_json, response_arrays, scalars_from_arrays
 
 ALL = OutputOptions(True, True, True, True, True, True)

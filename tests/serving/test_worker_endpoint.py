@@ -263,7 +263,7 @@ def test_a_port_in_use_fails_the_bind_and_leaves_no_thread() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         before = {t.name for t in threading.enumerate()}
-        with pytest.raises(Exception):
+        with pytest.raises(OSError):   # EADDRINUSE from the listener's bind
             WorkerEndpoint("127.0.0.1", taken.getsockname()[1], "decode").bind()
         time.sleep(0.2)
         assert not [t.name for t in threading.enumerate() if t.name.startswith("worker-endpoint")

@@ -11,8 +11,14 @@ from router_fakes import fleet_of, status
 from serving.router.admission import Admission, ServerBusy
 from serving.router.config import RouterConfig
 from serving.router.fleet import FleetSnapshot
-from serving.router.pairing import (CacheAwarePairing, Demand, LoadAwarePairing, NoInstance, PrefixIndex,
-                                    RoundRobinPairing)
+from serving.router.pairing import (
+    CacheAwarePairing,
+    Demand,
+    LoadAwarePairing,
+    NoInstance,
+    PrefixIndex,
+    RoundRobinPairing,
+)
 
 
 def ids(candidates) -> list[str]:
