@@ -1,5 +1,5 @@
-"""The command line of ``fleet.netns`` (``python scripts/fleet/netns.py <command>``; the module docstring lists the
-commands): fleets tagged by name, made and removed by separate invocations."""
+"""The command line of ``fleet.netns`` (``python scripts/fleet/netns.py <command>``; the module docstring
+lists the commands): fleets tagged by name, made and removed by separate invocations."""
 
 from __future__ import annotations
 

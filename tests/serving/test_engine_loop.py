@@ -224,7 +224,8 @@ def test_an_abort_before_the_submit_left_the_queue_still_aborts(engine: FakeEngi
     assert "cancelled by the client" in str(last.error)
     time.sleep(0.2)
     assert hook.col.terminals == 1 and not any(isinstance(e, RequestOutput) for e in hook.col.events)
-    assert engine.calls["step"] == 0 and engine.num_free_pages == engine.num_total_pages   # never in the engine
+    # never in the engine
+    assert engine.calls["step"] == 0 and engine.num_free_pages == engine.num_total_pages
     later = Collector()   # the id's bookkeeping is gone: the same id submitted again runs normally
     lp.submit("cancelled-early", [1], SamplingParams(max_tokens=3), later)
     assert isinstance(later.wait(), RequestOutput) and later.terminals == 1

@@ -1,4 +1,5 @@
-"""SampleFanIn: n sample streams → one client stream (vLLM layout: one entry per sample), FINAL exactly once."""
+"""SampleFanIn: n sample streams → one client stream (vLLM layout: one entry per sample), FINAL exactly
+once."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_each_entry_carries_its_own_samples_cached_tokens() -> None:
     whole = RecordingSink()
     fan = SampleFanIn(whole, 2, stream=False, logprobs=False)
     for i, cached in ((1, 16), (0, 32)):
-        fan.sample_sink(i).send(ResponseChunk.single("t", "stop", 40, 1, 1, num_cached_tokens=cached), final=True)
+        fan.sample_sink(i).send(ResponseChunk.single("t", "stop", 40, 1, 1,
+                                                     num_cached_tokens=cached), final=True)
     assert [s.num_cached_tokens for s in whole.chunks[0][0].samples] == [32, 16]
 
 
