@@ -268,7 +268,7 @@ def _value(cls: type, name: str, hint: Any, value: Any) -> Any:
             return None
         (hint,) = [a for a in args if a is not type(None)]
         origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint(**_check(hint, value))
     if origin is list:
         if not isinstance(value, list):

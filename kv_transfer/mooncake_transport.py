@@ -163,7 +163,7 @@ class MooncakeTransport(Transport):
             os.environ.setdefault(key, value)
         for warning in network.reachability_warnings(self._hostname, environ={}):   # no UCX here
             logger.warning("%s: %s", self._name, warning)
-        from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+        from mooncake.engine import TransferEngine
 
         self._engine = TransferEngine()
         listening = tcp_fence.listening_ports()
@@ -399,13 +399,14 @@ class MooncakeTransport(Transport):
         return len(kept)
 
     def _deliver(self, endpoint: str, message: bytes) -> bool:
-        from mooncake.engine import TransferNotify, TransferOpcode  # type: ignore[import-not-found]
+        from mooncake.engine import TransferNotify, TransferOpcode
 
-        assert self._table is not None
+        table = self._table
+        assert table is not None
         notify = TransferNotify(self._name, message.decode("latin-1"))
         # a zero-length write: nothing lands, the message does (after every earlier write of this thread)
         return _retry_fast_failures(lambda: self._engine.transfer_sync(
-            endpoint, self._table.aux_base_ptr, 0, 0, TransferOpcode.Write, notify) == 0)
+            endpoint, table.aux_base_ptr, 0, 0, TransferOpcode.Write, notify) == 0)
 
     def _stop_writer(self, peer: _Peer) -> None:
         peer.stop.set()

@@ -70,7 +70,9 @@ class KVSource:
         if self.first_page is not None:
             parts = [layer_kv[i, self.first_page:self.first_page + self.num_pages] for i in planes]
         else:
-            parts = [layer_kv[i].index_select(0, self.pages) for i in planes]
+            pages = self.pages
+            assert pages is not None   # a gather names its pages: set whenever first_page is not
+            parts = [layer_kv[i].index_select(0, pages) for i in planes]
         shape = (batch, self.num_pages * page_size, kv_heads, head_dim)
         k, *rest = (p.reshape(shape)[:, :self.key_len].transpose(1, 2) for p in parts)
         return k, (rest[0] if rest else k[..., :value_dim])

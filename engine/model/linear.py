@@ -60,6 +60,9 @@ class Int8Weight(nn.Module):
         scale: ``[N]`` float32.
     """
 
+    qweight: torch.Tensor  # buffers: see Attributes
+    scale: torch.Tensor
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight.contiguous())
@@ -225,7 +228,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         y = weight.int8pack_mm(x)
     elif kernels is not None and isinstance(weight, Int8Weight):
         y = kernels.int8(x.to(torch.float32).contiguous(), weight.qweight, weight.scale)
-    elif kernels is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous():
+    elif (kernels is not None and not isinstance(weight, Int8Weight) and weight.dtype == torch.bfloat16
+          and weight.is_contiguous()):
         if kernels.native_bf16 and x.dtype == torch.bfloat16:
             if threaded or x.shape[0] >= AMX_ONEDNN_ROWS and _cpu_has_amx():
                 return F.linear(x, weight, bias)
@@ -264,7 +268,7 @@ def _cpu_lacks_bf16_gemm() -> bool:
     return torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
-def embedding(token_ids: torch.Tensor, weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+def embedding(token_ids: torch.Tensor, weight: torch.Tensor | Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``token_ids`` (``[T]`` int64) of an embedding ``[V, H]``, as ``[T, H]`` in ``dtype``."""
     if isinstance(weight, Int8Weight):
         return weight.dequantize(dtype, token_ids)
