@@ -195,9 +195,9 @@ class RegistryServer:
         assert self._loop is not None
         asyncio.set_event_loop(self._loop)
         try:
-            self._runner = self._loop.run_until_complete(_start_site(self.table, self._host, self._port,
-                                                                     self._secret, self._ttl_s, self._names,
-                                                                     self._tls))
+            site = _start_site(self.table, self._host, self._port, self._secret, self._ttl_s, self._names,
+                               self._tls)
+            self._runner = self._loop.run_until_complete(site)
             self.port = self._runner.addresses[0][1]
         except (OSError, BootstrapError) as exc:
             errors.append(exc)

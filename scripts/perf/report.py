@@ -31,8 +31,8 @@ def chat_table(results: dict[str, Any]) -> str:
              "|---|---|" + "---|" * len(_CHAT_COLS)]
     for name, res in results.items():
         for conc, summary in res.get("chat", {}).items():
-            lines.append(f"| {name} | {conc} | " + " | ".join(_fmt(summary.get(k)) for k,
-                                                              _ in _CHAT_COLS) + " |")
+            cells = " | ".join(_fmt(summary.get(k)) for k, _ in _CHAT_COLS)
+            lines.append(f"| {name} | {conc} | " + cells + " |")
     return "\n".join(lines)
 
 

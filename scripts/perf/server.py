@@ -162,8 +162,8 @@ def host_state() -> str:
     """One line on what this host has left when a server fails to start: available memory, /dev/shm in use,
     load average, and how many tritonserver and python-backend stub processes are running (a leftover of an
     earlier server would show here)."""
-    meminfo = dict(line.split(":",
-                              1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    meminfo = dict(line.split(":", 1)
+                   for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
     shm = shutil.disk_usage("/dev/shm") if Path("/dev/shm").is_dir() else None
     servers = stubs = 0
     for proc in Path("/proc").iterdir():

@@ -61,5 +61,5 @@ def test_perf_tools_ask_for_every_optional_output_the_public_models_declare() ->
         assert all(re.search(rf"\b{name}\b", script) for name in declared), model
         for path in sorted((root / "scripts/perf/inputs").glob("*.json")):
             entries = json.loads(path.read_text())["data"]
-            assert all(declared <= {k for k,
-                                    v in e.items() if v == [True]} for e in entries), (model, path.name)
+            assert all(declared <= {k for k, v in e.items() if v == [True]} for e in entries), \
+                (model, path.name)

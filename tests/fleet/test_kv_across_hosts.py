@@ -128,8 +128,8 @@ def test_a_write_given_up_during_a_partition_never_lands_in_reused_pages(kv_pair
     sent, got = _transfer_through_a_partition(pair, src, dst, after_s=1.0, down_s=3.0)
     print(f"partitioned room: prefill {sent.state} {sent.failure!r}, decode {got.state} {got.failure!r}")
     assert got.releasable and sent.releasable
-    reused_src, reused_dst = list(range(PAGES_4K,
-                                        PAGES_4K + 8)), dst[-8:] if got.state == "Failed" else dst[:8]
+    reused_src = list(range(PAGES_4K, PAGES_4K + 8))
+    reused_dst = dst[-8:] if got.state == "Failed" else dst[:8]
     sent2, got2 = pair.transfer(2, reused_src, reused_dst)
     assert (sent2.state, got2.state) == ("Success", "Success"), (sent2.failure, got2.failure)
     time.sleep(8.0)   # what the partition left in flight arrives within a few backoff rounds, or never

@@ -177,8 +177,8 @@ def test_bad_requests_get_openais_error_body(openai_stack: Any, client: openai.O
 
 def test_models_and_health(openai_stack: Any, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["pd_ensemble"]
-    assert requests.get(openai_stack.openai_url.removesuffix("/v1") + "/health",
-                        timeout=10).json() == {"status": "ok"}
+    health = requests.get(openai_stack.openai_url.removesuffix("/v1") + "/health", timeout=10)
+    assert health.json() == {"status": "ok"}
 
 
 def _pages(server: Any, name: str) -> tuple[float, ...]:

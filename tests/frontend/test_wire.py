@@ -60,9 +60,8 @@ def test_new_servers_send_n_entries_with_per_response_counts_and_none_until_the_
     assert [(d.index, d.text, d.finish_reason, d.num_new_tokens) for d in response.samples] == \
         [(0, "x", None, 2), (1, "", "length", 0)]
     again = ResponseDecoder(NEW)
-    assert [d.num_new_tokens for d in again.decode(values,
-                                                   False).samples + again.decode(values, False).samples] == \
-        [2, 0, 2, 0]   # per-response counts are never differenced
+    samples = again.decode(values, False).samples + again.decode(values, False).samples
+    assert [d.num_new_tokens for d in samples] == [2, 0, 2, 0]   # per-response counts are never differenced
 
 
 def test_cached_tokens_are_per_sample_and_the_prompt_counts_once_with_the_least_of_them() -> None:

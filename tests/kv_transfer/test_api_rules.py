@@ -59,8 +59,8 @@ def test_send_before_init_fails_the_room_with_a_typed_error(prefill: KVManager) 
 
 @pytest.mark.parametrize("calls", [[([0, 1], True, None)], [([0], False, None), ([1, 2], True, "aux")],
                                    [([0], True, "aux"), ([1], True, "aux")]])
-def test_send_rules_whole_pages_then_last_with_aux(prefill: KVManager,
-                                                   calls: list) -> None:  # type: ignore[type-arg]
+def test_send_rules_whole_pages_then_last_with_aux(
+        prefill: KVManager, calls: list) -> None:  # type: ignore[type-arg]
     sender = prefill.create_sender(2)
     sender.init(2)
     with pytest.raises(TransferError):

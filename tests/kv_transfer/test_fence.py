@@ -232,9 +232,8 @@ def test_mooncake_fence_closes_the_writers_connections_and_later_rooms_arrive_wh
             wait_for(lambda room=room: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S,
                      "the destination")
             prefill.call("send", room, 4, True)
-            wait_for(lambda room=room: decode.call("poll",
-                                                   room) in (KVPoll.Success, KVPoll.Failed), TIMEOUT_S,
-                     f"room {room}")
+            wait_for(lambda room=room: decode.call("poll", room) in (KVPoll.Success, KVPoll.Failed),
+                     TIMEOUT_S, f"room {room}")
             assert decode.call("poll", room) == KVPoll.Success, decode.call("failure", room)
             assert decode.call("check_bytes", room)
             if room % 2 == 1:   # after rooms 1 and 3: the writer's pooled connections are cut

@@ -323,8 +323,8 @@ def test_latency_and_length_histograms(triton_server, model) -> None:
 def _free_pages(server: Any) -> dict[str, float]:
     from live_client import metric_value
 
-    return {m: metric_value(server.metrics_url, "pd_kv_free_pages",
-                            model=m) for m in ("prefill", "decode", "colocated")}
+    return {m: metric_value(server.metrics_url, "pd_kv_free_pages", model=m)
+            for m in ("prefill", "decode", "colocated")}
 
 
 @pytest.mark.parametrize("model", PATHS)

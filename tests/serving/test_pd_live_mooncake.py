@@ -72,6 +72,5 @@ def test_both_workers_registered_mooncake_endpoints(triton_server) -> None:
 
 
 def _pools_full(url: str) -> bool:
-    return all(metric_value(url, "pd_kv_free_pages",
-                            model=m) == metric_value(url, "pd_kv_total_pages", model=m)
-               for m in ("prefill", "decode"))
+    return all(metric_value(url, "pd_kv_free_pages", model=m)
+               == metric_value(url, "pd_kv_total_pages", model=m) for m in ("prefill", "decode"))

@@ -122,8 +122,8 @@ def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
         while len(sender.sent) < i + 1 and time.monotonic() < deadline:
             time.sleep(0.002)
     assert dispatcher.stop(5.0)
-    assert sender.sent == [("0", 0), ("1", 0), ("2", 0), ("3", 0),
-                           ("4", FINAL)] and dispatcher.merged_total == 0
+    assert sender.sent == [("0", 0), ("1", 0), ("2", 0), ("3", 0), ("4", FINAL)]
+    assert dispatcher.merged_total == 0
 
 
 def test_merged_chunks_join_logprobs_and_keep_each_samples_latest_counts() -> None:

@@ -74,10 +74,8 @@ def test_cancels_under_load_give_every_page_back_and_the_router_keeps_serving(
     deadline = time.monotonic() + 40
 
     def pools_full() -> bool:
-        return all(metric_value(metrics, "pd_kv_free_pages",
-                                model=m) == metric_value(metrics, "pd_kv_total_pages",
-                                                                                     model=m)
-                   for m in ("prefill", "decode"))
+        return all(metric_value(metrics, "pd_kv_free_pages", model=m)
+                   == metric_value(metrics, "pd_kv_total_pages", model=m) for m in ("prefill", "decode"))
     while not pools_full() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pools_full()

@@ -54,10 +54,10 @@ def test_environment_overrides_registry_url_and_carries_the_fleet_secret() -> No
 
 def test_kv_network_only_is_nixls_parameter_and_the_environment_overrides_it() -> None:
     assert build_worker_config({}, environ={}).kv_options == NixlOptions(network_only=False)
-    assert build_worker_config(_sv(kv_network_only="true"),
-                               environ={}).kv_options == NixlOptions(network_only=True)
-    assert build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "1"}).kv_options == NixlOptions(
-        network_only=True)
+    assert (build_worker_config(_sv(kv_network_only="true"), environ={}).kv_options
+            == NixlOptions(network_only=True))
+    assert (build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "1"}).kv_options
+            == NixlOptions(network_only=True))
     assert build_worker_config(_sv(kv_network_only="true"), environ={"PD_KV_NETWORK_ONLY": "0"}).kv_options \
         == NixlOptions(network_only=False)
     with pytest.raises(ConfigError) as info:
@@ -118,8 +118,8 @@ def test_instance_device() -> None:
     cfg = build_worker_config(_sv(dtype="bfloat16"), environ={}, device="cuda:1")
     assert cfg.engine_config("prefill").device == "cuda:1"
     assert cfg.engine_config("prefill").dtype == "bfloat16"
-    assert build_worker_config(_sv(weight_quant="int8"),
-                               environ={}).engine_config("decode").weight_quant == "int8"
+    int8 = build_worker_config(_sv(weight_quant="int8"), environ={})
+    assert int8.engine_config("decode").weight_quant == "int8"
 
 
 def test_engine_nice_defaults_to_minus_10_and_is_checked() -> None:

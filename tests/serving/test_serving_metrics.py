@@ -118,8 +118,8 @@ def test_histograms_get_vllm_buckets_and_observations() -> None:
     metrics.request_timing(0.2, 1.5, 12, 30, 0.04)
     metrics.request_timing(None, 0.1, 3, 0, None)
     metrics.flush()
-    series = {name: FakeFamily.registry[name].series[(("instance", "i"), ("model", "m"),
-                                                      ("pid", PID))] for name in _HISTOGRAMS}
+    labels = (("instance", "i"), ("model", "m"), ("pid", PID))
+    series = {name: FakeFamily.registry[name].series[labels] for name in _HISTOGRAMS}
     assert series["pd_time_to_first_token_seconds"].observations == [0.2]
     assert series["pd_time_per_output_token_seconds"].observations == [0.04]
     assert series["pd_e2e_request_latency_seconds"].observations == [1.5, 0.1]

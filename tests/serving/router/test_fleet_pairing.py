@@ -184,11 +184,10 @@ def test_load_aware_spreads_an_idle_fleet() -> None:
 def test_round_robin_cycles_and_direct_decode_skips_prefill() -> None:
     fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
     policy = RoundRobinPairing(direct_decode_max_tokens=32)
-    long = [policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"),
-                          Demand(64, 8)) for _ in range(4)]
+    prefills, decodes = fleet.candidates("prefill"), fleet.candidates("decode")
+    long = [policy.choose(prefills, decodes, Demand(64, 8)) for _ in range(4)]
     assert [p.prefill.instance_id for p in long if p.prefill] == ["p0@h:1", "p1@h:1", "p0@h:1", "p1@h:1"]
-    assert policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"),
-                         Demand(8, 8)).prefill is None
+    assert policy.choose(prefills, decodes, Demand(8, 8)).prefill is None
 
 
 def prompt(shared: int, own: int, seed: int) -> Demand:
@@ -258,8 +257,8 @@ def test_prefix_index_is_bounded_matches_from_the_first_page_and_forgets_a_resta
     from serving.router.fleet import Target
 
     index = PrefixIndex(max_pages_per_instance=3)
-    t, restarted = Target("d0@h:1", "decode", "h:1", "d0",
-                          epoch=1), Target("d0@h:1", "decode", "h:1", "d0", 2)
+    t = Target("d0@h:1", "decode", "h:1", "d0", epoch=1)
+    restarted = Target("d0@h:1", "decode", "h:1", "d0", 2)
     keys = prompt(0, 5 * 16 + 1, 0).cacheable_page_keys(16)
     assert len(keys) == 5   # 81 tokens: 5 full pages, all shareable (the last token is on page 6)
     index.record(t, keys[:2])
