@@ -1,5 +1,5 @@
-"""Rendezvous of the PD instances: each instance hosts its own (``Rendezvous``, on a thread of its process), where
-peers fetch its registration and decode posts room destinations to prefill. No project imports.
+"""Rendezvous of the PD instances: each instance hosts its own (``Rendezvous``, on a thread of its process),
+where peers fetch its registration and decode posts room destinations to prefill. No project imports.
 """
 
 from bootstrap.client import BootstrapClient, ClientPool
@@ -9,5 +9,6 @@ from bootstrap.registry import Registry, RegistryConfig
 from bootstrap.rendezvous import Rendezvous, RendezvousConfig
 
 __all__ = ["PROTOCOL_VERSION", "BootstrapClient", "BootstrapError", "ClientPool", "Destination", "PostResult",
-           "Registration", "Registry", "RegistryConfig", "Rendezvous", "RendezvousConfig", "RendezvousRefused",
+           "Registration", "Registry", "RegistryConfig", "Rendezvous", "RendezvousConfig",
+           "RendezvousRefused",
            "RoomReleased"]

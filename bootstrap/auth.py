@@ -1,27 +1,28 @@
-"""Fleet secret authentication: the signed HTTP calls of the fleet (membership registry, rendezvous), the signed
-child streams (``serving.parsing.child_codec``), the signed member records (``bootstrap.membership.member``) and
-the key that unlocks tritonserver's admin APIs (``admin_key``).
+"""Fleet secret authentication: the signed HTTP calls of the fleet (membership registry, rendezvous), the
+signed child streams (``serving.parsing.child_codec``), the signed member records
+(``bootstrap.membership.member``) and the key that unlocks tritonserver's admin APIs (``admin_key``).
 
 Every request between fleet processes carries ``X-PD-Fleet-Auth: v2 t=<unix s>,n=<nonce hex>,s=<hmac hex>``,
 where ``s`` is HMAC-SHA256 under the fleet secret of::
 
     v2 \\n METHOD \\n authority \\n path?query \\n t \\n nonce \\n sha256(body) hex
 
-``authority`` is the target the caller meant: over HTTP the ``host:port`` it dialed (the ``Host`` header, which
-``HmacAuth`` sets to exactly what it signs, as RFC 9421's ``@authority`` and AWS SigV4's ``host`` do), checked by
-the server against its own names (``Authorities``); on a child stream the target instance's id. So a captured
-signature is good for one method, one path, one body, one server, 30 s, once: another body, path or server
-fails the MAC, a second use within the window fails the replay guard (``ReplayGuard``), a later one the clock.
+``authority`` is the target the caller meant: over HTTP the ``host:port`` it dialed (the ``Host`` header,
+which ``HmacAuth`` sets to exactly what it signs, as RFC 9421's ``@authority`` and AWS SigV4's ``host`` do),
+checked by the server against its own names (``Authorities``); on a child stream the target instance's id. So
+a captured signature is good for one method, one path, one body, one server, 30 s, once: another body, path or
+server fails the MAC, a second use within the window fails the replay guard (``ReplayGuard``), a later one the
+clock.
 
 Why HMAC with one shared secret, not TLS client certificates: the threat is a host that reaches a port (the
 multi-host commands bind ``0.0.0.0``) and registers as a decode instance, posts destinations, aborts rooms or
 sends child requests. A MAC gives integrity and origin (only holders of the secret sign) with one file to
 distribute, no certificate authority and no expiry to manage. Confidentiality is TLS's, optional beside it
-(docs/security.md). Signatures are compared with ``hmac.compare_digest`` (constant time). Everything in a header
-is bounded and parsed strictly before any arithmetic, so a hostile header is a 401, never an exception.
+(docs/security.md). Signatures are compared with ``hmac.compare_digest`` (constant time). Everything in a
+header is bounded and parsed strictly before any arithmetic, so a hostile header is a 401, never an exception.
 
-``load_fleet_secret`` is the only reader of ``PD_FLEET_SECRET`` / ``PD_FLEET_SECRET_FILE``. One host with every
-server on loopback needs no secret (``check_bind`` allows it); any other bind address requires one.
+``load_fleet_secret`` is the only reader of ``PD_FLEET_SECRET`` / ``PD_FLEET_SECRET_FILE``. One host with
+every server on loopback needs no secret (``check_bind`` allows it); any other bind address requires one.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def load_fleet_secret(environ: Mapping[str, str] = os.environ) -> bytes | None:
     return secret.encode("utf-8") if secret else None
 
 
-#: One signature header: scheme, a unix-seconds timestamp of at most 12 digits, a 16-64 hex-digit nonce and the
-#: 64 hex digits of the HMAC; anything else is malformed (and refused before any arithmetic on ``t``).
+#: One signature header: scheme, a unix-seconds timestamp of at most 12 digits, a 16-64 hex-digit nonce and
+#: the 64 hex digits of the HMAC; anything else is malformed (and refused before any arithmetic on ``t``).
 _HEADER_RE = re.compile(r"v2 t=(?P<t>[0-9]{1,12}),n=(?P<n>[0-9a-f]{16,64}),s=(?P<s>[0-9a-f]{64})")
 _MAX_HEADER_CHARS = 256
 
@@ -118,14 +119,15 @@ def _parse(header: str) -> tuple[int, str, str]:
         scheme = header.strip().partition(" ")[0]
         if scheme != SCHEME:
             raise AuthError(f"unsupported {AUTH_HEADER} scheme {scheme[:16]!r}: this fleet speaks {SCHEME}")
-        raise AuthError(f"malformed {AUTH_HEADER} header (want '{SCHEME} t=<unix s>,n=<hex nonce>,s=<hex mac>')")
+        raise AuthError(
+            f"malformed {AUTH_HEADER} header (want '{SCHEME} t=<unix s>,n=<hex nonce>,s=<hex mac>')")
     return int(match["t"]), match["n"], match["s"]
 
 
 def verify(secret: bytes, method: str, authority: str, path_qs: str, body: bytes, header: str | None,
            now_s: float, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
-    """Checks one request's ``X-PD-Fleet-Auth`` value against ``secret`` (arguments as ``sign``'s); returns None
-    when it is valid. Replays within the window are the caller's to refuse (``ReplayGuard``).
+    """Checks one request's ``X-PD-Fleet-Auth`` value against ``secret`` (arguments as ``sign``'s); returns
+    None when it is valid. Replays within the window are the caller's to refuse (``ReplayGuard``).
 
     Raises ``AuthError`` naming the reason: header missing or malformed, timestamp outside ``max_skew_s`` of
     ``now_s`` (unix seconds), or a signature that does not match method, authority, path with query and body.
@@ -152,8 +154,8 @@ class ReplayGuard:
         self._lock = threading.Lock()
 
     def admit(self, header: str, now_s: float) -> None:
-        """Records the header's (t, nonce); raises ``AuthError`` when it was already admitted (or is malformed).
-        Call after ``verify`` accepted the header."""
+        """Records the header's (t, nonce); raises ``AuthError`` when it was already admitted (or is
+        malformed). Call after ``verify`` accepted the header."""
         t, nonce, _ = _parse(header)
         with self._lock:
             while self._order and self._order[0][0] < now_s:
@@ -171,9 +173,10 @@ class Authorities:
     """The ``host:port`` names a server answers to, for the signed authority of its requests.
 
     A signed authority is ours when its port is the port the connection arrived on and its host is the local
-    address the connection arrived on, or one of ``names`` (the bind and advertised hosts given to the server),
-    ``localhost``, or this machine's host name (``socket.gethostname``/``getfqdn``). The same signature sent to
-    another server (another port, another address) names an authority that server does not have."""
+    address the connection arrived on, or one of ``names`` (the bind and advertised hosts given to the
+    server), ``localhost``, or this machine's host name (``socket.gethostname``/``getfqdn``). The same
+    signature sent to another server (another port, another address) names an authority that server does not
+    have."""
 
     def __init__(self, names: Iterable[str] = ()) -> None:
         own = {"localhost", socket.gethostname(), socket.getfqdn(), *names}
@@ -196,7 +199,8 @@ class Authorities:
             host, _, port_text = authority.partition(":")
         else:
             host, port_text = authority, ""
-        if not host or (port_text and not (port_text.isdigit() and len(port_text) <= 5 and int(port_text) < 65536)):
+        if not host or (
+                port_text and not (port_text.isdigit() and len(port_text) <= 5 and int(port_text) < 65536)):
             raise AuthError(f"malformed authority {authority[:64]!r}")
         return host, int(port_text) if port_text else default_port
 
@@ -211,16 +215,17 @@ class Authorities:
         ``local_port`` (the connection's socket name); raises ``AuthError`` otherwise."""
         host, port = self.normalize(authority)
         if port != local_port or (host != self.host_of(local_host) and host not in self._names):
-            raise AuthError(f"signed for another server ({authority[:64]!r}), not this one (port {local_port})")
+            raise AuthError(
+                f"signed for another server ({authority[:64]!r}), not this one (port {local_port})")
         return self.canonical(authority)
 
 
 def auth_middleware(secret: bytes | None, names: Iterable[str] = (), max_skew_s: float = DEFAULT_MAX_SKEW_S,
                     clock: Callable[[], float] | None = None) -> Middleware:
     """An aiohttp middleware: with no secret it passes every request through; with one, every route but
-    ``GET /health`` must carry a valid ``X-PD-Fleet-Auth`` (see ``verify``) for this server (its ``Host`` header
-    one of ``Authorities(names)``, on the port the connection came in on) and a fresh nonce, otherwise the
-    answer is HTTP 401 with the JSON body ``{"error": reason}``. ``clock`` (unix seconds) defaults to
+    ``GET /health`` must carry a valid ``X-PD-Fleet-Auth`` (see ``verify``) for this server (its ``Host``
+    header one of ``Authorities(names)``, on the port the connection came in on) and a fresh nonce, otherwise
+    the answer is HTTP 401 with the JSON body ``{"error": reason}``. ``clock`` (unix seconds) defaults to
     ``time.time``. Runs on the application's event loop; reads the body once (handlers can read it again)."""
     now = clock or time.time
     guard = ReplayGuard(max_skew_s)
@@ -248,8 +253,8 @@ def auth_middleware(secret: bytes | None, names: Iterable[str] = (), max_skew_s:
 
 class HmacAuth(requests.auth.AuthBase):
     """Signs every outgoing ``requests`` call with the fleet secret (``session.auth = HmacAuth(secret)`` or
-    ``requests.get(url, auth=HmacAuth(secret))``): the URL's ``host:port`` (sent as the ``Host`` header, exactly
-    as signed), path with query and body bytes as sent. Stateless."""
+    ``requests.get(url, auth=HmacAuth(secret))``): the URL's ``host:port`` (sent as the ``Host`` header,
+    exactly as signed), path with query and body bytes as sent. Stateless."""
 
     def __init__(self, secret: bytes, clock: Callable[[], float] | None = None) -> None:
         self._secret = secret
@@ -264,19 +269,22 @@ class HmacAuth(requests.auth.AuthBase):
         url = urlsplit(r.url or "")
         authority = Authorities.canonical(url.netloc.rpartition("@")[2], 443 if url.scheme == "https" else 80)
         r.headers["Host"] = authority
-        r.headers[AUTH_HEADER] = sign(self._secret, r.method or "GET", authority, r.path_url, body, self._now())
+        r.headers[AUTH_HEADER] = sign(self._secret, r.method or "GET", authority, r.path_url, body,
+                                      self._now())
         return r
 
 
 def record_mac(secret: bytes, kind: str, payload: bytes) -> str:
-    """HMAC-SHA256 (hex) under the fleet secret of a stored record (no time, no nonce: a record lives as long as
-    its store keeps it): ``kind`` separates the domains (``"member"``), ``payload`` is the record's canonical
-    bytes. Used where a store others may write holds what fleet processes read (etcd, the registry)."""
+    """HMAC-SHA256 (hex) under the fleet secret of a stored record (no time, no nonce: a record lives as long
+    as its store keeps it): ``kind`` separates the domains (``"member"``), ``payload`` is the record's
+    canonical bytes. Used where a store others may write holds what fleet processes read (etcd, the
+    registry)."""
     return hmac.new(secret, b"pd-record\n" + kind.encode() + b"\n" + payload, hashlib.sha256).hexdigest()
 
 
 def check_record_mac(secret: bytes, kind: str, payload: bytes, mac: object) -> None:
-    """Raises ``AuthError`` unless ``mac`` is ``record_mac(secret, kind, payload)`` (constant-time compare)."""
+    """Raises ``AuthError`` unless ``mac`` is ``record_mac(secret, kind, payload)`` (constant-time
+    compare)."""
     if not isinstance(mac, str) or len(mac) != 64:
         raise AuthError(f"unsigned {kind} record (no fleet signature)")
     if not hmac.compare_digest(mac, record_mac(secret, kind, payload)):
@@ -316,8 +324,8 @@ def check_bind(host: str, secret: bytes | None, what: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bootstrap.auth admin-key``: prints ``admin_key`` of the fleet secret in the environment (for
-    ``curl -H "pd-admin-key: ..."`` and tritonserver's restricted-API flags). Exit 2 without a secret."""
+    """``python -m bootstrap.auth admin-key``: prints ``admin_key`` of the fleet secret in the environment
+    (for ``curl -H "pd-admin-key: ..."`` and tritonserver's restricted-API flags). Exit 2 without a secret."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv

@@ -1,10 +1,11 @@
-"""HTTP client of a rendezvous (one instance's own, ``bootstrap.rendezvous``); every call has a timeout and raises
-``BootstrapError`` on failure (``RendezvousRefused`` when nothing listens there any more).
+"""HTTP client of a rendezvous (one instance's own, ``bootstrap.rendezvous``); every call has a timeout and
+raises ``BootstrapError`` on failure (``RendezvousRefused`` when nothing listens there any more).
 
 With the fleet's TLS setting (``bootstrap.tls.FleetTLS``) a client speaks HTTPS only: it checks the server's
 certificate against the fleet's CA and the URL's host, and refuses an ``http://`` URL.
 
-Not thread-safe: one client per thread (a KV manager's thread keeps a ``ClientPool``, one client per peer URL).
+Not thread-safe: one client per thread (a KV manager's thread keeps a ``ClientPool``, one client per peer
+URL).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class BootstrapClient:
         return decode(response.content, PostResult)
 
     def take_destinations(self, prefill_instance_id: str) -> list[Destination]:
-        batch = self._call("GET", f"/v1/instances/{_path(prefill_instance_id)}/destinations", None, DestinationBatch)
+        batch = self._call("GET", f"/v1/instances/{_path(prefill_instance_id)}/destinations", None,
+                           DestinationBatch)
         assert batch is not None
         return batch.destinations
 

@@ -59,13 +59,13 @@ class Registration:
     """One instance's entry: who it is, where Triton serves it, how to reach its NIXL agent, its KV layout.
 
     ``epoch`` changes on every start of the instance; ``agent_name`` is unique per epoch. ``address`` is the
-    Triton gRPC endpoint (``host:port``) that serves ``model_name``: the router sends requests there. ``kv_info``
-    is the KV layer's own JSON (layout, model id, region addresses); the rendezvous never interprets it.
-    ``rendezvous_url`` (``http://host:port``) is the instance's own rendezvous server, where peers fetch this
-    registration and decode instances post destinations. ``worker_endpoint`` (``host:port``; empty: none) is the
-    worker's own endpoint for ``model_name`` alone, in child frames over TCP (``serving.workers.endpoint``,
-    ``serving.parsing.child_frames``; protocol version 6): routers send its child requests there, past
-    tritonserver.
+    Triton gRPC endpoint (``host:port``) that serves ``model_name``: the router sends requests there.
+    ``kv_info`` is the KV layer's own JSON (layout, model id, region addresses); the rendezvous never
+    interprets it. ``rendezvous_url`` (``http://host:port``) is the instance's own rendezvous server, where
+    peers fetch this registration and decode instances post destinations. ``worker_endpoint`` (``host:port``;
+    empty: none) is the worker's own endpoint for ``model_name`` alone, in child frames over TCP
+    (``serving.workers.endpoint``, ``serving.parsing.child_frames``; protocol version 6): routers send its
+    child requests there, past tritonserver.
     """
 
     instance_id: str
@@ -107,10 +107,11 @@ class Heartbeat:
 class InstanceStatus:
     """One entry of the fleet listing: a registration without its agent metadata, and its freshness.
 
-    ``age_s``: seconds since the rendezvous last heard from the instance (its own load report, every ``KVArgs.heartbeat_interval_s``: 1 s by default).
-    ``draining``: the instance's model is being unloaded (a reload or an unload): it ends the streams it has and
-    takes no new ones; routers pair it no more, and a router that found it through its server's repository index
-    asks that model again (a reloaded successor answers there).
+    ``age_s``: seconds since the rendezvous last heard from the instance (its own load report, every
+    ``KVArgs.heartbeat_interval_s``: 1 s by default). ``draining``: the instance's model is being unloaded (a
+    reload or an unload): it ends the streams it has and takes no new ones; routers pair it no more, and a
+    router that found it through its server's repository index asks that model again (a reloaded successor
+    answers there).
     """
 
     instance_id: str
@@ -135,8 +136,8 @@ class InstanceList:
 @dataclass(frozen=True)
 class Destination:
     """Where prefill instance ``prefill_instance_id`` must write room ``room``'s KV (posted by decode to the
-    prefill instance's own rendezvous). ``decode_rendezvous_url`` is decode's rendezvous server: prefill fetches
-    decode's registration there for the handshake and checks there that decode is still alive.
+    prefill instance's own rendezvous). ``decode_rendezvous_url`` is decode's rendezvous server: prefill
+    fetches decode's registration there for the handshake and checks there that decode is still alive.
 
     ``num_cached_tokens`` (a multiple of the page size, below the prompt length): the leading prompt tokens
     whose KV decode already holds (its prefix cache); prefill writes only the prompt's pages from page
@@ -203,7 +204,8 @@ class RoomReleased:
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased, InstanceLoad, InstanceStatus, InstanceList)}
+    Registration, Heartbeat, Destination, PostResult, DestinationBatch, RoomRelease, RoomReleased,
+    InstanceLoad, InstanceStatus, InstanceList)}
 _SCHEMA = {name: [f.name for f in fields(cls)] for name, cls in sorted(MESSAGE_TYPES.items())}
 SCHEMA_HASH = hashlib.sha256(json.dumps(_SCHEMA).encode()).hexdigest()[:12]
 
@@ -224,8 +226,9 @@ MAX_DESTINATION_PAGES = 65536
 def decode(data: bytes | str, expected: type[M]) -> M:
     """The one decoder. Raises ``BootstrapError`` on a version/schema mismatch, wrong type or bad body: a body
     that is not a JSON object, a field of the wrong JSON type (a list where an int belongs, a string for a
-    list of page ids, ``true`` for a number), a missing or unknown field, or more than ``MAX_DESTINATION_PAGES``
-    page ids. Hostile input gets this error (HTTP 400 on the rendezvous), never another exception."""
+    list of page ids, ``true`` for a number), a missing or unknown field, or more than
+    ``MAX_DESTINATION_PAGES`` page ids. Hostile input gets this error (HTTP 400 on the rendezvous), never
+    another exception."""
     try:
         envelope = json.loads(data)
     except (ValueError, RecursionError) as exc:
@@ -233,8 +236,9 @@ def decode(data: bytes | str, expected: type[M]) -> M:
     if not isinstance(envelope, dict):
         raise BootstrapError(f"a message must be a JSON object envelope, got {type(envelope).__name__}")
     if envelope.get("version") != PROTOCOL_VERSION or envelope.get("schema") != SCHEMA_HASH:
-        raise BootstrapError(f"protocol mismatch: peer speaks version {str(envelope.get('version'))[:16]} schema "
-                             f"{str(envelope.get('schema'))[:16]}, we speak {PROTOCOL_VERSION} schema {SCHEMA_HASH}")
+        raise BootstrapError(f"protocol mismatch: peer speaks version {str(envelope.get('version'))[:16]} "
+                             f"schema {str(envelope.get('schema'))[:16]}, we speak {PROTOCOL_VERSION} schema "
+                             f"{SCHEMA_HASH}")
     if envelope.get("type") != expected.__name__:
         raise BootstrapError(f"expected {expected.__name__}, got {str(envelope.get('type'))[:64]}")
     return _build(expected, envelope.get("body"))
@@ -264,24 +268,27 @@ def _value(cls: type, name: str, hint: Any, value: Any) -> Any:
             return None
         (hint,) = [a for a in args if a is not type(None)]
         origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint(**_check(hint, value))
     if origin is list:
         if not isinstance(value, list):
-            raise BootstrapError(f"bad {cls.__name__} body: {name} must be a list, got {type(value).__name__}")
+            raise BootstrapError(
+                f"bad {cls.__name__} body: {name} must be a list, got {type(value).__name__}")
         if name == "dst_page_ids" and len(value) > MAX_DESTINATION_PAGES:
             raise BootstrapError(f"bad {cls.__name__} body: {len(value)} {name}, more than "
                                  f"{MAX_DESTINATION_PAGES}")
         return [_value(cls, name, args[0], item) for item in value]
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            raise BootstrapError(f"bad {cls.__name__} body: {name} must be an object, got {type(value).__name__}")
+            raise BootstrapError(
+                f"bad {cls.__name__} body: {name} must be an object, got {type(value).__name__}")
         return value
     expected = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}.get(hint)
     if expected is None:
         return value   # Any
     if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
-        raise BootstrapError(f"bad {cls.__name__} body: {name} must be {hint.__name__}, got {type(value).__name__}")
+        raise BootstrapError(
+            f"bad {cls.__name__} body: {name} must be {hint.__name__}, got {type(value).__name__}")
     return float(value) if hint is float else value
 
 

@@ -79,8 +79,8 @@ class Registry:
         return True
 
     def set_draining(self, instance_id: str, epoch: int) -> bool:
-        """Mark the instance (this epoch) as draining in every listing from now on (``InstanceStatus.draining``).
-        False when that epoch is not registered."""
+        """Mark the instance (this epoch) as draining in every listing from now on
+        (``InstanceStatus.draining``). False when that epoch is not registered."""
         entry = self._instances.get(instance_id)
         if entry is None or entry.registration.epoch != epoch:
             return False
@@ -97,7 +97,8 @@ class Registry:
     def instances(self, now_s: float, role: str = "") -> list[InstanceStatus]:
         """Every registered instance (of ``role`` when given), without agent metadata, oldest id first."""
         return [InstanceStatus(r.instance_id, r.role, r.epoch, r.address, r.model_name, r.load,
-                               max(0.0, now_s - e.last_seen_s), r.rendezvous_url, r.worker_endpoint, e.draining)
+                               max(0.0, now_s - e.last_seen_s), r.rendezvous_url,
+                               r.worker_endpoint, e.draining)
                 for e in sorted(self._instances.values(), key=lambda e: e.registration.instance_id)
                 for r in (e.registration,) if not role or r.role == role]
 

@@ -110,8 +110,8 @@ class Rendezvous:
             return self._registry.take_destinations(prefill_instance_id)
 
     def set_draining(self, instance_id: str, epoch: int) -> bool:
-        """The owner's model is being unloaded: its listing says ``draining`` from now on (routers stop pairing
-        it). False when that registration is gone."""
+        """The owner's model is being unloaded: its listing says ``draining`` from now on (routers stop
+        pairing it). False when that registration is gone."""
         with self._lock:
             return self._registry.set_draining(instance_id, epoch)
 
@@ -186,7 +186,8 @@ class Rendezvous:
 
         names = (self._config.host, self._config.advertise_host)
         app = web.Application(middlewares=[auth_middleware(self._config.secret, names), self._map_errors])
-        app.add_routes([web.get("/v1/instances", self._list), web.get("/v1/instances/{instance_id}", self._get),
+        app.add_routes([web.get("/v1/instances", self._list),
+                        web.get("/v1/instances/{instance_id}", self._get),
                         web.post("/v1/rooms", self._post_room), web.post("/v1/rooms/release", self._release),
                         web.get("/health", self._health)])
         return app

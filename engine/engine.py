@@ -102,6 +102,7 @@ class LLMEngine:
         eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
         self._eos_token_ids = eos
         model = self.parallel.model if self.parallel else loaded.model
+        assert model is not None   # TensorParallelGroup.start made the group's model
         self.runner = ModelRunner(model, self.kv_cache, config.device, eos)
         self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer),
                                                 lambda token_id: self.tokenizer.decode([token_id], False))

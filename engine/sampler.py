@@ -23,6 +23,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.structured.matcher import apply_mask
 
+
 @dataclass(frozen=True)
 class TopLogprobs:
     """Logprob details of one sampled token (asked for with ``SamplingParams.logprobs``).

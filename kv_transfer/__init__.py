@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from bootstrap.errors import BootstrapError
 from kv_transfer.aux import AuxData
-from kv_transfer.backends import (backend_names, make_transport, option_parameters, options_type, parse_options,
-                                  register_backend, unavailable_reason)
+from kv_transfer.backends import (
+    backend_names,
+    make_transport,
+    option_parameters,
+    options_type,
+    parse_options,
+    register_backend,
+    unavailable_reason,
+)
 from kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
 from kv_transfer.config import KVArgs
 from kv_transfer.errors import CompatibilityError, KVTransferError, TransferError

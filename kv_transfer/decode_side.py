@@ -297,7 +297,7 @@ class DecodeSide:
         chunk counts its prefill's chunks for our other rooms too: that prefill is alive and working through
         its queue, and this room is queued behind them. Without it, rooms queued behind one busy prefill (its
         peer restarting) failed after ``waiting_timeout_s`` and were retried at the back of the same queue
-        (30 rooms in a chaos run, docs/benchmarks.md). Rooms queued there behind other decode instances' rooms
+        (30 rooms in one 9-minute chaos run). Rooms queued there behind other decode instances' rooms
         hear it from the prefill itself (``queued`` notifications, which move ``progress_s``). A room whose chunks
         started and then stopped is timed on its own."""
         if receiver.state != KVPoll.WaitingForInput or receiver.peer is None:

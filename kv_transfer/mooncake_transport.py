@@ -43,12 +43,19 @@ from typing import Any
 
 import numpy as np
 
+from kv_transfer import network, tcp_fence
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable, merge_runs
-from kv_transfer import network, tcp_fence
 from kv_transfer.config import KVArgs
 from kv_transfer.poll import poll_interval_s
-from kv_transfer.transport import BackendOptions, OptionError, PeerUnreachable, Transport, TransportError, XferState
+from kv_transfer.transport import (
+    BackendOptions,
+    OptionError,
+    PeerUnreachable,
+    Transport,
+    TransportError,
+    XferState,
+)
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
@@ -156,7 +163,7 @@ class MooncakeTransport(Transport):
             os.environ.setdefault(key, value)
         for warning in network.reachability_warnings(self._hostname, environ={}):   # no UCX here
             logger.warning("%s: %s", self._name, warning)
-        from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+        from mooncake.engine import TransferEngine
 
         self._engine = TransferEngine()
         listening = tcp_fence.listening_ports()
@@ -392,13 +399,14 @@ class MooncakeTransport(Transport):
         return len(kept)
 
     def _deliver(self, endpoint: str, message: bytes) -> bool:
-        from mooncake.engine import TransferNotify, TransferOpcode  # type: ignore[import-not-found]
+        from mooncake.engine import TransferNotify, TransferOpcode
 
-        assert self._table is not None
+        table = self._table
+        assert table is not None
         notify = TransferNotify(self._name, message.decode("latin-1"))
         # a zero-length write: nothing lands, the message does (after every earlier write of this thread)
         return _retry_fast_failures(lambda: self._engine.transfer_sync(
-            endpoint, self._table.aux_base_ptr, 0, 0, TransferOpcode.Write, notify) == 0)
+            endpoint, table.aux_base_ptr, 0, 0, TransferOpcode.Write, notify) == 0)
 
     def _stop_writer(self, peer: _Peer) -> None:
         peer.stop.set()

@@ -42,8 +42,14 @@ from kv_transfer import network
 from kv_transfer.aux import AUX_SLOT_BYTES
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
-from kv_transfer.transport import (BackendOptions, OptionError, PeerUnreachable, Transport, TransportError,
-                                   XferState)
+from kv_transfer.transport import (
+    BackendOptions,
+    OptionError,
+    PeerUnreachable,
+    Transport,
+    TransportError,
+    XferState,
+)
 
 logger = logging.getLogger(__name__)
 _agent_counter = itertools.count()
@@ -84,7 +90,7 @@ def apply_ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = F
 
 
 def _nixl_errors() -> tuple[type[BaseException], ...]:
-    from nixl import _bindings  # type: ignore[import-not-found]
+    from nixl import _bindings
     found = tuple(getattr(_bindings, n) for n in dir(_bindings)
                   if n.startswith("nixl") and n.endswith("Error") and isinstance(getattr(_bindings, n), type))
     return found + (RuntimeError,)
@@ -104,12 +110,12 @@ def _new_agent(name: str, progress_thread_ms: float) -> Any:
     that timeout, so with one set the thread sleeps until UCX has something for it. The wrapper sets it on the
     config nixl built, for this one construction; every agent this module makes is made under one lock, so no
     other construction sees the wrapper."""
-    from nixl import _api  # type: ignore[import-not-found]
+    from nixl import _api
 
     if progress_thread_ms <= 0:
         with _AGENT_LOCK:
             return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-    bindings = getattr(_api, "nixlBind", None)
+    bindings: Any = getattr(_api, "nixlBind", None)   # the C++ bindings module of nixl, when present
     make = getattr(bindings, "nixlAgent", None)
     if make is None:   # not the nixl this was written against: no thread rather than a spinning one
         logger.warning("%s: nixl._api has no nixlBind.nixlAgent; running without a progress thread", name)

@@ -20,10 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bootstrap.client import ClientPool
 from bootstrap.errors import BootstrapError
-from bootstrap.rendezvous import Rendezvous
 from bootstrap.messages import Destination
+from bootstrap.rendezvous import Rendezvous
 from kv_transfer.auxbuf import AuxBuffer
 from kv_transfer.blocks import BlockTable
 from kv_transfer.config import KVArgs
@@ -152,7 +151,7 @@ class PrefillSide:
         ``queued`` notification to the decode of each room whose destination is in and whose first chunk is not
         yet computed. Its decode counts it as progress against its waiting timeout: without it a room queued here
         behind rooms of *other* decode instances saw nothing for the whole timeout and failed (4 rooms in a 2P2D
-        chaos run, docs/benchmarks.md), though this prefill was alive and would have reached it. A prefill that
+        chaos run of 9 minutes), though this prefill was alive and would have reached it. A prefill that
         posts nothing (its engine stuck) says nothing, and its rooms time out as before."""
         if now_s < self._next_keepalive_s:
             return

@@ -24,8 +24,12 @@ from enum import Enum
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from kv_transfer.blocks import BlockTable
+
+#: descriptor indices ``[n]`` and (address, nbytes) spans ``[n, 2]`` of a WRITE
+Int64Array = npt.NDArray[np.int64]
 
 
 class XferState(str, Enum):
@@ -144,7 +148,7 @@ class Transport(ABC):
         """Forgets a peer (it restarted or died). Never raises."""
 
     @abstractmethod
-    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray,
+    def post_write(self, peer: str, local_indices: Int64Array, remote_indices: Int64Array,
                    notif: bytes) -> object:
         """Posts one WRITE of local descriptors ``local_indices`` into the peer's ``remote_indices`` (int64,
         same length, index spaces of the two ``BlockTable``s; descriptor sizes match pairwise).
@@ -154,7 +158,7 @@ class Transport(ABC):
         Raises ``TransportError`` (nothing was posted)."""
 
     @abstractmethod
-    def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
+    def post_write_spans(self, peer: str, local_spans: Int64Array, remote_spans: Int64Array,
                          notif: bytes) -> object:
         """Posts one WRITE of explicit spans: int64 ``[n, 2]`` (address, nbytes) each, pairwise equal sizes,
         every span inside the regions ``register`` (here) and ``add_peer`` (there) covered; for what the
@@ -257,12 +261,12 @@ class LockedTransport(Transport):
         with self._lock:
             self._inner.remove_peer(agent_name)
 
-    def post_write(self, peer: str, local_indices: np.ndarray, remote_indices: np.ndarray,
+    def post_write(self, peer: str, local_indices: Int64Array, remote_indices: Int64Array,
                    notif: bytes) -> object:
         with self._lock:
             return self._inner.post_write(peer, local_indices, remote_indices, notif)
 
-    def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
+    def post_write_spans(self, peer: str, local_spans: Int64Array, remote_spans: Int64Array,
                          notif: bytes) -> object:
         with self._lock:
             return self._inner.post_write_spans(peer, local_spans, remote_spans, notif)

@@ -1,18 +1,20 @@
-"""Chaos soak: a PD fleet of separate servers under load while a random process is killed (``-9``) and restarted.
+"""Chaos soak: a PD fleet of separate servers under load while a random process is killed (``-9``) and
+restarted.
 
 The fleet, each process started as the README's "Across servers" commands start it (loopback, distinct ports):
-the membership registry (``python -m bootstrap.membership``), a router server (``ROLE=router``), the OpenAI front
-(``ROLE=frontend``), two prefill servers and two decode servers (``ROLE=prefill``/``decode``). The load is
-``scripts/bench_soak.py``'s: ``--concurrency`` client slots over gRPC to the router, mixed prompt lengths, random
-``max_tokens``, ``--cancel-fraction`` cancelled by the client. Every ``--kill-interval-s`` a random process of
-the fleet is killed with SIGKILL (the whole serve.sh group: tritonserver and its stubs die with it) and started
-again at once on the same ports, as a supervisor (systemd, Kubernetes) would; the time until the fleet is back
-at full strength (the router lists every prefill and decode instance healthy, the front answers) is recorded.
+the membership registry (``python -m bootstrap.membership``), a router server (``ROLE=router``), the OpenAI
+front (``ROLE=frontend``), two prefill servers and two decode servers (``ROLE=prefill``/``decode``). The load
+is ``scripts/bench_soak.py``'s: ``--concurrency`` client slots over gRPC to the router, mixed prompt lengths,
+random ``max_tokens``, ``--cancel-fraction`` cancelled by the client. Every ``--kill-interval-s`` a random
+process of the fleet is killed with SIGKILL (the whole serve.sh group: tritonserver and its stubs die with it)
+and started again at once on the same ports, as a supervisor (systemd, Kubernetes) would; the time until the
+fleet is back at full strength (the router lists every prefill and decode instance healthy, the front answers)
+is recorded.
 
-Printed: requests, errors by kind, errors outside any kill window (a request that no killed process was serving
-must not fail: these must be 0), streams without FINAL (0), KV pages not returned after the drain on every
-surviving worker (0), the heal times (p50, max; each must be within ``--heal-bound-s``), whether every server
-then stopped cleanly (SIGTERM, within 15 s, no stub killed by a fault in the kernel log). Exit 1 when a
+Printed: requests, errors by kind, errors outside any kill window (a request that no killed process was
+serving must not fail: these must be 0), streams without FINAL (0), KV pages not returned after the drain on
+every surviving worker (0), the heal times (p50, max; each must be within ``--heal-bound-s``), whether every
+server then stopped cleanly (SIGTERM, within 15 s, no stub killed by a fault in the kernel log). Exit 1 when a
 must-be-0 figure is not 0, a heal exceeded its bound, or a stop was unclean.
 
     .venv/bin/python scripts/bench_chaos.py --duration-s 1800 --concurrency 32 --out docs/bench_chaos.json
@@ -43,8 +45,15 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench_soak import SoakConfig, SoakRun, read_pages  # noqa: E402 - needs scripts/ on sys.path
 from perf.server import (  # noqa: E402
-    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, free_ports, healthy_instances,
-    kernel_log)
+    Deployment,
+    RegistryProcess,
+    ServeScript,
+    build_model_repository,
+    fault_lines,
+    free_ports,
+    healthy_instances,
+    kernel_log,
+)
 from perf.soak import Outcome, SoakWorkload, classify_error, summarize  # noqa: E402
 from perf.stats import percentile  # noqa: E402
 
@@ -87,7 +96,8 @@ class ChaosFleet:
         self.router = ServeScript("pd_ensemble", log_dir / "router.log", env={**env, "ROLE": "router"})
         self.front_port = free_ports(1)[0]
         self.front = ServeScript("", log_dir / "front.log", env={
-            "ROLE": "frontend", "OPENAI": "1", "OPENAI_PORT": str(self.front_port), "GRPC_URL": self.router.grpc_url})
+            "ROLE": "frontend", "OPENAI": "1", "OPENAI_PORT": str(self.front_port),
+            "GRPC_URL": self.router.grpc_url})
         names = [f"prefill_{i}" for i in range(prefills)] + [f"decode_{i}" for i in range(decodes)]
         self.workers = {name: ServeScript(name.split("_")[0], log_dir / f"{name}.log",
                                           env={**env, "ROLE": name.split("_")[0]}) for name in names}
@@ -177,7 +187,8 @@ class ChaosFleet:
             stops[name] = {"seconds": round(seconds, 1), "killed": killed,
                            "clean": not killed and seconds <= CLEAN_STOP_S}
             if not stops[name]["clean"]:
-                print(f"--- {name}: unclean stop; the end of {server.log_path}:\n{server.log_tail(12000)}\n---",
+                print(f"--- {name}: unclean stop; the end of "
+                      f"{server.log_path}:\n{server.log_tail(12000)}\n---",
                       flush=True)
         self.registry.stop()
         return stops
@@ -211,7 +222,8 @@ class ChaosRun:
 
 
 def in_a_kill_window(record_s: tuple[float, float], kills: list[Kill], grace_s: float) -> bool:
-    """Whether a request (sent, ended) overlapped a kill's window: the kill to the fleet whole again + grace."""
+    """Whether a request (sent, ended) overlapped a kill's window: the kill to the fleet whole again +
+    grace."""
     sent_s, end_s = record_s
     for kill in kills:
         window_end = (kill.healed_s or float("inf")) + grace_s
@@ -232,7 +244,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cancel-fraction", type=float, default=0.2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--request-timeout-s", type=float, default=330.0,
-                   help="the client's deadline per request: past the router's 300 s idle timeout, so a silent "
+                   help="the client's deadline per request: past the router's 300 s idle timeout, so a "
+                        "silent "
                    "stream gets the router's error first")
     p.add_argument("--window-grace-s", type=float, default=10.0,
                    help="an error this long after a heal still counts as the kill's")
@@ -295,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         errors_outside_kill_windows=len(outside),
         errors_outside_examples=sorted({classify_error(r.error or "") + ": " + (r.error or "")[:160]
                                         for r in outside})[:5],
-        pages_by_worker=pages, stops=stops, stub_faults=faults, load_avg=[round(v, 2) for v in os.getloadavg()])
+        pages_by_worker=pages, stops=stops, stub_faults=faults,
+        load_avg=[round(v, 2) for v in os.getloadavg()])
     failed = []
     if summary["streams_without_final"]:
         failed.append(f"{summary['streams_without_final']} streams without FINAL")
@@ -317,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
           f"streaming {summary['timed_out_streaming']}")
     print(f"  errors outside kill windows {len(outside)} (must be 0), streams without FINAL "
           f"{summary['streams_without_final']} (must be 0), pages not returned {pages} (must be 0)")
-    print(f"  heal p50 {summary['heal_p50_s']} s, max {summary['heal_max_s']} s (bound {heal_bound_s:.0f} s); "
-          f"stops {stops}; stub faults {len(faults)}")
+    print(f"  heal p50 {summary['heal_p50_s']} s, max {summary['heal_max_s']} s (bound {heal_bound_s:.0f} "
+          f"s); stops {stops}; stub faults {len(faults)}")
     print("FAIL: " + "; ".join(failed) if failed else "PASS", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

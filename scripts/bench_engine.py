@@ -32,8 +32,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2",
-                   help="what engine.model.load_model loads: 'smollm2' (the bundled GGUF) or a model folder, e.g. "
-                        "one of scripts/perf/tiny_model.py's random models")
+                   help="what engine.model.load_model loads: 'smollm2' (the bundled GGUF) or a model folder, "
+                        "e.g. one of scripts/perf/tiny_model.py's random models")
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=64, help="(a) new tokens at batch 1")
     p.add_argument("--mixed-requests", type=int, default=16)

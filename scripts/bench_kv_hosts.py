@@ -56,7 +56,8 @@ TCP_PORT = 5201
 # before it touches the memory: the source's connection waits in the backlog meanwhile
 SINK = """
 import mmap, socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
 s.listen(); land = sys.argv[3] == 'land'
 region = mmap.mmap(-1, 1 << 28, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 if land and hasattr(mmap, 'MADV_HUGEPAGE'): region.madvise(mmap.MADV_HUGEPAGE)
@@ -119,7 +120,8 @@ def kv_room(prefill: KVWorker, decode: KVWorker, room: int, src: list[int],
     sent = prefill.call("send", (room, src, 60.0, True), 90)
     got = decode.call_raw(90)
     if got.state != "Success":
-        raise RuntimeError(f"room {room}: prefill {sent.state} {sent.failure}; decode {got.state} {got.failure}")
+        raise RuntimeError(
+            f"room {room}: prefill {sent.state} {sent.failure}; decode {got.state} {got.failure}")
     stamps = {**sent.timings, **got.timings, "t0": sent.t_s}
     return float(got.t_s - sent.t_s), {n: float(stamps[b] - stamps[a]) if stamps.get(b) else float("nan")
                                        for n, a, b in SEGMENTS}
@@ -127,8 +129,8 @@ def kv_room(prefill: KVWorker, decode: KVWorker, room: int, src: list[int],
 
 @dataclass
 class Pair:
-    """A prefill worker on host ``src`` and a decode worker on host ``dst`` with UCX settings ``ucx``; keys of its
-    figures start with ``prefix`` ("" for the first pair, "b_" for the ``--ucx-b`` one)."""
+    """A prefill worker on host ``src`` and a decode worker on host ``dst`` with UCX settings ``ucx``; keys of
+    its figures start with ``prefix`` ("" for the first pair, "b_" for the ``--ucx-b`` one)."""
 
     prefix: str
     src: str
@@ -185,12 +187,14 @@ def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float, landed_ms: float
            f"{k}_landed_ratio": round(landed_ms / kv_ms, 3),
            f"{k}_landed_overhead_ms": round(kv_ms - landed_ms, 3),
            f"{k}_link_bytes_ratio": round(pair.link / (nbytes * len(pair.kv)), 3),
-           **{f"{k}_{n}_ms": round(statistics.median(s[n] for s in pair.segs) * 1e3, 3) for n, _, _ in SEGMENTS}}
+           **{f"{k}_{n}_ms": round(statistics.median(s[n] for s in pair.segs) * 1e3, 3) for n, _,
+              _ in SEGMENTS}}
     label = f"[{pair.prefix.rstrip('_') or 'a'}] " if pair.prefix or len(pair.ucx) else ""
-    print(f"{label}{key:5s} {nbytes / 2**20:6.1f} MiB: KV {out[k + '_gbps']:.3f} GB/s (median {kv_ms:.2f} ms, p90 "
-          f"{out[k + '_p90_ms']:.2f} ms) | raw TCP same bytes {raw_ms:.2f} ms ({nbytes / raw_ms / 1e6:.3f} GB/s) "
-          f"| ratio {out[k + '_ratio']:.2f} | overhead {out[k + '_overhead_ms']:.2f} ms | link/KV bytes "
-          f"{out[k + '_link_bytes_ratio']:.3f} | load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"{label}{key:5s} {nbytes / 2**20:6.1f} MiB: KV {out[k + '_gbps']:.3f} GB/s (median {kv_ms:.2f} "
+          f"ms, p90 {out[k + '_p90_ms']:.2f} ms) | raw TCP same bytes {raw_ms:.2f} ms "
+          f"({nbytes / raw_ms / 1e6:.3f} GB/s) | ratio {out[k + '_ratio']:.2f} | overhead "
+          f"{out[k + '_overhead_ms']:.2f} ms | link/KV bytes {out[k + '_link_bytes_ratio']:.3f} | load "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
     print(f"      raw TCP landing the bytes in memory {landed_ms:.2f} ms: "
           f"ratio {out[k + '_landed_ratio']:.2f}, "
           f"overhead {out[k + '_landed_overhead_ms']:.2f} ms", flush=True)
@@ -201,8 +205,9 @@ def summarize(pair: Pair, key: str, nbytes: int, raw_ms: float, landed_ms: float
 
 def run(backend: str, reps: int, sizes: tuple[int, ...], network_only: bool, rate_mbit: float,
         ucx: dict[str, str], ucx_b: dict[str, str] | None, log_dir: Path) -> dict[str, Any]:
-    """One fleet: ``reg`` (unused since the rendezvous moved into the instances), ``pf``/``dc`` (the pair), and with ``ucx_b`` ``pf2``/``dc2`` (a second
-    pair with those UCX settings, measured interleaved with the first: an A/B under the same load)."""
+    """One fleet: ``reg`` (unused since the rendezvous moved into the instances), ``pf``/``dc`` (the pair),
+    and with ``ucx_b`` ``pf2``/``dc2`` (a second pair with those UCX settings, measured interleaved with the
+    first: an A/B under the same load)."""
     result: dict[str, Any] = {"backend": backend, "network_only": network_only, "rate_mbit": rate_mbit,
                               "ucx": ucx, "loadavg_1m_start": round(os.getloadavg()[0], 2)}
     pairs = [Pair("", "pf", "dc", ucx)] + ([Pair("b_", "pf2", "dc2", ucx_b)] if ucx_b is not None else [])
@@ -241,8 +246,8 @@ def main() -> None:
     parser.add_argument("--local", action="store_true", help="without network_only (shared memory allowed)")
     parser.add_argument("--ucx", action="append", default=[], help="VAR=VALUE for both workers (repeatable)")
     parser.add_argument("--ucx-b", action="append", default=None,
-                        help="VAR=VALUE (repeatable; 'none' for no variable): a second pair with these settings, "
-                             "measured interleaved with the first (keys b_*)")
+                        help="VAR=VALUE (repeatable; 'none' for no variable): a second pair with these "
+                             "settings, measured interleaved with the first (keys b_*)")
     parser.add_argument("--log-dir", default="/tmp")
     args = parser.parse_args()
     reason = unavailable_reason()

@@ -1,5 +1,6 @@
 """Benchmark: KV of 128-, 1k- and 4k-token prompts (SmolLM2 layout, page_size 16) moved from a prefill process
-to a decode process over a KV backend (NIXL, Mooncake), against a plain memcpy of the same bytes in the same run.
+to a decode process over a KV backend (NIXL, Mooncake), against a plain memcpy of the same bytes in the same
+run.
 
 Usage: python scripts/bench_kv_transfer.py [--backend nixl,mooncake] [--reps 20] [--scatter]
                                            [--sizes 128,1024,4096] [--cold] [--no-inline]
@@ -93,10 +94,11 @@ def engine_pool(huge_pages: bool, dtype: str | None = None) -> np.ndarray:
     return storage.numpy().reshape(-1)   # [pool values]; numpy keeps the tensor (and its memory) alive
 
 
-def worker(role: str, prefill_url: str, backend: str, cold: bool, inline: bool,  # type: ignore[no-untyped-def]
+def worker(role: str, prefill_url: str, backend: str, cold: bool,
+           inline: bool,  # type: ignore[no-untyped-def]
            huge_pages: bool, dtype: str, conn) -> None:
-    """One engine-like process: a KV pool (touched), a manager with its own rendezvous, commands from the pipe;
-    ``prefill_url``: decode only, the prefill process's rendezvous."""
+    """One engine-like process: a KV pool (touched), a manager with its own rendezvous, commands from the
+    pipe; ``prefill_url``: decode only, the prefill process's rendezvous."""
     layout = smollm2_layout(NUM_PAGES, dtype)
     pool = engine_pool(huge_pages, dtype)   # touched: first-touch page faults excluded
     if role == "prefill":
@@ -276,8 +278,9 @@ def start_workers(backend: str, cold: bool, inline: bool,
     prefill_url = ""
     for role in ("prefill", "decode"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, prefill_url, backend, cold, inline, huge_pages, KV_DTYPE,
-                                                child),
+        proc = ctx.Process(target=worker,
+                           args=(role, prefill_url, backend, cold, inline, huge_pages, KV_DTYPE,
+                                 child),
                            daemon=True)
         proc.start()
         pipes[role], procs = parent, procs + [proc]
@@ -352,8 +355,8 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
     prompt's 256 pages WRITTEN between two NIXL agents of this process (UCX ``cma``, no notification) as one
     descriptor per page (layout v2) and as one per (layer, K/V, page) block, 60 per page (layout v1), pages
     random on both sides with ``scatter``; and v2 again between two agents whose UCX backend has
-    ``COPY_THREADS`` copy threads (``v2t``: NIXL splits the 256 descriptors between them, as NixlTransport does
-    where the process may use two cores); interleaved, medians, and memcpy of the same bytes."""
+    ``COPY_THREADS`` copy threads (``v2t``: NIXL splits the 256 descriptors between them, as NixlTransport
+    does where the process may use two cores); interleaved, medians, and memcpy of the same bytes."""
     from kv_transfer.nixl_transport import COPY_THREADS, SPLIT_MIN_DESCS, apply_ucx_defaults
 
     apply_ucx_defaults()   # as NixlTransport does: the same UCX as the transfers above
@@ -385,7 +388,8 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
             planes = np.arange(per_page, dtype=np.int64)[:, None] * (NUM_PAGES * block if per_page > 1 else 0)
             offsets = [(planes + np.asarray(pages, dtype=np.int64)[None, :] * unit).reshape(-1)
                        for pages in (src, dst)]
-            descs = [np.stack([pool.ctypes.data + off, np.full(len(off), unit), np.zeros(len(off), np.int64)], 1)
+            descs = [np.stack([pool.ctypes.data + off, np.full(len(off), unit),
+                               np.zeros(len(off), np.int64)], 1)
                      for pool, off in zip(pools, offsets)]
             local, remote = (agents[0].get_xfer_descs(d, "DRAM") for d in descs)
             t0 = time.perf_counter()
@@ -393,7 +397,8 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
             agents[0].transfer(handle)
             while agents[0].check_xfer_state(handle) == "PROC":
                 agents[1].get_new_notifs()   # the target's progress (connection set-up needs it)
-                time.sleep(0.00005)          # a sleeping poll, as the managers': the copy threads keep the cores
+                # a sleeping poll, as the managers': the copy threads keep the cores
+                time.sleep(0.00005)
             times[name].append(time.perf_counter() - t0)
             agents[0].release_xfer_handle(handle)
         t0 = time.perf_counter()
@@ -401,13 +406,14 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
         times["memcpy"].append(time.perf_counter() - t0)
     nbytes = num_pages * layout.page_bytes
     out = {f"layout_{k}_gbps": round(nbytes / statistics.median(v[1:]) / 1e9, 3) for k, v in times.items()}
-    out["layout_v2_ratio"] = round(statistics.median(times["memcpy"][1:]) / statistics.median(times["v2"][1:]), 3)
+    out["layout_v2_ratio"] = round(
+        statistics.median(times["memcpy"][1:]) / statistics.median(times["v2"][1:]), 3)
     for name in ("v1", "v2t"):
         out[f"layout_{name}_ratio"] = round(statistics.median(times["memcpy"][1:])
                                             / statistics.median(times[name][1:]), 3)
-    print("layouts, 4k tokens{}: page-major (v2) {layout_v2_gbps} GB/s ({layout_v2_ratio}x memcpy), layer-major "
-          "(v1) {layout_v1_gbps} GB/s ({layout_v1_ratio}x), v2 on copy threads {layout_v2t_gbps} GB/s "
-          "({layout_v2t_ratio}x), memcpy {layout_memcpy_gbps} GB/s".format(
+    print("layouts, 4k tokens{}: page-major (v2) {layout_v2_gbps} GB/s ({layout_v2_ratio}x memcpy), "
+          "layer-major (v1) {layout_v1_gbps} GB/s ({layout_v1_ratio}x), v2 on copy threads {layout_v2t_gbps} "
+          "GB/s ({layout_v2t_ratio}x), memcpy {layout_memcpy_gbps} GB/s".format(
               ", scattered" if scatter else "", **out), flush=True)
     return out
 

@@ -4,10 +4,10 @@ and over gRPC straight to ``pd_ensemble``, in one run, against one server.
 One ``scripts/serve.sh`` (``SKIP_SETUP=1 MODELS=pd_ensemble,prefill,decode OPENAI=1``) on free loopback ports
 serves both paths; they take turns (never concurrently, so they never share the CPU) every ``concurrency``
 requests, the order flipping every turn, so that the machine's drifting load (it is shared) hits both alike.
-Seeded prompts of the same length on both paths but never the same text (the prefill engine's prefix cache would
-serve a prompt sent twice from cache); completions, no chat template,
-greedy with ``ignore_eos`` (exactly ``max_tokens`` tokens each), a few warm-up requests per path (not counted),
-the same closed-loop schedule (concurrency 1, then 4).
+Seeded prompts of the same length on both paths but never the same text (the prefill engine's prefix cache
+would serve a prompt sent twice from cache); completions, no chat template,
+greedy with ``ignore_eos`` (exactly ``max_tokens`` tokens each), a few warm-up requests per path (not
+counted), the same closed-loop schedule (concurrency 1, then 4).
 
 * **direct**: one tritonclient gRPC stream per request (``enable_empty_final_response``) with the asyncio
   client the front itself uses, on one open channel, asking for the outputs the front asks for
@@ -26,10 +26,12 @@ Target: added TTFT and ITL p50 <= 5 ms.
 
 Usage::
 
-    .venv/bin/python scripts/bench_openai_front.py            # 2 rounds x 8 x (128-token prompt, 32 new), c=1,4
-    .venv/bin/python scripts/bench_openai_front.py --quick    # 1 round x 4 x (64, 16), c=1
-    .venv/bin/python scripts/bench_openai_front.py --concurrency 1 --requests 16 --prompt-tokens 4 --max-tokens 8
-                                                              # a probe: little compute next to the per-hop cost
+    .venv/bin/python scripts/bench_openai_front.py            # 2 rounds x 8 x (128-token prompt, 32 new),
+    c=1,4 .venv/bin/python scripts/bench_openai_front.py --quick    # 1 round x 4 x (64, 16), c=1
+    .venv/bin/python scripts/bench_openai_front.py --concurrency 1 --requests 16 --prompt-tokens 4
+    --max-tokens 8
+                                                              # a probe: little compute next to the per-hop
+                                                              cost
 
 Prints a table, then one JSON line last.
 """
@@ -52,9 +54,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
-from perf.server import ServeScript, free_ports
-from perf.stats import RequestRecord, percentile
-from perf.workload import make_prompt
+from perf.server import ServeScript, free_ports  # noqa: E402 - scripts/ is on sys.path (above)
+from perf.stats import RequestRecord, percentile  # noqa: E402 - scripts/ is on sys.path (above)
+from perf.workload import make_prompt  # noqa: E402 - scripts/ is on sys.path (above)
 
 logger = logging.getLogger("bench_openai_front")
 READY_TIMEOUT_S = 300.0
@@ -134,8 +136,8 @@ class Stack:
 
 
 class DirectGrpc:
-    """The direct path: tritonclient's asyncio gRPC client (what the front itself uses) on one event loop thread,
-    one channel, one bidirectional stream per request; ``send`` may be called from any thread."""
+    """The direct path: tritonclient's asyncio gRPC client (what the front itself uses) on one event loop
+    thread, one channel, one bidirectional stream per request; ``send`` may be called from any thread."""
 
     def __init__(self, grpc_url: str) -> None:
         import asyncio
@@ -164,7 +166,8 @@ class DirectGrpc:
 
         def tensor(name: str, value: Any) -> Any:
             t = InferInput(name, [1], "BOOL" if isinstance(value, bool) else "BYTES")
-            t.set_data_from_numpy(np.array([value], dtype=np.bool_ if isinstance(value, bool) else np.object_))
+            t.set_data_from_numpy(np.array([value],
+                                           dtype=np.bool_ if isinstance(value, bool) else np.object_))
             return t
 
         params = json.dumps({"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True})
@@ -303,18 +306,21 @@ def measure(cfg: BenchConfig) -> dict[tuple[str, int], list[RequestRecord]]:
     order flipping every batch); returns every record by (path, c)."""
     stack = Stack(cfg).start()
     width = max(cfg.concurrencies)
-    pools = {name: ThreadPoolExecutor(width, thread_name_prefix=f"bench-{name}") for name in ("direct", "front")}
+    pools = {name: ThreadPoolExecutor(width,
+                                      thread_name_prefix=f"bench-{name}") for name in ("direct", "front")}
     try:
         direct = DirectGrpc(stack.grpc_url)
         paths = {"direct": direct.send, "front": send_front(stack.openai_url)}
         for name, send in paths.items():   # every slot thread opens its connection here, uncounted
             run_batch(pools[name], send, make_specs(cfg, f"{name}-warm", max(cfg.num_warmup, width),
                                                     90_000 + PROMPT_SALT[name]))
-        records: dict[tuple[str, int], list[RequestRecord]] = {(n, c): [] for n in paths for c in cfg.concurrencies}
+        records: dict[tuple[str, int],
+                      list[RequestRecord]] = {(n, c): [] for n in paths for c in cfg.concurrencies}
         turn = 0
         for r in range(cfg.rounds):
             for conc in cfg.concurrencies:
-                specs = {name: make_specs(cfg, f"c{conc}-r{r}", cfg.num_requests, conc * 10_000 + r * 1_000 + salt)
+                specs = {name: make_specs(cfg, f"c{conc}-r{r}", cfg.num_requests,
+                                          conc * 10_000 + r * 1_000 + salt)
                          for name, salt in PROMPT_SALT.items()}   # same ids (pairs), different prompts
                 for start in range(0, cfg.num_requests, conc):
                     order = ("direct", "front") if turn % 2 == 0 else ("front", "direct")
@@ -326,7 +332,8 @@ def measure(cfg: BenchConfig) -> dict[tuple[str, int], list[RequestRecord]]:
                                 logger.warning("%s %s failed: %s", name, rec.request_id, rec.error)
                         records[(name, conc)].extend(done)
                 for name in paths:
-                    logger.info("round %d c=%d %s: %s (load %s)", r, conc, name, figures(records[(name, conc)]),
+                    logger.info("round %d c=%d %s: %s (load %s)", r, conc, name,
+                                figures(records[(name, conc)]),
                                 os.getloadavg())
         direct.close()
         return records
@@ -346,18 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = (BenchConfig(num_requests=4, rounds=1, prompt_tokens=64, max_tokens=16, num_warmup=1, concurrencies=(1,))
-           if a.quick else BenchConfig(num_requests=a.requests, rounds=a.rounds, concurrencies=tuple(a.concurrency),
+    cfg = (BenchConfig(num_requests=4, rounds=1, prompt_tokens=64, max_tokens=16, num_warmup=1,
+                       concurrencies=(1,))
+           if a.quick else BenchConfig(num_requests=a.requests, rounds=a.rounds,
+                                       concurrencies=tuple(a.concurrency),
                              prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens))
     load_before = os.getloadavg()
     records = measure(cfg)
     figs = {key: figures(recs) for key, recs in records.items()}
-    print(f"{'path':8} {'c':>2} {'n':>3} {'fail':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
+    print(
+        f"{'path':8} {'c':>2} {'n':>3} {'fail':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+        f"{'ITL p99':>8}  (ms)")
     for (name, conc), f in sorted(figs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(f"{name:8} {conc:>2} {f.num_requests:>3} {f.num_failed:>4} {f.ttft_p50_ms:>9.1f} {f.ttft_p99_ms:>9.1f} "
-              f"{f.itl_p50_ms:>8.1f} {f.itl_p99_ms:>8.1f}")
-    result: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-                              "load_before": load_before, "load_after": os.getloadavg(), "by_concurrency": {}}
+        print(f"{name:8} {conc:>2} {f.num_requests:>3} {f.num_failed:>4} {f.ttft_p50_ms:>9.1f} "
+              f"{f.ttft_p99_ms:>9.1f} {f.itl_p50_ms:>8.1f} {f.itl_p99_ms:>8.1f}")
+    result: dict[str,
+                 Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+                         "load_before": load_before, "load_after": os.getloadavg(), "by_concurrency": {}}
     for conc in cfg.concurrencies:
         diff = {**added(figs[("direct", conc)], figs[("front", conc)]),
                 **paired(records[("direct", conc)], records[("front", conc)])}

@@ -1,5 +1,5 @@
-"""Pairing benchmark: load-aware against round-robin pairing on a skewed 2P2D fleet, and direct decode of short
-prompts against prefill + transfer.
+"""Pairing benchmark: load-aware against round-robin pairing on a skewed 2P2D fleet, and direct decode of
+short prompts against prefill + transfer.
 
 One tritonserver (``scripts/serve.sh`` on free loopback ports, with its bootstrap service) serves ``prefill``,
 ``prefill_1`` (both pinned to core 0), ``decode`` and ``decode_1`` (both pinned to core 1; ``decode_1`` has
@@ -8,10 +8,11 @@ bootstrap service: ``pd_ensemble`` (load_aware), ``pd_ensemble_rr`` (round_robin
 (load_aware, ``direct_decode_max_tokens``). Same fleet processes for every run; runs alternate A B B A.
 
 1. skew: ``--requests`` requests of ``--prompt-tokens`` + ``--max-tokens`` tokens in a closed loop at
-   ``--concurrency``, same seeded prompts for both policies; goodput under bench_serving.py's SLO (TTFT <= 4 s,
-   a request's ITL p99 <= 250 ms), TTFT / TPOT / ITL p50 and p99, and each router's selections per instance
+   ``--concurrency``, same seeded prompts for both policies; goodput under bench_serving.py's SLO (TTFT <= 4
+   s, a request's ITL p99 <= 250 ms), TTFT / TPOT / ITL p50 and p99, and each router's selections per instance
    (``pd_router_selections_total``), per run and pooled;
-2. direct decode: ``--short-requests`` prompts of ``--short-prompt-tokens`` (< ``--direct-max-tokens``) through
+2. direct decode: ``--short-requests`` prompts of ``--short-prompt-tokens`` (< ``--direct-max-tokens``)
+through
    ``pd_ensemble_dd`` (decode prefills them itself) against ``pd_ensemble`` (prefill, then KV transfer).
 
 Prints one JSON line last (``--out`` writes the whole result). The server is stopped on every exit path.
@@ -68,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="runs per policy (alternating A B B A)")
-    p.add_argument("--direct-max-tokens", type=int, default=64, help="direct_decode_max_tokens of pd_ensemble_dd")
+    p.add_argument("--direct-max-tokens", type=int, default=64,
+                   help="direct_decode_max_tokens of pd_ensemble_dd")
     p.add_argument("--short-requests", type=int, default=16)
     p.add_argument("--short-concurrency", type=int, default=4)
     p.add_argument("--short-prompt-tokens", type=int, default=32)
@@ -88,10 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _tagged(phase: Phase, tag: str) -> Phase:
     """The same requests with run-unique ids."""
-    return Phase(phase.name, tuple(dataclasses.replace(r, request_id=f"{tag}-{r.request_id}") for r in phase.requests))
+    return Phase(phase.name,
+                 tuple(dataclasses.replace(r, request_id=f"{tag}-{r.request_id}") for r in phase.requests))
 
 
-def _run(server: ServeScript, router: str, phase: Phase, tag: str, slo: Slo, timeout_s: float) -> dict[str, Any]:
+def _run(server: ServeScript, router: str, phase: Phase, tag: str, slo: Slo,
+         timeout_s: float) -> dict[str, Any]:
     """One measured run through ``router``: figures, selections per instance, load average before it."""
     load_1m = os.getloadavg()[0]
     before = selections(scrape_metrics(server.metrics_url), router)
@@ -154,7 +158,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     short_phase = chat_phase(a.short_concurrency, a.short_requests, a.short_prompt_tokens, a.short_max_tokens,
                              a.seed + 1)
     doc: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-                           "fleet": dataclasses.asdict(fleet), "routers": [dataclasses.asdict(r) for r in routers],
+                           "fleet": dataclasses.asdict(fleet),
+                           "routers": [dataclasses.asdict(r) for r in routers],
                            "slo": dataclasses.asdict(slo), "cpus": os.cpu_count(),
                            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                                                     capture_output=True, text=True).stdout.strip()}
@@ -186,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     a = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally that stops the server
+    # unwinds through the finally that stops the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     doc = run(a)
     for r in doc["skew"] + doc["direct"]:
         print(json.dumps({k: r[k] for k in ("router", "goodput_requests_per_s", "ttft_p50_ms", "ttft_p99_ms",

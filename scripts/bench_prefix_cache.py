@@ -4,8 +4,8 @@
 Workload: ``--conversations`` conversations of ``--turns`` turns over one shared system prompt (~``--system-
 tokens`` tokens). Turn ``t`` of a conversation sends system + (user message, answer) of every earlier turn + a
 new user message (token ids concatenated, no chat template), greedy, ``--output-tokens`` tokens (EOS ignored).
-Requests run one at a time, so TTFT (``add_request`` → the first output carrying a token) is the prefill of the
-uncached part of the prompt plus one step. Prints TTFT p50 of turn 1 and of turns 2+, with and without the
+Requests run one at a time, so TTFT (``add_request`` → the first output carrying a token) is the prefill of
+the uncached part of the prompt plus one step. Prints TTFT p50 of turn 1 and of turns 2+, with and without the
 cache, and the ratio with / without for turns 2+.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_prefix_cache.py   # 8 x 4 turns, 500-token system prompt
@@ -34,7 +34,8 @@ def ttfts(engine: LLMEngine, loaded: LoadedModel, args: argparse.Namespace) -> d
     out: dict[int, list[float]] = {t: [] for t in range(args.turns)}
     for turn in range(args.turns):
         for conv in range(args.conversations):
-            user = tok.encode(f" Question {turn + 1} of visitor {conv + 1}: {_USER[(conv + turn) % len(_USER)]}")
+            user = tok.encode(
+                f" Question {turn + 1} of visitor {conv + 1}: {_USER[(conv + turn) % len(_USER)]}")
             prompt = history[conv] + user
             rid = f"c{conv}t{turn}"
             start = time.perf_counter()
@@ -70,8 +71,9 @@ def main() -> None:
         p50[cache] = statistics.median(later)
         stats = engine.prefix_cache_stats()
         hit = stats.hits_tokens / stats.queries_tokens if stats.queries_tokens else 0.0
-        print(f"cache={'on ' if cache else 'off'}  TTFT p50 turn 1: {statistics.median(by_turn[0]) * 1e3:7.1f} ms"
-              f"  turns 2+: {p50[cache] * 1e3:7.1f} ms  prefix hit rate (tokens): {hit:.2f}")
+        print(f"cache={'on ' if cache else 'off'}  TTFT p50 turn 1: "
+              f"{statistics.median(by_turn[0]) * 1e3:7.1f} ms  turns 2+: {p50[cache] * 1e3:7.1f} ms  prefix "
+              f"hit rate (tokens): {hit:.2f}")
     print(f"TTFT p50 turns 2+, with / without cache: {p50[True] / p50[False]:.3f}")
 
 

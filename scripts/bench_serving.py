@@ -1,4 +1,5 @@
-"""Serving benchmark: PD disaggregated (``pd_ensemble``) against co-located (``colocated``), same request stream.
+"""Serving benchmark: PD disaggregated (``pd_ensemble``) against co-located (``colocated``), same request
+stream.
 
 For each deployment, one after the other (never concurrently, so they do not share the CPU), the script starts
 its own tritonserver on loopback ports (``--port-base``), pins the model stubs to cores, and runs:
@@ -10,8 +11,8 @@ its own tritonserver on loopback ports (``--port-base``), pins the model stubs t
    metrics (``pd_kv_transfer_seconds_total`` / ``pd_kv_transfers_total``) divided by that request's TTFT.
 
 Every request sets ``ignore_eos`` and ``temperature=0``, so each generates exactly ``max_tokens`` tokens.
-It writes ``docs/bench_serving.json`` and ``docs/bench_chat.png`` / ``docs/bench_interference.png``, and prints
-one JSON line last. Usage::
+It writes ``docs/bench_serving.json`` and ``docs/bench_chat.png`` / ``docs/bench_interference.png``, and
+prints one JSON line last. Usage::
 
     .venv/bin/python scripts/bench_serving.py              # full run (~15-25 min on 2 cores)
     .venv/bin/python scripts/bench_serving.py --quick      # < 3 min, smaller workloads
@@ -19,8 +20,8 @@ one JSON line last. Usage::
     .venv/bin/python scripts/bench_serving.py --models pd_ensemble,pd_hosts   # root: PD on one host vs three
 
 ``pd_hosts`` is the ``pd_ensemble`` deployment with the router, prefill and decode servers each on its own
-network host (``scripts/fleet/serve_hosts.py``: namespaces on a bridge, the README's "Across servers" commands,
-KV over TCP on the veth links); the final line then adds its ratios against the one-host ``pd`` run.
+network host (``scripts/fleet/serve_hosts.py``: namespaces on a bridge, the README's "Across servers"
+commands, KV over TCP on the veth links); the final line then adds its ratios against the one-host ``pd`` run.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
                    help="deployments to compare, comma-separated (pd_ensemble, colocated, pd_hosts)")
     p.add_argument("--concurrency", default=None, help="chat concurrencies, e.g. 1,2,4,8")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput bound on TTFT (ms)")
-    p.add_argument("--slo-itl-p99-ms", type=float, default=None, help="goodput bound on a request's ITL p99 (ms)")
+    p.add_argument("--slo-itl-p99-ms", type=float, default=None,
+                   help="goodput bound on a request's ITL p99 (ms)")
     p.add_argument("--colo-threads", type=int, default=2, help="torch threads of the colocated engine")
     p.add_argument("--port-base", type=int, default=18600, help="ports port-base .. port-base+29 are used")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0, help="a request still open after this fails")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="a request still open after this fails")
     p.add_argument("--out-json", type=Path, default=REPO_ROOT / "docs" / "bench_serving.json")
     p.add_argument("--plot-dir", type=Path, default=REPO_ROOT / "docs")
     p.add_argument("--log-dir", type=Path, default=REPO_ROOT / "artifacts" / "bench_serving")
@@ -88,14 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     for deployment in deployments_for(cfg):
         try:
             outcome = run_deployment(cfg, deployment)
-        except (RuntimeError, OSError) as exc:  # one deployment failing (e.g. not in the repo yet) is reported
+        # one deployment failing (e.g. not in the repo yet) is reported
+        except (RuntimeError, OSError) as exc:
             logger.error("%s failed: %s (server log in %s)", deployment.name, exc, cfg.log_dir)
             results[deployment.name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         results[deployment.name] = outcome.summary
         series[deployment.name] = outcome.itl_series
         windows[deployment.name] = outcome.long_windows
-    doc: dict[str, Any] = {"config": asdict(cfg) | {"out_json": str(cfg.out_json), "plot_dir": str(cfg.plot_dir),
+    doc: dict[str,
+              Any] = {"config": asdict(cfg) | {"out_json": str(cfg.out_json), "plot_dir": str(cfg.plot_dir),
                                      "log_dir": str(cfg.log_dir)},
            "conditions": {"cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
                           "started_unix_s": started, "wall_s": time.time() - started},
@@ -103,13 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     line = final_line(results)
     doc["summary"] = line
     cfg.out_json.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out_json.write_text(json.dumps(doc, indent=1, default=str) + "\n")   # the figures first: a plot may fail
+    # the figures first: a plot may fail
+    cfg.out_json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     cfg.plot_dir.mkdir(parents=True, exist_ok=True)
     plots = []
     if any("chat" in r for r in results.values()):
         plots.append(str(plot_chat(results, cfg.concurrencies, cfg.plot_dir / f"bench_chat{cfg.suffix}.png")))
     if any(series.values()):
-        plots.append(str(plot_interference(series, windows, cfg.plot_dir / f"bench_interference{cfg.suffix}.png")))
+        plots.append(str(plot_interference(series, windows,
+                                           cfg.plot_dir / f"bench_interference{cfg.suffix}.png")))
     doc["plots"] = plots
     cfg.out_json.parent.mkdir(parents=True, exist_ok=True)
     cfg.out_json.write_text(json.dumps(doc, indent=1, default=str) + "\n")

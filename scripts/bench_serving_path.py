@@ -7,14 +7,16 @@ serves it from one tritonserver (``colocated``, ``prefill``, ``decode`` over NIX
 repository's ``model`` parameter pointing at the tiny folder; ``perf/server.py``'s harness), and measures in
 one run, greedy, ``ignore_eos``, a tiny prompt:
 
-* engine alone (offline, same model and engine settings as served): ITL p50 at 1 stream (time per decode step),
-  tokens/s at ``--streams`` requests x ``--tokens`` new tokens submitted at once;
-* ``colocated``, ``pd_ensemble`` (child requests to the workers' own endpoints, ``serving/workers/endpoint.py``)
-  and ``pd_triton`` (child requests through tritonserver) over gRPC streaming (``perf/stream_client.py``), each
-  path in turn: ITL p50 and TTFT p50 at 1 stream (``--single-requests`` requests one after another), streamed
-  tokens/s at ``--streams`` concurrent streams x ``--tokens`` tokens (tokens / first send to last FINAL);
+* engine alone (offline, same model and engine settings as served): ITL p50 at 1 stream (time per decode
+  step), tokens/s at ``--streams`` requests x ``--tokens`` new tokens submitted at once;
+* ``colocated``, ``pd_ensemble`` (child requests to the workers' own endpoints,
+  ``serving/workers/endpoint.py``) and ``pd_triton`` (child requests through tritonserver) over gRPC streaming
+  (``perf/stream_client.py``), each path in turn: ITL p50 and TTFT p50 at 1 stream (``--single-requests``
+  requests one after another), streamed tokens/s at ``--streams`` concurrent streams x ``--tokens`` tokens
+  (tokens / first send to last FINAL);
 * TTFT p50 interleaved: ``--single-requests`` rounds in which the three paths send one request each in turn,
-  back to back, so that a drift of the host's speed reaches them alike (the paths' own phases run minutes apart).
+  back to back, so that a drift of the host's speed reaches them alike (the paths' own phases run minutes
+  apart).
 
 The client asks for one optional output, each response's ``num_output_tokens`` (``--outputs all``: also
 ``finish_reason`` and ``num_input_tokens``). Then the ratios: PD tok/s / colocated, colocated tok/s / engine,
@@ -49,8 +51,7 @@ if str(SCRIPTS.parent) not in sys.path:   # the project's packages (engine, serv
 
 from perf.server import Deployment, RunningServer, ServerPorts, free_ports  # noqa: E402
 from perf.stats import RequestRecord, percentile, run_duration_s  # noqa: E402
-from perf.stream_client import (COUNT_ONLY, RETURN_FLAGS, grpcclient, run_phase_sync,  # noqa: E402
-                               send_request)
+from perf.stream_client import COUNT_ONLY, RETURN_FLAGS, grpcclient, run_phase_sync, send_request  # noqa: E402
 from perf.tiny_model import build_tiny_llama  # noqa: E402
 from perf.workload import Phase, RequestSpec  # noqa: E402
 
@@ -72,14 +73,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="CI smoke: 4 streams x 16 tokens, 2 single requests")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--outputs", choices=("count", "all"), default="count",
-                   help="the optional outputs the client asks for: 'count' (each response's num_output_tokens, "
-                        "all it needs) or 'all' (also finish_reason and num_input_tokens: 3 more tensors per "
-                        "response, as bench_serving.py asks)")
+                   help="the optional outputs the client asks for: 'count' (each response's "
+                        "num_output_tokens, all it needs) or 'all' (also finish_reason and num_input_tokens: "
+                        "3 more tensors per response, as bench_serving.py asks)")
     p.add_argument("--interleave-gap-ms", type=float, default=0.0,
-                   help="pause between two requests of the interleaved TTFT rounds, ms (default none: as in each "
-                        "path's own phase, where a client at concurrency 1 sends the next request as the last "
-                        "one ends; after 50 ms pauses colocated's first token took twice as long here: "
-                        "docs/benchmarks.md 'Session 23')")
+                   help="pause between two requests of the interleaved TTFT rounds, ms (default none: as in "
+                        "each path's own phase, where a client at concurrency 1 sends the next request as "
+                        "the last one ends; after 50 ms pauses colocated's first token took twice as long on "
+                        "a 2-core host)")
     p.add_argument("--engine-nice", type=int, default=None,
                    help="the served engines' engine_nice (default: the model repository's, -10); the engine "
                         "alone runs at this process's priority, on an otherwise idle machine")
@@ -114,7 +115,8 @@ def engine_alone(model: str, args: argparse.Namespace) -> dict[str, float]:
             if any(o.new_token_ids for o in engine.step()):
                 step_times.append(time.perf_counter())
         step_times.append(float("nan"))   # no gap across requests
-    cpu_ms_per_step = (time.process_time() - cpu_start_s) * 1e3 / max(1, len(step_times) - args.single_requests)
+    cpu_ms_per_step = (time.process_time() - cpu_start_s) * 1e3 / max(
+        1, len(step_times) - args.single_requests)
     gaps = [(b - a) * 1e3 for a, b in zip(step_times, step_times[1:]) if a == a and b == b]
     for i in range(args.streams):
         engine.add_request(f"batch-{i}", prompt, greedy(args.tokens))
@@ -159,10 +161,10 @@ def return_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int]) -> dict[str, float]:
-    """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, via ``model``; and
-    where the CPU time of those streams went: ``cpu_us_per_token_<process>`` for each of ``pids`` (the server,
-    each model's stub, ``client``: this process), microseconds per streamed token, and ``cores_busy`` (their
-    CPU seconds over the phase's wall time)."""
+    """ITL p50 and TTFT p50 at 1 stream, streamed tokens/s at ``streams`` concurrent streams, via ``model``;
+    and where the CPU time of those streams went: ``cpu_us_per_token_<process>`` for each of ``pids`` (the
+    server, each model's stub, ``client``: this process), microseconds per streamed token, and ``cores_busy``
+    (their CPU seconds over the phase's wall time)."""
     def run(name: str, specs: tuple[RequestSpec, ...]) -> list[RequestRecord]:
         records = run_phase_sync(url, model, Phase(name, specs), REQUEST_TIMEOUT_S, return_flags(args))
         return _checked(records, f"{model} {name}")
@@ -171,7 +173,8 @@ def served(url: str, model: str, args: argparse.Namespace, pids: dict[str, int])
     single = run("single", tuple(request_spec(model, f"single-{i}", args.tokens)
                                  for i in range(args.single_requests)))
     before, began = cpu_seconds(pids), time.perf_counter()
-    many = run("streams", tuple(request_spec(model, f"stream-{i}", args.tokens, i) for i in range(args.streams)))
+    many = run("streams",
+               tuple(request_spec(model, f"stream-{i}", args.tokens, i) for i in range(args.streams)))
     after, wall_s = cpu_seconds(pids), time.perf_counter() - began
     tokens = sum(r.num_output_tokens for r in many)
     spent = {name: after[name] - before[name] for name in after if name in before}
@@ -198,10 +201,10 @@ async def _interleaved(url: str, entries: tuple[str, ...], rounds: int, tokens: 
 
 
 def interleaved_ttft(url: str, entries: tuple[str, ...], args: argparse.Namespace) -> dict[str, float]:
-    """TTFT p50 of each of ``entries`` (model names), ms, from ``--single-requests`` rounds in which each sends
-    one request in turn (back to back, or ``--interleave-gap-ms`` apart): a drift of the host's speed during the
-    run (other tenants, frequency) then reaches every path alike, where each path's own single phase runs
-    minutes apart from the others'."""
+    """TTFT p50 of each of ``entries`` (model names), ms, from ``--single-requests`` rounds in which each
+    sends one request in turn (back to back, or ``--interleave-gap-ms`` apart): a drift of the host's speed
+    during the run (other tenants, frequency) then reaches every path alike, where each path's own single
+    phase runs minutes apart from the others'."""
     ttfts = asyncio.run(_interleaved(url, entries, args.single_requests, args.tokens,
                                      args.interleave_gap_ms / 1000.0, return_flags(args)))
     return {entry: percentile(values, 50) for entry, values in ttfts.items()}
@@ -223,7 +226,8 @@ def ratios(fig: dict[str, float]) -> dict[str, float]:
 
 
 def commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=SCRIPTS, capture_output=True, text=True,
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=SCRIPTS,
+                          capture_output=True, text=True,
                           check=False)
     return proc.stdout.strip() or "unknown"
 
@@ -232,12 +236,12 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
     figures: dict[str, float] = {}
     engine = engine_alone(model, args)
     figures.update({f"engine_{k}": v for k, v in engine.items()})
-    print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms  (CPU {engine['cpu_ms_per_step']:5.2f} ms/step)  "
-          f"{engine['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
+    print(f"engine alone      ITL p50 {engine['itl_p50_ms']:7.2f} ms  (CPU {engine['cpu_ms_per_step']:5.2f} "
+          f"ms/step)  {engine['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
     http, grpc, metrics = free_ports(3)
     nice = {} if args.engine_nice is None else {"engine_nice": str(args.engine_nice)}
-    # pd_triton: a second router over the same workers that reaches them through tritonserver (worker_endpoints
-    # false), the path every child request took before the workers' own endpoints
+    # pd_triton: a second router over the same workers that reaches them through tritonserver
+    # (worker_endpoints false), the path every child request took before the workers' own endpoints
     deployment = Deployment(name="path", entry_model="pd_ensemble",
                             models=(*ENGINE_MODELS, "pd_ensemble", "pd_triton"),
                             overrides={**{m: {"model": model, **nice} for m in ENGINE_MODELS},
@@ -251,9 +255,10 @@ def measure(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, fl
             path = served(ports.grpc_url, entry, args, pids)
             server.check_alive(entry)
             figures.update({f"{name}_{k}": v for k, v in path.items()})
-            print(f"{entry:<17} ITL p50 {path['itl_p50_ms']:7.2f} ms  TTFT p50 {path['ttft_p50_ms']:7.2f} ms  "
-                  f"{path['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
-            split = {k.removeprefix("cpu_us_per_token_"): v for k, v in path.items() if k.startswith("cpu_us_per")}
+            print(f"{entry:<17} ITL p50 {path['itl_p50_ms']:7.2f} ms  TTFT p50 {path['ttft_p50_ms']:7.2f} ms "
+                  f" {path['tok_s']:8.0f} tok/s   (load {load_1m()})", flush=True)
+            split = {k.removeprefix("cpu_us_per_token_"): v for k,
+                     v in path.items() if k.startswith("cpu_us_per")}
             print(f"{'':17} CPU per streamed token, us: " + ", ".join(
                 f"{k} {v:.0f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v >= 5) +
                 f"; total {sum(split.values()):.0f} ({path['cores_busy']:.2f} cores busy)", flush=True)
@@ -274,14 +279,16 @@ def main() -> None:
     compared = ratios(figures)
     print(f"PD / colocated tok/s {compared['pd_over_colocated_tok_s']:.2f}; colocated / engine tok/s "
           f"{compared['colocated_over_engine_tok_s']:.2f}; ITL - engine: colocated "
-          f"{compared['colocated_itl_minus_engine_ms']:+.2f} ms, PD {compared['pd_itl_minus_engine_ms']:+.2f} ms; "
-          f"PD TTFT - colocated TTFT {compared['pd_ttft_minus_colocated_interleaved_ms']:+.1f} ms interleaved "
-          f"({compared['pd_ttft_minus_colocated_ms']:+.1f} ms between their own phases); through tritonserver "
-          f"(pd_triton): tok/s {compared['pd_triton_over_colocated_tok_s']:.2f}x colocated, TTFT "
-          f"{compared['pd_triton_ttft_minus_colocated_interleaved_ms']:+.1f} ms interleaved "
+          f"{compared['colocated_itl_minus_engine_ms']:+.2f} ms, PD "
+          f"{compared['pd_itl_minus_engine_ms']:+.2f} ms; PD TTFT - colocated TTFT "
+          f"{compared['pd_ttft_minus_colocated_interleaved_ms']:+.1f} ms interleaved "
+          f"({compared['pd_ttft_minus_colocated_ms']:+.1f} ms between their own phases); through "
+          f"tritonserver (pd_triton): tok/s {compared['pd_triton_over_colocated_tok_s']:.2f}x colocated, "
+          f"TTFT {compared['pd_triton_ttft_minus_colocated_interleaved_ms']:+.1f} ms interleaved "
           f"({compared['pd_triton_ttft_minus_colocated_ms']:+.1f})", flush=True)
     out: dict[str, Any] = {k: round(v, 3) for k, v in {**figures, **compared}.items()}
-    out.update(model=args.model, streams=args.streams, tokens=args.tokens, single_requests=args.single_requests,
+    out.update(model=args.model, streams=args.streams, tokens=args.tokens,
+               single_requests=args.single_requests,
                outputs=args.outputs, interleave_gap_ms=args.interleave_gap_ms, engine_nice=args.engine_nice,
                load_1m=load_1m(), commit=commit())
     print(json.dumps(out), flush=True)

@@ -2,23 +2,24 @@
 
 ``--concurrency`` client slots (default 32) each send one request after another, every request on its own gRPC
 stream (``tritonclient.grpc.aio``, ``enable_empty_final_response`` so the FINAL flag is seen), until
-``--duration-s`` has passed; then the run waits at most ``--drain-s`` for the open streams. Requests mix short,
-medium and long prompts (8..1500 words of varied text) and random ``max_tokens``; ``--cancel-fraction`` of them are
-cancelled by the client (the gRPC call is cancelled, as ``stop_stream(cancel_requests=True)`` does) after a random
-number of responses or a random delay. A request still open after ``--request-timeout-s`` is a stream without
-FINAL when it had been silent for ``perf.soak.STILL_STREAMING_S`` (30 s) by then, else "timed out while
-streaming" (slow under the load: counted apart, not a failure). After the drain the KV pages in use on the
-metrics endpoint are polled (up to ``--pages-wait-s``) until 0, and the python-backend stubs of the server are
-compared with those at the start (``perf/soak.py`` has the rules).
+``--duration-s`` has passed; then the run waits at most ``--drain-s`` for the open streams. Requests mix
+short, medium and long prompts (8..1500 words of varied text) and random ``max_tokens``; ``--cancel-fraction``
+of them are cancelled by the client (the gRPC call is cancelled, as ``stop_stream(cancel_requests=True)``
+does) after a random number of responses or a random delay. A request still open after ``--request-timeout-s``
+is a stream without FINAL when it had been silent for ``perf.soak.STILL_STREAMING_S`` (30 s) by then, else
+"timed out while streaming" (slow under the load: counted apart, not a failure). After the drain the KV pages
+in use on the metrics endpoint are polled (up to ``--pages-wait-s``) until 0, and the python-backend stubs of
+the server are compared with those at the start (``perf/soak.py`` has the rules).
 
 Usage::
 
     .venv/bin/python scripts/bench_soak.py --launch --model colocated --duration-s 120
-    .venv/bin/python scripts/bench_soak.py --launch --duration-s 1800 --out artifacts/soak.json   # pd_ensemble
-    .venv/bin/python scripts/bench_soak.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics
+    .venv/bin/python scripts/bench_soak.py --launch --duration-s 1800 --out artifacts/soak.json   #
+    pd_ensemble .venv/bin/python scripts/bench_soak.py --url 127.0.0.1:8001 --metrics-url
+    http://127.0.0.1:8002/metrics
 
-Prints a progress line every ``--progress-s``, then the figures and one JSON line last. Exit 1 when streams without
-FINAL, KV pages not returned or stub deaths are not all 0; 2 when the server could not be started.
+Prints a progress line every ``--progress-s``, then the figures and one JSON line last. Exit 1 when streams
+without FINAL, KV pages not returned or stub deaths are not all 0; 2 when the server could not be started.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
-from perf.stream_client import read_to_end  # noqa: E402
 from perf.server import ServeScript  # noqa: E402 - needs scripts/ on sys.path
 from perf.soak import (  # noqa: E402
     InstanceName,
@@ -60,6 +60,7 @@ from perf.soak import (  # noqa: E402
     summarize,
 )
 from perf.stats import RequestRecord  # noqa: E402
+from perf.stream_client import read_to_end  # noqa: E402
 
 logger = logging.getLogger("bench_soak")
 
@@ -91,7 +92,8 @@ class SoakConfig:
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or min(self.duration_s, self.request_timeout_s, self.progress_s) <= 0:
-            raise ValueError(f"concurrency, duration, request timeout and progress interval must be > 0: {self}")
+            raise ValueError(
+                f"concurrency, duration, request timeout and progress interval must be > 0: {self}")
         if self.drain_s < 0 or self.pages_wait_s < 0:
             raise ValueError(f"drain_s and pages_wait_s must be >= 0: {self}")
         if not self.launch:
@@ -121,7 +123,8 @@ def _pids() -> list[int]:
 
 
 def server_pid(grpc_port: int) -> int | None:
-    """The tritonserver serving gRPC on ``grpc_port`` (its command line names the port; 8001 when none does)."""
+    """The tritonserver serving gRPC on ``grpc_port`` (its command line names the port; 8001 when none
+    does)."""
     for pid in _pids():
         argv = _cmdline(pid)
         if not argv or not argv[0].endswith("tritonserver"):
@@ -156,7 +159,8 @@ def read_pages(metrics_url: str) -> dict[InstanceName, int] | None:
 
 
 def wait_pages_returned(metrics_url: str, wait_s: float) -> tuple[int | None, dict[InstanceName, int] | None]:
-    """Poll until no page is in use or ``wait_s`` passed; (sum of pages in use, per instance) of the last read."""
+    """Poll until no page is in use or ``wait_s`` passed; (sum of pages in use, per instance) of the last
+    read."""
     deadline = time.monotonic() + wait_s
     while True:
         pages = read_pages(metrics_url)
@@ -215,15 +219,18 @@ async def _read(responses: Any, st: _Stream, cancel_after: int | None) -> None:
 
 
 def _grpc_error_text(exc: Exception) -> str:
-    """``CODE: details`` of a grpc error (``StatusCode.UNAVAILABLE: Socket closed``), else ``Type: message``."""
+    """``CODE: details`` of a grpc error (``StatusCode.UNAVAILABLE: Socket closed``), else ``Type:
+    message``."""
     code, details = getattr(exc, "code", None), getattr(exc, "details", None)
     if callable(code) and callable(details):
         return f"{code()}: {details()}"
     return f"{type(exc).__name__}: {exc}"
 
 
-async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float, drain_end_s: float) -> SoakRecord:
-    """Run ``spec`` on its own stream; never waits past the request's deadline, its cancel delay or the drain."""
+async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float,
+                   drain_end_s: float) -> SoakRecord:
+    """Run ``spec`` on its own stream; never waits past the request's deadline, its cancel delay or the
+    drain."""
     from perf.stream_client import stream_inputs
 
     async def one_request() -> AsyncIterator[dict[str, Any]]:
@@ -244,8 +251,9 @@ async def send_one(client: Any, model: str, spec: SoakSpec, timeout_s: float, dr
         await asyncio.wait({reader}, timeout=max(0.0, bounds[bound]))
     finally:
         if not (st.final_seen or st.closed or st.error is not None):
-            # the aio form of stop_stream(cancel_requests=True), only for a stream still open: tritonserver 2.51
-            # keeps the model of a stream cancelled after its FINAL loaded until its exit timeout (docs/healing.md)
+            # the aio form of stop_stream(cancel_requests=True), only for a stream still open: tritonserver
+            # 2.51 keeps the model of a stream cancelled after its FINAL loaded until its exit timeout
+            # (docs/healing.md)
             responses.cancel()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
@@ -275,7 +283,8 @@ class SoakRun:
         self._start_s = 0.0
 
     async def run(self) -> float:
-        """Issue until ``duration_s``, drain; returns the wall time (s) from the first send to the last end."""
+        """Issue until ``duration_s``, drain; returns the wall time (s) from the first send to the last
+        end."""
         import tritonclient.grpc.aio as grpcclient
 
         self.watch.observe(stub_snapshot(self.server))
@@ -322,8 +331,8 @@ class SoakRun:
         elapsed_s = time.perf_counter() - self._start_s
         return (f"[soak {elapsed_s:6.0f} s] sent {len(self.records) + self._open} ok {counts[Outcome.OK]} "
                 f"cancelled {counts[Outcome.CANCELLED]} errors {counts[Outcome.ERROR]} "
-                f"no_final {counts[Outcome.NO_FINAL]} timed_out {counts[Outcome.TIMED_OUT]} open {self._open} "
-                f"pages_in_use {'?' if pages is None else sum(pages.values())} "
+                f"no_final {counts[Outcome.NO_FINAL]} timed_out {counts[Outcome.TIMED_OUT]} open "
+                f"{self._open} pages_in_use {'?' if pages is None else sum(pages.values())} "
                 f"stub_deaths {len(self.watch.deaths)} ok_tok/s {tokens / max(elapsed_s, 1e-9):.1f}")
 
 
@@ -334,14 +343,16 @@ def soak(cfg: SoakConfig, grpc_url: str, metrics_url: str) -> dict[str, Any]:
     """Run the soak against a live server; the summary (``perf.soak.summarize``) plus where and how."""
     server = server_pid(int(grpc_url.rsplit(":", 1)[1]))
     if server is None:
-        logger.warning("no tritonserver process found for %s: stub deaths come from error texts only", grpc_url)
+        logger.warning(
+            "no tritonserver process found for %s: stub deaths come from error texts only", grpc_url)
     run = SoakRun(cfg, grpc_url, metrics_url, server)
     duration_s = asyncio.run(run.run())
     logger.info("drained; waiting up to %.0f s for KV pages to come back", cfg.pages_wait_s)
     pages, per_instance = wait_pages_returned(metrics_url, cfg.pages_wait_s)
     run.watch.observe(stub_snapshot(server))
     summary = summarize(run.records, duration_s, pages, run.watch.deaths)
-    summary.update(pages_by_instance=per_instance, stubs_at_start=run.watch.first, stubs_at_end=run.watch.last,
+    summary.update(pages_by_instance=per_instance, stubs_at_start=run.watch.first,
+                   stubs_at_end=run.watch.last,
                    server_pid=server, server_alive_at_end=server is not None and bool(_cmdline(server)))
     return summary
 
@@ -358,7 +369,8 @@ def report(cfg: SoakConfig, summary: dict[str, Any]) -> str:
              f"  streams without FINAL  {s['streams_without_final']}   (must be 0)",
              f"  pages not returned     {s['pages_not_returned']}   (must be 0) {s['pages_by_instance']}",
              f"  stub deaths            {s['stub_deaths']}   (must be 0) {s['stub_death_details']}",
-             f"  throughput             {s['ok_requests_per_s']:.3f} ok req/s, {s['ok_output_tokens_per_s']:.1f} "
+             f"  throughput             {s['ok_requests_per_s']:.3f} ok req/s, "
+             f"{s['ok_output_tokens_per_s']:.1f} "
              "ok output tok/s",
              f"  TTFT p50/p99           {s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f} ms",
              f"  ITL p50/p99            {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} ms"]
@@ -373,14 +385,17 @@ def parse_config(argv: list[str] | None = None) -> SoakConfig:
     p.add_argument("--model", default="pd_ensemble", help="entry model (pd_ensemble, colocated)")
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port of a running server (loopback)")
     p.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
-    p.add_argument("--launch", action="store_true", help="start scripts/serve.sh on free ports, stop it at the end")
-    p.add_argument("--models", default=None, help="models to load with --launch (default: what --model needs)")
+    p.add_argument("--launch", action="store_true",
+                   help="start scripts/serve.sh on free ports, stop it at the end")
+    p.add_argument("--models", default=None,
+                   help="models to load with --launch (default: what --model needs)")
     p.add_argument("--duration-s", type=float, default=1800.0, help="issue new requests for this long")
     p.add_argument("--drain-s", type=float, default=None, help="then wait this long for open streams "
                    "(default: the request timeout, so every open stream ends or hits its deadline)")
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="a stream still open after this "
                    "(no FINAL, no error) counts as a stream without FINAL")
-    p.add_argument("--pages-wait-s", type=float, default=30.0, help="poll KV pages in use this long after the drain")
+    p.add_argument("--pages-wait-s", type=float, default=30.0,
+                   help="poll KV pages in use this long after the drain")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--cancel-fraction", type=float, default=0.2)
     p.add_argument("--max-cancel-delay-s", type=float, default=5.0)
@@ -394,7 +409,8 @@ def parse_config(argv: list[str] | None = None) -> SoakConfig:
     if a.model not in MODELS_OF and a.launch and a.models is None:
         p.error(f"--launch with --model {a.model} needs --models")
     workload = SoakWorkload(min_new_tokens=a.min_new_tokens, max_new_tokens=a.max_new_tokens,
-                            cancel_fraction=a.cancel_fraction, max_cancel_delay_s=a.max_cancel_delay_s, seed=a.seed)
+                            cancel_fraction=a.cancel_fraction, max_cancel_delay_s=a.max_cancel_delay_s,
+                            seed=a.seed)
     return SoakConfig(model=a.model, url=a.url, metrics_url=a.metrics_url, launch=a.launch,
                       models=a.models or MODELS_OF.get(a.model, a.model), duration_s=a.duration_s,
                       drain_s=a.request_timeout_s if a.drain_s is None else a.drain_s,
@@ -431,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["load_avg"] = [round(v, 2) for v in os.getloadavg()]
     print(report(cfg, summary), flush=True)
     if summary["requests_sent"] and not summary["completed_ok"]:
-        print("WARNING: no request completed ok (the must-be-0 figures say little about such a run)", flush=True)
+        print("WARNING: no request completed ok (the must-be-0 figures say little about such a run)",
+              flush=True)
     print("FAIL: " + "; ".join(summary["failures"]) if summary["failures"] else "PASS", flush=True)
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)

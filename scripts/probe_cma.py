@@ -66,7 +66,8 @@ def child(nbytes: int, conn) -> None:  # type: ignore[no-untyped-def]
 
 
 def writev(pid: int, src: int, dst: int, nbytes: int, seg_bytes: int) -> None:
-    """``nbytes`` from local ``src`` to remote ``dst``, one syscall per ``seg_bytes`` (one iovec pair each)."""
+    """``nbytes`` from local ``src`` to remote ``dst``, one syscall per ``seg_bytes`` (one iovec pair
+    each)."""
     done = 0
     while done < nbytes:
         n = min(seg_bytes, nbytes - done)
@@ -88,7 +89,8 @@ def writev_pages(pid: int, src: int, dst: int, nbytes: int) -> None:
 
 
 def writev_threads(pid: int, src: int, dst: int, nbytes: int, threads: int) -> None:
-    """``nbytes`` split into ``threads`` equal parts, each written by its own thread (ctypes drops the GIL)."""
+    """``nbytes`` split into ``threads`` equal parts, each written by its own thread (ctypes drops the
+    GIL)."""
     part = nbytes // threads
     workers = [threading.Thread(target=writev, args=(pid, src + i * part, dst + i * part,
                                                      part if i < threads - 1 else nbytes - i * part, nbytes))
@@ -100,7 +102,8 @@ def writev_threads(pid: int, src: int, dst: int, nbytes: int, threads: int) -> N
 
 
 def memcpy_pages(src: int, dst: int, nbytes: int) -> None:
-    """One memcpy per KV page: below glibc's non-temporal threshold, so cached stores, as the kernel's copy."""
+    """One memcpy per KV page: below glibc's non-temporal threshold, so cached stores, as the kernel's
+    copy."""
     for off in range(0, nbytes, PAGE_BYTES):
         ctypes.memmove(dst + off, src + off, min(PAGE_BYTES, nbytes - off))
 

@@ -48,8 +48,14 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench_soak import ERROR_BACKOFF_S, SoakConfig, SoakRun, read_pages, send_one  # noqa: E402
 from perf.server import (  # noqa: E402
-    Deployment, RegistryProcess, ServeScript, build_model_repository, fault_lines, healthy_instances,
-    kernel_log)
+    Deployment,
+    RegistryProcess,
+    ServeScript,
+    build_model_repository,
+    fault_lines,
+    healthy_instances,
+    kernel_log,
+)
 from perf.soak import Outcome, SoakWorkload, draw_spec, summarize  # noqa: E402
 
 logger = logging.getLogger("rolling_restart")

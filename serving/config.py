@@ -28,8 +28,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig, Mode
-from kv_transfer.backends import BackendOptions, OptionError, backend_names, option_parameters, options_type, \
-    parse_options
+from kv_transfer.backends import (
+    BackendOptions,
+    OptionError,
+    backend_names,
+    option_parameters,
+    options_type,
+    parse_options,
+)
 
 if TYPE_CHECKING:
     from bootstrap.tls import FleetTLS

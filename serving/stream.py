@@ -23,8 +23,8 @@ from typing import Protocol
 
 from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput, TokenLogprob
-from serving.workers.events import LoopEvent, RequestId
 from serving.parsing.request import GenerateRequest, RequestError
+from serving.workers.events import LoopEvent, RequestId
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """Suite-wide hooks: the session starts only when every piece ``scripts/setup.sh`` provides is there
-(``scripts/prereqs.py``; a missing one fails the run at once, naming it and its package, instead of turning into
-skips: ``PD_TESTS_ALLOW_MISSING=1`` runs anyway, for a partial run on a machine set up by hand); a failed test's report ends with the log tail of every ``scripts/serve.sh`` server the test
+(``scripts/prereqs.py``; a missing one fails the run at once, naming it and its package, instead of turning
+into skips: ``PD_TESTS_ALLOW_MISSING=1`` runs anyway, for a partial run on a machine set up by hand); a failed
+test's report ends with the log tail of every ``scripts/serve.sh`` server the test
 session has running (``perf.server.started_servers``), so that a live failure in CI, where the server logs are
 gone with the temp dirs, shows what each server said last (a server that exited, a port it could not bind)."""
 
@@ -39,4 +40,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             lines = server.log_tail(16000).splitlines()[-LOG_LINES:]
         except OSError as exc:
             lines = [f"(log unreadable: {exc})"]
-        report.sections.append((f"serve.sh log {server.log_path.name} (last {LOG_LINES} lines)", "\n".join(lines)))
+        report.sections.append((f"serve.sh log {server.log_path.name} (last {LOG_LINES} lines)",
+                                "\n".join(lines)))

@@ -1,5 +1,5 @@
-"""Facts the README and docs state that the code decides: each is read from both and compared, so that a change
-to one without the other fails here."""
+"""Facts the README and docs state that the code decides: each is read from both and compared, so that a
+change to one without the other fails here."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def test_the_variables_the_readme_says_serve_sh_sets_are_the_ones_it_exports() -
     assert claimed <= exported, f"README claims serve.sh sets {sorted(claimed - exported)}, which it does not"
     always = {"PATH", "PYTHONPATH", "PYTHONUNBUFFERED"}
     top_level = set(re.findall(r"^(?:if .*then )?export ([A-Z][A-Z0-9_]+)=", serve, re.MULTILINE)) - always
-    assert top_level <= claimed, f"serve.sh exports {sorted(top_level - claimed)}, which the README does not say"
+    assert top_level <= claimed, \
+        f"serve.sh exports {sorted(top_level - claimed)}, which the README does not say"
 
 
 def test_the_protocol_doc_names_the_envelope_version_the_code_sends() -> None:

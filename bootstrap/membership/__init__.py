@@ -13,8 +13,13 @@ from typing import TYPE_CHECKING
 from bootstrap.membership.base import Membership
 from bootstrap.membership.etcd import EtcdMembership
 from bootstrap.membership.etcd_client import EtcdClient, EtcdError, EtcdOptions
-from bootstrap.membership.member import (MEMBER_VERSION, Member, MembershipError, MembershipView,
-                                         MemberSignatureError)
+from bootstrap.membership.member import (
+    MEMBER_VERSION,
+    Member,
+    MembershipError,
+    MembershipView,
+    MemberSignatureError,
+)
 from bootstrap.membership.registry_client import RegistryMembership
 from bootstrap.membership.service import RegistryServer
 

@@ -1,4 +1,5 @@
-"""``python -m bootstrap.membership --host 127.0.0.1 --port 8997``: the membership registry as its own process.
+"""``python -m bootstrap.membership --host 127.0.0.1 --port 8997``: the membership registry as its own
+process.
 
 A bind address other hosts reach (not loopback) requires the fleet secret (``PD_FLEET_SECRET`` or
 ``PD_FLEET_SECRET_FILE``); the process exits with the reason otherwise. ``--tls-cert/--tls-key/--tls-ca``
@@ -51,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> RegistryArgs:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--advertise-host", default="",
-                        help="the host name or address members dial (PD_REGISTRY_URL's host), when not --host: "
-                             "signed calls name the server they are for")
+                        help="the host name or address members dial (PD_REGISTRY_URL's host), when not "
+                             "--host: signed calls name the server they are for")
     parser.add_argument("--ttl-s", type=float, default=10.0,
                         help="TTL of a registration that does not name its own")
     parser.add_argument("--ignore-sigint", action="store_true",

@@ -6,7 +6,8 @@ a key written by anyone else is left out and logged, so an etcd others can write
 members (deleting keys it still can: etcd's auth is what stops that, docs/membership.md).
 
 Threads (both daemon, both named, both ended by ``stop``):
-  ``membership-etcd-lease``  every ``tick_s``: revokes the leases of withdrawn members (etcd deletes their keys
+  ``membership-etcd-lease``  every ``tick_s``: revokes the leases of withdrawn members (etcd deletes their
+  keys
       at once); grants a lease and puts the key of each member not yet registered; renews each lease every
       ``ttl_s / 3`` and reads its key back: a lease etcd no longer knows (expired during an outage, or a wiped
       etcd) is granted again and the key put again, so is a key deleted or overwritten by another writer (a
@@ -110,7 +111,8 @@ class EtcdMembership(Membership):
                 self._register(client, entry)
             elif now_s >= entry.renew_at_s:
                 if client.keepalive(entry.lease_id) <= 0:
-                    logger.warning("etcd lost the lease of %s: registering it again", entry.member.instance_id)
+                    logger.warning("etcd lost the lease of %s: registering it again",
+                                   entry.member.instance_id)
                     self._register(client, entry)
                 elif client.get(PREFIX + entry.member.instance_id) != entry.member.to_json():
                     logger.warning("the etcd key of %s no longer holds its record (deleted or overwritten by "
@@ -144,7 +146,8 @@ class EtcdMembership(Membership):
             elif entry.registered:
                 client.delete(PREFIX + entry.member.instance_id)
         except (requests.RequestException, EtcdError) as exc:
-            logger.warning("withdrawing %s failed (%s): it expires with its lease", entry.member.instance_id, exc)
+            logger.warning("withdrawing %s failed (%s): it expires with its lease",
+                           entry.member.instance_id, exc)
 
     # -- view -----------------------------------------------------------------------------------------------
 

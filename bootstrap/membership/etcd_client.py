@@ -2,10 +2,10 @@
 client port), with ``requests``: ranges, puts, leases and the watch stream, etcd auth and TLS.
 
 Why the gateway and not a gRPC client package: ``etcd3`` (0.12, 2020) pins old protobuf/grpcio generated code
-and ``aetcd`` brings its own grpcio/protobuf ranges, both beside tritonclient's grpcio and protobuf in the same
-venv (a python-backend stub imports both); the gateway needs nothing beyond ``requests``, already a dependency,
-and speaks the same API (keys and values base64, int64 as strings). Its one cost, a watch being an HTTP
-stream, is handled by reopening it from the next revision after an idle read timeout.
+and ``aetcd`` brings its own grpcio/protobuf ranges, both beside tritonclient's grpcio and protobuf in the
+same venv (a python-backend stub imports both); the gateway needs nothing beyond ``requests``, already a
+dependency, and speaks the same API (keys and values base64, int64 as strings). Its one cost, a watch being an
+HTTP stream, is handled by reopening it from the next revision after an idle read timeout.
 
 ``EtcdOptions.from_url`` is the only reader of ``PD_ETCD_USER``, ``PD_ETCD_PASSWORD``, ``PD_ETCD_CA``,
 ``PD_ETCD_CERT`` and ``PD_ETCD_KEY``. Not thread-safe: one ``EtcdClient`` per thread.
@@ -74,7 +74,8 @@ class EtcdOptions:
             raise MembershipError(f"etcd URL {url!r} must look like etcd://host:port[,host:port...]")
         endpoints = tuple(e.strip() for e in url[len("etcd://"):].rstrip("/").split(","))
         return cls(endpoints, environ.get("PD_ETCD_USER", ""), environ.get("PD_ETCD_PASSWORD", ""),
-                   environ.get("PD_ETCD_CA", ""), environ.get("PD_ETCD_CERT", ""), environ.get("PD_ETCD_KEY", ""))
+                   environ.get("PD_ETCD_CA", ""), environ.get("PD_ETCD_CERT", ""),
+                   environ.get("PD_ETCD_KEY", ""))
 
 
 def b64(text: str) -> str:
@@ -104,8 +105,9 @@ class WatchEvent:
 
 
 class EtcdClient:
-    """Calls of etcd's JSON gateway; each raises ``EtcdError`` (an etcd error) or ``requests.RequestException``
-    (unreachable). Tries the endpoints in turn on a connection failure; logs in again when the token expired."""
+    """Calls of etcd's JSON gateway; each raises ``EtcdError`` (an etcd error) or
+    ``requests.RequestException`` (unreachable). Tries the endpoints in turn on a connection failure; logs in
+    again when the token expired."""
 
     def __init__(self, options: EtcdOptions) -> None:
         self._options = options
@@ -224,7 +226,8 @@ class EtcdClient:
             if response.status_code != 200:
                 raise _error("/v3/watch", response.json(), response.status_code)
             try:
-                for line in response.iter_lines(chunk_size=None):  # type: ignore[call-overload]  # None: as the chunks come
+                for line in response.iter_lines(
+                        chunk_size=None):  # type: ignore[call-overload]  # None: as the chunks come
                     if line:
                         yield _watch_events(json.loads(line))
             except EtcdError as exc:

@@ -25,7 +25,8 @@ _TEXT_FIELDS = ("instance_id", "role", "address", "model_name", "rendezvous_url"
 
 
 class MembershipError(Exception):
-    """A membership message or setting we cannot use (bad URL, wrong version, bad field, refused by the store)."""
+    """A membership message or setting we cannot use (bad URL, wrong version, bad field, refused by the
+    store)."""
 
 
 class MemberSignatureError(MembershipError):
@@ -36,8 +37,8 @@ class MemberSignatureError(MembershipError):
 class Member:
     """One fleet member.
 
-    ``instance_id``: ``"<model>@<host:grpc port>"`` (routers: ``"router@<host:port>/<uuid>"``), the store's key.
-    ``address``: the Triton gRPC endpoint ``"host:port"`` serving ``model_name``.
+    ``instance_id``: ``"<model>@<host:grpc port>"`` (routers: ``"router@<host:port>/<uuid>"``), the store's
+    key. ``address``: the Triton gRPC endpoint ``"host:port"`` serving ``model_name``.
     ``rendezvous_url``: ``"http://host:port"`` of the instance's own rendezvous server (``""`` for routers).
     ``epoch``: changes on every process start (``time.time_ns()``); an older epoch never replaces a newer one.
     ``signature``: ``record_mac`` of the fleet secret over ``payload()`` (64 hex digits), ``""`` unsigned; not
@@ -62,7 +63,8 @@ class Member:
         if not self.instance_id:
             raise MembershipError("member instance_id is empty")
         if self.role not in ROLES:
-            raise MembershipError(f"member {self.instance_id}: role must be one of {ROLES}, got {self.role!r}")
+            raise MembershipError(
+                f"member {self.instance_id}: role must be one of {ROLES}, got {self.role!r}")
         if not isinstance(self.epoch, int) or isinstance(self.epoch, bool):
             raise MembershipError(f"member {self.instance_id}: epoch must be an int, got {self.epoch!r}")
 

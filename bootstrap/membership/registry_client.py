@@ -3,11 +3,11 @@
 One thread (``membership-registry-client``) does everything, every ``refresh_s``: removes withdrawn members,
 registers announced ones not yet registered (PUT), renews the others when due (keepalive every ``ttl_s / 3``;
 a 404 means the registry lost them, restarted empty or expired them: PUT again), then reads the member list
-into the view. Any failure marks the view stale (``fresh=False``, last members kept) and the next tick retries.
-Every request is signed with the fleet secret (``HmacAuth``) when one is set, and so is every announced
-member (``Member.signed``): the view holds only the listed members whose record ``MemberCheck`` accepts
-(signed with the secret; not an older epoch than one read before), whatever the registry answers, so an
-open or compromised registry cannot add or redirect members. With the fleet's TLS setting
+into the view. Any failure marks the view stale (``fresh=False``, last members kept) and the next tick
+retries. Every request is signed with the fleet secret (``HmacAuth``) when one is set, and so is every
+announced member (``Member.signed``): the view holds only the listed members whose record ``MemberCheck``
+accepts (signed with the secret; not an older epoch than one read before), whatever the registry answers, so
+an open or compromised registry cannot add or redirect members. With the fleet's TLS setting
 (``bootstrap.tls``) the registry must be ``https://``, its certificate one the fleet's CA signed for its host.
 """
 
@@ -79,7 +79,8 @@ class RegistryMembership(Membership):
             try:
                 self._delete(entry)
             except (requests.RequestException, MembershipError) as exc:
-                logger.warning("withdrawing %s on stop failed (%s): it expires by TTL", entry.member.instance_id,
+                logger.warning("withdrawing %s on stop failed (%s): it expires by TTL",
+                               entry.member.instance_id,
                                exc)
         self._session.close()
 
@@ -112,7 +113,8 @@ class RegistryMembership(Membership):
         self._read()
 
     def _request(self, method: str, path: str, **kwargs: object) -> requests.Response:
-        response = self._session.request(method, self._url + path, timeout=self._timeout_s, **kwargs)  # type: ignore[arg-type]
+        response = self._session.request(method, self._url + path, timeout=self._timeout_s,
+                                         **kwargs)  # type: ignore[arg-type]
         if response.status_code in (400, 401, 403):
             raise MembershipError(f"{method} {path}: HTTP {response.status_code}: {_reason(response)}")
         return response

@@ -2,14 +2,15 @@
 ``bootstrap.auth.auth_middleware`` (every route but ``GET /health`` needs the fleet secret when one is set).
 
 Routes (JSON bodies; ``{id}`` is the percent-encoded ``instance_id``, which may hold ``/``):
-  PUT    /v1/members/{id}                  {"version": 2, "member": Member, "ttl_s": s}  -> 200 {"stored": true}
+  PUT    /v1/members/{id}                  {"version": 2, "member": Member, "ttl_s": s}  -> 200 {"stored":
+  true}
                                            (no ttl_s: the registry's default ``ttl_s``)
                                            409 {"error"}: the registry holds a newer epoch of that id
                                            403 {"error"}: with a fleet secret, a member not signed with it
   POST   /v1/members/{id}/keepalive?epoch=E                                            -> 200, 404: put again
-  DELETE /v1/members/{id}?epoch=E                                                     -> 200, 404: not that epoch
-  GET    /v1/members                       -> 200 {"version": 2, "members": [Member, ...]} (live ones, sorted)
-  GET    /health                           -> "ok" (no secret needed)
+  DELETE /v1/members/{id}?epoch=E                                                     -> 200, 404: not that
+  epoch GET    /v1/members                       -> 200 {"version": 2, "members": [Member, ...]} (live ones,
+  sorted) GET    /health                           -> "ok" (no secret needed)
 With the fleet's TLS setting (``bootstrap.tls.FleetTLS``) it serves HTTPS only (``https://`` URLs).
 Errors: 400 {"error"} for a body we cannot read, 401 {"error"} from the middleware. The member check on PUT
 keeps unsigned records out of the table; the check that counts is the readers' own (``MemberCheck``), which
@@ -71,7 +72,8 @@ class _Handlers:
             body = json.loads(await request.read())
             if not isinstance(body, dict) or body.get("version") != MEMBER_VERSION:
                 raise MembershipError(f"PUT body must be {{'version': {MEMBER_VERSION}, 'member', 'ttl_s'}}")
-            member, ttl_s = Member.from_dict(body.get("member")), float(body.get("ttl_s", self._default_ttl_s))
+            member, ttl_s = Member.from_dict(body.get("member")), float(
+                body.get("ttl_s", self._default_ttl_s))
             if member.instance_id != request.match_info["instance_id"] or not 0 < ttl_s <= MAX_TTL_S:
                 raise MembershipError(f"the path's id must be the member's instance_id, and 0 < ttl_s <= "
                                       f"{MAX_TTL_S:g}")
@@ -84,7 +86,8 @@ class _Handlers:
             return _error(403, f"member {member.instance_id}: {exc}")
         if self._table.put(member, ttl_s, time.monotonic()) is PutResult.STALE_EPOCH:
             return _error(409, f"{member.instance_id}: the registry holds a newer epoch than {member.epoch}")
-        logger.info("member %s %s epoch %d (ttl %.1f s)", member.role, member.instance_id, member.epoch, ttl_s)
+        logger.info("member %s %s epoch %d (ttl %.1f s)", member.role, member.instance_id,
+                    member.epoch, ttl_s)
         return web.json_response({"stored": True})
 
     async def keepalive(self, request: web.Request) -> web.Response:
@@ -192,9 +195,9 @@ class RegistryServer:
         assert self._loop is not None
         asyncio.set_event_loop(self._loop)
         try:
-            self._runner = self._loop.run_until_complete(_start_site(self.table, self._host, self._port,
-                                                                     self._secret, self._ttl_s, self._names,
-                                                                     self._tls))
+            site = _start_site(self.table, self._host, self._port, self._secret, self._ttl_s, self._names,
+                               self._tls)
+            self._runner = self._loop.run_until_complete(site)
             self.port = self._runner.addresses[0][1]
         except (OSError, BootstrapError) as exc:
             errors.append(exc)

@@ -41,7 +41,8 @@ class MemberTable:
         return PutResult.STORED
 
     def keepalive(self, instance_id: str, epoch: int, now_s: float) -> bool:
-        """Renews the entry; False when the table has no entry of that id and epoch (the caller puts again)."""
+        """Renews the entry; False when the table has no entry of that id and epoch (the caller puts
+        again)."""
         entry = self._entries.get(instance_id)
         if entry is None or entry.member.epoch != epoch or entry.expires_s <= now_s:
             return False

@@ -14,8 +14,11 @@ def select_backend(device: str | torch.device, dtype: torch.dtype = torch.float3
     A flashinfer backend still needs ``bind(num_heads, num_kv_heads, head_dim, dtype)``; ``LlamaForCausalLM``
     does it when it adopts the backend.
     """
-    from engine.attention.flashinfer_backend import (SUPPORTED_DTYPES, FlashInferAttentionBackend,
-                                                     flashinfer_available)
+    from engine.attention.flashinfer_backend import (
+        SUPPORTED_DTYPES,
+        FlashInferAttentionBackend,
+        flashinfer_available,
+    )
 
     if torch.device(device).type == "cuda" and dtype in SUPPORTED_DTYPES and flashinfer_available():
         return FlashInferAttentionBackend(torch.device(device), dtype=dtype)

@@ -46,7 +46,7 @@ def write_kv_slots(layer_kv: torch.Tensor, slot_mapping: torch.Tensor, k: torch.
 class AttentionBackend(ABC):
     """Paged causal attention over a continuous batch (prefill chunks and decode tokens mixed)."""
 
-    def bind(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def bind(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027 - optional hook
         """Called once by the model that adopts this backend, before any step; backends that plan kernels
         ahead record the shapes here. Default: nothing to record.
 

@@ -34,7 +34,7 @@ from engine.forward_batch import ForwardBatch
 _BUCKET_COST_PAGES = 8
 # SDPA's kernels on CUDA without cuDNN's: torch 2.11 picks cuDNN attention for bf16 on an H200, which spent
 # ~1.9 ms of CPU per call on decode shapes (the key length changes every step; a profile of 10 steps: 70 % of
-# the CPU time, bf16 decode 79 ms per step against fp32's 21; docs/benchmarks.md "Weight formats", session 24)
+# the CPU time, bf16 decode 79 ms per step against fp32's 21 on SmolLM2-135M shapes; without it 20.8 ms)
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -70,7 +70,9 @@ class KVSource:
         if self.first_page is not None:
             parts = [layer_kv[i, self.first_page:self.first_page + self.num_pages] for i in planes]
         else:
-            parts = [layer_kv[i].index_select(0, self.pages) for i in planes]
+            pages = self.pages
+            assert pages is not None   # a gather names its pages: set whenever first_page is not
+            parts = [layer_kv[i].index_select(0, pages) for i in planes]
         shape = (batch, self.num_pages * page_size, kv_heads, head_dim)
         k, *rest = (p.reshape(shape)[:, :self.key_len].transpose(1, 2) for p in parts)
         return k, (rest[0] if rest else k[..., :value_dim])
@@ -235,8 +237,9 @@ class TorchAttentionBackend(AttentionBackend):
         keys, values = d.kv.read(layer_kv, batch, value_dim)  # [batch, kv_heads, key_len, head_dim]
         query = q.unsqueeze(2)
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # torch's CPU SDPA in bf16 ran 4.3x slower than in fp32 on these shapes (docs/benchmarks.md,
-            # "Weight formats"): widen; the scores and the softmax are then fp32, as the math path's would be
+            # torch's CPU SDPA in bf16 runs ~4.3x slower than in fp32 on these shapes (a 16-sequence decode
+            # step of SmolLM2-135M: 45.7 against 10.6 ms): widen; the scores and the softmax are then fp32,
+            # as the math path's would be
             query, keys, values = query.float(), keys.float(), values.float()
         with _sdpa_backends(q.device):
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=d.mask, scale=scale,

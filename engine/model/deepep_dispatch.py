@@ -88,7 +88,7 @@ class DeepEPDispatcher(TokenDispatcher):
             raise ValueError(f"DeepEP mode must be one of {MODES}, got {self.mode!r}")
         if not torch.cuda.is_available():
             raise ValueError("DeepEPDispatcher needs CUDA devices (DeepEP is GPU only)")
-        import deep_ep   # GPU only; see the module docstring
+        import deep_ep  # GPU only; see the module docstring
 
         self.max_dispatch_tokens = max_dispatch_tokens
         if self.mode == "normal":

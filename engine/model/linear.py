@@ -25,7 +25,7 @@ oneDNN's blocked layout (``PackedBF16Weight``), and every product of them, decod
 a host, a SmolLM2 decode step's products at 16 rows in 0.6x the kernel's time, at 1 row in 0.9x; their rows
 are checked at packing to be batch-invariant too. On AMX CPUs the weights stay plain: the kernel below
 ``AMX_ONEDNN_ROWS`` rows, oneDNN's AMX matmul from there, so there a row alone (the kernel) and the same row
-in a batch of 8 or more (oneDNN) differ in rounding (docs/benchmarks.md, "Weight formats", session 24).
+in a batch of 8 or more (oneDNN) differ in rounding.
 The kernels are single-threaded: with more than one torch thread on an AVX-512 CPU, a bf16 model's small
 batches go to torch's multi-threaded products instead (``_threads_beat_kernels``), and the batch invariance
 above holds at one thread (the engine's default) only.
@@ -45,7 +45,7 @@ from engine.model.kernels import gemv_kernels
 logger = logging.getLogger(__name__)
 
 WEIGHT_QUANTS: tuple[str, ...] = ("none", "int8")
-SMALL_BATCH_ROWS = 16  # the kernels beat torch's products up to here (docs/benchmarks.md, "Weight formats")
+SMALL_BATCH_ROWS = 16  # the kernels beat torch's one-thread products up to here (measured at 1, 4, 16 rows)
 #: on AMX CPUs, bf16 products of this many rows or more go to oneDNN's AMX matmul instead of the kernel:
 #: measured there (1 thread, a SmolLM2 decode step's products) the kernel wins at 1, 2 and 4 rows and oneDNN
 #: at 16 (0.5-0.6x the kernel's time); the engine's decode step at 8 rows ran the same on both
@@ -59,6 +59,9 @@ class Int8Weight(nn.Module):
         qweight: ``[N, K]`` int8, contiguous.
         scale: ``[N]`` float32.
     """
+
+    qweight: torch.Tensor  # buffers: see Attributes
+    scale: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
@@ -162,8 +165,7 @@ def _pack_bf16_here() -> bool:
     """True where bf16 product weights are packed: oneDNN multiplies bf16 natively (AVX512_BF16) and the CPU
     has no AMX. On AMX (measured on a Xeon with 300 MB of L3, 1 thread) a weight packed for 16 rows decodes
     one row in 1.2-1.8x the AVX512_BF16 kernel's time inside the engine, so AMX CPUs keep plain weights: the
-    kernel for fewer than ``AMX_ONEDNN_ROWS`` rows, oneDNN's unpacked bf16 matmul (AMX tiles) from there
-    (docs/benchmarks.md, "Weight formats", session 24)."""
+    kernel for fewer than ``AMX_ONEDNN_ROWS`` rows, oneDNN's unpacked bf16 matmul (AMX tiles) from there."""
     return (torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_bf16_supported()
             and not _cpu_has_amx())
 
@@ -226,7 +228,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         y = weight.int8pack_mm(x)
     elif kernels is not None and isinstance(weight, Int8Weight):
         y = kernels.int8(x.to(torch.float32).contiguous(), weight.qweight, weight.scale)
-    elif kernels is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous():
+    elif (kernels is not None and not isinstance(weight, Int8Weight) and weight.dtype == torch.bfloat16
+          and weight.is_contiguous()):
         if kernels.native_bf16 and x.dtype == torch.bfloat16:
             if threaded or x.shape[0] >= AMX_ONEDNN_ROWS and _cpu_has_amx():
                 return F.linear(x, weight, bias)
@@ -265,7 +268,7 @@ def _cpu_lacks_bf16_gemm() -> bool:
     return torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
-def embedding(token_ids: torch.Tensor, weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+def embedding(token_ids: torch.Tensor, weight: torch.Tensor | Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``token_ids`` (``[T]`` int64) of an embedding ``[V, H]``, as ``[T, H]`` in ``dtype``."""
     if isinstance(weight, Int8Weight):
         return weight.dequantize(dtype, token_ids)

@@ -24,7 +24,7 @@ from torch import nn
 from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.linear import WEIGHT_QUANTS, embedding, linear, weight_bytes
+from engine.model.linear import WEIGHT_QUANTS, Int8Weight, Weight, embedding, linear, weight_bytes
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.parallel.layout import RankShard, whole_model
 
@@ -98,6 +98,9 @@ class LlamaForCausalLM(nn.Module):
     Raises:
         ValueError: ``weight_quant`` is not one of ``WEIGHT_QUANTS``.
     """
+
+    embed_tokens: torch.Tensor | Int8Weight   # [vocab, hidden]: a Parameter until loaded
+    lm_head: Weight   # [vocab rows of this rank, hidden]; the embedding itself when tied and whole
 
     def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

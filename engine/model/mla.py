@@ -100,6 +100,7 @@ class MLAAttention(nn.Module):
         if self.q_a is None:
             q = F.linear(x, self.q_b)
         else:
+            assert m.q_lora_rank is not None   # q_a exists exactly when the config has a q_lora_rank
             q_a = F.rms_norm(F.linear(x, self.q_a), (m.q_lora_rank,), self.q_a_norm, _LORA_NORM_EPS)
             q = F.linear(q_a, self.q_b)
         q_nope, q_pe = q.view(n, heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)

@@ -75,7 +75,7 @@ class Dispatched:
 
     def per_expert(self) -> list[torch.Tensor]:
         """``hidden`` split into each local expert's rows (views)."""
-        return list(self.hidden.split(self.counts))
+        return list(torch.split(self.hidden, self.counts))
 
 
 class TokenDispatcher(ABC):

@@ -18,6 +18,8 @@ class RotaryEmbedding(nn.Module):
             angles.
     """
 
+    cos_sin: torch.Tensor  # [max_positions, head_dim] float32: cos then sin of each angle (a buffer)
+
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

@@ -103,5 +103,6 @@ def adjacent_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         ptr += p.numel() * p.element_size()
     rows = sum(p.shape[0] for p in parts)
-    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(),
+    # torch's stub lists set_(source, offset, size, stride) only; without stride the view is contiguous
+    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(),  # type: ignore[call-overload]
                                                   (rows, *first.shape[1:]))

@@ -53,7 +53,7 @@ class Tokenizer:
         self.fingerprint = fingerprint
 
     @classmethod
-    def from_folder(cls, folder: str | Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+    def from_folder(cls, folder: str | Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
         """Read ``tokenizer.json`` and (optional) ``tokenizer_config.json`` / ``chat_template.jinja``.
 
         Raises:
@@ -76,8 +76,9 @@ class Tokenizer:
             template = (folder / "chat_template.jinja").read_text()
         eos = _token_str(cfg.get("eos_token"))
         ids = list(eos_token_ids or [])
-        if eos is not None and backend.token_to_id(eos) is not None:
-            ids.append(backend.token_to_id(eos))
+        eos_id = backend.token_to_id(eos) if eos is not None else None
+        if eos_id is not None:
+            ids.append(eos_id)
         if not ids:
             raise ModelLoadError(str(cfg_file), "no eos token in the model or tokenizer config")
         digest = hashlib.sha256(tok_file.read_bytes() + b"\0" + (template or "").encode("utf-8")).hexdigest()

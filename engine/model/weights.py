@@ -82,7 +82,7 @@ class WeightMapper:
         refuses: another dtype or device, no native bf16 matmul here)."""
         return None if self.quantize else PackedBF16Weight.pack(tensor)
 
-    def _layer(self, model: "LlamaForCausalLM", i: int) -> None:
+    def _layer(self, model: LlamaForCausalLM, i: int) -> None:
         c, shard = self.cfg, model.shard
         h, p = c.hidden_size, f"model.layers.{i}."
         layer = model.layers[i]
@@ -105,7 +105,7 @@ class WeightMapper:
         self._set(layer, "down_proj",
                   [_columns(self.take(p + "mlp.down_proj.weight", (h, c.intermediate_size)), inter)], True)
 
-    def load_into(self, model: "LlamaForCausalLM") -> None:
+    def load_into(self, model: LlamaForCausalLM) -> None:
         """Set every parameter of ``model`` (views of the given tensors when dtype/device allow); raises
         ModelLoadError on a missing, misshapen or unknown tensor."""
         c = self.cfg

@@ -34,11 +34,16 @@ from typing import Protocol
 class HeadShape(Protocol):
     """The part of ``engine.model.config.ModelConfig`` the layout reads."""
 
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -39,13 +39,15 @@ def open_process_group(store: dist.Store, rank: int, world_size: int,
         RuntimeError: the other ranks did not join within ``JOIN_TIMEOUT``, or the backend is missing.
     """
     prefixed = dist.PrefixStore("pg/", store)
+    # torch's stubs derive ProcessGroupNCCL/Gloo from Backend, which they give none of the collectives this
+    # module calls; at run time both groups have them, as ProcessGroup does
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = _GROUP_TIMEOUT
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)  # type: ignore[return-value]
     group = dist.ProcessGroupGloo(prefixed, rank, world_size, JOIN_TIMEOUT)
     group.set_timeout(_GROUP_TIMEOUT)
-    return group
+    return group  # type: ignore[return-value]
 
 
 class TorchCommunicator(Communicator):

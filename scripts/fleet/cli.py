@@ -1,5 +1,5 @@
-"""The command line of ``fleet.netns`` (``python scripts/fleet/netns.py <command>``; the module docstring lists the
-commands): fleets tagged by name, made and removed by separate invocations."""
+"""The command line of ``fleet.netns`` (``python scripts/fleet/netns.py <command>``; the module docstring
+lists the commands): fleets tagged by name, made and removed by separate invocations."""
 
 from __future__ import annotations
 
@@ -11,8 +11,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fleet.netns import (DEVICE, TRANSPORT_ENV_PREFIXES, Fleet, Host, cleanup, fleet_names, project_env, sh,
-                         teardown_names, unavailable_reason)
+from fleet.netns import (
+    DEVICE,
+    TRANSPORT_ENV_PREFIXES,
+    Fleet,
+    Host,
+    cleanup,
+    fleet_names,
+    project_env,
+    sh,
+    teardown_names,
+    unavailable_reason,
+)
 
 
 def existing_fleet(tag: str) -> Fleet:

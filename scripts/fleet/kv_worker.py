@@ -2,15 +2,16 @@
 transfer between two hosts, for ``scripts/bench_kv_hosts.py`` and ``tests/fleet``.
 
 The process holds a KV pool laid out as SmolLM2-135M's (``engine.kv_pool``, page-major, float32; prefill's
-filled with seeded random values, decode's with 1.0), a manager of ``--backend`` that advertises ``--hostname``,
-and obeys ``(command, payload)`` tuples on an inherited pipe (``multiprocessing.connection.Connection`` on fd
-``--fd``); ``KVWorker`` is the parent's handle. Every wait has a timeout; a command's answer reports failures
-(the room's ``failure`` text), never raises across the pipe.
+filled with seeded random values, decode's with 1.0), a manager of ``--backend`` that advertises
+``--hostname``, and obeys ``(command, payload)`` tuples on an inherited pipe
+(``multiprocessing.connection.Connection`` on fd ``--fd``); ``KVWorker`` is the parent's handle. Every wait
+has a timeout; a command's answer reports failures (the room's ``failure`` text), never raises across the
+pipe.
 
 Commands: ``recv (room, pages, prefill_id)`` -> the receiver's state once published (or failed);
-``wait (room, timeout_s)`` -> ``RoomResult`` at decode; ``send (room, pages, timeout_s, touch)`` -> ``RoomResult``
-at prefill (``touch``: rewrite the pages first, as a forward pass would); ``digest pages`` -> sha256 of those
-pages' bytes; ``metrics`` -> the manager's counters; ``stop``.
+``wait (room, timeout_s)`` -> ``RoomResult`` at decode; ``send (room, pages, timeout_s, touch)`` ->
+``RoomResult`` at prefill (``touch``: rewrite the pages first, as a forward pass would); ``digest pages`` ->
+sha256 of those pages' bytes; ``metrics`` -> the manager's counters; ``stop``.
 """
 
 from __future__ import annotations
@@ -79,15 +80,16 @@ class _Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from engine.kv_pool import KVPool, KVShape
         from bootstrap.auth import load_fleet_secret
+        from engine.kv_pool import KVPool, KVShape
         from kv_transfer import KVArgs, make_kv_manager, parse_options
         from kv_transfer.nixl_transport import NixlOptions
 
         self._pool_owner = KVPool(KVShape(num_layers=30, num_kv_heads=3, head_dim=64, page_size=PAGE_SIZE),
                                   NUM_PAGES, torch.float32, "cpu", huge_pages=True)
         flat = self._pool_owner.storage.numpy().reshape(-1)   # [pool floats]
-        flat[:] = np.random.default_rng(1).random(len(flat), dtype=np.float32) if args.role == "prefill" else 1.0
+        flat[:] = np.random.default_rng(1).random(len(flat),
+                                                  dtype=np.float32) if args.role == "prefill" else 1.0
         self.pages = flat.reshape(NUM_PAGES, -1)               # [num_pages, page floats], page-major
         kv_args = KVArgs(instance_id=args.instance_id, role=args.role, kv_base_ptr=flat.ctypes.data,
                          kv_nbytes=flat.nbytes, layout=smollm2_layout(), model_id=MODEL_ID,

@@ -1,4 +1,5 @@
-"""Network "hosts" on one machine: a Linux network namespace per host, joined by veth pairs on a private bridge.
+"""Network "hosts" on one machine: a Linux network namespace per host, joined by veth pairs on a private
+bridge.
 
 Each host has its own network stack: loopback (up), one link ``eth0`` with an address of a private /24 that no
 interface of the machine uses, and exactly one route (that /24, on ``eth0``). The bridge in the machine's own
@@ -7,10 +8,10 @@ from a host reaches the other hosts and nothing else. Processes started with ``H
 host's namespace with the project's environment (the venv's ``bin`` first on ``PATH``, the repository on
 ``PYTHONPATH``).
 
-Names: a fleet owns every name starting with ``pdn<tag>`` (namespaces ``pdn<tag>-<host>``, bridge ``pdn<tag>br``,
-veths ``pdn<tag>v<i>``). A fleet made from Python is tagged with its process id (hex) and a letter g-z (up to 20
-fleets alive per process), so ``cleanup()`` (run by every new fleet) removes the fleets whose process died, even
-by SIGKILL; ``teardown`` removes the fleet's own names and
+Names: a fleet owns every name starting with ``pdn<tag>`` (namespaces ``pdn<tag>-<host>``, bridge
+``pdn<tag>br``, veths ``pdn<tag>v<i>``). A fleet made from Python is tagged with its process id (hex) and a
+letter g-z (up to 20 fleets alive per process), so ``cleanup()`` (run by every new fleet) removes the fleets
+whose process died, even by SIGKILL; ``teardown`` removes the fleet's own names and
 kills every process in its namespaces (``ip netns pids``). Teardown is idempotent and never raises.
 
 Needs root and iproute2 (``ip``, ``tc``); ``unavailable_reason()`` says why a machine cannot.
@@ -45,7 +46,8 @@ from types import TracebackType
 PREFIX = "pdn"
 DEVICE = "eth0"                      # the host's link, inside its namespace
 ROOT = Path(__file__).resolve().parents[2]
-SUBNET_CANDIDATES = tuple(ipaddress.IPv4Network(f"10.{a}.{b}.0/24") for a in (213, 217, 231) for b in range(8))
+SUBNET_CANDIDATES = tuple(
+    ipaddress.IPv4Network(f"10.{a}.{b}.0/24") for a in (213, 217, 231) for b in range(8))
 STOP_GRACE_S = 5.0
 _TAG_RE = re.compile(r"^[a-z0-9]{1,7}$")
 _OWNED_TAG_RE = re.compile(r"^([0-9a-f]+)[g-z]$")   # <owner pid in hex><fleet letter>
@@ -64,7 +66,8 @@ class LinkCounters:
 
 
 def sh(*argv: str, check: bool = True, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Runs one command (no shell); raises ``subprocess.CalledProcessError`` with its stderr when ``check``."""
+    """Runs one command (no shell); raises ``subprocess.CalledProcessError`` with its stderr when
+    ``check``."""
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     if check and proc.returncode != 0:
         raise subprocess.CalledProcessError(proc.returncode, argv, proc.stdout, proc.stderr)
@@ -74,7 +77,7 @@ def sh(*argv: str, check: bool = True, timeout_s: float = 30.0) -> subprocess.Co
 def unavailable_reason() -> str | None:
     """None when this process can make network namespaces, else why not (not root, no ``ip``/``tc``)."""
     if os.geteuid() != 0:
-        return "network namespaces need root (euid is %d)" % os.geteuid()
+        return f"network namespaces need root (euid is {os.geteuid()})"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
@@ -82,8 +85,8 @@ def unavailable_reason() -> str | None:
 
 
 #: Transport settings a host of the fleet does not inherit from this process: they describe this process's
-#: own network (an in-process NIXL agent of a test puts ``UCX_NET_DEVICES=lo`` here for loopback), not a host's.
-#: A run that wants them on the hosts passes them in ``extra``.
+#: own network (an in-process NIXL agent of a test puts ``UCX_NET_DEVICES=lo`` here for loopback), not a
+#: host's. A run that wants them on the hosts passes them in ``extra``.
 TRANSPORT_ENV_PREFIXES = ("UCX_", "MC_")
 
 
@@ -103,7 +106,8 @@ def pick_subnet(candidates: Sequence[ipaddress.IPv4Network] = SUBNET_CANDIDATES)
     """The first candidate /24 that overlaps no address or route of the machine's namespace. Raises
     ``RuntimeError`` when all are taken."""
     used = []
-    for line in sh("ip", "-4", "-o", "addr").stdout.splitlines() + sh("ip", "-4", "route").stdout.splitlines():
+    for line in sh("ip", "-4", "-o",
+                   "addr").stdout.splitlines() + sh("ip", "-4", "route").stdout.splitlines():
         for word in line.split():
             try:
                 used.append(ipaddress.IPv4Network(word, strict=False))
@@ -124,7 +128,8 @@ def _write_sysctl(path: str, value: str) -> None:
 
 @dataclass
 class Host:
-    """One namespace of a fleet. ``address`` is its IPv4 address on ``eth0``; ``port`` the bridge-side veth."""
+    """One namespace of a fleet. ``address`` is its IPv4 address on ``eth0``; ``port`` the bridge-side
+    veth."""
 
     name: str
     netns: str
@@ -202,7 +207,8 @@ class Fleet:
             _write_sysctl(f"/proc/sys/net/ipv6/conf/{self.bridge}/disable_ipv6", "1")
             sh("ip", "link", "set", self.bridge, "up")
             for i, name in enumerate(self._names):
-                self.hosts[name] = self._add_host(i, name, str(subnet.network_address + 1 + i), subnet.prefixlen)
+                self.hosts[name] = self._add_host(i, name, str(subnet.network_address + 1 + i),
+                                                  subnet.prefixlen)
         except BaseException:
             self.teardown()
             raise
@@ -223,8 +229,8 @@ class Fleet:
         return host
 
     def partition(self, a: str, b: str, cut: bool) -> None:
-        """Cuts (``cut``) or restores the path between hosts ``a`` and ``b`` alone, both ways: a blackhole route
-        to the other's address in each (new connections between them fail at once, open ones stall and
+        """Cuts (``cut``) or restores the path between hosts ``a`` and ``b`` alone, both ways: a blackhole
+        route to the other's address in each (new connections between them fail at once, open ones stall and
         retransmit, as on a link down); both keep their links to every other host. Routes, not filters: this
         kernel has neither ``tc`` prio/gact nor iptables. Restoring a path that is not cut is a no-op."""
         for here, there in ((self.hosts[a], self.hosts[b]), (self.hosts[b], self.hosts[a])):

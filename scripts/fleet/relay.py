@@ -1,13 +1,13 @@
-"""Reach a port inside a network host of the harness from this process: a TCP relay from a loopback port of the
-machine's own namespace to an address and port as seen from inside one host.
+"""Reach a port inside a network host of the harness from this process: a TCP relay from a loopback port of
+the machine's own namespace to an address and port as seen from inside one host.
 
-The hosts of ``scripts/fleet/netns.py`` are unreachable from the machine's namespace by design (the bridge has no
-address, nothing forwards). A test that wants to speak gRPC or HTTP to a server inside a host (a client library
-opening its own sockets) connects to the relay's loopback port instead; for each connection the relay opens a
-socket inside the host's namespace (``setns`` on the relaying thread, only for the ``socket()`` call: a socket
-belongs to the namespace it was made in) and copies bytes both ways until either side closes. Targeting the
-host's own address from inside that host goes over the host's loopback, so a relay keeps working while the host's
-link is down (metrics of a partitioned host stay readable) and adds no traffic to the link.
+The hosts of ``scripts/fleet/netns.py`` are unreachable from the machine's namespace by design (the bridge has
+no address, nothing forwards). A test that wants to speak gRPC or HTTP to a server inside a host (a client
+library opening its own sockets) connects to the relay's loopback port instead; for each connection the relay
+opens a socket inside the host's namespace (``setns`` on the relaying thread, only for the ``socket()`` call:
+a socket belongs to the namespace it was made in) and copies bytes both ways until either side closes.
+Targeting the host's own address from inside that host goes over the host's loopback, so a relay keeps working
+while the host's link is down (metrics of a partitioned host stay readable) and adds no traffic to the link.
 
 Linux only; needs root (``setns``) and a namespace made by ``ip netns`` (``/var/run/netns/<name>``).
 """
@@ -33,7 +33,8 @@ def _setns(fd: int) -> None:
 
 def netns_socket(netns: str) -> socket.socket:
     """A TCP/IPv4 socket of namespace ``netns`` (``ip netns`` name), made by this thread while it is in that
-    namespace; the thread is back in its own namespace on return. Raises OSError (no such namespace, no root)."""
+    namespace; the thread is back in its own namespace on return. Raises OSError (no such namespace, no
+    root)."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         target = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
@@ -86,7 +87,8 @@ class Relay:
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen(64)
         self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, name=f"relay-{self.netns}:{self.target_port}", daemon=True).start()
+        threading.Thread(target=self._accept, name=f"relay-{self.netns}:{self.target_port}",
+                         daemon=True).start()
         return self
 
     def _accept(self) -> None:
@@ -116,7 +118,8 @@ class Relay:
     def close(self) -> None:
         """Stops accepting and closes every relayed connection. Idempotent."""
         try:
-            self._listener.shutdown(socket.SHUT_RDWR)   # wakes the blocked accept (close alone leaves it listening)
+            # wakes the blocked accept (close alone leaves it listening)
+            self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._listener.close()

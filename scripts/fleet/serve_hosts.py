@@ -1,16 +1,16 @@
-"""Whole servers across network hosts: one ``scripts/serve.sh`` per host of a ``scripts/fleet`` fleet, each started
-as the README's "Across servers" commands say.
+"""Whole servers across network hosts: one ``scripts/serve.sh`` per host of a ``scripts/fleet`` fleet, each
+started as the README's "Across servers" commands say.
 
-Hosts: ``reg`` (``ROLE=registry``) and, by default, ``rt`` (``ROLE=router``), ``pf`` (``ROLE=prefill``), ``dc``
-(``ROLE=decode``); ``HostFleet(roles=...)`` names other worker hosts (``XPYD_2P2D``: two of each).
+Hosts: ``reg`` (``ROLE=registry``) and, by default, ``rt`` (``ROLE=router``), ``pf`` (``ROLE=prefill``),
+``dc`` (``ROLE=decode``); ``HostFleet(roles=...)`` names other worker hosts (``XPYD_2P2D``: two of each).
 Every server gets ``HOST=0.0.0.0``, ``ADVERTISE_HOST=<its address>``, ``PD_REGISTRY_URL=http://<reg>:8998``, a
 fleet secret file (it binds a non-loopback address) and ``PD_KV_NETWORK_ONLY=1`` (the hosts share one kernel:
 docs/multihost.md), on the README's default ports (each host has its own port space), and none of this
 process's ``UCX_*``/``MC_*`` variables (a test's in-process NIXL agent leaves ``UCX_NET_DEVICES=lo`` there):
 a run gives the hosts transport settings in ``HostFleet(env=...)``. The test process reaches
 each server through a ``fleet.relay.Relay`` in the server's own host (``ServeScript``'s ``http_url``,
-``grpc_url``, ``metrics_url`` are the relays' loopback ports): client traffic never crosses a host's link, so the
-links carry only what the servers send each other (KV, gRPC between router and workers, registry traffic).
+``grpc_url``, ``metrics_url`` are the relays' loopback ports): client traffic never crosses a host's link, so
+the links carry only what the servers send each other (KV, gRPC between router and workers, registry traffic).
 
 ``HostFleet.start`` makes the namespaces, starts the registry, then the tritonservers at once, and waits
 until the router's ``pd_router_ready`` is 1; ``stop`` stops the servers (SIGTERM, SIGKILL after a grace), then
@@ -34,8 +34,6 @@ SCRIPTS_DIR = Path(__file__).resolve().parents[1]
 if str(SCRIPTS_DIR) not in sys.path:
     sys.path.insert(0, str(SCRIPTS_DIR))
 
-from fleet.netns import TRANSPORT_ENV_PREFIXES, Fleet, Host, project_env, unavailable_reason  # noqa: E402
-from fleet.relay import Relay  # noqa: E402
 from perf.server import (  # noqa: E402
     Deployment,
     ServeScript,
@@ -44,6 +42,9 @@ from perf.server import (  # noqa: E402
     wait_http_ok,
     wait_router_ready,
 )
+
+from fleet.netns import TRANSPORT_ENV_PREFIXES, Fleet, Host, project_env, unavailable_reason  # noqa: E402
+from fleet.relay import Relay  # noqa: E402
 
 SERVE_SH = str(Path(__file__).resolve().parents[2] / "scripts" / "serve.sh")
 HTTP_PORT, GRPC_PORT, METRICS_PORT, REGISTRY_PORT = 8000, 8001, 8002, 8998   # serve.sh's defaults
@@ -59,7 +60,8 @@ class HostFleet:
     """The hosts and their servers. Attributes after ``start``: ``fleet`` (the ``Fleet``), ``servers``
     (host name → ``ServeScript`` for every host but ``reg``), ``registry_url`` (as the servers reach it)."""
 
-    def __init__(self, tmp: Path, env: dict[str, str] | None = None, roles: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None,
+                 roles: dict[str, str] | None = None) -> None:
         """``env``: extra environment of every server (e.g. ``UCX_*`` for a run). ``roles``: host name → role
         (``router``, ``prefill``, ``decode``) of the hosts beside ``reg``; one router host, named ``rt``
         (default ``ROLES``)."""
@@ -71,7 +73,8 @@ class HostFleet:
         self.servers: dict[str, ServeScript] = {}
         self.relays: list[Relay] = []
         self.registry_url = ""
-        self.stops: dict[str, tuple[float, bool]] = {}   # host -> (seconds its stop took, whether SIGKILL was needed)
+        # host -> (seconds its stop took, whether SIGKILL was needed)
+        self.stops: dict[str, tuple[float, bool]] = {}
         self._extra = env or {}
         self._registry_log: IO[bytes] | None = None
 
@@ -104,8 +107,8 @@ class HostFleet:
                            launcher=["ip", "netns", "exec", self.fleet[name].netns], base_env=project_env())
 
     def start(self, ready_timeout_s: float) -> HostFleet:
-        """Makes the hosts and starts every server; raises (RuntimeError, TimeoutError, CalledProcessError) with
-        the failing server's log tail when one does not come up. The caller runs ``stop`` in any case."""
+        """Makes the hosts and starts every server; raises (RuntimeError, TimeoutError, CalledProcessError)
+        with the failing server's log tail when one does not come up. The caller runs ``stop`` in any case."""
         self.fleet.create()
         secret_file = self.tmp / "fleet-secret"
         secret_file.write_text(SECRET + "\n")
@@ -137,8 +140,8 @@ class HostFleet:
                      lambda: f"the registry did not answer within {timeout_s:.0f} s", poll_s=0.2)
 
     def stop(self) -> None:
-        """Servers (router first, then workers; ``stops`` says how each went), relays, then the namespaces (which
-        kills the registry and any straggler). Idempotent; never raises."""
+        """Servers (router first, then workers; ``stops`` says how each went), relays, then the namespaces
+        (which kills the registry and any straggler). Idempotent; never raises."""
         for name in self.roles:   # the router first
             server = self.servers.get(name)
             if server is not None:
@@ -156,8 +159,9 @@ class HostFleet:
 
 
 class HostEndpoints:
-    """Where a benchmark reaches a ``HostFleet`` (the ``ServerPorts`` attributes ``perf.bench_run`` reads): the
-    router's gRPC (``host:port`` of its relay) and the prefill host's metrics URL (the KV transfer counters)."""
+    """Where a benchmark reaches a ``HostFleet`` (the ``ServerPorts`` attributes ``perf.bench_run`` reads):
+    the router's gRPC (``host:port`` of its relay) and the prefill host's metrics URL (the KV transfer
+    counters)."""
 
     def __init__(self, grpc_url: str, metrics_url: str) -> None:
         self.grpc_url = grpc_url
@@ -168,10 +172,10 @@ class HostEndpoints:
 
 
 class HostsServer:
-    """``perf.server.RunningServer``'s interface over a ``HostFleet`` (router, prefill and decode each on its own
-    network host, plus the registry's): what ``scripts/bench_serving.py --models pd_hosts`` runs. The
-    deployment's model configs (its overrides) become the fleet's ``MODEL_REPOSITORY``; the stubs of each worker
-    host are pinned to ``deployment.cpus[role]`` as the one-host run pins them; the ``UCX_*``/``MC_*``
+    """``perf.server.RunningServer``'s interface over a ``HostFleet`` (router, prefill and decode each on its
+    own network host, plus the registry's): what ``scripts/bench_serving.py --models pd_hosts`` runs. The
+    deployment's model configs (its overrides) become the fleet's ``MODEL_REPOSITORY``; the stubs of each
+    worker host are pinned to ``deployment.cpus[role]`` as the one-host run pins them; the ``UCX_*``/``MC_*``
     variables of the shell that started the benchmark reach every server (an operator's settings, as on one
     host). Needs root (network namespaces).
     """
@@ -186,7 +190,8 @@ class HostsServer:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def start(self) -> HostsServer:
-        """Raises RuntimeError (no namespaces here, or a server exited) or TimeoutError (not ready in time)."""
+        """Raises RuntimeError (no namespaces here, or a server exited) or TimeoutError (not ready in
+        time)."""
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(f"{self.deployment.name}: {reason}")
@@ -212,8 +217,8 @@ class HostsServer:
         for host, server in self._fleet.servers.items():
             proc = server._proc
             if proc is None or proc.poll() is not None:
-                raise RuntimeError(f"{self.deployment.name}: the server on host {host} exited during {during} "
-                                   f"(logs in {self._log_dir})")
+                raise RuntimeError(f"{self.deployment.name}: the server on host {host} exited during "
+                                   f"{during} (logs in {self._log_dir})")
 
     def stop(self) -> None:
         if self._fleet is not None:

@@ -1,18 +1,18 @@
 """What one router → worker hop costs over grpc.aio against child frames (plain asyncio TCP), same messages.
 
 A server process answers each child stream (one ``ModelInferRequest``) with ``--responses`` small
-``ModelStreamInferResponse``s; the client, in this process, opens ``--calls`` streams one after another, as the
-router opens a child stream per request. Printed per transport: the first response's round trip p50 (a child
-call's share of TTFT), the whole call's p50, and the client's CPU per call and per response (what the router
-spends receiving a streamed token). One line per transport, then their ratios, then JSON. Both transports run
-in the same invocation, alternating rounds, so the host's load affects both.
+``ModelStreamInferResponse``s; the client, in this process, opens ``--calls`` streams one after another, as
+the router opens a child stream per request. Printed per transport: the first response's round trip p50 (a
+child call's share of TTFT), the whole call's p50, and the client's CPU per call and per response (what the
+router spends receiving a streamed token). One line per transport, then their ratios, then JSON. Both
+transports run in the same invocation, alternating rounds, so the host's load affects both.
 
     PYTHONPATH=. .venv/bin/python scripts/perf/bench_child_hop.py                      # 1 response per call
     PYTHONPATH=. .venv/bin/python scripts/perf/bench_child_hop.py --responses 100      # streamed tokens
 
-grpc.aio: ``tritonclient.grpc.service_pb2_grpc``'s service and stub (what ``GrpcLauncher`` uses). Child frames:
-``serving.parsing.child_frames`` as ``EndpointLauncher`` and ``serving.workers.endpoint`` use it, reduced to the
-framing (no worker, no auth).
+grpc.aio: ``tritonclient.grpc.service_pb2_grpc``'s service and stub (what ``GrpcLauncher`` uses). Child
+frames: ``serving.parsing.child_frames`` as ``EndpointLauncher`` and ``serving.workers.endpoint`` use it,
+reduced to the framing (no worker, no auth).
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def _grpc_server(port: int, responses: int, ready: mp.synchronize.Event) -> None
 
 
 def _frames_server(port: int, responses: int, ready: mp.synchronize.Event) -> None:
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, read_frame, split_open
     from tritonclient.grpc import service_pb2
+
+    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, read_frame, split_open
 
     payload = _response()
 
@@ -111,7 +112,7 @@ async def _grpc_calls(port: int, calls: int, responses: int) -> list[tuple[float
         started = time.perf_counter()
         ended = asyncio.Event()
 
-        async def requests():
+        async def requests(ended: asyncio.Event = ended):
             yield _request()
             await ended.wait()
 
@@ -125,8 +126,9 @@ async def _grpc_calls(port: int, calls: int, responses: int) -> list[tuple[float
 
 
 async def _frames_calls(port: int, calls: int, responses: int) -> list[tuple[float, float]]:
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
     from tritonclient.grpc import service_pb2
+
+    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(PREAMBLE)
@@ -151,7 +153,8 @@ def _round(kind: str, port: int, calls: int, responses: int) -> dict[str, float]
     cpu = time.process_time() - cpu
     return {"first_p50_us": statistics.median(s[0] for s in samples) * 1e6,
             "call_p50_us": statistics.median(s[1] for s in samples) * 1e6,
-            "client_cpu_per_call_us": cpu / calls * 1e6, "client_cpu_per_response_us": cpu / calls / responses * 1e6}
+            "client_cpu_per_call_us": cpu / calls * 1e6,
+            "client_cpu_per_response_us": cpu / calls / responses * 1e6}
 
 
 def main() -> None:
@@ -174,15 +177,16 @@ def main() -> None:
             results[kind].append(_round(kind, ports[kind], args.calls, args.responses))
     for server in servers:
         server.terminate()
-    summary = {k: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]} for k, rounds in results.items()}
+    summary = {k: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]} for k,
+               rounds in results.items()}
     load = os.getloadavg()[0]
     for kind, figures in summary.items():
-        print(f"{kind:7s} first response p50 {figures['first_p50_us']:7.0f} us, call p50 {figures['call_p50_us']:7.0f}"
-              f" us, client CPU {figures['client_cpu_per_call_us']:7.0f} us/call,"
-              f" {figures['client_cpu_per_response_us']:6.1f} us/response (load {load:.1f})")
+        print(f"{kind:7s} first response p50 {figures['first_p50_us']:7.0f} us, call p50 "
+              f"{figures['call_p50_us']:7.0f} us, client CPU {figures['client_cpu_per_call_us']:7.0f} "
+              f"us/call, {figures['client_cpu_per_response_us']:6.1f} us/response (load {load:.1f})")
     g, f = summary["grpc"], summary["frames"]
-    print(f"frames / grpc: first response {f['first_p50_us'] / g['first_p50_us']:.2f}x, client CPU per response "
-          f"{f['client_cpu_per_response_us'] / g['client_cpu_per_response_us']:.2f}x")
+    print(f"frames / grpc: first response {f['first_p50_us'] / g['first_p50_us']:.2f}x, client CPU per "
+          f"response {f['client_cpu_per_response_us'] / g['client_cpu_per_response_us']:.2f}x")
     print(json.dumps({"responses": args.responses, "calls": args.calls, "load": load, **summary}))
 
 

@@ -72,7 +72,8 @@ class BenchConfig:
         else:
             inter = InterferenceConfig()
             sizes = dict(concurrencies=concurrencies or (1, 2, 4, 8), chat_requests_per_slot=3,
-                         chat_prompt_tokens=256, chat_max_tokens=64, transfer_prompt_tokens=(256, 512, 1024, 2048))
+                         chat_prompt_tokens=256, chat_max_tokens=64,
+                         transfer_prompt_tokens=(256, 512, 1024, 2048))
         return cls(quick=quick, models=models, interference=inter, slo_ttft_ms=slo_ttft_ms or 4000.0,
                    slo_itl_p99_ms=slo_itl_p99_ms or 250.0, colo_threads=colo_threads, port_base=port_base,
                    seed=seed, out_json=out_json, plot_dir=plot_dir, log_dir=log_dir,
@@ -94,7 +95,8 @@ def deployments_for(cfg: BenchConfig) -> list[Deployment]:
                                   models=("prefill", "decode", "pd_ensemble"),
                                   overrides={"prefill": {"num_threads": "1"}, "decode": {"num_threads": "1"}},
                                   cpus={"prefill": (0,), "decode": (1,)}))
-        elif model == "pd_hosts":   # the same PD deployment, router, prefill and decode on three network hosts
+        # the same PD deployment, router, prefill and decode on three network hosts
+        elif model == "pd_hosts":
             out.append(Deployment(name="pd_hosts", entry_model="pd_ensemble",
                                   models=("prefill", "decode", "pd_ensemble"),
                                   overrides={"prefill": {"num_threads": "1"}, "decode": {"num_threads": "1"}},
@@ -117,18 +119,21 @@ class DeploymentOutcome:
     long_windows: list[tuple[float, float]] = field(default_factory=list)  # (start s, end s) of long requests
 
 
-def _phase_summary(records: list[RequestRecord], slo: Slo, kinds: tuple[str, ...] | None = None) -> dict[str, float]:
+def _phase_summary(records: list[RequestRecord], slo: Slo,
+                   kinds: tuple[str, ...] | None = None) -> dict[str, float]:
     chosen = [r for r in records if kinds is None or r.kind in kinds]
     duration_s = run_duration_s(records)
     return summarize(chosen, duration_s, slo) if chosen and duration_s > 0 else {"num_requests": 0.0}
 
 
-def _run_interference(cfg: BenchConfig, server: RunningServer | HostsServer, outcome: DeploymentOutcome) -> dict[str, Any]:
+def _run_interference(cfg: BenchConfig, server: RunningServer | HostsServer,
+                      outcome: DeploymentOutcome) -> dict[str, Any]:
     inter = cfg.interference
     horizon_s = inter.first_long_s + inter.num_long * inter.long_interval_s + 120.0
     per_stream = max(2, math.ceil(horizon_s / max(1.0, inter.decode_max_tokens * 0.05)))
     phase = interference_phase(inter, per_stream, cfg.seed)
-    records = run_phase_sync(server.ports.grpc_url, server.deployment.entry_model, phase, cfg.request_timeout_s)
+    records = run_phase_sync(server.ports.grpc_url, server.deployment.entry_model, phase,
+                             cfg.request_timeout_s)
     start = min(r.sent_s for r in records)
     long_end = max((r.done_s or r.sent_s) for r in records if r.kind == "long")
     # decode ITLs that fall inside the window where long prompts arrive (first send .. last long done)
@@ -184,7 +189,8 @@ def _run_transfer_share(cfg: BenchConfig, server: RunningServer | HostsServer) -
                 row["transfer_tail_ms"] = (t1 - t0) / (c1 - c0) * 1e3
                 row["transfer_tail_share_of_ttft"] = row["transfer_tail_ms"] / record.ttft_ms
             b0, b1 = _metric_sum(before, TRANSFER_BYTES), _metric_sum(after, TRANSFER_BYTES)
-            row["transfer_bytes"] = None if b0 is None or b1 is None else (b1 - b0) / (c1 - c0)  # type: ignore[operator]
+            row["transfer_bytes"] = None if b0 is None or b1 is None else (
+                b1 - b0) / (c1 - c0)  # type: ignore[operator]
         out[str(n)] = row
     return out
 
@@ -203,7 +209,8 @@ def run_deployment(cfg: BenchConfig, deployment: Deployment) -> DeploymentOutcom
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         server = HostsServer(deployment, cfg.log_dir)
     else:
-        server = RunningServer(deployment, ServerPorts(http=base, grpc=base + 1, metrics=base + 2), cfg.log_dir)
+        server = RunningServer(deployment, ServerPorts(http=base, grpc=base + 1, metrics=base + 2),
+                               cfg.log_dir)
     with server:
         ports = server.ports
         outcome.summary["pinned_cpus"] = server.pinned
@@ -251,7 +258,8 @@ def final_line(results: dict[str, Any]) -> dict[str, Any]:
         line["pd_hosts_ttft_p50_ms"] = inter.get("long", {}).get("ttft_p50_ms")
         for key in ("itl_p99_ms", "ttft_p50_ms"):
             if line.get(f"pd_{key}") and line.get(f"pd_hosts_{key}"):
-                line[f"{key.rsplit('_', 1)[0]}_ratio_hosts_over_one_host"] = line[f"pd_hosts_{key}"] / line[f"pd_{key}"]
+                ratio = line[f"pd_hosts_{key}"] / line[f"pd_{key}"]
+                line[f"{key.rsplit('_', 1)[0]}_ratio_hosts_over_one_host"] = ratio
         chat_one, chat_hosts = results.get("pd", {}).get("chat", {}), hosts.get("chat", {})
         for c in sorted(set(chat_one) & set(chat_hosts), key=int):
             one, across = chat_one[c].get("ttft_p50_ms"), chat_hosts[c].get("ttft_p50_ms")

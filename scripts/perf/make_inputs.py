@@ -1,7 +1,7 @@
 """Write perf_analyzer ``--input-data`` files in the vLLM-backend interface (what ``colocated`` and
-``pd_ensemble`` take): ``text_input``, ``stream``, ``sampling_parameters`` (JSON), ``exclude_input_in_output``,
-and every ``return_*`` flag (``pa_export_stats.py`` reads finish reason and token counts; the rest keeps
-perf_analyzer's export free of uninitialized values).
+``pd_ensemble`` take): ``text_input``, ``stream``, ``sampling_parameters`` (JSON),
+``exclude_input_in_output``, and every ``return_*`` flag (``pa_export_stats.py`` reads finish reason and token
+counts; the rest keeps perf_analyzer's export free of uninitialized values).
 
 Prompts come from ``perf.workload.make_prompt`` (seeded words, about one token each), so the files are
 reproducible; they are committed under ``scripts/perf/inputs/``. Usage::

@@ -24,10 +24,10 @@ _NS = 1e-9
 
 
 def _ended(request: dict[str, Any]) -> bool:
-    """A request ended when its last response carries ``finish_reason`` ``length`` or ``stop``. A client that did
-    not ask for ``finish_reason`` (genai-perf sends no ``return_finish_reason``) gets none: perf_analyzer's export
-    then still lists the output, empty, on every response; a request ended when its last response carries text
-    (the server's last response carries the last tokens)."""
+    """A request ended when its last response carries ``finish_reason`` ``length`` or ``stop``. A client that
+    did not ask for ``finish_reason`` (genai-perf sends no ``return_finish_reason``) gets none:
+    perf_analyzer's export then still lists the output, empty, on every response; a request ended when its
+    last response carries text (the server's last response carries the last tokens)."""
     outputs = request.get("response_outputs") or []
     if not outputs:
         return False
@@ -63,7 +63,8 @@ def main() -> None:
     parser.add_argument("--slo-itl-p99-ms", type=float, default=250.0)
     args = parser.parse_args()
     records = records_from_export(json.loads(args.export.read_text()))
-    summary = summarize(records, max(run_duration_s(records), 1e-9), Slo(args.slo_ttft_ms, args.slo_itl_p99_ms))
+    summary = summarize(records, max(run_duration_s(records), 1e-9),
+                        Slo(args.slo_ttft_ms, args.slo_itl_p99_ms))
     print(json.dumps(summary))
 
 

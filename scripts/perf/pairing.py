@@ -1,8 +1,9 @@
-"""The pairing benchmark's pure parts: a skewed 2P2D repository, its router variants, selection counts, figures.
+"""The pairing benchmark's pure parts: a skewed 2P2D repository, its router variants, selection counts,
+figures.
 
-One tritonserver serves the whole fleet (``prefill``, ``prefill_1``, ``decode``, ``decode_1``; ``decode_1`` with
-far fewer KV pages) and one router model per policy under test (``pd_ensemble`` copies with another name and
-other ``policy`` / ``direct_decode_max_tokens``). Every router discovers the same four instances at the
+One tritonserver serves the whole fleet (``prefill``, ``prefill_1``, ``decode``, ``decode_1``; ``decode_1``
+with far fewer KV pages) and one router model per policy under test (``pd_ensemble`` copies with another name
+and other ``policy`` / ``direct_decode_max_tokens``). Every router discovers the same four instances at the
 bootstrap service, so the runs differ only in the router the client calls; they run one after the other.
 """
 
@@ -124,7 +125,8 @@ def selection_delta(before: Mapping[str, Mapping[str, float]],
 
 
 def run_figures(records: Sequence[RequestRecord], slo: Slo) -> dict[str, float]:
-    """``perf.stats.summarize`` of one run plus TPOT p50/p99 (per request: (last token - first) / (n - 1), ms)."""
+    """``perf.stats.summarize`` of one run plus TPOT p50/p99 (per request: (last token - first) / (n - 1),
+    ms)."""
     duration_s = run_duration_s(records)
     figures = summarize(records, duration_s, slo) if duration_s > 0 else {"num_requests": float(len(records))}
     tpots = [(r.token_times_s[-1] - r.token_times_s[0]) * 1e3 / (len(r.token_times_s) - 1)
@@ -149,7 +151,8 @@ def ratio(numerator: float, denominator: float) -> float | None:
 
 
 def alternating(first: str, second: str, repeats: int) -> list[str]:
-    """ABBA order (A B B A A B ...) of ``repeats`` runs each, so a slow drift of the machine hits both alike."""
+    """ABBA order (A B B A A B ...) of ``repeats`` runs each, so a slow drift of the machine hits both
+    alike."""
     order: list[str] = []
     for i in range(repeats):
         order += [first, second] if i % 2 == 0 else [second, first]

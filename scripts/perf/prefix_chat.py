@@ -239,8 +239,8 @@ def answers_equal(on: Sequence[TurnResult], off: Sequence[TurnResult]) -> str | 
 
 def page_rounded_bound(results: Sequence[TurnResult], page_size: int) -> float | None:
     """1 - decode's hit tokens / its prompts' tokens rounded up to whole pages: the KV bytes ratio on / off
-    that sending every page after decode's cached prefix gives. KV moves in pages and a hit is whole pages, so each
-    prompt's last, partly filled page is sent with and without the cache: the ratio is at or above
+    that sending every page after decode's cached prefix gives. KV moves in pages and a hit is whole pages, so
+    each prompt's last, partly filled page is sent with and without the cache: the ratio is at or above
     ``1 - hit rate`` (equal only when every prompt fills its last page). None without decode hit counts."""
     hits = _total(results, "decode_hits")
     paged_tokens = sum(-(-r.num_prompt_tokens // page_size) * page_size for r in results)

@@ -1,4 +1,5 @@
-"""Markdown tables of a ``bench_serving.py`` result JSON (for docs/benchmarks.md; figures are never typed by hand).
+"""Markdown tables of a ``bench_serving.py`` result JSON (for docs/benchmarks.md; figures are never typed by
+hand).
 
 Usage: ``.venv/bin/python scripts/perf/report.py docs/bench_serving.json``
 """
@@ -30,7 +31,8 @@ def chat_table(results: dict[str, Any]) -> str:
              "|---|---|" + "---|" * len(_CHAT_COLS)]
     for name, res in results.items():
         for conc, summary in res.get("chat", {}).items():
-            lines.append(f"| {name} | {conc} | " + " | ".join(_fmt(summary.get(k)) for k, _ in _CHAT_COLS) + " |")
+            cells = " | ".join(_fmt(summary.get(k)) for k, _ in _CHAT_COLS)
+            lines.append(f"| {name} | {conc} | " + cells + " |")
     return "\n".join(lines)
 
 
@@ -78,7 +80,8 @@ def main() -> None:
           + ", ".join(f"{n} {r.get('loadavg_1m_before', '–')}" for n, r in results.items()))
     if errors:
         print(f"\nFailed deployments: {errors}")
-    print("\n" + chat_table(results) + "\n\n" + interference_table(results) + "\n\n" + transfer_table(results))
+    print(
+        "\n" + chat_table(results) + "\n\n" + interference_table(results) + "\n\n" + transfer_table(results))
     print("\nLast line: `" + json.dumps(doc["summary"]) + "`")
 
 

@@ -1,10 +1,11 @@
-"""Start and stop a private tritonserver (and the bootstrap service) for a benchmark, pin model stubs to cores.
+"""Start and stop a private tritonserver (and the bootstrap service) for a benchmark, pin model stubs to
+cores.
 
-The server is what ``scripts/serve.sh`` runs (tritonserver 2.51 of ``nvidia-pytriton`` + the bootstrap service),
-started directly, on loopback ports chosen by the caller, from a temporary model repository holding the chosen
-models of ``model_repository/`` (their ``1/`` folders linked, ``config.pbtxt`` copied with parameter overrides).
-Pinning uses ``sched_setaffinity`` on every thread of a model's stub process (``/proc/<pid>/task``), so it works
-whatever the model does itself.
+The server is what ``scripts/serve.sh`` runs (tritonserver 2.51 of ``nvidia-pytriton`` + the bootstrap
+service), started directly, on loopback ports chosen by the caller, from a temporary model repository holding
+the chosen models of ``model_repository/`` (their ``1/`` folders linked, ``config.pbtxt`` copied with
+parameter overrides). Pinning uses ``sched_setaffinity`` on every thread of a model's stub process
+(``/proc/<pid>/task``), so it works whatever the model does itself.
 
 ``ServeScript`` runs ``scripts/serve.sh`` itself instead (the README's command, set-up skipped) on free ports:
 the live tests' ``triton_server`` fixture and the serving benchmarks use it.
@@ -34,7 +35,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHM_PREFIX = "triton_python_backend_shm_region_"   # python backend stubs name their regions on the command line
+# python backend stubs name their regions on the command line
+SHM_PREFIX = "triton_python_backend_shm_region_"
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ def tritonserver_paths() -> tuple[Path, Path]:
 
 def _override_parameters(config: str, overrides: Mapping[str, str]) -> str:
     for key, value in overrides.items():
-        pattern = re.compile(r'(\{\s*key:\s*"' + re.escape(key) + r'",\s*value:\s*\{\s*string_value:\s*)"[^"]*"')
+        pattern = re.compile(
+            r'(\{\s*key:\s*"' + re.escape(key) + r'",\s*value:\s*\{\s*string_value:\s*)"[^"]*"')
         if pattern.search(config):
             config = pattern.sub(lambda m, v=value: f'{m.group(1)}"{v}"', config)  # type: ignore[misc]
         else:  # serving/config.py rejects unknown keys: pass only WorkerConfig fields
@@ -140,9 +143,9 @@ _CRASH_CONTEXT_LINES = 25   # a faulthandler report: the error, then each thread
 
 
 def log_excerpt(text: str, num_chars: int) -> str:
-    """``text``'s last ``num_chars`` characters; when a crash report (``_CRASH``) lies before them, up to 200 of its
-    lines (each hit with the ``_CRASH_CONTEXT_LINES`` after it) come first: a stub that died while the others kept
-    logging would otherwise be cut off a failed start's message."""
+    """``text``'s last ``num_chars`` characters; when a crash report (``_CRASH``) lies before them, up to 200
+    of its lines (each hit with the ``_CRASH_CONTEXT_LINES`` after it) come first: a stub that died while the
+    others kept logging would otherwise be cut off a failed start's message."""
     head, tail = text[:-num_chars], text[-num_chars:]
     lines = head.splitlines()
     keep: list[int] = []
@@ -156,10 +159,11 @@ def log_excerpt(text: str, num_chars: int) -> str:
 
 
 def host_state() -> str:
-    """One line on what this host has left when a server fails to start: available memory, /dev/shm in use, load
-    average, and how many tritonserver and python-backend stub processes are running (a leftover of an earlier
-    server would show here)."""
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    """One line on what this host has left when a server fails to start: available memory, /dev/shm in use,
+    load average, and how many tritonserver and python-backend stub processes are running (a leftover of an
+    earlier server would show here)."""
+    meminfo = dict(line.split(":", 1)
+                   for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
     shm = shutil.disk_usage("/dev/shm") if Path("/dev/shm").is_dir() else None
     servers = stubs = 0
     for proc in Path("/proc").iterdir():
@@ -172,14 +176,14 @@ def host_state() -> str:
             stubs += comm.startswith("triton_python_b")
     shm_text = f"{shm.used / 2**20:.0f} MiB of {shm.total / 2**30:.1f} GiB" if shm else "none"
     return (f"[host] MemAvailable {meminfo.get('MemAvailable', '?').strip()}, /dev/shm {shm_text}, load "
-            f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}, {servers} tritonserver and {stubs} stub "
-            f"processes running")
+            f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}, {servers} tritonserver and {stubs} "
+            f"stub processes running")
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float, exited: Callable[[], str],
                  timed_out: Callable[[], str], poll_s: float = 0.5) -> None:
-    """Polls ``url`` every ``poll_s`` until it answers 200. Raises RuntimeError(``exited()``) when ``proc`` exits
-    first, TimeoutError(``timed_out()``) when ``timeout_s`` passes."""
+    """Polls ``url`` every ``poll_s`` until it answers 200. Raises RuntimeError(``exited()``) when ``proc``
+    exits first, TimeoutError(``timed_out()``) when ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -200,7 +204,8 @@ def wait_ready(http_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
     TimeoutError when ``timeout_s`` passes; both messages end with ``log_tail()``."""
     name = Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name
     wait_http_ok(f"{http_url}/v2/health/ready", proc, timeout_s,
-                 lambda: f"{name} exited with {proc.returncode} while loading ({host_state()}):\n{log_tail()}",
+                 lambda: f"{name} exited with {proc.returncode} while loading ({host_state()}):\n"
+                         f"{log_tail()}",
                  lambda: f"tritonserver not ready within {timeout_s:.0f} s ({host_state()}):\n{log_tail()}")
 
 
@@ -230,10 +235,10 @@ def healthy_instances(metrics_url: str) -> tuple[int, int]:
 
 def wait_router_ready(metrics_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
                       routers: Collection[str] = ("pd_ensemble",)) -> None:
-    """Polls the ``pd_router_ready`` gauge until each of ``routers`` (router model names) reads 1 (a prefill and
-    a decode instance in its fleet: Triton's readiness says only that the models loaded; a request sent before
-    waits up to the router's ``fleet_wait_s``). Raises RuntimeError when ``proc`` exits first, TimeoutError after
-    ``timeout_s``."""
+    """Polls the ``pd_router_ready`` gauge until each of ``routers`` (router model names) reads 1 (a prefill
+    and a decode instance in its fleet: Triton's readiness says only that the models loaded; a request sent
+    before waits up to the router's ``fleet_wait_s``). Raises RuntimeError when ``proc`` exits first,
+    TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -266,7 +271,8 @@ def stub_pids(model_dir: Path) -> list[int]:
 
 
 def pin_process(pid: int, cpus: Sequence[int]) -> int:
-    """Set the CPU affinity of every thread of ``pid`` (threads made later inherit it); returns threads pinned."""
+    """Set the CPU affinity of every thread of ``pid`` (threads made later inherit it); returns threads
+    pinned."""
     count = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -292,7 +298,8 @@ def server_command(repo: Path, ports: ServerPorts, fleet_secret: bytes | None = 
             "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=45",
             "--disable-auto-complete-config",   # as serve.sh: the configs are complete
             # the routers' keepalive pings (serve.sh says why)
-            "--grpc-keepalive-permit-without-calls=1", "--grpc-http2-min-recv-ping-interval-without-data=5000",
+            "--grpc-keepalive-permit-without-calls=1",
+            "--grpc-http2-min-recv-ping-interval-without-data=5000",
             "--grpc-http2-max-ping-strikes=0",
             "--model-control-mode=explicit", *models, "--log-verbose=0", *restricted_api_args(fleet_secret)]
 
@@ -306,8 +313,8 @@ def ucx_defaults() -> dict[str, str]:
 
 def server_env(repo: Path, models: tuple[str, ...], ports: ServerPorts) -> dict[str, str]:
     """Environment of the server, as ``scripts/serve.sh`` sets it: this venv's python first on PATH (the stub
-    runs ``python3``), the repo importable, the server's own gRPC endpoint (PD workers say it in their card; the
-    router reaches them there) and UCX settings of PD workers."""
+    runs ``python3``), the repo importable, the server's own gRPC endpoint (PD workers say it in their card;
+    the router reaches them there) and UCX settings of PD workers."""
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "PD_GRPC_URL": ports.grpc_url,
                 **{key: env.get(key, value) for key, value in ucx_defaults().items()}})
@@ -360,8 +367,8 @@ class RunningServer:
         return self
 
     def processes(self) -> dict[str, int]:
-        """PIDs of the running server: ``{"tritonserver": pid, <model>: its stub's pid, ...}`` (the first stub of
-        a model with several instances); {} before ``start``."""
+        """PIDs of the running server: ``{"tritonserver": pid, <model>: its stub's pid, ...}`` (the first stub
+        of a model with several instances); {} before ``start``."""
         if self.repository is None or not self._procs:
             return {}
         pids = {"tritonserver": self._procs[0].pid}
@@ -436,10 +443,10 @@ def free_ports(n: int) -> list[int]:
 
     They are drawn at random below the kernel's ephemeral range (``ip_local_port_range``): a port from
     ``bind(0)`` would lie inside it, where any outgoing connection (heartbeats, metric scrapes, gRPC channels)
-    or another ``bind(0)`` may take it, or leave it in TIME_WAIT, between the pick and the server's bind, minutes
-    later for a server a test starts late; tritonserver then fails to bind and exits. Each port is checked by
-    binding it on all interfaces and is never handed out twice by this process. Raises RuntimeError when no
-    free port is found in 10 000 draws."""
+    or another ``bind(0)`` may take it, or leave it in TIME_WAIT, between the pick and the server's bind,
+    minutes later for a server a test starts late; tritonserver then fails to bind and exits. Each port is
+    checked by binding it on all interfaces and is never handed out twice by this process. Raises RuntimeError
+    when no free port is found in 10 000 draws."""
     low = _ephemeral_low()
     first, last = (max(1024, low - 12000), low - 1) if low > 3072 else (10000, 30000)
     picks: list[int] = []
@@ -494,7 +501,8 @@ def stub_pids_of_group(pgid: int) -> list[int]:
         if not proc.name.isdigit():
             continue
         try:
-            if os.getpgid(int(proc.name)) == pgid and b"triton_python_backend_stub" in (proc / "cmdline").read_bytes():
+            if (os.getpgid(int(proc.name)) == pgid
+                    and b"triton_python_backend_stub" in (proc / "cmdline").read_bytes()):
                 pids.append(int(proc.name))
         except (OSError, ProcessLookupError):
             continue
@@ -514,7 +522,8 @@ def fault_lines(lines: Sequence[str], pids: Sequence[int]) -> list[str]:
     """Kernel lines reporting a fatal fault (segfault, general protection, trap) of one of ``pids``."""
     if not pids:
         return []
-    pattern = re.compile(r"\[(" + "|".join(str(p) for p in pids) + r")\]:? .*(segfault|general protection|trap)")
+    pattern = re.compile(
+        r"\[(" + "|".join(str(p) for p in pids) + r")\]:? .*(segfault|general protection|trap)")
     return [line for line in lines if pattern.search(line)]
 
 
@@ -529,11 +538,11 @@ def started_servers() -> list[ServeScript]:
 
 
 class ServeScript:
-    """``scripts/serve.sh`` with ``models`` (comma-separated) on free loopback ports, in its own process group,
-    its output in ``log_path``; ``model_repository`` replaces ``model_repository/`` when given.
+    """``scripts/serve.sh`` with ``models`` (comma-separated) on free loopback ports, in its own process
+    group, its output in ``log_path``; ``model_repository`` replaces ``model_repository/`` when given.
 
-    Attributes: ``http_url``, ``metrics_url``, ``registry_url`` (``http://...``: where ``ROLE=registry`` listens),
-    ``grpc_url`` (``host:port``,
+    Attributes: ``http_url``, ``metrics_url``, ``registry_url`` (``http://...``: where ``ROLE=registry``
+    listens), ``grpc_url`` (``host:port``,
     for tritonclient.grpc), ``log_path``."""
 
     def __init__(self, models: str, log_path: Path, model_repository: Path | None = None,
@@ -543,8 +552,9 @@ class ServeScript:
         (default this process's environment; a host of ``scripts/fleet`` gives ``fleet.netns.project_env()``,
         without this process's transport settings);
         ``ports``: (http, grpc, metrics, registry) to reuse (a restarted server), else free ones;
-        ``launcher``: argv that runs serve.sh (``ip netns exec <ns>``: a host of ``scripts/fleet``; it must exec,
-        so that the process group is serve.sh's); the caller then points the URLs at where it reaches them."""
+        ``launcher``: argv that runs serve.sh (``ip netns exec <ns>``: a host of ``scripts/fleet``; it must
+        exec, so that the process group is serve.sh's); the caller then points the URLs at where it reaches
+        them."""
         http, grpc, metrics, registry = ports or free_ports(4)
         self.ports = (http, grpc, metrics, registry)
         self.http_url, self.grpc_url = f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
@@ -558,7 +568,8 @@ class ServeScript:
         self._env = {**(os.environ if base_env is None else base_env),
                      "SKIP_SETUP": "1", "MODELS": models, "HTTP_PORT": str(http),
                      "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics), "REGISTRY_PORT": str(registry),
-                     "OPENAI": "0",   # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
+                     # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
+                     "OPENAI": "0",
                      **(env or {})}
         if model_repository is not None:
             self._env["MODEL_REPOSITORY"] = str(model_repository)
@@ -566,11 +577,11 @@ class ServeScript:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float) -> ServeScript:
-        """Starts serve.sh and waits for ``/v2/health/ready`` and ``/metrics`` and, when it serves pd_ensemble with
-        prefill and decode models, for the router's ``pd_router_ready`` gauge (Triton's readiness says the models loaded,
-        not that the router has seen the workers' first heartbeats: until then it answers "no healthy ...
-        instance"). Raises RuntimeError (serve.sh exited) or TimeoutError (not ready in ``timeout_s``), both
-        with the log's tail."""
+        """Starts serve.sh and waits for ``/v2/health/ready`` and ``/metrics`` and, when it serves pd_ensemble
+        with prefill and decode models, for the router's ``pd_router_ready`` gauge (Triton's readiness says
+        the models loaded, not that the router has seen the workers' first heartbeats: until then it answers
+        "no healthy ... instance"). Raises RuntimeError (serve.sh exited) or TimeoutError (not ready in
+        ``timeout_s``), both with the log's tail."""
         start_s = time.monotonic()
         proc = self.start_background()
         wait_ready(self.http_url, proc, timeout_s, self.log_tail)
@@ -579,7 +590,8 @@ class ServeScript:
                      lambda: f"serve.sh exited with {proc.returncode} after ready:\n{self.log_tail()}",
                      lambda: f"no metrics on {self.metrics_url} within {timeout_s:.0f} s:\n{self.log_tail()}",
                      poll_s=0.1)
-        self.start_seconds = time.monotonic() - start_s   # how long a start takes here (tests scale bounds by it)
+        # how long a start takes here (tests scale bounds by it)
+        self.start_seconds = time.monotonic() - start_s
         if self._router_with_workers:
             while not self._router_ready():
                 if time.monotonic() - start_s > timeout_s:
@@ -590,9 +602,12 @@ class ServeScript:
     def start_background(self) -> subprocess.Popen[bytes]:
         """Starts serve.sh and returns at once (``ROLE=frontend`` runs no tritonserver to wait for)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:   # a restart on the same object appends: earlier runs stay readable
-            self._proc = subprocess.Popen([*self._launcher, str(REPO_ROOT / "scripts" / "serve.sh")], cwd=REPO_ROOT,
-                                          env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # a restart on the same object appends: earlier runs stay readable
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen([*self._launcher, str(REPO_ROOT / "scripts" / "serve.sh")],
+                                          cwd=REPO_ROOT,
+                                          env=self._env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         _started.add(self)
         return self._proc
 
@@ -632,15 +647,17 @@ class ServeScript:
                 os.kill(pid, signal.SIGUSR1)
 
     def log_tail(self, num_chars: int = 4000) -> str:
-        """The log's last ``num_chars`` characters, after any crash report found before them (``log_excerpt``)."""
+        """The log's last ``num_chars`` characters, after any crash report found before them
+        (``log_excerpt``)."""
         return log_excerpt(self.log_path.read_text(errors="replace"), num_chars)
 
     def stop(self, timeout_s: float, dump_after_s: float | None = None) -> tuple[float, bool]:
-        """SIGTERM the group (serve.sh stops tritonserver, then the bootstrap), SIGKILL after ``timeout_s``, then
-        any straggler of the group (stubs outlive a crashed server); removes the shm regions the stubs named.
-        ``dump_after_s``: a stop still running then has every stub that still handles SIGUSR1 (its model not yet
-        finalized: ``serving.triton.host.setup_logging``) dump its Python threads' stacks into the server log, so a
-        slow stop shows where it waits (a stub without the handler has finalized its model).
+        """SIGTERM the group (serve.sh stops tritonserver, then the bootstrap), SIGKILL after ``timeout_s``,
+        then any straggler of the group (stubs outlive a crashed server); removes the shm regions the stubs
+        named. ``dump_after_s``: a stop still running then has every stub that still handles SIGUSR1 (its
+        model not yet finalized: ``serving.triton.host.setup_logging``) dump its Python threads' stacks into
+        the server log, so a slow stop shows where it waits (a stub without the handler has finalized its
+        model).
         Returns (seconds the stop took, whether SIGKILL was needed); (0, False) if never started."""
         if self._proc is None:
             return 0.0, False
@@ -678,9 +695,9 @@ class ServeScript:
 def supervised(server: ServeScript, ready_timeout_s: float, stop_timeout_s: float,
                clean_stop_s: float) -> Iterator[ServeScript]:
     """Start ``server``, yield it, stop it; then raise AssertionError when the stop was unclean (killed, or
-    slower than ``clean_stop_s``: a request left without FINAL keeps tritonserver waiting) or when the kernel log
-    (where readable) reports one of its stubs killed by a fault (a stub crashing on its way out leaves no other
-    trace). The live fixtures' teardown."""
+    slower than ``clean_stop_s``: a request left without FINAL keeps tritonserver waiting) or when the kernel
+    log (where readable) reports one of its stubs killed by a fault (a stub crashing on its way out leaves no
+    other trace). The live fixtures' teardown."""
     stubs: list[int] = []
     kernel_before = kernel_log()
     try:
@@ -701,7 +718,8 @@ def supervised(server: ServeScript, ready_timeout_s: float, stop_timeout_s: floa
 class RegistryProcess:
     """The fleet's membership registry in its own process (``python -m bootstrap.membership``, as
     ``ROLE=registry scripts/serve.sh`` runs it) on a free loopback port; ``url`` is what ``PD_REGISTRY_URL``
-    takes. ``start`` waits for ``/health``; ``stop(kill=True)`` is a ``kill -9``. Startable again after a stop."""
+    takes. ``start`` waits for ``/health``; ``stop(kill=True)`` is a ``kill -9``. Startable again after a
+    stop."""
 
     def __init__(self, log_path: Path, ttl_s: float = 5.0, port: int | None = None) -> None:
         self.port = port or free_ports(1)[0]

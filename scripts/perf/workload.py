@@ -2,7 +2,8 @@
 
 A prompt of ``n`` tokens is ``n`` words drawn (seeded) from a list of common English words: each word with its
 leading space is one token in SmolLM2's byte-level BPE, so the length is close to ``n``; the server's
-``num_input_tokens`` output gives the exact count. Every deployment gets the identical specs in the same order.
+``num_input_tokens`` output gives the exact count. Every deployment gets the identical specs in the same
+order.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ _WORDS = (
     "same right look think also around another came come work three word must because does part even place "
     "well such here take why things help put years different away again off went old number great tell men "
     "say small every found still between name should home big give air line set own under read last never us "
-    "left end along while might next sound below saw something thought both few those always looked show large "
-    "often together asked house world going want school important until form food keep children feet land side "
-    "without boy once animals life enough took sometimes four head above kind began almost live page got earth "
-    "need far hand high year mother light parts country father let night following picture being study second "
-    "eyes soon times story boys since white days ever paper hard near sentence better best across during today"
+    "left end along while might next sound below saw something thought both few those always looked show "
+    "large often together asked house world going want school important until form food keep children feet "
+    "land side without boy once animals life enough took sometimes four head above kind began almost live "
+    "page got earth need far hand high year mother light parts country father let night following picture "
+    "being study second eyes soon times story boys since white days ever paper hard near sentence better "
+    "best across during today"
 ).split()
 
 
@@ -56,7 +58,8 @@ class Phase:
 
     Attributes:
         name: e.g. ``"chat_c4"`` or ``"interference"``.
-        requests: closed-loop requests (``arrival_s is None``) are sent slot by slot, each slot waiting for its
+        requests: closed-loop requests (``arrival_s is None``) are sent slot by slot, each slot waiting for
+        its
             previous request to end; open-loop requests are sent at ``arrival_s``.
         stop_closed_loop_after_open: closed-loop slots stop issuing new requests once every open-loop request
             has ended (the interference phase: decode streams run as long as long prompts arrive).

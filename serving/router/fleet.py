@@ -26,10 +26,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError, RendezvousRefused

@@ -15,7 +15,6 @@ import logging
 import time
 from typing import Any
 
-from serving.workers.parallel_sampling import SampleFanIn
 from serving.router.config import build_router_config
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import RoutedRequest
@@ -24,6 +23,7 @@ from serving.router.service import Router
 from serving.stream import ResponseSink
 from serving.triton.host import ModelHost
 from serving.triton.io import TritonResponseSink, parse_client_request
+from serving.workers.parallel_sampling import SampleFanIn
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from serving.workers.colocated import ColocatedWorker
-from serving.workers.fatal import exit_process_soon
 from serving.config import apply_cpu_affinity, build_worker_config, instance_device
 from serving.triton.host import ModelHost, wait_idle
 from serving.triton.io import TritonResponseSink, parse_client_request
+from serving.workers.colocated import ColocatedWorker
+from serving.workers.fatal import exit_process_soon
 
 logger = logging.getLogger(__name__)
 

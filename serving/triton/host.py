@@ -47,11 +47,11 @@ from typing import Any
 
 from serving.config import DEFAULT_DRAIN_TIMEOUT_S, read_grpc_tls
 from serving.metrics import ServingMetrics
+from serving.triton.io import TritonResponseSink, answer_each, new_dispatcher, pb_utils
 from serving.triton.orphan_watch import OrphanWatch
 from serving.triton.response_dispatch import ResponseDispatcher
 from serving.triton.server_watch import ServerShutdownWatch
 from serving.triton.stub_guard import StubGuard
-from serving.triton.io import TritonResponseSink, answer_each, new_dispatcher, pb_utils
 
 logger = logging.getLogger(__name__)
 

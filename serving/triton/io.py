@@ -35,9 +35,16 @@ import numpy as np
 from engine.outputs import TokenLogprob
 from serving.answering import start_or_fail
 from serving.parsing.child_codec import encode_response
-from serving.parsing.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
-from serving.triton.response_dispatch import ResponseDispatcher
+from serving.parsing.request import (
+    INPUT_NAMES,
+    GenerateRequest,
+    OutputOptions,
+    RawValue,
+    RequestError,
+    parse_request,
+)
 from serving.stream import Delta, ErrorKind, ResponseChunk, merge_chunks
+from serving.triton.response_dispatch import ResponseDispatcher
 
 logger = logging.getLogger(__name__)
 #: No optional output asked for (the default of a client request).

@@ -74,7 +74,9 @@ class PDChildModel(ModelHost):
         instance_id = f"{self.model_name}@{config.grpc_url}"
         self._auth = ChildAuth(config.fleet_secret, instance_id)   # both paths: one replay guard
         apply_cpu_affinity(config)
-        from serving.workers.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
+        from serving.workers.pd_factory import (
+            create_pd_worker,  # heavy imports (torch, nixl) after config checks
+        )
 
         self._endpoint = None if config.worker_port < 0 else WorkerEndpoint(
             config.grpc_url.rsplit(":", 1)[0], config.worker_port, self.model_name, self._auth,

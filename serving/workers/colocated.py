@@ -25,12 +25,12 @@ from typing import Protocol
 
 from engine.errors import EngineError, InvalidSamplingParams
 from serving.config import WorkerConfig
-from serving.workers.engine_loop import EngineLoop
-from serving.workers.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import LoopMetricsHook, ServingMetrics
-from serving.workers.parallel_sampling import SampleFanIn
 from serving.parsing.request import GenerateRequest, RequestError
 from serving.stream import ErrorKind, GenerationStream, ResponseSink
+from serving.workers.engine_loop import EngineLoop
+from serving.workers.events import LoopEvent, LoopStopped, RequestId
+from serving.workers.parallel_sampling import SampleFanIn
 
 logger = logging.getLogger(__name__)
 

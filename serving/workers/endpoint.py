@@ -55,7 +55,15 @@ import numpy as np
 from bootstrap.auth import check_bind
 from serving.answering import start_or_fail
 from serving.parsing.child_codec import CHILD_OUTPUTS, encode_response
-from serving.parsing.child_frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, read_frame, split_open
+from serving.parsing.child_frames import (
+    PREAMBLE,
+    FrameError,
+    FrameKind,
+    frame,
+    keepalive,
+    read_frame,
+    split_open,
+)
 from serving.parsing.pd_request import CONTROL_INPUT, PD_INPUT_NAMES, PDRequest, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
 from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink, merge_chunks
@@ -493,7 +501,7 @@ class WorkerEndpoint:
         if CONTROL_INPUT in arrays:
             raise RequestError(CONTROL_INPUT, "is answered by the model through tritonserver, not here")
         llm = {name: arrays[name] for name in INPUT_NAMES if name in arrays}
-        from serving.triton.io import scalars_from_arrays   # numpy only (no pb_utils)
+        from serving.triton.io import scalars_from_arrays  # numpy only (no pb_utils)
 
         pd = parse_pd_request(scalars_from_arrays(llm), {n: arrays[n] for n in PD_INPUT_NAMES if n in arrays})
         self._worker.handle(pd, sink)

@@ -20,9 +20,9 @@ from engine.errors import EngineError
 from kv_transfer import BaseKVManager, KVArgs, KVLayout, make_kv_manager
 from kv_transfer.head_slices import KVRegion
 from serving.config import ConfigError, WorkerConfig
+from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.workers.decode import DecodeWorker
 from serving.workers.engine_loop import EngineLoop
-from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.workers.prefill import PrefillWorker
 
 if TYPE_CHECKING:

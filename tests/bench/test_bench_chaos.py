@@ -5,9 +5,9 @@ It must PASS: no stream without FINAL, no request failed outside a kill's window
 10 s), every KV page back, every kill healed within its bound, every server stopped cleanly (within 15 s, no
 stub killed by a fault). With one prefill and one decode server, killing either fails the requests of its
 window (nothing to fail over to): the 30-minute run of record uses two of each (docs/healing.md section 5).
-No client cancels here: a client cancel that races its stream's FINAL makes tritonserver 2.51 keep the router's
-model loaded until the exit timeout (docs/healing.md section 4), which would fail the clean-stop check for a
-reason outside this code; cancels are covered by test_router_load_live and bench_soak."""
+No client cancels here: a client cancel that races its stream's FINAL makes tritonserver 2.51 keep the
+router's model loaded until the exit timeout (docs/healing.md section 4), which would fail the clean-stop
+check for a reason outside this code; cancels are covered by test_router_load_live and bench_soak."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark
 def test_smoke_chaos_soak_passes_and_its_figures_add_up(tmp_path: Path) -> None:
     pytest.importorskip("pytriton")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_chaos.py"), "--duration-s", "60", "--kill-interval-s", "20",
-         "--concurrency", "4", "--prefills", "1", "--decodes", "1", "--max-new-tokens", "32", "--cancel-fraction", "0",
+        [sys.executable, str(ROOT / "scripts" / "bench_chaos.py"), "--duration-s", "60",
+         "--kill-interval-s", "20",
+         "--concurrency", "4", "--prefills", "1", "--decodes", "1", "--max-new-tokens", "32",
+         "--cancel-fraction", "0",
          "--log-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "chaos.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=1400, check=False)
     out = proc.stdout

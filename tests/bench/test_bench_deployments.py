@@ -11,7 +11,8 @@ CONFIG = 'parameters [\n  { key: "num_threads", value: { string_value: "1" } }\n
 
 
 def _cfg(models: tuple[str, ...]) -> BenchConfig:
-    return BenchConfig.make(quick=True, models=models, concurrencies=None, slo_ttft_ms=None, slo_itl_p99_ms=None,
+    return BenchConfig.make(quick=True, models=models, concurrencies=None, slo_ttft_ms=None,
+                            slo_itl_p99_ms=None,
                             colo_threads=2, port_base=18600, seed=0, out_json=Path("/tmp/x.json"),
                             plot_dir=Path("/tmp/p"), log_dir=Path("/tmp/l"))
 
@@ -46,7 +47,8 @@ def test_pd_hosts_is_the_pd_deployment_on_hosts_and_the_line_compares_it_with_on
     assert (hosts.models, hosts.overrides, hosts.cpus) == (pd.models, pd.overrides, pd.cpus)
     results = {name: {"interference": {"decode": {"itl_p99_ms": itl}, "long": {"ttft_p50_ms": ttft}},
                       "chat": {"1": {"ttft_p50_ms": chat}}}
-               for name, itl, ttft, chat in (("pd", 100.0, 1000.0, 400.0), ("pd_hosts", 110.0, 1200.0, 500.0))}
+               for name, itl, ttft,
+               chat in (("pd", 100.0, 1000.0, 400.0), ("pd_hosts", 110.0, 1200.0, 500.0))}
     line = final_line(results)
     assert line["itl_p99_ratio_hosts_over_one_host"] == 1.1
     assert line["ttft_p50_ratio_hosts_over_one_host"] == 1.2
@@ -61,7 +63,8 @@ def test_a_failed_start_keeps_a_crash_report_that_lies_before_the_tail() -> None
     assert excerpt.endswith(text[-200:])
     assert excerpt.startswith("[crash report earlier in the log]\nFatal Python error: Segmentation fault\n")
     assert 'line 171 in populate' in excerpt and "loading" not in excerpt
-    assert log_excerpt("\n".join(["loading"] * 500), 100) == "\n".join(["loading"] * 500)[-100:]   # nothing to add
+    # nothing to add
+    assert log_excerpt("\n".join(["loading"] * 500), 100) == "\n".join(["loading"] * 500)[-100:]
 
 
 def test_host_state_reads_this_host() -> None:

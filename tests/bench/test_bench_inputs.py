@@ -31,7 +31,8 @@ def test_interference_long_prompts_arrive_at_a_fixed_interval() -> None:
 def _request(finish_reason: str) -> dict:
     # num_output_tokens: the tokens of each response (the vLLM convention)
     outputs = [{"text_output": " a", "num_output_tokens": 1, "num_input_tokens": 5, "finish_reason": "None"},
-               {"text_output": " b", "num_output_tokens": 1, "num_input_tokens": 5, "finish_reason": finish_reason}]
+               {"text_output": " b", "num_output_tokens": 1, "num_input_tokens": 5,
+                "finish_reason": finish_reason}]
     return {"timestamp": 1_000_000_000, "response_timestamps": [1_200_000_000, 1_250_000_000],
             "response_outputs": outputs}
 
@@ -60,4 +61,5 @@ def test_perf_tools_ask_for_every_optional_output_the_public_models_declare() ->
         assert all(re.search(rf"\b{name}\b", script) for name in declared), model
         for path in sorted((root / "scripts/perf/inputs").glob("*.json")):
             entries = json.loads(path.read_text())["data"]
-            assert all(declared <= {k for k, v in e.items() if v == [True]} for e in entries), (model, path.name)
+            assert all(declared <= {k for k, v in e.items() if v == [True]} for e in entries), \
+                (model, path.name)

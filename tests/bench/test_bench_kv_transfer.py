@@ -1,8 +1,8 @@
 """Smoke runs of the KV transfer benchmark (two processes over NIXL, or Mooncake): one room per pass, so no
-figure is judged here (figures: docs/benchmarks.md). What is checked is that the printed figures are consistent
-with each other: the bytes are 128 tokens of the SmolLM2 layout, GB/s is bytes over the printed latency, and
-each ratio is the quotient of the two rates printed beside it (transfer / memcpy: above 1 is faster). The
-Mooncake run moves a bfloat16 engine's KV (``--dtype bfloat16``), the NIXL run float32's."""
+figure is judged here (figures: docs/benchmarks.md). What is checked is that the printed figures are
+consistent with each other: the bytes are 128 tokens of the SmolLM2 layout, GB/s is bytes over the printed
+latency, and each ratio is the quotient of the two rates printed beside it (transfer / memcpy: above 1 is
+faster). The Mooncake run moves a bfloat16 engine's KV (``--dtype bfloat16``), the NIXL run float32's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN_BYTES = 30 * 2 * 3 * 64 * 4   # SmolLM2, fp32: one token's K and V of every layer (the benchmark's layout)
+# SmolLM2, fp32: one token's K and V of every layer (the benchmark's layout)
+TOKEN_BYTES = 30 * 2 * 3 * 64 * 4
 
 
 def _run(*args: str) -> dict[str, Any]:
@@ -49,7 +50,8 @@ def test_smoke_bench_kv_transfer_figures_agree_with_each_other() -> None:
     _check_kv128_figures(result)
     assert _near(result["kv128_ratio_page"], result["kv128_gbps"] / result["kv128_memcpy_page_gbps"])
     assert _near(result["kv128_ratio_ceiling"], result["kv128_gbps"] / result["kv128_memcpy_ceiling_gbps"])
-    assert _near(result["kv128_ceiling_ratio"], result["kv128_memcpy_ceiling_gbps"] / result["kv128_memcpy_gbps"])
+    assert _near(result["kv128_ceiling_ratio"],
+                 result["kv128_memcpy_ceiling_gbps"] / result["kv128_memcpy_gbps"])
     assert _near(result["layout_v2_ratio"], result["layout_v2_gbps"] / result["layout_memcpy_gbps"])
     assert result["inline_progress"] is True and result["cold"] is False and result["huge_pages"] is True
 

@@ -1,5 +1,5 @@
-"""The pairing benchmark's pure logic (scripts/perf/pairing.py, scripts/bench_pairing.py): repository, selection
-counts, figures, run order. No server."""
+"""The pairing benchmark's pure logic (scripts/perf/pairing.py, scripts/bench_pairing.py): repository,
+selection counts, figures, run order. No server."""
 
 from __future__ import annotations
 
@@ -35,15 +35,19 @@ def test_slo_is_the_one_bench_serving_uses() -> None:
 
 
 def test_repository_holds_2p2d_with_a_small_decode_and_one_router_per_variant(tmp_path: Path) -> None:
-    repo = build_fleet_repository(FleetSpec(decode_pages=1024, small_decode_pages=128), ROUTERS, tmp_path / "m")
+    repo = build_fleet_repository(FleetSpec(decode_pages=1024, small_decode_pages=128), ROUTERS,
+                                  tmp_path / "m")
     names = sorted(p.name for p in repo.iterdir())
-    assert names == ["decode", "decode_1", "pd_ensemble", "pd_ensemble_dd", "pd_ensemble_rr", "prefill", "prefill_1"]
+    assert names == ["decode", "decode_1", "pd_ensemble", "pd_ensemble_dd", "pd_ensemble_rr", "prefill",
+                     "prefill_1"]
     for name in names:
         config = (repo / name / "config.pbtxt").read_text()
         assert f'name: "{name}"\n' in config, name
         assert (repo / name / "1" / "model.py").is_file(), name
-    assert 'key: "num_pages", value: { string_value: "128" }' in (repo / "decode_1" / "config.pbtxt").read_text()
-    assert 'key: "num_pages", value: { string_value: "1024" }' in (repo / "decode" / "config.pbtxt").read_text()
+    assert 'key: "num_pages", value: { string_value: "128" }' in (
+        repo / "decode_1" / "config.pbtxt").read_text()
+    assert 'key: "num_pages", value: { string_value: "1024" }' in (
+        repo / "decode" / "config.pbtxt").read_text()
     rr = (repo / "pd_ensemble_rr" / "config.pbtxt").read_text()
     assert 'string_value: "round_robin"' in rr and 'string_value: "load_aware"' not in rr
     assert 'key: "direct_decode_max_tokens", value: { string_value: "64" }' in (
@@ -63,7 +67,8 @@ def test_selections_are_read_per_router_and_differenced() -> None:
     before = {key.format(m="pd_ensemble", r="decode", t="decode"): 4.0,
               key.format(m="pd_ensemble_rr", r="decode", t="decode_1"): 7.0}
     after = {**before, key.format(m="pd_ensemble", r="decode", t="decode"): 10.0,
-             key.format(m="pd_ensemble", r="prefill", t="prefill_1"): 3.0, "pd_kv_free_pages{model=\"decode\"}": 5.0}
+             key.format(m="pd_ensemble", r="prefill", t="prefill_1"): 3.0,
+             "pd_kv_free_pages{model=\"decode\"}": 5.0}
     picked = selection_delta(selections(before, "pd_ensemble"), selections(after, "pd_ensemble"))
     assert picked == {"decode": {"decode@127.0.0.1:1": 6}, "prefill": {"prefill_1@127.0.0.1:1": 3}}
     assert selections(after, "pd_ensemble_rr") == {"decode": {"decode_1@127.0.0.1:1": 7.0}}

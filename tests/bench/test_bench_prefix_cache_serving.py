@@ -29,7 +29,6 @@ from perf.prefix_chat import (
 from perf.server import build_model_repository
 
 
-
 class WordTokenizer:
     """One token per whitespace-separated word (each keeps its trailing space)."""
 
@@ -49,7 +48,8 @@ class CharTokenizer:
 
 
 class RecordingEngine:
-    """Stands in for ``LLMEngine`` in ``bench_prefix_cache.ttfts``: records every prompt, answers one "!" token."""
+    """Stands in for ``LLMEngine`` in ``bench_prefix_cache.ttfts``: records every prompt, answers one "!"
+    token."""
 
     def __init__(self) -> None:
         self.prompts: list[str] = []
@@ -74,7 +74,8 @@ def test_the_in_process_benchmark_sends_this_workloads_text() -> None:
 
     engine = RecordingEngine()
     args = argparse.Namespace(conversations=2, turns=2, system_tokens=300, output_tokens=1)
-    bench_prefix_cache.ttfts(engine, SimpleNamespace(tokenizer=CharTokenizer()), args)  # type: ignore[arg-type]
+    bench_prefix_cache.ttfts(engine, SimpleNamespace(tokenizer=CharTokenizer()),
+                             args)  # type: ignore[arg-type]
     system = (SYSTEM_TEXT * 8)[:300]
     assert len(engine.prompts) == 4 and all(p.startswith(system) for p in engine.prompts)
     first, second, again = engine.prompts[0], engine.prompts[1], engine.prompts[2]   # conv 0, conv 1, conv 0

@@ -43,7 +43,8 @@ def _soak_record(outcome: Outcome, token_times_s: tuple[float, ...] = (), error:
                  sent_s: float = 0.0) -> SoakRecord:
     spec = draw_spec(SoakWorkload(), 0)
     record = RequestRecord(spec.request_id, spec.kind, spec.num_prompt_tokens, sent_s, list(token_times_s),
-                           num_output_tokens=len(token_times_s), done_s=token_times_s[-1] if token_times_s else None)
+                           num_output_tokens=len(token_times_s),
+                           done_s=token_times_s[-1] if token_times_s else None)
     return SoakRecord(spec, record, outcome, error)
 
 
@@ -52,9 +53,11 @@ def test_draws_are_deterministic_in_seed_and_index_and_stay_in_range() -> None:
     specs = [draw_spec(workload, i) for i in range(400)]
     assert specs[17] == draw_spec(workload, 17)
     assert specs[17] != draw_spec(SoakWorkload(min_new_tokens=4, max_new_tokens=9, seed=4), 17)
-    assert all(4 <= s.max_tokens <= 9 and json.loads(s.sampling_json)["max_tokens"] == s.max_tokens for s in specs)
+    assert all(
+        4 <= s.max_tokens <= 9 and json.loads(s.sampling_json)["max_tokens"] == s.max_tokens for s in specs)
     assert {s.kind for s in specs} == {"short", "medium", "long"}
-    assert all(8 <= s.num_prompt_tokens <= 1500 and len(s.prompt.split()) == s.num_prompt_tokens for s in specs)
+    assert all(
+        8 <= s.num_prompt_tokens <= 1500 and len(s.prompt.split()) == s.num_prompt_tokens for s in specs)
 
 
 def test_about_the_cancel_fraction_is_cancelled_and_never_by_both_rules() -> None:
@@ -97,7 +100,8 @@ def test_a_stream_without_final_or_error_is_no_final_unless_the_client_stopped_w
     assert decide_outcome(False, None, False, False, "deadline", STILL_STREAMING_S + 1) is Outcome.NO_FINAL
     # still delivering at the deadline: slow, not lost
     assert decide_outcome(False, None, False, False, "deadline", STILL_STREAMING_S) is Outcome.TIMED_OUT
-    assert decide_outcome(False, None, False, True, "deadline", 0.5) is Outcome.NO_FINAL   # closed without FINAL
+    # closed without FINAL
+    assert decide_outcome(False, None, False, True, "deadline", 0.5) is Outcome.NO_FINAL
     assert decide_outcome(False, None, False, False, "cancel") is Outcome.CANCELLED
     assert decide_outcome(False, None, False, False, "drain") is Outcome.CUT_AT_DRAIN
 
@@ -131,7 +135,8 @@ def test_an_instance_without_a_free_series_counts_all_its_pages_in_use() -> None
 
 
 def test_stub_instance_comes_from_the_stub_command_line_only() -> None:
-    argv = ["/x/backends/python/triton_python_backend_stub", "/repo/decode/1/model.py", "shm_region", "1048576",
+    argv = ["/x/backends/python/triton_python_backend_stub", "/repo/decode/1/model.py",
+            "shm_region", "1048576",
             "1048576", "6093", "/x/backends/python", "336", "decode_0_0", "DEFAULT"]
     assert stub_instance(argv) == "decode_0_0"
     assert stub_instance(["/usr/bin/python3", "-m", "bootstrap"]) is None
@@ -141,14 +146,16 @@ def test_stub_instance_comes_from_the_stub_command_line_only() -> None:
 def test_a_vanished_or_replaced_stub_pid_is_a_death_and_a_new_instance_is_not() -> None:
     before = {"prefill_0_0": 10, "decode_0_0": 11, "pd_ensemble_0_0": 12}
     after = {"prefill_0_0": 10, "decode_0_0": 99, "colocated_0_0": 13}
-    assert stub_deaths(before, after) == [StubDeath("decode_0_0", 11, 99), StubDeath("pd_ensemble_0_0", 12, None)]
+    assert stub_deaths(before, after) == [StubDeath("decode_0_0", 11, 99),
+                                          StubDeath("pd_ensemble_0_0", 12, None)]
 
 
 def test_the_watch_counts_each_death_once_across_snapshots() -> None:
     watch = StubWatch()
     assert watch.observe({"a_0_0": 1, "b_0_0": 2}) == []
     assert watch.observe({"a_0_0": 1}) == [StubDeath("b_0_0", 2, None)]
-    assert watch.observe({"a_0_0": 1, "b_0_0": 5}) == []  # b restarted: the death was counted when it vanished
+    # b restarted: the death was counted when it vanished
+    assert watch.observe({"a_0_0": 1, "b_0_0": 5}) == []
     assert watch.observe({"a_0_0": 7, "b_0_0": 5}) == [StubDeath("a_0_0", 1, 7)]
     assert len(watch.deaths) == 2 and watch.first == {"a_0_0": 1, "b_0_0": 2}
 
@@ -157,7 +164,8 @@ def test_summary_counts_outcomes_and_takes_latencies_of_ok_requests_only() -> No
     records = [_soak_record(Outcome.OK, (0.1, 0.2, 0.4)), _soak_record(Outcome.OK, (0.3, 0.35)),
                _soak_record(Outcome.CANCELLED, (5.0, 9.0)), _soak_record(Outcome.ERROR, error="server busy"),
                _soak_record(Outcome.ERROR, error="StatusCode.UNAVAILABLE: Socket closed"),
-               _soak_record(Outcome.NO_FINAL), _soak_record(Outcome.CUT_AT_DRAIN), _soak_record(Outcome.TIMED_OUT)]
+               _soak_record(Outcome.NO_FINAL), _soak_record(Outcome.CUT_AT_DRAIN),
+               _soak_record(Outcome.TIMED_OUT)]
     s = summarize(records, duration_s=10.0, pages_not_returned=0, deaths=[])
     assert (s["requests_sent"], s["completed_ok"], s["cancelled"], s["errors"]) == (8, 2, 1, 2)
     assert (s["streams_without_final"], s["cut_at_drain"], s["timed_out_streaming"]) == (1, 1, 1)

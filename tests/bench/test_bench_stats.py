@@ -12,7 +12,8 @@ def _record(rid: str, sent_s: float, token_times_s: list[float], done_s: float |
             error: str | None = None) -> RequestRecord:
     return RequestRecord(request_id=rid, kind="chat", num_prompt_tokens=8, sent_s=sent_s,
                          token_times_s=token_times_s, num_output_tokens=len(token_times_s),
-                         done_s=token_times_s[-1] if done_s is None and token_times_s else done_s, error=error)
+                         done_s=token_times_s[-1] if done_s is None and token_times_s else done_s,
+                         error=error)
 
 
 def test_itl_is_the_gap_between_consecutive_arrivals_in_ms() -> None:

@@ -1,9 +1,10 @@
 """Live smoke runs of the standard tools against a real tritonserver: every stream they open must end.
 
-perf_analyzer (gRPC, ``--streaming``, ``scripts/perf/inputs/smoke.json``: 16-token prompts, ``max_tokens`` 8 with
-``ignore_eos``) and genai-perf (synthetic 16-token prompts, 4 new tokens) each send 4 requests at concurrency 2
-through the wrappers in ``scripts/perf/``. Skips, with the reason, when ``scripts/install_perf_tools.sh`` has not
-run. Uses the ``triton_server`` fixture of ``tests/serving/conftest.py`` (loaded below, not copied).
+perf_analyzer (gRPC, ``--streaming``, ``scripts/perf/inputs/smoke.json``: 16-token prompts, ``max_tokens`` 8
+with ``ignore_eos``) and genai-perf (synthetic 16-token prompts, 4 new tokens) each send 4 requests at
+concurrency 2 through the wrappers in ``scripts/perf/``. Skips, with the reason, when
+``scripts/install_perf_tools.sh`` has not run. Uses the ``triton_server`` fixture of
+``tests/serving/conftest.py`` (loaded below, not copied).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ ENTRY_MODELS = tuple(m for m in ("colocated", "pd_ensemble") if (ROOT / "model_r
 TRITON_MODELS = tuple(dict.fromkeys(
     ["colocated"] + (["prefill", "decode", "pd_ensemble"] if "pd_ensemble" in ENTRY_MODELS else [])))
 
-_spec = importlib.util.spec_from_file_location("serving_live_conftest", ROOT / "tests" / "serving" / "conftest.py")
+_spec = importlib.util.spec_from_file_location("serving_live_conftest",
+                                               ROOT / "tests" / "serving" / "conftest.py")
 assert _spec is not None and _spec.loader is not None
 _serving_conftest = sys.modules.setdefault("serving_live_conftest", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(_serving_conftest)
@@ -55,13 +57,16 @@ def test_perf_analyzer_streams_all_end(triton_server: object, model: str, tmp_pa
     """perf_analyzer exits 0, and each of its requests got all 8 tokens and a final finish_reason."""
     if not PERF_ANALYZER.exists():
         pytest.skip(f"{PERF_ANALYZER} missing: run scripts/install_perf_tools.sh")
-    proc = _run([str(ROOT / "scripts/perf/perf_analyzer.sh"), model, _grpc_port(triton_server), str(SMOKE_INPUT),
-                 "--concurrency-range", "2", "--request-count", str(NUM_REQUESTS)], {"OUT_DIR": str(tmp_path)})
+    proc = _run([str(ROOT / "scripts/perf/perf_analyzer.sh"), model, _grpc_port(triton_server),
+                 str(SMOKE_INPUT),
+                 "--concurrency-range", "2", "--request-count", str(NUM_REQUESTS)],
+                {"OUT_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     export = json.loads((tmp_path / "profile_export.json").read_text())
     records = records_from_export(export)
     assert len(records) >= NUM_REQUESTS
-    max_tokens = json.loads(json.loads(SMOKE_INPUT.read_text())["data"][0]["sampling_parameters"][0])["max_tokens"]
+    first_entry = json.loads(SMOKE_INPUT.read_text())["data"][0]
+    max_tokens = json.loads(first_entry["sampling_parameters"][0])["max_tokens"]
     for record in records:
         assert record.ok, f"{record.request_id}: {record.error}"
         assert record.num_output_tokens == max_tokens

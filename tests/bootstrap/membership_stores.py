@@ -186,7 +186,8 @@ class EtcdProcess(_Process):
                                              f"--key={self.certs.client_key}"]
         argv = [ETCDCTL, f"--endpoints={self._scheme}://{self.endpoint}", *tls,
                 *([f"--user={user}"] if user else []), *args]
-        done = subprocess.run(argv, env=child_env({"ETCDCTL_API": "3"}), capture_output=True, text=True, timeout=30,
+        done = subprocess.run(argv, env=child_env({"ETCDCTL_API": "3"}), capture_output=True,
+                              text=True, timeout=30,
                               check=False)
         assert done.returncode == 0, f"etcdctl {' '.join(args)}: {done.stderr}"
         return done.stdout

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from bootstrap.auth import (
     AUTH_HEADER,
-    Authorities,
     AuthError,
+    Authorities,
     HmacAuth,
     ReplayGuard,
     admin_key,
@@ -184,8 +184,8 @@ def test_middleware_without_a_secret_passes_everything_through() -> None:
 def test_middleware_refuses_an_unsigned_request_with_the_reason(secured: _App) -> None:
     response = requests.post(secured.url("/echo"), data=b"hello", timeout=5)
     assert response.status_code == 401
-    assert response.json() == {"error": "missing X-PD-Fleet-Auth header: this fleet requires the fleet secret "
-                                        "(PD_FLEET_SECRET)"}
+    assert response.json() == {"error": "missing X-PD-Fleet-Auth header: this fleet requires the fleet "
+                                        "secret (PD_FLEET_SECRET)"}
 
 
 def test_middleware_exempts_only_get_health(secured: _App) -> None:
@@ -222,7 +222,8 @@ def test_the_replay_guard_forgets_a_signature_once_verify_would_refuse_its_times
 
 def test_middleware_refuses_a_signature_for_another_body(secured: _App) -> None:
     header = sign(SECRET, "POST", f"127.0.0.1:{secured.port}", "/echo", b"what was signed", time.time())
-    response = requests.post(secured.url("/echo"), data=b"what was sent", headers={AUTH_HEADER: header}, timeout=5)
+    response = requests.post(secured.url("/echo"), data=b"what was sent",
+                             headers={AUTH_HEADER: header}, timeout=5)
     assert response.status_code == 401 and response.json()["error"].startswith("bad signature")
 
 
@@ -246,7 +247,8 @@ def test_middleware_refuses_a_signature_made_for_another_server(secured: _App) -
 
 
 @pytest.mark.parametrize("header", [
-    "v2 t=1" + "0" * 400 + ",n=0000000000000000,s=" + "0" * 64, "x" * 5_000, "x" * 10_000, "v2 t=,n=,s=", "\u00e9" * 20,
+    "v2 t=1" + "0" * 400 + ",n=0000000000000000,s=" + "0" * 64, "x" * 5_000, "x" * 10_000, "v2 t=,n=,s=",
+    "\u00e9" * 20,
 ])
 def test_middleware_answers_a_hostile_header_with_401_not_500(secured: _App, header: str) -> None:
     response = requests.post(secured.url("/echo"), data=b"x", headers={AUTH_HEADER: header.encode("utf-8")},

@@ -147,8 +147,8 @@ def test_members_forged_in_an_open_registry_are_never_listed(caplog: pytest.LogC
         _put(registry, fakes[-1])
         _hold(readers.only_genuine, 1.5, "a reader lists a member signed with another secret")
         for fake in fakes:
-            wait_until(lambda: f"/v1/members/{fake.instance_id} of {registry.url}" in caplog.text, 2.0,
-                       f"{fake.instance_id} logged")
+            line = f"/v1/members/{fake.instance_id} of {registry.url}"
+            wait_until(lambda line=line: line in caplog.text, 2.0, f"{fake.instance_id} logged")
         logged = caplog.text.count(f"/v1/members/{fakes[0].instance_id} of")
         assert logged == 3, "once per client, not once per poll"
     finally:

@@ -13,8 +13,7 @@ import pytest
 import requests
 
 from bootstrap.auth import HmacAuth
-from bootstrap.membership import (MEMBER_VERSION, Member, MembershipError, MemberSignatureError,
-                                  RegistryServer)
+from bootstrap.membership import MEMBER_VERSION, Member, MembershipError, MemberSignatureError, RegistryServer
 from bootstrap.membership.base import MemberCheck
 
 SECRET = b"fleet secret of the signature tests"

@@ -28,7 +28,8 @@ def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
 
 
 def _member(name: str) -> Member:
-    return Member(f"{name}@127.0.0.1:8001", "decode", "127.0.0.1:8001", "decode", "http://127.0.0.1:9", time.time_ns())
+    return Member(f"{name}@127.0.0.1:8001", "decode", "127.0.0.1:8001", "decode", "http://127.0.0.1:9",
+                  time.time_ns())
 
 
 def _ids(membership: EtcdMembership) -> set[str]:

@@ -38,7 +38,8 @@ class Fleet:
     def join(self, instance_id: str, role: str) -> tuple[Membership, Member]:
         membership = make_membership(self.url, SECRET)
         assert membership is not None
-        member = Member(instance_id, role, "127.0.0.1:8001", "m", "" if role == "router" else "http://127.0.0.1:9",
+        member = Member(instance_id, role, "127.0.0.1:8001", "m",
+                        "" if role == "router" else "http://127.0.0.1:9",
                         time.time_ns())
         membership.announce(member, TTL_S)
         membership.start()
@@ -80,7 +81,8 @@ def test_routers_and_workers_converge_on_one_fleet(fleet: Fleet) -> None:
     assert {m.role for m in views[0].members} == {"router", "prefill", "decode"}
 
 
-def test_a_stopped_worker_leaves_at_once_and_a_killed_one_within_its_ttl(fleet: Fleet, tmp_path: Path) -> None:
+def test_a_stopped_worker_leaves_at_once_and_a_killed_one_within_its_ttl(
+        fleet: Fleet, tmp_path: Path) -> None:
     ids = _five(fleet)
     killed = WorkerProcess()
     killed.start(fleet.url, "decode9@127.0.0.1:999", "decode", TTL_S, tmp_path, SECRET)
@@ -88,7 +90,8 @@ def test_a_stopped_worker_leaves_at_once_and_a_killed_one_within_its_ttl(fleet: 
         wait_until(lambda: fleet.all_see(ids | {"decode9@127.0.0.1:999"}), 15.0, "the worker process joined")
         stopped = fleet.clients.pop(2)   # prefill0
         stopped.stop()
-        took_s = wait_until(lambda: fleet.all_see(ids - {"prefill0@127.0.0.1:900"} | {"decode9@127.0.0.1:999"}),
+        took_s = wait_until(lambda: fleet.all_see(
+            ids - {"prefill0@127.0.0.1:900"} | {"decode9@127.0.0.1:999"}),
                             TTL_S, "a stopped worker leaves every view before its TTL")
         assert took_s < TTL_S
         killed.kill()

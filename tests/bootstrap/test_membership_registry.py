@@ -36,14 +36,15 @@ def test_a_client_without_the_secret_is_refused_with_401_and_the_reason(
         registry: RegistryServer, caplog: pytest.LogCaptureFixture) -> None:
     response = requests.get(registry.url + "/v1/members", timeout=5)
     assert response.status_code == 401
-    assert response.json()["error"] == ("missing X-PD-Fleet-Auth header: this fleet requires the fleet secret "
-                                        "(PD_FLEET_SECRET)")
+    assert response.json()["error"] == ("missing X-PD-Fleet-Auth header: this fleet requires the fleet "
+                                        "secret (PD_FLEET_SECRET)")
     assert requests.get(registry.url + "/health", timeout=5).text == "ok"
     outsider = RegistryMembership(registry.url, None)
     outsider.announce(Member("decode@10.0.0.9:1", "decode", "10.0.0.9:1", "m", "http://10.0.0.9:2", 1))
     with caplog.at_level(logging.WARNING, logger="bootstrap.membership.registry_client"):
         outsider.start()
-        wait_until(lambda: "HTTP 401: missing X-PD-Fleet-Auth header" in caplog.text, 5.0, "the refusal logged")
+        wait_until(lambda: "HTTP 401: missing X-PD-Fleet-Auth header" in caplog.text, 5.0,
+                   "the refusal logged")
     outsider.stop()
     assert registry.table.members(time.monotonic()) == [], "an outsider cannot join"
     assert not outsider.view().fresh and outsider.view().members == ()

@@ -94,11 +94,13 @@ def test_heartbeats_carry_the_load_the_fleet_listing_shows(registry: Registry) -
 
 
 def test_a_draining_instance_is_listed_as_draining_from_then_on(registry: Registry) -> None:
-    """A model being unloaded marks its instance draining (routers pair it no more); only its own epoch can."""
+    """A model being unloaded marks its instance draining (routers pair it no more); only its own epoch
+    can."""
     assert not any(s.draining for s in registry.instances(1.0))
     assert not registry.set_draining("d0", epoch=2)   # another incarnation's mark
     assert registry.set_draining("d0", epoch=1)
-    assert {s.instance_id: s.draining for s in registry.instances(1.0)} == {"d0": True, "d1": False, "p0": False}
+    assert {s.instance_id: s.draining for s in registry.instances(1.0)} == {
+        "d0": True, "d1": False, "p0": False}
     assert registry.heartbeat("d0", 1, 2.0, InstanceLoad(num_free_pages=3))   # its reports keep coming
     assert [s.draining for s in registry.instances(2.0, "decode")] == [True, False]
     assert not registry.set_draining("nobody", epoch=1)

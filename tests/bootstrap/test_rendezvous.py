@@ -15,7 +15,8 @@ from bootstrap.messages import Destination, DestinationBatch, InstanceLoad, Regi
 
 def test_messages_round_trip_through_the_envelope() -> None:
     registration = Registration("p0", "prefill", 3, "p0#3", Registration.encode_metadata(b"\x00\xffmeta"),
-                                "h", "127.0.0.1:1", {"layout": {"page_size": 16}}, rendezvous_url="http://h:1")
+                                "h", "127.0.0.1:1", {"layout": {"page_size": 16}},
+                                rendezvous_url="http://h:1")
     assert decode(encode(registration), Registration) == registration
     assert decode(encode(registration), Registration).agent_metadata == b"\x00\xffmeta"
     batch = DestinationBatch([Destination(1, "p0", "d0", "d0#1", "x", [3, 4], 2, 0, "http://d:2")])
@@ -42,8 +43,8 @@ def prefill_rendezvous() -> Iterator[tuple[Rendezvous, threading.Event]]:
 
 def test_a_prefill_rendezvous_takes_rooms_and_wakes_its_owner(
         prefill_rendezvous: tuple[Rendezvous, threading.Event]) -> None:
-    """Decode posts to prefill's own rendezvous; the owner is woken and takes the destination in-process, once;
-    a second post of the room is refused; decode's release says prefill had it."""
+    """Decode posts to prefill's own rendezvous; the owner is woken and takes the destination in-process,
+    once; a second post of the room is refused; decode's release says prefill had it."""
     rendezvous, woken = prefill_rendezvous
     client = BootstrapClient(rendezvous.url, timeout_s=2.0)
     assert client.get_instance("p0").agent_name == "p0#1"  # type: ignore[union-attr]
@@ -91,17 +92,19 @@ def test_a_non_loopback_bind_needs_the_fleet_secret() -> None:
 
 
 def test_without_the_fleet_secret_no_caller_can_post_release_or_read_a_room() -> None:
-    """A rendezvous with a fleet secret refuses every unsigned (or wrongly signed) call with HTTP 401 naming the
-    reason: nobody outside the fleet can point a prefill instance's KV at its own memory, release another
+    """A rendezvous with a fleet secret refuses every unsigned (or wrongly signed) call with HTTP 401 naming
+    the reason: nobody outside the fleet can point a prefill instance's KV at its own memory, release another
     decode's room or read the registration; the fleet's own signed calls work."""
     secret = b"fleet-secret"
-    rendezvous = Rendezvous(RendezvousConfig(host="0.0.0.0", port=0, advertise_host="127.0.0.1", secret=secret))
+    rendezvous = Rendezvous(RendezvousConfig(host="0.0.0.0", port=0, advertise_host="127.0.0.1",
+                                             secret=secret))
     rendezvous.start()
     rendezvous.register(Registration("p0", "prefill", 1, "p0#1", "", "h", rendezvous_url=rendezvous.url))
     try:
         for client in (BootstrapClient(rendezvous.url, 2.0), BootstrapClient(rendezvous.url, 2.0, b"wrong")):
             with pytest.raises(BootstrapError, match="401"):
-                client.post_destination(Destination(9, "p0", "evil", "evil#1", "x", [1], 0, 0, "http://evil:1"))
+                client.post_destination(Destination(9, "p0", "evil", "evil#1", "x", [1], 0, 0,
+                                                    "http://evil:1"))
             with pytest.raises(BootstrapError, match="401"):
                 client.release_room(9, "d0")
             with pytest.raises(BootstrapError, match="401"):
@@ -109,7 +112,8 @@ def test_without_the_fleet_secret_no_caller_can_post_release_or_read_a_room() ->
             client.close()
         assert rendezvous.take_destinations("p0") == []
         fleet = BootstrapClient(rendezvous.url, 2.0, secret)
-        assert fleet.post_destination(Destination(9, "p0", "d0", "d0#1", "x", [1], 0, 0, "http://d0:1")).accepted
+        assert fleet.post_destination(Destination(9, "p0", "d0", "d0#1", "x", [1], 0, 0,
+                                                  "http://d0:1")).accepted
         assert fleet.release_room(9, "d0").known
         fleet.close()
     finally:

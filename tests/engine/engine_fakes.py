@@ -83,7 +83,8 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def run_all(engine, max_steps=500):
-    """Step ``engine`` until it has nothing left (at most ``max_steps``); its outputs by request id, in order."""
+    """Step ``engine`` until it has nothing left (at most ``max_steps``); its outputs by request id, in
+    order."""
     outs = {}
     for _ in range(max_steps):
         if not engine.has_unfinished():

@@ -221,7 +221,8 @@ def test_pd_in_one_process_matches_colocated(prompt_len):
 
 def test_decode_reserve_then_abort_before_prebuilt():
     e = make_engine(mode="decode")
-    pages = e.reserve_request("r", [1, 2, 3, 4, 5], greedy(8)).dst_page_ids  # 12 KV tokens = 3 pages, 2 prompt
+    # 12 KV tokens = 3 pages, 2 prompt
+    pages = e.reserve_request("r", [1, 2, 3, 4, 5], greedy(8)).dst_page_ids
     assert len(pages) == 2 and e.num_free_pages == e.num_total_pages - 3
     e.abort_request("r")
     assert e.num_free_pages == e.num_total_pages

@@ -29,7 +29,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_metadata(writer: "gguf.GGUFWriter") -> None:
+def _write_metadata(writer: gguf.GGUFWriter) -> None:
     writer.add_block_count(LAYERS)
     writer.add_context_length(64)
     writer.add_embedding_length(HIDDEN)

@@ -83,7 +83,8 @@ def test_incremental_detokenizer_skips_special_tokens(smollm2: LoadedModel) -> N
 
 
 def test_the_fingerprint_covers_the_vocabulary_and_the_chat_template(smollm2: LoadedModel, tmp_path) -> None:
-    """Equal files, equal fingerprint (the router's ids are the workers'); another chat template, another one."""
+    """Equal files, equal fingerprint (the router's ids are the workers'); another chat template, another
+    one."""
     import shutil
 
     from engine.model.loader import _resolve_folder, default_cache_root, load_tokenizer
@@ -95,6 +96,7 @@ def test_the_fingerprint_covers_the_vocabulary_and_the_chat_template(smollm2: Lo
     folder.mkdir()
     source = _resolve_folder("smollm2", default_cache_root())
     shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>", "chat_template": "{{ messages }}"}')
+    (folder / "tokenizer_config.json").write_text(
+        '{"eos_token": "<|im_end|>", "chat_template": "{{ messages }}"}')
     other = Tokenizer.from_folder(folder)
     assert other.fingerprint != ours.fingerprint and other.encode("Hello there") == ours.encode("Hello there")

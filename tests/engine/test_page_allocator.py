@@ -74,8 +74,8 @@ def test_kv_pool_block_offset_matches_tensor_addresses():
 
 
 def test_kv_pool_is_page_major_one_page_is_one_contiguous_region():
-    """Every (layer, kv) block of page p lies inside [p * page_bytes, (p + 1) * page_bytes): a page moves as one
-    descriptor however scattered the pages are."""
+    """Every (layer, kv) block of page p lies inside [p * page_bytes, (p + 1) * page_bytes): a page moves as
+    one descriptor however scattered the pages are."""
     shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=4, page_size=16)
     pool = KVPool(shape, num_pages=5, dtype=torch.float32, device="cpu")
     assert pool.page_bytes == 2 * 3 * pool.block_bytes
@@ -138,7 +138,8 @@ def test_kv_pool_populates_through_the_raw_madvise_syscall():
         pytest.skip("no raw madvise number for this architecture: libc's is used")
     madvise = kv_pool._raw_madvise()
     assert not hasattr(madvise, "argtypes")   # a Python wrapper over syscall(2), not the libc symbol
-    region = mmap_module.mmap(-1, 4 * HUGE_PAGE_BYTES, flags=mmap_module.MAP_PRIVATE | mmap_module.MAP_ANONYMOUS)
+    region = mmap_module.mmap(-1, 4 * HUGE_PAGE_BYTES,
+                              flags=mmap_module.MAP_PRIVATE | mmap_module.MAP_ANONYMOUS)
     base = torch.frombuffer(memoryview(region), dtype=torch.uint8, count=1).data_ptr()
     aligned = base + (-base % 4096)
     assert madvise(aligned, HUGE_PAGE_BYTES, kv_pool._MADV_POPULATE_WRITE) in (0, -1)   # -1: kernel < 5.14

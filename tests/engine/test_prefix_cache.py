@@ -165,7 +165,8 @@ def ids(smollm2) -> list[int]:
     return out
 
 
-def make(loaded, cache: bool = True, mode: str = "colocated", num_pages: int = 64, chunk: int = 512) -> LLMEngine:
+def make(loaded, cache: bool = True, mode: str = "colocated", num_pages: int = 64,
+         chunk: int = 512) -> LLMEngine:
     return LLMEngine(EngineConfig(mode=mode, page_size=PS, num_pages=num_pages, chunk_size=chunk,
                                   max_num_batched_tokens=max(chunk, 64), enable_prefix_caching=cache), loaded)
 
@@ -221,9 +222,11 @@ def test_repeated_prompt_computes_its_last_token(smollm2, ids):
 def test_multi_turn_reuses_the_previous_answer_and_matches_cache_off(smollm2, ids):
     """Turn 2 = turn 1's prompt + answer + more: its pages (the answer's full pages too) come from the cache;
     greedy and seeded sampling give the cache-off tokens."""
-    for params in (greedy(8), SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)):
+    for params in (greedy(8),
+                   SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)):
         on, off = make(smollm2), make(smollm2, cache=False)
-        turn1 = ids[:44]                # 44 + 7 computed answer tokens: 3 full pages, the 3rd ends in the answer
+        # 44 + 7 computed answer tokens: 3 full pages, the 3rd ends in the answer
+        turn1 = ids[:44]
         out1 = generate(on, "t1", turn1, params)[0]
         assert out1 == generate(off, "t1", turn1, params)[0]
         turn2 = turn1 + out1 + ids[60:70]
@@ -249,7 +252,8 @@ def test_a_changed_token_ends_the_reuse(smollm2, ids, changed_at, expect_cached)
 @pytest.mark.model
 def test_eviction_under_pressure_spares_a_shared_page(smollm2, ids):
     """12 pages: A (64 + 4 tokens) finishes, leaving 4 cached pages. B shares A's first 2 and runs long; C
-    (7 pages) then needs an eviction: A's leaf page goes, B's shared pages stay, every output is cache-off's."""
+    (7 pages) then needs an eviction: A's leaf page goes, B's shared pages stay, every output is
+    cache-off's."""
     on = make(smollm2, num_pages=12)
     a = ids[:64]
     generate(on, "a", a, greedy(4))
@@ -363,8 +367,8 @@ def pd_generate(pre: LLMEngine, dec: LLMEngine, rid: str, prompt: list[int],
 @pytest.mark.parametrize("shared", [0, 1, PS - 1, PS, PS + 1, 5 * PS])
 def test_decode_shares_its_cached_prefix_and_needs_only_the_rest(smollm2, ids, shared):
     """Decode's own cache: a second prompt sharing ``shared`` tokens with one decode already served reserves
-    the shared full pages from its cache (page-aligned, never the last prompt token) and takes only the rest of
-    the KV; the text equals colocated with the cache off. Prefill runs with its cache off, so every page it
+    the shared full pages from its cache (page-aligned, never the last prompt token) and takes only the rest
+    of the KV; the text equals colocated with the cache off. Prefill runs with its cache off, so every page it
     sends was computed for this request."""
     pre, dec = make(smollm2, cache=False, mode="prefill", chunk=32), make(smollm2, mode="decode")
     first = ids[:shared] + ids[120:150]
@@ -380,13 +384,14 @@ def test_decode_shares_its_cached_prefix_and_needs_only_the_rest(smollm2, ids, s
 @pytest.mark.model
 def test_decode_same_prompt_twice_sends_only_the_last_page(smollm2, ids):
     """The same 3-page + 5-token prompt twice through PD with both caches on: the second time prefill computes
-    only its uncached tail and decode needs only the pages after its cached prefix (the page of the last prompt
-    token, which is never shared), and the text repeats."""
+    only its uncached tail and decode needs only the pages after its cached prefix (the page of the last
+    prompt token, which is never shared), and the text repeats."""
     pre, dec = make(smollm2, mode="prefill", chunk=32), make(smollm2, mode="decode")
     prompt = ids[:3 * PS + 5]
     a = pd_generate(pre, dec, "a", prompt, greedy())
     b = pd_generate(pre, dec, "b", prompt, greedy())
     assert a[1:] == (0, 0) and b[1:] == (3 * PS, 3 * PS) and a[0] == b[0]
-    page_aligned = ids[:4 * PS]           # a page-aligned prompt: the last page is sent, the 3 before are shared
+    # a page-aligned prompt: the last page is sent, the 3 before are shared
+    page_aligned = ids[:4 * PS]
     pd_generate(pre, dec, "c", page_aligned, greedy())
     assert pd_generate(pre, dec, "d", page_aligned, greedy())[2] == 3 * PS

@@ -1,5 +1,5 @@
-"""LLMEngine.add_request with ``resumed_output_ids`` (a migrated request) on the fake model: resuming after any
-k tokens gives exactly the rest of an uninterrupted run (tokens, text, finish reason, logprobs of the new
+"""LLMEngine.add_request with ``resumed_output_ids`` (a migrated request) on the fake model: resuming after
+any k tokens gives exactly the rest of an uninterrupted run (tokens, text, finish reason, logprobs of the new
 tokens), greedy and seeded, with stop strings straddling the resume point; bad resumes fail that request only
 and take no pages."""
 

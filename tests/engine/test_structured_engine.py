@@ -3,8 +3,8 @@
 Invariants: every output of a constrained request is valid under its constraint (JSON schemas with nested
 objects, enums, arrays, bounded numbers and required fields validated with ``jsonschema``; regex full match;
 choice membership; an EBNF grammar's sentences); unconstrained rows of the same batch are unaffected; a
-prefill engine + decode engine pair (first token sampled on prefill, replayed into decode's grammar state) gives
-the colocated engine's tokens, greedy and seeded, with the prefix cache on.
+prefill engine + decode engine pair (first token sampled on prefill, replayed into decode's grammar state)
+gives the colocated engine's tokens, greedy and seeded, with the prefix cache on.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def check(constraint: dict, text: str) -> None:
 
 
 def params(constraint: dict, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=kw.pop("max_tokens", 120), structured=parse_structured("structured_outputs",
-                                                                                            constraint), **kw)
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 120),
+                          structured=parse_structured("structured_outputs", constraint), **kw)
 
 
 def test_every_constraint_holds_in_one_batch_next_to_a_free_request(engines):
@@ -102,7 +102,8 @@ def test_every_constraint_holds_in_one_batch_next_to_a_free_request(engines):
             check(constraint, "".join(o.new_text for o in outs[rid]))
     engine.add_request("free2", prompt_ids(engine, "Say hi."), SamplingParams(max_tokens=8, temperature=0.0))
     again = run(engine)  # alone this time
-    assert [t for o in again["free2"] for t in o.new_token_ids] == [t for o in outs["free"] for t in o.new_token_ids]
+    assert [t for o in again["free2"] for t in o.new_token_ids] == [
+        t for o in outs["free"] for t in o.new_token_ids]
 
 
 def pd_tokens(engines, rid: str, prompt: list[int], p: SamplingParams) -> list[int]:
@@ -125,7 +126,8 @@ def test_pd_tokens_equal_colocated_tokens(engines, constraint, text, sampling):
     col = engines["colocated"]
     prompt = prompt_ids(col, text)
     p = params(constraint, max_tokens=40, **sampling)
-    tag = f"{len(constraint)}-{hash(json.dumps(constraint, sort_keys=True)) & 0xffff}-{sampling['temperature']}"
+    digest = hash(json.dumps(constraint, sort_keys=True)) & 0xffff
+    tag = f"{len(constraint)}-{digest}-{sampling['temperature']}"
     col.add_request(f"col-{tag}", prompt, p)
     expected = [t for o in run(col)[f"col-{tag}"] for t in o.new_token_ids]
     for attempt in range(2):  # the second time decode's prefix cache holds the prompt's pages
@@ -135,10 +137,11 @@ def test_pd_tokens_equal_colocated_tokens(engines, constraint, text, sampling):
 
 @pytest.mark.parametrize("constraint, text", [CONSTRAINTS[0], CONSTRAINTS[2]])
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 11}])
-def test_a_resumed_request_continues_under_its_grammar_with_the_uninterrupted_tokens(engines, constraint, text,
-                                                                                      sampling):
-    """A migrated request (``add_request(..., resumed_output_ids)``) moves its grammar past the resumed tokens:
-    the tokens after them equal the uninterrupted run's (a grammar left behind would mask other tokens)."""
+def test_a_resumed_request_continues_under_its_grammar_with_the_uninterrupted_tokens(
+        engines, constraint, text, sampling):
+    """A migrated request (``add_request(..., resumed_output_ids)``) moves its grammar past the resumed
+    tokens: the tokens after them equal the uninterrupted run's (a grammar left behind would mask other
+    tokens)."""
     col = engines["colocated"]
     prompt = prompt_ids(col, text)
     p = params(constraint, max_tokens=40, **sampling)

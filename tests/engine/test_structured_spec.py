@@ -35,12 +35,14 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.backend.to_str(), tokenizer.vocab_size, tokenizer.eos_token_ids, cache_size=4)
+    return GrammarCompiler(tokenizer.backend.to_str(), tokenizer.vocab_size, tokenizer.eos_token_ids,
+                           cache_size=4)
 
 
 @pytest.mark.parametrize("key", ["structured_outputs", "guided_decoding"])
 @pytest.mark.parametrize("value, kind", [
-    ({"json": SCHEMA}, "json"), ({"json": '{"type": "string"}'}, "json"), ({"json_object": True}, "json_object"),
+    ({"json": SCHEMA}, "json"), ({"json": '{"type": "string"}'}, "json"),
+    ({"json_object": True}, "json_object"),
     ({"regex": "[0-9]{3}-[a-z]+"}, "regex"), ({"choice": ["yes", "no"]}, "choice"),
     ({"grammar": 'root ::= "a" | "b" root'}, "grammar"),
 ])
@@ -52,7 +54,8 @@ def test_each_kind_parses_and_round_trips(key, value, kind):
 
 
 def test_no_constraint_set_means_none():
-    assert SamplingParams.from_dict({"structured_outputs": {"json": None, "backend": "guidance"}}).structured is None
+    assert SamplingParams.from_dict({"structured_outputs": {"json": None,
+                                                            "backend": "guidance"}}).structured is None
 
 
 @pytest.mark.parametrize("value, field", [
@@ -93,7 +96,8 @@ def test_compiled_once_then_cached_and_bounded(compiler):
 
 
 def test_concurrent_first_compiles_of_one_spec_compile_it_once(compiler):
-    spec = StructuredSpec("json", '{"type":"object","properties":{"k":{"type":"array","items":{"type":"number"}}}}')
+    spec = StructuredSpec("json",
+                          '{"type":"object","properties":{"k":{"type":"array","items":{"type":"number"}}}}')
     misses = compiler.stats().misses
     results: list[object] = []
     threads = [threading.Thread(target=lambda: results.append(compiler.compile(spec))) for _ in range(4)]
@@ -152,7 +156,8 @@ def test_sampler_applies_the_mask_after_logit_bias():
     logits = torch.zeros(2, vocab)
     result = Sampler()(logits, params, gens, None, masks)
     assert result.token_ids == [5, 9]
-    sampled = Sampler()(logits[:1], [SamplingParams(temperature=1.0, structured=StructuredSpec("regex", "a"))],
+    sampled = Sampler()(logits[:1],
+                        [SamplingParams(temperature=1.0, structured=StructuredSpec("regex", "a"))],
                         gens[:1], None, masks[:1])
     assert sampled.token_ids == [5]
 

@@ -17,8 +17,16 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.forward_batch import ForwardBatch
 from engine.model import LlamaForCausalLM, ModelConfig
 from engine.model.kernels import gemv_kernels
-from engine.model.linear import (AMX_ONEDNN_ROWS, SMALL_BATCH_ROWS, Int8Weight, PackedBF16Weight,
-                                 _cpu_has_amx, _pack_bf16_here, linear, weight_bytes)
+from engine.model.linear import (
+    AMX_ONEDNN_ROWS,
+    SMALL_BATCH_ROWS,
+    Int8Weight,
+    PackedBF16Weight,
+    _cpu_has_amx,
+    _pack_bf16_here,
+    linear,
+    weight_bytes,
+)
 from engine.model.perplexity import perplexity
 from tests.engine.engine_fakes import VOCAB, FakeTokenizer
 
@@ -67,17 +75,17 @@ def _has_avx512_bf16() -> bool:
 
 
 def test_the_native_bf16_kernel_is_on_exactly_where_the_cpu_has_avx512_bf16():
-    """The kernels' own CPU check agrees with the kernel's flags in /proc/cpuinfo (a silent fallback to the AVX2
-    loop would double the time of a 16-row decode step in bf16)."""
+    """The kernels' own CPU check agrees with the kernel's flags in /proc/cpuinfo (a silent fallback to the
+    AVX2 loop would double the time of a 16-row decode step in bf16)."""
     assert _kernels().native_bf16 == _has_avx512_bf16()
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, SMALL_BATCH_ROWS])
 @pytest.mark.parametrize("k", [77, 64, 576, 31])
 def test_native_bf16_kernel_equals_the_exact_product(m, k):
-    """bf16 x bf16 on AVX512_BF16: each product of two bf16 is exact in float32, so the only error is the float32
-    sum's, at most one rounding per step of the k sum (bound: k roundings of the sum of |terms|); N = 37 and
-    odd k leave tails in both."""
+    """bf16 x bf16 on AVX512_BF16: each product of two bf16 is exact in float32, so the only error is the
+    float32 sum's, at most one rounding per step of the k sum (bound: k roundings of the sum of |terms|); N =
+    37 and odd k leave tails in both."""
     kernels = _kernels()
     if not kernels.native_bf16:
         pytest.skip("this CPU has no AVX512_BF16")
@@ -304,8 +312,8 @@ def _run(engine: LLMEngine) -> dict[str, list]:
 @pytest.mark.parametrize("dtype,weight_quant", MODES)
 def test_prefill_then_decode_engines_equal_colocated_exactly(dtype, weight_quant):
     """Same tokens in every mode; logprobs equal up to the activations' rounding: the two runs batch different
-    rows together, and attention's sums depend on the batch; so do the matmul kernels' blockings where the CPU has
-    native bf16 dot products (AVX512-BF16: oneDNN picks them by the batch's row count), where bf16's 8
+    rows together, and attention's sums depend on the batch; so do the matmul kernels' blockings where the CPU
+    has native bf16 dot products (AVX512-BF16: oneDNN picks them by the batch's row count), where bf16's 8
     significant bits put ~1e-2 on a logprob near -3 (measured here: up to 8e-3 with int8 weights, 1.1e-4
     without); fp32 stays within 1e-4."""
     model = _tiny_model(dtype, weight_quant)

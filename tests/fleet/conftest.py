@@ -1,6 +1,6 @@
-"""Fixtures for tests across network hosts (``scripts/fleet/netns.py``): ``make_fleet`` makes fleets of network
-namespaces and tears them down after the test, whatever its outcome; ``kv_pair`` starts a prefill and a decode
-KV worker on two hosts of a fleet (each with its own rendezvous). Without root or iproute2 every test
+"""Fixtures for tests across network hosts (``scripts/fleet/netns.py``): ``make_fleet`` makes fleets of
+network namespaces and tears them down after the test, whatever its outcome; ``kv_pair`` starts a prefill and
+a decode KV worker on two hosts of a fleet (each with its own rendezvous). Without root or iproute2 every test
 that uses them skips with that reason."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def fleet_kv_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str] | N
     Skips the module where that backend is not installed."""
     import os
 
-    from kv_transfer import unavailable_reason as backend_unavailable
     from perf.server import pd_model_repository
+
+    from kv_transfer import unavailable_reason as backend_unavailable
 
     backend = os.environ.get("PD_FLEET_KV_BACKEND", "nixl")
     assert backend in ("nixl", "mooncake"), f"PD_FLEET_KV_BACKEND={backend!r}: nixl or mooncake"
@@ -60,8 +61,8 @@ def make_fleet() -> Iterator[Callable[[Sequence[str]], Fleet]]:
 
 
 class KVPair:
-    """A fleet ``reg``/``pf``/``dc``: a prefill KV worker on ``pf`` and a decode KV worker on ``dc``, each with
-    its own rendezvous on its host's address (``reg`` hosts nothing since the rendezvous moved into the
+    """A fleet ``reg``/``pf``/``dc``: a prefill KV worker on ``pf`` and a decode KV worker on ``dc``, each
+    with its own rendezvous on its host's address (``reg`` hosts nothing since the rendezvous moved into the
     instances); ``stop`` stops both workers (the fleet's teardown stops the rest)."""
 
     def __init__(self, fleet: Fleet, backend: str, network_only: bool = True,
@@ -77,7 +78,8 @@ class KVPair:
     def transfer(self, room: int, src: list[int], dst: list[int], timeout_s: float = 60.0) -> tuple[Any, Any]:
         """One room: decode publishes ``dst``, prefill sends ``src`` as one last chunk; returns the
         (prefill, decode) ``RoomResult``s."""
-        self.decode.call("recv", (room, dst, self.prefill.instance_id, self.prefill.rendezvous_url), timeout_s)
+        self.decode.call("recv",
+                         (room, dst, self.prefill.instance_id, self.prefill.rendezvous_url), timeout_s)
         self.decode.post("wait", (room, timeout_s))
         sent = self.prefill.call("send", (room, src, timeout_s, False), timeout_s + 15)
         return sent, self.decode.call_raw(timeout_s + 15)

@@ -21,7 +21,8 @@ def test_bench_kv_hosts_prints_its_json_keys(tmp_path: Path) -> None:
     if reason:
         pytest.skip(reason)
     pytest.importorskip("nixl._api")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_kv_hosts.py"), "--sizes", "128", "--reps", "1",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_kv_hosts.py"), "--sizes", "128",
+                           "--reps", "1",
                            "--log-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

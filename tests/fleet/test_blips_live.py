@@ -4,9 +4,9 @@ veth links), the tiny model, prompts long enough that their KV is still crossing
 prefill 16 tokens a step).
 
 Invariants: the link of the prefill host holding rooms goes down for 5 s, then for 10 s, mid-transfer, and
-then the decode host's, the router host's and the registry host's for 10 s each: every request completes with all its tokens
-(TCP's retransmissions carry the stalled connections through; the router and the decode side wait for a
-silent instance up to ``blip_tolerance_s``, 15 s). A prefill server killed
+then the decode host's, the router host's and the registry host's for 10 s each: every request completes with
+all its tokens (TCP's retransmissions carry the stalled connections through; the router and the decode side
+wait for a silent instance up to ``blip_tolerance_s``, 15 s). A prefill server killed
 (``kill -9``) mid-transfer is known dead at once (its connections reset, its rendezvous refuses): its requests
 go on elsewhere (the other prefill, or decode alone) within seconds, far below ``blip_tolerance_s``. Each case
 prints its times (docs/healing.md, "Blips").
@@ -24,8 +24,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client
 
-from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from fleet.serve_hosts import HostFleet  # noqa: E402
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from perf.server import Deployment, build_model_repository  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns,

@@ -1,8 +1,8 @@
-"""Whole servers across network hosts (issue #21): ``scripts/serve.sh`` per host, as the README's "Across servers"
-commands say (``scripts/fleet/serve_hosts.py``): registry on ``reg``, router on ``rt``, prefill on ``pf``, decode on
-``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL; the greedy test and the decode host's
-link-down also with Mooncake (``TestMooncake``, first in the module: a fleet of its own, a model repository copy
-with ``kv_backend: mooncake``, stopped before the NIXL fleet starts).
+"""Whole servers across network hosts (issue #21): ``scripts/serve.sh`` per host, as the README's "Across
+servers" commands say (``scripts/fleet/serve_hosts.py``): registry on ``reg``, router on ``rt``, prefill on
+``pf``, decode on ``dc``, KV over TCP on the veth links (``PD_KV_NETWORK_ONLY=1``), NIXL; the greedy test and
+the decode host's link-down also with Mooncake (``TestMooncake``, first in the module: a fleet of its own, a
+model repository copy with ``kv_backend: mooncake``, stopped before the NIXL fleet starts).
 
 Invariants: greedy text through the router equals the colocated engine's; a seeded sampled request and its
 logprobs equal the colocated engine's; the KV bytes the prefill reports crossed the prefill host's link; a
@@ -38,12 +38,13 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client, live_prompts
 
 import tritonclient.grpc as grpcclient  # noqa: E402
+from fleet.serve_hosts import HostFleet  # noqa: E402
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
-from fleet.serve_hosts import HostFleet  # noqa: E402
 from perf.server import pd_model_repository  # noqa: E402
 
-pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns,
+              pytest.mark.timeout(1500)]
 READY_S = 240.0
 GREEDY = {"max_tokens": "12", "temperature": "0"}
 LONG = [f"Story {i}: " + "The river wound through the valley, past orchards and stone bridges. " * 40
@@ -79,8 +80,8 @@ def started_fleet(tmp: Path, env: dict[str, str] | None = None) -> Iterator[Host
 
 @pytest.fixture(scope="class")
 def mooncake_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostFleet]:
-    """The fleet with ``kv_backend`` mooncake, for the tests of ``TestMooncake`` (stopped at the end of the class,
-    before the module's NIXL fleet starts: 2 cores, one fleet at a time)."""
+    """The fleet with ``kv_backend`` mooncake, for the tests of ``TestMooncake`` (stopped at the end of the
+    class, before the module's NIXL fleet starts: 2 cores, one fleet at a time)."""
     pytest.importorskip("pytriton")
     from kv_transfer import unavailable_reason
 
@@ -97,7 +98,8 @@ def reference() -> dict[str, str]:
 
 
 def generate(hosts: HostFleet, prompt: str, params: dict[str, Any] | None = None, **kw: Any) -> StreamResult:
-    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, params or GREEDY), model="pd_ensemble",
+    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, params or GREEDY),
+                         model="pd_ensemble",
                          **kw)
 
 
@@ -125,7 +127,8 @@ def wait_pools_full(hosts: HostFleet, timeout_s: float) -> None:
 
 
 def worker_state(hosts: HostFleet) -> str:
-    """The workers' queue and KV gauges and counters (``pd_queue_requests``, ``pd_kv_*``), for a failure's message."""
+    """The workers' queue and KV gauges and counters (``pd_queue_requests``, ``pd_kv_*``), for a failure's
+    message."""
     lines = []
     for host in ("pf", "dc"):
         text = requests.get(hosts.servers[host].metrics_url, timeout=5).text
@@ -146,8 +149,8 @@ def stubs(hosts: HostFleet) -> dict[str, list[int]]:
 
 def infer_outputs(url: str, prompt: str, params: dict[str, Any],
                   **flags: bool) -> tuple[list[dict[str, Any]], str | None]:
-    """One streamed request asking for ``flags`` (default: logprobs and the cumulative logprob): (every response's
-    outputs by name, the error or None)."""
+    """One streamed request asking for ``flags`` (default: logprobs and the cumulative logprob): (every
+    response's outputs by name, the error or None)."""
     events: queue.Queue[tuple[Any, Any]] = queue.Queue()
     outputs: list[dict[str, Any]] = []
     client = grpcclient.InferenceServerClient(url)
@@ -173,9 +176,9 @@ def infer_outputs(url: str, prompt: str, params: dict[str, Any],
 def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tuple[int, float]], float]:
     """The colocated engine, in this process: (text, [(token id, logprob)], cumulative logprob)."""
     from engine import LLMEngine
-    from serving.workers.colocated import prompt_token_ids
     from serving.config import WorkerConfig
     from serving.parsing.request import parse_request
+    from serving.workers.colocated import prompt_token_ids
 
     engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
     req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(params)})
@@ -190,8 +193,8 @@ def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tup
 
 
 def check_greedy_text_crossed_the_link(hosts: HostFleet, reference: dict[str, str]) -> None:
-    """Greedy text through the router equals the colocated engine's, and the KV bytes crossed the prefill host's
-    link."""
+    """Greedy text through the router equals the colocated engine's, and the KV bytes crossed the prefill
+    host's link."""
     assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
     kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
     link_before = hosts.host("pf").counters().tx_bytes
@@ -202,9 +205,9 @@ def check_greedy_text_crossed_the_link(hosts: HostFleet, reference: dict[str, st
 
 
 def check_decode_link_down_5s_mid_transfer(hosts: HostFleet, reference: dict[str, str]) -> None:
-    """The decode host's link down 5 s as soon as the first KV transfer of 4 concurrent long prompts completed:
-    every stream ends (FINAL, or an error) once the link is back, no pages leak, no process restarts, the next
-    request gives the colocated text."""
+    """The decode host's link down 5 s as soon as the first KV transfer of 4 concurrent long prompts
+    completed: every stream ends (FINAL, or an error) once the link is back, no pages leak, no process
+    restarts, the next request gives the colocated text."""
     before = stubs(hosts)
     kv_before = metric(hosts, "pd_kv_transfer_bytes_total", "prefill")
     params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -295,7 +298,8 @@ def test_client_cancel_mid_stream_frees_pages_on_both_hosts(hosts: HostFleet) ->
 def test_prefix_cache_across_hosts(hosts: HostFleet, reference: dict[str, str]) -> None:
     """A long prompt sent twice: the second's prefill takes most of the prompt from the prefill host's prefix
     cache (``num_cached_tokens``, whole pages), decode on the other host still gets the prompt's KV, and the
-    text is the colocated engine's both times. (Cache-aware pairing needs two prefill hosts: this fleet has one.)"""
+    text is the colocated engine's both times. (Cache-aware pairing needs two prefill hosts: this fleet has
+    one.)"""
     prompt = LONG[1]
     url = hosts.servers["rt"].grpc_url
     flags = {"return_num_cached_tokens": True, "return_num_input_tokens": True}
@@ -305,7 +309,8 @@ def test_prefix_cache_across_hosts(hosts: HostFleet, reference: dict[str, str]) 
         assert error is None, error
         text = "".join(o["text_output"].reshape(-1)[0].decode() for o in outputs if "text_output" in o)
         cached = max(int(o["num_cached_tokens"].reshape(-1)[0]) for o in outputs if "num_cached_tokens" in o)
-        prompt_tokens = max(int(o["num_input_tokens"].reshape(-1)[0]) for o in outputs if "num_input_tokens" in o)
+        prompt_tokens = max(
+            int(o["num_input_tokens"].reshape(-1)[0]) for o in outputs if "num_input_tokens" in o)
         seen.append((text, cached, prompt_tokens))
     print(f"prefix cache across hosts: (cached, prompt tokens) {[(c, n) for _, c, n in seen]}")
     assert [text for text, _, _ in seen] == [reference[prompt]] * 2
@@ -339,8 +344,8 @@ def test_prefill_link_throttled_to_1gbit_under_load(hosts: HostFleet) -> None:
         hosts.host("pf").throttle(0)
     kv_bytes = metric(hosts, "pd_kv_transfer_bytes_total", "prefill") - kv_before
     link_bytes = hosts.host("pf").counters().tx_bytes - link_before
-    print(f"throttled link under load: {len(prompts)} streams in {elapsed_s:.1f} s, KV {kv_bytes / 2**20:.1f} MiB, "
-          f"prefill link sent {link_bytes / 2**20:.1f} MiB")
+    print(f"throttled link under load: {len(prompts)} streams in {elapsed_s:.1f} s, KV "
+          f"{kv_bytes / 2**20:.1f} MiB, prefill link sent {link_bytes / 2**20:.1f} MiB")
     assert len(results) == len(prompts), "a stream never ended"
     for i, prompt in enumerate(prompts):
         assert results[i].error is None and results[i].text == expected[prompt], (i, results[i].error)
@@ -365,7 +370,8 @@ def test_registry_hosts_link_down_10s(hosts: HostFleet, reference: dict[str, str
             assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
     finally:
         hosts.host("reg").set_link(True)
-    time.sleep(15.0)   # past the registry's 10 s TTL: the workers' entries expired there and are announced again
+    # past the registry's 10 s TTL: the workers' entries expired there and are announced again
+    time.sleep(15.0)
     assert healthy(hosts, "prefill") == 1 and healthy(hosts, "decode") == 1
     streams_match_reference(lambda p: generate(hosts, p), PROMPTS[:3], reference)
     wait_pools_full(hosts, 30.0)
@@ -387,8 +393,10 @@ def test_router_cut_off_from_the_decode_host_mid_stream(hosts: HostFleet, refere
     thread = threading.Thread(target=lambda: done.__setitem__("r", generate(hosts, LONG[3], params)))
     thread.start()
     deadline = time.monotonic() + 120
-    while not metric_value(hosts.servers["dc"].metrics_url, "pd_queue_requests", model="decode", queue="running"):
-        assert time.monotonic() < deadline and thread.is_alive(), "the request never reached decode's running queue"
+    while not metric_value(hosts.servers["dc"].metrics_url, "pd_queue_requests", model="decode",
+                           queue="running"):
+        assert time.monotonic() < deadline and thread.is_alive(), \
+            "the request never reached decode's running queue"
         time.sleep(0.1)
     time.sleep(1.0)   # a few tokens streamed
     with hosts.fleet.partitioned("rt", "dc", at_least_s=20.0) as cut_s:
@@ -448,11 +456,11 @@ def test_router_cut_off_from_the_prefill_host_after_the_first_token(hosts: HostF
 
 
 def test_prefill_host_cut_off_from_the_registry(hosts: HostFleet, reference: dict[str, str]) -> None:
-    """The prefill host alone partitioned from the registry host for 15 s (past the registry's 10 s TTL, within
-    TTL + the router's 10 s grace for members the registry stops listing), its path to the router and decode
-    intact: every request during the partition ends with FINAL or a clear error
-    (none hangs), and once the path is back the prefill announces itself again, the router lists it, requests give
-    the colocated text, no page is held and nothing restarted."""
+    """The prefill host alone partitioned from the registry host for 15 s (past the registry's 10 s TTL,
+    within TTL + the router's 10 s grace for members the registry stops listing), its path to the router and
+    decode intact: every request during the partition ends with FINAL or a clear error
+    (none hangs), and once the path is back the prefill announces itself again, the router lists it, requests
+    give the colocated text, no page is held and nothing restarted."""
     before = stubs(hosts)
     during: list[StreamResult] = []
     with hosts.fleet.partitioned("pf", "reg") as cut_s:
@@ -462,8 +470,9 @@ def test_prefill_host_cut_off_from_the_registry(hosts: HostFleet, reference: dic
             assert time.monotonic() - started < 60.0, "a request during the partition took over 60 s"
             time.sleep(0.5)
     assert all(r.final_seen or r.error for r in during), "a stream ended without FINAL or an error"
-    print(f"prefill cut off from the registry: {sum(r.error is None for r in during)} of {len(during)} requests "
-          f"succeeded during the partition; errors: {sorted({r.error[:100] for r in during if r.error})}")
+    print(f"prefill cut off from the registry: {sum(r.error is None for r in during)} of {len(during)} "
+          "requests succeeded during the partition; errors: "
+          f"{sorted({r.error[:100] for r in during if r.error})}")
     assert all(r.error is not None or r.text == reference[PROMPTS[0]] for r in during)
     deadline = time.monotonic() + 30
     while healthy(hosts, "prefill") != 1 or healthy(hosts, "decode") != 1:

@@ -1,8 +1,8 @@
 """KV between two network hosts (``scripts/fleet``): with the network-only setting the bytes cross the veth
-(the prefill host's link sent at least the KV's bytes) and land exact, on NIXL and on Mooncake; a transport that
-cannot reach the peer fails the room at once with a message naming the settings; a link down for 3 s in the
-middle of a transfer ends the room (Success with exact bytes, or Failed with a clear error) within the stated
-timeout, both sides' pages are releasable, and the next transfer succeeds; the prefill process killed
+(the prefill host's link sent at least the KV's bytes) and land exact, on NIXL and on Mooncake; a transport
+that cannot reach the peer fails the room at once with a message naming the settings; a link down for 3 s in
+the middle of a transfer ends the room (Success with exact bytes, or Failed with a clear error) within the
+stated timeout, both sides' pages are releasable, and the next transfer succeeds; the prefill process killed
 mid-transfer fails the decode room at once and a new prefill process sends the next one."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 from fleet.kv_worker import smollm2_layout
 
 pytestmark = pytest.mark.netns
-BACKENDS = [pytest.param("nixl", marks=pytest.mark.nixl), pytest.param("mooncake", marks=pytest.mark.mooncake)]
+BACKENDS = [pytest.param("nixl", marks=pytest.mark.nixl),
+            pytest.param("mooncake", marks=pytest.mark.mooncake)]
 PAGES_4K = 4096 // 16
 #: A room must end within this after a 3 s partition (Mooncake's MC_TRANSFER_TIMEOUT is 10 s; UCX's TCP
 #: resumes when the link returns): the stated bound of docs/multihost.md.
@@ -28,8 +29,8 @@ def _kv_bytes(pages: int) -> int:
 
 
 def _rooms_close(*workers: Any, timeout_s: float = 15.0) -> None:
-    """Every room of ``workers`` closes within ``timeout_s``: a finished room closes on its manager thread after
-    the fact (decode releases it at prefill's rendezvous first), not when ``transfer`` returns."""
+    """Every room of ``workers`` closes within ``timeout_s``: a finished room closes on its manager thread
+    after the fact (decode releases it at prefill's rendezvous first), not when ``transfer`` returns."""
     deadline = time.monotonic() + timeout_s
     while True:
         open_rooms = {w.instance_id: w.call("metrics")["open_rooms"] for w in workers}
@@ -68,9 +69,9 @@ def test_unreachable_peer_fails_at_once_naming_the_cause(kv_pair: Callable[..., 
 
 def _transfer_through_a_partition(pair: Any, src: list[int], dst: list[int], after_s: float,
                                   down_s: float) -> tuple[Any, Any]:
-    """Room 1 of ``src`` → ``dst`` with the prefill link throttled to 300 Mbit/s (a 4k prompt's 189 MB then takes
-    ~5 s) and down from ``after_s`` for ``down_s`` seconds; the (prefill, decode) results. The link is whole and
-    unthrottled again afterwards."""
+    """Room 1 of ``src`` → ``dst`` with the prefill link throttled to 300 Mbit/s (a 4k prompt's 189 MB then
+    takes ~5 s) and down from ``after_s`` for ``down_s`` seconds; the (prefill, decode) results. The link is
+    whole and unthrottled again afterwards."""
     pair.fleet["pf"].throttle(300)
 
     def partition() -> None:
@@ -103,10 +104,10 @@ def test_link_down_mid_transfer_ends_the_room(kv_pair: Callable[..., Any], backe
         assert pair.prefill.call("digest", src) == pair.decode.call("digest", dst)
     else:
         assert got.failure, "a failed room must say why"
-    # the recovery room reuses the last pages the partitioned room targeted: with Mooncake over TCP a WRITE reported
-    # failed can still arrive after the link comes back (once seen overwriting this room's pages here); the decode
-    # side fences the writer's connections before a failed room's pages count as releasable, so nothing late
-    # lands (docs/multihost.md "Late writes after a partition")
+    # the recovery room reuses the last pages the partitioned room targeted: with Mooncake over TCP a WRITE
+    # reported failed can still arrive after the link comes back (once seen overwriting this room's pages
+    # here); the decode side fences the writer's connections before a failed room's pages count as releasable,
+    # so nothing late lands (docs/multihost.md "Late writes after a partition")
     again_src = list(range(8))
     again_dst = list(range(4 + PAGES_4K - 8, 4 + PAGES_4K))
     sent, got = pair.transfer(2, again_src, again_dst)
@@ -117,17 +118,18 @@ def test_link_down_mid_transfer_ends_the_room(kv_pair: Callable[..., Any], backe
 
 @pytest.mark.mooncake
 def test_a_write_given_up_during_a_partition_never_lands_in_reused_pages(kv_pair: Callable[..., Any]) -> None:
-    """Mooncake with a 5 s transfer timeout, a 4k-token room cut by a 3 s partition: the write is given up after
-    the link is back, while its connections still wait out TCP's retransmission backoff, and prefill's abort
-    reaches decode first (as seen once in a full run). Once decode counts the room's pages releasable, the
-    next room writes other bytes into them right away; after the partition's leftovers had time to arrive (TCP
-    retransmits with backoff), those pages must still hold the next room's bytes."""
+    """Mooncake with a 5 s transfer timeout, a 4k-token room cut by a 3 s partition: the write is given up
+    after the link is back, while its connections still wait out TCP's retransmission backoff, and prefill's
+    abort reaches decode first (as seen once in a full run). Once decode counts the room's pages releasable,
+    the next room writes other bytes into them right away; after the partition's leftovers had time to arrive
+    (TCP retransmits with backoff), those pages must still hold the next room's bytes."""
     pair = kv_pair("mooncake", env={"MC_TRANSFER_TIMEOUT": "5"})
     src, dst = list(range(PAGES_4K)), list(range(4, 4 + PAGES_4K))
     sent, got = _transfer_through_a_partition(pair, src, dst, after_s=1.0, down_s=3.0)
     print(f"partitioned room: prefill {sent.state} {sent.failure!r}, decode {got.state} {got.failure!r}")
     assert got.releasable and sent.releasable
-    reused_src, reused_dst = list(range(PAGES_4K, PAGES_4K + 8)), dst[-8:] if got.state == "Failed" else dst[:8]
+    reused_src = list(range(PAGES_4K, PAGES_4K + 8))
+    reused_dst = dst[-8:] if got.state == "Failed" else dst[:8]
     sent2, got2 = pair.transfer(2, reused_src, reused_dst)
     assert (sent2.state, got2.state) == ("Success", "Success"), (sent2.failure, got2.failure)
     time.sleep(8.0)   # what the partition left in flight arrives within a few backoff rounds, or never

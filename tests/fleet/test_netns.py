@@ -1,6 +1,6 @@
 """The multi-host harness (``scripts/fleet/netns.py``): hosts reach each other and nothing else, a throttled
-link runs near its rate, a link taken down refuses at once and works again when up, a partition cuts one pair of
-hosts both ways and nothing else, and teardown leaves no
+link runs near its rate, a link taken down refuses at once and works again when up, a partition cuts one pair
+of hosts both ways and nothing else, and teardown leaves no
 namespace, link or process behind, after an exception or after its owner was killed."""
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ SOURCE = ("import socket, sys, time\n"
           "s = socket.create_connection((sys.argv[1], 5001), timeout=10); block = b'x' * (1 << 20)\n"
           "t0 = time.monotonic()\n"
           "for _ in range(int(sys.argv[2])): s.sendall(block)\n"
-          "s.shutdown(socket.SHUT_WR); s.recv(1); print(int(sys.argv[2]) * (1 << 20) * 8 / (time.monotonic() - t0) / 1e6)\n")
+          "s.shutdown(socket.SHUT_WR); s.recv(1); print(int(sys.argv[2]) * (1 << 20) * 8 / (time.monotonic() "
+          "- t0) / 1e6)\n")
 CONNECT = ("import socket, sys\n"
            "try:\n"
-           "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close(); print('connected')\n"
-           "except OSError as e:\n"
+           "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close(); "
+           "print('connected')\nexcept OSError as e:\n"
            "    print('errno', e.errno)\n")
 
 
@@ -62,7 +63,8 @@ def test_teardown_after_an_exception_leaves_nothing() -> None:
 
 
 def test_cleanup_removes_the_fleet_of_a_killed_owner(tmp_path: Path) -> None:
-    """A process makes a fleet, starts a process in it, and dies by SIGKILL: the next cleanup removes it all."""
+    """A process makes a fleet, starts a process in it, and dies by SIGKILL: the next cleanup removes it
+    all."""
     script = ("import os, signal, sys; sys.path.insert(0, sys.argv[1])\n"
               "from fleet.netns import Fleet\n"
               "f = Fleet(['a']).create(); p = f['a'].popen(['sleep', '600'])\n"
@@ -134,7 +136,8 @@ def test_a_partition_cuts_one_pair_of_hosts_and_heals(make_fleet: MakeFleet) -> 
         fleet[host].popen(["python", "-c", SINK, fleet[host].address])
     time.sleep(1.0)
     fleet.partition("a", "b", cut=True)
-    for src, dst in (("a", "b"), ("b", "a")):   # both ways, at once (a blackhole route: EINVAL, not a refusal)
+    # both ways, at once (a blackhole route: EINVAL, not a refusal)
+    for src, dst in (("a", "b"), ("b", "a")):
         answer = fleet[src].run(["python", "-c", CONNECT, fleet[dst].address, "5001"]).stdout.split()
         assert answer == ["errno", str(errno.EINVAL)], (src, dst, answer)
     assert _rate_mbit(fleet, "a", "c", 4) > 0   # a's other paths stay up

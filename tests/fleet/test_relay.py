@@ -1,6 +1,7 @@
-"""``scripts/fleet/relay.py``: a loopback port of this process's namespace reaches a server inside a host, both
-ways, for several connections at once; the host's link down does not cut it (the relay dials the host's own
-address from inside the host); a refused target closes the client's connection; ``close`` stops accepting."""
+"""``scripts/fleet/relay.py``: a loopback port of this process's namespace reaches a server inside a host,
+both ways, for several connections at once; the host's link down does not cut it (the relay dials the host's
+own address from inside the host); a refused target closes the client's connection; ``close`` stops
+accepting."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """``scripts/fleet/serve_hosts.py`` when a server cannot start: ``HostFleet.start`` raises with the failing
 server's log, and ``stop`` leaves no namespace, link or process of the fleet behind (the live tests' teardown
 path when a test fails before or after the fleet came up); and a host's server gets none of this process's
-transport variables. No tritonserver starts: every serve.sh exits at its argument check, or none is started."""
+transport variables. No tritonserver starts: every serve.sh exits at its argument check, or none is
+started."""
 
 from __future__ import annotations
 

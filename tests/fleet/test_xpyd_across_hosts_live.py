@@ -4,11 +4,11 @@ the veth links (``PD_KV_NETWORK_ONLY=1``); ``PD_FLEET_KV_BACKEND=mooncake`` runs
 fleet instead (by hand: CI runs NIXL).
 
 Invariants: the router lists both prefill and both decode hosts; greedy text through the router equals the
-colocated engine's for prompts sent at once, and every worker host served some of them (each prefill host's link
-carried KV); cache-aware pairing across hosts: a long prompt sent again goes to the prefill host that holds its
-prefix (only that host's prefix-cache hits grow) with the text unchanged; a decode host cut off from the router
-mid-stream for longer than ``blip_tolerance_s`` loses the stream to the other decode host, which resumes it
-(migration) with the colocated text, and
+colocated engine's for prompts sent at once, and every worker host served some of them (each prefill host's
+link carried KV); cache-aware pairing across hosts: a long prompt sent again goes to the prefill host that
+holds its prefix (only that host's prefix-cache hits grow) with the text unchanged; a decode host cut off from
+the router mid-stream for longer than ``blip_tolerance_s`` loses the stream to the other decode host, which
+resumes it (migration) with the colocated text, and
 the cut-off host comes back by itself; no page is held afterwards on any host and nothing restarted.
 """
 
@@ -25,16 +25,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))   # live_client, live_prompts
 
+from fleet.serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
 from live_client import StreamResult, grpc_generate, make_inputs, metric_value  # noqa: E402
 from live_prompts import PROMPTS, colocated_greedy_texts  # noqa: E402
-from fleet.serve_hosts import XPYD_2P2D, HostFleet  # noqa: E402
 
-pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.netns,
+              pytest.mark.timeout(1200)]
 READY_S = 240.0
 GREEDY = {"max_tokens": "12", "temperature": "0"}
 WORKERS = [h for h, role in XPYD_2P2D.items() if role != "router"]
 PREFILLS = [h for h in WORKERS if XPYD_2P2D[h] == "prefill"]
-#: long prompts with prefixes of their own (the prefix cache of either prefill host holds none of them at first)
+#: long prompts with prefixes of their own (the prefix cache of either prefill host holds none of them at
+#: first)
 LONG = [f"Report {i}. " + "The river wound through the valley, past orchards and stone bridges. " * 30
         + "What flows through the valley?" for i in range(4)]
 
@@ -68,7 +70,8 @@ def reference() -> dict[str, str]:
 
 
 def generate(hosts: HostFleet, prompt: str, params: dict[str, Any] | None = None) -> StreamResult:
-    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, params or GREEDY), model="pd_ensemble")
+    return grpc_generate(hosts.servers["rt"].grpc_url, make_inputs(prompt, params or GREEDY),
+                         model="pd_ensemble")
 
 
 def healthy(hosts: HostFleet, role: str) -> int:
@@ -96,7 +99,8 @@ def served(hosts: HostFleet) -> dict[str, float]:
 
 def wait_pools_full(hosts: HostFleet, timeout_s: float) -> None:
     def held() -> dict[str, tuple[float, float]]:
-        state = {h: (worker_metric(hosts, h, "pd_kv_free_pages"), worker_metric(hosts, h, "pd_kv_total_pages"))
+        state = {h: (worker_metric(hosts, h, "pd_kv_free_pages"),
+                     worker_metric(hosts, h, "pd_kv_total_pages"))
                  for h in WORKERS}
         return {h: s for h, s in state.items() if s[0] != s[1] or s[1] == 0}
 
@@ -106,7 +110,8 @@ def wait_pools_full(hosts: HostFleet, timeout_s: float) -> None:
     assert not held(), f"pages still held after {timeout_s:.0f} s: {held()}"
 
 
-def test_every_pair_across_hosts_serves_the_colocated_text(hosts: HostFleet, reference: dict[str, str]) -> None:
+def test_every_pair_across_hosts_serves_the_colocated_text(hosts: HostFleet,
+                                                           reference: dict[str, str]) -> None:
     prompts = PROMPTS + LONG
     served_before = served(hosts)
     link_before = {h: hosts.host(h).counters().tx_bytes for h in PREFILLS}
@@ -135,7 +140,8 @@ def test_cache_aware_pairing_sends_a_repeated_prompt_to_the_prefill_host_holding
     for _ in range(3):
         result = generate(hosts, prompt)
         assert result.error is None and result.text == reference[prompt], result.error
-    gained = {h: worker_metric(hosts, h, "pd_prefix_cache_hits_tokens_total") - hits_before[h] for h in PREFILLS}
+    gained = {h: worker_metric(hosts, h,
+                               "pd_prefix_cache_hits_tokens_total") - hits_before[h] for h in PREFILLS}
     print(f"cache-aware pairing across hosts: prefix-cache hit tokens gained by host {gained}")
     holder = [h for h, g in gained.items() if g > 0]
     assert len(holder) == 1, gained   # every repeat went to the host that held the prefix
@@ -144,7 +150,8 @@ def test_cache_aware_pairing_sends_a_repeated_prompt_to_the_prefill_host_holding
 
 
 def migrations(hosts: HostFleet) -> float:
-    """The router's ``pd_router_migrations_total`` (0 before its first migration: the counter appears then)."""
+    """The router's ``pd_router_migrations_total`` (0 before its first migration: the counter appears
+    then)."""
     try:
         return metric_value(hosts.servers["rt"].metrics_url, "pd_router_migrations_total")
     except KeyError:
@@ -183,8 +190,8 @@ def test_a_decode_host_cut_off_mid_stream_migrates_to_the_other_decode_host(host
     assert not thread.is_alive(), "the stream did not end within 90 s of the cut"
     result = done["r"]
     migrated = migrations(hosts) - migrations_before
-    print(f"2P2D across hosts: decode host {victim} cut off from the router; the stream ended {ended_s:.1f} s after "
-          f"the cut, {migrated:.0f} migration(s), error {result.error}")
+    print(f"2P2D across hosts: decode host {victim} cut off from the router; the stream ended {ended_s:.1f} "
+          f"s after the cut, {migrated:.0f} migration(s), error {result.error}")
     assert result.error is None and result.final_seen, result.error
     assert result.text == expected
     assert migrated >= 1

@@ -1,7 +1,7 @@
 """Live fixture of the front's tests: ``scripts/serve.sh`` (the README's command, set-up skipped) serving
-``pd_ensemble`` + ``prefill`` + ``decode`` and the OpenAI front (``OPENAI=1``) on free loopback ports, one start
-per module; teardown fails the module when shutdown was unclean (a request left without FINAL keeps tritonserver
-waiting) or a stub died by a fault, as in tests/serving/conftest.py."""
+``pd_ensemble`` + ``prefill`` + ``decode`` and the OpenAI front (``OPENAI=1``) on free loopback ports, one
+start per module; teardown fails the module when shutdown was unclean (a request left without FINAL keeps
+tritonserver waiting) or a stub died by a fault, as in tests/serving/conftest.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
-from perf.server import ServeScript, free_ports, supervised
+from perf.server import ServeScript, free_ports, supervised  # noqa: E402 - scripts/ is on sys.path (above)
 
 READY_TIMEOUT_S = 180.0
 FRONT_READY_TIMEOUT_S = 60.0
@@ -46,7 +46,8 @@ def _wait_healthy(url: str, server: ServeScript, timeout_s: float) -> None:
         except OSError:
             pass
         time.sleep(0.3)
-    raise TimeoutError(f"the OpenAI front is not healthy at {url} within {timeout_s:.0f} s:\n{server.log_tail()}")
+    raise TimeoutError(
+        f"the OpenAI front is not healthy at {url} within {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The front's HTTP behaviour over a scripted backend, no network: the official openai SDK (unchanged) reads
-its bodies and streams; errors before the first token are HTTP errors with OpenAI's body, after it an SSE error
-event; a client that disconnects cancels the backend stream, streaming or not."""
+its bodies and streams; errors before the first token are HTTP errors with OpenAI's body, after it an SSE
+error event; a client that disconnects cancels the backend stream, streaming or not."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class EchoTemplate:
     """A chat template that shows its messages (the real one is tested live and in test_chat_template)."""
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return "|".join(f"{m['role']}:{m['content']}" for m in messages) + ("|assistant:" if add_generation_prompt else "")
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages) + (
+            "|assistant:" if add_generation_prompt else "")
 
 
 def client_for(backend: FakeBackend) -> TestClient:
@@ -48,7 +49,8 @@ def test_sdk_streams_a_chat_with_usage_last_and_the_rendered_prompt_is_sent() ->
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (9, 2)
     sent = backend.sent[0]
-    assert sent.prompt == "system:s|user:u|assistant:" and sent.sampling == {"max_tokens": 5, "temperature": 0.0}
+    assert sent.prompt == "system:s|user:u|assistant:" and sent.sampling == {
+        "max_tokens": 5, "temperature": 0.0}
     assert backend.completed == [sent.request_id] and not backend.cancelled
 
 
@@ -57,7 +59,8 @@ def test_sdk_reads_a_whole_completion() -> None:
     with client_for(backend) as http:
         body = sdk(http).completions.create(model="smol", prompt="The capital of France is", max_tokens=2)
     assert body.object == "text_completion" and body.choices[0].text == " Paris." and body.model == "smol"
-    assert body.choices[0].finish_reason == "length" and body.usage is not None and body.usage.total_tokens == 7
+    assert body.choices[0].finish_reason == "length"
+    assert body.usage is not None and body.usage.total_tokens == 7
     assert backend.sent[0].prompt == "The capital of France is"
 
 
@@ -97,8 +100,9 @@ def test_an_error_before_the_first_token_is_an_http_error_with_openais_body() ->
     backend = FakeBackend(Script(error="invalid input 'sampling_parameters.max_tokens': must be >= 1, got 0"))
     with client_for(backend) as http:
         for stream in (False, True):
-            resp = http.post("/v1/chat/completions", json={"model": "smol", "messages": [{"role": "user", "content": "x"}],
-                                                           "stream": stream})
+            resp = http.post("/v1/chat/completions",
+                             json={"model": "smol", "messages": [{"role": "user", "content": "x"}],
+                                   "stream": stream})
             assert resp.status_code == 400
             assert resp.json()["error"] == {"message": "invalid input 'max_tokens': must be >= 1, got 0",
                                             "type": "invalid_request_error", "param": "max_tokens",
@@ -121,7 +125,8 @@ def test_overload_and_an_empty_fleet_have_their_statuses(error: str, status: int
 def test_an_error_after_the_first_token_is_an_sse_error_event_then_done() -> None:
     backend = FakeBackend(Script(text_responses(["a", "b"])[:1], error="decode died"))
     with client_for(backend) as http:
-        lines = [line for line in http.post("/v1/completions", json={"model": "smol", "prompt": "p", "stream": True})
+        lines = [line for line in http.post("/v1/completions",
+                                            json={"model": "smol", "prompt": "p", "stream": True})
                  .text.splitlines() if line.startswith("data: ")]
     assert json.loads(lines[0][6:])["choices"][0]["text"] == "a"
     assert json.loads(lines[-2][6:])["error"]["type"] == "internal_error" and lines[-1] == "data: [DONE]"
@@ -132,9 +137,11 @@ def test_bad_bodies_are_400_naming_the_field_and_unknown_models_404() -> None:
         unknown = http.post("/v1/completions", json={"model": "smol", "prompt": "p", "beam_width": 2})
         assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "beam_width"
         assert "Unrecognized request argument" in unknown.json()["error"]["message"]
-        bad = http.post("/v1/chat/completions", json={"model": "smol", "messages": [{"role": "robot", "content": "x"}]})
+        bad = http.post("/v1/chat/completions",
+                        json={"model": "smol", "messages": [{"role": "robot", "content": "x"}]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].role"
-        assert http.post("/v1/completions", json={"model": "smol", "prompt": "p", "temperature": 3}).json()["error"][
+        assert http.post("/v1/completions",
+                         json={"model": "smol", "prompt": "p", "temperature": 3}).json()["error"][
             "param"] == "temperature"
         missing = http.post("/v1/completions", json={"model": "gpt-4", "prompt": "p"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

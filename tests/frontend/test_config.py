@@ -8,8 +8,9 @@ from frontend.__main__ import parse_config
 from frontend.config import FrontendConfig
 
 
-@pytest.mark.parametrize("bad", [{"port": 70000}, {"model": ""}, {"grpc_url": "nohost"}, {"default_max_tokens": 0},
-                                 {"grpc_keepalive_s": -1.0}])
+@pytest.mark.parametrize("bad",
+                         [{"port": 70000}, {"model": ""}, {"grpc_url": "nohost"}, {"default_max_tokens": 0},
+                          {"grpc_keepalive_s": -1.0}])
 def test_bad_values_fail_naming_the_field(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         FrontendConfig(**bad)  # type: ignore[arg-type]

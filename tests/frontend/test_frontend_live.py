@@ -1,14 +1,14 @@
-"""The OpenAI front in front of a real tritonserver with ``pd_ensemble`` (1P1D), through the official ``openai``
-SDK, unchanged.
+"""The OpenAI front in front of a real tritonserver with ``pd_ensemble`` (1P1D), through the official
+``openai`` SDK, unchanged.
 
 Invariants: a streamed greedy chat equals ``pd_ensemble``'s gRPC text with ``apply_chat_template=true``, and a
 completion equals its gRPC text for the same prompt; ``usage`` equals the server's token counts; several turns
-with a system message are sent as the model's template renders them; bad requests get OpenAI's error body and a
-fitting status; a client that disconnects (streaming or not) gets its KV pages back on both instances.
+with a system message are sent as the model's template renders them; bad requests get OpenAI's error body and
+a fitting status; a client that disconnects (streaming or not) gets its KV pages back on both instances.
 
 ``n``, logprobs (completions and streamed chat) and penalties reach the server and change what it returns; a
-server that answers "unknown parameter" for one of them fails the test (the front and the server both implement
-them).
+server that answers "unknown parameter" for one of them fails the test (the front and the server both
+implement them).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark
 MAX_TOKENS = 12
 QUESTION = "What is the capital of France?"
 TURNS: list[Any] = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is the capital of Italy?"}]
+         {"role": "assistant", "content": "Hello!"},
+                    {"role": "user", "content": "What is the capital of Italy?"}]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ def grpc_reference(url: str, prompt: str, params: dict[str, Any], chat: bool = F
     for name, value in [("text_input", prompt.encode()), ("sampling_parameters", json.dumps(params).encode()),
                         *flags.items()]:
         tensor = grpcclient.InferInput(name, [1], "BOOL" if isinstance(value, bool) else "BYTES")
-        tensor.set_data_from_numpy(np.array([value], dtype=np.bool_ if isinstance(value, bool) else np.object_))
+        tensor.set_data_from_numpy(np.array([value],
+                                            dtype=np.bool_ if isinstance(value, bool) else np.object_))
         inputs.append(tensor)
     events: list[Any] = []
     done = threading.Event()
@@ -93,7 +95,8 @@ GREEDY: dict[str, Any] = {"max_tokens": MAX_TOKENS, "temperature": 0}
 
 
 def test_streamed_chat_equals_grpc_with_apply_chat_template(openai_stack: Any, client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model="pd_ensemble", messages=[{"role": "user", "content": QUESTION}],
+    stream = client.chat.completions.create(model="pd_ensemble",
+                                            messages=[{"role": "user", "content": QUESTION}],
                                             stream=True, stream_options={"include_usage": True}, **GREEDY)
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -101,7 +104,8 @@ def test_streamed_chat_equals_grpc_with_apply_chat_template(openai_stack: Any, c
     assert text == ref_text and "Paris" in text
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (ref_in, ref_out, ref_in + ref_out)
+    assert (usage.prompt_tokens, usage.completion_tokens,
+            usage.total_tokens) == (ref_in, ref_out, ref_in + ref_out)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
 
 
@@ -134,7 +138,8 @@ def test_system_message_and_turns_are_the_models_template(openai_stack: Any, cli
 
 
 def test_stop_and_seed(client: openai.OpenAI) -> None:
-    stopped = client.completions.create(model="pd_ensemble", prompt="Count: 1, 2, 3,", max_tokens=16, temperature=0,
+    stopped = client.completions.create(model="pd_ensemble", prompt="Count: 1, 2, 3,", max_tokens=16,
+                                        temperature=0,
                                         stop=[","])
     assert "," not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
     sampled = [client.completions.create(model="pd_ensemble", prompt="Once upon a time", max_tokens=8,
@@ -163,7 +168,8 @@ def test_bad_requests_get_openais_error_body(openai_stack: Any, client: openai.O
                                        tools=[{"type": "retrieval"}])  # type: ignore[list-item]
     assert unsupported.value.body["param"] == "tools[0].type"  # type: ignore[index]
     resp = requests.post(f"{openai_stack.openai_url}/chat/completions", timeout=30,
-                         json={"model": "pd_ensemble", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+                         json={"model": "pd_ensemble", "messages": [{"role": "user", "content": "x"}],
+                               "max_tokens": 0})
     assert resp.status_code == 400 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="x")
@@ -171,7 +177,8 @@ def test_bad_requests_get_openais_error_body(openai_stack: Any, client: openai.O
 
 def test_models_and_health(openai_stack: Any, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["pd_ensemble"]
-    assert requests.get(openai_stack.openai_url.removesuffix("/v1") + "/health", timeout=10).json() == {"status": "ok"}
+    health = requests.get(openai_stack.openai_url.removesuffix("/v1") + "/health", timeout=10)
+    assert health.json() == {"status": "ok"}
 
 
 def _pages(server: Any, name: str) -> tuple[float, ...]:
@@ -196,14 +203,16 @@ def test_a_disconnect_mid_stream_gives_the_pages_back(openai_stack: Any, client:
     server = openai_stack.server
     total = _pages(server, "pd_kv_total_pages")
     assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total)
-    stream = client.chat.completions.create(model="pd_ensemble", messages=[{"role": "user", "content": "Tell a story"}],
+    stream = client.chat.completions.create(model="pd_ensemble",
+                                            messages=[{"role": "user", "content": "Tell a story"}],
                                             stream=True, **LONG)
     for i, _ in enumerate(stream):
         if i == 3:
             break
     assert _pages(server, "pd_kv_free_pages")[1] < total[1]    # decode holds the request's pages now
     stream.close()
-    assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
+    assert _wait_until(lambda: _pages(server,
+                                      "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
 
 
 def test_a_non_streaming_client_that_leaves_gives_the_pages_back(openai_stack: Any) -> None:
@@ -213,7 +222,8 @@ def test_a_non_streaming_client_that_leaves_gives_the_pages_back(openai_stack: A
     body = {"model": "pd_ensemble", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):   # the client gives up after 1.5 s and closes its connection
         httpx.post(f"{openai_stack.openai_url}/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
-    assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
+    assert _wait_until(lambda: _pages(server,
+                                      "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
 
 
 # ---- n, logprobs, penalties: the front forwards them and the server applies them ---------------------------
@@ -228,7 +238,8 @@ def test_n_choices_by_index(client: openai.OpenAI) -> None:
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
-    body = client.completions.create(model="pd_ensemble", prompt="The capital of France is", logprobs=2, **GREEDY)
+    body = client.completions.create(model="pd_ensemble", prompt="The capital of France is",
+                                     logprobs=2, **GREEDY)
     lp = body.choices[0].logprobs
     assert len(lp.tokens) == body.usage.completion_tokens and "".join(lp.tokens) == body.choices[0].text
     assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(top) <= 3 for top in lp.top_logprobs)
@@ -241,7 +252,8 @@ def test_chat_logprobs_streamed(client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(
         model="pd_ensemble", messages=[{"role": "user", "content": QUESTION}], logprobs=True, top_logprobs=2,
         stream=True, stream_options={"include_usage": True}, **GREEDY))
-    content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    content = [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert len(content) == chunks[-1].usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in content)
 
@@ -286,7 +298,8 @@ def test_a_repeated_long_prompt_reports_cached_tokens_in_usage(client: openai.Op
     assert _cached(usages[1]) % PAGE_SIZE == 0
 
 
-def test_serve_sh_role_frontend_starts_only_the_front_and_stops_on_sigterm(openai_stack: Any, tmp_path: Any) -> None:
+def test_serve_sh_role_frontend_starts_only_the_front_and_stops_on_sigterm(
+        openai_stack: Any, tmp_path: Any) -> None:
     import os
     import signal
     import subprocess
@@ -347,7 +360,8 @@ def test_concurrent_streams_where_half_leave_early(openai_stack: Any) -> None:
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, [True, False, True, False]))
     assert results == [None, 24, None, 24]
-    assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
+    assert _wait_until(lambda: _pages(server,
+                                      "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
 
 
 def test_zz_killing_the_front_loses_only_its_own_clients(openai_stack: Any) -> None:
@@ -361,7 +375,8 @@ def test_zz_killing_the_front_loses_only_its_own_clients(openai_stack: Any) -> N
     server = openai_stack.server
     total = _pages(server, "pd_kv_total_pages")
     port = openai_stack.openai_url.rsplit(":", 1)[1].split("/")[0]
-    front = subprocess.run(["pgrep", "-f", "--", f"-m frontend .*--port {port}"], capture_output=True, text=True)
+    front = subprocess.run(["pgrep", "-f", "--", f"-m frontend .*--port {port}"],
+                           capture_output=True, text=True)
     [front_pid] = [int(pid) for pid in front.stdout.split()]
     client = openai.OpenAI(base_url=openai_stack.openai_url, api_key="unused", max_retries=0, timeout=60)
     stream = client.chat.completions.create(
@@ -372,6 +387,8 @@ def test_zz_killing_the_front_loses_only_its_own_clients(openai_stack: Any) -> N
     with pytest.raises((openai.APIError, httpx.HTTPError)):
         for _ in stream:
             pass
-    text, _, _ = grpc_reference(server.grpc_url, "The capital of France is", {"max_tokens": 8, "temperature": 0})
+    text, _, _ = grpc_reference(server.grpc_url, "The capital of France is",
+                                {"max_tokens": 8, "temperature": 0})
     assert text
-    assert _wait_until(lambda: _pages(server, "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")
+    assert _wait_until(lambda: _pages(server,
+                                      "pd_kv_free_pages") == total), _pages(server, "pd_kv_free_pages")

@@ -1,5 +1,6 @@
 """OpenAI request → sampling parameters (only what the client set; OpenAI's defaults where it did not), fields
-this server cannot honour → 400 naming them, and backend responses → OpenAI bodies, chunks, usage, logprobs."""
+this server cannot honour → 400 naming them, and backend responses → OpenAI bodies, chunks, usage,
+logprobs."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_only_set_fields_are_sent_with_openai_defaults_for_max_tokens_and_temper
 def test_every_sampling_field_maps_to_its_server_key() -> None:
     params = mapping.completion_sampling(completion(
         max_tokens=8, temperature=0, top_p=0.9, stop=["\n", "."], seed=3, n=2, presence_penalty=0.5,
-        frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={"42": -100}, logprobs=2, top_k=5, min_p=0.1,
+        frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={"42": -100}, logprobs=2,
+        top_k=5, min_p=0.1,
         min_tokens=2, ignore_eos=True, stop_token_ids=[2], include_stop_str_in_output=True))
     assert params == {"max_tokens": 8, "temperature": 0, "top_p": 0.9, "stop": ["\n", "."], "seed": 3, "n": 2,
                       "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
@@ -72,8 +74,10 @@ def test_chat_fields_we_cannot_honour_are_400_naming_the_field(fields: dict[str,
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"logit_bias": {"abc": 1}}, "logit_bias")])
-def test_completion_fields_we_cannot_honour_are_400_naming_the_field(fields: dict[str, object], param: str) -> None:
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias")])
+def test_completion_fields_we_cannot_honour_are_400_naming_the_field(
+        fields: dict[str, object], param: str) -> None:
     with pytest.raises(OpenAIError) as e:
         req = completion(**fields)
         mapping.completion_prompt(req)
@@ -84,9 +88,12 @@ def test_completion_fields_we_cannot_honour_are_400_naming_the_field(fields: dic
 def test_messages_keep_their_turns_developer_is_system_and_text_parts_join() -> None:
     req = chat(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "a"},
                          {"role": "assistant", "content": "b"},
-                         {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}])
-    assert mapping.chat_messages(req) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"},
-                                          {"role": "assistant", "content": "b"}, {"role": "user", "content": "cd"}]
+                         {"role": "user",
+                          "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}])
+    assert mapping.chat_messages(req) == [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "a"},
+                                          {"role": "assistant", "content": "b"},
+                                          {"role": "user", "content": "cd"}]
 
 
 def _two_samples() -> Totals:
@@ -116,7 +123,8 @@ def test_usage_reports_the_prompts_cached_tokens_once_as_openai_defines_them() -
 
 def test_whole_answers_have_one_choice_per_sample_by_index() -> None:
     body = mapping.chat_response(_two_samples(), "id", 1, "m", top_logprobs=1)
-    assert [(c.index, c.message.content, c.finish_reason) for c in body.choices] == [(0, "A", "stop"), (1, "xy", "length")]
+    assert [(c.index, c.message.content,
+             c.finish_reason) for c in body.choices] == [(0, "A", "stop"), (1, "xy", "length")]
     content = body.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and content[0].token == "A" and content[0].bytes == [65]
     assert [t.token for t in content[0].top_logprobs] == ["A"]          # top_k = 1 of the two sent
@@ -125,14 +133,15 @@ def test_whole_answers_have_one_choice_per_sample_by_index() -> None:
 
 
 def test_completion_logprobs_offsets_count_characters_across_chunks() -> None:
-    tokens = [TokenLogprob(1, "He", -0.1, (("He", -0.1),)), TokenLogprob(2, "llo", -0.2, (("llo", -0.2), ("y", -3.0)))]
+    tokens = [TokenLogprob(1, "He", -0.1, (("He", -0.1),)),
+              TokenLogprob(2, "llo", -0.2, (("llo", -0.2), ("y", -3.0)))]
     lp = mapping.completion_logprobs(tokens, text_offset=5)
     assert lp.tokens == ["He", "llo"] and lp.token_logprobs == [-0.1, -0.2] and lp.text_offset == [5, 7]
     assert lp.top_logprobs == [{"He": -0.1}, {"llo": -0.2, "y": -3.0}]
     offsets: list[int] = []
     for piece in ("He", "llo"):
-        chunk = mapping.completion_chunk(BackendResponse((SampleDelta(0, piece, None, 1, tuple(tokens[:1])),)), "i", 1, "m",
-                                         True, offsets)
+        response = BackendResponse((SampleDelta(0, piece, None, 1, tuple(tokens[:1])),))
+        chunk = mapping.completion_chunk(response, "i", 1, "m", True, offsets)
         assert chunk is not None
     assert offsets == [5] and chunk.choices[0].logprobs.text_offset == [2]  # type: ignore[union-attr]
 

@@ -106,7 +106,8 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI, model: type[BaseMode
 
 def test_json_object(client: openai.OpenAI) -> None:
     completion = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Give the capital of France as a JSON object with a key "
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give the capital of France as a JSON object with a key "
                                                           "city."}],
         response_format={"type": "json_object"}, temperature=0, max_tokens=60)
     assert isinstance(json.loads(completion.choices[0].message.content or ""), dict)
@@ -130,7 +131,8 @@ def test_tool_round_trip(client: openai.OpenAI) -> None:
 
 def test_a_named_call_streams_as_tool_call_deltas(client: openai.OpenAI) -> None:
     tools: list[Any] = [openai.pydantic_function_tool(GetWeather),
-                        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+                        {"type": "function",
+                         "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=tools, stream=True,
         tool_choice={"type": "function", "function": {"name": "GetWeather"}}, temperature=0, max_tokens=80)

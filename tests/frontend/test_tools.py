@@ -25,7 +25,8 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                     "unit": {"type": "string", "enum": ["c", "f"]}},
                    "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TIME = {"type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -56,14 +57,16 @@ def test_response_format_maps_to_compact_structured_outputs_with_closed_objects(
 def test_auto_describes_tools_without_constraining_and_none_leaves_them_out() -> None:
     req = chat(tools=[WEATHER])
     messages = mapping.chat_messages(req, mapping.tool_plan(req))
-    assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"] and constraint(req) is None
+    assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"] and constraint(
+        req) is None
     req = chat(tools=[WEATHER], tool_choice="none")
     assert mapping.chat_messages(req, mapping.tool_plan(req)) == USER and constraint(req) is None
 
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_constrains_to_calls_of_declared_tools(parallel: bool) -> None:
-    schema = constraint(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=parallel))["json"]
+    schema = constraint(chat(tools=[WEATHER, TIME], tool_choice="required",
+                             parallel_tool_calls=parallel))["json"]
     one = {"name": "get_weather", "arguments": {"city": "Paris"}}
     jsonschema.validate({"tool_calls": [one]}, schema)
     for bad in ({"tool_calls": []}, {"tool_calls": [{"name": "nope", "arguments": {}}]},
@@ -102,7 +105,8 @@ def test_a_forced_call_with_a_response_format_is_refused() -> None:
 
 
 def test_history_with_calls_and_results_renders_as_text() -> None:
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     req = ChatCompletionRequest.model_validate({"model": "m", "tools": [WEATHER], "messages": [
         *USER, {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]})
@@ -128,7 +132,8 @@ def test_an_answer_that_is_a_call_becomes_tool_calls_else_content() -> None:
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     for text in ("It is sunny.", '{"tool_calls": [{"name": "undeclared", "arguments": {}}]}'):
         choice = mapping.chat_response(totals_of(text), "id", 0, "m", None, plan).choices[0]
-        assert (choice.message.content, choice.finish_reason, choice.message.tool_calls) == (text, "stop", None)
+        assert (choice.message.content, choice.finish_reason,
+                choice.message.tool_calls) == (text, "stop", None)
 
 
 def stream(plan, pieces: list[str], finish: str = "stop") -> list:
@@ -136,14 +141,16 @@ def stream(plan, pieces: list[str], finish: str = "stop") -> list:
     out = []
     for i, piece in enumerate(pieces):
         final = finish if i == len(pieces) - 1 else None
-        chunk = mapping.chat_chunk(BackendResponse((SampleDelta(0, piece, final, 1),)), "id", 0, "m", None, calls)
+        chunk = mapping.chat_chunk(BackendResponse((SampleDelta(0, piece, final, 1),)), "id", 0, "m",
+                                   None, calls)
         out.extend(chunk.choices if chunk else [])
     return out
 
 
 def test_streamed_calls_are_held_then_sent_as_one_delta() -> None:
     plan = mapping.tool_plan(chat(tools=[WEATHER]))
-    choices = stream(plan, ['{"tool_', 'calls": [{"name": "get_weather", ', '"arguments": {"city": "Rome"}}]}'])
+    choices = stream(plan,
+                     ['{"tool_', 'calls": [{"name": "get_weather", ', '"arguments": {"city": "Rome"}}]}'])
     assert len(choices) == 1 and choices[0].finish_reason == "tool_calls" and choices[0].delta.content is None
     (call,) = choices[0].delta.tool_calls
     assert call.index == 0 and call.function.name == "get_weather"

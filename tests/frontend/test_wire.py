@@ -1,6 +1,6 @@
 """The Triton wire contract, both generations of it: inputs asked only where the model declares them;
-per-response counts (new servers) and cumulative counts (older servers) both decode to new tokens per response;
-``[n]`` outputs split into choices; logprobs JSON keeps the sampled token and its top-k by rank."""
+per-response counts (new servers) and cumulative counts (older servers) both decode to new tokens per
+response; ``[n]`` outputs split into choices; logprobs JSON keeps the sampled token and its top-k by rank."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def _bytes(*items: str) -> np.ndarray:
 def test_request_always_streams_excludes_the_prompt_and_sends_the_sampling_json() -> None:
     arrays = request_arrays(BackendRequest("r", "héllo", {"max_tokens": 4, "stop": ["\n"]}), OLD)
     assert set(arrays) == {"text_input", "stream", "exclude_input_in_output", "sampling_parameters"}
-    assert arrays["text_input"][0] == "héllo".encode() and arrays["stream"][0] and arrays["exclude_input_in_output"][0]
+    assert arrays["text_input"][0] == "héllo".encode()
+    assert arrays["stream"][0] and arrays["exclude_input_in_output"][0]
     assert json.loads(arrays["sampling_parameters"][0]) == {"max_tokens": 4, "stop": ["\n"]}
     assert all(a.shape == (1,) for a in arrays.values())
 
@@ -34,15 +35,18 @@ def test_return_flags_are_sent_only_where_declared_and_logprob_flags_only_when_w
     assert {"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
             "return_num_cached_tokens"} <= set(plain)
     assert "return_logprobs" not in plain
-    assert {"return_logprobs", "return_cumulative_logprob"} <= set(request_arrays(BackendRequest("r", "p", {}, True), NEW))
-    assert not any(name.startswith("return_") for name in request_arrays(BackendRequest("r", "p", {}, True), OLD))
+    assert {"return_logprobs",
+            "return_cumulative_logprob"} <= set(request_arrays(BackendRequest("r", "p", {}, True), NEW))
+    assert not any(
+        name.startswith("return_") for name in request_arrays(BackendRequest("r", "p", {}, True), OLD))
 
 
 def test_older_servers_cumulative_counts_become_new_tokens_per_response() -> None:
     decoder, totals = ResponseDecoder(OLD), Totals(1)
     for text, count, reason in (("A", 1, ""), ("BC", 3, ""), ("", 3, "stop")):
         values = {"text_output": _bytes(text), "finish_reason": _bytes(reason),
-                  "num_input_tokens": np.array([7], np.int32), "num_output_tokens": np.array([count], np.int32)}
+                  "num_input_tokens": np.array([7], np.int32),
+                  "num_output_tokens": np.array([count], np.int32)}
         totals.add(decoder.decode(values, final=reason == "stop"))
     sample = totals.samples[0]
     assert "".join(sample.text) == "ABC" and sample.num_tokens == 3 and sample.finish_reason == "stop"
@@ -56,8 +60,8 @@ def test_new_servers_send_n_entries_with_per_response_counts_and_none_until_the_
     assert [(d.index, d.text, d.finish_reason, d.num_new_tokens) for d in response.samples] == \
         [(0, "x", None, 2), (1, "", "length", 0)]
     again = ResponseDecoder(NEW)
-    assert [d.num_new_tokens for d in again.decode(values, False).samples + again.decode(values, False).samples] == \
-        [2, 0, 2, 0]   # per-response counts are never differenced
+    samples = again.decode(values, False).samples + again.decode(values, False).samples
+    assert [d.num_new_tokens for d in samples] == [2, 0, 2, 0]   # per-response counts are never differenced
 
 
 def test_cached_tokens_are_per_sample_and_the_prompt_counts_once_with_the_least_of_them() -> None:
@@ -76,7 +80,8 @@ def test_cached_tokens_are_per_sample_and_the_prompt_counts_once_with_the_least_
 def test_an_empty_final_response_has_no_samples_and_absent_outputs_are_empty() -> None:
     assert ResponseDecoder(NEW).decode({}, final=True).samples == ()
     only_text = ResponseDecoder(NEW).decode({"text_output": _bytes("hi")}, final=False)
-    assert only_text.samples[0].text == "hi" and only_text.samples[0].logprobs == () and only_text.num_input_tokens is None
+    assert only_text.samples[0].text == "hi" and only_text.samples[0].logprobs == ()
+    assert only_text.num_input_tokens is None
 
 
 def test_logprobs_keep_the_sampled_token_first_and_the_alternatives_by_rank() -> None:

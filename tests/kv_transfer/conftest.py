@@ -1,5 +1,5 @@
-"""Fixtures of the KV transfer tests: prefill/decode sides on each backend (in-process: both in this process; nixl
-and mooncake: each a real OS process on loopback), each hosting its own rendezvous on a free port."""
+"""Fixtures of the KV transfer tests: prefill/decode sides on each backend (in-process: both in this process;
+nixl and mooncake: each a real OS process on loopback), each hosting its own rendezvous on a free port."""
 
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ class SideWorker:
                              layout.head_dim), SENTINEL, dtype=np.float32)
         self.pages = PageAllocator(layout.num_pages)
         params: dict[str, Any] = {"bootstrap_timeout_s": 2.0, "waiting_timeout_s": 2.0,
-                                  "heartbeat_interval_s": 0.2, "peer_check_interval_s": 0.2, "peer_lost_s": 1.0,
+                                  "heartbeat_interval_s": 0.2, "peer_check_interval_s": 0.2,
+                                  "peer_lost_s": 1.0,
                                   "http_timeout_s": 1.0}
         params.update(kv_overrides)
         self.args = KVArgs(instance_id=instance_id, role=role, kv_base_ptr=self.pool.ctypes.data,
@@ -132,7 +133,8 @@ class SideWorker:
     def send(self, room: int, num_pages: int, is_last: bool, first_token_id: int = 7,
              aux_room: int | None = None) -> bool:
         """Sends the next ``num_pages`` pages (the last chunk with aux data naming ``aux_room``, default
-        ``room``); returns whether the chunk's WRITE had been posted when ``send`` returned (inline progress)."""
+        ``room``); returns whether the chunk's WRITE had been posted when ``send`` returned (inline
+        progress)."""
         sender, pages = self.rooms[room]
         start = self.sent_pages[room]
         self.sent_pages[room] = start + num_pages
@@ -144,11 +146,12 @@ class SideWorker:
         self.rooms[room][0].abort(reason)
 
     # --- decode -------------------------------------------------------------------------------------------
-    def open_receiver(self, room: int, prefill_id: str, prefill_url: str, num_tokens: int, scatter: bool = False,
+    def open_receiver(self, room: int, prefill_id: str, prefill_url: str, num_tokens: int,
+                      scatter: bool = False,
                       cached_tokens: int = 0, claim_cached_tokens: int | None = None) -> None:
-        """Reserves the room's pages. The first ``cached_tokens // PAGE_SIZE`` stand for decode's prefix cache:
-        filled with ``cached_pattern`` and not given to the receiver, which is told ``claim_cached_tokens``
-        (default ``cached_tokens``) leading tokens are cached."""
+        """Reserves the room's pages. The first ``cached_tokens // PAGE_SIZE`` stand for decode's prefix
+        cache: filled with ``cached_pattern`` and not given to the receiver, which is told
+        ``claim_cached_tokens`` (default ``cached_tokens``) leading tokens are cached."""
         receiver = self.manager.create_receiver(room, prefill_id, prefill_url)
         pages = self.pages.alloc(-(-num_tokens // PAGE_SIZE), scatter)
         skip = cached_tokens // PAGE_SIZE

@@ -59,7 +59,8 @@ def test_send_before_init_fails_the_room_with_a_typed_error(prefill: KVManager) 
 
 @pytest.mark.parametrize("calls", [[([0, 1], True, None)], [([0], False, None), ([1, 2], True, "aux")],
                                    [([0], True, "aux"), ([1], True, "aux")]])
-def test_send_rules_whole_pages_then_last_with_aux(prefill: KVManager, calls: list) -> None:  # type: ignore[type-arg]
+def test_send_rules_whole_pages_then_last_with_aux(
+        prefill: KVManager, calls: list) -> None:  # type: ignore[type-arg]
     sender = prefill.create_sender(2)
     sender.init(2)
     with pytest.raises(TransferError):
@@ -92,8 +93,8 @@ def test_role_mismatch_and_bad_config_are_refused(pool: np.ndarray,
 
 def test_an_unexpected_error_while_posting_fails_that_room_only(pool: np.ndarray) -> None:
     """The last chunk is posted in the caller's thread (an engine loop in serving): an unexpected error there
-    (here the transport raises a RuntimeError once) must not escape ``send``; that room fails on both sides with
-    its pages releasable, and the next room moves its KV."""
+    (here the transport raises a RuntimeError once) must not escape ``send``; that room fails on both sides
+    with its pages releasable, and the next room moves its KV."""
     decode_pool = np.zeros_like(pool)   # referenced until the end: the prefill side writes into it
     prefill = make_kv_manager(args_for(pool, instance_id="boom-p"), "inprocess")
     decode = make_kv_manager(args_for(decode_pool, role="decode", instance_id="boom-d"),

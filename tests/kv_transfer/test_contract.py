@@ -1,4 +1,5 @@
-"""Contract tests of the KV transfer API, run on every backend (in-process; NIXL and Mooncake across two OS processes).
+"""Contract tests of the KV transfer API, run on every backend (in-process; NIXL and Mooncake across two OS
+processes).
 
 Invariants checked after every case: the decode side holds exactly the prefill bytes (every byte of every
 page) and the aux data; pages not owned by a room were never written; free-page counts on both sides return to
@@ -20,7 +21,8 @@ from kv_harness import PAGE_SIZE, wait_for
 from kv_transfer import KVPoll
 
 TIMEOUT_S = 10.0
-STOPPED_BOUND_S = 20.0   # MC_TRANSFER_TIMEOUT (3 s in conftest; a write took ~5 s) plus slack for a loaded host
+# MC_TRANSFER_TIMEOUT (3 s in conftest; a write took ~5 s) plus slack for a loaded host
+STOPPED_BOUND_S = 20.0
 _rooms = itertools.count(1000)
 
 
@@ -119,7 +121,8 @@ def test_decode_cached_prefix_is_skipped(pair: tuple[Any, Any], num_tokens: int,
     prefill, decode = pair
     before = prefill.call("metrics")
     room = next(_rooms)
-    decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, num_tokens, False, cached_tokens)
+    decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, num_tokens, False,
+                cached_tokens)
     prefill.call("open_sender", room, num_tokens)
     for num_pages, is_last in chunk_plan(num_tokens, chunk_tokens or num_tokens):
         prefill.call("send", room, num_pages, is_last)
@@ -138,9 +141,11 @@ def test_decode_cached_count_that_does_not_fit_fails_before_a_byte_moves(pair: t
     room = next(_rooms)
     if claim % PAGE_SIZE:   # refused by the receiver at once
         with pytest.raises(Exception, match="page size"):
-            decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 2 * PAGE_SIZE, False, 0, claim)
+            decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 2 * PAGE_SIZE,
+                        False, 0, claim)
     else:                   # the receiver cannot know the prompt; prefill refuses the destination
-        decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 2 * PAGE_SIZE, False, PAGE_SIZE, claim)
+        decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 2 * PAGE_SIZE, False,
+                    PAGE_SIZE, claim)
         prefill.call("open_sender", room, 2 * PAGE_SIZE)
         wait_for(lambda: prefill.call("poll", room) == KVPoll.Failed, TIMEOUT_S, "prefill refuses")
         assert "the last page must be sent" in prefill.call("failure", room)
@@ -185,7 +190,8 @@ def test_same_room_twice_rejects_only_the_second(pair: tuple[Any, Any], make_sid
         prefill.call("send", room, num_pages, is_last)
     finish(prefill, decode, room)
     assert_pages_back(prefill, decode, other_decode)
-    decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 20)   # the room is free again once done
+    # the room is free again once done
+    decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 20)
     prefill.call("open_sender", room, 20)
     wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S, "reuse handshake")
     prefill.call("send", room, 2, True)
@@ -207,9 +213,9 @@ def test_sender_that_never_sends_hits_the_waiting_timeout(pair: tuple[Any, Any])
 
 def test_a_room_queued_behind_its_prefills_other_rooms_outlives_the_waiting_timeout(
         pair: tuple[Any, Any]) -> None:
-    """The waiting timeout is 2 s here. One room gets nothing for 5 s while the same prefill streams another room
-    of this decode page by page: the first room keeps waiting (its prefill is alive and working through its
-    queue), then gets its KV and succeeds."""
+    """The waiting timeout is 2 s here. One room gets nothing for 5 s while the same prefill streams another
+    room of this decode page by page: the first room keeps waiting (its prefill is alive and working through
+    its queue), then gets its KV and succeeds."""
     prefill, decode = pair
     queued_room_outlives_a_busy_room(prefill, decode, decode)
 
@@ -304,10 +310,11 @@ def test_receiver_killed_mid_transfer(pair: tuple[Any, Any], make_side: Any) -> 
 def test_stopped_receiver_is_detected_not_waited_on(pair: tuple[Any, Any], make_side: Any) -> None:
     """A decode process stopped (SIGSTOP) mid-transfer: the prefill room ends within a bound instead of
     waiting forever (Mooncake: the WRITE fails after ``MC_TRANSFER_TIMEOUT``, 3 s here; NIXL: UCX copies into
-    the stopped process's memory and the room may succeed), and prefill's pages come back while decode is still
-    stopped. Decode stays stopped until its rendezvous stayed silent past ``peer_lost_s`` (prefill forgets it)
-    and its WRITE ended; once it continues it answers again with the same agent, and its room still ends with every page back (prefill
-    handshakes again to answer its cancel), and both sides serve again."""
+    the stopped process's memory and the room may succeed), and prefill's pages come back while decode is
+    still stopped. Decode stays stopped until its rendezvous stayed silent past ``peer_lost_s`` (prefill
+    forgets it) and its WRITE ended; once it continues it answers again with the same agent, and its room
+    still ends with every page back (prefill handshakes again to answer its cancel), and both sides serve
+    again."""
     if make_side.backend == "inprocess":
         pytest.skip("needs a peer in its own OS process")
     prefill, _ = pair

@@ -1,13 +1,14 @@
 """A failed room's pages go back only when no late byte of its writer can land in them.
 
-With Mooncake over TCP a write given up on a timeout can still be delivered after a partition heals, into pages
-by then given to another request (docs/multihost.md "Late writes after a partition"). The prefill side marks the
-``abort``/``done`` of a room with a failed write (``tags.UNSETTLED``); the decode side then has its transport
-fence that writer's connections (``Transport.fence_incoming``) before ``pages_releasable()`` turns true, and does
-the same when the writer vanished. Here:
+With Mooncake over TCP a write given up on a timeout can still be delivered after a partition heals, into
+pages by then given to another request (docs/multihost.md "Late writes after a partition"). The prefill side
+marks the ``abort``/``done`` of a room with a failed write (``tags.UNSETTLED``); the decode side then has its
+transport fence that writer's connections (``Transport.fence_incoming``) before ``pages_releasable()`` turns
+true, and does the same when the writer vanished. Here:
 
-- the protocol, on the in-process transport with its two ends replaced: a prefill transport whose writes report
-  ERR after their bytes landed, a decode transport that records fence calls and answers what the test says;
+- the protocol, on the in-process transport with its two ends replaced: a prefill transport whose writes
+  report ERR after their bytes landed, a decode transport that records fence calls and answers what the test
+  says;
 - the fence itself on plain sockets (``tcp_fence.fence_host``);
 - Mooncake: a fence closes the engine's connections from the writer, and the next rooms still arrive whole.
 """
@@ -127,7 +128,8 @@ def test_rooms_ended_without_a_failed_write_are_not_fenced(ends: Any) -> None:
     wait_for(lambda: decode.call("poll", 2) == KVPoll.Transferring, TIMEOUT_S, "room 2's first chunk")
     decode.worker.rooms[2][0].abort("client cancelled")
     for room in (1, 2):
-        wait_for(lambda: _ended(decode, room) and _releasable(decode, room), TIMEOUT_S, f"room {room}'s pages")
+        wait_for(lambda room=room: _ended(decode, room) and _releasable(decode, room), TIMEOUT_S,
+                 f"room {room}'s pages")
     assert fence.fence_calls == []
     assert decode.call("metrics")["fenced_rooms_total"] == 0
     wait_for(lambda: decode.call("reap") == decode.start_free, TIMEOUT_S, "decode's pages")
@@ -148,10 +150,11 @@ def test_a_vanished_writer_is_fenced_before_the_pages_go_back(ends: Any) -> None
     wait_for(lambda: _releasable(decode, 1), TIMEOUT_S, "room 1's pages after the fence")
 
 
-# --- the fence on plain sockets ------------------------------------------------------------------------------
+# --- the fence on plain sockets
+# ------------------------------------------------------------------------------
 class _Owner:
-    """A listening socket and the thread that owns its accepted connections (as a transport's I/O thread does):
-    reads until EOF or an error, then closes. ``stuck``: never closes (a broken transport)."""
+    """A listening socket and the thread that owns its accepted connections (as a transport's I/O thread
+    does): reads until EOF or an error, then closes. ``stuck``: never closes (a broken transport)."""
 
     def __init__(self, stuck: bool = False) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -212,7 +215,8 @@ def test_fence_host_reports_connections_their_owner_does_not_close() -> None:
     conn.close()
 
 
-# --- Mooncake ------------------------------------------------------------------------------------------------
+# --- Mooncake
+# ------------------------------------------------------------------------------------------------
 @pytest.mark.mooncake
 def test_mooncake_fence_closes_the_writers_connections_and_later_rooms_arrive_whole() -> None:
     pytest.importorskip("mooncake.engine")
@@ -225,10 +229,11 @@ def test_mooncake_fence_closes_the_writers_connections_and_later_rooms_arrive_wh
         for room in range(1, 5):
             decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 4 * PAGE_SIZE)
             prefill.call("open_sender", room, 4 * PAGE_SIZE)
-            wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S, "the destination")
+            wait_for(lambda room=room: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S,
+                     "the destination")
             prefill.call("send", room, 4, True)
-            wait_for(lambda: decode.call("poll", room) in (KVPoll.Success, KVPoll.Failed), TIMEOUT_S,
-                     f"room {room}")
+            wait_for(lambda room=room: decode.call("poll", room) in (KVPoll.Success, KVPoll.Failed),
+                     TIMEOUT_S, f"room {room}")
             assert decode.call("poll", room) == KVPoll.Success, decode.call("failure", room)
             assert decode.call("check_bytes", room)
             if room % 2 == 1:   # after rooms 1 and 3: the writer's pooled connections are cut

@@ -23,7 +23,7 @@ from kv_transfer import KVPoll
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
-from perf.tls_certs import have_openssl, make_fleet_certs  # scripts/ is on sys.path (above)
+from perf.tls_certs import have_openssl, make_fleet_certs  # noqa: E402 - scripts/ is on sys.path (above)
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not have_openssl(), reason="the openssl command is not installed")]

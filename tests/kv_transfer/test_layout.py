@@ -15,7 +15,8 @@ LAYOUT = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_d
 
 
 def test_block_offset_matches_the_tensor_layout() -> None:
-    """Page-major: [num_pages, num_layers, 2, page_size, kv_heads, head_dim]; a page is one contiguous range."""
+    """Page-major: [num_pages, num_layers, 2, page_size, kv_heads, head_dim]; a page is one contiguous
+    range."""
     pool = np.arange(LAYOUT.pool_bytes // 4, dtype=np.float32).reshape(5, 3, 2, 4, 2, 8)
     flat = pool.reshape(-1).view(np.uint8)
     for layer, kv, page in [(0, 0, 0), (1, 1, 3), (2, 0, 4), (2, 1, 4)]:

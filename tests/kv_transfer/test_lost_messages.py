@@ -1,11 +1,12 @@
 """A message between the two sides that is lost costs time, never pages.
 
-Seen in a full-suite run with Mooncake across network-namespace hosts (decode host's link down 5 s mid-transfer):
-a decode room failed (its client cancelled), decode released it at the prefill's rendezvous and sent its cancel,
-the prefill side answered ``done``, and that answer never arrived: Mooncake drops the messages queued behind a
-write that failed (here the write the partition stopped, failed at ``MC_TRANSFER_TIMEOUT``). The room's 36 pages
-stayed held for good (a failed room waits for its writer's answer; nothing asked again). Now decode sends its
-cancel again while unanswered (``decode_side.CANCEL_RESEND_S``, doubling), and a writer that never answers within
+Seen in a full-suite run with Mooncake across network-namespace hosts (decode host's link down 5 s
+mid-transfer): a decode room failed (its client cancelled), decode released it at the prefill's rendezvous and
+sent its cancel, the prefill side answered ``done``, and that answer never arrived: Mooncake drops the
+messages queued behind a write that failed (here the write the partition stopped, failed at
+``MC_TRANSFER_TIMEOUT``). The room's 36 pages stayed held for good (a failed room waits for its writer's
+answer; nothing asked again). Now decode sends its cancel again while unanswered
+(``decode_side.CANCEL_RESEND_S``, doubling), and a writer that never answers within
 ``waiting_timeout_s`` of the first cancel is fenced and the pages go back.
 
 Here the prefill side's transport loses messages (the network's loss, not the product's code): its ``done``
@@ -75,7 +76,8 @@ def _cancelled_mid_transfer(prefill: LocalSide, decode: LocalSide, room: int) ->
     """A room whose first chunk landed, then decode gave it up (its client went away)."""
     decode.call("open_receiver", room, prefill.instance_id, prefill.rendezvous_url, 4 * PAGE_SIZE)
     prefill.call("open_sender", room, 4 * PAGE_SIZE)
-    wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S, "destination at prefill")
+    wait_for(lambda: prefill.call("poll", room) >= KVPoll.WaitingForInput, TIMEOUT_S,
+             "destination at prefill")
     prefill.call("send", room, 2, False)
     wait_for(lambda: decode.call("poll", room) == KVPoll.Transferring, TIMEOUT_S, "first chunk at decode")
     decode.call("abort", room, "cancelled by the client")

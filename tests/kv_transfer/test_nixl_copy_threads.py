@@ -57,7 +57,8 @@ def test_split_write_lands_every_byte_before_its_notification() -> None:
         assert state == "DONE", f"post_write returned after {post_s:.3f}s with {state}"
         assert b"done" in got
         page_floats = src_table.kv_desc_bytes // 4
-        src_view, dst_view = src_pool.reshape(NUM_PAGES, page_floats), dst_pool.reshape(NUM_PAGES, page_floats)
+        src_view = src_pool.reshape(NUM_PAGES, page_floats)
+        dst_view = dst_pool.reshape(NUM_PAGES, page_floats)
         assert np.array_equal(dst_view[dst_pages], src_view[src_pages])
         untouched = [p for p in range(NUM_PAGES) if p not in dst_pages]
         assert (dst_view[untouched] == 1.0).all()

@@ -1,7 +1,7 @@
 """The decode side's NIXL progress thread (``NixlOptions.progress_thread_ms``): over TCP, a peer's WRITE lands
 while the target's own threads never call into NIXL, and it does not without the thread (UCX's TCP transport
-copies a remote write in only when the target's worker is progressed; docs/multihost.md). Each case runs in its
-own process (``nixl_progress_child.py``), because UCX reads ``UCX_TLS`` once per process."""
+copies a remote write in only when the target's worker is progressed; docs/multihost.md). Each case runs in
+its own process (``nixl_progress_child.py``), because UCX reads ``UCX_TLS`` once per process."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ CHILD = Path(__file__).resolve().parent / "nixl_progress_child.py"
 
 
 def _write_with_target_silent(progress_thread_ms: float, wait_s: float) -> dict[str, object]:
-    out = subprocess.run([sys.executable, str(CHILD), str(progress_thread_ms), str(wait_s)], capture_output=True,
+    out = subprocess.run([sys.executable, str(CHILD), str(progress_thread_ms), str(wait_s)],
+                         capture_output=True,
                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

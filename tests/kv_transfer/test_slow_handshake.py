@@ -30,7 +30,8 @@ from kv_transfer.inprocess import InProcessTransport
 SLOW_S = 3.0
 TIMEOUT_S = 15.0
 CALL_BOUND_S = 0.5   # an engine-thread call during the handshake: at once, not SLOW_S
-AGE_BOUND_S = 1.0    # heartbeat_interval_s is 0.2 s here; routers give an instance up after 3 s (instance_stale_s)
+# heartbeat_interval_s is 0.2 s here; routers give an instance up after 3 s (instance_stale_s)
+AGE_BOUND_S = 1.0
 TIMEOUTS = {"bootstrap_timeout_s": 20.0, "waiting_timeout_s": 20.0}
 
 
@@ -63,8 +64,8 @@ def _side(role: str, name: str) -> tuple[LocalSide, SlowFirstContact]:
 
 
 def _trio(role: str) -> tuple[LocalSide, SlowFirstContact, LocalSide, LocalSide]:
-    """A ``role`` side whose handshakes the test can slow down, and two sides of the other role (the test lets it
-    meet the first one quickly, then the second one slowly)."""
+    """A ``role`` side whose handshakes the test can slow down, and two sides of the other role (the test lets
+    it meet the first one quickly, then the second one slowly)."""
     other = "decode" if role == "prefill" else "prefill"
     side, slow = _side(role, f"{role}-slowhs")
     return side, slow, _side(other, f"{other}-1-slowhs")[0], _side(other, f"{other}-2-slowhs")[0]
@@ -77,7 +78,8 @@ def _open(prefill: LocalSide, decode: LocalSide, room: int, num_tokens: int) -> 
 
 def _finish(prefill: LocalSide, decode: LocalSide, room: int) -> None:
     wait_for(lambda: decode.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at decode")
-    wait_for(lambda: prefill.call("poll", room) == KVPoll.Success, TIMEOUT_S, f"room {room} Success at prefill")
+    wait_for(lambda: prefill.call("poll", room) == KVPoll.Success, TIMEOUT_S,
+             f"room {room} Success at prefill")
     assert decode.call("check_bytes", room)
 
 
@@ -118,7 +120,8 @@ def test_decode_keeps_reporting_and_polling_while_it_handshakes_with_a_new_prefi
     try:
         _first_contact(p1, decode)
         _open(p1, decode, 2, 2 * PAGE_SIZE)   # a room with the known peer, waiting for its KV
-        wait_for(lambda: p1.call("poll", 2) >= KVPoll.WaitingForInput, TIMEOUT_S, "room 2's destination at p1")
+        wait_for(lambda: p1.call("poll", 2) >= KVPoll.WaitingForInput, TIMEOUT_S,
+                 "room 2's destination at p1")
         slow.delay_s = SLOW_S
         _open(p2, decode, 3, 2 * PAGE_SIZE)   # first contact with p2: SLOW_S
         probes = _during(slow, lambda: (_timed(lambda: decode.call("poll", 2)), _age_s(decode, "decode")))

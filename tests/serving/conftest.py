@@ -1,10 +1,10 @@
 """Fixtures of the serving tests: a real tritonserver (``scripts/serve.sh``) with a chosen subset of models.
 
-A test module selects its models with a module attribute, ``TRITON_MODELS = ("colocated",)`` (and may build its
-own repository with ``make_model_repository(tmp_dir) -> path``), and uses the
-``triton_server`` fixture (module scope, marked ``live``). The server runs on free loopback ports (tritonserver
-cannot bind port 0: ports are picked by binding), in its own process group; teardown sends SIGTERM (serve.sh
-stops tritonserver), then SIGKILL after a deadline, removes the python backend
+A test module selects its models with a module attribute, ``TRITON_MODELS = ("colocated",)`` (and may build
+its own repository with ``make_model_repository(tmp_dir) -> path``), and uses the
+``triton_server`` fixture (module scope, marked ``live``). The server runs on free loopback ports
+(tritonserver cannot bind port 0: ports are picked by binding), in its own process group; teardown sends
+SIGTERM (serve.sh stops tritonserver), then SIGKILL after a deadline, removes the python backend
 shared-memory regions its stubs left, and fails the module if shutdown was unclean (a request left without its
 FINAL flag keeps tritonserver waiting until its exit timeout) or if the kernel log (``dmesg``, where readable)
 reports a stub of this server killed by a fault (a stub that crashes on its way out leaves no other trace).
@@ -30,7 +30,8 @@ CLEAN_STOP_S = 15.0  # tritonserver's --exit-timeout-secs in serve.sh is 20: a h
 
 
 @pytest.fixture(scope="module")
-def triton_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeScript]:
+def triton_server(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeScript]:
     """A tritonserver serving ``request.module.TRITON_MODELS`` (default: colocated) on free ports; yields its
     URLs (``http_url``, ``grpc_url``, ``metrics_url``, ``registry_url``) and ``log_tail()``."""
     models = ",".join(getattr(request.module, "TRITON_MODELS", ("colocated",)))

@@ -37,13 +37,14 @@ class StreamResult:
 
 
 #: The optional outputs the live tests ask for by default (``StreamResult`` reads them).
-COUNT_OUTPUTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+COUNT_OUTPUTS = {"return_finish_reason": True, "return_num_input_tokens": True,
+                 "return_num_output_tokens": True}
 
 
 def make_inputs(prompt: str | bytes, params: dict[str, Any] | str | None = None, stream: bool = True,
                 **flags: bool) -> list[grpcclient.InferInput]:
-    """The LLM-convention inputs; ``params`` as a dict is JSON-encoded, as a str sent as is. ``flags`` are BOOL
-    inputs, on top of ``COUNT_OUTPUTS`` (pass ``return_...=False`` to leave one out)."""
+    """The LLM-convention inputs; ``params`` as a dict is JSON-encoded, as a str sent as is. ``flags`` are
+    BOOL inputs, on top of ``COUNT_OUTPUTS`` (pass ``return_...=False`` to leave one out)."""
     flags = {**COUNT_OUTPUTS, **flags}
     def tensor(name: str, value: Any, dtype: str) -> grpcclient.InferInput:
         t = grpcclient.InferInput(name, [1], dtype)
@@ -105,12 +106,15 @@ def _record(result: StreamResult, res: Any) -> None:
         result.finish_reasons.append("" if reason_text == "None" else reason_text)
         new_tokens = res.as_numpy("num_output_tokens")   # tokens of this response (the vLLM convention)
         total = result.num_output_tokens[-1] if result.num_output_tokens else 0
-        result.num_output_tokens.append(total + (int(new_tokens.reshape(-1)[0]) if new_tokens is not None else 0))
+        result.num_output_tokens.append(
+            total + (int(new_tokens.reshape(-1)[0]) if new_tokens is not None else 0))
     result.final_seen = final
 
 
-def http_generate_stream(http_url: str, body: dict[str, Any], model: str = "colocated") -> list[dict[str, Any]]:
-    """POST ``/v2/models/<model>/generate_stream``; returns the SSE events once the server closed the stream."""
+def http_generate_stream(http_url: str, body: dict[str, Any],
+                         model: str = "colocated") -> list[dict[str, Any]]:
+    """POST ``/v2/models/<model>/generate_stream``; returns the SSE events once the server closed the
+    stream."""
     with requests.post(f"{http_url}/v2/models/{model}/generate_stream", json=body, stream=True,
                        timeout=RESPONSE_TIMEOUT_S) as resp:
         return [json.loads(line[len(b"data: "):]) for line in resp.iter_lines() if line.startswith(b"data: ")]
@@ -127,8 +131,8 @@ def metric_value(metrics_url: str, name: str, **labels: str) -> float:
 
 
 def finished_requests(metrics_url: str, model: str) -> float:
-    """``pd_requests_total{outcome="finished"}`` of ``model`` on a server's metrics endpoint; 0 before the first
-    (the series appears with its first finished request)."""
+    """``pd_requests_total{outcome="finished"}`` of ``model`` on a server's metrics endpoint; 0 before the
+    first (the series appears with its first finished request)."""
     try:
         return metric_value(metrics_url, "pd_requests_total", model=model, outcome="finished")
     except KeyError:
@@ -137,8 +141,8 @@ def finished_requests(metrics_url: str, model: str) -> float:
 
 def streams_match_reference(generate: Callable[[str], StreamResult], prompts: Sequence[str],
                             reference: dict[str, str]) -> list[StreamResult]:
-    """Run every prompt at once (one thread each) through ``generate``; assert each stream ended with FINAL, no
-    error and exactly the reference text. Returns the results, in ``prompts`` order."""
+    """Run every prompt at once (one thread each) through ``generate``; assert each stream ended with FINAL,
+    no error and exactly the reference text. Returns the results, in ``prompts`` order."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(generate, prompts))
     for prompt, res in zip(prompts, results):

@@ -1,7 +1,8 @@
 """Prompts of mixed lengths for the live tests (one over ``chunk_size`` = 512 tokens: chunked prefill)."""
 
 _PARAGRAPH = ("The river wound through the valley, past orchards and stone bridges, carrying the spring melt "
-              "from the mountains down to the sea. Farmers along its banks measured the seasons by its height. ")
+              "from the mountains down to the sea. Farmers along its banks measured the seasons by its "
+              "height. ")
 
 PROMPTS: list[str] = [
     "The capital of France is",
@@ -13,7 +14,8 @@ PROMPTS: list[str] = [
 ]
 
 _GREEDY = {"max_tokens": "16", "temperature": "0"}
-#: Requests every served model must answer with one error and FINAL: name → (prompt, sampling_parameters, flags).
+#: Requests every served model must answer with one error and FINAL: name → (prompt, sampling_parameters,
+#: flags).
 BAD_INPUTS: dict[str, tuple[str, dict[str, object] | str, dict[str, bool]]] = {
     "empty prompt": ("", _GREEDY, {}),
     "longer than the context": ("hello " * 9000, _GREEDY, {}),
@@ -37,9 +39,9 @@ def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], sequent
     import time
 
     from engine import LLMEngine
-    from serving.workers.colocated import prompt_token_ids
     from serving.config import WorkerConfig
     from serving.parsing.request import parse_request
+    from serving.workers.colocated import prompt_token_ids
 
     config = WorkerConfig(num_pages=256, **worker)  # type: ignore[arg-type]
     engine = LLMEngine(config.engine_config("colocated"))

@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from serving.workers.engine_loop import EngineCore
 from serving.stream import ErrorKind, ResponseChunk, ResponseSink
+from serving.workers.engine_loop import EngineCore
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""``serving.parsing.child_codec``: the child protocol's one schema, held to the model configs and to both encoders; the
-schema check; a response round trip, errors and their kind included."""
+"""``serving.parsing.child_codec``: the child protocol's one schema, held to the model configs and to both
+encoders; the schema check; a response round trip, errors and their kind included."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ NUMPY_OF = {"TYPE_STRING": np.object_, "TYPE_BOOL": np.bool_, "TYPE_INT64": np.i
 
 
 def declared(role: str, section: str) -> dict[str, str]:
-    """``{name: data_type}`` of the ``input`` or ``output`` section of ``model_repository/<role>/config.pbtxt``."""
+    """``{name: data_type}`` of the ``input`` or ``output`` section of
+    ``model_repository/<role>/config.pbtxt``."""
     text = (ROOT / "model_repository" / role / "config.pbtxt").read_text()
     body = re.search(rf"^{section} \[(.*?)^\]", text, re.S | re.M)
     assert body is not None, section
@@ -51,7 +52,8 @@ def test_each_child_config_declares_the_schema(role: str) -> None:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_the_routers_encoder_sends_only_schema_inputs_in_their_types(role: str) -> None:
     target = Target(f"{role[0]}0@h:1", role, "127.0.0.1:8001", role, rendezvous_url="http://p0:1")
-    call = ChildCall(role, target, 5, "p0@h:1" if role == "decode" else "", "http://p0:1" if role == "decode" else "",
+    call = ChildCall(role, target, 5, "p0@h:1" if role == "decode" else "",
+                     "http://p0:1" if role == "decode" else "",
                      {"text_input": "hi", "sampling_parameters": "{}", "apply_chat_template": True},
                      prompt_token_ids=(1, 2), tokenizer_id="abc")
     arrays = child_arrays(call)
@@ -88,14 +90,16 @@ def test_a_response_round_trips_and_an_error_keeps_its_kind() -> None:
     claimed = decode_response(encode_response(Delta.failure("bad", ErrorKind.UNREACHABLE)), final=True)
     assert claimed.error_kind is ErrorKind.INSTANCE
     # an older child's error (no error_kind) is the instance's: the router may try another
-    assert decode_response({"error": np.frombuffer(b"x", np.uint8)}, final=True).error_kind is ErrorKind.INSTANCE
+    old_error = decode_response({"error": np.frombuffer(b"x", np.uint8)}, final=True)
+    assert old_error.error_kind is ErrorKind.INSTANCE
 
 
 def test_another_builds_schema_is_refused_by_name_and_an_absent_one_is_not_checked() -> None:
     llm = {"text_input": b"hi"}
     room = {"bootstrap_room": np.array([5], dtype=np.int64)}
     assert parse_pd_request(llm, room).room == 5   # a client's or a test's request: nothing to check
-    assert parse_pd_request(llm, {**room, SCHEMA_INPUT: np.array([SCHEMA_HASH.encode()], np.object_)}).room == 5
+    assert parse_pd_request(llm,
+                            {**room, SCHEMA_INPUT: np.array([SCHEMA_HASH.encode()], np.object_)}).room == 5
     with pytest.raises(ChildSchemaMismatch, match=f"'0123456789ab'.*'{SCHEMA_HASH}'"):
         parse_pd_request(llm, {**room, SCHEMA_INPUT: np.array([b"0123456789ab"], np.object_)})
     with pytest.raises(ChildSchemaMismatch):

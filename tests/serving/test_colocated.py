@@ -9,11 +9,11 @@ import time
 import pytest
 from serving_fakes import FakeEngine, FakeFamily, RecordingSink
 
-from serving.workers.colocated import ColocatedWorker
-from serving.workers.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.parsing.request import parse_request
 from serving.stream import ErrorKind
+from serving.workers.colocated import ColocatedWorker
+from serving.workers.engine_loop import EngineLoop
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -118,12 +118,15 @@ def test_a_grammar_compiles_at_admission_and_a_refused_one_fails_alone(setup) ->
     worker, engine = setup
     long, good, bad = RecordingSink(), RecordingSink(), RecordingSink()
     worker.handle(_req(stream=True, sampling_parameters=b'{"max_tokens": 20}'), long)
-    worker.handle(_req(sampling_parameters=b'{"max_tokens": 2, "structured_outputs": {"regex": "w.*"}}'), good)
-    worker.handle(_req(sampling_parameters=b'{"max_tokens": 2, "structured_outputs": {"regex": "reject-me"}}'),
+    worker.handle(
+        _req(sampling_parameters=b'{"max_tokens": 2, "structured_outputs": {"regex": "w.*"}}'), good)
+    worker.handle(_req(
+        sampling_parameters=b'{"max_tokens": 2, "structured_outputs": {"regex": "reject-me"}}'),
                   bad)
     assert bad.done.wait(5) and good.done.wait(5) and long.done.wait(5)
     assert bad.errors == ["invalid input 'sampling_parameters.structured_outputs.regex': cannot be compiled: "
                           "refused by the fake"] and bad.finals == 1 and not bad.chunks
     assert bad.error_kinds == [ErrorKind.REQUEST]
     assert good.errors == [] and long.errors == [] and long.text.count("w") == 20
-    assert engine.prepare_thread_ids and not engine.prepare_thread_ids & engine.thread_ids  # not the loop thread
+    # not the loop thread
+    assert engine.prepare_thread_ids and not engine.prepare_thread_ids & engine.thread_ids

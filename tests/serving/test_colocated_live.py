@@ -1,9 +1,10 @@
 """The ``colocated`` model in a real tritonserver, through tritonclient gRPC streaming and HTTP.
 
 Invariants: concurrent greedy requests give the engine's own in-process text (and transformers' greedy text);
-``stream=false`` gives one response; every bad input gives one error and ends its stream while a concurrent good
-request completes; a client cancel gives the KV pages back; HTTP ``generate_stream`` works. Teardown (conftest)
-fails the module if the server does not shut down cleanly, i.e. if any request was left without FINAL.
+``stream=false`` gives one response; every bad input gives one error and ends its stream while a concurrent
+good request completes; a client cancel gives the KV pages back; HTTP ``generate_stream`` works. Teardown
+(conftest) fails the module if the server does not shut down cleanly, i.e. if any request was left without
+FINAL.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ def reference() -> dict[str, str]:
 
 def test_concurrent_greedy_streams_match_the_engine(triton_server, reference) -> None:
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(lambda p: grpc_generate(triton_server.grpc_url, make_inputs(p, GREEDY)), PROMPTS))
+        results = list(pool.map(lambda p: grpc_generate(triton_server.grpc_url,
+                                                        make_inputs(p, GREEDY)), PROMPTS))
     for prompt, res in zip(PROMPTS, results):
         assert res.error is None and res.final_seen
         assert res.text == reference[prompt], prompt[:40]
         assert res.finish_reasons[-1] in ("stop", "length") and not any(res.finish_reasons[:-1])
         # streamed: one response per token here (whole words), the last one FINAL with the token count
-        assert len(res.texts) >= min(2, res.num_output_tokens[-1]) and res.num_output_tokens == sorted(res.num_output_tokens)
+        assert len(res.texts) >= min(2, res.num_output_tokens[-1]) and res.num_output_tokens == sorted(
+            res.num_output_tokens)
 
 
 @pytest.mark.reference
@@ -110,7 +113,8 @@ def test_cancel_mid_stream_gives_the_pages_back(triton_server) -> None:
     _wait_until(lambda: metric_value(triton_server.metrics_url, "pd_queue_requests", queue="running") == 0)
     free_before = metric_value(triton_server.metrics_url, "pd_kv_free_pages")
     cancelled_before = _cancelled(triton_server.metrics_url)
-    res = grpc_generate(triton_server.grpc_url, make_inputs(PROMPTS[2], {"max_tokens": 400, "ignore_eos": True}),
+    res = grpc_generate(triton_server.grpc_url,
+                        make_inputs(PROMPTS[2], {"max_tokens": 400, "ignore_eos": True}),
                         cancel_after=3)
     assert res.error is None and not res.final_seen and len(res.texts) == 3
     _wait_until(lambda: _cancelled(triton_server.metrics_url) == cancelled_before + 1
@@ -145,14 +149,16 @@ def _cancelled(metrics_url: str) -> float:
 def test_http_generate_stream(triton_server, reference) -> None:
     prompt = PROMPTS[1]
     events = http_generate_stream(triton_server.http_url, {"text_input": prompt, "stream": True,
-                                                           "sampling_parameters": '{"max_tokens": 16, "temperature": 0}',
+                                                           "sampling_parameters": '{"max_tokens": 16, '
+                                                                                  '"temperature": 0}',
                                                            "return_finish_reason": True,
                                                            "return_num_output_tokens": True})
     assert all("error" not in e for e in events) and len(events) >= 2
     assert "".join(e["text_output"] for e in events) == reference[prompt]
     assert events[-1]["finish_reason"] in ("stop", "length")
     assert all(e["finish_reason"] == "None" for e in events[:-1])
-    assert all(e["num_output_tokens"] >= 1 for e in events) and sum(e["num_output_tokens"] for e in events) <= 16
+    assert all(e["num_output_tokens"] >= 1 for e in events) and sum(
+        e["num_output_tokens"] for e in events) <= 16
     # without the sampling_parameters input, the request's extra JSON fields are its sampling parameters
     by_fields = http_generate_stream(triton_server.http_url, {"text_input": prompt, "stream": True,
                                                               "max_tokens": 16, "temperature": 0})

@@ -1,6 +1,6 @@
-"""control_client: a channel whose server was down for seconds (a router polling its own server while that server
-loads) reaches the server within about a second of its start, not after gRPC's default backoff (up to 120 s,
-~4 s after a 5 s load); with a minimal gRPC server speaking Triton's ``ServerLive``."""
+"""control_client: a channel whose server was down for seconds (a router polling its own server while that
+server loads) reaches the server within about a second of its start, not after gRPC's default backoff (up to
+120 s, ~4 s after a 5 s load); with a minimal gRPC server speaking Triton's ``ServerLive``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def test_a_server_that_starts_late_is_reached_within_the_short_backoff() -> None
     client = control_client(f"127.0.0.1:{port}")
     server = None
     try:
-        refused_until = time.monotonic() + 5.0   # refused for 5 s: gRPC's default backoff would be ~4 s by then
+        # refused for 5 s: gRPC's default backoff would be ~4 s by then
+        refused_until = time.monotonic() + 5.0
         while time.monotonic() < refused_until:
             with pytest.raises(Exception, match="UNAVAILABLE"):
                 client.is_server_live(client_timeout=0.5)

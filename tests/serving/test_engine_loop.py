@@ -66,7 +66,7 @@ def test_requests_batch_and_finish_once_each(loop: EngineLoop, engine: FakeEngin
     cols = {f"r{i}": Collector() for i in range(4)}
     for i, (rid, col) in enumerate(cols.items()):
         loop.submit(rid, [1] * (i + 1), SamplingParams(max_tokens=3 + i), col)
-    for rid, col in cols.items():
+    for col in cols.values():
         last = col.wait()
         assert isinstance(last, RequestOutput) and last.finish_reason == "length"
         assert col.terminals == 1
@@ -224,7 +224,8 @@ def test_an_abort_before_the_submit_left_the_queue_still_aborts(engine: FakeEngi
     assert "cancelled by the client" in str(last.error)
     time.sleep(0.2)
     assert hook.col.terminals == 1 and not any(isinstance(e, RequestOutput) for e in hook.col.events)
-    assert engine.calls["step"] == 0 and engine.num_free_pages == engine.num_total_pages   # never in the engine
+    # never in the engine
+    assert engine.calls["step"] == 0 and engine.num_free_pages == engine.num_total_pages
     later = Collector()   # the id's bookkeeping is gone: the same id submitted again runs normally
     lp.submit("cancelled-early", [1], SamplingParams(max_tokens=3), later)
     assert isinstance(later.wait(), RequestOutput) and later.terminals == 1

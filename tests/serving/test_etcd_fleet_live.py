@@ -1,11 +1,11 @@
 """PD across tritonservers with fleet membership in a real etcd (``PD_REGISTRY_URL=etcd://host:port``): a
-router-only server (``pd_ensemble``) and a worker server (``prefill`` + ``decode``) announce and find each other
-through etcd leases; the router then asks each worker's own rendezvous for its load.
+router-only server (``pd_ensemble``) and a worker server (``prefill`` + ``decode``) announce and find each
+other through etcd leases; the router then asks each worker's own rendezvous for its load.
 
 Invariants: greedy text through the router equals the colocated engine's; ``kill -9`` of etcd only freezes
 membership: requests keep succeeding on the last view (no request path goes through the store); etcd started
-again on its data, the fleet is still whole and serving; a second worker server that joins while etcd is back is
-seen by the router and serves requests.
+again on its data, the fleet is still whole and serving; a second worker server that joins while etcd is back
+is seen by the router and serves requests.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class EtcdFleet:
             if self.healthy("prefill") == instances and self.healthy("decode") == instances:
                 return
             time.sleep(0.2)
-        raise AssertionError(f"router sees {self.healthy('prefill')} prefill / {self.healthy('decode')} decode, "
-                             f"not {instances} of each")
+        raise AssertionError(f"router sees {self.healthy('prefill')} prefill / {self.healthy('decode')} "
+                             f"decode, not {instances} of each")
 
     def generate(self, prompt: str) -> StreamResult:
         return grpc_generate(self.router.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
@@ -76,7 +76,8 @@ def reference() -> dict[str, str]:
     return colocated_greedy_texts(PROMPTS, GREEDY)
 
 
-def test_router_finds_the_workers_through_etcd_and_gives_the_colocated_text(fleet: EtcdFleet, reference) -> None:
+def test_router_finds_the_workers_through_etcd_and_gives_the_colocated_text(
+        fleet: EtcdFleet, reference) -> None:
     fleet.wait_healthy(1)
     streams_match_reference(fleet.generate, PROMPTS, reference)
 

@@ -18,8 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from live_client import (StreamResult, finished_requests, grpc_generate, make_inputs, metric_value,
-                         streams_match_reference)
+from live_client import (
+    StreamResult,
+    finished_requests,
+    grpc_generate,
+    make_inputs,
+    metric_value,
+    streams_match_reference,
+)
 from live_prompts import PROMPTS as BASE_PROMPTS
 from live_prompts import colocated_greedy_texts
 from perf.server import RegistryProcess, ServeScript
@@ -56,7 +62,8 @@ class Fleet:
             if self.healthy("prefill") == prefills and self.healthy("decode") == decodes:
                 return
             time.sleep(0.2)
-        raise AssertionError(f"router sees {self.healthy('prefill')} prefill / {self.healthy('decode')} decode")
+        raise AssertionError(
+            f"router sees {self.healthy('prefill')} prefill / {self.healthy('decode')} decode")
 
     def generate(self, prompt: str) -> StreamResult:
         return grpc_generate(self.router.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
@@ -138,8 +145,8 @@ def test_2p1d_across_servers_uses_both_prefill_servers(fleet: Fleet, reference) 
 
 
 def prefill_selections(fleet: Fleet) -> dict[str, float]:
-    """The router's ``pd_router_selections_total{role="prefill"}`` per prefill instance (counted when it pairs a
-    request, so a request the client saw end is always in it)."""
+    """The router's ``pd_router_selections_total{role="prefill"}`` per prefill instance (counted when it pairs
+    a request, so a request the client saw end is always in it)."""
     import requests
 
     text = requests.get(fleet.router.metrics_url, timeout=5).text
@@ -152,8 +159,8 @@ def prefill_selections(fleet: Fleet) -> dict[str, float]:
 
 def test_cache_aware_pairing_sends_a_conversation_back_to_its_prefill(fleet: Fleet) -> None:
     """The default policy (cache_aware) on an idle 2P1D fleet: each next turn of a conversation (its earlier
-    prompt + a question), sent the moment the last one ended, goes to the prefill server that holds its prefix,
-    not round robin, also while the servers' last load reports still count the turn before."""
+    prompt + a question), sent the moment the last one ended, goes to the prefill server that holds its
+    prefix, not round robin, also while the servers' last load reports still count the turn before."""
     fleet.wait_healthy(prefills=2)
     wait_pools_full((fleet.prefill_a, "prefill"), (fleet.prefill_b, "prefill"), (fleet.decode, "decode"))
 
@@ -180,7 +187,8 @@ def test_killing_a_prefill_server_fails_over_and_it_rejoins_when_restarted(fleet
         futures = [pool.submit(fleet.generate, p) for p in LONG]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:   # kill while prefill A holds requests
-            if metric_value(fleet.prefill_a.metrics_url, "pd_queue_requests", model="prefill", queue="prefilling"):
+            if metric_value(fleet.prefill_a.metrics_url, "pd_queue_requests", model="prefill",
+                            queue="prefilling"):
                 break
             time.sleep(0.02)
         killed_s = time.monotonic()
@@ -209,9 +217,9 @@ def test_killing_a_prefill_server_fails_over_and_it_rejoins_when_restarted(fleet
     wait_pools_full((fleet.decode, "decode"), (fleet.prefill_b, "prefill"), (restarted, "prefill"))
 
 
-#: the decode-kill test's requests: long enough to be mid-stream when decode B dies (2 s after B's first running
-#: request, at ~0.2-0.3 s per token of six streams on 2 cores: ~10 tokens in); their in-process reference is the
-#: module's slowest setup (200 tokens took 55 s), so no longer than that needs
+#: the decode-kill test's requests: long enough to be mid-stream when decode B dies (2 s after B's first
+#: running request, at ~0.2-0.3 s per token of six streams on 2 cores: ~10 tokens in); their in-process
+#: reference is the module's slowest setup (200 tokens took 55 s), so no longer than that needs
 DECODE_KILL = {"max_tokens": "120", "temperature": "0", "ignore_eos": "true"}
 
 
@@ -222,14 +230,15 @@ def long_reference() -> dict[str, str]:
 
 def test_killing_a_decode_server_migrates_its_streams_and_new_ones_succeed(fleet: Fleet, reference,
                                                                            long_reference) -> None:
-    """2P2D: ``kill -9`` of one decode server while it streams tokens. Its requests migrate: the router resumes
-    each on the surviving decode server with the tokens already sent (``migration_limit``), so every stream
-    ends without an error and with the colocated greedy text, each token once; new requests all succeed on the
-    surviving decode server right away, and every surviving pool comes back full."""
+    """2P2D: ``kill -9`` of one decode server while it streams tokens. Its requests migrate: the router
+    resumes each on the surviving decode server with the tokens already sent (``migration_limit``), so every
+    stream ends without an error and with the colocated greedy text, each token once; new requests all succeed
+    on the surviving decode server right away, and every surviving pool comes back full."""
     fleet.decode_b.start(READY_S)
     fleet.wait_healthy(prefills=2, decodes=2)
     with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(grpc_generate, fleet.router.grpc_url, make_inputs(p, DECODE_KILL), "pd_ensemble")
+        futures = [pool.submit(grpc_generate, fleet.router.grpc_url, make_inputs(p, DECODE_KILL),
+                               "pd_ensemble")
                    for p in PROMPTS[:6]]
         deadline = time.monotonic() + 30   # the pairing may keep B idle: the invariants below hold either way
         b_streaming = False
@@ -255,9 +264,9 @@ def test_killing_a_decode_server_migrates_its_streams_and_new_ones_succeed(fleet
 
 
 def test_the_registry_killed_idle_and_mid_load_freezes_membership_only(fleet: Fleet, reference) -> None:
-    """``kill -9`` of the registry, idle and then while requests run: every request succeeds with the colocated
-    text (the router keeps its last view and asks each instance's own rendezvous), with no wait; restarted
-    empty, the workers announce themselves again and the router still sees the whole fleet."""
+    """``kill -9`` of the registry, idle and then while requests run: every request succeeds with the
+    colocated text (the router keeps its last view and asks each instance's own rendezvous), with no wait;
+    restarted empty, the workers announce themselves again and the router still sees the whole fleet."""
     fleet.wait_healthy(prefills=2)
     fleet.stop_registry(kill=True)
     started = time.monotonic()
@@ -279,9 +288,10 @@ def test_the_registry_killed_idle_and_mid_load_freezes_membership_only(fleet: Fl
 
 
 def test_a_killed_router_server_frees_every_page_and_a_restarted_one_serves(fleet: Fleet, reference) -> None:
-    """``kill -9`` of the router's server while it streams: its gRPC connections drop, Triton cancels its child
-    requests on the worker servers, and the workers drop the rooms and free every page within seconds (no
-    lease needed); the router started again on the same ports finds the fleet in the registry and serves."""
+    """``kill -9`` of the router's server while it streams: its gRPC connections drop, Triton cancels its
+    child requests on the worker servers, and the workers drop the rooms and free every page within seconds
+    (no lease needed); the router started again on the same ports finds the fleet in the registry and
+    serves."""
     fleet.wait_healthy(prefills=2)
     params = {"max_tokens": "2000", "temperature": "0", "ignore_eos": "true"}
     with ThreadPoolExecutor(3) as pool:

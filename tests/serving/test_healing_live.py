@@ -4,14 +4,14 @@ Invariants: unloading and loading ``prefill``, and reloading ``decode`` in place
 config), through Triton's repository API while requests stream through the router never stops the router or
 another model's loop: a long request in flight runs to its last token on the old version, every stream ends
 (FINAL or one error; through the reload in place, no error at all), after each reload new requests give the
-colocated text, and the new version's metric series are still on ``/metrics`` once the old version is gone (the
-old version deleting a series it shared with the new one was a use-after-free in tritonserver that aborted it:
-``serving.metrics``). ``kill -9`` of the prefill stub: within seconds the server stops reporting ``prefill`` ready (its
-stub's guardian ends the server), serve.sh starts it again, and requests through the router give the colocated
-text again within 30 s (or, on a machine so loaded that one start of the server takes longer, within 1.5x its
-first start). A server that never became ready (a model that does not load) is a start-up failure: serve.sh exits
-with it instead of starting it again and again. The fixture's teardown checks the server then stops cleanly
-within 15 s with no stub fault.
+colocated text, and the new version's metric series are still on ``/metrics`` once the old version is gone
+(the old version deleting a series it shared with the new one was a use-after-free in tritonserver that
+aborted it: ``serving.metrics``). ``kill -9`` of the prefill stub: within seconds the server stops reporting
+``prefill`` ready (its stub's guardian ends the server), serve.sh starts it again, and requests through the
+router give the colocated text again within 30 s (or, on a machine so loaded that one start of the server
+takes longer, within 1.5x its first start). A server that never became ready (a model that does not load) is a
+start-up failure: serve.sh exits with it instead of starting it again and again. The fixture's teardown checks
+the server then stops cleanly within 15 s with no stub fault.
 """
 
 from __future__ import annotations
@@ -227,8 +227,9 @@ def test_a_killed_prefill_stub_is_replaced_with_its_server_and_serves_again(trit
         assert time.monotonic() - killed_s < 10.0, "prefill still reported ready 10 s after its stub died"
         time.sleep(0.1)
     unready_s = time.monotonic() - killed_s
-    # healing is a server restart: on a loaded 2-core host one start alone can take longer than the 30 s target
-    # (docs/healing.md), so the bound is the target or 1.5x this server's own first start, whichever is longer
+    # healing is a server restart: on a loaded 2-core host one start alone can take longer than the 30 s
+    # target (docs/healing.md), so the bound is the target or 1.5x this server's own first start, whichever is
+    # longer
     bound_s = max(HEAL_S, 1.5 * getattr(server, "start_seconds", 0.0))
     while True:
         try:
@@ -241,7 +242,8 @@ def test_a_killed_prefill_stub_is_replaced_with_its_server_and_serves_again(trit
         time.sleep(0.5)
     healed_s = time.monotonic() - killed_s
     print(f"prefill stub killed: not ready after {unready_s:.1f} s, serving again after {healed_s:.1f} s "
-          f"(the server's first start took {getattr(server, 'start_seconds', float('nan')):.1f} s; load {os.getloadavg()})")
+          f"(the server's first start took {getattr(server, 'start_seconds', float('nan')):.1f} s; load "
+          f"{os.getloadavg()})")
     assert result.text == reference[PROMPTS[0]]
     assert stub_pid(server, "prefill") != old and model_ready(server, "prefill")
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -250,8 +252,8 @@ def test_a_killed_prefill_stub_is_replaced_with_its_server_and_serves_again(trit
 
 
 def test_a_server_that_never_becomes_ready_is_not_restarted(tmp_path: Path) -> None:
-    """serve.sh restarts tritonserver only after it had been ready once: a model that cannot load ends serve.sh
-    with tritonserver's failure status, after one start."""
+    """serve.sh restarts tritonserver only after it had been ready once: a model that cannot load ends
+    serve.sh with tritonserver's failure status, after one start."""
     server = ServeScript("no_such_model", tmp_path / "serve.log")
     with pytest.raises(RuntimeError, match="exited"):
         server.start(timeout_s=120)

@@ -3,8 +3,8 @@
 * logprobs through PD equal colocated's (same greedy tokens, logprobs within 1e-4, same top tokens), the first
   token (computed by prefill) included, ``max_tokens=1`` included;
 * the vLLM backend's additional outputs: present only when asked, with its dtypes and per-response meaning;
-* ``num_cached_tokens`` (ours): a long prompt sent again reports the prefix cache's hit (prefill's in PD), whole
-  pages below the prompt length, per sample and on every response;
+* ``num_cached_tokens`` (ours): a long prompt sent again reports the prefix cache's hit (prefill's in PD),
+  whole pages below the prompt length, per sample and on every response;
 * the sampling controls on both paths: penalties change the text in the expected direction (and PD equals
   colocated under them: prefill's first token is penalised like the rest), ``min_tokens`` holds EOS back,
   ``logit_bias``, ``include_stop_str_in_output``, ``n=3`` with a seed gives three reproducible samples;
@@ -64,7 +64,8 @@ class Responses:
 
 def infer(url: str, model: str, prompt: str, params: dict[str, Any], stream: bool = True,
           **flags: bool) -> Responses:
-    """One request on its own gRPC stream, to FINAL; ``flags`` are BOOL inputs (no outputs asked by default)."""
+    """One request on its own gRPC stream, to FINAL; ``flags`` are BOOL inputs (no outputs asked by
+    default)."""
     events: queue.Queue[tuple[Any, Any]] = queue.Queue()
     result = Responses()
     client = grpcclient.InferenceServerClient(url)
@@ -135,7 +136,8 @@ def test_additional_outputs_only_when_asked(triton_server, model) -> None:
     full = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(6), **ALL_OUTPUTS)
     assert full.error is None and len(full.outputs) >= 2
     for i, o in enumerate(full.outputs):
-        assert set(o) == {"text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+        assert set(o) == {"text_output", "finish_reason", "cumulative_logprob", "logprobs",
+                          "num_input_tokens",
                           "num_output_tokens", "num_cached_tokens"}
         assert o["num_input_tokens"].dtype == np.uint32 and o["num_output_tokens"].dtype == np.uint32
         assert o["num_cached_tokens"].dtype == np.uint32 and o["num_cached_tokens"].shape == (1,)
@@ -162,7 +164,8 @@ def _cached(res: Responses) -> list[list[int]]:
 @pytest.mark.parametrize("model", PATHS)
 def test_a_repeated_long_prompt_reports_the_prefix_caches_hit(triton_server, model) -> None:
     # unique, so that no earlier request of the module (or of the other path) has cached it
-    prompt = f"Request {uuid.uuid4().hex} on {model}. " + " ".join(f"Room {i} has a blue door." for i in range(12))
+    prompt = f"Request {uuid.uuid4().hex} on {model}. " + " ".join(
+        f"Room {i} has a blue door." for i in range(12))
     flags = {"return_num_cached_tokens": True, "return_num_input_tokens": True}
     first = infer(triton_server.grpc_url, model, prompt, _greedy(4, ignore_eos=True), **flags)
     again = infer(triton_server.grpc_url, model, prompt, _greedy(4, ignore_eos=True), **flags)
@@ -170,7 +173,8 @@ def test_a_repeated_long_prompt_reports_the_prefix_caches_hit(triton_server, mod
     num_prompt = int(first.outputs[0]["num_input_tokens"][0])
     assert num_prompt >= 3 * PAGE_SIZE
     assert all(o["num_cached_tokens"].dtype == np.uint32 for o in first.outputs + again.outputs)
-    assert len({c[0] for c in _cached(first)}) == 1 and len({c[0] for c in _cached(again)}) == 1, "every response"
+    assert len({c[0] for c in _cached(first)}) == 1, "every response"
+    assert len({c[0] for c in _cached(again)}) == 1, "every response"
     hit = _cached(again)[0][0]
     assert _cached(first)[0][0] == 0
     assert 0 < hit < num_prompt and hit % PAGE_SIZE == 0 and hit >= num_prompt - 2 * PAGE_SIZE
@@ -235,7 +239,8 @@ def test_min_tokens_holds_eos_back(triton_server, model) -> None:
     assert stopped.error is None
     assert sum(int(o["num_output_tokens"][0]) for o in stopped.outputs) == 1
     assert stopped.outputs[-1]["finish_reason"][0] == b"stop"
-    held = infer(triton_server.grpc_url, model, "Hi", _greedy(16, logit_bias=eos_bias, min_tokens=5), **ALL_OUTPUTS)
+    held = infer(triton_server.grpc_url, model, "Hi", _greedy(16, logit_bias=eos_bias, min_tokens=5),
+                 **ALL_OUTPUTS)
     assert held.error is None
     assert sum(int(o["num_output_tokens"][0]) for o in held.outputs) == 6   # five, then EOS
     assert held.outputs[-1]["finish_reason"][0] == b"stop"
@@ -251,7 +256,8 @@ def test_logit_bias_and_stop_string_kept(triton_server, model) -> None:
     assert stop not in cut and kept == cut + stop
     banned = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(12, ignore_eos=True),
                    return_logprobs=False).text()
-    first = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(1, logprobs=0), return_logprobs=True).tokens()
+    first = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(1, logprobs=0),
+                  return_logprobs=True).tokens()
     first_id = _chosen(first[0])[0]
     other = infer(triton_server.grpc_url, model, PROMPTS[0],
                   _greedy(12, ignore_eos=True, logit_bias={str(first_id): -100})).text()
@@ -279,9 +285,11 @@ def test_n_samples_with_a_seed_are_reproducible(triton_server, model, stream) ->
 @pytest.mark.parametrize("model", PATHS)
 def test_unsupported_and_bad_keys_fail_by_name(triton_server, model) -> None:
     for params, needle in [({"guided_json": {}}, "guided_json"),
-                           ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
+                           ({"structured_outputs": {"json": {"type": "nonsense"}}},
+                            "structured_outputs.json"),
                            ({"lora_name": "x"}, "lora_name"), ({"logprobs": 21}, "logprobs"),
-                           ({"n": 0}, "sampling_parameters.n"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
+                           ({"n": 0}, "sampling_parameters.n"),
+                           ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
         res = infer(triton_server.grpc_url, model, "Hi", params)
         assert res.error is not None and needle in res.error, (params, res.error)
     ok = infer(triton_server.grpc_url, model, "Hi", _greedy(2))
@@ -291,7 +299,8 @@ def test_unsupported_and_bad_keys_fail_by_name(triton_server, model) -> None:
 @pytest.mark.parametrize("model", PATHS)
 def test_streaming_with_the_prompt_fails_with_the_vllm_message(triton_server, model) -> None:
     res = infer(triton_server.grpc_url, model, "Hi", _greedy(2), exclude_input_in_output=False)
-    assert res.error == "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+    assert res.error == ("Error generating stream: When streaming, `exclude_input_in_output` = False "
+                         "is not allowed.")
 
 
 @pytest.mark.parametrize("model", PATHS)
@@ -301,7 +310,8 @@ def test_latency_and_length_histograms(triton_server, model) -> None:
     res = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(8, ignore_eos=True))
     assert res.error is None
     for name in ("pd_time_to_first_token_seconds", "pd_time_per_output_token_seconds",
-                 "pd_e2e_request_latency_seconds", "pd_request_prompt_tokens", "pd_request_generation_tokens"):
+                 "pd_e2e_request_latency_seconds", "pd_request_prompt_tokens",
+                 "pd_request_generation_tokens"):
         assert metric_value(triton_server.metrics_url, f"{name}_count", model=model) >= 1, name
     generated = metric_value(triton_server.metrics_url, "pd_request_generation_tokens_sum", model=model)
     assert generated >= 8
@@ -313,7 +323,8 @@ def test_latency_and_length_histograms(triton_server, model) -> None:
 def _free_pages(server: Any) -> dict[str, float]:
     from live_client import metric_value
 
-    return {m: metric_value(server.metrics_url, "pd_kv_free_pages", model=m) for m in ("prefill", "decode", "colocated")}
+    return {m: metric_value(server.metrics_url, "pd_kv_free_pages", model=m)
+            for m in ("prefill", "decode", "colocated")}
 
 
 @pytest.mark.parametrize("model", PATHS)

@@ -1,10 +1,10 @@
 """Migration on the real serving path without Triton: the router's orchestrator (in-process launcher) over one
-prefill and two decode workers (SmolLM2, in-process KV transfer). The first decode child's stream breaks after a
-few responses, as when its server dies: the router resumes the request on the other decode.
+prefill and two decode workers (SmolLM2, in-process KV transfer). The first decode child's stream breaks after
+a few responses, as when its server dies: the router resumes the request on the other decode.
 
 Invariants: the client's text, token count and logprob token ids equal those of the same request run without a
-break (greedy and seeded), its logprobs within float noise; exactly one FINAL; the migration counter moved; every
-engine's free pages return to their start (the broken child was cancelled and freed its pages).
+break (greedy and seeded), its logprobs within float noise; exactly one FINAL; the migration counter moved;
+every engine's free pages return to their start (the broken child was cancelled and freed its pages).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import pytest
 from bootstrap.client import BootstrapClient
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
-from serving.workers.pd_factory import PDWorkerHandle, create_pd_worker
 from serving.parsing.request import parse_request
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
@@ -30,6 +29,7 @@ from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
 from serving.router.responder import EnsembleResponder
 from serving.stream import Delta, ErrorKind, ResponseChunk
+from serving.workers.pd_factory import PDWorkerHandle, create_pd_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -174,7 +174,8 @@ def test_a_broken_decode_stream_migrates_and_the_client_gets_the_uninterrupted_o
     assert len(sent) == 1 if break_after == 0 else len(sent) >= 1 + break_after
     assert migrated.text == reference.text
     last, ref_last = migrated.chunks[-1].samples[0], reference.chunks[-1].samples[0]
-    assert (last.num_output_tokens, last.finish_reason) == (ref_last.num_output_tokens, ref_last.finish_reason)
+    assert (last.num_output_tokens, last.finish_reason) == (ref_last.num_output_tokens,
+                                                            ref_last.finish_reason)
     assert abs(last.cumulative_logprob - ref_last.cumulative_logprob) < 1e-3
     # the same tokens; logprobs within float noise (the resumed engine computed the sent tokens' KV in one
     # prefill, the original one token per step)

@@ -1,5 +1,5 @@
-"""``serving.triton.orphan_watch``: ``stop`` ends and joins the watch thread at once (``finalize`` leaves no thread that
-runs Python while the stub tears down); a stub whose parent (tritonserver) is gone ends itself."""
+"""``serving.triton.orphan_watch``: ``stop`` ends and joins the watch thread at once (``finalize`` leaves no
+thread that runs Python while the stub tears down); a stub whose parent (tritonserver) is gone ends itself."""
 
 from __future__ import annotations
 
@@ -22,18 +22,21 @@ def test_stop_joins_the_thread_without_waiting_out_the_interval() -> None:
     watch.stop()   # idempotent
 
 
-# A supervisor (a child subreaper, so the orphaned stub becomes its child and can be waited on) starts a parent,
-# which starts the stub; the supervisor kills the parent and reports how the stub ended and how long it took.
+# A supervisor (a child subreaper, so the orphaned stub becomes its child and can be waited on) starts a
+# parent, which starts the stub; the supervisor kills the parent and reports how the stub ended and how long
+# it took.
 _SUPERVISOR = r"""
 import ctypes, os, signal, subprocess, sys, time
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
-stub = ("import sys, time; sys.path.insert(0, sys.argv[1]); from serving.triton.orphan_watch import OrphanWatch; "
+stub = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+        "from serving.triton.orphan_watch import OrphanWatch; "
         "OrphanWatch('stub', interval_s=0.05).start(); print('ready', flush=True); time.sleep(20)")
 parent = subprocess.Popen([sys.executable, "-c",
     "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
     "print(p.pid, flush=True); time.sleep(60)", stub, sys.argv[1]], stdout=subprocess.PIPE, text=True)
 stub_pid = int(parent.stdout.readline())
-print(parent.stdout.readline().strip(), flush=True)   # 'ready': the stub's watch runs (its stdout is the parent's)
+# 'ready': the stub's watch runs (its stdout is the parent's)
+print(parent.stdout.readline().strip(), flush=True)
 parent.kill()
 parent.wait()
 killed_s = time.monotonic()

@@ -1,12 +1,13 @@
-"""SampleFanIn: n sample streams → one client stream (vLLM layout: one entry per sample), FINAL exactly once."""
+"""SampleFanIn: n sample streams → one client stream (vLLM layout: one entry per sample), FINAL exactly
+once."""
 
 from __future__ import annotations
 
 import pytest
 from serving_fakes import RecordingSink
 
-from serving.workers.parallel_sampling import SampleFanIn
 from serving.stream import ResponseChunk
+from serving.workers.parallel_sampling import SampleFanIn
 
 
 def chunk(text: str, reason: str | None = None, total: int = 1, new: int = 1) -> ResponseChunk:
@@ -43,7 +44,8 @@ def test_each_entry_carries_its_own_samples_cached_tokens() -> None:
     whole = RecordingSink()
     fan = SampleFanIn(whole, 2, stream=False, logprobs=False)
     for i, cached in ((1, 16), (0, 32)):
-        fan.sample_sink(i).send(ResponseChunk.single("t", "stop", 40, 1, 1, num_cached_tokens=cached), final=True)
+        fan.sample_sink(i).send(ResponseChunk.single("t", "stop", 40, 1, 1,
+                                                     num_cached_tokens=cached), final=True)
     assert [s.num_cached_tokens for s in whole.chunks[0][0].samples] == [32, 16]
 
 

@@ -1,5 +1,5 @@
-"""``pd_ensemble`` (1P1D: ``prefill`` + ``decode`` over NIXL) in a real tritonserver, through tritonclient gRPC
-streaming and HTTP.
+"""``pd_ensemble`` (1P1D: ``prefill`` + ``decode`` over NIXL) in a real tritonserver, through tritonclient
+gRPC streaming and HTTP.
 
 Invariants: 8 concurrent greedy requests of mixed prompt lengths stream exactly the colocated engine's text
 (which test_colocated_live checks against transformers); ``stream=false`` gives one response; every bad input
@@ -73,7 +73,8 @@ def _token_kv_bytes() -> int:
     """One token's K and V of every layer, in bytes, in the prefill model's KV layout (SmolLM2, fp32)."""
     folder = convert_gguf_cached(smollm2_gguf_path(), SMOLLM2_MODEL_ID, default_cache_root())
     config = read_hf_config(folder / "config.json", SMOLLM2_MODEL_ID)
-    layout = KVLayout(num_layers=config.num_layers, num_pages=1, page_size=1, num_kv_heads=config.num_kv_heads,
+    layout = KVLayout(num_layers=config.num_layers, num_pages=1, page_size=1,
+                      num_kv_heads=config.num_kv_heads,
                       head_dim=config.head_dim, dtype="float32")
     return layout.page_bytes
 
@@ -86,7 +87,8 @@ def test_kv_crossed_over_nixl(triton_server) -> None:
     res, moved = _one_transfer(triton_server, prompt)
     assert res.error is None and res.final_seen and res.text
     assert num_tokens > 2 * 16   # several pages and a partly filled last one: spans, not whole pages only
-    assert moved["skipped_prefill"] == moved["skipped_decode"] == moved["hits_decode"] == moved["hits_prefill"] == 0
+    assert moved["skipped_prefill"] == moved["skipped_decode"] == 0
+    assert moved["hits_decode"] == moved["hits_prefill"] == 0
     assert moved["bytes"] == num_tokens * _token_kv_bytes()
     assert moved["transfers"] == moved["transfers_decode"] == 1
 
@@ -125,7 +127,8 @@ def test_bad_inputs_fail_alone_while_a_good_request_completes(triton_server, ref
 def test_cancel_mid_stream_gives_the_pages_back_on_both_sides(triton_server) -> None:
     _wait_until(lambda: _free_pages(triton_server) == _total_pages(triton_server))
     free_before = _free_pages(triton_server)
-    res = generate(triton_server.grpc_url, PROMPTS[2], {"max_tokens": 400, "ignore_eos": True}, cancel_after=3)
+    res = generate(triton_server.grpc_url, PROMPTS[2], {"max_tokens": 400, "ignore_eos": True},
+                   cancel_after=3)
     assert res.error is None and not res.final_seen and len(res.texts) == 3
     _wait_until(lambda: _free_pages(triton_server) == free_before)
     assert _free_pages(triton_server) == free_before
@@ -135,7 +138,8 @@ def test_cancel_mid_stream_gives_the_pages_back_on_both_sides(triton_server) -> 
 
 def test_http_generate_stream(triton_server, reference) -> None:
     prompt = PROMPTS[1]
-    body = {"text_input": prompt, "stream": True, "sampling_parameters": '{"max_tokens": 16, "temperature": 0}',
+    body = {"text_input": prompt, "stream": True,
+            "sampling_parameters": '{"max_tokens": 16, "temperature": 0}',
             "return_finish_reason": True, "return_num_output_tokens": True}
     events = http_generate_stream(triton_server.http_url, body, model=MODEL)
     assert all("error" not in e for e in events) and len(events) >= 2
@@ -224,8 +228,8 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 def test_a_child_takes_the_routers_prompt_ids_over_grpc(triton_server, reference) -> None:
     """A direct decode request to the ``decode`` model whose text is one prompt and whose ``prompt_token_ids``
     are another's, with the fingerprint of this process's tokenizer (the router's): the stream is the other
-    prompt's colocated text, so the ids crossed Triton and the server's tokenizer has the router's fingerprint;
-    with another fingerprint, the text's."""
+    prompt's colocated text, so the ids crossed Triton and the server's tokenizer has the router's
+    fingerprint; with another fingerprint, the text's."""
     import queue
 
     import numpy as np

@@ -3,8 +3,8 @@ crosses in bf16 (half of fp32's bytes per page) and the streams equal a colocate
 run in-process, i.e. prefill and decode run the same kernels as colocated.
 
 One request at a time, against a reference run one prompt at a time: in this format a batch of up to 16 rows
-runs on the AVX2 kernels and a larger one on torch's BLAS (``engine.model.linear``), so a prompt's numbers, and
-greedy text at a near tie, depend on which prompts shared its steps; concurrent parity is fp32's test
+runs on the AVX2 kernels and a larger one on torch's BLAS (``engine.model.linear``), so a prompt's numbers,
+and greedy text at a near tie, depend on which prompts shared its steps; concurrent parity is fp32's test
 (``test_pd_live.py``)."""
 
 from __future__ import annotations

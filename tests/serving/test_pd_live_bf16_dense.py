@@ -8,8 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pd_live_bf16 import (TRITON_MODELS, check_streams_equal_colocated_and_kv_crosses,  # noqa: F401
-                               repository_in_format)
+from test_pd_live_bf16 import (  # noqa: F401
+    TRITON_MODELS,
+    check_streams_equal_colocated_and_kv_crosses,
+    repository_in_format,
+)
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
 # TRITON_MODELS above: read by the triton_server fixture

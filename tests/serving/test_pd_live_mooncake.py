@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from live_client import metric_value, streams_match_reference
 from live_prompts import colocated_greedy_texts
+from perf.server import pd_model_repository
 from test_pd_live import GREEDY, PROMPTS, generate
 
 from bootstrap.client import BootstrapClient
-from serving.router.discovery import LocalServerMembers
 from kv_transfer import unavailable_reason
-from perf.server import pd_model_repository
+from serving.router.discovery import LocalServerMembers
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.mooncake, pytest.mark.timeout(600),
               pytest.mark.skipif(unavailable_reason("mooncake") is not None,
@@ -72,5 +72,5 @@ def test_both_workers_registered_mooncake_endpoints(triton_server) -> None:
 
 
 def _pools_full(url: str) -> bool:
-    return all(metric_value(url, "pd_kv_free_pages", model=m) == metric_value(url, "pd_kv_total_pages", model=m)
-               for m in ("prefill", "decode"))
+    return all(metric_value(url, "pd_kv_free_pages", model=m)
+               == metric_value(url, "pd_kv_total_pages", model=m) for m in ("prefill", "decode"))

@@ -1,6 +1,6 @@
-"""The PD serving path without Triton: the router's orchestrator (in-process launcher) → prefill worker + decode
-worker (real engines on SmolLM2, real KV transfer, each worker with its own rendezvous on a free port), on the
-in-process, NIXL and Mooncake backends.
+"""The PD serving path without Triton: the router's orchestrator (in-process launcher) → prefill worker +
+decode worker (real engines on SmolLM2, real KV transfer, each worker with its own rendezvous on a free port),
+on the in-process, NIXL and Mooncake backends.
 
 Invariants: the merged stream equals the colocated engine's greedy output; every request ends with exactly
 one FINAL; after every way a request can end, the free-page counts of both engines are back at their start.
@@ -23,7 +23,6 @@ import pytest
 from bootstrap.client import BootstrapClient
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
-from serving.workers.pd_factory import PDWorkerHandle, create_pd_worker
 from serving.parsing.request import parse_request
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
@@ -32,6 +31,7 @@ from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import PairingPolicy, make_policy
 from serving.router.responder import EnsembleResponder
 from serving.stream import Delta, ErrorKind, ResponseChunk
+from serving.workers.pd_factory import PDWorkerHandle, create_pd_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -76,8 +76,8 @@ class QueueSink:
 
 
 class Cluster:
-    """1P1D in this process, plus the router's orchestrator calling the workers through the in-process launcher
-    (the fleet as the workers' own rendezvous report it)."""
+    """1P1D in this process, plus the router's orchestrator calling the workers through the in-process
+    launcher (the fleet as the workers' own rendezvous report it)."""
 
     def __init__(self, prefill: PDWorkerHandle, decode: PDWorkerHandle, ids: tuple[str, str]) -> None:
         self.prefill, self.decode = prefill, decode
@@ -152,7 +152,8 @@ def colocated_texts(cluster: Cluster) -> dict[str, str]:
     return texts
 
 
-def request(prompt: str, max_tokens: int = 24, stream: bool = True, **params: object) -> dict[str, str | bool]:
+def request(prompt: str, max_tokens: int = 24, stream: bool = True,
+            **params: object) -> dict[str, str | bool]:
     """The raw inputs of one client request (what the router forwards)."""
     sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, **params})
     return {"text_input": prompt, "stream": stream, "sampling_parameters": sampling}
@@ -172,21 +173,24 @@ def test_streams_equal_colocated_greedy_output_and_pages_return(cluster, colocat
 
 def test_the_routers_prompt_ids_are_used_when_its_tokenizer_is_the_workers(cluster, colocated_texts):
     """The router forwards the ids of prompt B with a request whose text is prompt A: with the workers' own
-    tokenizer fingerprint both children prefill/decode B (they did not tokenize again); with another fingerprint
-    they ignore the ids and tokenize A."""
+    tokenizer fingerprint both children prefill/decode B (they did not tokenize again); with another
+    fingerprint they ignore the ids and tokenize A."""
     tokenizer = cluster.prefill.loop.engine.tokenizer
     a, b = PROMPTS[2], PROMPTS[1]
     ids_b = tokenizer.encode(b)
     assert colocated_texts[a] and colocated_texts[b] and colocated_texts[a] != colocated_texts[b]
     for fingerprint, expected in ((tokenizer.fingerprint, b), ("0" * 16, a)):
-        orchestrator = PDOrchestrator(cluster._config, cluster.fleet, make_policy("load_aware"), cluster._launcher,
+        orchestrator = PDOrchestrator(cluster._config, cluster.fleet, make_policy("load_aware"),
+                                      cluster._launcher,
                                       lambda request: list(ids_b), tokenizer_id=fingerprint)
         responses = cluster.generate(request(a), orchestrator=orchestrator)
         assert responses[-1].error is None, responses[-1].error
         assert "".join(r.text for r in responses) == colocated_texts[expected], fingerprint
     start = cluster.free_pages()
-    orchestrator = PDOrchestrator(cluster._config, cluster.fleet, make_policy("load_aware"), cluster._launcher,
-                                  lambda request: [1, tokenizer.vocab_size + 5], tokenizer_id=tokenizer.fingerprint)
+    orchestrator = PDOrchestrator(cluster._config, cluster.fleet, make_policy("load_aware"),
+                                  cluster._launcher,
+                                  lambda request: [1, tokenizer.vocab_size + 5],
+                                  tokenizer_id=tokenizer.fingerprint)
     responses = cluster.generate(request(a), orchestrator=orchestrator)
     assert len(responses) == 1 and "prompt_token_ids" in (responses[0].error or "")
     assert responses[0].error_kind is ErrorKind.REQUEST
@@ -244,7 +248,8 @@ def test_a_cancel_after_the_first_token_frees_prefill_before_any_destination(clu
     assert time.monotonic() - cancelled_s < 2.0, f"the room ended only by {last.error}"
     while cluster.free_pages() != start and time.monotonic() - cancelled_s < 2.0:
         time.sleep(0.02)
-    assert cluster.free_pages() == start, f"prefill's pages not back {time.monotonic() - cancelled_s:.1f} s after the cancel"
+    assert cluster.free_pages() == start, \
+        f"prefill's pages not back {time.monotonic() - cancelled_s:.1f} s after the cancel"
 
 
 def test_a_repeated_prompt_reports_prefills_cache_hit_to_the_client(cluster):
@@ -261,9 +266,10 @@ def test_a_repeated_prompt_reports_prefills_cache_hit_to_the_client(cluster):
 
 
 def test_direct_decode_prefills_on_decode_alone(cluster, colocated_texts):
-    """A prompt shorter than ``direct_decode_max_tokens`` goes to decode alone (``DecodeWorker._start_direct``):
-    decode prefills it and streams every token, the first included, so the text is the colocated engine's; no
-    KV moves, the prefill engine never sees the prompt, and decode's pages come back."""
+    """A prompt shorter than ``direct_decode_max_tokens`` goes to decode alone
+    (``DecodeWorker._start_direct``): decode prefills it and streams every token, the first included, so the
+    text is the colocated engine's; no KV moves, the prefill engine never sees the prompt, and decode's pages
+    come back."""
     direct = cluster.make_orchestrator(make_policy("load_aware", direct_decode_max_tokens=10_000))
     start = cluster.free_pages()
     chunks_before = [h.kv_manager.metrics()["chunks_total"] for h in (cluster.prefill, cluster.decode)]
@@ -274,6 +280,7 @@ def test_direct_decode_prefills_on_decode_alone(cluster, colocated_texts):
     assert responses[-1].error is None, responses[-1].error
     assert "".join(r.text for r in responses) == colocated_texts[prompt]
     assert responses[-1].num_output_tokens == 24 or responses[-1].finish_reason == "stop"
-    assert [h.kv_manager.metrics()["chunks_total"] for h in (cluster.prefill, cluster.decode)] == chunks_before
+    assert [h.kv_manager.metrics()["chunks_total"] for h in (cluster.prefill,
+                                                             cluster.decode)] == chunks_before
     assert cluster.prefill.loop.engine.prefix_cache_stats().queries_tokens == queried_before
     assert cluster.wait_free(start) == start

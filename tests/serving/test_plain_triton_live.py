@@ -3,10 +3,10 @@ nothing started beside it and no ``PD_*`` (or ``UCX_*``) variable: only the stub
 project (the venv first on ``PATH``, the repository on ``PYTHONPATH``), as any python-backend model needs, and
 tritonserver's default gRPC keepalive policy (no ``--grpc-*`` flag).
 
-Invariants: every model of the repository loads; ``pd_ensemble`` finds the prefill and decode models of its own
-server (repository index + describe) and streams the colocated engine's greedy text, as ``colocated`` does, also
-for a request sent the moment tritonserver says ready (as a user's first request is, before the router has read
-its workers); the only processes are tritonserver and its stubs; SIGTERM stops it cleanly.
+Invariants: every model of the repository loads; ``pd_ensemble`` finds the prefill and decode models of its
+own server (repository index + describe) and streams the colocated engine's greedy text, as ``colocated``
+does, also for a request sent the moment tritonserver says ready (as a user's first request is, before the
+router has read its workers); the only processes are tritonserver and its stubs; SIGTERM stops it cleanly.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class PlainTriton:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("PD_", "UCX_", "PYTHONPATH"))}
         self.env.update(PATH=f"{venv_bin}:{os.environ['PATH']}", PYTHONPATH=str(REPO_ROOT))
         self.proc: subprocess.Popen[bytes] | None = None
-        self.first: StreamResult | None = None   # the pd_ensemble request sent the moment the server was ready
+        # the pd_ensemble request sent the moment the server was ready
+        self.first: StreamResult | None = None
 
     @property
     def grpc_url(self) -> str:
@@ -111,15 +112,16 @@ def test_plain_tritonserver_streams_the_colocated_text(plain: PlainTriton, refer
 
 def test_a_request_sent_the_moment_tritonserver_is_ready_gets_the_colocated_text(
         plain: PlainTriton, reference: dict[str, str]) -> None:
-    """Triton's readiness says the models loaded, not that the router has read its workers yet: the first request
-    waits for them (``fleet_wait_s``) instead of failing with "no healthy ... instance"."""
+    """Triton's readiness says the models loaded, not that the router has read its workers yet: the first
+    request waits for them (``fleet_wait_s``) instead of failing with "no healthy ... instance"."""
     assert plain.first is not None and plain.first.error is None and plain.first.final_seen, plain.first
     assert plain.first.text == reference[PROMPTS[0]]
 
 
 def test_nothing_runs_beside_tritonserver_and_its_stubs(plain: PlainTriton) -> None:
     assert plain.proc is not None
-    children = subprocess.run(["pgrep", "-P", str(plain.proc.pid)], capture_output=True, text=True).stdout.split()
+    children = subprocess.run(["pgrep", "-P", str(plain.proc.pid)], capture_output=True, text=True,
+                              check=False).stdout.split()
     names = {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() for pid in children}
     assert names and all(name.endswith("triton_python_backend_stub") for name in names), names
     assert metric_value(plain.metrics_url, "pd_requests_total", model="prefill", outcome="finished") >= 1
@@ -146,8 +148,9 @@ def test_each_engine_thread_alone_runs_at_the_configured_nice(plain: PlainTriton
 
 @pytest.mark.parametrize("model", ["prefill", "decode"])
 def test_a_client_calling_a_worker_model_directly_gets_a_readable_400(plain: PlainTriton, model: str) -> None:
-    """``prefill``/``decode`` are the router's: a client's own request (no ``child_schema``) lacks the bootstrap
-    room; its error is a Triton error (HTTP 400, the message as text), not the child layout's bytes."""
+    """``prefill``/``decode`` are the router's: a client's own request (no ``child_schema``) lacks the
+    bootstrap room; its error is a Triton error (HTTP 400, the message as text), not the child layout's
+    bytes."""
     import requests
 
     response = requests.post(f"http://127.0.0.1:{plain.http}/v2/models/{model}/generate",

@@ -1,5 +1,5 @@
-"""``serving.parsing.request``: every bad input is a ``RequestError`` naming its field; good inputs parse as the vLLM
-backend (and genai-perf) expect."""
+"""``serving.parsing.request``: every bad input is a ``RequestError`` naming its field; good inputs parse as
+the vLLM backend (and genai-perf) expect."""
 
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ def test_missing_prompt_is_an_error() -> None:
 
 
 def test_string_values_as_genai_perf_sends_them() -> None:
-    req = _parse(sampling_parameters=b'{"max_tokens": "32", "temperature": "0", "top_p": "0.9", "top_k": "5", '
-                                     b'"seed": "7", "ignore_eos": "true", "stop": "\\n", "stop_token_ids": ["2"]}')
+    req = _parse(sampling_parameters=b'{"max_tokens": "32", "temperature": "0", "top_p": "0.9", "top_k": '
+                                     b'"5", "seed": "7", "ignore_eos": "true", "stop": "\\n", '
+                                     b'"stop_token_ids": ["2"]}')
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (32, 0.0, 0.9, 5, 7)
     assert p.ignore_eos is True and p.stop == ("\n",) and p.stop_token_ids == (2,)

@@ -100,8 +100,10 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged_in_order_and_ot
     assert dispatcher.stop(5.0)
     assert len(behind.sent) == 1 and behind.sent[0][1] == FINAL
     merged = behind.sent[0][0]
-    assert merged.text == "".join(f"t{i} " for i in range(20)) and merged.samples[0].token_ids == tuple(range(20))
-    assert (merged.num_output_tokens, merged.samples[0].num_new_tokens, merged.num_input_tokens) == (20, 20, 3)
+    assert merged.text == "".join(f"t{i} "
+                                  for i in range(20)) and merged.samples[0].token_ids == tuple(range(20))
+    assert (merged.num_output_tokens, merged.samples[0].num_new_tokens,
+            merged.num_input_tokens) == (20, 20, 3)
     assert plain.sent == [("plain", FINAL)] and dispatcher.merged_total == 19
 
 
@@ -113,13 +115,15 @@ def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
     sender = FakeSender()
     handle = dispatcher.open(sender)
     for i in range(5):
-        dispatcher.submit_chunk(handle, ResponseChunk.single(str(i), num_output_tokens=i + 1, num_new_tokens=1),
+        dispatcher.submit_chunk(handle,
+                                ResponseChunk.single(str(i), num_output_tokens=i + 1, num_new_tokens=1),
                                 lambda c: c.text, final=i == 4)
         deadline = time.monotonic() + 2.0
         while len(sender.sent) < i + 1 and time.monotonic() < deadline:
             time.sleep(0.002)
     assert dispatcher.stop(5.0)
-    assert sender.sent == [("0", 0), ("1", 0), ("2", 0), ("3", 0), ("4", FINAL)] and dispatcher.merged_total == 0
+    assert sender.sent == [("0", 0), ("1", 0), ("2", 0), ("3", 0), ("4", FINAL)]
+    assert dispatcher.merged_total == 0
 
 
 def test_merged_chunks_join_logprobs_and_keep_each_samples_latest_counts() -> None:

@@ -38,7 +38,8 @@ class TwoServers:
         self.decode = self.decode_server("decode.log")
 
     def decode_server(self, log: str, ports: tuple[int, ...] | None = None) -> ServeScript:
-        return ServeScript("decode", self.tmp / log, env={"ROLE": "decode", "PD_REGISTRY_URL": self.registry.url},
+        return ServeScript("decode", self.tmp / log,
+                           env={"ROLE": "decode", "PD_REGISTRY_URL": self.registry.url},
                            ports=ports)
 
     def healthy_decodes(self) -> int:
@@ -96,7 +97,8 @@ def test_a_decode_server_stops_cleanly_after_its_router_was_killed(servers: TwoS
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(servers.generate, f"Story {i}:", LONG) for i in range(4)]
         deadline = time.monotonic() + 120
-        while metric_value(servers.decode.metrics_url, "pd_queue_requests", model="decode", queue="running") < 4:
+        while metric_value(servers.decode.metrics_url, "pd_queue_requests", model="decode",
+                           queue="running") < 4:
             assert time.monotonic() < deadline and not any(f.done() for f in futures)
             time.sleep(0.1)
         time.sleep(1.0)   # decoding

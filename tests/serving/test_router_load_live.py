@@ -45,7 +45,8 @@ def test_64_concurrent_streams_all_end_and_the_excess_gets_server_busy(triton_se
     url = triton_server.grpc_url
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
     with ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(lambda p: grpc_generate(url, make_inputs(p, GREEDY), model="pd_ensemble"), prompts))
+        results = list(pool.map(lambda p: grpc_generate(url, make_inputs(p, GREEDY),
+                                                        model="pd_ensemble"), prompts))
     ok = [(p, r) for p, r in zip(prompts, results) if r.error is None]
     busy = [r for r in results if r.error is not None and "server busy" in r.error]
     other = [r.error for r in results if r.error is not None and "server busy" not in r.error]
@@ -56,7 +57,8 @@ def test_64_concurrent_streams_all_end_and_the_excess_gets_server_busy(triton_se
     assert metric_value(triton_server.metrics_url, "pd_router_rejections_total", reason="busy") == len(busy)
 
 
-def test_cancels_under_load_give_every_page_back_and_the_router_keeps_serving(triton_server, reference) -> None:
+def test_cancels_under_load_give_every_page_back_and_the_router_keeps_serving(
+        triton_server, reference) -> None:
     url = triton_server.grpc_url
     params = {"max_tokens": "200", "temperature": "0", "ignore_eos": "true"}
 
@@ -72,9 +74,8 @@ def test_cancels_under_load_give_every_page_back_and_the_router_keeps_serving(tr
     deadline = time.monotonic() + 40
 
     def pools_full() -> bool:
-        return all(metric_value(metrics, "pd_kv_free_pages", model=m) == metric_value(metrics, "pd_kv_total_pages",
-                                                                                     model=m)
-                   for m in ("prefill", "decode"))
+        return all(metric_value(metrics, "pd_kv_free_pages", model=m)
+                   == metric_value(metrics, "pd_kv_total_pages", model=m) for m in ("prefill", "decode"))
     while not pools_full() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pools_full()

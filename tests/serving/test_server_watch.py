@@ -1,4 +1,5 @@
-"""ServerShutdownWatch: armed by one "live", fires once after consecutive misses, never before it was armed."""
+"""ServerShutdownWatch: armed by one "live", fires once after consecutive misses, never before it was
+armed."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def run_unload(ready_answers: list[object], misses: int = 2) -> tuple[int, int]:
         return bool(answer)
 
     watch = ServerShutdownWatch("t", "127.0.0.1:1", lambda: shutdowns.append(1), interval_s=0.001,
-                                misses=misses, is_live=lambda: True, model="decode", on_unload=lambda: unloads.append(1),
+                                misses=misses, is_live=lambda: True, model="decode",
+                                on_unload=lambda: unloads.append(1),
                                 is_model_ready=is_model_ready).start()
     done.wait(5)
     watch.stop()

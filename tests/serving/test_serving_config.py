@@ -45,7 +45,8 @@ def test_bad_parameter_is_named(params: dict[str, dict[str, str]], param: str) -
 
 
 def test_environment_overrides_registry_url_and_carries_the_fleet_secret() -> None:
-    cfg = build_worker_config({}, environ={"PD_REGISTRY_URL": "etcd://127.0.0.1:2379", "PD_FLEET_SECRET": "s3"})
+    cfg = build_worker_config({},
+                              environ={"PD_REGISTRY_URL": "etcd://127.0.0.1:2379", "PD_FLEET_SECRET": "s3"})
     assert cfg.registry_url == "etcd://127.0.0.1:2379" and cfg.fleet_secret == b"s3"
     assert "s3" not in repr(cfg)   # never logged
     assert build_worker_config({}, environ={}).registry_url == ""   # no registry by default: plain Triton
@@ -53,8 +54,10 @@ def test_environment_overrides_registry_url_and_carries_the_fleet_secret() -> No
 
 def test_kv_network_only_is_nixls_parameter_and_the_environment_overrides_it() -> None:
     assert build_worker_config({}, environ={}).kv_options == NixlOptions(network_only=False)
-    assert build_worker_config(_sv(kv_network_only="true"), environ={}).kv_options == NixlOptions(network_only=True)
-    assert build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "1"}).kv_options == NixlOptions(network_only=True)
+    assert (build_worker_config(_sv(kv_network_only="true"), environ={}).kv_options
+            == NixlOptions(network_only=True))
+    assert (build_worker_config({}, environ={"PD_KV_NETWORK_ONLY": "1"}).kv_options
+            == NixlOptions(network_only=True))
     assert build_worker_config(_sv(kv_network_only="true"), environ={"PD_KV_NETWORK_ONLY": "0"}).kv_options \
         == NixlOptions(network_only=False)
     with pytest.raises(ConfigError) as info:
@@ -92,7 +95,8 @@ def test_a_backends_options_come_from_its_own_parameters_and_others_are_ignored(
 
 
 def test_engine_config_carries_the_knobs() -> None:
-    ec = WorkerConfig(page_size=8, num_pages=10, chunk_size=64, max_num_batched_tokens=128).engine_config("decode")
+    ec = WorkerConfig(page_size=8, num_pages=10, chunk_size=64,
+                      max_num_batched_tokens=128).engine_config("decode")
     assert (ec.mode, ec.page_size, ec.num_pages, ec.chunk_size, ec.max_num_batched_tokens) == \
         ("decode", 8, 10, 64, 128)
 
@@ -102,7 +106,8 @@ def test_prefix_caching_is_on_by_default_and_a_parameter_turns_it_off() -> None:
     for text in ("false", "False", "0", "no"):
         cfg = build_worker_config(_sv(enable_prefix_caching=text), environ={})
         assert cfg.enable_prefix_caching is False and not cfg.engine_config("prefill").enable_prefix_caching
-    assert WorkerConfig().engine_config("decode").prefix_caching_active   # decode shares its cached prefix too
+    # decode shares its cached prefix too
+    assert WorkerConfig().engine_config("decode").prefix_caching_active
 
 
 def test_instance_device() -> None:
@@ -111,8 +116,10 @@ def test_instance_device() -> None:
     assert instance_device("GPU", 1) == "cuda:1" and instance_device("KIND_GPU", 0) == "cuda:0"
     assert instance_device("CPU", 0) == "cpu"
     cfg = build_worker_config(_sv(dtype="bfloat16"), environ={}, device="cuda:1")
-    assert cfg.engine_config("prefill").device == "cuda:1" and cfg.engine_config("prefill").dtype == "bfloat16"
-    assert build_worker_config(_sv(weight_quant="int8"), environ={}).engine_config("decode").weight_quant == "int8"
+    assert cfg.engine_config("prefill").device == "cuda:1"
+    assert cfg.engine_config("prefill").dtype == "bfloat16"
+    int8 = build_worker_config(_sv(weight_quant="int8"), environ={})
+    assert int8.engine_config("decode").weight_quant == "int8"
 
 
 def test_engine_nice_defaults_to_minus_10_and_is_checked() -> None:

@@ -1,5 +1,5 @@
-"""``serving.metrics``: names carry units, every series carries model/instance/pid labels, unchanged gauges are
-not re-sent."""
+"""``serving.metrics``: names carry units, every series carries model/instance/pid labels, unchanged gauges
+are not re-sent."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from serving_fakes import FakeFamily
 
 from serving.metrics import ServingMetrics
 
-
-PID = str(os.getpid())   # the ``pid`` label: no two stubs (an old and a new version of a model) share a series
+# the ``pid`` label: no two stubs (an old and a new version of a model) share a series
+PID = str(os.getpid())
 _live: list[ServingMetrics] = []   # what ``_series`` flushes before it reads
 
 
@@ -55,8 +55,8 @@ def test_gauges_and_counters(metrics: ServingMetrics) -> None:
 
 
 def test_close_destroys_every_triton_metric_now() -> None:
-    """A python-backend metric alive after ``finalize`` segfaults the stub on its way out: ``close()`` must drop
-    the last reference to every family and series at once, and later updates must not create new ones."""
+    """A python-backend metric alive after ``finalize`` segfaults the stub on its way out: ``close()`` must
+    drop the last reference to every family and series at once, and later updates must not create new ones."""
     import gc
     import weakref
 
@@ -82,8 +82,9 @@ def test_close_destroys_every_triton_metric_now() -> None:
 
 
 def test_updates_are_buffered_and_the_flusher_sends_them() -> None:
-    """``set_gauge``/``increment`` never talk to Triton on the caller's thread: the flusher thread sends a gauge's
-    last value once and a counter's summed increments, within its interval; ``close`` sends what is left."""
+    """``set_gauge``/``increment`` never talk to Triton on the caller's thread: the flusher thread sends a
+    gauge's last value once and a counter's summed increments, within its interval; ``close`` sends what is
+    left."""
     import time
 
     FakeFamily.registry.clear()
@@ -94,13 +95,15 @@ def test_updates_are_buffered_and_the_flusher_sends_them() -> None:
         metrics.request_done("finished", 2, 1)
     key = tuple(sorted({"model": "colocated", "instance": "colocated_0", "pid": PID}.items()))
     deadline = time.monotonic() + 5
-    while "pd_kv_free_pages" not in FakeFamily.registry or key not in FakeFamily.registry["pd_kv_free_pages"].series:
+    while ("pd_kv_free_pages" not in FakeFamily.registry
+           or key not in FakeFamily.registry["pd_kv_free_pages"].series):
         assert time.monotonic() < deadline, "the flusher sent nothing"
         time.sleep(0.01)
     time.sleep(0.1)
     free = FakeFamily.registry["pd_kv_free_pages"].series[key]
     assert (free.value(), free.writes) == (7, 1)
-    finished = FakeFamily.registry["pd_requests_total"].series[tuple(sorted({**dict(key), "outcome": "finished"}.items()))]
+    finished = FakeFamily.registry["pd_requests_total"].series[tuple(
+        sorted({**dict(key), "outcome": "finished"}.items()))]
     assert finished.value() == 3
     metrics.increment("pd_engine_steps_total", 4)
     metrics.close()
@@ -115,7 +118,8 @@ def test_histograms_get_vllm_buckets_and_observations() -> None:
     metrics.request_timing(0.2, 1.5, 12, 30, 0.04)
     metrics.request_timing(None, 0.1, 3, 0, None)
     metrics.flush()
-    series = {name: FakeFamily.registry[name].series[(("instance", "i"), ("model", "m"), ("pid", PID))] for name in _HISTOGRAMS}
+    labels = (("instance", "i"), ("model", "m"), ("pid", PID))
+    series = {name: FakeFamily.registry[name].series[labels] for name in _HISTOGRAMS}
     assert series["pd_time_to_first_token_seconds"].observations == [0.2]
     assert series["pd_time_per_output_token_seconds"].observations == [0.04]
     assert series["pd_e2e_request_latency_seconds"].observations == [1.5, 0.1]
@@ -131,8 +135,8 @@ def test_loop_hook_publishes_prefix_cache_deltas(metrics: ServingMetrics) -> Non
     from serving_fakes import FakeEngine
 
     from engine.prefix_cache import PrefixCacheStats
-    from serving.workers.engine_loop import EngineLoop
     from serving.metrics import LoopMetricsHook
+    from serving.workers.engine_loop import EngineLoop
 
     snapshots = iter([PrefixCacheStats(100, 32, 4, 2), PrefixCacheStats(150, 80, 6, 6)])
     loop = EngineLoop(FakeEngine(), name="hook-test", idle_wait_s=0.02)   # never started: stats() only

@@ -1,11 +1,11 @@
 """Structured outputs live, on pd_ensemble (PD over NIXL) and colocated in one tritonserver.
 
 Invariants: vLLM's ``structured_outputs`` / ``guided_decoding`` objects in ``sampling_parameters`` hold every
-output to its constraint (JSON schemas with nested objects, enums, arrays, bounded numbers and required fields,
-validated with ``jsonschema``; regex full match; choice membership; an EBNF grammar); pd_ensemble's text equals
-colocated's under each constraint, greedy and seeded (the first token is sampled on prefill under the grammar and
-replayed into decode's grammar state); a schema that cannot compile fails its own request with an error naming the
-field, while another request streams on undisturbed.
+output to its constraint (JSON schemas with nested objects, enums, arrays, bounded numbers and required
+fields, validated with ``jsonschema``; regex full match; choice membership; an EBNF grammar); pd_ensemble's
+text equals colocated's under each constraint, greedy and seeded (the first token is sampled on prefill under
+the grammar and replayed into decode's grammar state); a schema that cannot compile fails its own request with
+an error naming the field, while another request streams on undisturbed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ ORDER = {
     "required": ["customer", "items", "total"],
 }
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                         "population_millions": {"type": "number", "minimum": 0, "maximum": 50},
+                                         "population_millions": {
+                                             "type": "number", "minimum": 0, "maximum": 50},
                                          "country": {"type": "string", "enum": ["France", "Spain", "Italy"]}},
         "required": ["city", "population_millions", "country"]}
 CASES: list[tuple[str, dict[str, Any], str]] = [

@@ -16,8 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from serving.triton.stub_guardian import (FINALIZE, GuardedStub, PipeState, heal, process_alive, ready_line,
-                                         stub_ended_on_purpose)
+from serving.triton.stub_guardian import (
+    FINALIZE,
+    GuardedStub,
+    PipeState,
+    heal,
+    process_alive,
+    ready_line,
+    stub_ended_on_purpose,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = GuardedStub("prefill", "127.0.0.1:1", server_pid=os.getpid(), stub_pid=1)

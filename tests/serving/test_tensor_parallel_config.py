@@ -45,6 +45,7 @@ def test_prefill_and_decode_refuse_more_than_one_rank_on_a_gpu_by_name(role: str
 def test_a_size_that_does_not_fit_the_heads_fails_the_load_naming_it(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     from perf.tiny_model import TINY_SHAPE, build_random_llama
+
     from serving.workers.colocated import ColocatedWorker
 
     folder = build_random_llama(tmp_path / "tiny", 0, TINY_SHAPE, "tp-config")   # 2 heads, 1 KV head

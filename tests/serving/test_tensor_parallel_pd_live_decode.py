@@ -8,8 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel_pd_live import (TRITON_MODELS, check_streams_equal_colocated_tp1,  # noqa: F401
-                                          repository_with_ranks)
+from test_tensor_parallel_pd_live import (  # noqa: F401
+    TRITON_MODELS,
+    check_streams_equal_colocated_tp1,
+    repository_with_ranks,
+)
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
 # TRITON_MODELS above: read by the triton_server fixture

@@ -1,5 +1,6 @@
 """model.py files defer the serving code to ``initialize``: importing one (what the python backend's
-auto-complete stub does at every load) loads neither torch nor the rest of ``serving`` (only ``serving.triton.entry`` and its packages, whose ``__init__`` holds a docstring); the deferred model
+auto-complete stub does at every load) loads neither torch nor the rest of ``serving`` (only
+``serving.triton.entry`` and its packages, whose ``__init__`` holds a docstring); the deferred model
 imports its class, sets its attributes and delegates."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def test_importing_a_model_py_loads_no_torch_and_no_serving_code(model: str) -> 
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'nixl', 'engine')"
             " or (m.startswith('serving.') and m not in ('serving.triton', 'serving.triton.entry')));"
             "print(heavy); sys.exit(1 if heavy else 0)")
-    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "model_repository" / model / "1" / "model.py")],
+    proc = subprocess.run([sys.executable, "-c", code,
+                           str(ROOT / "model_repository" / model / "1" / "model.py")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -45,7 +47,8 @@ class FakeGuard:
         self.calls.append(("guard stop", None))
 
 
-def test_the_deferred_model_imports_its_class_in_initialize_and_delegates(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_deferred_model_imports_its_class_in_initialize_and_delegates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The stub's guardian starts before the real class is imported (it watches tritonserver while the model
     loads), is handed to the real class, and is stopped after its ``finalize``."""
     import serving.triton.stub_guard as stub_guard

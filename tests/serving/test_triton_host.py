@@ -65,7 +65,8 @@ def log(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
             return True
 
     pb = types.SimpleNamespace(MetricFamily=object, TritonModelException=RuntimeError,
-                               using_decoupled_model_transaction_policy=lambda config: config.get("decoupled", False))
+                               using_decoupled_model_transaction_policy=lambda config: config.get(
+                                   "decoupled", False))
     monkeypatch.setattr(host_module, "pb_utils", lambda: pb)
     monkeypatch.setattr(host_module, "ServingMetrics", Metrics)
     monkeypatch.setattr(host_module, "new_dispatcher", lambda name: Dispatcher())

@@ -1,4 +1,5 @@
-"""``serving.triton.io``: numpy halves of the tensor conversions (the pb_utils halves run in the live test)."""
+"""``serving.triton.io``: numpy halves of the tensor conversions (the pb_utils halves run in the live
+test)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 
 from engine.outputs import TokenLogprob
+from serving.parsing.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
 from serving.parsing.request import OutputOptions, RequestError, parse_request
 from serving.stream import Delta, ResponseChunk
-from serving.parsing.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
 from serving.triton.io import logprobs_json, response_arrays, scalars_from_arrays
 
 ALL = OutputOptions(True, True, True, True, True, True)
@@ -49,7 +50,8 @@ def test_response_arrays_hold_only_what_was_asked() -> None:
     assert arrays["text_output"].dtype == np.object_ and arrays["text_output"][0].decode() == "héllo"
     arrays = response_arrays(chunk, ALL)
     assert arrays["finish_reason"].tolist() == [b"stop"]
-    assert arrays["cumulative_logprob"].dtype == np.float32 and arrays["cumulative_logprob"].tolist() == [-1.5]
+    assert arrays["cumulative_logprob"].dtype == np.float32
+    assert arrays["cumulative_logprob"].tolist() == [-1.5]
     assert arrays["num_input_tokens"].dtype == np.uint32 and arrays["num_input_tokens"].tolist() == [7]
     assert arrays["num_output_tokens"].dtype == np.uint32 and arrays["num_output_tokens"].tolist() == [2]
     assert arrays["logprobs"].tolist() == [b"null"]
@@ -59,7 +61,8 @@ def test_response_arrays_hold_only_what_was_asked() -> None:
 
 
 def test_num_cached_tokens_is_per_sample_uint32_and_only_when_asked() -> None:
-    chunk = ResponseChunk((Delta("a", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1, num_cached_tokens=32),
+    chunk = ResponseChunk((Delta("a", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1,
+                                 num_cached_tokens=32),
                            Delta("", num_input_tokens=40)))
     assert "num_cached_tokens" not in response_arrays(chunk, OutputOptions(num_input_tokens=True))
     arrays = response_arrays(chunk, OutputOptions(num_cached_tokens=True))
@@ -106,8 +109,10 @@ def test_child_layout_round_trips_logprobs() -> None:
 
 def test_parameters_stand_in_for_sampling_parameters() -> None:
     req = parse_request({"text_input": b"x"}, {"max_tokens": "5", "temperature": 0, "triton_enable_x": True})
-    assert req.params.max_tokens == 5 and req.params.temperature == 0.0 and "triton_enable_x" not in req.sampling
-    tensor = parse_request({"text_input": b"x", "sampling_parameters": b'{"max_tokens": 3}'}, {"max_tokens": 9})
+    assert req.params.max_tokens == 5 and req.params.temperature == 0.0
+    assert "triton_enable_x" not in req.sampling
+    tensor = parse_request({"text_input": b"x", "sampling_parameters": b'{"max_tokens": 3}'},
+                           {"max_tokens": 9})
     assert tensor.params.max_tokens == 3
     with pytest.raises(RequestError, match="sampling_parameters.bogus"):
         parse_request({"text_input": b"x"}, {"bogus": 1})
@@ -132,4 +137,5 @@ def test_child_token_ids_round_trip_as_int32_and_resume_ids_travel_to_decode_onl
     call = ChildCall("decode", target, 5, "", "", {"text_input": "hi"}, resume_token_ids=(4, 5, 6))
     sent = child_arrays(call)
     assert sent["resume_token_ids"].dtype == np.int32 and sent["resume_token_ids"].tolist() == [4, 5, 6]
-    assert "resume_token_ids" not in child_arrays(ChildCall("decode", target, 5, "", "", {"text_input": "hi"}))
+    assert "resume_token_ids" not in child_arrays(ChildCall("decode", target, 5, "", "",
+                                                            {"text_input": "hi"}))

@@ -1,13 +1,13 @@
-"""``WorkerEndpoint`` with the router's own ``EndpointLauncher``: the child protocol in child frames over a worker's
-own endpoint.
+"""``WorkerEndpoint`` with the router's own ``EndpointLauncher``: the child protocol in child frames over a
+worker's own endpoint.
 
-The worker here is a scripted ``ChildWorker`` (it answers from its own thread, as an engine loop does); the live
-PD tests run the real workers behind it. Invariants: the router reads exactly what the worker sent (text, ids,
-counts, errors with their kind) and one FINAL; a stream that fell behind arrives merged, nothing lost; closing the
-stream early cancels the worker's request and only it, on a connection other streams share; a bad or malformed
-request, another model's name or a missing fleet signature ends that stream with one error and nothing else; a
-connection that breaks fails its streams with ``ChildUnavailable`` and cancels them on the worker, and the next
-call reconnects; a peer that does not speak child frames is closed out.
+The worker here is a scripted ``ChildWorker`` (it answers from its own thread, as an engine loop does); the
+live PD tests run the real workers behind it. Invariants: the router reads exactly what the worker sent (text,
+ids, counts, errors with their kind) and one FINAL; a stream that fell behind arrives merged, nothing lost;
+closing the stream early cancels the worker's request and only it, on a connection other streams share; a bad
+or malformed request, another model's name or a missing fleet signature ends that stream with one error and
+nothing else; a connection that breaks fails its streams with ``ChildUnavailable`` and cancels them on the
+worker, and the next call reconnects; a peer that does not speak child frames is closed out.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def slow_until_cancelled(cancelled: threading.Event) -> Callable[[PDRequest, Res
     ``cancelled``)."""
     def script(pd: PDRequest, sink: ResponseSink) -> None:
         if pd.room == 2:   # the call after the break
-            sink.send(ResponseChunk.single(text="again", finish_reason="stop", num_output_tokens=1), final=True)
+            sink.send(ResponseChunk.single(text="again", finish_reason="stop",
+                                           num_output_tokens=1), final=True)
             return
         for i in range(500):
             if sink.is_cancelled():
@@ -139,14 +140,16 @@ def test_the_router_reads_what_the_worker_sent_and_one_final() -> None:
     assert out[-1].finish_reason == "length" and out[-1].num_output_tokens == 20
     assert all(d.num_input_tokens == 5 for d in out)
     pd = worker.requests[0]
-    assert (pd.room, pd.prompt_token_ids, pd.tokenizer_id, pd.request.prompt) == (7, (1, 2, 3), "tok", "Hello")
+    assert (pd.room, pd.prompt_token_ids, pd.tokenizer_id,
+            pd.request.prompt) == (7, (1, 2, 3), "tok", "Hello")
     assert pd.request.params.max_tokens == 16
 
 
 def test_a_stream_that_fell_behind_arrives_merged_with_nothing_lost() -> None:
     def burst(pd: PDRequest, sink: ResponseSink) -> None:
         for i in range(200):   # no pause: the endpoint's loop drains several at once
-            sink.send(ResponseChunk.single(text=f"{i},", num_output_tokens=i + 1, token_ids=(i,)), final=False)
+            sink.send(ResponseChunk.single(text=f"{i},", num_output_tokens=i + 1, token_ids=(i,)),
+                      final=False)
         sink.send(ResponseChunk.single(finish_reason="stop", num_output_tokens=200), final=True)
 
     out = run(ScriptedWorker(burst), lambda ep: collect(EndpointLauncher(), call_for(ep)))
@@ -216,7 +219,8 @@ def test_a_bad_request_another_model_or_no_signature_fails_that_stream_only() ->
 def test_request_arrays_read_back_what_the_router_encodes() -> None:
     target = Target("decode@x", "decode", "127.0.0.1:1", "decode")
     call = ChildCall("decode", target, room=2**40, prefill_instance="prefill@h:1",
-                     prefill_rendezvous="http://h:2", inputs={"text_input": "héllo", "apply_chat_template": True},
+                     prefill_rendezvous="http://h:2",
+                     inputs={"text_input": "héllo", "apply_chat_template": True},
                      prompt_token_ids=(5, 6), tokenizer_id="tok")
     decoded = request_arrays(child_request(call))
     for name, array in child_arrays(call).items():
@@ -263,7 +267,7 @@ def test_a_port_in_use_fails_the_bind_and_leaves_no_thread() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         before = {t.name for t in threading.enumerate()}
-        with pytest.raises(Exception):
+        with pytest.raises(OSError):   # EADDRINUSE from the listener's bind
             WorkerEndpoint("127.0.0.1", taken.getsockname()[1], "decode").bind()
         time.sleep(0.2)
         assert not [t.name for t in threading.enumerate() if t.name.startswith("worker-endpoint")
@@ -358,7 +362,8 @@ def test_a_peer_without_the_preamble_or_with_a_malformed_open_is_refused_and_oth
         result = response.infer_response
         assert (kind, stream_id) == (FrameKind.RESPONSE, 1)
         assert result.parameters["triton_final_response"].bool_param
-        errors = [bytes(result.raw_output_contents[i]) for i, o in enumerate(result.outputs) if o.name == "error"]
+        errors = [bytes(result.raw_output_contents[i]) for i,
+                  o in enumerate(result.outputs) if o.name == "error"]
         assert errors and b"malformed child request" in errors[0]
         writer.close()
         launcher = EndpointLauncher()
@@ -432,18 +437,22 @@ def test_a_router_that_stops_reading_gets_every_stream_merged_and_whole_and_othe
         deltas: dict[int, list[Delta]] = {sid: [] for sid in streams}
         while not all(d and d[-1].final for d in deltas.values()):
             kind, sid, payload = await asyncio.wait_for(read_frame(reader), 20)
-            assert kind is FrameKind.RESPONSE and sid in streams and not (deltas[sid] and deltas[sid][-1].final)
-            deltas[sid].append(_response_delta(call, service_pb2.ModelStreamInferResponse.FromString(payload)))
+            assert kind is FrameKind.RESPONSE and sid in streams and not (
+                deltas[sid] and deltas[sid][-1].final)
+            deltas[sid].append(_response_delta(call,
+                                               service_pb2.ModelStreamInferResponse.FromString(payload)))
         for sid in streams:
             assert "".join(d.text for d in deltas[sid]) == expected
-            assert [d.final for d in deltas[sid]].count(True) == 1 and deltas[sid][-1].finish_reason == "length"
+            assert [d.final
+                    for d in deltas[sid]].count(True) == 1 and deltas[sid][-1].finish_reason == "length"
             assert len(deltas[sid]) < 600
         writer.close()
 
     run(ScriptedWorker(big), scenario)
 
 
-# -- the push path (``EndpointLauncher.push``, what ``ChildStreams`` uses): the same stream, no task per child --
+# -- the push path (``EndpointLauncher.push``, what ``ChildStreams`` uses): the same stream, no task per child
+# --
 
 async def pushed(launcher: EndpointLauncher, call: ChildCall) -> list[Delta]:
     out: list[Delta] = []
@@ -516,7 +525,8 @@ def test_push_to_an_unreachable_endpoint_fails_at_once() -> None:
         launcher = EndpointLauncher(connect_timeout_s=2.0)
         target = Target("decode@x", "decode", f"127.0.0.1:{port}", "decode", worker_endpoint=True)
         started = time.monotonic()
-        out = await pushed(launcher, ChildCall("decode", target, room=1, prefill_instance="", prefill_rendezvous=""))
+        out = await pushed(launcher,
+                           ChildCall("decode", target, room=1, prefill_instance="", prefill_rendezvous=""))
         assert time.monotonic() - started < 2.0
         assert len(out) == 1 and out[0].final and out[0].error_kind is ErrorKind.UNREACHABLE
         assert "unreachable: cannot connect" in (out[0].error or "")

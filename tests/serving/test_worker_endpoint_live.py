@@ -1,12 +1,12 @@
-"""The router reaches the workers at their own gRPC endpoints (``serving.workers.endpoint``), past tritonserver,
-by default (``worker_endpoints`` true), and through tritonserver when told to, in one server: ``pd_ensemble`` (the
-default: the endpoints) and ``pd_triton`` (a copy of it with ``worker_endpoints`` false) in front of the same
-``prefill`` and ``decode``.
+"""The router reaches the workers at their own gRPC endpoints (``serving.workers.endpoint``), past
+tritonserver, by default (``worker_endpoints`` true), and through tritonserver when told to, in one server:
+``pd_ensemble`` (the default: the endpoints) and ``pd_triton`` (a copy of it with ``worker_endpoints`` false)
+in front of the same ``prefill`` and ``decode``.
 
-Invariants: both routers stream the colocated engine's greedy text; requests through ``pd_ensemble`` never enter
-the workers' Triton models (Triton's own statistics count only the routers' ``describe`` calls there) while the
-workers finish every one of them (their ``pd_requests_total``); requests through ``pd_triton`` enter both
-Triton models once each; every page comes back.
+Invariants: both routers stream the colocated engine's greedy text; requests through ``pd_ensemble`` never
+enter the workers' Triton models (Triton's own statistics count only the routers' ``describe`` calls there)
+while the workers finish every one of them (their ``pd_requests_total``); requests through ``pd_triton`` enter
+both Triton models once each; every page comes back.
 """
 
 from __future__ import annotations
@@ -57,13 +57,15 @@ def finished(url: str) -> dict[str, float]:
     return {m: value(m, i) for m, i in WORKERS}
 
 
-def test_the_router_uses_the_worker_endpoints_and_tritonserver_when_told(triton_server, reference) -> None:  # noqa: F811
+def test_the_router_uses_the_worker_endpoints_and_tritonserver_when_told(
+        triton_server, reference) -> None:  # noqa: F811
     url, http = triton_server.metrics_url, triton_server.http_url
     before_triton = {m: triton_executions(http, m) for m, _ in WORKERS}
     before_done = finished(url)
     for router in ("pd_ensemble", "pd_triton"):
-        streams_match_reference(lambda p, r=router: grpc_generate(triton_server.grpc_url, make_inputs(p, GREEDY),
-                                                                  model=r), PROMPTS, reference)
+        streams_match_reference(lambda p,
+                                r=router: grpc_generate(triton_server.grpc_url, make_inputs(p, GREEDY),
+                                                        model=r), PROMPTS, reference)
         deadline = time.monotonic() + 10   # the workers publish their counters on their loop's ticks
         done = finished(url)
         while any(done[m] - before_done[m] < len(PROMPTS) for m in done) and time.monotonic() < deadline:
@@ -72,7 +74,8 @@ def test_the_router_uses_the_worker_endpoints_and_tritonserver_when_told(triton_
         entered = {m: triton_executions(http, m) - before_triton[m] for m, _ in WORKERS}
         for model, _ in WORKERS:
             assert done[model] - before_done[model] == len(PROMPTS), (router, model, done, before_done)
-            if router == "pd_ensemble":   # only describe calls (a few per router start) entered Triton's models
+            # only describe calls (a few per router start) entered Triton's models
+            if router == "pd_ensemble":
                 assert entered[model] < len(PROMPTS), (model, entered)
             else:
                 assert entered[model] >= len(PROMPTS), (model, entered)

@@ -1,6 +1,6 @@
-"""2P2D on one tritonserver: two prefill models (``prefill``, ``prefill_1``) and two decode models (``decode``,
-``decode_1``), behind one ``pd_ensemble`` that finds them in its own server's repository index (no static list) and pairs
-them round robin.
+"""2P2D on one tritonserver: two prefill models (``prefill``, ``prefill_1``) and two decode models
+(``decode``, ``decode_1``), behind one ``pd_ensemble`` that finds them in its own server's repository index
+(no static list) and pairs them round robin.
 
 Invariants: every request streams the colocated engine's greedy text whichever pair served it; both prefill
 models and both decode models served requests; afterwards every pool is back at its size.
@@ -28,7 +28,8 @@ def make_model_repository(tmp_dir: Path) -> Path:
     for role in ("prefill", "decode"):
         shutil.copytree(REPOSITORY / role, tmp_dir / f"{role}_1")
         _edit(tmp_dir / f"{role}_1" / "config.pbtxt", f'name: "{role}"', f'name: "{role}_1"')
-    _edit(tmp_dir / "pd_ensemble" / "config.pbtxt", 'string_value: "cache_aware"', 'string_value: "round_robin"')
+    _edit(tmp_dir / "pd_ensemble" / "config.pbtxt", 'string_value: "cache_aware"',
+          'string_value: "round_robin"')
     return tmp_dir
 
 

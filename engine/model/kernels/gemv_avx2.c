@@ -38,7 +38,7 @@ static inline float bf16_to_f32(uint16_t v) {
 #define ROWS 4
 /* How far ahead each weight row is prefetched: the same row of the next block of ROWS rows. Without it the
  * int8 loop ran at ~4-6 GB/s (the hardware prefetcher does not follow four short interleaved rows far enough
- * ahead); with it ~9 GB/s, as fast as bf16's (docs/benchmarks.md, "Weight formats"). */
+ * ahead); with it ~9 GB/s, as fast as bf16's. */
 #define PREFETCH_ROWS ROWS
 
 /* Defines gemv_<name>(x, w, scale, y, M, N, K): LOAD8 reads 8 weights as floats, LOAD1 one weight. The inner

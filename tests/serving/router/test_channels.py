@@ -1,5 +1,6 @@
-"""GrpcLauncher over ChannelPool: a server that was down and then started on the same port is reached on the very
-next call (no reconnect backoff left over), with a minimal gRPC server speaking Triton's streaming service."""
+"""GrpcLauncher over ChannelPool: a server that was down and then started on the same port is reached on the
+very next call (no reconnect backoff left over), with a minimal gRPC server speaking Triton's streaming
+service."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def free_port() -> int:
 class FinalOnly(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Triton's ``ModelStreamInfer`` answering each request with one empty FINAL response."""
 
-    async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:  # noqa: N802
+    async def ModelStreamInfer(self, requests: AsyncIterator[Any],
+                               context: Any) -> AsyncIterator[Any]:  # noqa: N802
         from tritonclient.grpc import service_pb2
 
         async for request in requests:
@@ -53,7 +55,8 @@ def test_a_restarted_server_is_reached_on_the_first_call_after_a_failed_one() ->
     async def scenario() -> None:
         port = free_port()
         launcher = GrpcLauncher()
-        for _ in range(3):   # the server is down: each call fails at once, growing a backoff on an old channel
+        # the server is down: each call fails at once, growing a backoff on an old channel
+        for _ in range(3):
             with pytest.raises(ChildUnavailable, match="UNAVAILABLE"):
                 await one_call(launcher, port)
         server = await start_server(port)

@@ -1,6 +1,6 @@
-"""A worker whose model is being unloaded (``InstanceStatus.draining``): routers stop pairing it, keep it known
-while its streams run on, and ask its model again so that a reload's successor (same instance id, new epoch,
-its own rendezvous) takes its place within a refresh. Against real rendezvous servers on loopback."""
+"""A worker whose model is being unloaded (``InstanceStatus.draining``): routers stop pairing it, keep it
+known while its streams run on, and ask its model again so that a reload's successor (same instance id, new
+epoch, its own rendezvous) takes its place within a refresh. Against real rendezvous servers on loopback."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from serving.router.fleet import Fleet, FleetWatcher
 
 
 def test_a_draining_instance_is_never_a_candidate_but_stays_responsive() -> None:
-    fleet = fleet_of(status("p0", "prefill"), replace(status("d0", "decode"), draining=True), status("d1", "decode"))
+    fleet = fleet_of(status("p0", "prefill"), replace(status("d0", "decode"), draining=True),
+                     status("d1", "decode"))
     assert [c.target.instance_id for c in fleet.candidates("decode")] == ["d1"]
     assert fleet.responsive("d0")   # its streams in flight are not given up for silence
     assert fleet.health()["decode"] == {"d0": False, "d1": True}
@@ -67,7 +68,8 @@ def test_a_reload_successor_replaces_a_draining_instance_within_a_refresh(
     try:
         source.members_now = [FleetMember("decode@s:1", "decode", "127.0.0.1:1", "decode", old.url, 1)]
         watcher.refresh()
-        assert [(c.target.instance_id, c.target.epoch) for c in fleet.candidates("decode")] == [("decode@s:1", 1)]
+        assert [(c.target.instance_id,
+                 c.target.epoch) for c in fleet.candidates("decode")] == [("decode@s:1", 1)]
         assert source.forgotten == []
 
         assert old.set_draining("decode@s:1", 1)   # the old version's finalize: its model is being unloaded
@@ -78,7 +80,8 @@ def test_a_reload_successor_replaces_a_draining_instance_within_a_refresh(
         # asked again, the server's model answers with its successor's card: the same id, a new epoch
         source.members_now = [FleetMember("decode@s:1", "decode", "127.0.0.1:1", "decode", new.url, 2)]
         watcher.refresh()
-        assert [(c.target.instance_id, c.target.epoch) for c in fleet.candidates("decode")] == [("decode@s:1", 2)]
+        assert [(c.target.instance_id,
+                 c.target.epoch) for c in fleet.candidates("decode")] == [("decode@s:1", 2)]
         assert fleet.epochs() == {"decode@s:1": 2}
     finally:
         watcher.stop()

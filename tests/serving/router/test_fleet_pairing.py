@@ -11,8 +11,14 @@ from router_fakes import fleet_of, status
 from serving.router.admission import Admission, ServerBusy
 from serving.router.config import RouterConfig
 from serving.router.fleet import FleetSnapshot
-from serving.router.pairing import (CacheAwarePairing, Demand, LoadAwarePairing, NoInstance, PrefixIndex,
-                                    RoundRobinPairing)
+from serving.router.pairing import (
+    CacheAwarePairing,
+    Demand,
+    LoadAwarePairing,
+    NoInstance,
+    PrefixIndex,
+    RoundRobinPairing,
+)
 
 
 def ids(candidates) -> list[str]:
@@ -59,13 +65,15 @@ def test_a_restarted_instance_gets_a_fresh_breaker() -> None:
     fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), config=config)
     fleet.record(fleet.candidates("prefill")[0].target, ok=False)
     assert ids(fleet.candidates("prefill")) == ["p1@h:1"]
-    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", epoch=2), status("p1@h:1", "prefill")), taken_s=100.0))
+    fleet.update(FleetSnapshot((status("p0@h:1", "prefill", epoch=2), status("p1@h:1", "prefill")),
+                               taken_s=100.0))
     assert ids(fleet.candidates("prefill")) == ["p0@h:1", "p1@h:1"]
 
 
 def test_a_static_list_restricts_the_fleet_to_its_entries() -> None:
     config = RouterConfig(grpc_url="127.0.0.1:8001", prefill_models="prefill_1")
-    fleet = fleet_of(status("prefill@127.0.0.1:8001", "prefill"), status("prefill_1@127.0.0.1:8001", "prefill"),
+    fleet = fleet_of(status("prefill@127.0.0.1:8001", "prefill"),
+                     status("prefill_1@127.0.0.1:8001", "prefill"),
                      config=config)
     assert ids(fleet.candidates("prefill")) == ["prefill_1@127.0.0.1:8001"]
 
@@ -93,9 +101,11 @@ def test_an_assignment_stops_counting_when_its_request_ended_before_the_next_rep
 
 def test_a_request_that_ended_after_the_last_report_leaves_that_report_until_a_newer_one() -> None:
     """The report was taken while the request was queued (prefill) or held its pages (decode); it ended after:
-    its tokens leave the queue and its pages come back (floored, capped) until a report taken after the end."""
+    its tokens leave the queue and its pages come back (floored, capped) until a report taken after the
+    end."""
     clock = [100.0]
-    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=500), status("d0@h:1", "decode", free_pages=60),
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=500),
+                     status("d0@h:1", "decode", free_pages=60),
                      now=lambda: clock[0])
     prefill, decode = fleet.candidates("prefill")[0].target, fleet.candidates("decode")[0].target
     clock[0] = 99.0   # both were assigned before the report (taken at 100.0), which counts them
@@ -106,7 +116,8 @@ def test_a_request_that_ended_after_the_last_report_leaves_that_report_until_a_n
     fleet.note_finished(decode, 500, 640)
     assert fleet.candidates("prefill")[0].queued_prompt_tokens == 0
     assert fleet.candidates("decode")[0].free_pages == 100            # 60 + 40 pages, at most the pool's 100
-    fleet.note_finished(prefill, 500, 500)                               # a second end of the same size: floored
+    # a second end of the same size: floored
+    fleet.note_finished(prefill, 500, 500)
     assert fleet.candidates("prefill")[0].queued_prompt_tokens == 0
     fleet.update(FleetSnapshot((status("p0@h:1", "prefill", queued_tokens=300),
                                 status("d0@h:1", "decode", free_pages=70)), taken_s=101.0))
@@ -125,31 +136,39 @@ def test_an_end_on_a_restarted_instance_does_not_correct_the_new_one() -> None:
 
 
 def test_cache_aware_sends_the_next_turn_back_while_the_report_still_counts_the_last_one() -> None:
-    """The live failure this guards: turn k's prefill was in p0's last report; turn k+1 came before the next."""
+    """The live failure this guards: turn k's prefill was in p0's last report; turn k+1 came before the
+    next."""
     clock = [100.0]
     fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"),
                      now=lambda: clock[0])
     policy = CacheAwarePairing()
     turn = list(range(1, 513))
-    first = policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(len(turn), 16, tuple(turn)))
+    first = policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"),
+                          Demand(len(turn), 16, tuple(turn)))
     assert first.prefill is not None
     clock[0] = 100.2
     fleet.note_assigned(first.prefill, len(turn), len(turn))
     fleet.update(FleetSnapshot((status(first.prefill.instance_id, "prefill", queued_tokens=900),
-                                status("p0@h:1" if first.prefill.instance_id == "p1@h:1" else "p1@h:1", "prefill"),
+                                status(
+                                    "p0@h:1"
+                                        if first.prefill.instance_id == "p1@h:1" else "p1@h:1", "prefill"),
                                 status("d0@h:1", "decode")), taken_s=100.3))
     clock[0] = 100.6
     fleet.note_finished(first.prefill, len(turn), len(turn))
     turn += list(range(600, 620))
-    second = policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(len(turn), 16, tuple(turn)))
+    second = policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"),
+                           Demand(len(turn), 16, tuple(turn)))
     assert second.prefill == first.prefill
 
 
 def test_load_aware_picks_least_queued_prefill_and_roomiest_decode_that_fits() -> None:
-    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900), status("p1@h:1", "prefill", queued_tokens=10),
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900),
+                     status("p1@h:1", "prefill", queued_tokens=10),
                      status("d0@h:1", "decode", free_pages=40), status("d1@h:1", "decode", free_pages=30))
-    pair = LoadAwarePairing().choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(100, 100))
-    assert pair.prefill is not None and pair.prefill.instance_id == "p1@h:1" and pair.decode.instance_id == "d0@h:1"
+    pair = LoadAwarePairing().choose(fleet.candidates("prefill"), fleet.candidates("decode"),
+                                     Demand(100, 100))
+    assert pair.prefill is not None and pair.prefill.instance_id == "p1@h:1"
+    assert pair.decode.instance_id == "d0@h:1"
 
 
 def test_load_aware_spreads_an_idle_fleet() -> None:
@@ -165,9 +184,10 @@ def test_load_aware_spreads_an_idle_fleet() -> None:
 def test_round_robin_cycles_and_direct_decode_skips_prefill() -> None:
     fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
     policy = RoundRobinPairing(direct_decode_max_tokens=32)
-    long = [policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(64, 8)) for _ in range(4)]
+    prefills, decodes = fleet.candidates("prefill"), fleet.candidates("decode")
+    long = [policy.choose(prefills, decodes, Demand(64, 8)) for _ in range(4)]
     assert [p.prefill.instance_id for p in long if p.prefill] == ["p0@h:1", "p1@h:1", "p0@h:1", "p1@h:1"]
-    assert policy.choose(fleet.candidates("prefill"), fleet.candidates("decode"), Demand(8, 8)).prefill is None
+    assert policy.choose(prefills, decodes, Demand(8, 8)).prefill is None
 
 
 def prompt(shared: int, own: int, seed: int) -> Demand:
@@ -226,7 +246,8 @@ def test_cache_aware_decode_counts_hit_pages_as_free_and_memory_still_decides() 
 
 
 def test_cache_aware_without_token_ids_is_load_aware() -> None:
-    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900), status("p1@h:1", "prefill", queued_tokens=10),
+    fleet = fleet_of(status("p0@h:1", "prefill", queued_tokens=900),
+                     status("p1@h:1", "prefill", queued_tokens=10),
                      status("d0@h:1", "decode", free_pages=40), status("d1@h:1", "decode", free_pages=30))
     pair = choose(CacheAwarePairing(), fleet, Demand(100, 100))
     assert pair.prefill.instance_id == "p1@h:1" and pair.decode.instance_id == "d0@h:1"
@@ -236,7 +257,8 @@ def test_prefix_index_is_bounded_matches_from_the_first_page_and_forgets_a_resta
     from serving.router.fleet import Target
 
     index = PrefixIndex(max_pages_per_instance=3)
-    t, restarted = Target("d0@h:1", "decode", "h:1", "d0", epoch=1), Target("d0@h:1", "decode", "h:1", "d0", 2)
+    t = Target("d0@h:1", "decode", "h:1", "d0", epoch=1)
+    restarted = Target("d0@h:1", "decode", "h:1", "d0", 2)
     keys = prompt(0, 5 * 16 + 1, 0).cacheable_page_keys(16)
     assert len(keys) == 5   # 81 tokens: 5 full pages, all shareable (the last token is on page 6)
     index.record(t, keys[:2])

@@ -28,7 +28,8 @@ def tok(text: str, n: int, ids: tuple[int, ...], cum: float, final: bool = False
 
 
 PREFILL = [(0.0, tok("A", 1, (10,), -0.5)), (0.0, Delta(final=True))]
-DIES_AFTER_3 = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (0.0, unavailable("d down"))]
+DIES_AFTER_3 = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)),
+                (0.0, unavailable("d down"))]
 # a resumed child counts the resumed tokens in num_output_tokens and as 0.0 in cumulative_logprob
 RESUMED_AFTER_3 = [(0.0, tok("D", 4, (13,), -0.5)), (0.0, tok("E", 5, (14,), -1.0, True, "length"))]
 
@@ -37,9 +38,10 @@ def logprob_ids(out) -> list[int]:
     return [lp.token_id for c in out for lp in (c.logprobs or ())]
 
 
-def test_a_decode_that_dies_after_three_tokens_is_resumed_elsewhere_and_the_client_sees_each_token_once() -> None:
-    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": DIES_AFTER_3, "d1@h:1": DIES_AFTER_3,
-                                                                   "d2@h:1": DIES_AFTER_3},
+def test_a_decode_that_dies_after_three_tokens_is_resumed_elsewhere_and_the_client_sees_each_token_once() -> None:  # noqa: E501 - the name states the invariant
+    launcher = ScriptedLauncher({"prefill": PREFILL},
+                                by_instance={"d0@h:1": DIES_AFTER_3, "d1@h:1": DIES_AFTER_3,
+                                             "d2@h:1": DIES_AFTER_3},
                                 resumed=[RESUMED_AFTER_3])
     out, _ = run(launcher, fleet=fleet_of(*FLEET))
     assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
@@ -48,14 +50,16 @@ def test_a_decode_that_dies_after_three_tokens_is_resumed_elsewhere_and_the_clie
     assert logprob_ids(out) == [10, 11, 12, 13, 14]
     decodes = [c for c in launcher.calls if c.role == "decode"]
     assert len(decodes) == 2 and decodes[1].resume_token_ids == (10, 11, 12)
-    assert decodes[1].prefill_instance == "" and decodes[1].target.instance_id != decodes[0].target.instance_id
+    assert decodes[1].prefill_instance == ""
+    assert decodes[1].target.instance_id != decodes[0].target.instance_id
     assert decodes[1].room != decodes[0].room
 
 
-def test_a_decode_that_dies_while_waiting_for_kv_migrates_with_the_first_token_and_the_prefill_is_cancelled() -> None:
+def test_a_decode_that_dies_while_waiting_for_kv_migrates_with_the_first_token_and_the_prefill_is_cancelled() -> None:  # noqa: E501 - the name states the invariant
     launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1, (10,), -0.5)), (5.0, Delta(final=True))],
                                  "decode": [(0.05, unavailable("d down"))]},
-                                resumed=[[(0.0, tok("B", 2, (11,), -0.5)), (0.0, tok("C", 3, (12,), -1.0, True, "stop"))]])
+                                resumed=[[(0.0, tok("B", 2, (11,), -0.5)),
+                                          (0.0, tok("C", 3, (12,), -1.0, True, "stop"))]])
     start = time.monotonic()
     out, _ = run(launcher, fleet=fleet_of(*FLEET), max_retries=0)
     assert time.monotonic() - start < 3.0 and out[-1].error is None and "".join(c.text for c in out) == "ABC"
@@ -113,7 +117,8 @@ def test_children_that_send_no_token_ids_are_not_migrated() -> None:
     old = [(0.0, Delta(text="A", num_input_tokens=7, num_output_tokens=1)), (0.0, Delta(final=True))]
     launcher = ScriptedLauncher({"prefill": old, "decode": [(0.02, unavailable("d down"))]})
     out, _ = run(launcher, fleet=fleet_of(*FLEET))
-    assert "token ids" in (out[-1].error or "") and len([c for c in launcher.calls if c.role == "decode"]) == 1
+    assert "token ids" in (out[-1].error or "") and len(
+        [c for c in launcher.calls if c.role == "decode"]) == 1
 
 
 def test_a_decode_that_goes_silent_after_the_first_token_is_migrated_after_the_idle_timeout() -> None:
@@ -136,14 +141,17 @@ def test_a_decode_that_stops_answering_mid_stream_is_migrated_after_blip_toleran
                      config=RouterConfig(instance_stale_s=0.3, blip_tolerance_s=0.5),
                      now=lambda: 100.0 + time.monotonic() - start)
     # d0 goes silent, then (its path back) delivers the rest of its backlog and its FINAL
-    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (1.5, tok("X", 4, (99,), -2.0)),
+    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)),
+              (1.5, tok("X", 4, (99,), -2.0)),
               (0.0, tok("Y", 5, (98,), -2.5, True, "length"))]
-    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent}, resumed=[RESUMED_AFTER_3])
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent},
+                                resumed=[RESUMED_AFTER_3])
     out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3, blip_tolerance_s=0.5)
     assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"   # nothing of d0's backlog
     assert time.monotonic() - start < 5.0
     decodes = [c for c in launcher.calls if c.role == "decode"]
-    assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"] and decodes[1].resume_token_ids == (10, 11, 12)
+    assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"]
+    assert decodes[1].resume_token_ids == (10, 11, 12)
     # d0's stream was left to end by itself, never cancelled (a late cancel aborted tritonserver 2.51)
     assert not [c for c in launcher.cancelled if c.target.instance_id == "d0@h:1"]
 
@@ -161,13 +169,16 @@ def test_a_silent_decode_on_its_own_endpoint_is_migrated_and_its_stream_cancelle
                      endpoint(status("d1@h:1", "decode", age_s=-1000)),
                      config=RouterConfig(instance_stale_s=0.3, blip_tolerance_s=0.5),
                      now=lambda: 100.0 + time.monotonic() - start)
-    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)), (1.5, tok("X", 4, (99,), -2.0)),
+    silent = [(0.02, tok("B", 2, (11,), -1.0)), (0.0, tok("C", 3, (12,), -1.5)),
+              (1.5, tok("X", 4, (99,), -2.0)),
               (0.0, tok("Y", 5, (98,), -2.5, True, "length"))]
-    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent}, resumed=[RESUMED_AFTER_3])
+    launcher = ScriptedLauncher({"prefill": PREFILL}, by_instance={"d0@h:1": silent},
+                                resumed=[RESUMED_AFTER_3])
     out, _ = run(launcher, fleet=fleet, linger_s=2.0, instance_stale_s=0.3, blip_tolerance_s=0.5)
     assert out[-1].error is None and "".join(c.text for c in out) == "ABCDE"
     decodes = [c for c in launcher.calls if c.role == "decode"]
-    assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"] and decodes[0].target.worker_endpoint
+    assert [c.target.instance_id for c in decodes] == ["d0@h:1", "d1@h:1"]
+    assert decodes[0].target.worker_endpoint
     assert [c.target.instance_id for c in launcher.cancelled] == ["d0@h:1"]
 
 
@@ -209,7 +220,8 @@ def test_a_decode_known_dead_is_given_up_after_instance_stale_s_not_the_blip_tol
 
 def test_a_silent_decode_that_still_answers_its_rendezvous_keeps_its_stream() -> None:
     """Silence alone (a long prefill, decode waiting for KV, a slow step) is no reason to move a request."""
-    fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode"), config=RouterConfig(instance_stale_s=0.3))
+    fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode"),
+                     config=RouterConfig(instance_stale_s=0.3))
     slow = [(0.02, tok("B", 2, (11,), -1.0)), (0.8, tok("C", 3, (12,), -1.5, True, "length"))]
     launcher = ScriptedLauncher({"prefill": PREFILL, "decode": slow})
     out, _ = run(launcher, fleet=fleet, instance_stale_s=0.3)

@@ -1,4 +1,5 @@
-"""PDOrchestrator: one request's merge, failover and cancellation, over a scripted launcher; one invariant a test."""
+"""PDOrchestrator: one request's merge, failover and cancellation, over a scripted launcher; one invariant a
+test."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def run(launcher: ScriptedLauncher, cancel_after_s: float | None = None, fleet=N
     ``cancelled`` when the request ended, and the event loop then runs ``linger_s`` longer (streams the router
     left to end by themselves end) before ``asyncio.run`` cancels what is left."""
     cfg = RouterConfig(**{"policy": "round_robin", **config})  # type: ignore[arg-type]
-    orchestrator = PDOrchestrator(cfg, fleet or fleet_of(*FLEET, config=cfg), make_policy(cfg.policy, cfg.direct_decode_max_tokens), launcher,
+    orchestrator = PDOrchestrator(cfg, fleet or fleet_of(*FLEET, config=cfg),
+                                  make_policy(cfg.policy, cfg.direct_decode_max_tokens), launcher,
                                   lambda request: 7)
     out: list[Delta] = []
     start = time.monotonic()
@@ -59,7 +61,8 @@ def test_first_token_comes_first_even_when_decode_answers_earlier() -> None:
                                  "decode": OK_DECODE})
     out, _ = run(launcher)
     assert [c.text for c in out] == ["A", "B", "C"]   # the last tokens come with the final chunk
-    assert out[-1].finish_reason == "length" and (out[-1].num_input_tokens, out[-1].num_output_tokens) == (7, 3)
+    assert out[-1].finish_reason == "length" and (out[-1].num_input_tokens,
+                                                  out[-1].num_output_tokens) == (7, 3)
     rooms = {c.room for c in launcher.calls}
     assert len(rooms) == 1 and launcher.cancelled == []
     decode = next(c for c in launcher.calls if c.role == "decode")
@@ -76,20 +79,22 @@ def test_a_prefill_that_fails_before_the_first_token_is_retried_once_on_another_
     prefills = [c.target.instance_id for c in launcher.calls if c.role == "prefill"]
     assert prefills == ["p0@h:1", "p1@h:1"]
     rooms = [c.room for c in launcher.calls if c.role == "prefill"]
-    assert rooms[0] != rooms[1] and [c.room for c in launcher.cancelled] == [rooms[0]]   # the failed pair's decode
+    # the failed pair's decode
+    assert rooms[0] != rooms[1] and [c.room for c in launcher.cancelled] == [rooms[0]]
 
 
 def test_without_migration_a_failure_after_the_first_token_ends_the_request_with_the_error() -> None:
     launcher = ScriptedLauncher({"prefill": OK_PREFILL,
-                                 "decode": [(0.05, tok("B", 2)), (0.0, Delta(error="decode died", final=True))]})
+                                 "decode": [(0.05, tok("B", 2)),
+                                            (0.0, Delta(error="decode died", final=True))]})
     out, _ = run(launcher, migration_limit=0)
     assert [c.text for c in out if not c.final] == ["A", "B"] and out[-1].error == "decode died"
     assert len({c.room for c in launcher.calls}) == 1
 
 
 def test_with_no_other_pair_left_the_error_reaches_the_client() -> None:
-    """The only prefill refuses twice (the second time on a new connection: it answers its rendezvous, so it was
-    the router's last resort): the client gets the failure, naming the missing second instance."""
+    """The only prefill refuses twice (the second time on a new connection: it answers its rendezvous, so it
+    was the router's last resort): the client gets the failure, naming the missing second instance."""
     launcher = ScriptedLauncher({"prefill": [(0.0, unavailable("p down"))], "decode": OK_DECODE})
     out, _ = run(launcher, fleet=fleet_of(FLEET[0], FLEET[2]), max_retries=2)
     assert (out[-1].error or "").startswith("p down") and "no other prefill" in (out[-1].error or "")
@@ -111,7 +116,8 @@ def test_client_cancel_aborts_the_room_and_cancels_both_streams() -> None:
 
 
 def test_children_that_go_silent_end_the_request_after_the_idle_timeout() -> None:
-    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1))], "decode": [(30.0, tok("B", 2, final=True))]})
+    launcher = ScriptedLauncher({"prefill": [(0.0, tok("A", 1))],
+                                 "decode": [(30.0, tok("B", 2, final=True))]})
     start = time.monotonic()
     out, _ = run(launcher, request_idle_timeout_s=0.3)
     assert time.monotonic() - start < 5.0 and "no response" in (out[-1].error or "")
@@ -125,7 +131,8 @@ def test_a_launcher_bug_is_an_error_for_that_request_not_a_hang() -> None:
 
 
 def test_direct_decode_sends_a_short_prompt_to_decode_alone() -> None:
-    launcher = ScriptedLauncher({"decode": [(0.0, tok("A", 1)), (0.0, tok("B", 2, final=True, finish_reason="stop"))]})
+    launcher = ScriptedLauncher({"decode": [(0.0, tok("A", 1)),
+                                            (0.0, tok("B", 2, final=True, finish_reason="stop"))]})
     out, _ = run(launcher, direct_decode_max_tokens=8)
     assert [c.role for c in launcher.calls] == ["decode"] and launcher.calls[0].prefill_instance == ""
     assert [c.text for c in out if c.text] == ["A", "B"] and out[-1].finish_reason == "stop"
@@ -182,8 +189,8 @@ def test_a_direct_decode_reports_decodes_own_cache_hit() -> None:
 
 
 def test_a_retry_avoids_the_failed_pairs_partner_when_the_fleet_has_another() -> None:
-    """A decode reports its room failed because its prefill died (the decode's error arrives first, so the decode
-    is the culprit): the retry takes neither instance of that pair, not the dead prefill again."""
+    """A decode reports its room failed because its prefill died (the decode's error arrives first, so the
+    decode is the culprit): the retry takes neither instance of that pair, not the dead prefill again."""
     fleet = fleet_of(status("p0@h:1", "prefill"), status("p1@h:1", "prefill", queued_tokens=1000),
                      status("d0@h:1", "decode", free_pages=200), status("d1@h:1", "decode"))
     launcher = ScriptedLauncher({"prefill": OK_PREFILL, "decode": OK_DECODE},
@@ -197,9 +204,9 @@ def test_a_retry_avoids_the_failed_pairs_partner_when_the_fleet_has_another() ->
 
 
 def test_an_instance_that_answers_its_rendezvous_is_retried_last_after_a_connection_failure() -> None:
-    """The router's connection to the only decode failed (a stale one: the server restarted on the same address,
-    or the path came back after a partition) while the fleet still hears the instance: the retry takes it
-    again, on a new connection, rather than failing for want of another decode."""
+    """The router's connection to the only decode failed (a stale one: the server restarted on the same
+    address, or the path came back after a partition) while the fleet still hears the instance: the retry
+    takes it again, on a new connection, rather than failing for want of another decode."""
     prefill = [(0.05, tok("A", 1)), (0.0, Delta(final=True))]
     launcher = ScriptedLauncher({"prefill": prefill, "decode": OK_DECODE},
                                 by_instance={"d0@h:1": [(0.0, unavailable("Stream removed"))]})
@@ -261,16 +268,17 @@ class EpochScripted(ScriptedLauncher):
 
 
 def test_a_reloaded_decode_that_failed_the_request_is_taken_again_in_its_new_epoch() -> None:
-    """The only decode refuses the request (its model is being unloaded: a reload); the reloaded instance joins
-    under the same id with a new epoch within ``fleet_wait_s``: the request waits for it and is served there (the
-    old epoch stays excluded)."""
+    """The only decode refuses the request (its model is being unloaded: a reload); the reloaded instance
+    joins under the same id with a new epoch within ``fleet_wait_s``: the request waits for it and is served
+    there (the old epoch stays excluded)."""
     import threading
 
     from serving.router.fleet import FleetSnapshot
 
     cfg = RouterConfig(policy="round_robin", fleet_wait_s=3.0, fleet_refresh_s=0.05)
     fleet = fleet_of(status("p0@h:1", "prefill"), status("d0@h:1", "decode", epoch=1), config=cfg)
-    unloading = [(0.0, Delta(error="decode at h:2 is being unloaded", final=True, error_kind=ErrorKind.INSTANCE))]
+    unloading = [(0.0,
+                  Delta(error="decode at h:2 is being unloaded", final=True, error_kind=ErrorKind.INSTANCE))]
     launcher = EpochScripted({1: unloading, 2: OK_DECODE})
     reloaded = threading.Timer(0.3, lambda: fleet.update(FleetSnapshot(
         (status("p0@h:1", "prefill"), status("d0@h:1", "decode", epoch=2)), taken_s=100.0)))
@@ -279,13 +287,14 @@ def test_a_reloaded_decode_that_failed_the_request_is_taken_again_in_its_new_epo
     out, _ = run(launcher, fleet=fleet, fleet_wait_s=3.0, fleet_refresh_s=0.05)
     reloaded.join()
     assert out[-1].error is None and "".join(d.text for d in out) == "ABC"
-    assert [(c.role, c.target.epoch) for c in launcher.calls if c.role == "decode"] == [("decode", 1), ("decode", 2)]
+    assert [(c.role,
+             c.target.epoch) for c in launcher.calls if c.role == "decode"] == [("decode", 1), ("decode", 2)]
     assert 0.25 < time.monotonic() - start < 3.0
 
 
 def test_a_request_that_finds_no_decode_waits_for_one_to_join() -> None:
-    """Sent the moment tritonserver says ready, before the router has read its workers: the request waits (up to
-    ``fleet_wait_s``) and is served by the decode that joins meanwhile."""
+    """Sent the moment tritonserver says ready, before the router has read its workers: the request waits (up
+    to ``fleet_wait_s``) and is served by the decode that joins meanwhile."""
     import threading
 
     from serving.router.fleet import FleetSnapshot

@@ -1,5 +1,5 @@
 #!/bin/bash
-# usage: [GROUP=1] [TERM_AFTER=1] docs/bls_repro/init_stall/run.sh STOP_S [WAIT_S]
+# usage: [GROUP=1] [TERM_AFTER=1] docs/history/bls_repro/init_stall/run.sh STOP_S [WAIT_S]
 # tritonserver 2.51 (the bundled one) loads a model whose initialize takes 6 s; its stub is stopped (SIGSTOP)
 # for STOP_S seconds during initialize, as a stub that gets no CPU for that long would be. Prints whether the
 # model was loaded WAIT_S (default 20) seconds after the stub was resumed, and with gdb the parent's frame

@@ -1,5 +1,5 @@
 #!/bin/bash
-# usage: docs/bls_repro/start_loop.sh [N]
+# usage: docs/history/bls_repro/start_loop.sh [N]
 # N rounds (default 40): two full PD servers (prefill, decode, pd_ensemble + bootstrap; OpenAI front off) started
 # at once on ports 8000-8002/8998 and 8100-8102/8999 while two torch processes (2 threads each) keep both cores
 # busy; two requests to each; Ctrl-C (SIGINT to each serve.sh group). One line per round in $OUT/results.txt:
