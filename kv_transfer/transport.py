@@ -224,6 +224,14 @@ class LockedTransport(Transport):
             if held:
                 self._lock.release()
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """``with transport.held():`` the lock for a sequence of calls (a staged chunk's WRITEs, which reuse one
+        staging area): waits for a call in progress, or a handshake. Manager thread only, without the manager
+        lock (the order above)."""
+        with self._lock:
+            yield
+
     @property
     def handshaking(self) -> bool:
         """Whether an ``add_peer`` is announced or running: a snapshot without any lock, for a caller's cheap
