@@ -171,6 +171,8 @@ def _pool_view(region: KVRegion, layout: KVLayout) -> np.ndarray:
 
 def _runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
     """(first page, index in ``pages``, length) of each run of consecutive page ids."""
+    if not len(pages):
+        return []
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
     starts = np.concatenate(([0], breaks)).astype(np.int64)
     stops = np.concatenate((breaks, [len(pages)])).astype(np.int64)
