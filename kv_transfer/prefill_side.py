@@ -34,7 +34,7 @@ from kv_transfer.metrics import Metrics
 from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.sender import Chunk, KVSender, Room
-from kv_transfer.staging import StagedPlan, StagingBuffer, pack, plan
+from kv_transfer.staging import StagedPlan, StagingBuffer, pack, piece_blocks, plan
 from kv_transfer.tags import ABORTED_BY_DECODE, UNSETTLED, Tag, TagKind, chunk_tag
 from kv_transfer.transport import LockedTransport, TransportError, XferState
 
@@ -46,6 +46,9 @@ _Post = tuple[KVSender, Chunk, Peer, 'np.ndarray | _Staged', np.ndarray, 'Tag | 
 #: Longest wait for one staged WRITE to be done before the staging area is packed again, seconds
 STAGED_WRITE_TIMEOUT_S = 10.0
 STAGED_POLL_S = 0.00005
+#: Blocks a staged piece's WRITE is cut into at least: NIXL splits a WRITE of 16 descriptors or more between
+#: its copy threads (``nixl_transport.SPLIT_MIN_DESCS``), which then copy it while the next piece is packed
+STAGED_MIN_BLOCKS = 16
 
 
 class _Staged(NamedTuple):
@@ -378,7 +381,11 @@ class PrefillSide:
                         self._wait_done(inflight.popleft())   # the half piece k packs into
                     local, remote = pack(piece, self._args.layout, self._table.kv_regions,
                                          peer.table.kv_regions, self._staging, k % 2)
-                    inflight.append(self._transport.post_write_spans(peer.agent_name, local, remote, b""))
+                    blocks = piece_blocks(piece, self._args.layout, peer.table.kv_regions, self._staging, k % 2,
+                                          STAGED_MIN_BLOCKS)
+                    inflight.append(
+                        self._transport.post_write_spans(peer.agent_name, local, remote, b"") if blocks is None
+                        else self._transport.post_write_blocks(peer.agent_name, *blocks))
                 while inflight:
                     self._wait_done(inflight.popleft())
             finally:

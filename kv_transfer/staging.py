@@ -22,6 +22,7 @@ import ctypes
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -201,3 +202,33 @@ def pack(piece: StagedPiece, layout: KVLayout, src: Sequence[KVRegion], dst: Seq
     return (_page_spans(d, layout, piece.dst_pages, piece.last_page_tokens, base_ptr=staging.base_ptr + start),
             _page_spans(d, layout, piece.dst_pages, piece.last_page_tokens))
 
+
+
+class PieceBlocks(NamedTuple):
+    """A packed piece's WRITE as equal blocks (``Transport.post_write_blocks``'s arguments after the peer): the
+    local area (the staging half, (address, nbytes)) and the remote one (the destination region's pool),
+    ``block_bytes``, and the block indices in each (int64 ``[n]``)."""
+
+    local_area: tuple[int, int]
+    remote_area: tuple[int, int]
+    block_bytes: int
+    local_blocks: np.ndarray
+    remote_blocks: np.ndarray
+
+
+def piece_blocks(piece: StagedPiece, layout: KVLayout, dst: Sequence[KVRegion], staging: StagingBuffer,
+                 half: int, min_blocks: int) -> PieceBlocks | None:
+    """``piece``'s WRITE after ``pack(..., half)`` as blocks: each page cut into the fewest whole (layer, plane)
+    groups that give at least ``min_blocks`` blocks (a transport splits a WRITE between threads by descriptor
+    count), or None for a piece whose last page is partly filled (its spans are not equal blocks)."""
+    if piece.last_page_tokens is not None and piece.last_page_tokens != layout.page_size:
+        return None
+    d = dst[piece.dst_index]
+    local = d.layout(layout)
+    n, groups = len(piece.src_pages), layout.num_layers * layout.num_planes
+    k = next((k for k in range(1, groups + 1) if groups % k == 0 and n * k >= min_blocks), groups)
+    half_bytes = staging.nbytes // 2
+    parts = np.arange(k, dtype=np.int64)
+    return PieceBlocks((staging.base_ptr + half * half_bytes, half_bytes), (d.base_ptr, local.pool_bytes),
+                       local.page_bytes // k, np.arange(n * k, dtype=np.int64),
+                       (piece.dst_pages[:, None] * k + parts[None, :]).reshape(-1))
