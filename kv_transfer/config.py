@@ -63,7 +63,7 @@ class KVArgs:
     local_hostname: str = "127.0.0.1"
     kv_regions: tuple[KVRegion, ...] = ()
     # prefill in host memory: the registered staging area through which KV goes to a peer whose KV heads are
-    # split over ranks differently (``kv_transfer.staging``), bytes; raised to one page of every KV head when
+    # split over ranks differently (``kv_transfer.staging``), bytes; raised to two pages of every KV head when
     # smaller; 0: none (such KV then moves as one span per token and head range, ``kv_transfer.head_slices``)
     staging_bytes: int = DEFAULT_STAGING_BYTES
 

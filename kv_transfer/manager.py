@@ -101,7 +101,8 @@ class KVManager(BaseKVManager):
             raise RuntimeError("KVManager.start called twice")
         staging = None
         if self.args.role == "prefill" and self.args.mem_type == "DRAM" and self.args.staging_bytes:
-            staging = StagingBuffer(max(self.args.staging_bytes, self.args.layout.page_bytes))
+            # each half holds at least one page of every KV head (a piece is at most half)
+            staging = StagingBuffer(max(self.args.staging_bytes, 2 * self.args.layout.page_bytes))
         self._transport.register(BlockTable(
             self.args.kv_base_ptr, self.args.layout, self._aux.base_ptr, self.args.aux_slots, self.args.kv_regions,
             (staging.base_ptr, staging.nbytes) if staging is not None else (0, 0)))

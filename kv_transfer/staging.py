@@ -6,8 +6,9 @@ than a source rank wants one 256-512 B span per (page, layer, plane, token): a 4
 491,520 descriptors, and the transport handled each as its own copy (0.036x of TP=1's speed, commit 2669f25).
 Instead the prefill side, whose process maps every rank's pool, copies the heads each destination region holds
 into a registered staging area laid out as that region's pages (``pack``: one numpy copy per source region and
-run of pages, a strided copy into a cache-sized buffer), then WRITEs those pages whole (one span per page). A
-destination region holding exactly a source region's heads gets that region's pages directly (no staging).
+run of pages, a strided copy into a cache-sized buffer), then WRITEs those pages whole (``piece_blocks``: a
+piece of whole pages as equal blocks, which a transport may split between its copy threads). A destination
+region holding exactly a source region's heads gets that region's pages directly (no staging).
 Nothing about either instance's layout changes: each side still registers and advertises its own pools.
 
 A ``StagedPlan`` is the work of one chunk: the direct spans and the pieces, each piece at most half the
@@ -29,8 +30,9 @@ import numpy as np
 from kv_transfer.head_slices import KVRegion
 from kv_transfer.layout import KVLayout, PageId
 
-#: Default size of a prefill instance's staging area (``KVArgs.staging_bytes``): small enough that the
-#: packed pages are still in the cache when the transport reads them (docs/benchmarks.md, "TP" figures).
+#: Default size of a prefill instance's staging area (``KVArgs.staging_bytes``), two halves: a half holds
+#: several pages (16 blocks or more per piece), and sizes of 4, 16 and 32 MiB were no better here
+#: (docs/benchmarks.md, "KV between prefill and decode of different TP sizes").
 DEFAULT_STAGING_BYTES = 8 << 20
 HUGE_PAGE_BYTES = 2 << 20
 
@@ -133,7 +135,8 @@ def plan(layout: KVLayout, src: Sequence[KVRegion], dst: Sequence[KVRegion], src
         sources = _sources(src, d)
         if not len(sp):
             continue
-        if len(sources) == 1 and (sources[0][0].head_start, sources[0][0].head_stop) == (d.head_start, d.head_stop):
+        same_heads = (sources[0][0].head_start, sources[0][0].head_stop) == (d.head_start, d.head_stop)
+        if len(sources) == 1 and same_heads:
             direct_src.append(_page_spans(sources[0][0], layout, sp, last_page_tokens))
             direct_dst.append(_page_spans(d, layout, dp, last_page_tokens))
             kv_bytes += int(direct_dst[-1][:, 1].sum())
