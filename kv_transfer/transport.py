@@ -240,8 +240,9 @@ class LockedTransport(Transport):
     @contextmanager
     def held(self) -> Iterator[None]:
         """``with transport.held():`` the lock for a sequence of calls (a staged chunk's WRITEs, which reuse one
-        staging area): waits for a call in progress, or a handshake. Manager thread only, without the manager
-        lock (the order above)."""
+        staging area): waits for a call in progress, or a handshake. Callers: the manager thread, without the
+        manager lock (the order above), and a thread already inside ``held_unless_handshaking`` (the lock is
+        reentrant: it waits for nothing then)."""
         with self._lock:
             yield
 
