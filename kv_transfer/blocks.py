@@ -25,13 +25,16 @@ class BlockTable:
     """One instance's registered memory. ``regions``: a tensor-parallel instance's rank pools
     (``kv_transfer.head_slices``; ``kv_base_ptr`` is the first one's, ``layout.num_kv_heads`` the model's);
     empty: one pool of every head at ``kv_base_ptr``. With regions, the descriptor index space's KV pages are
-    the first region's (what it registers as a list), and KV moves as head-sliced spans only."""
+    the first region's (what it registers as a list), and KV moves as head-sliced spans only. ``staging``:
+    (address, nbytes) of a prefill's staging area (``kv_transfer.staging``; (0, 0): none), registered with the
+    KV pools and never named by a descriptor index."""
 
     kv_base_ptr: int
     layout: KVLayout
     aux_base_ptr: int
     aux_slots: int
     regions: tuple[KVRegion, ...] = ()
+    staging: tuple[int, int] = (0, 0)
 
     @property
     def kv_regions(self) -> tuple[KVRegion, ...]:
@@ -45,8 +48,11 @@ class BlockTable:
         return bool(self.regions)
 
     def region_spans(self) -> list[tuple[int, int]]:
-        """(address, nbytes) of every KV pool, in region order: what a transport registers."""
-        return [(r.base_ptr, r.layout(self.layout).pool_bytes) for r in self.kv_regions]
+        """(address, nbytes) of every KV pool, in region order, then of the staging area if any: what a
+        transport registers besides the aux slots (all in ``mem_type``; a staging area exists in host memory
+        only)."""
+        pools = [(r.base_ptr, r.layout(self.layout).pool_bytes) for r in self.kv_regions]
+        return pools + [self.staging] if self.staging[1] else pools
 
     @property
     def num_kv_descs(self) -> int:

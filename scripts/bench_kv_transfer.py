@@ -34,6 +34,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -111,22 +112,34 @@ def worker(role: str, prefill_url: str, backend: str, cold: bool,
     manager = make_kv_manager(args, backend)
     manager.start()
     conn.send(("ready", manager.rendezvous_url))
-    rooms: dict = {}
+    serve_commands(manager, conn, prefill_url, forward)
+    manager.shutdown()
+
+
+def serve_commands(manager: object, conn, prefill_url: str,  # type: ignore[no-untyped-def]
+                   forward: Callable[[list[int]], None], wait_s: float = 30,
+                   extra: dict[str, Callable[[], object]] | None = None) -> None:
+    """A worker's command loop until ``stop``: ``recv`` (decode: a receiver of the room's pages, answers once
+    it waits for input), ``wait`` (decode: answers (monotonic time, success, timings) once the room ended, at
+    most ``wait_s``), ``send`` (prefill: ``send_room`` with ``forward``), and ``extra``'s commands (answered
+    with what their function returns)."""
+    rooms: dict = {}  # type: ignore[type-arg]
     while True:
         cmd, room, pages = conn.recv()
         if cmd == "stop":
             break
         if cmd == "recv":
-            receiver = rooms[room] = manager.create_receiver(room, "prefill-0", prefill_url)
+            receiver = rooms[room] = manager.create_receiver(room, "prefill-0", prefill_url)  # type: ignore[attr-defined]
             receiver.init(pages)
             conn.send(_wait(lambda r=receiver: r.poll() >= KVPoll.WaitingForInput, 10))
         elif cmd == "wait":
             receiver = rooms.pop(room)
-            ok = _wait(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), 30)
+            ok = _wait(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), wait_s)
             conn.send((time.monotonic(), ok and receiver.poll() == KVPoll.Success, vars(receiver.timings)))
         elif cmd == "send":
             conn.send(send_room(manager, room, pages, forward))
-    manager.shutdown()
+        elif extra is not None and cmd in extra:
+            conn.send(extra[cmd]())
 
 
 class ForwardPass:

@@ -30,6 +30,9 @@ class StreamResult:
     final_seen: bool = False
     first_text_s: float | None = None   # time.monotonic() when the first text arrived
     end_s: float | None = None          # time.monotonic() when the stream ended (FINAL, an error or a cancel)
+    #: (token id, logprob) of each sampled token, from the ``logprobs`` output (asked with ``return_logprobs``
+    #: and the ``logprobs`` sampling parameter); empty otherwise
+    token_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -108,6 +111,12 @@ def _record(result: StreamResult, res: Any) -> None:
         total = result.num_output_tokens[-1] if result.num_output_tokens else 0
         result.num_output_tokens.append(
             total + (int(new_tokens.reshape(-1)[0]) if new_tokens is not None else 0))
+        # per token {"<id>": {"logprob": ...}, ...}, the sampled one first
+        logprobs = res.as_numpy("logprobs")
+        entries = json.loads(logprobs.reshape(-1)[0]) if logprobs is not None else None
+        for entry in entries or []:
+            token_id, chosen = next(iter(entry.items()))
+            result.token_logprobs.append((int(token_id), float(chosen["logprob"])))
     result.final_seen = final
 
 

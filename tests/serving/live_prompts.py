@@ -35,6 +35,14 @@ def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], sequent
     at a time, for formats whose numbers depend on the batch, see ``engine.model.linear``); the reference the
     live tests compare a server's streams with. ``worker``: WorkerConfig fields of the served models
     (``dtype``, ``weight_quant``)."""
+    return {prompt: text for prompt, (text, _) in colocated_greedy_runs(prompts, sampling, sequential,
+                                                                        **worker).items()}
+
+
+def colocated_greedy_runs(prompts: list[str], sampling: dict[str, str], sequential: bool = False,
+                          **worker: str) -> dict[str, tuple[str, list[tuple[int, float]]]]:
+    """``colocated_greedy_texts``, with each prompt's (token id, logprob) of every sampled token beside its
+    text (empty unless ``sampling`` has ``logprobs``)."""
     import json
     import time
 
@@ -46,19 +54,21 @@ def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], sequent
     config = WorkerConfig(num_pages=256, **worker)  # type: ignore[arg-type]
     engine = LLMEngine(config.engine_config("colocated"))
     texts: dict[str, str] = {}
+    tokens: dict[str, list[tuple[int, float]]] = {}
     deadline = time.monotonic() + 300
 
     def run() -> None:
         while engine.has_unfinished() and time.monotonic() < deadline:
             for out in engine.step():
                 texts[out.request_id] += out.new_text
+                tokens[out.request_id] += [(t.token_id, t.logprob) for t in out.new_token_logprobs]
         assert not engine.has_unfinished(), "the reference run did not finish in 300 s"
 
     for i, prompt in enumerate(prompts):
         req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(sampling)})
         engine.add_request(str(i), prompt_token_ids(engine.tokenizer, req), req.params)
-        texts[str(i)] = ""
+        texts[str(i)], tokens[str(i)] = "", []
         if sequential:
             run()
     run()
-    return {prompts[int(k)]: v for k, v in texts.items()}
+    return {prompts[int(k)]: (v, tokens[k]) for k, v in texts.items()}

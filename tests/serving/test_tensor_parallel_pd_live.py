@@ -3,8 +3,8 @@
 one).
 
 Invariants: the server runs one rank process (the TP=2 instance's rank 1); every stream equals a colocated
-TP=1 engine's greedy text run in-process, so each decode token read the KV heads both prefill ranks
-computed; KV bytes crossed from prefill.
+TP=1 engine's greedy run in-process, its text, token ids and each token's logprob (within ``LOGPROB_TOL``), so
+each decode token read the KV heads both prefill ranks computed; KV bytes crossed from prefill.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from live_client import grpc_generate, make_inputs, metric_value, streams_match_reference
-from live_prompts import PROMPTS, colocated_greedy_texts
+from live_prompts import PROMPTS, colocated_greedy_runs
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(900)]
 
@@ -26,7 +26,16 @@ TRITON_MODELS = ("pd_ensemble", "prefill", "decode")   # read by the triton_serv
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16}
-GREEDY = {"max_tokens": "16", "temperature": "0"}
+GREEDY = {"max_tokens": "16", "temperature": "0", "logprobs": "1"}
+#: Largest difference allowed between a token's logprob through PD between TP sizes and colocated TP=1's,
+#: fp32.
+#: TP=2 sums each row-parallel product over the ranks instead of inside one matmul, so its hidden states and
+#: the KV of the next layer differ from TP=1's in the last bits (~1e-7 relative per sum); over this model's 2
+#: layers and 16 tokens that stays near 1e-6 (first prompt, 2026-12-06: 1.0e-6 for P TP=2 -> D TP=1, 2.9e-6
+#: for P TP=1 -> D TP=2; docs/parallelism.md "Numerics": 4e-6 at most for colocated TP=2). 1e-4 is 30x the
+#: largest seen, and a KV head from the wrong rank, token or page changes the attention itself, not its last
+#: bits (the greedy ids are compared exactly besides).
+LOGPROB_TOL = 1e-4
 SHIPPED_MODEL = '{ key: "model", value: { string_value: "smollm2" } },'
 
 
@@ -72,16 +81,24 @@ def test_prefill_tp2_to_decode_tp1_streams_equal_colocated_tp1(triton_server) ->
 
 
 def check_streams_equal_colocated_tp1(triton_server) -> None:  # noqa: ANN001
-    """One rank process in the server; every stream of ``PROMPTS`` equals colocated TP=1's; KV crossed."""
+    """One rank process in the server; every stream of ``PROMPTS`` equals colocated TP=1's (text, token ids,
+    logprobs within ``LOGPROB_TOL``); KV crossed."""
     ranks = [pid for stub in triton_server.stub_pids() for pid in children(stub)
              if b"engine.parallel.rank_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(ranks) == 1, ranks
-    reference = colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, model=str(tiny()))
+    runs = colocated_greedy_runs(PROMPTS, GREEDY, sequential=True, model=str(tiny()))
+    reference = {prompt: text for prompt, (text, _) in runs.items()}
     assert len(set(reference.values())) > 1
 
     def generate(prompt: str):  # noqa: ANN202
-        return grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY), model="pd_ensemble")
+        return grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY, return_logprobs=True),
+                             model="pd_ensemble")
 
     for prompt in PROMPTS:
-        streams_match_reference(generate, [prompt], reference)
+        [result] = streams_match_reference(generate, [prompt], reference)
+        expected = runs[prompt][1]
+        assert expected, prompt[:40]   # the reference asked for logprobs too
+        assert [t for t, _ in result.token_logprobs] == [t for t, _ in expected], prompt[:40]
+        worst = max(abs(a - b) for (_, a), (_, b) in zip(result.token_logprobs, expected))
+        assert worst <= LOGPROB_TOL, (prompt[:40], worst)
     assert metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
