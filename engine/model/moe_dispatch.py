@@ -183,15 +183,19 @@ class AllToAllDispatcher(TokenDispatcher):
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, timeout_s: float = 30.0) -> None:
-        super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
+        # the group's own rank and size: a group built from a store (engine.parallel.torch_comm) is not
+        # registered with torch.distributed's default world, which dist.get_rank(group) needs
+        super().__init__(num_experts, group.rank(), group.size())
         self.group = group
         self._timeout = timedelta(seconds=timeout_s)
 
     def _all_to_all(self, op: str, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                     in_splits: list[int] | None) -> None:
         try:
-            work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
-            assert work is not None
+            # the group's own call (what dist.all_to_all_single makes): it also takes a backend group built
+            # from a store (ProcessGroupGloo / ProcessGroupNCCL), which has no all_to_all_single
+            work = self.group.alltoall_base(out, inp, out_splits or [], in_splits or [],
+                                            dist.AllToAllOptions())
             done = work.wait(self._timeout)
         except RuntimeError as e:   # gloo: a peer's connection closed, or its timeout
             raise DispatchError(op, str(e).splitlines()[0]) from None
