@@ -120,10 +120,8 @@ class MoEBlock(nn.Module):
         routing = route(self.router_logits(x), self.cfg, self.bias)
         sent = self.dispatcher.dispatch(x, routing.topk_ids, routing.topk_weights)
         outputs = torch.empty_like(sent.hidden)
-        start = 0
-        for j, rows in enumerate(sent.per_expert()):
-            if rows.shape[0]:
-                outputs[start:start + rows.shape[0]] = swiglu(rows, self.w13[j], self.w2[j])
-            start += rows.shape[0]
+        for j, start, stop in sent.expert_blocks():   # one product per block of one expert's rows
+            if stop > start:
+                outputs[start:stop] = swiglu(sent.hidden[start:stop], self.w13[j], self.w2[j])
         y = self.dispatcher.combine(outputs, sent.handle)
         return y if self.shared is None else y + self.shared(x)
