@@ -9,9 +9,9 @@ EP=1 and EP=2, and MLA's KV bytes per token against the same model's GQA equival
    its bookkeeping are timed). The reference call moves what dispatch and combine move together (``2 T K H``
    fp32 values per rank); a second reference is the exchange's own three all-to-alls (the counts, the rows
    there, the rows back) with its sizes and nothing else, which tells the calls' cost from the bookkeeping's
-   (sorting, gathering, weighting). Measured in turns (``--rounds`` rounds of ``--iters`` calls each; the best round's
-   mean counts, which damps other processes on a shared host). Ratio = reference / dispatch+combine (1.0:
-   as fast as one plain all-to-all; the issue's target is >= 0.8).
+   (sorting, gathering, weighting). Measured in turns (``--rounds`` rounds of ``--iters`` calls each; the
+   best round's mean counts, which damps other processes on a shared host). Ratio = reference /
+   dispatch+combine (1.0: as fast as one plain all-to-all; the issue's target is >= 0.8).
 2. **Decode step** of the tiny DeepSeek-V3 (``scripts/perf/tiny_moe.py``) at ``expert_parallel_size`` 1 and
    2, batch 1 and 16: as ``bench_tensor_parallel.py`` measures (``--prompt-tokens`` prompts, one prefill step,
    ``--steps`` decode steps each timed alone, median; the best of ``--repeats`` rounds taken in turns).
@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-# ---- 1. the exchange ------------------------------------------------------------------------------------------
+# ---- 1. the exchange ---------------------------------------------------------------------------------------
 def _routing(rank: int, t: int, e: int, k: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
     hidden = torch.randn(t, h, generator=gen)
@@ -143,7 +143,7 @@ def exchange(args: argparse.Namespace) -> dict:
     return results
 
 
-# ---- 2. decode steps ------------------------------------------------------------------------------------------
+# ---- 2. decode steps ---------------------------------------------------------------------------------------
 def _measure(engine, batch: int, args: argparse.Namespace) -> float:  # noqa: ANN001
     """Median decode step (ms) of ``batch`` requests."""
     from engine import SamplingParams
@@ -151,8 +151,8 @@ def _measure(engine, batch: int, args: argparse.Namespace) -> float:  # noqa: AN
     params = SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [(3 + 37 * i + 11 * t) % vocab for t in range(args.prompt_tokens)],
-                           params)
+        prompt = [(3 + 37 * i + 11 * t) % vocab for t in range(args.prompt_tokens)]
+        engine.add_request(f"b{batch}-{i}", prompt, params)
     engine.step()   # the prefill (every prompt fits one step)
     engine.step()   # one decode step outside the timing
     times = []
@@ -188,7 +188,7 @@ def steps(folder: Path, args: argparse.Namespace) -> dict:
     return {f"ep{ep}_batch{b}_ms": best[ep][b] for ep in best for b in batches}
 
 
-# ---- 3. KV bytes ------------------------------------------------------------------------------------------------
+# ---- 3. KV bytes -------------------------------------------------------------------------------------------
 def kv_bytes(folder: Path) -> dict:
     from engine import EngineConfig, LLMEngine
 
@@ -205,8 +205,9 @@ def kv_bytes(folder: Path) -> dict:
            "v3_mla_bytes_per_token_bf16": v3_latent, "v3_128_heads_bytes_per_token_bf16": v3_heads[128],
            "v3_8_kv_heads_gqa_bytes_per_token_bf16": v3_heads[8]}
     print(f"KV per token, tiny DeepSeek-V3 (fp32, {mc.num_layers} layers): MLA pool {latent} B, the same "
-          f"model's K/V per head ({raw['num_key_value_heads']} heads) {per_head} B -> {per_head / latent:.1f}x "
-          f"smaller; an EP=2 instance holds {2 * latent} B (the latent on both ranks)")
+          f"model's K/V per head ({raw['num_key_value_heads']} heads) {per_head} B -> "
+          f"{per_head / latent:.1f}x smaller; an EP=2 instance holds {2 * latent} B (the latent on both "
+          "ranks)")
     print(f"KV per token, DeepSeek-V3 shapes (bf16, computed): MLA {v3_latent:,} B, 128 K/V heads "
           f"{v3_heads[128]:,} B ({v3_heads[128] / v3_latent:.1f}x), a GQA of 8 KV heads {v3_heads[8]:,} B "
           f"({v3_heads[8] / v3_latent:.1f}x)", flush=True)

@@ -163,8 +163,8 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
             (``engine.parallel.layout.shard_for``); 0 of 1 (the default) is the whole model.
         expert_group: for an MoE model, the expert-parallel process group of its ranks (gloo or NCCL; its
             size N > 1): load the share of the group's rank (its ``num_experts / N`` experts, its attention
-            heads), the MoE layers exchanging tokens through an ``AllToAllDispatcher`` whose calls wait at most
-            ``expert_timeout_s`` seconds. None: every expert here.
+            heads), the MoE layers exchanging tokens through an ``AllToAllDispatcher`` whose calls wait at
+            most ``expert_timeout_s`` seconds. None: every expert here.
 
     Returns:
         ``LoadedModel`` with the model in eval mode, its config and tokenizer.

@@ -6,9 +6,10 @@ its attention module (``attention(cfg, take, prefix, ...)``) and RoPE width; the
 ``LlamaForCausalLM.forward``'s contract (``engine.model_runner.CausalLM``), so the engine, the paged KV pool
 and prefill/decode roles are unchanged.
 
-Expert parallelism (``expert_parallel_size`` N > 1, docs/moe.md): each of the N ranks holds ``num_experts / N``
-experts and a tensor-parallel slice of the rest (attention heads, dense layers' columns, LM head rows:
-``engine.parallel.layout.RankShard``; attention TP size = EP size, as SGLang runs EP). Per layer: attention,
+Expert parallelism (``expert_parallel_size`` N > 1, docs/moe.md): each of the N ranks holds
+``num_experts / N`` experts and a tensor-parallel slice of the rest (attention heads, dense layers' columns,
+LM head rows: ``engine.parallel.layout.RankShard``; attention TP size = EP size, as SGLang runs EP). Per
+layer: attention,
 its partial sums all-reduced, so every rank holds every token's hidden state; a dense FFN likewise; an MoE FFN
 runs on this rank's contiguous share of the step's tokens (``split_range``: SGLang's "scattered" MoE input),
 routed through the ``AllToAllDispatcher`` to the experts' ranks and back, shared experts on the same share;

@@ -1,7 +1,7 @@
-"""A tiny random DeepSeek-V3 (MLA, 8 routed experts, top-2, one shared expert, one dense layer first) made with
-transformers' own ``DeepseekV3Config`` and saved with ``save_pretrained``, with a whitespace word-level
-tokenizer over ``t0`` .. ``t127``: the MoE model the expert-parallel benchmark runs (the engine tests build the
-same shapes). Needs transformers; init std 0.1 so that every head and expert matters, a non-zero
+"""A tiny random DeepSeek-V3 (MLA, 8 routed experts, top-2, one shared expert, one dense layer first) made
+with transformers' own ``DeepseekV3Config`` and saved with ``save_pretrained``, with a whitespace word-level
+tokenizer over ``t0`` .. ``t127``: the MoE model the expert-parallel benchmark runs (the engine tests build
+the same shapes). Needs transformers; init std 0.1 so that every head and expert matters, a non-zero
 ``e_score_correction_bias`` (transformers starts it at zeros).
 """
 

@@ -1,6 +1,6 @@
 """Expert parallelism in a real tritonserver (issue #46): a tiny random DeepSeek-V3 (MLA, 8 experts, top-2,
-fp32) served by ``pd_ensemble`` with prefill at ``expert_parallel_size`` 2 and decode at 1, over NIXL, beside a
-``colocated`` model at ``expert_parallel_size`` 2.
+fp32) served by ``pd_ensemble`` with prefill at ``expert_parallel_size`` 2 and decode at 1, over NIXL, beside
+a ``colocated`` model at ``expert_parallel_size`` 2.
 
 Invariants: each EP=2 stub has started one rank process; every PD stream and every colocated EP=2 stream
 equals an in-process EP=1 colocated engine's greedy text, so the latent KV both prefill ranks held crossed to
