@@ -9,7 +9,9 @@ EP=1 and EP=2, and MLA's KV bytes per token against the same model's GQA equival
    its bookkeeping are timed). The reference call moves what dispatch and combine move together (``2 T K H``
    fp32 values per rank); a second reference is the exchange's own three all-to-alls (the counts, the rows
    there, the rows back) with its sizes and nothing else, which tells the calls' cost from the bookkeeping's
-   (sorting, gathering, weighting). Measured in turns (``--rounds`` rounds of ``--iters`` calls each; the
+   (sorting, gathering, weighting); and the exchange again with the counts passed in (``recv_counts``, as
+   the engine's MoE layers pass them: every rank routes every token), two all-to-alls instead of three.
+   Measured in turns (``--rounds`` rounds of ``--iters`` calls each; the
    best round's mean counts, which damps other processes on a shared host). Ratio = reference /
    dispatch+combine (1.0: as fast as one plain all-to-all; the issue's target is >= 0.8).
 2. **Decode step** of the tiny DeepSeek-V3 (``scripts/perf/tiny_moe.py``) at ``expert_parallel_size`` 1 and
@@ -77,7 +79,7 @@ def _timed(fn, iters: int) -> float:  # noqa: ANN001 - a benchmark's helper
 def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str) -> None:
     import torch.distributed as dist
 
-    from engine.model.moe_dispatch import AllToAllDispatcher
+    from engine.model.moe_dispatch import AllToAllDispatcher, counts_by_source
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -87,11 +89,18 @@ def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str)
     for name, t, h, e, k in EXCHANGE_CASES:
         dispatcher = AllToAllDispatcher(e, dist.group.WORLD, timeout_s=60.0)
         hidden, ids, weights = _routing(rank, t, e, k, h)
+        # every rank's routing, as the engine's ranks know it
+        every_rank = torch.cat([_routing(r, t, e, k, h)[1] for r in range(2)])
+        known = counts_by_source(every_rank, [t, t], e, rank, 2)
         plain_in = torch.randn(2 * t * k, h)   # what dispatch and combine move together, one call
         plain_out = torch.empty_like(plain_in)
 
         def moe_exchange() -> None:
             sent = dispatcher.dispatch(hidden, ids, weights)
+            dispatcher.combine(sent.hidden, sent.handle)
+
+        def moe_exchange_known() -> None:   # the counts passed in, as the engine's MoE layers do
+            sent = dispatcher.dispatch(hidden, ids, weights, recv_counts=known)
             dispatcher.combine(sent.hidden, sent.handle)
 
         def plain() -> None:
@@ -107,17 +116,20 @@ def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str)
             dist.all_to_all_single(rows_out, rows_in, got, sent)
             dist.all_to_all_single(rows_in, rows_out, sent, got)
 
-        moe_exchange(), plain(), same_calls()   # warm: connections, allocations
-        moe_s, plain_s, calls_s = [], [], []
+        moe_exchange(), moe_exchange_known(), plain(), same_calls()   # warm: connections, allocations
+        moe_s, known_s, plain_s, calls_s = [], [], [], []
         for _ in range(rounds):   # in turns, so that all see the same host
             moe_s.append(_timed(moe_exchange, iters))
+            known_s.append(_timed(moe_exchange_known, iters))
             plain_s.append(_timed(plain, iters))
             calls_s.append(_timed(same_calls, iters))
         results[name] = {"tokens_per_rank": t, "hidden": h, "experts": e, "top_k": k,
                          "bytes_per_rank": 2 * t * k * h * 4, "dispatch_combine_us": min(moe_s) * 1e6,
                          "all_to_all_same_bytes_us": min(plain_s) * 1e6,
                          "same_three_calls_us": min(calls_s) * 1e6,
-                         "ratio": min(plain_s) / min(moe_s)}
+                         "ratio": min(plain_s) / min(moe_s),
+                         "dispatch_combine_counts_known_us": min(known_s) * 1e6,
+                         "ratio_counts_known": min(plain_s) / min(known_s)}
     dist.barrier()
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
@@ -139,7 +151,8 @@ def exchange(args: argparse.Namespace) -> dict:
         print(f"exchange {name:22s} T={r['tokens_per_rank']:4d} H={r['hidden']:5d} E={r['experts']:3d} "
               f"K={r['top_k']}: dispatch+combine {r['dispatch_combine_us']:9.1f} us, one all_to_all of the "
               f"same {r['bytes_per_rank']:,} B {r['all_to_all_same_bytes_us']:9.1f} us -> {r['ratio']:.2f}x; "
-              f"its 3 all-to-alls alone {r['same_three_calls_us']:.1f} us", flush=True)
+              f"its 3 all-to-alls alone {r['same_three_calls_us']:.1f} us; with the counts known (2 calls) "
+              f"{r['dispatch_combine_counts_known_us']:.1f} us -> {r['ratio_counts_known']:.2f}x", flush=True)
     return results
 
 

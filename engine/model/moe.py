@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.moe_config import MoEConfig
-from engine.model.moe_dispatch import LocalDispatcher, TokenDispatcher
+from engine.model.moe_dispatch import LocalDispatcher, TokenDispatcher, counts_by_source
 from engine.model.moe_routing import route
 
 #: ``take(name, shape) -> tensor``: a checkpoint tensor by Hugging Face name, shape-checked (raises
@@ -111,14 +111,28 @@ class MoEBlock(nn.Module):
             return F.linear(x.float(), self.gate.float())
         return F.linear(x, self.gate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shares: list[range] | None = None) -> torch.Tensor:
         """``x`` ``[T, H]`` -> ``[T, H]``: routed experts (dispatched, weighted, combined) plus shared ones.
+
+        Args:
+            shares: expert parallelism with every rank holding every token (``x`` the same on every rank):
+                each rank's contiguous share of the ``T`` tokens, in rank order; this rank sends and gets
+                back only its own share's rows, and returns ``[len(shares[rank]), H]``. Every token is routed
+                here, so the counts every source sends this rank's experts are known without exchanging them
+                (``counts_by_source``). None: ``x`` is this rank's own tokens.
 
         Raises:
             engine.model.moe_dispatch.DispatchError: the dispatcher's exchange failed (``ep > 1``).
         """
         routing = route(self.router_logits(x), self.cfg, self.bias)
-        sent = self.dispatcher.dispatch(x, routing.topk_ids, routing.topk_weights)
+        ids, weights, recv_counts = routing.topk_ids, routing.topk_weights, None
+        if shares is not None:
+            d = self.dispatcher
+            recv_counts = counts_by_source(ids, [len(r) for r in shares], d.num_experts, d.rank, d.ep_size)
+            mine = shares[d.rank]
+            rows = slice(mine.start, mine.stop)
+            x, ids, weights = x[rows], ids[rows], weights[rows]
+        sent = self.dispatcher.dispatch(x, ids, weights, recv_counts)
         outputs = torch.empty_like(sent.hidden)
         for j, start, stop in sent.expert_blocks():   # one product per block of one expert's rows
             if stop > start:

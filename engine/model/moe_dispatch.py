@@ -118,9 +118,16 @@ class TokenDispatcher(ABC):
         self.local_experts = range(rank * per_rank, (rank + 1) * per_rank)
 
     @abstractmethod
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 recv_counts: torch.Tensor | None = None) -> Dispatched:
         """Hand each local expert its rows (contract in the module docstring).
+
+        Args:
+            recv_counts: ``[ep, num_local_experts]`` int64 (CPU): the rows every source rank sends each of
+                this rank's experts, when the caller already knows them (every rank routed every rank's
+                tokens: ``counts_by_source``); an implementation may then skip exchanging them. Every rank of
+                the group passes it or none does, and the counts must be what the sources send (else the
+                exchange fails or times out). Ignored where nothing is exchanged.
 
         Raises:
             DispatchError: the exchange failed or timed out (``ep > 1``).
@@ -172,8 +179,8 @@ class LocalDispatcher(TokenDispatcher):
     def __init__(self, num_experts: int) -> None:
         super().__init__(num_experts)
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 recv_counts: torch.Tensor | None = None) -> Dispatched:
         plan = _plan(topk_ids, topk_weights, self.num_experts)
         return Dispatched(hidden[plan.tokens], plan.expert_counts.tolist(), plan)
 
@@ -244,12 +251,17 @@ class AllToAllDispatcher(TokenDispatcher):
         if not done:
             raise DispatchError(op, f"all_to_all_single did not complete in {self._timeout}")
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 recv_counts: torch.Tensor | None = None) -> Dispatched:
         plan = _plan(topk_ids, topk_weights, self.num_experts)
         per_rank = len(self.local_experts)
-        recv_counts = torch.empty_like(plan.expert_counts)   # [ep * per_rank]: source-major
-        self._all_to_all("dispatch", recv_counts, plan.expert_counts, None, None)
+        if recv_counts is None:   # learn them: one all-to-all of [num_experts] int64, source-major
+            exchanged = torch.empty_like(plan.expert_counts)
+            self._all_to_all("dispatch", exchanged, plan.expert_counts, None, None)
+            recv_counts = exchanged
+        elif tuple(recv_counts.shape) != (self.ep_size, per_rank):
+            raise ValueError(f"recv_counts of shape {tuple(recv_counts.shape)}, expected "
+                             f"{(self.ep_size, per_rank)}")
         send_splits = plan.expert_counts.view(self.ep_size, per_rank).sum(dim=1).tolist()
         by_source = recv_counts.view(self.ep_size, per_rank)   # [source rank, local expert]
         recv_splits = by_source.sum(dim=1).tolist()
@@ -264,6 +276,19 @@ class AllToAllDispatcher(TokenDispatcher):
         back = self._rows("send", sum(handle.send_splits), expert_outputs)   # the sent rows, done with
         self._all_to_all("combine", back, expert_outputs.contiguous(), handle.send_splits, handle.recv_splits)
         return _weighted_sum(back, handle.plan, in_place=True)
+
+
+def counts_by_source(topk_ids: torch.Tensor, token_splits: list[int], num_experts: int, rank: int,
+                     ep_size: int) -> torch.Tensor:
+    """What every source rank sends rank ``rank``'s experts, from the routing of every rank's tokens:
+    ``topk_ids`` ``[T, K]`` int64, the tokens of rank ``s`` its ``token_splits[s]`` rows in rank order.
+    Returns ``[ep_size, num_experts // ep_size]`` int64 (a ``recv_counts`` for ``TokenDispatcher.dispatch``)."""
+    per_rank = num_experts // ep_size
+    rows = []
+    for ids in topk_ids.split(token_splits):
+        counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
+        rows.append(counts[rank * per_rank:(rank + 1) * per_rank])
+    return torch.stack(rows)
 
 
 def _source_blocks(by_source: list[list[int]]) -> list[tuple[int, int, int]]:

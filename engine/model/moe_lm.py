@@ -12,7 +12,9 @@ LM head rows: ``engine.parallel.layout.RankShard``; attention TP size = EP size,
 layer: attention,
 its partial sums all-reduced, so every rank holds every token's hidden state; a dense FFN likewise; an MoE FFN
 runs on this rank's contiguous share of the step's tokens (``split_range``: SGLang's "scattered" MoE input),
-routed through the ``AllToAllDispatcher`` to the experts' ranks and back, shared experts on the same share;
+routed through the ``AllToAllDispatcher`` to the experts' ranks and back, shared experts on the same share
+(every rank routes every token, a ``[T, E]`` product, so the counts each rank receives are known without an
+exchange);
 then the shares are put back together with one all-reduce of a ``[T, hidden]`` tensor zero outside each rank's
 rows (exact: adding zeros changes no bit). The logits are gathered to rank 0 as the Llama TP model's are.
 
@@ -108,9 +110,10 @@ class RankLink:
         Raises ``CollectiveError``."""
         return x if self.comm is None else self.comm.all_reduce(x.contiguous())
 
-    def my_rows(self, num_tokens: int) -> range:
-        """This rank's share of a step's ``num_tokens`` tokens for the MoE (contiguous, sizes within one)."""
-        return split_range(num_tokens, self.world_size, self.rank)
+    def shares(self, num_tokens: int) -> list[range]:
+        """Every rank's share of a step's ``num_tokens`` tokens for the MoE, in rank order (contiguous,
+        sizes within one, the shorter first)."""
+        return [split_range(num_tokens, self.world_size, r) for r in range(self.world_size)]
 
 
 class MoEDecoderLayer(nn.Module):
@@ -138,9 +141,10 @@ class MoEDecoderLayer(nn.Module):
         x = F.rms_norm(h, (self.hidden,), self.post_norm, self.eps)
         if not isinstance(self.ffn, MoEBlock) or self.link.world_size == 1:
             return h + self.link.reduce(self.ffn(x))
-        rows = self.link.my_rows(x.shape[0])
+        shares = self.link.shares(x.shape[0])
+        rows = shares[self.link.rank]
         y = torch.zeros_like(x)   # [T, hidden]: this rank's rows filled, zero elsewhere, then summed
-        y[rows.start:rows.stop] = self.ffn(x[rows.start:rows.stop])
+        y[rows.start:rows.stop] = self.ffn(x, shares)
         return h + self.link.reduce(y)
 
 
