@@ -9,20 +9,18 @@ and prefill/decode roles are unchanged.
 Expert parallelism (``expert_parallel_size`` N > 1, docs/moe.md): each of the N ranks holds
 ``num_experts / N`` experts and a tensor-parallel slice of the rest (attention heads, dense layers' columns,
 LM head rows: ``engine.parallel.layout.RankShard``; attention TP size = EP size, as SGLang runs EP). Per
-layer: attention,
-its partial sums all-reduced, so every rank holds every token's hidden state; a dense FFN likewise; an MoE FFN
-runs on this rank's contiguous share of the step's tokens (``split_range``: SGLang's "scattered" MoE input),
-routed through the ``AllToAllDispatcher`` to the experts' ranks and back, shared experts on the same share
-(every rank routes every token, a ``[T, E]`` product, so the counts each rank receives are known without an
-exchange);
-then the shares are put back together with one all-reduce of a ``[T, hidden]`` tensor zero outside each rank's
-rows (exact: adding zeros changes no bit). The logits are gathered to rank 0 as the Llama TP model's are.
+layer: attention, its partial sums all-reduced, so every rank holds every token's hidden state; a dense FFN
+likewise; an MoE FFN runs on this rank's contiguous share of the step's tokens (``split_range``: SGLang's
+"scattered" MoE input), routed through the ``AllToAllDispatcher`` to the experts' ranks and back, shared
+experts on the same share (every rank routes every token, a ``[T, E]`` product, so the counts each rank
+receives are known without an exchange); then the shares are put back together with one all-reduce of a
+``[T, hidden]`` tensor zero outside each rank's rows (exact: adding zeros changes no bit). The logits are
+gathered to rank 0 as the Llama TP model's are.
 
 Weights: the full precision tensors of a Hugging Face folder (transformers' names), held in the model dtype;
 ``weight_quant`` other than ``"none"``, tensor parallelism without expert parallelism and RoPE scaling are
-refused at load. Tensors of
-layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer, ``num_nextn_predict_layers``)
-are ignored; any other tensor left over fails the load, named.
+refused at load. Tensors of layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer,
+``num_nextn_predict_layers``) are ignored; any other tensor left over fails the load, named.
 """
 
 from __future__ import annotations
