@@ -6,7 +6,9 @@ Invariants: with P EP=2 -> D EP=1 and P EP=1 -> D EP=2 the merged greedy stream 
 engine's, so with D EP=2 the latent reached both decode ranks' pools; the prefill side moves the latent of
 each prompt token once per decode rank (P EP=2: from one of its two replicas only; D EP=2: into each of the
 decode ranks' replicas, as a TP decode instance with a replicated KV head gets it); every page of both
-instances returns.
+instances returns. The ``expert_parallel_size`` model parameter reaches the engine's config; a bad value, one
+given with ``tensor_parallel_size``, one on a GPU for prefill/decode, and one that does not divide the
+experts (at load) are refused naming it.
 """
 
 from __future__ import annotations
@@ -65,3 +67,26 @@ def test_greedy_streams_equal_colocated_ep1_and_the_latent_moves_once_per_decode
         moved = cluster.prefill.kv_manager.metrics()["kv_bytes_total"] - before
         assert moved == len(tokenizer.encode(prompt)) * LATENT_TOKEN_BYTES * sizes[1]
     assert cluster.wait_free(start) == start
+
+
+def test_the_parameter_reaches_the_engine_config_and_bad_values_are_refused_by_name() -> None:
+    from serving.config import ConfigError, build_worker_config
+
+    assert WorkerConfig().engine_config("prefill").expert_parallel_size == 1
+    config = build_worker_config({"expert_parallel_size": {"string_value": "2"}}, environ={})
+    assert config.engine_config("prefill").expert_parallel_size == 2
+    for params in ({"expert_parallel_size": "0"}, {"expert_parallel_size": "two"},
+                   {"expert_parallel_size": "2", "tensor_parallel_size": "2"}):
+        with pytest.raises(ConfigError) as info:
+            build_worker_config(params, environ={})
+        assert info.value.param == "expert_parallel_size", params
+    with pytest.raises(ConfigError) as info:
+        create_pd_worker("prefill", WorkerConfig(expert_parallel_size=2, device="cuda:0"), "i")
+    assert info.value.param == "expert_parallel_size"
+
+
+def test_a_size_that_does_not_divide_the_experts_fails_the_load_naming_it(folder: Path) -> None:
+    from serving.workers.colocated import ColocatedWorker
+
+    with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide the model's 8 routed experts"):
+        ColocatedWorker.create(WorkerConfig(model=str(folder), num_pages=8, expert_parallel_size=3))
