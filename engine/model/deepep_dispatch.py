@@ -99,8 +99,9 @@ class DeepEPDispatcher(TokenDispatcher):
             self.buffer = deep_ep.Buffer(group, num_nvl_bytes=0, num_rdma_bytes=rdma, low_latency_mode=True,
                                          num_qps_per_rank=len(self.local_experts))
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 recv_counts: torch.Tensor | None = None) -> Dispatched:
+        # recv_counts is not used: DeepEP's own layout step (notify) exchanges the counts
         if self.mode == "normal":
             return self._dispatch_normal(hidden, topk_ids, topk_weights.float())
         return self._dispatch_low_latency(hidden, topk_ids, topk_weights.float())

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.moe_config import MoEConfig
-from engine.model.moe_dispatch import LocalDispatcher, TokenDispatcher
+from engine.model.moe_dispatch import LocalDispatcher, TokenDispatcher, counts_by_source
 from engine.model.moe_routing import route
 
 #: ``take(name, shape) -> tensor``: a checkpoint tensor by Hugging Face name, shape-checked (raises
@@ -45,16 +45,19 @@ class DenseMLP(nn.Module):
         take: the checkpoint's tensors; prefix: e.g. ``"model.layers.0.mlp."``.
         hidden, intermediate: the SwiGLU's sizes.
         dtype, device: where the weights go.
+        columns: the intermediate columns held (a tensor-parallel rank's: column-parallel gate/up,
+            row-parallel down, so its output is a partial sum the caller all-reduces); None: all.
     """
 
     def __init__(self, take: Take, prefix: str, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, columns: range | None = None) -> None:
         super().__init__()
-        gate = take(prefix + "gate_proj.weight", (intermediate, hidden))
-        up = take(prefix + "up_proj.weight", (intermediate, hidden))
-        self.gate_up = _param(torch.cat([gate, up]).to(device=device, dtype=dtype))   # [2I, H]
-        self.down = _param(take(prefix + "down_proj.weight", (hidden, intermediate)).to(device=device,
-                                                                                          dtype=dtype))
+        cols = slice(columns.start, columns.stop) if columns is not None else slice(None)
+        gate = take(prefix + "gate_proj.weight", (intermediate, hidden))[cols]
+        up = take(prefix + "up_proj.weight", (intermediate, hidden))[cols]
+        self.gate_up = _param(torch.cat([gate, up]).to(device=device, dtype=dtype))   # [2I_local, H]
+        down = take(prefix + "down_proj.weight", (hidden, intermediate))[:, cols]
+        self.down = _param(down.contiguous().to(device=device, dtype=dtype))   # [H, I_local]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``."""
@@ -108,19 +111,31 @@ class MoEBlock(nn.Module):
             return F.linear(x.float(), self.gate.float())
         return F.linear(x, self.gate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shares: list[range] | None = None) -> torch.Tensor:
         """``x`` ``[T, H]`` -> ``[T, H]``: routed experts (dispatched, weighted, combined) plus shared ones.
+
+        Args:
+            shares: expert parallelism with every rank holding every token (``x`` the same on every rank):
+                each rank's contiguous share of the ``T`` tokens, in rank order; this rank sends and gets
+                back only its own share's rows, and returns ``[len(shares[rank]), H]``. Every token is routed
+                here, so the counts every source sends this rank's experts are known without exchanging them
+                (``counts_by_source``). None: ``x`` is this rank's own tokens.
 
         Raises:
             engine.model.moe_dispatch.DispatchError: the dispatcher's exchange failed (``ep > 1``).
         """
         routing = route(self.router_logits(x), self.cfg, self.bias)
-        sent = self.dispatcher.dispatch(x, routing.topk_ids, routing.topk_weights)
+        ids, weights, recv_counts = routing.topk_ids, routing.topk_weights, None
+        if shares is not None:
+            d = self.dispatcher
+            recv_counts = counts_by_source(ids, [len(r) for r in shares], d.num_experts, d.rank, d.ep_size)
+            mine = shares[d.rank]
+            rows = slice(mine.start, mine.stop)
+            x, ids, weights = x[rows], ids[rows], weights[rows]
+        sent = self.dispatcher.dispatch(x, ids, weights, recv_counts)
         outputs = torch.empty_like(sent.hidden)
-        start = 0
-        for j, rows in enumerate(sent.per_expert()):
-            if rows.shape[0]:
-                outputs[start:start + rows.shape[0]] = swiglu(rows, self.w13[j], self.w2[j])
-            start += rows.shape[0]
+        for j, start, stop in sent.expert_blocks():   # one product per block of one expert's rows
+            if stop > start:
+                outputs[start:stop] = swiglu(sent.hidden[start:stop], self.w13[j], self.w2[j])
         y = self.dispatcher.combine(outputs, sent.handle)
         return y if self.shared is None else y + self.shared(x)

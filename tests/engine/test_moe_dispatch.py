@@ -1,7 +1,8 @@
 """The ``TokenDispatcher`` contract (engine/model/moe_dispatch.py): every local expert gets exactly its
 tokens' rows, in token order (rank 0's first), an expert nobody chose gets none, ``combine`` returns each
 token's weighted sum in token order; ``AllToAllDispatcher`` over 2 gloo ranks (2 CPU processes, loopback)
-equals ``LocalDispatcher`` bit for bit, also for a rank with no tokens; an MoE block at expert-parallel size
+equals ``LocalDispatcher`` bit for bit, also for a rank with no tokens, and gives the same rows when the
+counts are passed in (``counts_by_source``) instead of exchanged; an MoE block at expert-parallel size
 2 equals the same block at 1; a rank that is gone fails the next dispatch with ``DispatchError`` instead of
 a hang.
 """
@@ -16,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from engine.model.moe_dispatch import AllToAllDispatcher, DispatchError, LocalDispatcher
+from engine.model.moe_dispatch import AllToAllDispatcher, DispatchError, LocalDispatcher, counts_by_source
 
 HIDDEN, EXPERTS, TOP_K = 6, 8, 2
 SPAWN_TIMEOUT_S = 120.0
@@ -28,7 +29,11 @@ def expert_fn(rows: torch.Tensor, expert: int) -> torch.Tensor:
 
 
 def run_experts(sent, experts: range) -> torch.Tensor:
-    return torch.cat([expert_fn(rows, g) for rows, g in zip(sent.per_expert(), experts)])
+    """Each row of ``sent.hidden`` through its expert, in ``sent.hidden``'s row order (what combine takes)."""
+    out = torch.empty_like(sent.hidden)
+    for e, start, stop in sent.expert_blocks():
+        out[start:stop] = expert_fn(sent.hidden[start:stop], experts[e])
+    return out
 
 
 def tokens_of(rank: int, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,6 +77,12 @@ def _check_all_to_all(rank: int, counts: tuple[int, int], seed: int, dispatcher:
     if rank == 1:
         assert sent.counts[-1] == 0 and sent.per_expert()[-1].shape == (0, HIDDEN)   # expert 7: never chosen
     out = dispatcher.combine(run_experts(sent, dispatcher.local_experts), sent.handle)
+    # the counts known from every rank's routing: the same rows without their all-to-all
+    known = counts_by_source(torch.cat([i for _, i, _ in both]), list(counts), EXPERTS, rank, 2)
+    again = dispatcher.dispatch(*mine, recv_counts=known)
+    assert again.counts == sent.counts and again.blocks == sent.blocks
+    assert torch.equal(again.hidden, sent.hidden)
+    assert torch.equal(dispatcher.combine(run_experts(again, dispatcher.local_experts), again.handle), out)
     local = LocalDispatcher(EXPERTS)
     ref_sent = local.dispatch(*mine)
     reference = local.combine(run_experts(ref_sent, range(EXPERTS)), ref_sent.handle)
