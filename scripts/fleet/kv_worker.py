@@ -58,7 +58,7 @@ def smollm2_layout(num_pages: int = NUM_PAGES) -> Any:
 def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
     """Polls ``pred`` until it is true (True) or ``timeout_s`` passed (False), at ``poll_interval_s``'s pace
     (an end is seen at most ~5 % / 1 ms late; a serving engine loop waiting only on KV ticks every 2 ms,
-    ``EngineLoop.busy_wait_s``, and once per step when busy). Until session 26 a fixed 50 us poll: it took
+    ``EngineLoop.busy_wait_s``, and once per step when busy). Until 2026-12-04 a fixed 50 us poll: it took
     CPU from Mooncake's I/O threads on 2 cores, and, since the decode side's ``poll`` drains the transport, it
     progressed NIXL's UCX worker 20,000 times a second, which no engine loop does (docs/multihost.md, "The
     decode side's pace")."""

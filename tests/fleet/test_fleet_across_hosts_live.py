@@ -423,7 +423,7 @@ def test_router_cut_off_from_the_prefill_host_after_the_first_token(hosts: HostF
     the client, the prefill link throttled to 100 Mbit/s so that the prompt's last KV chunk is still crossing
     to the decode host (that path stays up): the prefill's own FINAL, sent once its transfer settled, cannot
     reach the router, while decode decodes and streams to its end. The request ends with the colocated text
-    and its finish reason, not with the prefill's unreachability (found by an operator's trial, session 25:
+    and its finish reason, not with the prefill's unreachability (found by an operator's trial, 2026-12-04:
     the last tokens were lost to that error); pages come back on both hosts once the path is back; nothing
     restarted."""
     before = stubs(hosts)

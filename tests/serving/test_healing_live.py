@@ -177,7 +177,7 @@ def series_pids(server: ServeScript, name: str, model: str) -> set[str]:
 def test_reloading_prefill_or_decode_never_stops_the_router_or_the_other_loop(triton_server: ServeScript,
                                                                                reference) -> None:
     server = triton_server
-    # decode: unloaded and loaded again here until session 23; now reloaded in place, with the same checks and
+    # decode: unloaded and loaded again here until 2026-12-04; now reloaded in place, with the same checks and
     # more, by test_reloading_decode_in_place_under_traffic_fails_no_new_request (CI's time)
     model = "prefill"
     old = stub_pid(server, model)
