@@ -46,6 +46,13 @@ class EngineConfig:
             model here. Must fit the model's heads (checked at load: ``engine.parallel.layout``). Each rank
             runs ``num_threads`` torch threads and holds ``num_pages`` pages of its own KV heads; sized by
             ``kv_cache_bytes``, that budget is per rank.
+        expert_parallel_size: ranks the routed experts of an MoE model (DeepSeek-V3, Qwen3-MoE) are spread
+            over (docs/moe.md): this process is rank 0 of N rank processes, as with ``tensor_parallel_size``;
+            each rank holds ``num_experts / N`` experts, tokens reach them through an all-to-all
+            (``engine.model.moe_dispatch.AllToAllDispatcher``), and attention, dense layers and the LM head
+            are tensor-parallel over the same N ranks (attention TP size = EP size, as SGLang runs EP).
+            1 (the default): every expert here. Exclusive with ``tensor_parallel_size`` > 1; must divide the
+            model's experts and attention heads (checked at load, naming it).
         tp_timeout_s: how long a rank waits for the others inside a step before the group fails (a rank that
             hangs); a rank process that dies fails the group within ~50 ms instead.
         tp_collectives: ``"auto"`` (CPU: shared-memory collectives, ``engine.parallel.shm``, where its C file
@@ -73,6 +80,7 @@ class EngineConfig:
     cache_dir: str | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     tp_timeout_s: float = 10.0
     tp_collectives: str = "auto"
 
@@ -88,8 +96,12 @@ class EngineConfig:
         if not isinstance(self.tp_timeout_s, (int, float)) or not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be > 0 seconds, got {self.tp_timeout_s!r}")
         for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests",
-                     "num_threads", "tensor_parallel_size"):
+                     "num_threads", "tensor_parallel_size", "expert_parallel_size"):
             _require_positive(name, getattr(self, name))
+        if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: an expert-parallel instance splits attention "
+                             "over its own ranks; give one of them")
         if not isinstance(self.enable_prefix_caching, bool):
             # ValueError like every other field here (the documented contract), not TypeError
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")  # noqa: TRY004
@@ -99,6 +111,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_positive(name, value)
+
+    @property
+    def num_ranks(self) -> int:
+        """Rank processes of the instance, this one included (``tensor_parallel_size`` or
+        ``expert_parallel_size``, whichever is > 1; else 1)."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
 
     @property
     def prefix_caching_active(self) -> bool:

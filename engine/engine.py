@@ -68,10 +68,10 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads)
         self.config = config
         self.parallel: TensorParallelGroup | None = None
-        if config.tensor_parallel_size > 1:
+        if config.num_ranks > 1:
             if loaded is not None:
-                raise ValueError("tensor_parallel_size > 1 loads each rank's slice itself: pass no loaded "
-                                 "model")
+                raise ValueError("tensor_parallel_size or expert_parallel_size > 1 loads each rank's slice "
+                                 "itself: pass no loaded model")
             from engine.parallel.group import TensorParallelGroup
 
             self.parallel = TensorParallelGroup.start(config)
@@ -111,8 +111,9 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._finish_next: list[tuple[Sequence, FinishReason]] = []
         logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d prefix_caching=%s "
-                    "tensor_parallel_size=%d", config.mode, num_pages, config.page_size, self.kv_pool.nbytes,
-                    pages.enabled, config.tensor_parallel_size)
+                    "tensor_parallel_size=%d expert_parallel_size=%d", config.mode, num_pages,
+                    config.page_size, self.kv_pool.nbytes, pages.enabled, config.tensor_parallel_size,
+                    config.expert_parallel_size)
 
     def close(self) -> None:
         """Stop the rank processes of a tensor-parallel engine (nothing otherwise); idempotent. Call it once

@@ -113,6 +113,10 @@ class WorkerConfig:
             stub is rank 0 and starts ranks 1..N-1 as processes of its own; 1 (the default): none. Must fit
             the model's heads (checked when the model loads: a bad value fails the load, naming it). Colocated
             models only for now: prefill and decode refuse N > 1 until the KV transfer moves each rank's heads.
+        expert_parallel_size: ranks the routed experts of an MoE model are spread over
+            (``EngineConfig.expert_parallel_size``): the stub is rank 0 and starts ranks 1..N-1, attention is
+            tensor-parallel over the same ranks. Must divide the model's experts and attention heads and be
+            used without ``tensor_parallel_size`` (a bad value fails the load, naming it).
         tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
             (a hung rank); a rank process that dies fails it within ~50 ms.
         drain_timeout_s: a server stop or an unload: how long the requests in flight may run to their end
@@ -153,6 +157,7 @@ class WorkerConfig:
     cpu_affinity: str = ""
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     tp_timeout_s: float = 10.0
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     blip_tolerance_s: float = DEFAULT_BLIP_TOLERANCE_S
@@ -161,9 +166,14 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "expert_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("expert_parallel_size",
+                              f"must be 1 with tensor_parallel_size={self.tensor_parallel_size}, got "
+                              f"{self.expert_parallel_size}: an expert-parallel instance splits attention over "
+                              "its own ranks")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s", "tp_timeout_s",
                      "blip_tolerance_s"):
             if not getattr(self, name) > 0:
@@ -215,7 +225,8 @@ class WorkerConfig:
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
                             device=self.device, dtype=self.dtype, weight_quant=self.weight_quant,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            tensor_parallel_size=self.tensor_parallel_size, tp_timeout_s=self.tp_timeout_s)
+                            tensor_parallel_size=self.tensor_parallel_size,
+                            expert_parallel_size=self.expert_parallel_size, tp_timeout_s=self.tp_timeout_s)
 
 
 def instance_device(kind: str, device_id: int) -> str:

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from engine.model.hf_folder import read_hf_config, read_safetensors
 from engine.model.llama import LlamaForCausalLM
 from engine.model.tokenizer import Tokenizer
 from engine.parallel.layout import shard_for
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +146,8 @@ def load_tokenizer(model: str = SMOLLM2_NAME, cache_dir: str | Path | None = Non
 def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
                cache_dir: str | Path | None = None, weight_quant: str = "none", rank: int = 0,
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, expert_group: ProcessGroup | None = None,
+               expert_timeout_s: float = 10.0) -> LoadedModel:
     """Load a Llama / Qwen2 / Mistral model for the engine (or one tensor-parallel rank's slice of it), or a
     DeepSeek-V3 / Qwen3-MoE one (``engine.model.moe_lm.build_moe_model``: one rank, ``weight_quant`` "none").
 
@@ -156,27 +161,38 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
             ``engine.model.linear``).
         rank, tensor_parallel_size: load the slice of rank ``rank`` of that many
             (``engine.parallel.layout.shard_for``); 0 of 1 (the default) is the whole model.
+        expert_group: for an MoE model, the expert-parallel process group of its ranks (gloo or NCCL; its
+            size N > 1): load the share of the group's rank (its ``num_experts / N`` experts, its attention
+            heads), the MoE layers exchanging tokens through an ``AllToAllDispatcher`` whose calls wait at most
+            ``expert_timeout_s`` seconds. None: every expert here.
 
     Returns:
         ``LoadedModel`` with the model in eval mode, its config and tokenizer.
 
     Raises:
         ModelLoadError: one error for every way a model can be missing or malformed, naming the file.
-        ValueError: ``weight_quant`` is unknown, or ``tensor_parallel_size`` does not fit the model's heads
-            (the message names it).
+        ValueError: ``weight_quant`` is unknown, ``tensor_parallel_size`` does not fit the model's heads, or
+            the expert group's size does not fit its experts or heads (the message names the field).
     """
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     folder = _resolve_folder(model, cache_root)
     config = read_hf_config(folder / "config.json", model_id=folder.name.lower())
-    shard = shard_for(config, rank, tensor_parallel_size)
+    # an MoE model's rank is its expert group's; its slice is cut by build_moe_model
+    shard = shard_for(config, rank, tensor_parallel_size) if config.moe is None else None
     tokenizer = load_tokenizer(str(folder), cache_root)
     tensors = read_safetensors(folder)
     files = sorted(folder.glob("*.safetensors"))
     source = str(files[0]) if len(files) == 1 else str(folder)
     if config.moe is not None:   # DeepSeek-V3, Qwen3-MoE (engine.model.moe_lm)
-        from engine.model.moe_lm import build_moe_model
+        from engine.model.moe_dispatch import AllToAllDispatcher
+        from engine.model.moe_lm import build_moe_model, check_expert_parallel_size
 
-        moe_net = build_moe_model(config, tensors, source, dtype, device, weight_quant, tensor_parallel_size)
+        dispatcher = None
+        if expert_group is not None:
+            check_expert_parallel_size(config, expert_group.size())
+            dispatcher = AllToAllDispatcher(config.moe.num_experts, expert_group, expert_timeout_s)
+        moe_net = build_moe_model(config, tensors, source, dtype, device, weight_quant, tensor_parallel_size,
+                                  dispatcher, expert_group.rank() if expert_group is not None else 0)
         return LoadedModel(moe_net, config, tokenizer, folder)  # type: ignore[arg-type]
     net = LlamaForCausalLM(config, select_backend(device, dtype), dtype=dtype, device=device,
                            weight_quant=weight_quant, shard=shard)

@@ -50,22 +50,30 @@ class MLAAttention(nn.Module):
         cfg: the model (``cfg.mla`` set).
         take, prefix: the checkpoint's tensors; ``"model.layers.N.self_attn."``.
         dtype, device: where the weights go.
+        heads: the query heads held (a tensor-parallel rank's: its rows of ``q_b_proj`` / ``kv_b_proj`` and
+            columns of ``o_proj``, so its output is a partial sum the caller all-reduces; the latent
+            projection ``kv_a_proj_with_mqa`` is whole on every rank, each holding the whole latent KV, as in
+            SGLang's MLA under tensor parallelism); None: every head.
 
     Attributes:
         w_uk: ``[num_heads, qk_nope_head_dim, kv_lora_rank]``; w_uv: ``[num_heads, v_head_dim, kv_lora_rank]``
-            (views of ``kv_b_proj``).
+            (views of ``kv_b_proj``; ``num_heads``: the heads held).
 
     Raises:
         ModelLoadError: from ``take``.
     """
 
     def __init__(self, cfg: ModelConfig, take: Take, prefix: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, heads: range | None = None) -> None:
         super().__init__()
         m = cfg.mla
         assert m is not None
-        self.m, self.num_heads, h = m, cfg.num_heads, cfg.hidden_size
-        q_rows = self.num_heads * m.qk_head_dim
+        heads = heads if heads is not None else range(cfg.num_heads)
+        self.m, self.num_heads, h = m, len(heads), cfg.hidden_size
+        q_rows = cfg.num_heads * m.qk_head_dim
+
+        def rows(t: torch.Tensor, per_head: int) -> torch.Tensor:
+            return t[heads.start * per_head:heads.stop * per_head]
 
         def put(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
@@ -80,16 +88,18 @@ class MLAAttention(nn.Module):
             self.q_a = put(take(prefix + "q_a_proj.weight", (m.q_lora_rank, h)))
             self.q_a_norm = put(take(prefix + "q_a_layernorm.weight", (m.q_lora_rank,)))
             q_b = take(prefix + "q_b_proj.weight", (q_rows, m.q_lora_rank))
-        self.q_b = put(rope_rows(q_b, m.qk_nope_head_dim, m.qk_head_dim))
+        self.q_b = put(rows(rope_rows(q_b, m.qk_nope_head_dim, m.qk_head_dim), m.qk_head_dim))
         kv_a = take(prefix + "kv_a_proj_with_mqa.weight", (m.latent_dim, h))
         self.kv_a = put(rope_rows(kv_a, m.kv_lora_rank, m.latent_dim))
         self.kv_a_norm = put(take(prefix + "kv_a_layernorm.weight", (m.kv_lora_rank,)))
-        kv_b = take(prefix + "kv_b_proj.weight", (self.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+        kv_b = take(prefix + "kv_b_proj.weight", (cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
                                                   m.kv_lora_rank))
-        self.kv_b = put(kv_b)   # [num_heads * (nope + v), kv_lora_rank]
+        # [num_heads * (nope + v), kv_lora_rank]
+        self.kv_b = put(rows(kv_b, m.qk_nope_head_dim + m.v_head_dim))
         per_head = self.kv_b.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.w_uk, self.w_uv = per_head.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
-        self.o_proj = put(take(prefix + "o_proj.weight", (h, self.num_heads * m.v_head_dim)))
+        o_proj = take(prefix + "o_proj.weight", (h, cfg.num_heads * m.v_head_dim))
+        self.o_proj = put(o_proj[:, heads.start * m.v_head_dim:heads.stop * m.v_head_dim].contiguous())
         self.scale = m.qk_head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,

@@ -45,16 +45,19 @@ class DenseMLP(nn.Module):
         take: the checkpoint's tensors; prefix: e.g. ``"model.layers.0.mlp."``.
         hidden, intermediate: the SwiGLU's sizes.
         dtype, device: where the weights go.
+        columns: the intermediate columns held (a tensor-parallel rank's: column-parallel gate/up,
+            row-parallel down, so its output is a partial sum the caller all-reduces); None: all.
     """
 
     def __init__(self, take: Take, prefix: str, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, columns: range | None = None) -> None:
         super().__init__()
-        gate = take(prefix + "gate_proj.weight", (intermediate, hidden))
-        up = take(prefix + "up_proj.weight", (intermediate, hidden))
-        self.gate_up = _param(torch.cat([gate, up]).to(device=device, dtype=dtype))   # [2I, H]
-        self.down = _param(take(prefix + "down_proj.weight", (hidden, intermediate)).to(device=device,
-                                                                                          dtype=dtype))
+        cols = slice(columns.start, columns.stop) if columns is not None else slice(None)
+        gate = take(prefix + "gate_proj.weight", (intermediate, hidden))[cols]
+        up = take(prefix + "up_proj.weight", (intermediate, hidden))[cols]
+        self.gate_up = _param(torch.cat([gate, up]).to(device=device, dtype=dtype))   # [2I_local, H]
+        down = take(prefix + "down_proj.weight", (hidden, intermediate))[:, cols]
+        self.down = _param(down.contiguous().to(device=device, dtype=dtype))   # [H, I_local]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``."""
@@ -117,10 +120,8 @@ class MoEBlock(nn.Module):
         routing = route(self.router_logits(x), self.cfg, self.bias)
         sent = self.dispatcher.dispatch(x, routing.topk_ids, routing.topk_weights)
         outputs = torch.empty_like(sent.hidden)
-        start = 0
-        for j, rows in enumerate(sent.per_expert()):
-            if rows.shape[0]:
-                outputs[start:start + rows.shape[0]] = swiglu(rows, self.w13[j], self.w2[j])
-            start += rows.shape[0]
+        for j, start, stop in sent.expert_blocks():   # one product per block of one expert's rows
+            if stop > start:
+                outputs[start:stop] = swiglu(sent.hidden[start:stop], self.w13[j], self.w2[j])
         y = self.dispatcher.combine(outputs, sent.handle)
         return y if self.shared is None else y + self.shared(x)

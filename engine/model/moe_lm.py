@@ -6,8 +6,18 @@ its attention module (``attention(cfg, take, prefix, ...)``) and RoPE width; the
 ``LlamaForCausalLM.forward``'s contract (``engine.model_runner.CausalLM``), so the engine, the paged KV pool
 and prefill/decode roles are unchanged.
 
+Expert parallelism (``expert_parallel_size`` N > 1, docs/moe.md): each of the N ranks holds ``num_experts / N``
+experts and a tensor-parallel slice of the rest (attention heads, dense layers' columns, LM head rows:
+``engine.parallel.layout.RankShard``; attention TP size = EP size, as SGLang runs EP). Per layer: attention,
+its partial sums all-reduced, so every rank holds every token's hidden state; a dense FFN likewise; an MoE FFN
+runs on this rank's contiguous share of the step's tokens (``split_range``: SGLang's "scattered" MoE input),
+routed through the ``AllToAllDispatcher`` to the experts' ranks and back, shared experts on the same share;
+then the shares are put back together with one all-reduce of a ``[T, hidden]`` tensor zero outside each rank's
+rows (exact: adding zeros changes no bit). The logits are gathered to rank 0 as the Llama TP model's are.
+
 Weights: the full precision tensors of a Hugging Face folder (transformers' names), held in the model dtype;
-``weight_quant`` other than ``"none"``, tensor parallelism and RoPE scaling are refused at load. Tensors of
+``weight_quant`` other than ``"none"``, tensor parallelism without expert parallelism and RoPE scaling are
+refused at load. Tensors of
 layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer, ``num_nextn_predict_layers``)
 are ignored; any other tensor left over fails the load, named.
 """
@@ -28,6 +38,8 @@ from engine.model.errors import ModelLoadError
 from engine.model.moe import DenseMLP, MoEBlock
 from engine.model.moe_dispatch import TokenDispatcher
 from engine.model.rope import RotaryEmbedding
+from engine.parallel.communicator import Communicator
+from engine.parallel.layout import RankShard, check_tensor_parallel_size, shard_for, split_range, whole_model
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,6 +71,11 @@ class CheckpointTensors:
         self.used.add(name)
         return t
 
+    def held_elsewhere(self, names: list[str]) -> None:
+        """Count ``names`` as taken without reading them: another rank holds them (expert parallelism). The
+        file is memory-mapped, so their bytes are never read here."""
+        self.used.update(n for n in names if n in self.tensors)
+
     def check_all_used(self, architecture: str) -> None:
         """Raise ModelLoadError naming the first tensor no part of the model took (bar the ignored ones)."""
         def ignored(name: str) -> bool:
@@ -77,24 +94,53 @@ class CheckpointTensors:
 AttentionFactory = Callable[..., nn.Module]
 
 
+class RankLink:
+    """How a layer of an expert-parallel model reaches its peers: this rank, the group's size and the
+    communicator (set by ``MoEDecoderLM.attach`` before the first step; None on a single rank)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.comm: Communicator | None = None
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks (in place; ``Communicator.all_reduce``), or ``x`` on a single rank.
+        Raises ``CollectiveError``."""
+        return x if self.comm is None else self.comm.all_reduce(x.contiguous())
+
+    def my_rows(self, num_tokens: int) -> range:
+        """This rank's share of a step's ``num_tokens`` tokens for the MoE (contiguous, sizes within one)."""
+        return split_range(num_tokens, self.world_size, self.rank)
+
+
 class MoEDecoderLayer(nn.Module):
-    """One block: attention and a dense or MoE feed-forward, each after its RMSNorm, each residual."""
+    """One block: attention and a dense or MoE feed-forward, each after its RMSNorm, each residual; across
+    ranks as the module docstring says."""
 
     def __init__(self, cfg: ModelConfig, i: int, attention: nn.Module, ffn: nn.Module,
-                 input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+                 input_norm: torch.Tensor, post_norm: torch.Tensor, link: RankLink) -> None:
         super().__init__()
         self.eps, self.hidden = cfg.rms_norm_eps, cfg.hidden_size
         self.attn, self.ffn = attention, ffn
         self.input_norm = nn.Parameter(input_norm, requires_grad=False)
         self.post_norm = nn.Parameter(post_norm, requires_grad=False)
+        self.link = link
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                 backend: AttentionBackend, metadata: object) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``; writes this layer's KV into ``layer_kv``."""
+        """``[T, hidden]`` -> ``[T, hidden]``; writes this layer's KV into ``layer_kv``.
+
+        Raises:
+            CollectiveError, DispatchError: an exchange with the other ranks failed (``ep > 1``).
+        """
         x = F.rms_norm(h, (self.hidden,), self.input_norm, self.eps)
-        h = h + self.attn(x, cos, sin, layer_kv, backend, metadata)
+        h = h + self.link.reduce(self.attn(x, cos, sin, layer_kv, backend, metadata))
         x = F.rms_norm(h, (self.hidden,), self.post_norm, self.eps)
-        return h + self.ffn(x)
+        if not isinstance(self.ffn, MoEBlock) or self.link.world_size == 1:
+            return h + self.link.reduce(self.ffn(x))
+        rows = self.link.my_rows(x.shape[0])
+        y = torch.zeros_like(x)   # [T, hidden]: this rank's rows filled, zero elsewhere, then summed
+        y[rows.start:rows.stop] = self.ffn(x[rows.start:rows.stop])
+        return h + self.link.reduce(y)
 
 
 class MoEDecoderLM(nn.Module):
@@ -108,6 +154,11 @@ class MoEDecoderLM(nn.Module):
         backend: the paged attention backend (bound by the caller).
         dtype, device: weights and activations.
         dispatcher: the MoE layers' ``TokenDispatcher`` (one for all layers); None: every expert local.
+        shard: this rank's tensor-parallel slice (dense columns, LM head rows; the attention factory takes
+            its heads); None: the whole model. Its ``world_size`` must be the dispatcher's ``ep_size``.
+
+    Attributes:
+        shard: as given (``whole_model`` when None); the rank process sizes its KV pool from it.
 
     Raises:
         ModelLoadError: a tensor missing, misshapen or unexpected.
@@ -115,10 +166,13 @@ class MoEDecoderLM(nn.Module):
 
     def __init__(self, config: ModelConfig, tensors: CheckpointTensors, attention: AttentionFactory,
                  rope_dim: int, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-                 dispatcher: TokenDispatcher | None = None) -> None:
+                 dispatcher: TokenDispatcher | None = None, shard: RankShard | None = None) -> None:
         super().__init__()
         assert config.moe is not None
         self.config, self.dtype, self.attention_backend = config, dtype, backend
+        self.shard = shard = shard if shard is not None else whole_model(config)
+        assert dispatcher is None or dispatcher.ep_size == shard.world_size, "one rank group for EP and TP"
+        self.link = RankLink(shard.rank, shard.world_size)
         h, take = config.hidden_size, tensors.take
 
         def put(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -131,19 +185,31 @@ class MoEDecoderLM(nn.Module):
             p = f"model.layers.{i}."
             ffn: nn.Module = MoEBlock(config.moe, take, p + "mlp.", h, dtype, device, dispatcher) \
                 if i in config.moe.sparse_layers else \
-                DenseMLP(take, p + "mlp.", h, config.intermediate_size, dtype, device)
+                DenseMLP(take, p + "mlp.", h, config.intermediate_size, dtype, device, shard.intermediate)
+            if isinstance(ffn, MoEBlock):
+                others = [e for e in range(config.moe.num_experts) if e not in ffn.dispatcher.local_experts]
+                tensors.held_elsewhere([f"{p}mlp.experts.{e}.{w}_proj.weight" for e in others
+                                        for w in ("gate", "up", "down")])
             layers.append(MoEDecoderLayer(config, i, attention(config, take, p + "self_attn.", dtype, device),
                                           ffn, put(p + "input_layernorm.weight", (h,)),
-                                          put(p + "post_attention_layernorm.weight", (h,))))
+                                          put(p + "post_attention_layernorm.weight", (h,)), self.link))
         self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(put("model.norm.weight", (h,)), requires_grad=False)
+        vocab = slice(shard.vocab.start, shard.vocab.stop)   # this rank's LM head rows (all on one rank)
         if config.tie_word_embeddings:
             tensors.used.add("lm_head.weight")   # some checkpoints store the tied copy
-            self.lm_head = self.embed_tokens
+            self.lm_head = self.embed_tokens if shard.is_whole else \
+                nn.Parameter(self.embed_tokens[vocab].clone(), requires_grad=False)
         else:
-            self.lm_head = nn.Parameter(put("lm_head.weight", (config.vocab_size, h)), requires_grad=False)
+            self.lm_head = nn.Parameter(put("lm_head.weight", (config.vocab_size, h))[vocab].contiguous(),
+                                        requires_grad=False)
         tensors.check_all_used(config.architecture)
         self.rotary = RotaryEmbedding(rope_dim, config.max_position_embeddings, config.rope_theta).to(device)
+
+    def attach(self, comm: Communicator) -> None:
+        """Sum partial products, put the MoE shares together and gather the logits through ``comm`` from the
+        next forward on (called once by the rank group, before the first step; every rank)."""
+        self.link.comm = comm
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -151,10 +217,12 @@ class MoEDecoderLM(nn.Module):
         num_pages, page_size, num_kv_heads, head_dim]`` (MLA: 1 plane, 1 head of the latent width).
 
         Returns:
-            ``[len(batch.logits_indices), vocab_size]`` float32 logits.
+            ``[len(batch.logits_indices), vocab_size]`` float32 logits (on ranks other than 0 of an
+            expert-parallel group: this rank's vocabulary columns only).
 
         Raises:
-            engine.model.moe_dispatch.DispatchError: an expert-parallel exchange failed.
+            engine.model.moe_dispatch.DispatchError, engine.parallel.communicator.CollectiveError: an
+                expert-parallel exchange failed.
         """
         cfg = self.config
         metadata = self.attention_backend.prepare(batch, int(kv_cache.shape[3]))
@@ -163,35 +231,64 @@ class MoEDecoderLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata)
         h = F.rms_norm(h[batch.logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        logits = F.linear(h, self.lm_head).float()
+        return logits if self.link.comm is None else self.link.comm.gather_logits(logits.contiguous())
+
+
+def check_expert_parallel_size(config: ModelConfig, ep: int) -> None:
+    """Raise ValueError, naming ``expert_parallel_size``, when the model cannot run over ``ep`` ranks: not
+    an MoE model, experts or attention heads not divisible by ``ep`` (the attention is tensor-parallel over
+    the same ranks)."""
+    if ep == 1:
+        return
+    if config.moe is None:
+        raise ValueError(f"expert_parallel_size={ep} needs a mixture-of-experts model; "
+                         f"{config.architecture!r} has no routed experts")
+    if config.moe.num_experts % ep:
+        raise ValueError(f"expert_parallel_size={ep} does not divide the model's {config.moe.num_experts} "
+                         "routed experts (n_routed_experts / num_experts)")
+    try:
+        check_tensor_parallel_size(config, ep)
+    except ValueError:
+        raise ValueError(f"expert_parallel_size={ep} does not fit the model's {config.num_heads} attention "
+                         f"heads and {config.num_kv_heads} KV heads (attention is split over the same ranks)"
+                         ) from None
 
 
 def build_moe_model(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str | None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     weight_quant: str = "none", tensor_parallel_size: int = 1,
-                    dispatcher: TokenDispatcher | None = None) -> MoEDecoderLM:
-    """The model of a ``deepseek_v3`` or ``qwen3_moe`` config, its weights from ``tensors`` (eval mode).
+                    dispatcher: TokenDispatcher | None = None, rank: int = 0) -> MoEDecoderLM:
+    """The model of a ``deepseek_v3`` or ``qwen3_moe`` config, its weights from ``tensors`` (eval mode): the
+    whole model, or with an expert-parallel ``dispatcher`` (``ep_size`` N > 1) rank ``rank``'s share: its
+    experts (``dispatcher.local_experts``) and its tensor-parallel slice of the rest (``shard_for(config,
+    rank, N)``). The rank's weights only are copied into its parameters.
 
     Raises:
-        ValueError: ``weight_quant`` other than ``"none"`` or ``tensor_parallel_size`` > 1 (named; not
-            supported for these architectures yet).
+        ValueError: ``weight_quant`` other than ``"none"``, ``tensor_parallel_size`` > 1 (named; not
+            supported for these architectures: use ``expert_parallel_size``), or a dispatcher's ``ep_size``
+            the model cannot take (``check_expert_parallel_size``).
         ModelLoadError: a tensor missing, misshapen or unexpected.
     """
     arch = config.architecture
     if weight_quant != "none":
         raise ValueError(f"weight_quant={weight_quant!r} is not supported for {arch} (only 'none')")
     if tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported for {arch} (only 1)")
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported for {arch} (only 1; "
+                         "expert_parallel_size splits these models over ranks)")
+    ep = dispatcher.ep_size if dispatcher is not None else 1
+    check_expert_parallel_size(config, ep)
+    shard = shard_for(config, rank, ep)
     device = torch.device(device)
     checkpoint = CheckpointTensors(tensors, source, config.num_layers)
     if arch == "deepseek_v3":
         from engine.model.deepseek_v3 import build_deepseek_v3
 
-        model = build_deepseek_v3(config, checkpoint, dtype, device, dispatcher)
+        model = build_deepseek_v3(config, checkpoint, dtype, device, dispatcher, shard)
     elif arch == "qwen3_moe":
         from engine.model.qwen3_moe import build_qwen3_moe
 
-        model = build_qwen3_moe(config, checkpoint, dtype, device, dispatcher)
+        model = build_qwen3_moe(config, checkpoint, dtype, device, dispatcher, shard)
     else:
         raise ValueError(f"architecture {arch!r} is not a mixture-of-experts model")
     return model.eval()

@@ -59,7 +59,9 @@ def grouped_sigmoid_topk(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tenso
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
         group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, cfg.experts_per_group).reshape(tokens, -1)
+        # the width spelled out: a rank of an expert-parallel step may route no token (T = 0)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, cfg.experts_per_group).reshape(tokens,
+                                                                                              cfg.num_experts)
         choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
     ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)

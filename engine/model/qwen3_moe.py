@@ -17,6 +17,7 @@ from engine.model.moe import Take
 from engine.model.moe_dispatch import TokenDispatcher
 from engine.model.moe_lm import CheckpointTensors, MoEDecoderLM
 from engine.model.rope import apply_rope
+from engine.parallel.layout import RankShard, whole_model
 
 
 class QKNormAttention(nn.Module):
@@ -25,26 +26,31 @@ class QKNormAttention(nn.Module):
     Args:
         cfg: the model; take, prefix: the checkpoint's tensors, ``"model.layers.N.self_attn."``;
         dtype, device: where the weights go.
+        shard: a tensor-parallel rank's heads (``engine.parallel.layout.RankShard``: its query heads and
+            KV heads, column-parallel q/k/v, row-parallel o, so its output is a partial sum the caller
+            all-reduces); None: every head.
 
     Raises:
         ModelLoadError: from ``take``.
     """
 
     def __init__(self, cfg: ModelConfig, take: Take, prefix: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, shard: RankShard | None = None) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        shard = shard if shard is not None else whole_model(cfg)
+        self.heads, self.kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.eps, h = cfg.rms_norm_eps, cfg.hidden_size
+        q, kv = slice(shard.q_rows.start, shard.q_rows.stop), slice(shard.kv_rows.start, shard.kv_rows.stop)
 
         def put(t: torch.Tensor) -> nn.Parameter:
-            return nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+            return nn.Parameter(t.contiguous().to(device=device, dtype=dtype), requires_grad=False)
 
-        self.qkv_proj = put(torch.cat([take(prefix + "q_proj.weight", (cfg.q_size, h)),
-                                       take(prefix + "k_proj.weight", (cfg.kv_size, h)),
-                                       take(prefix + "v_proj.weight", (cfg.kv_size, h))]))  # rows: q | k | v
+        self.qkv_proj = put(torch.cat([take(prefix + "q_proj.weight", (cfg.q_size, h))[q],
+                                       take(prefix + "k_proj.weight", (cfg.kv_size, h))[kv],
+                                       take(prefix + "v_proj.weight", (cfg.kv_size, h))[kv]]))  # q | k | v
         self.q_norm = put(take(prefix + "q_norm.weight", (cfg.head_dim,)))
         self.k_norm = put(take(prefix + "k_norm.weight", (cfg.head_dim,)))
-        self.o_proj = put(take(prefix + "o_proj.weight", (h, cfg.q_size)))
+        self.o_proj = put(take(prefix + "o_proj.weight", (h, cfg.q_size))[:, q])
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
@@ -61,9 +67,18 @@ class QKNormAttention(nn.Module):
 
 
 def build_qwen3_moe(config: ModelConfig, tensors: CheckpointTensors, dtype: torch.dtype,
-                    device: torch.device, dispatcher: TokenDispatcher | None = None) -> MoEDecoderLM:
-    """The model of a ``qwen3_moe`` config, weights from ``tensors``. Raises ``ModelLoadError`` for a tensor
-    missing, misshapen or unexpected; ``ValueError`` from the backend's ``bind``."""
+                    device: torch.device, dispatcher: TokenDispatcher | None = None,
+                    shard: RankShard | None = None) -> MoEDecoderLM:
+    """The model of a ``qwen3_moe`` config (a rank's ``shard`` of it; None: whole), weights from ``tensors``.
+    Raises ``ModelLoadError`` for a tensor missing, misshapen or unexpected; ``ValueError`` from the
+    backend's ``bind``."""
+    shard = shard if shard is not None else whole_model(config)
     backend = select_backend(device, dtype)
-    backend.bind(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
-    return MoEDecoderLM(config, tensors, QKNormAttention, config.head_dim, backend, dtype, device, dispatcher)
+    backend.bind(shard.num_heads, shard.num_kv_heads, config.head_dim, dtype)
+
+    def attention(cfg: ModelConfig, take: Take, prefix: str, dtype: torch.dtype,
+                  device: torch.device) -> QKNormAttention:
+        return QKNormAttention(cfg, take, prefix, dtype, device, shard)
+
+    return MoEDecoderLM(config, tensors, attention, config.head_dim, backend, dtype, device, dispatcher,
+                        shard)

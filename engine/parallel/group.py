@@ -44,6 +44,7 @@ from engine.errors import TensorParallelError
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, KVShape, shared_pool_fd
 from engine.model.config import ModelConfig
+from engine.model.moe_dispatch import DispatchError
 from engine.parallel.communicator import CollectiveError, Communicator
 from engine.parallel.layout import KVHeadSlice, RankShard, shard_for
 from engine.parallel.spec import START_TIMEOUT_S, STORE_HOST, RankSpec, make_communicator
@@ -78,7 +79,7 @@ class TensorParallelGroup:
     """
 
     def __init__(self, config: EngineConfig, shards: list[RankShard], num_pages: int) -> None:
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.num_ranks
         self.shards = shards
         self.kv_heads: KVHeadSlice = shards[0].kv_heads
         self.num_pages = num_pages
@@ -107,7 +108,8 @@ class TensorParallelGroup:
 
         Raises:
             ValueError: ``tensor_parallel_size`` does not fit the model's heads, or the model is not a dense
-                Llama-family one (the message names it).
+                Llama-family one; ``expert_parallel_size`` does not fit its experts or heads, or the model has
+                no experts (the message names the field).
             engine.model.ModelLoadError: the model cannot be loaded.
             TensorParallelError: a rank process exited or did not join within ``START_TIMEOUT_S``.
         """
@@ -116,10 +118,14 @@ class TensorParallelGroup:
 
         folder = resolve_model_folder(config.model, config.cache_dir)
         mc = read_hf_config(folder / "config.json", model_id=folder.name.lower())
-        n = config.tensor_parallel_size
-        if getattr(mc, "moe", None) is not None or getattr(mc, "mla", None) is not None:
+        n = config.num_ranks
+        if config.expert_parallel_size > 1:   # an MoE model: experts spread, the rest tensor-parallel
+            from engine.model.moe_lm import check_expert_parallel_size
+
+            check_expert_parallel_size(mc, n)
+        elif getattr(mc, "moe", None) is not None or getattr(mc, "mla", None) is not None:
             raise ValueError(f"tensor_parallel_size={n} is not supported for {mc.architecture}: the ranks "
-                             "split dense Llama-family models only")
+                             "split dense Llama-family models only (expert_parallel_size splits MoE models)")
         shards = [shard_for(mc, r, n) for r in range(n)]
         group = cls(config, shards, _num_pages(config, mc, shards))
         try:
@@ -148,16 +154,24 @@ class TensorParallelGroup:
         specs = [RankSpec(r, n, str(folder), _rank_device(config.device, r), config.dtype,
                           config.weight_quant, config.num_threads, config.page_size, self.num_pages,
                           self._store.port, collectives, self._region_fd, buffer_bytes, widths,
-                          config.tp_timeout_s, kv_fds[r]) for r in range(n)]
+                          config.tp_timeout_s, kv_fds[r], config.expert_parallel_size) for r in range(n)]
         for spec in specs[1:]:
             self._procs.append(_spawn(spec, self._region_fd, spec.kv_fd))
         logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank",
                     n - 1, self.rank_pids, collectives, self.num_pages)
-        loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
-                                          device=config.device, weight_quant=config.weight_quant, rank=0,
-                                          tensor_parallel_size=n)
-        self._wait_keys("hello")
-        process_group = open_process_group(self._store, 0, n, torch.device(config.device))
+        if config.expert_parallel_size > 1:   # its all-to-alls need the group at load: join first
+            self._wait_keys("hello")
+            process_group = open_process_group(self._store, 0, n, torch.device(config.device))
+            loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
+                                              device=config.device, weight_quant=config.weight_quant,
+                                              expert_group=process_group,
+                                              expert_timeout_s=config.tp_timeout_s)
+        else:
+            loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
+                                              device=config.device, weight_quant=config.weight_quant, rank=0,
+                                              tensor_parallel_size=n)
+            self._wait_keys("hello")
+            process_group = open_process_group(self._store, 0, n, torch.device(config.device))
         self.comm = make_communicator(specs[0], process_group, self._region_fd)
         self._wait_keys("ready")
         loaded.model.attach(self.comm)
@@ -169,7 +183,8 @@ class TensorParallelGroup:
         """A memfd per rank 1..N-1 holding its KV pool, mapped here too (``rank_pools``)."""
         dtype = getattr(torch, self._config.dtype)
         for shard in self.shards[1:]:
-            shape = KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, self._config.page_size)
+            shape = KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, self._config.page_size,
+                            mc.kv_layout_kind)
             fd = shared_pool_fd(self.num_pages * shape.page_bytes(dtype))
             self._kv_fds.append(fd)
             self.rank_pools.append(KVPool(shape, self.num_pages, dtype, "cpu", shared_fd=fd))
@@ -207,6 +222,13 @@ class TensorParallelGroup:
                 self.comm.abort(reason)
             self._kill()
         return TensorParallelError(self.failure or reason)
+
+    def explain(self, error: Exception) -> str:
+        """``error``'s text, led by the rank process that exited if one did: an MoE all-to-all (gloo or
+        NCCL, not the communicator) ends with the transport's words ("Connection closed by peer") when a
+        rank dies inside it, before the rank watch names the rank."""
+        dead = self._exited()
+        return f"{dead} ({error})" if dead and dead not in str(error) else str(error)
 
     def _watch_ranks(self) -> None:
         while not self._stopping.wait(WATCH_INTERVAL_S):
@@ -295,8 +317,8 @@ class ParallelCausalLM:
         try:
             group.comm.broadcast_step(encode_step(batch))
             return self._model.forward(batch, kv_cache)
-        except CollectiveError as e:
-            raise group.fail(str(e)) from None
+        except (CollectiveError, DispatchError) as e:
+            raise group.fail(group.explain(e)) from None
         except BaseException as e:
             group.fail(f"rank 0 failed inside a step: {e!r}")
             raise
@@ -308,7 +330,7 @@ def _num_pages(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]) -
     if config.num_pages:
         return config.num_pages
     most = max(s.num_kv_heads for s in shards)
-    return KVShape(mc.num_layers, most, mc.head_dim, config.page_size).pages_for_bytes(
+    return KVShape(mc.num_layers, most, mc.head_dim, config.page_size, mc.kv_layout_kind).pages_for_bytes(
         config.pool_bytes, getattr(torch, config.dtype))
 
 

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from engine.model.moe_dispatch import DispatchError
 from engine.parallel.communicator import CollectiveError, Communicator
 from engine.parallel.spec import RankSpec, connect_store, make_communicator
 from engine.parallel.step import STOP, decode_step, message_op
@@ -54,7 +55,8 @@ def serve(comm: Communicator, model: torch.nn.Module, kv_cache: torch.Tensor,
     spent in their forwards (collectives included).
 
     Raises:
-        CollectiveError: a collective failed (rank 0 aborted the group or went silent).
+        CollectiveError, DispatchError: a collective or an MoE all-to-all failed (rank 0 aborted the group,
+            a rank went silent or died).
         ValueError: a malformed message.
     """
     steps, busy_s = 0, 0.0
@@ -79,11 +81,17 @@ def run(spec: RankSpec) -> int:
     store = connect_store(spec.store_port, spec.world_size)
     store.set(f"hello/{spec.rank}", str(os.getpid()))
     group = open_process_group(store, spec.rank, spec.world_size, device)
-    loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
-                        weight_quant=spec.weight_quant, rank=spec.rank, tensor_parallel_size=spec.world_size)
+    if spec.expert_parallel_size > 1:   # an MoE model: this rank's experts, tokens over the group
+        loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
+                            weight_quant=spec.weight_quant, expert_group=group,
+                            expert_timeout_s=spec.timeout_s)
+    else:
+        loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
+                            weight_quant=spec.weight_quant, rank=spec.rank,
+                            tensor_parallel_size=spec.world_size)
     shard, mc = loaded.model.shard, loaded.config
-    pool = KVPool(KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, spec.page_size), spec.num_pages,
-                  getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd)
+    pool = KVPool(KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, spec.page_size, mc.kv_layout_kind),
+                  spec.num_pages, getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd)
     comm = make_communicator(spec, group, spec.region_fd)
     loaded.model.attach(comm)
     store.set(f"ready/{spec.rank}", "1")
@@ -92,7 +100,7 @@ def run(spec: RankSpec) -> int:
                 spec.num_pages)
     try:
         steps, busy_s = serve(comm, loaded.model, pool.kv_cache, device)
-    except CollectiveError as e:
+    except (CollectiveError, DispatchError) as e:
         logger.error("rank %d stops: %s", spec.rank, e)
         return 1
     except Exception as e:

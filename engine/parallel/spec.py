@@ -43,6 +43,8 @@ class RankSpec:
         timeout_s: ``EngineConfig.tp_timeout_s``.
         kv_fd: the memfd holding this rank's KV pool, which rank 0 maps too (its KV transfer agent registers
             every rank's pool: docs/parallelism.md), in the rank process; -1: a private pool (GPU ranks).
+        expert_parallel_size: ``EngineConfig.expert_parallel_size``: > 1 (then ``world_size``) loads this
+            rank's experts and exchanges tokens over the process group; 1: tensor parallelism.
     """
 
     rank: int
@@ -61,6 +63,7 @@ class RankSpec:
     logit_widths: tuple[int, ...]
     timeout_s: float
     kv_fd: int = -1
+    expert_parallel_size: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

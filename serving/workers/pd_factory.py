@@ -160,15 +160,17 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
 
     Raises:
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
-        ConfigError: ``tensor_parallel_size`` > 1 on a GPU (the KV transfer registers every rank's pool
-            in rank 0's process, which a GPU rank's device memory is not: docs/parallelism.md).
+        ConfigError: ``tensor_parallel_size`` or ``expert_parallel_size`` > 1 on a GPU (the KV transfer
+            registers every rank's pool in rank 0's process, which a GPU rank's device memory is not:
+            docs/parallelism.md).
         engine.model.errors.ModelLoadError: the model cannot be loaded.
     """
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    if config.tensor_parallel_size > 1 and config.device.startswith("cuda"):
-        raise ConfigError("tensor_parallel_size",
-                          f"must be 1 for {role} models on a GPU, got {config.tensor_parallel_size}: the KV "
+    ranks_field = "tensor_parallel_size" if config.tensor_parallel_size > 1 else "expert_parallel_size"
+    if getattr(config, ranks_field) > 1 and config.device.startswith("cuda"):
+        raise ConfigError(ranks_field,
+                          f"must be 1 for {role} models on a GPU, got {getattr(config, ranks_field)}: the KV "
                           "transfer moves the ranks' pools from rank 0's process, which reaches host memory "
                           "only (colocated models take it)")
     from engine import LLMEngine  # heavy import (torch): only when a worker is built

@@ -28,7 +28,11 @@ def expert_fn(rows: torch.Tensor, expert: int) -> torch.Tensor:
 
 
 def run_experts(sent, experts: range) -> torch.Tensor:
-    return torch.cat([expert_fn(rows, g) for rows, g in zip(sent.per_expert(), experts)])
+    """Each row of ``sent.hidden`` through its expert, in ``sent.hidden``'s row order (what combine takes)."""
+    out = torch.empty_like(sent.hidden)
+    for e, start, stop in sent.expert_blocks():
+        out[start:stop] = expert_fn(sent.hidden[start:stop], experts[e])
+    return out
 
 
 def tokens_of(rank: int, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,168 @@
+"""Expert parallelism inside one engine (``expert_parallel_size``, docs/moe.md): tiny random DeepSeek-V3 and
+Qwen3-MoE models made with transformers' configs (8 experts, top-2, one dense layer first; fp32).
+
+Invariants: an EP=2 engine gives EP=1's greedy tokens with logprobs within 1e-4, each rank holding 4 of the 8
+experts and half of the attention heads (MLA: every rank the whole latent KV; GQA: its KV head); a size the
+model cannot take fails the engine naming ``expert_parallel_size`` and starts no rank process; a rank killed
+with kill -9 in the middle of a step fails that step within seconds with an error naming it, every later step
+too, all pages back and no rank process left; a rank that hangs fails the step after ``tp_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import TensorParallelError
+from tests.engine.test_moe_models import deepseek_config, qwen3_moe_config, save_model
+from tests.engine.test_tensor_parallel import _alive, _children
+
+pytestmark = [pytest.mark.reference, pytest.mark.timeout(300),
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                 reason="transformers not installed")]
+
+PROMPTS = [[7], [3, 17, 60, 5, 9], list(range(20, 33)), [(11 * i + 5) % 128 for i in range(29)]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("ep-models")
+    save_model(base / "deepseek_v3", deepseek_config())
+    save_model(base / "qwen3_moe", qwen3_moe_config())
+    return {"deepseek_v3": base / "deepseek_v3", "qwen3_moe": base / "qwen3_moe"}
+
+
+def make_engine(folder: Path, ep: int, **kw: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), num_pages=96, page_size=4, chunk_size=16,
+                                  max_num_batched_tokens=32, expert_parallel_size=ep, **kw))
+
+
+def greedy(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                          ignore_eos=True))
+    out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(o.new_logprobs)
+    assert engine.num_free_pages == engine.num_total_pages
+    return out
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_ep2_gives_ep1s_greedy_tokens_with_half_the_experts_and_heads_per_rank(
+        models: dict[str, Path], arch: str) -> None:
+    one = make_engine(models[arch], 1)
+    try:
+        reference = greedy(one)
+    finally:
+        one.close()
+    assert len({tuple(t) for t, _ in reference.values()}) == len(PROMPTS)   # the prompts' texts differ
+    two = make_engine(models[arch], 2)
+    try:
+        assert two.parallel is not None and len(two.parallel.rank_pids) == 1
+        rank0 = two.parallel.loaded.model
+        moe_layer = rank0.layers[1].ffn
+        assert list(moe_layer.dispatcher.local_experts) == [0, 1, 2, 3] and moe_layer.w13.shape[0] == 4
+        assert [s.num_heads for s in two.parallel.shards] == [2, 2]
+        if arch == "deepseek_v3":   # one latent "head", on every rank
+            assert two.kv_heads.replicas == 2 and two.kv_pool.shape.kind == "mla"
+        else:
+            assert two.kv_heads.num_heads == 1 and two.kv_heads.replicas == 1
+        got = greedy(two)
+    finally:
+        two.close()
+    for rid, (tokens, logprobs) in reference.items():
+        assert got[rid][0] == tokens, rid
+        assert torch.allclose(torch.tensor(got[rid][1]), torch.tensor(logprobs), atol=1e-4, rtol=0), rid
+
+
+@pytest.mark.parametrize("ep,words", [(3, "does not divide the model's 8 routed experts"),
+                                      (8, "does not fit the model's 4 attention heads")])
+def test_a_size_the_model_cannot_take_fails_naming_expert_parallel_size_and_starts_no_rank(
+        models: dict[str, Path], ep: int, words: str) -> None:
+    before = _children()
+    with pytest.raises(ValueError, match=f"expert_parallel_size={ep} {words}"):
+        make_engine(models["deepseek_v3"], ep)
+    assert _children() == before
+
+
+def test_expert_parallel_with_tensor_parallel_or_on_a_dense_model_is_refused_by_name(
+        models: dict[str, Path]) -> None:
+    from engine.model.hf_folder import read_hf_config
+    from engine.model.moe_lm import check_expert_parallel_size
+    from serving.config import ConfigError, WorkerConfig
+
+    with pytest.raises(ValueError, match="expert_parallel_size=2 with tensor_parallel_size=2"):
+        EngineConfig(expert_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_parallel_size must be a positive int"):
+        EngineConfig(expert_parallel_size=0)
+    with pytest.raises(ConfigError, match="expert_parallel_size"):
+        WorkerConfig(expert_parallel_size=2, tensor_parallel_size=2)
+    dense = replace(read_hf_config(models["qwen3_moe"] / "config.json", "qwen3"), moe=None)
+    with pytest.raises(ValueError, match="expert_parallel_size=2 needs a mixture-of-experts model"):
+        check_expert_parallel_size(dense, 2)
+
+
+def test_rank_1_killed_mid_step_fails_that_step_naming_it_and_everything_after(
+        models: dict[str, Path]) -> None:
+    engine = make_engine(models["deepseek_v3"], 2, tp_timeout_s=30.0)   # the death is seen, not timed out
+    pid = engine.parallel.rank_pids[0]
+    try:
+        for rid in ("a", "b"):
+            engine.add_request(rid, PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0))
+        for _ in range(3):
+            engine.step()
+        os.kill(pid, signal.SIGSTOP)   # rank 1 stops where it is, so the next step blocks on it
+        failed: list[tuple[float, BaseException]] = []
+
+        def step() -> None:
+            try:
+                engine.step()
+            except TensorParallelError as e:
+                failed.append((time.monotonic(), e))
+
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        time.sleep(0.3)                 # rank 0 now waits inside an exchange of that step
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        stepping.join(10)
+        assert not stepping.is_alive() and failed, "the step did not fail"
+        assert failed[0][0] - killed_at < 3.0
+        assert f"rank 1 (pid {pid}) was killed by signal 9" in str(failed[0][1])
+        with pytest.raises(TensorParallelError, match="killed by signal 9"):
+            engine.step()
+        for rid in ("a", "b"):          # what the serving loop does with a failed step's requests
+            engine.abort_request(rid)
+        assert engine.num_free_pages == engine.num_total_pages
+    finally:
+        engine.close()
+    assert not _alive(pid)
+
+
+def test_a_hung_rank_fails_the_step_after_tp_timeout_s(models: dict[str, Path]) -> None:
+    engine = make_engine(models["qwen3_moe"], 2, tp_timeout_s=1.0)
+    pid = engine.parallel.rank_pids[0]
+    try:
+        engine.add_request("a", PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError):
+            engine.step()
+        assert 0.9 < time.monotonic() - start < 3.0
+    finally:
+        engine.close()
+    assert not _alive(pid)

@@ -1,0 +1,106 @@
+"""Expert parallelism in a real tritonserver (issue #46): a tiny random DeepSeek-V3 (MLA, 8 experts, top-2,
+fp32) served by ``pd_ensemble`` with prefill at ``expert_parallel_size`` 2 and decode at 1, over NIXL, beside a
+``colocated`` model at ``expert_parallel_size`` 2.
+
+Invariants: each EP=2 stub has started one rank process; every PD stream and every colocated EP=2 stream
+equals an in-process EP=1 colocated engine's greedy text, so the latent KV both prefill ranks held crossed to
+decode, and tokens crossed ranks to their experts; KV bytes crossed from prefill; kill -9 of the colocated
+model's rank 1 under a request ends that request with an error naming the rank within seconds (no hang), and
+the server then ends, as when a stub dies (``serving.workers.fatal``). Teardown stops the server if it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
+from live_prompts import colocated_greedy_texts
+from perf.server import Deployment, RunningServer, ServerPorts, free_ports, stub_pids
+from test_moe_pd_workers import save_tiny_deepseek
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
+
+PROMPTS = ["t3 t17 t60 t5 t9", " ".join(f"t{(7 * i + 3) % 128}" for i in range(37))]
+GREEDY = {"max_tokens": "12", "temperature": "0", "ignore_eos": "true"}
+ERROR_WITHIN_S = 5.0
+#: the stub's exit grace (``serving.workers.fatal.GRACE_S``) and the guardian's SIGTERM, then SIGKILL
+SERVER_GONE_WITHIN_S = 40.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    return save_tiny_deepseek(tmp_path_factory.mktemp("ep-live"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    pytest.importorskip("pytriton")
+    common = {"model": str(tiny), "num_pages": "128", "tp_timeout_s": "5"}
+    ep2 = {**common, "expert_parallel_size": "2"}
+    deployment = Deployment(name="ep", entry_model="pd_ensemble",
+                            models=("pd_ensemble", "prefill", "decode", "colocated"),
+                            overrides={"prefill": ep2, "decode": common, "colocated": ep2})
+    running = RunningServer(deployment, ServerPorts(*free_ports(3)), tmp_path_factory.mktemp("ep-logs"),
+                            ready_timeout_s=300.0)
+    with running:
+        yield running
+
+
+def rank_pids(server: RunningServer, model: str) -> list[int]:
+    """The rank processes ``model``'s stub started (children running ``engine.parallel.rank_worker``)."""
+    assert server.repository is not None
+    pids = []
+    for stub in stub_pids(server.repository / model):
+        children = subprocess.run(["pgrep", "-P", str(stub)], capture_output=True, text=True).stdout.split()
+        pids += [int(p) for p in children
+                 if b"engine.parallel.rank_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return pids
+
+
+def test_pd_with_prefill_ep2_and_colocated_ep2_equal_a_colocated_ep1_engine(server: RunningServer,
+                                                                            tiny: Path) -> None:
+    assert len(rank_pids(server, "prefill")) == 1 and len(rank_pids(server, "colocated")) == 1
+    assert rank_pids(server, "decode") == []
+    reference = colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, model=str(tiny))
+    assert len(set(reference.values())) == len(PROMPTS)
+    for model in ("pd_ensemble", "colocated"):
+        streams_match_reference(
+            lambda p, m=model: grpc_generate(server.ports.grpc_url, make_inputs(p, GREEDY), model=m),
+            PROMPTS, reference)
+    assert metric_value(server.ports.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
+
+
+def test_rank_1_killed_under_a_request_ends_it_with_an_error_and_then_the_server(
+        server: RunningServer) -> None:
+    (rank1,) = rank_pids(server, "colocated")
+    started = threading.Event()
+    result: list[StreamResult] = []
+    long = {"max_tokens": "240", "temperature": "0", "ignore_eos": "true"}   # within 256 positions
+    request = threading.Thread(target=lambda: result.append(grpc_generate(
+        server.ports.grpc_url, make_inputs(PROMPTS[0], long), model="colocated", on_first_text=started.set)))
+    request.start()
+    assert started.wait(60), "the long request never streamed"
+    killed_at = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    request.join(30)
+    assert result, "the request did not end"
+    got = result[0]
+    assert got.error is not None and "tensor-parallel group failed" in got.error, got
+    assert f"rank 1 (pid {rank1}) was killed by signal 9" in got.error
+    assert got.end_s is not None and got.end_s - killed_at < ERROR_WITHIN_S
+    deadline = time.monotonic() + SERVER_GONE_WITHIN_S   # the stub exits after its grace; the guardian ends
+    while time.monotonic() < deadline:                    # the server
+        try:
+            server.check_alive("the rank's death")
+        except RuntimeError:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the server outlived its dead rank by {SERVER_GONE_WITHIN_S:g} s")
