@@ -12,6 +12,11 @@ stop conditions and returns one ``RequestOutput`` per request that progressed. R
 With ``tensor_parallel_size`` N > 1 this engine is rank 0 of N (``engine/parallel``): scheduling, sampling and
 the page allocator stay here, the model and the KV pool are split over N rank processes, and each step's
 forward runs on all of them (``ParallelCausalLM``). ``close`` stops them.
+
+With ``enable_dp_attention`` (DP attention over those N ranks, docs/parallelism.md) each rank has its own
+requests, KV pool and page ids: this engine keeps one scheduler per rank (``engine.dp_scheduler``), assigns
+each new request to the least-loaded rank, and each step sends every rank its own batch (a rank with none
+runs an empty one, so every collective meets).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig
+from engine.dp_scheduler import DataParallelScheduler, DPRankLoad
 from engine.errors import EngineError, InvalidSamplingParams, OutOfPages, RequestRejected
 from engine.kv_pool import KVPool, KVShape
 from engine.model_runner import ModelRunner, SampledToken
@@ -96,13 +102,15 @@ class LLMEngine:
         self.kv_cache = self.kv_pool.kv_cache
         context = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len or context, context)
-        pages = PrefixCache(PageAllocator(num_pages), enabled=config.prefix_caching_active)
-        self.scheduler = Scheduler(pages, config.page_size, config.chunk_size,
-                                   config.max_num_batched_tokens, config.max_running_requests)
+        ranks = [Scheduler(PrefixCache(PageAllocator(num_pages), enabled=config.prefix_caching_active),
+                           config.page_size, config.chunk_size, config.max_num_batched_tokens,
+                           config.max_running_requests) for _ in range(config.dp_size)]
+        self.scheduler: Scheduler | DataParallelScheduler = \
+            ranks[0] if config.dp_size == 1 else DataParallelScheduler(ranks)
         eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
         self._eos_token_ids = eos
         model = self.parallel.model if self.parallel else loaded.model
-        self.runner = ModelRunner(model, self.kv_cache, config.device, eos)
+        self.runner = ModelRunner(model, self.kv_cache, config.device, eos, config.dp_size)
         self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer),
                                                 lambda token_id: self.tokenizer.decode([token_id], False))
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -111,9 +119,9 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._finish_next: list[tuple[Sequence, FinishReason]] = []
         logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d prefix_caching=%s "
-                    "tensor_parallel_size=%d expert_parallel_size=%d", config.mode, num_pages,
-                    config.page_size, self.kv_pool.nbytes, pages.enabled, config.tensor_parallel_size,
-                    config.expert_parallel_size)
+                    "tensor_parallel_size=%d expert_parallel_size=%d dp_attention_ranks=%d", config.mode,
+                    num_pages, config.page_size, self.kv_pool.nbytes, config.prefix_caching_active,
+                    config.tensor_parallel_size, config.expert_parallel_size, config.dp_size)
 
     def close(self) -> None:
         """Stop the rank processes of a tensor-parallel engine (nothing otherwise); idempotent. Call it once
@@ -125,11 +133,17 @@ class LLMEngine:
     def num_free_pages(self) -> int:
         """Pages a new request can take: free ones plus cached pages no live request holds (evicted on
         demand)."""
-        return self.scheduler.pages.num_allocatable
+        return self.scheduler.num_allocatable_pages
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prefix-cache counters since start (tokens, pages); all zero when the cache is off."""
-        return self.scheduler.pages.stats()
+        return self.scheduler.cache_stats()
+
+    @property
+    def dp_loads(self) -> list[DPRankLoad]:
+        """Per DP-attention rank counters (requests assigned, tokens computed, busy steps), rank 0 first; one
+        entry (all zero) without DP attention."""
+        return self.scheduler.loads if isinstance(self.scheduler, DataParallelScheduler) else [DPRankLoad()]
 
     @property
     def kv_pools(self) -> list[tuple[KVHeadSlice, KVPool]]:
@@ -137,7 +151,10 @@ class LLMEngine:
         one entry unless tensor-parallel. Every pool has ``num_total_pages`` pages under the same page ids and
         lives in this process's address space (ranks 1..N-1's as shared mappings), which is what one KV
         transfer agent registers. Raises ``ValueError`` for a tensor-parallel engine on GPUs (each rank's pool
-        is on its own device, out of this process's reach)."""
+        is on its own device, out of this process's reach) and for a DP-attention engine (each rank's pool
+        has page ids of its own, which no KV transfer addresses yet)."""
+        if self.config.dp_size > 1:
+            raise ValueError("the KV pools of a DP-attention engine each have their own page ids")
         if self.parallel is None:
             return [(self.kv_heads, self.kv_pool)]
         if self.parallel.world_size > 1 and not self.parallel.rank_pools:
@@ -149,7 +166,7 @@ class LLMEngine:
 
     @property
     def num_total_pages(self) -> int:
-        return self.scheduler.allocator.num_pages
+        return self.scheduler.num_pages
 
     def has_unfinished(self) -> bool:
         """True while a step has work: queued, running, or a prebuilt request about to finish."""
@@ -367,9 +384,9 @@ class LLMEngine:
             except InvalidSamplingParams as e:  # RequestRejected: every caller fails just this request
                 raise RequestRejected(request_id, str(e)) from None
             seq.grammar = GrammarState(compiled, request_id)
-        if self.scheduler.pages_needed(seq) > self.num_total_pages:
+        if self.scheduler.pages_needed(seq) > self.kv_pool.num_pages:   # one pool (one DP rank's) holds it
             raise RequestRejected(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
-                                              f"the pool has {self.num_total_pages}")
+                                              f"the pool has {self.kv_pool.num_pages}")
         return seq
 
     def _check_request(self, request_id: RequestId, prompt_token_ids: list[int],

@@ -41,14 +41,14 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.errors import TensorParallelError
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DPShares, ForwardBatch
 from engine.kv_pool import KVPool, KVShape, shared_pool_fd
 from engine.model.config import ModelConfig
 from engine.model.moe_dispatch import DispatchError
 from engine.parallel.communicator import CollectiveError, Communicator
-from engine.parallel.layout import KVHeadSlice, RankShard, shard_for
+from engine.parallel.layout import KVHeadSlice, RankShard, dp_attention_shard, shard_for
 from engine.parallel.spec import START_TIMEOUT_S, STORE_HOST, RankSpec, make_communicator
-from engine.parallel.step import encode_step, encode_stop
+from engine.parallel.step import encode_dp_step, encode_step, encode_stop
 from engine.parallel.torch_comm import open_process_group
 
 if TYPE_CHECKING:
@@ -122,11 +122,12 @@ class TensorParallelGroup:
         if config.expert_parallel_size > 1:   # an MoE model: experts spread, the rest tensor-parallel
             from engine.model.moe_lm import check_expert_parallel_size
 
-            check_expert_parallel_size(mc, n)
+            check_expert_parallel_size(mc, n, config.enable_dp_attention)
         elif getattr(mc, "moe", None) is not None or getattr(mc, "mla", None) is not None:
             raise ValueError(f"tensor_parallel_size={n} is not supported for {mc.architecture}: the ranks "
                              "split dense Llama-family models only (expert_parallel_size splits MoE models)")
-        shards = [shard_for(mc, r, n) for r in range(n)]
+        cut = dp_attention_shard if config.enable_dp_attention else shard_for
+        shards = [cut(mc, r, n) for r in range(n)]
         group = cls(config, shards, _num_pages(config, mc, shards))
         try:
             group._launch(folder, mc)
@@ -154,7 +155,8 @@ class TensorParallelGroup:
         specs = [RankSpec(r, n, str(folder), _rank_device(config.device, r), config.dtype,
                           config.weight_quant, config.num_threads, config.page_size, self.num_pages,
                           self._store.port, collectives, self._region_fd, buffer_bytes, widths,
-                          config.tp_timeout_s, kv_fds[r], config.expert_parallel_size) for r in range(n)]
+                          config.tp_timeout_s, kv_fds[r], config.expert_parallel_size,
+                          config.enable_dp_attention) for r in range(n)]
         for spec in specs[1:]:
             self._procs.append(_spawn(spec, self._region_fd, spec.kv_fd))
         logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank",
@@ -165,11 +167,12 @@ class TensorParallelGroup:
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant,
                                               expert_group=process_group,
-                                              expert_timeout_s=config.tp_timeout_s)
+                                              expert_timeout_s=config.tp_timeout_s,
+                                              dp_attention=config.enable_dp_attention)
         else:
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant, rank=0,
-                                              tensor_parallel_size=n)
+                                              tensor_parallel_size=n, dp_attention=config.enable_dp_attention)
             self._wait_keys("hello")
             process_group = open_process_group(self._store, 0, n, torch.device(config.device))
         self.comm = make_communicator(specs[0], process_group, self._region_fd)
@@ -323,6 +326,31 @@ class ParallelCausalLM:
             group.fail(f"rank 0 failed inside a step: {e!r}")
             raise
 
+    def forward_ranks(self, batches: list[ForwardBatch], kv_cache: torch.Tensor) -> torch.Tensor:
+        """One step of a DP-attention engine (``engine.model_runner.DataParallelLM``): ``batches[r]`` is rank
+        r's own batch (an empty one: the rank runs an idle batch, taking part in every collective), rank 0's
+        run here over ``kv_cache``.
+
+        Returns:
+            ``[sum of the batches' logits rows, vocab_size]`` float32, rank 0's rows first.
+        Raises:
+            TensorParallelError: as ``forward``.
+        """
+        group = self._group
+        group.check()
+        assert group.comm is not None and len(batches) == group.world_size
+        own = batches[0]
+        own.dp = DPShares(0, tuple(b.num_tokens for b in batches),
+                          tuple(int(b.logits_indices.shape[0]) for b in batches))
+        try:
+            group.comm.broadcast_step(encode_dp_step(batches))
+            return self._model.forward(own, kv_cache)
+        except (CollectiveError, DispatchError) as e:
+            raise group.fail(group.explain(e)) from None
+        except BaseException as e:
+            group.fail(f"rank 0 failed inside a step: {e!r}")
+            raise
+
 
 def _num_pages(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]) -> int:
     """Pages of every rank's pool: ``num_pages``, or what ``kv_cache_bytes`` holds on the rank with the most
@@ -338,7 +366,8 @@ def _buffer_bytes(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]
     """Slot size of the shared region: one step's all-reduce (``max_num_batched_tokens`` rows of the hidden
     size) or a 64-row logits gather, whichever is larger, in whole 4 KiB (larger collectives go in pieces)."""
     itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
-    largest = max(config.max_num_batched_tokens * mc.hidden_size * itemsize,
+    ranks_tokens = config.dp_size   # DP attention: an exchange holds every rank's tokens
+    largest = max(ranks_tokens * config.max_num_batched_tokens * mc.hidden_size * itemsize,
                   64 * max(len(s.vocab) for s in shards) * 4, 1 << 16)
     return -(-largest // 4096) * 4096
 

@@ -64,6 +64,7 @@ class RankSpec:
     timeout_s: float
     kv_fd: int = -1
     expert_parallel_size: int = 1
+    dp_attention: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -162,11 +162,15 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
         ConfigError: ``tensor_parallel_size`` or ``expert_parallel_size`` > 1 on a GPU (the KV transfer
             registers every rank's pool in rank 0's process, which a GPU rank's device memory is not:
-            docs/parallelism.md).
+            docs/parallelism.md); ``enable_dp_attention`` (each DP rank's pool has page ids of its own, which
+            the KV transfer does not address yet: PD by DP rank is not built).
         engine.model.errors.ModelLoadError: the model cannot be loaded.
     """
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if config.enable_dp_attention:
+        raise ConfigError("enable_dp_attention", f"must be false for {role} models: the KV transfer does not "
+                                                 "address a DP rank's pool yet (colocated models take it)")
     ranks_field = "tensor_parallel_size" if config.tensor_parallel_size > 1 else "expert_parallel_size"
     if getattr(config, ranks_field) > 1 and config.device.startswith("cuda"):
         raise ConfigError(ranks_field,
