@@ -7,12 +7,18 @@ Invariants: the DP step message carries each rank's batch, an empty one included
 equal the single-rank engine's (logprobs within 1e-4) whichever rank serves it and whatever runs on the other
 rank, or with the other rank idle; each rank's pool has its own page ids, all back after the requests end;
 under 32 concurrent requests the ranks' computed tokens and requests stay within 1.5x of each other (the
-engine's per-rank counters); a bad configuration is refused by name.
+engine's per-rank counters); a rank killed with kill -9 mid-step fails that step within seconds naming it,
+and every later step and request; a rank that hangs fails the step after ``tp_timeout_s``; a bad
+configuration is refused by name.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +26,11 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import TensorParallelError
 from engine.forward_batch import ForwardBatch
 from engine.parallel.step import decode_dp_step, encode_dp_step
 from tests.engine.test_moe_models import deepseek_config, save_model
-from tests.engine.test_tensor_parallel import SHAPE_6_3, _children, needs_model
+from tests.engine.test_tensor_parallel import SHAPE_6_3, _alive, _children, needs_model
 
 pytestmark = [pytest.mark.reference, pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -176,6 +183,60 @@ def test_a_dense_llama_runs_its_mlp_split_and_gives_the_single_rank_tokens(
     assert set(ranks.values()) == {0, 1}
     for rid in reference:
         assert_same(reference[rid], got[rid], f"request {rid} on rank {ranks[rid]}")
+
+
+def test_rank_1_killed_mid_step_fails_the_step_naming_it_and_everything_after(deepseek: Path) -> None:
+    engine = make_engine(deepseek, expert_parallel_size=2, enable_dp_attention=True, tp_timeout_s=30.0)
+    pid = engine.parallel.rank_pids[0]
+    try:
+        for rid in ("a", "b"):   # one per rank
+            engine.add_request(rid, PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0))
+        for _ in range(3):
+            engine.step()
+        os.kill(pid, signal.SIGSTOP)   # rank 1 stops where it is, so the next step blocks on it
+        failed: list[tuple[float, BaseException]] = []
+
+        def step() -> None:
+            try:
+                engine.step()
+            except TensorParallelError as e:
+                failed.append((time.monotonic(), e))
+
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        stepping.join(10)
+        assert not stepping.is_alive() and failed, "the step did not fail"
+        assert failed[0][0] - killed_at < 3.0
+        assert f"rank 1 (pid {pid}) was killed by signal 9" in str(failed[0][1])
+        with pytest.raises(TensorParallelError, match="killed by signal 9"):
+            engine.step()
+        with pytest.raises(TensorParallelError, match="killed by signal 9"):
+            engine.add_request("c", PROMPTS[0], SamplingParams(max_tokens=4))
+        for rid in ("a", "b"):   # what the serving loop does with a failed step's requests
+            engine.abort_request(rid)
+        assert engine.num_free_pages == engine.num_total_pages
+    finally:
+        engine.close()
+    assert not _alive(pid)
+
+
+def test_a_hung_rank_fails_the_step_after_tp_timeout_s(deepseek: Path) -> None:
+    engine = make_engine(deepseek, expert_parallel_size=2, enable_dp_attention=True, tp_timeout_s=1.0)
+    pid = engine.parallel.rank_pids[0]
+    try:
+        engine.add_request("a", PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)   # rank 1 is idle (one request, on rank 0): its empty batch never comes
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError):
+            engine.step()
+        assert 0.9 < time.monotonic() - start < 3.0
+    finally:
+        engine.close()
+    assert not _alive(pid)
 
 
 def test_a_bad_configuration_is_refused_by_name(deepseek: Path) -> None:
