@@ -58,7 +58,8 @@ class EngineConfig:
             rank holds every attention head and its own KV pool (``num_pages`` pages, its own page ids) and runs
             attention on its own requests, which this process's scheduler assigns (least-loaded rank); dense
             MLPs stay split by columns over every rank's tokens, MoE layers expert-parallel. The instance holds
-            N x the tokens of one pool. Colocated mode only (PD by DP rank is not built).
+            N x the tokens of one pool. In prefill and decode mode (CPU) the ranks' pools are one region whose
+            page ids ``rank * num_pages + p`` the KV transfer addresses (``LLMEngine.kv_pools``).
         tp_timeout_s: how long a rank waits for the others inside a step before the group fails (a rank that
             hangs); a rank process that dies fails the group within ~50 ms instead.
         tp_collectives: ``"auto"`` (CPU: shared-memory collectives, ``engine.parallel.shm``, where its C file
@@ -129,9 +130,6 @@ class EngineConfig:
         if self.num_ranks == 1:
             raise ValueError("enable_dp_attention needs ranks: tensor_parallel_size (a dense model) or "
                              "expert_parallel_size (an MoE model) > 1")
-        if self.mode != "colocated":
-            raise ValueError(f"enable_dp_attention runs colocated engines only, got mode={self.mode!r}: the KV "
-                             "transfer does not address a DP rank's pool yet (PD by rank is not built)")
 
     @property
     def dp_size(self) -> int:

@@ -98,7 +98,17 @@ class LLMEngine:
                         mc.kv_layout_kind)
         num_pages = self.parallel.num_pages if self.parallel else \
             config.num_pages or shape.pages_for_bytes(config.pool_bytes, dtype)
-        self.kv_pool = KVPool(shape, num_pages, dtype, config.device)
+        region_fd = self.parallel.dp_region_fd if self.parallel else -1
+        # DP attention on the CPU: every rank's pool in one region, rank 0's first; the whole region is what the
+        # KV transfer registers (a page id r * num_pages + p is page p of rank r's pool)
+        self._dp_region: KVPool | None = None
+        if region_fd >= 0:
+            total = config.dp_size * num_pages
+            self.kv_pool = KVPool(shape, num_pages, dtype, config.device, shared_fd=region_fd,
+                                  fd_num_pages=total)
+            self._dp_region = KVPool(shape, total, dtype, config.device, shared_fd=region_fd)
+        else:
+            self.kv_pool = KVPool(shape, num_pages, dtype, config.device)
         self.kv_cache = self.kv_pool.kv_cache
         context = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len or context, context)
@@ -151,10 +161,15 @@ class LLMEngine:
         one entry unless tensor-parallel. Every pool has ``num_total_pages`` pages under the same page ids and
         lives in this process's address space (ranks 1..N-1's as shared mappings), which is what one KV
         transfer agent registers. Raises ``ValueError`` for a tensor-parallel engine on GPUs (each rank's pool
-        is on its own device, out of this process's reach) and for a DP-attention engine (each rank's pool
-        has page ids of its own, which no KV transfer addresses yet)."""
+        is on its own device, out of this process's reach).
+
+        A DP-attention engine (on the CPU) gives one pool: every rank's, back to back, its page ids
+        ``rank * num_pages + p`` (``num_total_pages`` of them; the ids ``reserve_request`` and prefill chunks
+        report), with every KV head."""
+        if self._dp_region is not None:
+            return [(KVHeadSlice.whole(self.kv_heads.num_model_kv_heads), self._dp_region)]
         if self.config.dp_size > 1:
-            raise ValueError("the KV pools of a DP-attention engine each have their own page ids")
+            raise ValueError("the KV pools of a DP-attention engine on GPUs are each on their rank's device")
         if self.parallel is None:
             return [(self.kv_heads, self.kv_pool)]
         if self.parallel.world_size > 1 and not self.parallel.rank_pools:
@@ -247,9 +262,8 @@ class LLMEngine:
                                          f"{self.num_free_pages} free")
         self._track(seq)
         cached_pages = seq.num_cached_tokens // self.config.page_size
-        return Reservation(seq.page_table[cached_pages:pages_for_tokens(seq.num_prompt_tokens,
-                                                                        self.config.page_size)],
-                           seq.num_cached_tokens)
+        pages = seq.page_table[cached_pages:pages_for_tokens(seq.num_prompt_tokens, self.config.page_size)]
+        return Reservation(self._instance_pages(seq, pages), seq.num_cached_tokens)
 
     def add_prebuilt_request(self, request_id: RequestId, first_token_id: int, first_logprob: float,
                              first_token_sent: bool = False) -> None:
@@ -346,7 +360,7 @@ class LLMEngine:
         ps = self.config.page_size
         is_last = sampled is not None
         done_pages = pages_for_tokens(seq.num_prompt_tokens, ps) if is_last else seq.num_computed_tokens // ps
-        chunk = PrefillChunk(seq.page_table[seq.num_sent_pages:done_pages], is_last,
+        chunk = PrefillChunk(self._instance_pages(seq, seq.page_table[seq.num_sent_pages:done_pages]), is_last,
                              sampled.token_id if sampled else None, sampled.logprob if sampled else None,
                              reason)
         seq.num_sent_pages = done_pages
@@ -356,6 +370,14 @@ class LLMEngine:
         # the text of the first token is emitted as a decode-mode engine would, holding back a possible stop
         # string's start, so that the decode side (first_token_sent=True) continues exactly where it ends
         return self.output_processor.make_output(seq, reason if is_last else None, chunk, hold_text=True)
+
+    def _instance_pages(self, seq: Sequence, pages: list[int]) -> list[int]:
+        """``seq``'s page ids (its rank's pool) as the instance's: ``rank * num_pages + p`` under DP attention
+        (``kv_pools``), unchanged otherwise."""
+        if seq.dp_rank == 0:
+            return pages
+        first = seq.dp_rank * self.kv_pool.num_pages
+        return [first + p for p in pages]
 
     def _finish_prebuilt(self) -> list[RequestOutput]:
         outputs = []

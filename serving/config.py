@@ -120,8 +120,8 @@ class WorkerConfig:
         enable_dp_attention: DP attention over the instance's ranks (``EngineConfig.enable_dp_attention``,
             docs/parallelism.md): with ``tensor_parallel_size`` (a dense model) or ``expert_parallel_size`` (an
             MoE model) N > 1, each rank runs attention on its own requests over its own KV pool of
-            ``num_pages`` pages (N x the tokens of one pool); ``false`` by default. Colocated models only:
-            prefill and decode refuse it (PD by DP rank is not built).
+            ``num_pages`` pages (N x the tokens of one pool); ``false`` by default. Prefill and decode models
+            (CPU) register the ranks' pools as one region: a request's KV lands in its rank's pool.
         tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
             (a hung rank); a rank process that dies fails it within ~50 ms.
         drain_timeout_s: a server stop or an unload: how long the requests in flight may run to their end

@@ -74,7 +74,11 @@ class TensorParallelGroup:
         rank_pids: process ids of ranks 1..N-1.
         rank_pools: on the CPU, ranks 1..N-1's KV pools as rank 0 maps them (``KVPool`` over each rank's
             memfd: the same bytes the rank writes), in rank order, so that rank 0's KV transfer agent
-            registers every rank's heads; empty on GPUs (each rank's pool is its device's).
+            registers every rank's heads; empty on GPUs (each rank's pool is its device's) and with DP
+            attention.
+        dp_region_fd: DP attention on the CPU: the memfd holding every rank's pool back to back (rank r's:
+            pages ``[r * num_pages, (r + 1) * num_pages)``, rank 0's included), which the engine maps for
+            rank 0's pool and, whole, for its KV transfer; -1 otherwise.
         failure: why the group failed (None while healthy).
     """
 
@@ -93,6 +97,7 @@ class TensorParallelGroup:
         self._region_fd = -1
         self.rank_pools: list[KVPool] = []
         self._kv_fds: list[int] = []
+        self.dp_region_fd = -1
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -149,14 +154,21 @@ class TensorParallelGroup:
 
             self._region_fd = create_region(n, buffer_bytes)
         widths = tuple(len(s.vocab) for s in self.shards)
-        if torch.device(config.device).type == "cpu":
+        on_cpu = torch.device(config.device).type == "cpu"
+        if on_cpu and config.enable_dp_attention:
+            self._make_dp_region(mc)
+        elif on_cpu:
             self._map_rank_pools(mc)
         kv_fds = [-1, *self._kv_fds] if self._kv_fds else [-1] * n
+        region_pages = 0
+        if self.dp_region_fd >= 0:
+            kv_fds, region_pages = [self.dp_region_fd] * n, n * self.num_pages
         specs = [RankSpec(r, n, str(folder), _rank_device(config.device, r), config.dtype,
                           config.weight_quant, config.num_threads, config.page_size, self.num_pages,
                           self._store.port, collectives, self._region_fd, buffer_bytes, widths,
                           config.tp_timeout_s, kv_fds[r], config.expert_parallel_size,
-                          config.enable_dp_attention) for r in range(n)]
+                          config.enable_dp_attention, r * self.num_pages if region_pages else 0, region_pages)
+                 for r in range(n)]
         for spec in specs[1:]:
             self._procs.append(_spawn(spec, self._region_fd, spec.kv_fd))
         logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank",
@@ -191,6 +203,14 @@ class TensorParallelGroup:
             fd = shared_pool_fd(self.num_pages * shape.page_bytes(dtype))
             self._kv_fds.append(fd)
             self.rank_pools.append(KVPool(shape, self.num_pages, dtype, "cpu", shared_fd=fd))
+
+    def _make_dp_region(self, mc: ModelConfig) -> None:
+        """One memfd holding every DP rank's pool back to back (``dp_region_fd``); each rank maps it whole and
+        uses its own pages."""
+        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, self._config.page_size, mc.kv_layout_kind)
+        fd = shared_pool_fd(self.world_size * self.num_pages * shape.page_bytes(getattr(torch, self._config.dtype)))
+        self._kv_fds.append(fd)
+        self.dp_region_fd = fd
 
     def _wait_keys(self, stage: str) -> None:
         """Wait until every rank set ``<stage>/<rank>`` in the store, failing at once when one exits."""
@@ -291,6 +311,7 @@ class TensorParallelGroup:
         for fd in self._kv_fds:   # the mappings (rank_pools) stay valid until dropped: a transfer agent may
             os.close(fd)          # still hold them registered until its manager shut down
         self._kv_fds = []
+        self.dp_region_fd = -1
         self._store = None
         logger.info("tensor parallel: ranks stopped")
 

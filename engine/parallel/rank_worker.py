@@ -94,7 +94,8 @@ def run(spec: RankSpec) -> int:
                             tensor_parallel_size=spec.world_size, dp_attention=spec.dp_attention)
     shard, mc = loaded.model.shard, loaded.config
     pool = KVPool(KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, spec.page_size, mc.kv_layout_kind),
-                  spec.num_pages, getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd)
+                  spec.num_pages, getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd,
+                  fd_first_page=spec.kv_first_page, fd_num_pages=spec.kv_region_pages or None)
     comm = make_communicator(spec, group, spec.region_fd)
     loaded.model.attach(comm)
     store.set(f"ready/{spec.rank}", "1")

@@ -41,10 +41,11 @@ MEMBER_TTL_S = 10.0
 def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str, model_name: str = "",
             worker_endpoint: str = "") -> KVArgs:
     """The KV manager's arguments for ``engine``'s pool (``[num_layers, 2, num_pages, page_size, kv_heads,
-    head_dim]``, one contiguous region; a tensor-parallel engine: one per rank, as ``kv_regions``), registered
+    head_dim]``, one contiguous region; a tensor-parallel engine: one per rank, as ``kv_regions``; a
+    DP-attention engine: every rank's pool as one region, page ids ``rank * num_pages + p``), registered
     as ``model_name`` served at ``config.grpc_url`` and at ``worker_endpoint`` (empty: none)."""
     pools = engine.kv_pools
-    pool = engine.kv_pool
+    pool = pools[0][1]   # rank 0's (tensor-parallel: the first region), or a DP engine's whole region
     # split over ranks: the layout names the model's KV heads (each region its own); else the pool's (MLA: 1)
     num_kv_heads = engine.kv_heads.num_model_kv_heads if len(pools) > 1 else pool.shape.num_kv_heads
     layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
@@ -162,15 +163,11 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
         ConfigError: ``tensor_parallel_size`` or ``expert_parallel_size`` > 1 on a GPU (the KV transfer
             registers every rank's pool in rank 0's process, which a GPU rank's device memory is not:
-            docs/parallelism.md); ``enable_dp_attention`` (each DP rank's pool has page ids of its own, which
-            the KV transfer does not address yet: PD by DP rank is not built).
+            docs/parallelism.md).
         engine.model.errors.ModelLoadError: the model cannot be loaded.
     """
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    if config.enable_dp_attention:
-        raise ConfigError("enable_dp_attention", f"must be false for {role} models: the KV transfer does not "
-                                                 "address a DP rank's pool yet (colocated models take it)")
     ranks_field = "tensor_parallel_size" if config.tensor_parallel_size > 1 else "expert_parallel_size"
     if getattr(config, ranks_field) > 1 and config.device.startswith("cuda"):
         raise ConfigError(ranks_field,

@@ -241,18 +241,13 @@ def test_a_hung_rank_fails_the_step_after_tp_timeout_s(deepseek: Path) -> None:
 
 def test_a_bad_configuration_is_refused_by_name(deepseek: Path) -> None:
     from serving.config import ConfigError, WorkerConfig
-    from serving.workers.pd_factory import create_pd_worker
 
     with pytest.raises(ValueError, match="enable_dp_attention needs ranks"):
         EngineConfig(enable_dp_attention=True)
-    with pytest.raises(ValueError, match="enable_dp_attention runs colocated engines only"):
-        EngineConfig(mode="decode", expert_parallel_size=2, enable_dp_attention=True)
     with pytest.raises(ConfigError, match="enable_dp_attention"):
         WorkerConfig(enable_dp_attention=True)
     dp = WorkerConfig(model=str(deepseek), expert_parallel_size=2, enable_dp_attention=True)
-    assert dp.engine_config("colocated").dp_size == 2
-    with pytest.raises(ConfigError, match="enable_dp_attention"):
-        create_pd_worker("decode", dp, "d0")
+    assert dp.engine_config("decode").dp_size == 2
     before = _children()
     with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide"):
         make_engine(deepseek, expert_parallel_size=3, enable_dp_attention=True)
