@@ -150,6 +150,14 @@ class LLMEngine:
         return self.scheduler.cache_stats()
 
     @property
+    def rank_free_pages(self) -> list[int]:
+        """A DP-attention engine: pages a new request can take in each rank's pool, rank 0 first (a request's
+        pages all lie in one); [] otherwise (``num_free_pages`` is the one pool's)."""
+        if not isinstance(self.scheduler, DataParallelScheduler):
+            return []
+        return [rank.num_allocatable_pages for rank in self.scheduler.ranks]
+
+    @property
     def dp_loads(self) -> list[DPRankLoad]:
         """Per DP-attention rank counters (requests assigned, tokens computed, busy steps), rank 0 first; one
         entry (all zero) without DP attention."""

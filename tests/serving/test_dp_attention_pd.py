@@ -5,12 +5,13 @@ the three pairings DP -> DP, DP -> one rank, one rank -> DP.
 Invariants: 4 concurrent streams equal the colocated single-rank engine's greedy text; the DP side spreads
 them over both ranks (its per-rank counters); the registered KV region of a DP instance is every rank's pool
 (2 x ``num_pages`` pages), so a request's KV lands in the pool of the rank that serves it; every page is back
-after the streams end.
+after the streams end, and the instance's status at its rendezvous lists each rank's free pages.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -82,3 +83,11 @@ def test_streams_equal_colocated_and_each_dp_side_uses_both_ranks(cluster: Clust
             served = [load.requests - b for load, b in zip(engine.dp_loads, was)]
             assert sum(served) == len(PROMPTS) and min(served) >= 1, served
     assert cluster.wait_free(start) == start
+    deadline = time.monotonic() + 10   # the rendezvous' status: per-rank free pages of a DP side, idle again
+    expected = {e.config.dp_size: [NUM_PAGES] * 2 if e.config.dp_size > 1 else [] for e in engines}
+    while time.monotonic() < deadline:
+        loads = [s.load for client in cluster.clients for s in client.list_instances()]
+        if [load.rank_free_pages for load in loads] == [expected[e.config.dp_size] for e in engines]:
+            break
+        time.sleep(0.1)
+    assert [load.rank_free_pages for load in loads] == [expected[e.config.dp_size] for e in engines]
