@@ -1,6 +1,7 @@
 """PD with DP attention (issue #47 item 2, docs/parallelism.md): a tiny random DeepSeek-V3 (fp32) 1P1D through
 the router's orchestrator and the in-process KV backend, prefill and decode each with 2 DP ranks or one, in
-the three pairings DP -> DP, DP -> one rank, one rank -> DP.
+the three pairings DP -> DP, DP -> one rank, one rank -> DP; and DP -> DP over NIXL (two agents in this
+process, UCX over host memory: the decode's region is the ranks' shared memfd).
 
 Invariants: 4 concurrent streams equal the colocated single-rank engine's greedy text; the DP side spreads
 them over both ranks (its per-rank counters); the registered KV region of a DP instance is every rank's pool
@@ -20,6 +21,7 @@ import pytest
 from test_moe_pd_workers import colocated_text, save_tiny_deepseek
 from test_pd_workers import Cluster, request
 
+from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
 from serving.workers.pd_factory import create_pd_worker
 
@@ -43,15 +45,21 @@ def colocated(folder: Path) -> dict[str, str]:
     return {p: colocated_text(folder, p) for p in PROMPTS}
 
 
-@pytest.fixture(scope="module", params=[(2, 2), (2, 1), (1, 2)], ids=["dp-to-dp", "dp-to-one", "one-to-dp"])
+@pytest.fixture(scope="module", params=[("inprocess", 2, 2), ("inprocess", 2, 1), ("inprocess", 1, 2),
+                                        pytest.param(("nixl", 2, 2), marks=pytest.mark.nixl)],
+                ids=["dp-to-dp", "dp-to-one", "one-to-dp", "dp-to-dp-nixl"])
 def cluster(request: pytest.FixtureRequest, folder: Path) -> Iterator[Cluster]:
+    backend, p_ranks, d_ranks = request.param
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        pytest.skip(reason)
+
     def config(ranks: int) -> WorkerConfig:
         return WorkerConfig(model=str(folder), page_size=4, num_pages=NUM_PAGES, chunk_size=8,
-                            max_num_batched_tokens=16, kv_backend="inprocess", bootstrap_timeout_s=5.0,
+                            max_num_batched_tokens=16, kv_backend=backend, bootstrap_timeout_s=5.0,
                             waiting_timeout_s=5.0, expert_parallel_size=ranks, enable_dp_attention=ranks > 1)
 
-    p_ranks, d_ranks = request.param
-    ids = (f"prefill-dp{p_ranks}@127.0.0.1:1", f"decode-dp{d_ranks}@127.0.0.1:1")
+    ids = (f"prefill-dp{p_ranks}@127.0.0.1:1", f"decode-dp{d_ranks}-{backend}@127.0.0.1:1")
     prefill = create_pd_worker("prefill", config(p_ranks), ids[0])
     decode = create_pd_worker("decode", config(d_ranks), ids[1])
     prefill.start()
