@@ -22,7 +22,7 @@ from kv_transfer.head_slices import KVRegion
 from serving.config import ConfigError, WorkerConfig
 from serving.workers.decode import DecodeWorker
 from serving.workers.engine_loop import EngineLoop
-from serving.metrics import LoopMetricsHook, ServingMetrics
+from serving.metrics import DPRankMetricsHook, LoopMetricsHook, ServingMetrics
 from serving.workers.prefill import PrefillWorker
 
 if TYPE_CHECKING:
@@ -192,6 +192,8 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
     if metrics is not None:
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
+        if engine.config.dp_size > 1:
+            loop.add_hook(DPRankMetricsHook(metrics, lambda: engine.rank_free_pages, lambda: engine.dp_loads))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
     membership = make_membership(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
     return PDWorkerHandle(worker, loop, kv_manager, membership,

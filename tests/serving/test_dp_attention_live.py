@@ -3,8 +3,9 @@ served by ``pd_ensemble`` with prefill and decode each at ``expert_parallel_size
 ``enable_dp_attention``, over NIXL, beside a ``colocated`` model the same way.
 
 Invariants: each DP stub has started one rank process; every PD stream and every colocated stream (4 at
-once, so both ranks of each instance serve) equals an in-process single-rank colocated engine's greedy text,
-so each request's latent KV crossed from its prefill rank's pool to its decode rank's; kill -9 of the
+once) equals an in-process single-rank colocated engine's greedy text,
+so each request's latent KV crossed from its prefill rank's pool to its decode rank's; each DP model served
+them on both ranks (``pd_dp_rank_requests_total``); kill -9 of the
 colocated model's rank 1 under a request ends that request with an error naming the rank within seconds (no
 hang), and the server then ends, as when a stub dies (``serving.workers.fatal``). Teardown stops the server if
 it runs.
@@ -64,6 +65,20 @@ def test_pd_and_colocated_with_dp_attention_equal_a_single_rank_engine(server: R
             lambda p, m=model: grpc_generate(server.ports.grpc_url, make_inputs(p, GREEDY), model=m),
             PROMPTS, reference)
     assert metric_value(server.ports.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
+    deadline = time.monotonic() + 5   # each DP model served on both ranks (the metrics hook runs every tick)
+    for model in ("prefill", "decode", "colocated"):
+        served = [0.0, 0.0]
+        while min(served) == 0 and time.monotonic() < deadline:
+            served = [_requests(server, model, rank) for rank in (0, 1)]
+            time.sleep(0.1)
+        assert min(served) >= 1 and sum(served) == len(PROMPTS), (model, served)
+
+
+def _requests(server: RunningServer, model: str, rank: int) -> float:
+    try:
+        return metric_value(server.ports.metrics_url, "pd_dp_rank_requests_total", model=model, rank=str(rank))
+    except KeyError:
+        return 0.0
 
 
 def test_rank_1_killed_under_a_request_ends_it_with_an_error_and_then_the_server(
