@@ -5,9 +5,10 @@ request on one rank, over that rank's own KV pool. Rank 0 (the engine's process)
 and page bookkeeping here: one ``Scheduler`` (its own ``PrefixCache`` and page ids) per rank. Lifecycle of a
 request:
 
-1. ``add`` (or ``reserve``) assigns it to the least-loaded rank for good (``assign``: first a rank whose
-   free pages hold it now, then the fewest tokens still to compute, then the fewest requests, then the lowest
-   rank) and queues it there; ``Sequence.dp_rank`` says where.
+1. ``add`` (or ``reserve``) assigns it to a rank for good (``assign``: first a rank whose free pages hold it
+   now, then the least work once it is there: the tokens the rank still has to compute, less the request's
+   prompt tokens that rank's prefix cache holds; then the fewest requests, then the lowest rank) and queues
+   it there; ``Sequence.dp_rank`` says where.
 2. ``schedule`` runs every rank's own scheduler (each with the whole per-step budgets: every rank computes
    its own batch) and returns their work rank by rank: rank 0's items first, each rank's in its own order.
 3. ``register_computed``, ``finish``, ``abort``, ``release`` go to the request's rank.
@@ -73,14 +74,9 @@ class DataParallelScheduler:
 
     def cache_stats(self) -> PrefixCacheStats:
         """Every rank's prefix-cache counters, summed."""
-        total = PrefixCacheStats()
-        for r in self.ranks:
-            s = r.cache_stats()
-            total.queries_tokens += s.queries_tokens
-            total.hits_tokens += s.hits_tokens
-            total.cached_pages += s.cached_pages
-            total.evictable_pages += s.evictable_pages
-        return total
+        stats = [r.cache_stats() for r in self.ranks]
+        return PrefixCacheStats(sum(s.queries_tokens for s in stats), sum(s.hits_tokens for s in stats),
+                                sum(s.cached_pages for s in stats), sum(s.evictable_pages for s in stats))
 
     @property
     def reserved(self) -> dict[RequestId, Sequence]:
@@ -147,12 +143,19 @@ class DataParallelScheduler:
 
     def assign(self, seq: Sequence) -> int:
         """The rank a new request goes to: among the ranks whose allocatable pages hold all it needs now (all
-        ranks if none does), the one with the fewest tokens still to compute (its queued prompts, the rest of
-        its running requests' reserved tokens), then the fewest live requests, then the lowest rank."""
+        ranks if none does), the one with the least work once the request is there: the tokens it still has
+        to compute (its queued prompts, the rest of its running requests' reserved tokens) less the request's
+        prompt tokens its prefix cache holds (those are not computed again); then the fewest live requests,
+        then the lowest rank."""
         need = self.pages_needed(seq)
         fits = [r for r, s in enumerate(self.ranks) if s.num_allocatable_pages >= need] or \
             list(range(len(self.ranks)))
-        return min(fits, key=lambda r: (_pending_tokens(self.ranks[r]), _live(self.ranks[r]), r))
+
+        def work(r: int) -> tuple[int, int, int]:
+            rank = self.ranks[r]
+            return _pending_tokens(rank) - rank.cached_prefix_tokens(seq), _live(rank), r
+
+        return min(fits, key=work)
 
     def _place(self, seq: Sequence) -> int:
         rank = seq.dp_rank = self.assign(seq)

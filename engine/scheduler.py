@@ -116,6 +116,11 @@ class Scheduler:
         self.running.append(seq)
         return True
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens of ``seq`` this pool's prefix cache holds now (what admission would share); takes
+        nothing."""
+        return len(self._match(seq)) * self.page_size
+
     def _match(self, seq: Sequence) -> list[PageId]:
         """Cached pages of the prompt's longest prefix, leaving at least the last prompt token to compute."""
         if not self.pages.enabled:

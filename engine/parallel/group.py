@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
+#: how long a failed exchange waits to see a rank process exited, so that its error names the rank (a killed
+#: process's sockets close before it can be reaped)
+EXIT_SEEN_S = 0.5
 STOP_TIMEOUT_S = 10.0
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -249,8 +252,13 @@ class TensorParallelGroup:
     def explain(self, error: Exception) -> str:
         """``error``'s text, led by the rank process that exited if one did: an MoE all-to-all (gloo or
         NCCL, not the communicator) ends with the transport's words ("Connection closed by peer") when a
-        rank dies inside it, before the rank watch names the rank."""
+        rank dies inside it, before the rank watch names the rank. A dying process closes its sockets before
+        it can be reaped, so this waits up to ``EXIT_SEEN_S`` for a rank to be seen exited."""
+        deadline = time.monotonic() + EXIT_SEEN_S
         dead = self._exited()
+        while dead is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            dead = self._exited()
         return f"{dead} ({error})" if dead and dead not in str(error) else str(error)
 
     def _watch_ranks(self) -> None:

@@ -74,7 +74,8 @@ def make_engine(folder: Path, **kw: object) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def dp_deepseek(deepseek: Path) -> Iterator[LLMEngine]:
-    engine = make_engine(deepseek, expert_parallel_size=2, enable_dp_attention=True)
+    # no prefix cache: these tests place requests by load alone (a cached prefix draws its prompt back)
+    engine = make_engine(deepseek, expert_parallel_size=2, enable_dp_attention=True, enable_prefix_caching=False)
     try:
         yield engine
     finally:
@@ -158,6 +159,26 @@ def test_32_concurrent_requests_keep_the_ranks_loads_within_1_5x(dp_deepseek: LL
     assert sum(tokens) == sum(len(p) + lengths[rid] - 1 for rid, p in prompts.items())
     assert max(tokens) <= 1.5 * min(tokens), tokens
     assert max(requests) <= 1.5 * min(requests), requests
+
+
+def test_a_prompt_goes_back_to_the_rank_caching_its_prefix_unless_that_rank_is_busier_than_it_saves(
+        deepseek: Path) -> None:
+    engine = make_engine(deepseek, expert_parallel_size=2, enable_dp_attention=True)
+    prefix = [(3 * i + 2) % 128 for i in range(32)]   # 8 whole pages of 4
+    try:
+        ranks: dict[str, int] = {}
+        run(engine, {"first": prefix + [5]}, max_tokens=4, ranks=ranks)     # idle engine: rank 0
+        run(engine, {"other": [9] * 12}, max_tokens=4, ranks=ranks)        # idle again: rank 0 too
+        hits = engine.prefix_cache_stats().hits_tokens
+        # rank 0 busy with 14 tokens to compute, which is less than the 32 cached there: back to rank 0
+        run(engine, {"short": [7, 7], "again": prefix + [6]}, max_tokens=12, ranks=ranks)
+        assert ranks["short"] == 0 and ranks["again"] == 0
+        assert engine.prefix_cache_stats().hits_tokens - hits == 32
+        # rank 0 busy with more than 32 tokens to compute: the prompt goes to the idle rank 1
+        run(engine, {"long": [11] * 40, "third": prefix + [8]}, max_tokens=12, ranks=ranks)
+        assert ranks["long"] == 0 and ranks["third"] == 1
+    finally:
+        engine.close()
 
 
 @needs_model
