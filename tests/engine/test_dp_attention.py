@@ -1,7 +1,7 @@
 """DP attention inside one engine (``enable_dp_attention``, docs/parallelism.md): each of N ranks runs attention
 on its own requests over its own KV pool, dense MLPs split by columns over every rank's tokens, MoE layers
-expert-parallel. Models: the tiny random DeepSeek-V3 of ``test_moe_models`` and a tiny random Llama with 6
-attention heads over 3 KV heads (``test_tensor_parallel``), fp32.
+expert-parallel. Models: the tiny random DeepSeek-V3 and Qwen3-MoE of ``test_moe_models`` and a tiny random
+Llama with 6 attention heads over 3 KV heads (``test_tensor_parallel``), fp32.
 
 Invariants: the DP step message carries each rank's batch, an empty one included; a request's greedy tokens
 equal the single-rank engine's (logprobs within 1e-4) whichever rank serves it and whatever runs on the other
@@ -29,7 +29,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import TensorParallelError
 from engine.forward_batch import ForwardBatch
 from engine.parallel.step import decode_dp_step, encode_dp_step
-from tests.engine.test_moe_models import deepseek_config, save_model
+from tests.engine.test_moe_models import deepseek_config, qwen3_moe_config, save_model
 from tests.engine.test_tensor_parallel import SHAPE_6_3, _alive, _children, needs_model
 
 pytestmark = [pytest.mark.reference, pytest.mark.timeout(300),
@@ -179,6 +179,28 @@ def test_a_prompt_goes_back_to_the_rank_caching_its_prefix_unless_that_rank_is_b
         assert ranks["long"] == 0 and ranks["third"] == 1
     finally:
         engine.close()
+
+
+def test_qwen3_moe_gives_the_single_rank_tokens_with_its_kv_heads_whole_on_each_rank(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    folder = tmp_path_factory.mktemp("dp-qwen") / "qwen3_moe"
+    save_model(folder, qwen3_moe_config())
+    prompts = {str(i): p for i, p in enumerate(PROMPTS)}
+    one = make_engine(folder)
+    try:
+        reference = run(one, prompts)
+    finally:
+        one.close()
+    engine = make_engine(folder, expert_parallel_size=2, enable_dp_attention=True)
+    try:
+        assert engine.kv_pool.shape.num_kv_heads == 2   # every KV head of the model, in every rank's pool
+        ranks: dict[str, int] = {}
+        got = run(engine, prompts, ranks=ranks)
+    finally:
+        engine.close()
+    assert set(ranks.values()) == {0, 1}
+    for rid in reference:
+        assert_same(reference[rid], got[rid], f"request {rid} on rank {ranks[rid]}")
 
 
 @needs_model
