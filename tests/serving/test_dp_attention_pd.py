@@ -1,7 +1,7 @@
 """PD with DP attention (issue #47 item 2, docs/parallelism.md): a tiny random DeepSeek-V3 (fp32) 1P1D through
 the router's orchestrator and the in-process KV backend, prefill and decode each with 2 DP ranks or one, in
 the three pairings DP -> DP, DP -> one rank, one rank -> DP; and DP -> DP over NIXL (two agents in this
-process, UCX over host memory: the decode's region is the ranks' shared memfd).
+process, UCX over host memory: the decode's region is the ranks' shared memfd) and over Mooncake (TCP).
 
 Invariants: 4 concurrent streams equal the colocated single-rank engine's greedy text; the DP side spreads
 them over both ranks (its per-rank counters); the registered KV region of a DP instance is every rank's pool
@@ -46,8 +46,9 @@ def colocated(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", params=[("inprocess", 2, 2), ("inprocess", 2, 1), ("inprocess", 1, 2),
-                                        pytest.param(("nixl", 2, 2), marks=pytest.mark.nixl)],
-                ids=["dp-to-dp", "dp-to-one", "one-to-dp", "dp-to-dp-nixl"])
+                                        pytest.param(("nixl", 2, 2), marks=pytest.mark.nixl),
+                                        pytest.param(("mooncake", 2, 2), marks=pytest.mark.mooncake)],
+                ids=["dp-to-dp", "dp-to-one", "one-to-dp", "dp-to-dp-nixl", "dp-to-dp-mooncake"])
 def cluster(request: pytest.FixtureRequest, folder: Path) -> Iterator[Cluster]:
     backend, p_ranks, d_ranks = request.param
     reason = unavailable_reason(backend)
