@@ -210,8 +210,9 @@ class TensorParallelGroup:
     def _make_dp_region(self, mc: ModelConfig) -> None:
         """One memfd holding every DP rank's pool back to back (``dp_region_fd``); each rank maps it whole and
         uses its own pages."""
-        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, self._config.page_size, mc.kv_layout_kind)
-        fd = shared_pool_fd(self.world_size * self.num_pages * shape.page_bytes(getattr(torch, self._config.dtype)))
+        config = self._config
+        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.page_size, mc.kv_layout_kind)
+        fd = shared_pool_fd(self.world_size * self.num_pages * shape.page_bytes(getattr(torch, config.dtype)))
         self._kv_fds.append(fd)
         self.dp_region_fd = fd
 

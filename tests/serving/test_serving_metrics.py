@@ -154,6 +154,6 @@ def test_dp_rank_metrics_publish_each_ranks_pages_and_what_it_served(metrics: Se
     assert hook.on_tick() is False
     loads[1].requests, loads[1].tokens = 4, 31
     hook.on_tick()
-    assert _series("pd_dp_rank_free_pages", rank="0") == 7 and _series("pd_dp_rank_free_pages", rank="1") == 9
-    assert _series("pd_dp_rank_requests_total", rank="0") == 3 and _series("pd_dp_rank_requests_total", rank="1") == 4
-    assert _series("pd_dp_rank_tokens_total", rank="0") == 40 and _series("pd_dp_rank_tokens_total", rank="1") == 31
+    for name, values in (("pd_dp_rank_free_pages", [7, 9]), ("pd_dp_rank_requests_total", [3, 4]),
+                         ("pd_dp_rank_tokens_total", [40, 31])):
+        assert [_series(name, rank=str(r)) for r in (0, 1)] == values, name
