@@ -142,7 +142,8 @@ class LLMEngine:
     @property
     def num_free_pages(self) -> int:
         """Pages a new request can take: free ones plus cached pages no live request holds (evicted on
-        demand)."""
+        demand). DP attention: summed over the ranks, while one request's pages lie in one rank's pool
+        (``rank_free_pages``)."""
         return self.scheduler.num_allocatable_pages
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -189,6 +190,7 @@ class LLMEngine:
 
     @property
     def num_total_pages(self) -> int:
+        """Pages of the KV pool (DP attention: of every rank's pool, ``dp_size`` x ``kv_pool.num_pages``)."""
         return self.scheduler.num_pages
 
     def has_unfinished(self) -> bool:
