@@ -16,7 +16,9 @@ Lifecycle (``LLMEngine`` drives it; all on the thread that builds and closes the
 3. A rank process that exits while serving: the rank watch (every 50 ms) aborts the communicator with the
    rank's exit status, so a collective waiting on it fails at once; the step raises ``TensorParallelError``
    and so does every later one; the other rank processes are killed. A rank that stops answering: the
-   collective times out after ``tp_timeout_s``, same outcome.
+   collective times out after ``tp_timeout_s``, same outcome. An expert-parallel engine's MoE all-to-alls
+   (on the process group, beside the communicator) fail the same way: at once when a rank's connection
+   closes, after ``tp_timeout_s`` when it hangs.
 4. ``stop()``: send ``STOP``, reap the processes (killed after a deadline), stop the watch, close the region
    and the store. Idempotent. The rank processes also end by themselves when this process ends (their stdin
    pipe closes), so no path leaves one behind; the region is a memfd, so none leaves shared memory behind.
@@ -57,8 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
-#: how long a failed exchange waits to see a rank process exited, so that its error names the rank (a killed
-#: process's sockets close before it can be reaped)
+#: how long a failed MoE exchange waits for a rank process's exit to become visible, to name the rank
 EXIT_SEEN_S = 0.5
 STOP_TIMEOUT_S = 10.0
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -254,10 +255,11 @@ class TensorParallelGroup:
         """``error``'s text, led by the rank process that exited if one did: an MoE all-to-all (gloo or
         NCCL, not the communicator) ends with the transport's words ("Connection closed by peer") when a
         rank dies inside it, before the rank watch names the rank. A dying process closes its sockets before
-        it can be reaped, so this waits up to ``EXIT_SEEN_S`` for a rank to be seen exited."""
+        its exit status can be read, so this waits up to ``EXIT_SEEN_S`` for one (the engine thread, on the
+        failure path only)."""
         deadline = time.monotonic() + EXIT_SEEN_S
         dead = self._exited()
-        while dead is None and time.monotonic() < deadline:
+        while dead is None and isinstance(error, DispatchError) and time.monotonic() < deadline:
             time.sleep(0.01)
             dead = self._exited()
         return f"{dead} ({error})" if dead and dead not in str(error) else str(error)
