@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_ROOM = 2**63 - 1
 Room = int
 
@@ -44,6 +44,9 @@ class InstanceLoad:
         num_free_pages: free pages of the KV pool.
         num_total_pages: pages of the KV pool.
         page_size: tokens per page.
+        rank_free_pages: a DP-attention instance (``enable_dp_attention``): free pages of each rank's pool,
+            rank 0 first (``num_free_pages`` is their sum; one request's pages all lie in one rank's pool);
+            empty for an instance of one pool.
     """
 
     num_queued_requests: int = 0
@@ -52,6 +55,12 @@ class InstanceLoad:
     num_free_pages: int = 0
     num_total_pages: int = 0
     page_size: int = 0
+    rank_free_pages: list[int] = field(default_factory=list)
+
+    @property
+    def largest_free_pages(self) -> int:
+        """Most pages one request can take: the freest rank's (``num_free_pages`` for one pool)."""
+        return max(self.rank_free_pages) if self.rank_free_pages else self.num_free_pages
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,13 @@ class EngineConfig:
             are tensor-parallel over the same N ranks (attention TP size = EP size, as SGLang runs EP).
             1 (the default): every expert here. Exclusive with ``tensor_parallel_size`` > 1; must divide the
             model's experts and attention heads (checked at load, naming it).
+        enable_dp_attention: DP attention over the instance's ranks (``tensor_parallel_size`` for a dense
+            model, ``expert_parallel_size`` for an MoE one, N > 1; docs/parallelism.md, "DP attention"): each
+            rank holds every attention head and its own KV pool (``num_pages`` pages, its own page ids) and runs
+            attention on its own requests, which this process's scheduler assigns (least-loaded rank); dense
+            MLPs stay split by columns over every rank's tokens, MoE layers expert-parallel. The instance holds
+            N x the tokens of one pool. In prefill and decode mode (CPU) the ranks' pools are one region whose
+            page ids ``rank * num_pages + p`` the KV transfer addresses (``LLMEngine.kv_pools``).
         tp_timeout_s: how long a rank waits for the others inside a step before the group fails (a rank that
             hangs); a rank process that dies fails the group within ~50 ms instead.
         tp_collectives: ``"auto"`` (CPU: shared-memory collectives, ``engine.parallel.shm``, where its C file
@@ -81,6 +88,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    enable_dp_attention: bool = False
     tp_timeout_s: float = 10.0
     tp_collectives: str = "auto"
 
@@ -102,6 +110,7 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: an expert-parallel instance splits attention "
                              "over its own ranks; give one of them")
+        self._check_dp_attention()
         if not isinstance(self.enable_prefix_caching, bool):
             # ValueError like every other field here (the documented contract), not TypeError
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")  # noqa: TRY004
@@ -111,6 +120,21 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_positive(name, value)
+
+    def _check_dp_attention(self) -> None:
+        if not isinstance(self.enable_dp_attention, bool):
+            # ValueError like every other field here (the documented contract), not TypeError
+            raise ValueError(f"enable_dp_attention must be a bool, got {self.enable_dp_attention!r}")  # noqa: TRY004
+        if not self.enable_dp_attention:
+            return
+        if self.num_ranks == 1:
+            raise ValueError("enable_dp_attention needs ranks: tensor_parallel_size (a dense model) or "
+                             "expert_parallel_size (an MoE model) > 1")
+
+    @property
+    def dp_size(self) -> int:
+        """DP-attention ranks: ``num_ranks`` with ``enable_dp_attention``, else 1."""
+        return self.num_ranks if self.enable_dp_attention else 1
 
     @property
     def num_ranks(self) -> int:

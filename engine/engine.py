@@ -12,6 +12,11 @@ stop conditions and returns one ``RequestOutput`` per request that progressed. R
 With ``tensor_parallel_size`` N > 1 this engine is rank 0 of N (``engine/parallel``): scheduling, sampling and
 the page allocator stay here, the model and the KV pool are split over N rank processes, and each step's
 forward runs on all of them (``ParallelCausalLM``). ``close`` stops them.
+
+With ``enable_dp_attention`` (DP attention over those N ranks, docs/parallelism.md) each rank has its own
+requests, KV pool and page ids: this engine keeps one scheduler per rank (``engine.dp_scheduler``), assigns
+each new request to the least-loaded rank, and each step sends every rank its own batch (a rank with none
+runs an empty one, so every collective meets).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig
+from engine.dp_scheduler import DataParallelScheduler, DPRankLoad
 from engine.errors import EngineError, InvalidSamplingParams, OutOfPages, RequestRejected
 from engine.kv_pool import KVPool, KVShape
 from engine.model_runner import ModelRunner, SampledToken
@@ -92,18 +98,30 @@ class LLMEngine:
                         mc.kv_layout_kind)
         num_pages = self.parallel.num_pages if self.parallel else \
             config.num_pages or shape.pages_for_bytes(config.pool_bytes, dtype)
-        self.kv_pool = KVPool(shape, num_pages, dtype, config.device)
+        region_fd = self.parallel.dp_region_fd if self.parallel else -1
+        # DP attention on the CPU: every rank's pool in one region, rank 0's first; the whole region is what the
+        # KV transfer registers (a page id r * num_pages + p is page p of rank r's pool)
+        self._dp_region: KVPool | None = None
+        if region_fd >= 0:
+            total = config.dp_size * num_pages
+            self.kv_pool = KVPool(shape, num_pages, dtype, config.device, shared_fd=region_fd,
+                                  fd_num_pages=total)
+            self._dp_region = KVPool(shape, total, dtype, config.device, shared_fd=region_fd)
+        else:
+            self.kv_pool = KVPool(shape, num_pages, dtype, config.device)
         self.kv_cache = self.kv_pool.kv_cache
         context = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len or context, context)
-        pages = PrefixCache(PageAllocator(num_pages), enabled=config.prefix_caching_active)
-        self.scheduler = Scheduler(pages, config.page_size, config.chunk_size,
-                                   config.max_num_batched_tokens, config.max_running_requests)
+        ranks = [Scheduler(PrefixCache(PageAllocator(num_pages), enabled=config.prefix_caching_active),
+                           config.page_size, config.chunk_size, config.max_num_batched_tokens,
+                           config.max_running_requests) for _ in range(config.dp_size)]
+        self.scheduler: Scheduler | DataParallelScheduler = \
+            ranks[0] if config.dp_size == 1 else DataParallelScheduler(ranks)
         eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
         self._eos_token_ids = eos
         model = self.parallel.model if self.parallel else loaded.model
         assert model is not None   # TensorParallelGroup.start made the group's model
-        self.runner = ModelRunner(model, self.kv_cache, config.device, eos)
+        self.runner = ModelRunner(model, self.kv_cache, config.device, eos, config.dp_size)
         self.output_processor = OutputProcessor(eos, lambda: _make_detokenizer(self.tokenizer),
                                                 lambda token_id: self.tokenizer.decode([token_id], False))
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -112,9 +130,9 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._finish_next: list[tuple[Sequence, FinishReason]] = []
         logger.info("engine ready: mode=%s pages=%d page_size=%d kv_bytes=%d prefix_caching=%s "
-                    "tensor_parallel_size=%d expert_parallel_size=%d", config.mode, num_pages,
-                    config.page_size, self.kv_pool.nbytes, pages.enabled, config.tensor_parallel_size,
-                    config.expert_parallel_size)
+                    "tensor_parallel_size=%d expert_parallel_size=%d dp_attention_ranks=%d", config.mode,
+                    num_pages, config.page_size, self.kv_pool.nbytes, config.prefix_caching_active,
+                    config.tensor_parallel_size, config.expert_parallel_size, config.dp_size)
 
     def close(self) -> None:
         """Stop the rank processes of a tensor-parallel engine (nothing otherwise); idempotent. Call it once
@@ -125,12 +143,27 @@ class LLMEngine:
     @property
     def num_free_pages(self) -> int:
         """Pages a new request can take: free ones plus cached pages no live request holds (evicted on
-        demand)."""
-        return self.scheduler.pages.num_allocatable
+        demand). DP attention: summed over the ranks, while one request's pages lie in one rank's pool
+        (``rank_free_pages``)."""
+        return self.scheduler.num_allocatable_pages
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prefix-cache counters since start (tokens, pages); all zero when the cache is off."""
-        return self.scheduler.pages.stats()
+        return self.scheduler.cache_stats()
+
+    @property
+    def rank_free_pages(self) -> list[int]:
+        """A DP-attention engine: pages a new request can take in each rank's pool, rank 0 first (a request's
+        pages all lie in one); [] otherwise (``num_free_pages`` is the one pool's)."""
+        if not isinstance(self.scheduler, DataParallelScheduler):
+            return []
+        return [rank.num_allocatable_pages for rank in self.scheduler.ranks]
+
+    @property
+    def dp_loads(self) -> list[DPRankLoad]:
+        """Per DP-attention rank counters (requests assigned, tokens computed, busy steps), rank 0 first; one
+        entry (all zero) without DP attention."""
+        return self.scheduler.loads if isinstance(self.scheduler, DataParallelScheduler) else [DPRankLoad()]
 
     @property
     def kv_pools(self) -> list[tuple[KVHeadSlice, KVPool]]:
@@ -138,7 +171,15 @@ class LLMEngine:
         one entry unless tensor-parallel. Every pool has ``num_total_pages`` pages under the same page ids and
         lives in this process's address space (ranks 1..N-1's as shared mappings), which is what one KV
         transfer agent registers. Raises ``ValueError`` for a tensor-parallel engine on GPUs (each rank's pool
-        is on its own device, out of this process's reach)."""
+        is on its own device, out of this process's reach).
+
+        A DP-attention engine (on the CPU) gives one pool: every rank's, back to back, its page ids
+        ``rank * num_pages + p`` (``num_total_pages`` of them; the ids ``reserve_request`` and prefill chunks
+        report), with every KV head."""
+        if self._dp_region is not None:
+            return [(KVHeadSlice.whole(self.kv_heads.num_model_kv_heads), self._dp_region)]
+        if self.config.dp_size > 1:
+            raise ValueError("the KV pools of a DP-attention engine on GPUs are each on their rank's device")
         if self.parallel is None:
             return [(self.kv_heads, self.kv_pool)]
         if self.parallel.world_size > 1 and not self.parallel.rank_pools:
@@ -150,7 +191,8 @@ class LLMEngine:
 
     @property
     def num_total_pages(self) -> int:
-        return self.scheduler.allocator.num_pages
+        """Pages of the KV pool (DP attention: of every rank's pool, ``dp_size`` x ``kv_pool.num_pages``)."""
+        return self.scheduler.num_pages
 
     def has_unfinished(self) -> bool:
         """True while a step has work: queued, running, or a prebuilt request about to finish."""
@@ -231,9 +273,8 @@ class LLMEngine:
                                          f"{self.num_free_pages} free")
         self._track(seq)
         cached_pages = seq.num_cached_tokens // self.config.page_size
-        return Reservation(seq.page_table[cached_pages:pages_for_tokens(seq.num_prompt_tokens,
-                                                                        self.config.page_size)],
-                           seq.num_cached_tokens)
+        pages = seq.page_table[cached_pages:pages_for_tokens(seq.num_prompt_tokens, self.config.page_size)]
+        return Reservation(self._instance_pages(seq, pages), seq.num_cached_tokens)
 
     def add_prebuilt_request(self, request_id: RequestId, first_token_id: int, first_logprob: float,
                              first_token_sent: bool = False) -> None:
@@ -330,7 +371,7 @@ class LLMEngine:
         ps = self.config.page_size
         is_last = sampled is not None
         done_pages = pages_for_tokens(seq.num_prompt_tokens, ps) if is_last else seq.num_computed_tokens // ps
-        chunk = PrefillChunk(seq.page_table[seq.num_sent_pages:done_pages], is_last,
+        chunk = PrefillChunk(self._instance_pages(seq, seq.page_table[seq.num_sent_pages:done_pages]), is_last,
                              sampled.token_id if sampled else None, sampled.logprob if sampled else None,
                              reason)
         seq.num_sent_pages = done_pages
@@ -340,6 +381,14 @@ class LLMEngine:
         # the text of the first token is emitted as a decode-mode engine would, holding back a possible stop
         # string's start, so that the decode side (first_token_sent=True) continues exactly where it ends
         return self.output_processor.make_output(seq, reason if is_last else None, chunk, hold_text=True)
+
+    def _instance_pages(self, seq: Sequence, pages: list[int]) -> list[int]:
+        """``seq``'s page ids (its rank's pool) as the instance's: ``rank * num_pages + p`` under DP attention
+        (``kv_pools``), unchanged otherwise."""
+        if seq.dp_rank == 0:
+            return pages
+        first = seq.dp_rank * self.kv_pool.num_pages
+        return [first + p for p in pages]
 
     def _finish_prebuilt(self) -> list[RequestOutput]:
         outputs = []
@@ -368,9 +417,9 @@ class LLMEngine:
             except InvalidSamplingParams as e:  # RequestRejected: every caller fails just this request
                 raise RequestRejected(request_id, str(e)) from None
             seq.grammar = GrammarState(compiled, request_id)
-        if self.scheduler.pages_needed(seq) > self.num_total_pages:
+        if self.scheduler.pages_needed(seq) > self.kv_pool.num_pages:   # one pool (one DP rank's) holds it
             raise RequestRejected(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
-                                              f"the pool has {self.num_total_pages}")
+                                              f"the pool has {self.kv_pool.num_pages}")
         return seq
 
     def _check_request(self, request_id: RequestId, prompt_token_ids: list[int],

@@ -13,6 +13,39 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class DPShares:
+    """Where one rank's tokens sit among every rank's, in a step of a DP-attention engine (each rank runs
+    attention on its own requests; docs/parallelism.md, "DP attention").
+
+    Attributes:
+        rank: this rank.
+        token_counts: ``[dp_size]`` tokens of each rank's batch this step (0: an idle rank).
+        logits_counts: ``[dp_size]`` logits rows of each rank's batch this step.
+    """
+
+    rank: int
+    token_counts: tuple[int, ...]
+    logits_counts: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of every rank together (the rows a gathered ``[T, hidden]`` tensor has)."""
+        return sum(self.token_counts)
+
+    @property
+    def token_rows(self) -> range:
+        """This rank's rows in the gathered tokens (ranks in order)."""
+        start = sum(self.token_counts[:self.rank])
+        return range(start, start + self.token_counts[self.rank])
+
+    @property
+    def logits_rows(self) -> range:
+        """This rank's rows in the gathered logits rows (ranks in order)."""
+        start = sum(self.logits_counts[:self.rank])
+        return range(start, start + self.logits_counts[self.rank])
+
+
 @dataclass
 class ForwardBatch:
     """One step's inputs.
@@ -27,6 +60,8 @@ class ForwardBatch:
         page_tables: ``[num_seqs][ceil(seq_len / page_size)]`` page ids holding each sequence's KV, in order.
         logits_indices: ``[num_logits]`` int64, rows of the final hidden states projected to logits (the last
             token of each sequence that samples this step; a non-final prefill chunk samples nothing).
+        dp: in a DP-attention engine, this batch's place among every rank's (``DPShares``); None otherwise.
+            A DP rank's batch may be empty (no sequence: an idle rank still takes part in the collectives).
     """
 
     input_ids: torch.Tensor
@@ -36,6 +71,7 @@ class ForwardBatch:
     seq_lens: list[int]
     page_tables: list[list[int]]
     logits_indices: torch.Tensor
+    dp: DPShares | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -94,6 +94,9 @@ class KVPool:
     ``shared_fd`` (a memfd of exactly the pool's bytes, ``shared_pool_fd``): the pool is a shared mapping of
     it instead (no huge-page advice, no populate thread, zero already), so that two processes see the same KV:
     a tensor-parallel rank's pool, which rank 0 maps too for its KV transfer agent (docs/parallelism.md).
+    ``fd_first_page`` / ``fd_num_pages``: the memfd holds ``fd_num_pages`` pages of this shape back to back
+    (the pools of every DP-attention rank, one page-major region) and this pool is its pages
+    ``[fd_first_page, fd_first_page + num_pages)``; the whole memfd is mapped, the pool is a view of its part.
 
     Attributes:
         storage: ``[num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim]``, ``dtype``,
@@ -108,9 +111,14 @@ class KVPool:
     """
 
     def __init__(self, shape: KVShape, num_pages: int, dtype: torch.dtype,
-                 device: torch.device | str, huge_pages: bool = True, shared_fd: int = -1) -> None:
+                 device: torch.device | str, huge_pages: bool = True, shared_fd: int = -1,
+                 fd_first_page: int = 0, fd_num_pages: int | None = None) -> None:
         if num_pages <= 0:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
+        fd_pages = num_pages if fd_num_pages is None else fd_num_pages
+        if not 0 <= fd_first_page <= fd_pages - num_pages:
+            raise ValueError(f"pages [{fd_first_page}, {fd_first_page + num_pages}) are not in a region of "
+                             f"{fd_pages} pages")
         self.shape = shape
         self.num_pages = num_pages
         self.dtype = dtype
@@ -121,7 +129,9 @@ class KVPool:
         self._region: mmap.mmap | None = None   # owns the memory of ``storage`` when it is a host mapping
         # [num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim], contiguous
         if shared_fd >= 0:   # a tensor-parallel rank's pool, which rank 0 maps too (its KV transfer agent)
-            self._region, self.storage = _shared_tensor(shared_fd, dims, dtype, num_pages * self.page_bytes)
+            whole = (fd_pages, *dims[1:])
+            self._region, region = _shared_tensor(shared_fd, whole, dtype, fd_pages * self.page_bytes)
+            self.storage = region[fd_first_page:fd_first_page + num_pages]   # contiguous: whole pages
             self.populating = None
         elif huge_pages and torch.device(device).type == "cpu":
             self._region, self.storage = _huge_page_tensor(dims, dtype, num_pages * self.page_bytes)

@@ -20,6 +20,14 @@ class CausalLM(Protocol):
         ...
 
 
+class DataParallelLM(Protocol):
+    def forward_ranks(self, batches: list[ForwardBatch], kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run one step of a DP-attention instance: ``batches[r]`` is rank r's own batch (possibly empty),
+        ``kv_cache`` rank 0's pool. Returns ``[sum of every batch's num_logits, vocab_size]`` float32 logits,
+        rank 0's rows first, each rank's in its batch's order."""
+        ...
+
+
 @dataclass(frozen=True)
 class SampledToken:
     """The token a sequence sampled this step, its raw-distribution logprob and (when the request asked for
@@ -41,11 +49,14 @@ class ModelRunner:
         model: the causal LM (``engine.model``'s ``LlamaForCausalLM`` or any ``CausalLM``).
         kv_cache: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``, written by the model.
         device: where the batch's index tensors go (the model's device).
+        dp_size: DP-attention ranks (``model`` then is a ``DataParallelLM``: each step gets one batch per
+            rank, from the sequences whose ``dp_rank`` it is); 1: one batch.
     """
 
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, device: torch.device | str,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, model: CausalLM | DataParallelLM, kv_cache: torch.Tensor, device: torch.device | str,
+                 eos_token_ids: frozenset[int] = frozenset(), dp_size: int = 1) -> None:
         self.model = model
+        self.dp_size = dp_size
         self.kv_cache = kv_cache
         self.page_size = int(kv_cache.shape[3])
         self.device = torch.device(device)
@@ -60,9 +71,8 @@ class ModelRunner:
             One ``SampledToken`` per sampling sequence, in scheduling order (a non-final prefill chunk samples
             nothing).
         """
-        batch, samplers = self.build_batch(scheduled)
         with torch.inference_mode():
-            logits = self.model.forward(batch, self.kv_cache)
+            logits, samplers = self._forward(scheduled)
             if not samplers:
                 return []
             histories = [s.history if s.params.processes_logits else _NO_HISTORY for s in samplers]
@@ -71,6 +81,18 @@ class ModelRunner:
                                   histories, masks)
         return [SampledToken(s, t, lp, top)
                 for s, t, lp, top in zip(samplers, result.token_ids, result.logprobs, result.top)]
+
+    def _forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
+        """The step's logits and the sequences they sample for, row by row (DP: rank by rank)."""
+        if self.dp_size == 1:
+            batch, samplers = self.build_batch(scheduled)
+            return self.model.forward(batch, self.kv_cache), samplers   # type: ignore[union-attr]
+        per_rank: list[list[ScheduledSeq]] = [[] for _ in range(self.dp_size)]
+        for item in scheduled:
+            per_rank[item.seq.dp_rank].append(item)
+        built = [self.build_batch(items) for items in per_rank]
+        logits = self.model.forward_ranks([b for b, _ in built], self.kv_cache)   # type: ignore[union-attr]
+        return logits, [seq for _, seqs in built for seq in seqs]
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[Sequence]]:
         """The ``ForwardBatch`` of a step, and the sequences that sample (one logits row each, in order)."""

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.page_allocator import PageId
-from engine.prefix_cache import PrefixCache, page_hashes, shareable_pages
+from engine.prefix_cache import PrefixCache, PrefixCacheStats, page_hashes, shareable_pages
 from engine.sequence import RequestId, Sequence, SequenceStatus, pages_for_tokens
 
 
@@ -51,6 +51,20 @@ class Scheduler:
 
     def pages_needed(self, seq: Sequence) -> int:
         return pages_for_tokens(seq.num_reserved_tokens, self.page_size)
+
+    @property
+    def num_allocatable_pages(self) -> int:
+        """Pages a new request can take now (free, plus cached pages no request holds)."""
+        return self.pages.num_allocatable
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the pool."""
+        return self.allocator.num_pages
+
+    def cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters."""
+        return self.pages.stats()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,6 +115,11 @@ class Scheduler:
         seq.set_status(SequenceStatus.RUNNING)
         self.running.append(seq)
         return True
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens of ``seq`` this pool's prefix cache holds now (what admission would share); takes
+        nothing."""
+        return len(self._match(seq)) * self.page_size
 
     def _match(self, seq: Sequence) -> list[PageId]:
         """Cached pages of the prompt's longest prefix, leaving at least the last prompt token to compute."""

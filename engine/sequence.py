@@ -63,6 +63,7 @@ class Sequence:
         cumulative_logprob: sum of ``output_logprobs``.
         grammar: the structured-outputs state (``params.structured``), moved past every sampled token; None
             without a constraint.
+        dp_rank: the DP-attention rank whose KV pool holds the request (``engine.dp_scheduler``); 0 otherwise.
     """
 
     def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
@@ -87,6 +88,7 @@ class Sequence:
         self.num_emitted_tokens = 0
         self.generator = generator
         self.grammar: GrammarState | None = None
+        self.dp_rank = 0
 
     @property
     def num_tokens(self) -> int:

@@ -123,6 +123,11 @@ class WorkerConfig:
             (``EngineConfig.expert_parallel_size``): the stub is rank 0 and starts ranks 1..N-1, attention is
             tensor-parallel over the same ranks. Must divide the model's experts and attention heads and be
             used without ``tensor_parallel_size`` (a bad value fails the load, naming it).
+        enable_dp_attention: DP attention over the instance's ranks (``EngineConfig.enable_dp_attention``,
+            docs/parallelism.md): with ``tensor_parallel_size`` (a dense model) or ``expert_parallel_size`` (an
+            MoE model) N > 1, each rank runs attention on its own requests over its own KV pool of
+            ``num_pages`` pages (N x the tokens of one pool); ``false`` by default. Prefill and decode models
+            (CPU) register the ranks' pools as one region: a request's KV lands in its rank's pool.
         tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
             (a hung rank); a rank process that dies fails it within ~50 ms.
         drain_timeout_s: a server stop or an unload: how long the requests in flight may run to their end
@@ -164,6 +169,7 @@ class WorkerConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    enable_dp_attention: bool = False
     tp_timeout_s: float = 10.0
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     blip_tolerance_s: float = DEFAULT_BLIP_TOLERANCE_S
@@ -180,6 +186,9 @@ class WorkerConfig:
                               f"must be 1 with tensor_parallel_size={self.tensor_parallel_size}, got "
                               f"{self.expert_parallel_size}: an expert-parallel instance splits attention over "
                               "its own ranks")
+        if self.enable_dp_attention and max(self.tensor_parallel_size, self.expert_parallel_size) == 1:
+            raise ConfigError("enable_dp_attention", "needs tensor_parallel_size (a dense model) or "
+                                                     "expert_parallel_size (an MoE model) > 1")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "idle_wait_s", "tp_timeout_s",
                      "blip_tolerance_s"):
             if not getattr(self, name) > 0:
@@ -232,7 +241,8 @@ class WorkerConfig:
                             device=self.device, dtype=self.dtype, weight_quant=self.weight_quant,
                             enable_prefix_caching=self.enable_prefix_caching,
                             tensor_parallel_size=self.tensor_parallel_size,
-                            expert_parallel_size=self.expert_parallel_size, tp_timeout_s=self.tp_timeout_s)
+                            expert_parallel_size=self.expert_parallel_size,
+                            enable_dp_attention=self.enable_dp_attention, tp_timeout_s=self.tp_timeout_s)
 
 
 def instance_device(kind: str, device_id: int) -> str:

@@ -19,6 +19,9 @@ process: see ``ServingMetrics``); names carry units:
 ``pd_prompt_tokens_total``          counter  prompt tokens of finished requests
 ``pd_generation_tokens_total``      counter  generated tokens of finished requests
 ``pd_engine_steps_total``           counter  engine steps
+``pd_dp_rank_free_pages``           gauge    DP attention: free pages of each rank's pool (label ``rank``)
+``pd_dp_rank_requests_total``       counter  DP attention: requests assigned to each rank (label ``rank``)
+``pd_dp_rank_tokens_total``         counter  DP attention: tokens each rank computed (label ``rank``)
 ``pd_engine_step_seconds_total``    counter  time spent in engine steps
 ``pd_kv_transfer_bytes_total``      counter  KV bytes posted to decode instances (prefill): whole pages, and only
                                              the filled slots of a prompt's last page (aux data not counted)
@@ -104,6 +107,9 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
     "pd_prompt_tokens_total": ("COUNTER", "Prompt tokens of finished requests"),
     "pd_generation_tokens_total": ("COUNTER", "Generated tokens of finished requests"),
     "pd_engine_steps_total": ("COUNTER", "Engine steps"),
+    "pd_dp_rank_free_pages": ("GAUGE", "DP attention: free pages of each rank's KV pool"),
+    "pd_dp_rank_requests_total": ("COUNTER", "DP attention: requests assigned to each rank"),
+    "pd_dp_rank_tokens_total": ("COUNTER", "DP attention: tokens each rank computed"),
     "pd_engine_step_seconds_total": ("COUNTER", "Seconds spent in engine steps"),
     "pd_kv_transfer_bytes_total": ("COUNTER", "KV bytes posted to decode instances (prefill)"),
     "pd_kv_transfers_total": ("COUNTER", "Rooms whose KV transfer reached Success"),
@@ -371,3 +377,32 @@ class LoopMetricsHook:
         self._metrics.increment("pd_prefix_cache_queries_tokens_total", cache.queries_tokens - seen.queries_tokens)
         self._metrics.increment("pd_prefix_cache_hits_tokens_total", cache.hits_tokens - seen.hits_tokens)
         self._cache_seen = cache
+
+
+class DPRankMetricsHook:
+    """Tick hook publishing a DP-attention engine's per-rank load (``pd_dp_rank_*``, label ``rank``): free pages
+    of each rank's pool, requests assigned and tokens computed (runs on the loop thread).
+
+    Args:
+        metrics: where to publish.
+        free_pages: returns each rank's free pages (``LLMEngine.rank_free_pages``).
+        loads: returns each rank's counters (``LLMEngine.dp_loads``: ``requests``, ``tokens``).
+    """
+
+    def __init__(self, metrics: ServingMetrics, free_pages: Callable[[], list[int]],
+                 loads: Callable[[], list[Any]]) -> None:
+        self._metrics = metrics
+        self._free_pages = free_pages
+        self._loads = loads
+        self._seen: dict[int, tuple[int, int]] = {}
+
+    def on_tick(self) -> bool:
+        """Publish; never reports work in flight."""
+        for rank, free in enumerate(self._free_pages()):
+            self._metrics.set_gauge("pd_dp_rank_free_pages", free, rank=str(rank))
+        for rank, load in enumerate(self._loads()):
+            requests, tokens = self._seen.get(rank, (0, 0))
+            self._metrics.increment("pd_dp_rank_requests_total", load.requests - requests, rank=str(rank))
+            self._metrics.increment("pd_dp_rank_tokens_total", load.tokens - tokens, rank=str(rank))
+            self._seen[rank] = (load.requests, load.tokens)
+        return False

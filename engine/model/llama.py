@@ -11,6 +11,11 @@ Tensor parallelism (``engine/parallel``): built with a ``RankShard`` the model h
 query and KV heads, MLP columns and LM head rows; ``engine.parallel.layout``); once a ``Communicator`` is
 attached, the outputs of o_proj and down_proj are summed over the ranks (row-parallel) and the logits gathered
 on rank 0 (vocabulary-parallel). Without a shard (one rank) nothing changes.
+
+DP attention (``RankShard.dp_attention``, docs/parallelism.md): the shard holds every head, and each rank's
+batch is its own requests' (``ForwardBatch.dp``): attention runs on them alone, with no exchange; the MLP and
+the LM head stay split by columns / rows, so their input is every rank's tokens (``engine.parallel.dp``) and
+each rank keeps its own rows of the MLP's summed output.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, TorchAttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DPShares, ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.linear import WEIGHT_QUANTS, Int8Weight, Weight, embedding, linear, weight_bytes
 from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.parallel.dp import gather_rows, gather_tokens, keep_own_rows
 from engine.parallel.layout import RankShard, whole_model
 
 if TYPE_CHECKING:
@@ -58,9 +64,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                 backend: AttentionBackend, metadata: object,
-                comm: Communicator | None = None) -> torch.Tensor:
+                comm: Communicator | None = None, dp: DPShares | None = None) -> torch.Tensor:
         """``h`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this layer's K/V into
-        ``layer_kv``; with ``comm``, sums the row-parallel products over the ranks."""
+        ``layer_kv``; with ``comm``, sums the row-parallel products over the ranks; with ``dp`` (and ``comm``),
+        attention is this rank's alone and the MLP runs on every rank's tokens (module docstring)."""
+        cfg = self.cfg
+        if dp is not None:
+            assert comm is not None
+            if h.shape[0]:   # an idle rank has no attention to run
+                h = h + self._attention(h, cos, sin, layer_kv, backend, metadata)
+            x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
+            return h + keep_own_rows(comm, self._mlp(gather_tokens(comm, x, dp)), dp)
+        out = self._attention(h, cos, sin, layer_kv, backend, metadata)
+        h = h + (out if comm is None else comm.all_reduce(out))
+        x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
+        out = self._mlp(x)
+        return h + (out if comm is None else comm.all_reduce(out))
+
+    def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
+                   backend: AttentionBackend, metadata: object) -> torch.Tensor:
+        """``[n, hidden]`` -> o_proj's output ``[n, hidden]`` (a partial sum on a tensor-parallel rank)."""
         cfg = self.cfg
         n, heads, kv_heads = h.shape[0], self.num_heads, self.num_kv_heads
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
@@ -70,12 +93,12 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)
         v = qkv[:, qk_width:].view(n, kv_heads, cfg.head_dim)
         attn = backend.forward(q, k, v, layer_kv, metadata, self.scale)
-        out = linear(attn, self.o_proj)
-        h = h + (out if comm is None else comm.all_reduce(out))
-        x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
+        return linear(attn, self.o_proj)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` (normed) -> down_proj's output ``[n, hidden]`` (a partial sum when split)."""
         gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        out = linear(F.silu(gate) * up, self.down_proj)
-        return h + (out if comm is None else comm.all_reduce(out))
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,7 +163,8 @@ class LlamaForCausalLM(nn.Module):
 
         Returns:
             ``[len(batch.logits_indices), vocab_size]`` float32 logits of the rows ``batch.logits_indices``
-            (on ranks other than 0 of a group: this rank's ``[.., len(shard.vocab)]`` columns only).
+            (on ranks other than 0 of a group: this rank's ``[.., len(shard.vocab)]`` columns only). With
+            ``batch.dp``: the rows of every rank's batch, ranks in order (``sum(batch.dp.logits_counts)``).
 
         Raises:
             engine.parallel.communicator.CollectiveError: a collective of the rank group failed.
@@ -150,8 +174,14 @@ class LlamaForCausalLM(nn.Module):
         h = embedding(batch.input_ids, self.embed_tokens, self.dtype)
         cos, sin = self.rotary.tables(batch.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata, self.comm)
-        h = F.rms_norm(h[batch.logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
+            h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata, self.comm, batch.dp)
+        h = h[batch.logits_indices]
+        if batch.dp is not None:   # the LM head's rows are split: every rank's logits rows, ranks in order
+            assert self.comm is not None
+            h = gather_rows(self.comm, h, batch.dp.logits_counts, batch.dp.rank)
+            if not h.shape[0]:
+                return h.new_zeros(0, self.config.vocab_size, dtype=torch.float32)
+        h = F.rms_norm(h, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
         logits = linear(h, self.lm_head).float()
         return logits if self.comm is None else self.comm.gather_logits(logits)
 

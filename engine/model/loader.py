@@ -27,7 +27,7 @@ from engine.model.errors import ModelLoadError
 from engine.model.hf_folder import read_hf_config, read_safetensors
 from engine.model.llama import LlamaForCausalLM
 from engine.model.tokenizer import Tokenizer
-from engine.parallel.layout import shard_for
+from engine.parallel.layout import dp_attention_shard, shard_for
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -147,7 +147,7 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
                cache_dir: str | Path | None = None, weight_quant: str = "none", rank: int = 0,
                tensor_parallel_size: int = 1, expert_group: ProcessGroup | None = None,
-               expert_timeout_s: float = 10.0) -> LoadedModel:
+               expert_timeout_s: float = 10.0, dp_attention: bool = False) -> LoadedModel:
     """Load a Llama / Qwen2 / Mistral model for the engine (or one tensor-parallel rank's slice of it), or a
     DeepSeek-V3 / Qwen3-MoE one (``engine.model.moe_lm.build_moe_model``: one rank, ``weight_quant`` "none").
 
@@ -165,6 +165,9 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
             size N > 1): load the share of the group's rank (its ``num_experts / N`` experts, its attention
             heads), the MoE layers exchanging tokens through an ``AllToAllDispatcher`` whose calls wait at
             most ``expert_timeout_s`` seconds. None: every expert here.
+        dp_attention: with ranks (``tensor_parallel_size`` or the expert group's size > 1), hold every
+            attention head (DP attention: ``engine.parallel.layout.dp_attention_shard``); the MLP columns, LM
+            head rows and experts stay split.
 
     Returns:
         ``LoadedModel`` with the model in eval mode, its config and tokenizer.
@@ -178,7 +181,10 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
     folder = _resolve_folder(model, cache_root)
     config = read_hf_config(folder / "config.json", model_id=folder.name.lower())
     # an MoE model's rank is its expert group's; its slice is cut by build_moe_model
-    shard = shard_for(config, rank, tensor_parallel_size) if config.moe is None else None
+    shard = None
+    if config.moe is None:
+        shard = dp_attention_shard(config, rank, tensor_parallel_size) if dp_attention and \
+            tensor_parallel_size > 1 else shard_for(config, rank, tensor_parallel_size)
     tokenizer = load_tokenizer(str(folder), cache_root)
     tensors = read_safetensors(folder)
     files = sorted(folder.glob("*.safetensors"))
@@ -189,10 +195,11 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
 
         dispatcher = None
         if expert_group is not None:
-            check_expert_parallel_size(config, expert_group.size())
+            check_expert_parallel_size(config, expert_group.size(), dp_attention)
             dispatcher = AllToAllDispatcher(config.moe.num_experts, expert_group, expert_timeout_s)
         moe_net = build_moe_model(config, tensors, source, dtype, device, weight_quant, tensor_parallel_size,
-                                  dispatcher, expert_group.rank() if expert_group is not None else 0)
+                                  dispatcher, expert_group.rank() if expert_group is not None else 0,
+                                  dp_attention)
         return LoadedModel(moe_net, config, tokenizer, folder)  # type: ignore[arg-type]
     net = LlamaForCausalLM(config, select_backend(device, dtype), dtype=dtype, device=device,
                            weight_quant=weight_quant, shard=shard)

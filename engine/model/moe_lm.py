@@ -17,6 +17,12 @@ receives are known without an exchange); then the shares are put back together w
 ``[T, hidden]`` tensor zero outside each rank's rows (exact: adding zeros changes no bit). The logits are
 gathered to rank 0 as the Llama TP model's are.
 
+DP attention (``RankShard.dp_attention``, docs/parallelism.md): every rank holds every attention head and runs
+attention on its own requests' tokens (``ForwardBatch.dp``) over its own KV pool, with no exchange; an MoE
+layer routes those tokens to the experts' ranks through the dispatcher (shared experts whole on every rank);
+a dense layer's SwiGLU stays split by columns over every rank's tokens (``engine.parallel.dp``), each rank
+keeping its own rows; the LM head's rows are split as above, over every rank's logits rows.
+
 Weights: the full precision tensors of a Hugging Face folder (transformers' names), held in the model dtype;
 ``weight_quant`` other than ``"none"``, tensor parallelism without expert parallelism and RoPE scaling are
 refused at load. Tensors of layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer,
@@ -33,14 +39,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DPShares, ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.moe import DenseMLP, MoEBlock
 from engine.model.moe_dispatch import TokenDispatcher
 from engine.model.rope import RotaryEmbedding
 from engine.parallel.communicator import Communicator
-from engine.parallel.layout import RankShard, check_tensor_parallel_size, shard_for, split_range, whole_model
+from engine.parallel.dp import gather_rows, gather_tokens, keep_own_rows
+from engine.parallel.layout import (
+    RankShard,
+    check_tensor_parallel_size,
+    dp_attention_shard,
+    shard_for,
+    split_range,
+    whole_model,
+)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -128,12 +142,15 @@ class MoEDecoderLayer(nn.Module):
         self.link = link
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
-                backend: AttentionBackend, metadata: object) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``; writes this layer's KV into ``layer_kv``.
+                backend: AttentionBackend, metadata: object, dp: DPShares | None = None) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; writes this layer's KV into ``layer_kv``. With ``dp``: ``T`` is
+        this rank's own tokens (DP attention, module docstring).
 
         Raises:
             CollectiveError, DispatchError: an exchange with the other ranks failed (``ep > 1``).
         """
+        if dp is not None:
+            return self._forward_dp(h, cos, sin, layer_kv, backend, metadata, dp)
         x = F.rms_norm(h, (self.hidden,), self.input_norm, self.eps)
         h = h + self.link.reduce(self.attn(x, cos, sin, layer_kv, backend, metadata))
         x = F.rms_norm(h, (self.hidden,), self.post_norm, self.eps)
@@ -144,6 +161,18 @@ class MoEDecoderLayer(nn.Module):
         y = torch.zeros_like(x)   # [T, hidden]: this rank's rows filled, zero elsewhere, then summed
         y[rows.start:rows.stop] = self.ffn(x, shares)
         return h + self.link.reduce(y)
+
+    def _forward_dp(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
+                    backend: AttentionBackend, metadata: object, dp: DPShares) -> torch.Tensor:
+        comm = self.link.comm
+        assert comm is not None, "DP attention needs the rank group's communicator"
+        if h.shape[0]:   # an idle rank has no attention to run
+            x = F.rms_norm(h, (self.hidden,), self.input_norm, self.eps)
+            h = h + self.attn(x, cos, sin, layer_kv, backend, metadata)
+        x = F.rms_norm(h, (self.hidden,), self.post_norm, self.eps)
+        if isinstance(self.ffn, MoEBlock):   # own tokens to the experts' ranks and back (an idle rank too)
+            return h + self.ffn(x)
+        return h + keep_own_rows(comm, self.ffn(gather_tokens(comm, x, dp)), dp)
 
 
 class MoEDecoderLM(nn.Module):
@@ -221,7 +250,8 @@ class MoEDecoderLM(nn.Module):
 
         Returns:
             ``[len(batch.logits_indices), vocab_size]`` float32 logits (on ranks other than 0 of an
-            expert-parallel group: this rank's vocabulary columns only).
+            expert-parallel group: this rank's vocabulary columns only); with ``batch.dp``, the rows of every
+            rank's batch, ranks in order.
 
         Raises:
             engine.model.moe_dispatch.DispatchError, engine.parallel.communicator.CollectiveError: an
@@ -232,16 +262,22 @@ class MoEDecoderLM(nn.Module):
         h = F.embedding(batch.input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(batch.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata)
-        h = F.rms_norm(h[batch.logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
+            h = layer(h, cos, sin, kv_cache[i], self.attention_backend, metadata, batch.dp)
+        h = h[batch.logits_indices]
+        if batch.dp is not None:   # the LM head's rows are split: every rank's logits rows, ranks in order
+            assert self.link.comm is not None
+            h = gather_rows(self.link.comm, h, batch.dp.logits_counts, batch.dp.rank)
+            if not h.shape[0]:
+                return h.new_zeros(0, cfg.vocab_size, dtype=torch.float32)
+        h = F.rms_norm(h, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
         logits = F.linear(h, self.lm_head).float()
         return logits if self.link.comm is None else self.link.comm.gather_logits(logits.contiguous())
 
 
-def check_expert_parallel_size(config: ModelConfig, ep: int) -> None:
+def check_expert_parallel_size(config: ModelConfig, ep: int, dp_attention: bool = False) -> None:
     """Raise ValueError, naming ``expert_parallel_size``, when the model cannot run over ``ep`` ranks: not
     an MoE model, experts or attention heads not divisible by ``ep`` (the attention is tensor-parallel over
-    the same ranks)."""
+    the same ranks; with ``dp_attention`` every rank holds every head, so only the experts count)."""
     if ep == 1:
         return
     if config.moe is None:
@@ -250,6 +286,8 @@ def check_expert_parallel_size(config: ModelConfig, ep: int) -> None:
     if config.moe.num_experts % ep:
         raise ValueError(f"expert_parallel_size={ep} does not divide the model's {config.moe.num_experts} "
                          "routed experts (n_routed_experts / num_experts)")
+    if dp_attention:
+        return
     try:
         check_tensor_parallel_size(config, ep)
     except ValueError:
@@ -261,11 +299,13 @@ def check_expert_parallel_size(config: ModelConfig, ep: int) -> None:
 def build_moe_model(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str | None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     weight_quant: str = "none", tensor_parallel_size: int = 1,
-                    dispatcher: TokenDispatcher | None = None, rank: int = 0) -> MoEDecoderLM:
+                    dispatcher: TokenDispatcher | None = None, rank: int = 0,
+                    dp_attention: bool = False) -> MoEDecoderLM:
     """The model of a ``deepseek_v3`` or ``qwen3_moe`` config, its weights from ``tensors`` (eval mode): the
     whole model, or with an expert-parallel ``dispatcher`` (``ep_size`` N > 1) rank ``rank``'s share: its
     experts (``dispatcher.local_experts``) and its tensor-parallel slice of the rest (``shard_for(config,
-    rank, N)``). The rank's weights only are copied into its parameters.
+    rank, N)``; with ``dp_attention`` every attention head instead: ``dp_attention_shard``). The rank's
+    weights only are copied into its parameters.
 
     Raises:
         ValueError: ``weight_quant`` other than ``"none"``, ``tensor_parallel_size`` > 1 (named; not
@@ -280,8 +320,8 @@ def build_moe_model(config: ModelConfig, tensors: dict[str, torch.Tensor], sourc
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported for {arch} (only 1; "
                          "expert_parallel_size splits these models over ranks)")
     ep = dispatcher.ep_size if dispatcher is not None else 1
-    check_expert_parallel_size(config, ep)
-    shard = shard_for(config, rank, ep)
+    check_expert_parallel_size(config, ep, dp_attention)
+    shard = dp_attention_shard(config, rank, ep) if dp_attention and ep > 1 else shard_for(config, rank, ep)
     device = torch.device(device)
     checkpoint = CheckpointTensors(tensors, source, config.num_layers)
     if arch == "deepseek_v3":

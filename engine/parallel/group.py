@@ -43,14 +43,14 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.errors import TensorParallelError
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DPShares, ForwardBatch
 from engine.kv_pool import KVPool, KVShape, shared_pool_fd
 from engine.model.config import ModelConfig
 from engine.model.moe_dispatch import DispatchError
 from engine.parallel.communicator import CollectiveError, Communicator
-from engine.parallel.layout import KVHeadSlice, RankShard, shard_for
+from engine.parallel.layout import KVHeadSlice, RankShard, dp_attention_shard, shard_for
 from engine.parallel.spec import START_TIMEOUT_S, STORE_HOST, RankSpec, make_communicator
-from engine.parallel.step import encode_step, encode_stop
+from engine.parallel.step import encode_dp_step, encode_step, encode_stop
 from engine.parallel.torch_comm import open_process_group
 
 if TYPE_CHECKING:
@@ -78,7 +78,11 @@ class TensorParallelGroup:
         rank_pids: process ids of ranks 1..N-1.
         rank_pools: on the CPU, ranks 1..N-1's KV pools as rank 0 maps them (``KVPool`` over each rank's
             memfd: the same bytes the rank writes), in rank order, so that rank 0's KV transfer agent
-            registers every rank's heads; empty on GPUs (each rank's pool is its device's).
+            registers every rank's heads; empty on GPUs (each rank's pool is its device's) and with DP
+            attention.
+        dp_region_fd: DP attention on the CPU: the memfd holding every rank's pool back to back (rank r's:
+            pages ``[r * num_pages, (r + 1) * num_pages)``, rank 0's included), which the engine maps for
+            rank 0's pool and, whole, for its KV transfer; -1 otherwise.
         failure: why the group failed (None while healthy).
     """
 
@@ -97,6 +101,7 @@ class TensorParallelGroup:
         self._region_fd = -1
         self.rank_pools: list[KVPool] = []
         self._kv_fds: list[int] = []
+        self.dp_region_fd = -1
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -126,11 +131,12 @@ class TensorParallelGroup:
         if config.expert_parallel_size > 1:   # an MoE model: experts spread, the rest tensor-parallel
             from engine.model.moe_lm import check_expert_parallel_size
 
-            check_expert_parallel_size(mc, n)
+            check_expert_parallel_size(mc, n, config.enable_dp_attention)
         elif getattr(mc, "moe", None) is not None or getattr(mc, "mla", None) is not None:
             raise ValueError(f"tensor_parallel_size={n} is not supported for {mc.architecture}: the ranks "
                              "split dense Llama-family models only (expert_parallel_size splits MoE models)")
-        shards = [shard_for(mc, r, n) for r in range(n)]
+        cut = dp_attention_shard if config.enable_dp_attention else shard_for
+        shards = [cut(mc, r, n) for r in range(n)]
         group = cls(config, shards, _num_pages(config, mc, shards))
         try:
             group._launch(folder, mc)
@@ -152,13 +158,21 @@ class TensorParallelGroup:
 
             self._region_fd = create_region(n, buffer_bytes)
         widths = tuple(len(s.vocab) for s in self.shards)
-        if torch.device(config.device).type == "cpu":
+        on_cpu = torch.device(config.device).type == "cpu"
+        if on_cpu and config.enable_dp_attention:
+            self._make_dp_region(mc)
+        elif on_cpu:
             self._map_rank_pools(mc)
         kv_fds = [-1, *self._kv_fds] if self._kv_fds else [-1] * n
+        region_pages = 0
+        if self.dp_region_fd >= 0:
+            kv_fds, region_pages = [self.dp_region_fd] * n, n * self.num_pages
         specs = [RankSpec(r, n, str(folder), _rank_device(config.device, r), config.dtype,
                           config.weight_quant, config.num_threads, config.page_size, self.num_pages,
                           self._store.port, collectives, self._region_fd, buffer_bytes, widths,
-                          config.tp_timeout_s, kv_fds[r], config.expert_parallel_size) for r in range(n)]
+                          config.tp_timeout_s, kv_fds[r], config.expert_parallel_size,
+                          config.enable_dp_attention, r * self.num_pages if region_pages else 0, region_pages)
+                 for r in range(n)]
         for spec in specs[1:]:
             self._procs.append(_spawn(spec, self._region_fd, spec.kv_fd))
         logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank",
@@ -169,11 +183,12 @@ class TensorParallelGroup:
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant,
                                               expert_group=process_group,
-                                              expert_timeout_s=config.tp_timeout_s)
+                                              expert_timeout_s=config.tp_timeout_s,
+                                              dp_attention=config.enable_dp_attention)
         else:
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant, rank=0,
-                                              tensor_parallel_size=n)
+                                              tensor_parallel_size=n, dp_attention=config.enable_dp_attention)
             self._wait_keys("hello")
             process_group = open_process_group(self._store, 0, n, torch.device(config.device))
         self.comm = make_communicator(specs[0], process_group, self._region_fd)
@@ -192,6 +207,15 @@ class TensorParallelGroup:
             fd = shared_pool_fd(self.num_pages * shape.page_bytes(dtype))
             self._kv_fds.append(fd)
             self.rank_pools.append(KVPool(shape, self.num_pages, dtype, "cpu", shared_fd=fd))
+
+    def _make_dp_region(self, mc: ModelConfig) -> None:
+        """One memfd holding every DP rank's pool back to back (``dp_region_fd``); each rank maps it whole and
+        uses its own pages."""
+        config = self._config
+        shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.page_size, mc.kv_layout_kind)
+        fd = shared_pool_fd(self.world_size * self.num_pages * shape.page_bytes(getattr(torch, config.dtype)))
+        self._kv_fds.append(fd)
+        self.dp_region_fd = fd
 
     def _wait_keys(self, stage: str) -> None:
         """Wait until every rank set ``<stage>/<rank>`` in the store, failing at once when one exits."""
@@ -298,6 +322,7 @@ class TensorParallelGroup:
         for fd in self._kv_fds:   # the mappings (rank_pools) stay valid until dropped: a transfer agent may
             os.close(fd)          # still hold them registered until its manager shut down
         self._kv_fds = []
+        self.dp_region_fd = -1
         self._store = None
         logger.info("tensor parallel: ranks stopped")
 
@@ -333,6 +358,31 @@ class ParallelCausalLM:
             group.fail(f"rank 0 failed inside a step: {e!r}")
             raise
 
+    def forward_ranks(self, batches: list[ForwardBatch], kv_cache: torch.Tensor) -> torch.Tensor:
+        """One step of a DP-attention engine (``engine.model_runner.DataParallelLM``): ``batches[r]`` is rank
+        r's own batch (an empty one: the rank runs an idle batch, taking part in every collective), rank 0's
+        run here over ``kv_cache``.
+
+        Returns:
+            ``[sum of the batches' logits rows, vocab_size]`` float32, rank 0's rows first.
+        Raises:
+            TensorParallelError: as ``forward``.
+        """
+        group = self._group
+        group.check()
+        assert group.comm is not None and len(batches) == group.world_size
+        own = batches[0]
+        own.dp = DPShares(0, tuple(b.num_tokens for b in batches),
+                          tuple(int(b.logits_indices.shape[0]) for b in batches))
+        try:
+            group.comm.broadcast_step(encode_dp_step(batches))
+            return self._model.forward(own, kv_cache)
+        except (CollectiveError, DispatchError) as e:
+            raise group.fail(group.explain(e)) from None
+        except BaseException as e:
+            group.fail(f"rank 0 failed inside a step: {e!r}")
+            raise
+
 
 def _num_pages(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]) -> int:
     """Pages of every rank's pool: ``num_pages``, or what ``kv_cache_bytes`` holds on the rank with the most
@@ -348,7 +398,8 @@ def _buffer_bytes(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]
     """Slot size of the shared region: one step's all-reduce (``max_num_batched_tokens`` rows of the hidden
     size) or a 64-row logits gather, whichever is larger, in whole 4 KiB (larger collectives go in pieces)."""
     itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
-    largest = max(config.max_num_batched_tokens * mc.hidden_size * itemsize,
+    ranks_tokens = config.dp_size   # DP attention: an exchange holds every rank's tokens
+    largest = max(ranks_tokens * config.max_num_batched_tokens * mc.hidden_size * itemsize,
                   64 * max(len(s.vocab) for s in shards) * 4, 1 << 16)
     return -(-largest // 4096) * 4096
 

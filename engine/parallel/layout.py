@@ -94,6 +94,9 @@ class RankShard:
         intermediate: the MLP columns held (gate/up rows, down columns).
         vocab: the LM head rows held (this rank's logits columns).
         head_dim: elements per head.
+        dp_attention: every head held (``heads`` and ``kv_heads`` whole): the rank runs attention on its own
+            requests with its own KV pool, the MLP columns and LM head rows still split
+            (``dp_attention_shard``).
     """
 
     rank: int
@@ -103,6 +106,7 @@ class RankShard:
     intermediate: range
     vocab: range
     head_dim: int
+    dp_attention: bool = False
 
     @property
     def num_heads(self) -> int:
@@ -184,3 +188,19 @@ def _attention(cfg: HeadShape, rank: int, world_size: int) -> tuple[range, KVHea
 def whole_model(cfg: HeadShape) -> RankShard:
     """The single-rank ``RankShard``: every head, column and vocabulary row."""
     return shard_for(cfg, 0, 1)
+
+
+def dp_attention_shard(cfg: HeadShape, rank: int, world_size: int) -> RankShard:
+    """The slice of rank ``rank`` of a DP-attention instance of ``world_size`` ranks: every query and KV
+    head (attention weights replicated; the rank's KV pool holds its own requests' tokens, every head), a
+    range of the MLP columns and of the LM head rows as in ``shard_for``. Any ``world_size`` fits.
+
+    Raises:
+        ValueError: ``rank`` is outside ``[0, world_size)``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    kv = cfg.num_kv_heads
+    return RankShard(rank, world_size, range(cfg.num_heads), KVHeadSlice(rank, world_size, 0, kv, kv),
+                     split_range(cfg.intermediate_size, world_size, rank),
+                     split_range(cfg.vocab_size, world_size, rank), cfg.head_dim, dp_attention=True)

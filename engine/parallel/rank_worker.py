@@ -28,7 +28,7 @@ import torch
 from engine.model.moe_dispatch import DispatchError
 from engine.parallel.communicator import CollectiveError, Communicator
 from engine.parallel.spec import RankSpec, connect_store, make_communicator
-from engine.parallel.step import STOP, decode_step, message_op
+from engine.parallel.step import DP_STEP, STOP, decode_dp_step, decode_step, message_op
 
 logger = logging.getLogger("engine.parallel.rank_worker")
 
@@ -51,8 +51,9 @@ def watch_parent(fd: int) -> threading.Thread:
 
 def serve(comm: Communicator, model: torch.nn.Module, kv_cache: torch.Tensor,
           device: torch.device) -> tuple[int, float]:
-    """Run the shard's forward for every step message until ``STOP``; returns the steps run and the seconds
-    spent in their forwards (collectives included).
+    """Run the shard's forward for every step message until ``STOP`` (a ``DP_STEP``: this rank's own batch
+    of it, possibly empty); returns the steps run and the seconds spent in their forwards (collectives
+    included).
 
     Raises:
         CollectiveError, DispatchError: a collective or an MoE all-to-all failed (rank 0 aborted the group,
@@ -62,10 +63,12 @@ def serve(comm: Communicator, model: torch.nn.Module, kv_cache: torch.Tensor,
     steps, busy_s = 0, 0.0
     while True:
         message = comm.broadcast_step(None, wait_forever=True)
-        if message_op(message) == STOP:
+        op = message_op(message)
+        if op == STOP:
             return steps, busy_s
         start = time.perf_counter()
-        model.forward(decode_step(message, device), kv_cache)
+        batch = decode_dp_step(message, comm.rank, device) if op == DP_STEP else decode_step(message, device)
+        model.forward(batch, kv_cache)
         busy_s += time.perf_counter() - start
         steps += 1
 
@@ -84,14 +87,15 @@ def run(spec: RankSpec) -> int:
     if spec.expert_parallel_size > 1:   # an MoE model: this rank's experts, tokens over the group
         loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
                             weight_quant=spec.weight_quant, expert_group=group,
-                            expert_timeout_s=spec.timeout_s)
+                            expert_timeout_s=spec.timeout_s, dp_attention=spec.dp_attention)
     else:
         loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
                             weight_quant=spec.weight_quant, rank=spec.rank,
-                            tensor_parallel_size=spec.world_size)
+                            tensor_parallel_size=spec.world_size, dp_attention=spec.dp_attention)
     shard, mc = loaded.model.shard, loaded.config
     pool = KVPool(KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, spec.page_size, mc.kv_layout_kind),
-                  spec.num_pages, getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd)
+                  spec.num_pages, getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd,
+                  fd_first_page=spec.kv_first_page, fd_num_pages=spec.kv_region_pages or None)
     comm = make_communicator(spec, group, spec.region_fd)
     loaded.model.attach(comm)
     store.set(f"ready/{spec.rank}", "1")

@@ -64,6 +64,9 @@ class RankSpec:
     timeout_s: float
     kv_fd: int = -1
     expert_parallel_size: int = 1
+    dp_attention: bool = False
+    kv_first_page: int = 0
+    kv_region_pages: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -11,16 +11,24 @@ shard of the same forward. Layout (int64, in order):
 ```
 
 A ``STOP`` message is the header alone: the rank process exits cleanly.
+
+A DP-attention engine (each rank its own requests, docs/parallelism.md) sends every rank's batch in one
+message, so that each rank knows its own batch and how many tokens and logits rows every other rank has:
+
+```
+[DP_STEP, N, len_0 .. len_{N-1}, step_0 .. step_{N-1}]     step_r: rank r's batch as a STEP message above
+```
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DPShares, ForwardBatch
 
 STEP = 1
 STOP = 2
+DP_STEP = 3
 _HEADER = 5
 
 
@@ -41,9 +49,9 @@ def encode_stop() -> torch.Tensor:
 
 
 def message_op(message: torch.Tensor) -> int:
-    """``STEP`` or ``STOP``. Raises ValueError on anything else (a desynchronised group)."""
-    op = int(message[0]) if message.numel() >= _HEADER else -1
-    if op not in (STEP, STOP):
+    """``STEP``, ``DP_STEP`` or ``STOP``. Raises ValueError on anything else (a desynchronised group)."""
+    op = int(message[0]) if message.numel() >= 2 else -1
+    if op not in (STEP, STOP, DP_STEP) or (op != DP_STEP and message.numel() < _HEADER):
         raise ValueError(f"not a step message (op {op}, {message.numel()} ints)")
     return op
 
@@ -71,3 +79,32 @@ def decode_step(message: torch.Tensor, device: torch.device) -> ForwardBatch:
                         slot_mapping=slots.to(device), query_lens=query_lens.tolist(),
                         seq_lens=seq_lens.tolist(), page_tables=tables,
                         logits_indices=logits_indices.to(device))
+
+
+def encode_dp_step(batches: list[ForwardBatch]) -> torch.Tensor:
+    """Every DP rank's batch (``batches[r]``: rank r's, possibly empty) as one ``[n]`` int64 CPU tensor (the
+    ``DP_STEP`` layout above); called by rank 0 on its engine thread."""
+    parts = [encode_step(b) for b in batches]
+    head = torch.tensor([DP_STEP, len(parts), *(p.numel() for p in parts)], dtype=torch.int64)
+    return torch.cat([head, *parts])
+
+
+def decode_dp_step(message: torch.Tensor, rank: int, device: torch.device) -> ForwardBatch:
+    """Rank ``rank``'s ``ForwardBatch`` of a ``DP_STEP`` message, its ``dp`` shares filled from every rank's
+    header, its index tensors on ``device``.
+
+    Raises:
+        ValueError: not a well-formed ``DP_STEP`` message, or ``rank`` is not one of its ranks.
+    """
+    if message_op(message) != DP_STEP:
+        raise ValueError("decode_dp_step needs a DP_STEP message")
+    n = int(message[1])
+    lens = [int(v) for v in message[2:2 + n]]
+    if not 0 <= rank < n or message.numel() != 2 + n + sum(lens):
+        raise ValueError(f"DP step message of {message.numel()} ints, {n} ranks, does not fit rank {rank}")
+    parts = message[2 + n:].split(lens)
+    tokens = tuple(int(p[1]) for p in parts)
+    logits = tuple(int(p[3]) for p in parts)
+    batch = decode_step(parts[rank], device)
+    batch.dp = DPShares(rank, tokens, logits)
+    return batch

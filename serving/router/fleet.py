@@ -64,7 +64,8 @@ class Target:
 @dataclass(frozen=True)
 class Candidate:
     """A healthy instance and its load as the router sees it now (reported load + the router's own
-    assignments since that report)."""
+    assignments since that report). ``largest_free_pages``: the most pages one request can take (a
+    DP-attention instance: its freest rank's, ``InstanceLoad.rank_free_pages``); None: ``free_pages``."""
 
     target: Target
     queued_requests: int
@@ -72,10 +73,16 @@ class Candidate:
     free_pages: int
     total_pages: int
     page_size: int
+    largest_free_pages: int | None = None
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages ``num_tokens`` tokens take in this instance's pool (``page_size`` 0: unknown → 0)."""
         return -(-num_tokens // self.page_size) if self.page_size > 0 else 0
+
+    def fits(self, num_pages: int) -> bool:
+        """Whether one request of ``num_pages`` pages fits now (in one rank's pool for a DP instance)."""
+        largest = self.free_pages if self.largest_free_pages is None else self.largest_free_pages
+        return largest >= num_pages
 
 
 @dataclass(frozen=True)
@@ -306,9 +313,13 @@ class Fleet:
         direct = bool(self._config.worker_endpoints and status.worker_endpoint)
         target = Target(status.instance_id, status.role, status.worker_endpoint if direct else status.address,
                         status.model_name, status.epoch, status.rendezvous_url, worker_endpoint=direct)
+        free = reported_free - pending_pages
+        # a DP instance: a request's pages lie in one rank's pool (the router does not know which rank its own
+        # pending assignments went to, so each may have gone to the freest)
+        largest = min(free, load.largest_free_pages) if load.rank_free_pages else None
         return Candidate(target, load.num_queued_requests + len(state.pending),
                          reported_tokens + sum(p.prompt_tokens for p in state.pending),
-                         reported_free - pending_pages, load.num_total_pages, load.page_size)
+                         free, load.num_total_pages, load.page_size, largest)
 
 
 class FleetWatcher:

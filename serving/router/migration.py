@@ -52,5 +52,5 @@ def pick_decode(candidates: Sequence[Candidate], tokens_to_reserve: int) -> Targ
     """
     if not candidates:
         raise NoInstance("decode")
-    fits = [c for c in candidates if c.free_pages >= c.pages_for(tokens_to_reserve)]
+    fits = [c for c in candidates if c.fits(c.pages_for(tokens_to_reserve))]
     return max(fits or candidates, key=lambda c: (c.free_pages, -c.queued_requests)).target

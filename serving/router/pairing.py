@@ -108,7 +108,7 @@ class LoadAwarePairing:
         if not decodes:
             raise NoInstance("decode")
         ordered = self._decode_rotation.order(decodes)
-        fits = [c for c in ordered if c.free_pages >= c.pages_for(demand.tokens_to_reserve)]
+        fits = [c for c in ordered if c.fits(c.pages_for(demand.tokens_to_reserve))]
         # none can hold it now: the one with the most free pages starts it soonest
         return max(fits or ordered, key=lambda c: (c.free_pages, -c.queued_requests)).target
 
@@ -185,7 +185,7 @@ class CacheAwarePairing(LoadAwarePairing):
         ordered = self._decode_rotation.order(decodes)
         hits = {c.target.instance_id: hit(c) for c in ordered}
         fits = [c for c in ordered
-                if c.free_pages >= c.pages_for(demand.tokens_to_reserve) - hits[c.target.instance_id]]
+                if c.fits(c.pages_for(demand.tokens_to_reserve) - hits[c.target.instance_id])]
         decode = max(fits or ordered, key=lambda c: (c.free_pages + hits[c.target.instance_id], -c.queued_requests))
         self.index.record(decode.target, page_keys(decode))
         if demand.prompt_tokens < self._direct_max:

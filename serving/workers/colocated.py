@@ -25,7 +25,7 @@ from typing import Protocol
 
 from engine.errors import EngineError, InvalidSamplingParams
 from serving.config import WorkerConfig
-from serving.metrics import LoopMetricsHook, ServingMetrics
+from serving.metrics import DPRankMetricsHook, LoopMetricsHook, ServingMetrics
 from serving.parsing.request import GenerateRequest, RequestError
 from serving.stream import ErrorKind, GenerationStream, ResponseSink
 from serving.workers.engine_loop import EngineLoop
@@ -92,6 +92,8 @@ class ColocatedWorker:
         if metrics is not None:
             loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
+            if engine.config.dp_size > 1:
+                loop.add_hook(DPRankMetricsHook(metrics, lambda: engine.rank_free_pages, lambda: engine.dp_loads))
         return cls(loop, engine.tokenizer, name=name, metrics=metrics, close_engine=engine.close)
 
     @property

@@ -142,7 +142,8 @@ class DecodeWorker:
             num_running_requests=len(self._running),
             num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prealloc),
             num_free_pages=max(0, self._engine.num_free_pages - promised),
-            num_total_pages=self._engine.num_total_pages, page_size=ps)
+            num_total_pages=self._engine.num_total_pages, page_size=ps,
+            rank_free_pages=self._engine.rank_free_pages)
 
     def _start_direct(self, job: _Job) -> None:
         """Direct decode: the engine prefills and decodes the request like a colocated one."""

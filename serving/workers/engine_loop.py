@@ -73,6 +73,11 @@ class PagedEngineCore(EngineCore, Protocol):
     @property
     def num_total_pages(self) -> int: ...
 
+    @property
+    def rank_free_pages(self) -> list[int]:
+        """A DP-attention engine's free pages per rank (``LLMEngine.rank_free_pages``); [] for one pool."""
+        ...
+
 
 class TickHook(Protocol):
     """Work done on the loop thread once per tick, after the engine step (may call the engine)."""

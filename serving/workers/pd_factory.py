@@ -20,7 +20,7 @@ from engine.errors import EngineError
 from kv_transfer import BaseKVManager, KVArgs, KVLayout, make_kv_manager
 from kv_transfer.head_slices import KVRegion
 from serving.config import ConfigError, WorkerConfig
-from serving.metrics import LoopMetricsHook, ServingMetrics
+from serving.metrics import DPRankMetricsHook, LoopMetricsHook, ServingMetrics
 from serving.workers.decode import DecodeWorker
 from serving.workers.engine_loop import EngineLoop
 from serving.workers.prefill import PrefillWorker
@@ -41,10 +41,11 @@ MEMBER_TTL_S = 10.0
 def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str, model_name: str = "",
             worker_endpoint: str = "") -> KVArgs:
     """The KV manager's arguments for ``engine``'s pool (``[num_layers, 2, num_pages, page_size, kv_heads,
-    head_dim]``, one contiguous region; a tensor-parallel engine: one per rank, as ``kv_regions``), registered
+    head_dim]``, one contiguous region; a tensor-parallel engine: one per rank, as ``kv_regions``; a
+    DP-attention engine: every rank's pool as one region, page ids ``rank * num_pages + p``), registered
     as ``model_name`` served at ``config.grpc_url`` and at ``worker_endpoint`` (empty: none)."""
     pools = engine.kv_pools
-    pool = engine.kv_pool
+    pool = pools[0][1]   # rank 0's (tensor-parallel: the first region), or a DP engine's whole region
     # split over ranks: the layout names the model's KV heads (each region its own); else the pool's (MLA: 1)
     num_kv_heads = engine.kv_heads.num_model_kv_heads if len(pools) > 1 else pool.shape.num_kv_heads
     layout = KVLayout(num_layers=pool.shape.num_layers, num_pages=pool.num_pages, page_size=config.page_size,
@@ -191,6 +192,8 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
     if metrics is not None:
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
+        if engine.config.dp_size > 1:
+            loop.add_hook(DPRankMetricsHook(metrics, lambda: engine.rank_free_pages, lambda: engine.dp_loads))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
     membership = make_membership(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
     return PDWorkerHandle(worker, loop, kv_manager, membership,

@@ -145,7 +145,7 @@ class PrefillWorker:
             num_queued_requests=len(self._intake), num_running_requests=len(self._prefilling),
             num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prefilling.values()),
             num_free_pages=engine.num_free_pages, num_total_pages=engine.num_total_pages,
-            page_size=self._page_size)
+            page_size=self._page_size, rank_free_pages=engine.rank_free_pages)
 
     def _start_prefill(self, job: _Job) -> None:
         assert job.sender is not None

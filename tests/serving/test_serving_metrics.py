@@ -147,3 +147,17 @@ def test_loop_hook_publishes_prefix_cache_deltas(metrics: ServingMetrics) -> Non
     hook.on_tick()
     assert (_series("pd_prefix_cache_queries_tokens_total"), _series("pd_prefix_cache_hits_tokens_total"),
             _series("pd_kv_cached_pages")) == (150, 80, 6)
+
+
+def test_dp_rank_metrics_publish_each_ranks_pages_and_what_it_served(metrics: ServingMetrics) -> None:
+    from engine.dp_scheduler import DPRankLoad
+    from serving.metrics import DPRankMetricsHook
+
+    loads = [DPRankLoad(requests=3, tokens=40), DPRankLoad(requests=2, tokens=25)]
+    hook = DPRankMetricsHook(metrics, lambda: [7, 9], lambda: loads)
+    assert hook.on_tick() is False
+    loads[1].requests, loads[1].tokens = 4, 31
+    hook.on_tick()
+    for name, values in (("pd_dp_rank_free_pages", [7, 9]), ("pd_dp_rank_requests_total", [3, 4]),
+                         ("pd_dp_rank_tokens_total", [40, 31])):
+        assert [_series(name, rank=str(r)) for r in (0, 1)] == values, name

@@ -300,3 +300,22 @@ def test_admission_bounds_inflight_and_queue_then_refuses() -> None:
 
     results = asyncio.run(scenario())
     assert results[:2] == ["a:in", "b:in"] and "d:busy:False" in results and "c:busy:True" in results
+
+
+def test_a_dp_instance_fits_a_request_only_in_one_ranks_free_pages() -> None:
+    """A DP-attention decode reports 40 free pages as 20 + 20 (``rank_free_pages``): a 25-page request fits
+    only the one-pool decode with 30; a 13-page one fits both and goes to the roomier DP instance."""
+    import dataclasses
+
+    dp = status("d0@h:1", "decode", free_pages=40)
+    dp = dataclasses.replace(dp, load=dataclasses.replace(dp.load, rank_free_pages=[20, 20]))
+    fleet = fleet_of(status("p0@h:1", "prefill"), dp, status("d1@h:1", "decode", free_pages=30))
+    decodes = {c.target.instance_id: c for c in fleet.candidates("decode")}
+    assert decodes["d0@h:1"].largest_free_pages == 20 and decodes["d1@h:1"].largest_free_pages is None
+    assert not decodes["d0@h:1"].fits(25) and decodes["d1@h:1"].fits(25)
+    policy = LoadAwarePairing()
+    prefills, decodes = fleet.candidates("prefill"), fleet.candidates("decode")
+    big = policy.choose(prefills, decodes, Demand(300, 100))   # 25 pages
+    assert big.decode.instance_id == "d1@h:1"
+    small = policy.choose(prefills, decodes, Demand(100, 100))  # 13 pages
+    assert small.decode.instance_id == "d0@h:1"

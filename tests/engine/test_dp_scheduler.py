@@ -1,0 +1,60 @@
+"""``DataParallelScheduler`` (engine/dp_scheduler.py): one scheduler per DP-attention rank, pure bookkeeping.
+
+Invariants: each rank hands out its own page ids; a new request goes to the rank with the least work left
+among those whose free pages hold it now, even when a fuller rank has less work; every item of a step names
+its rank, rank 0's first; finishing or aborting a request frees its pages in its own rank only; the instance's
+page counts are the ranks' sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.dp_scheduler import DataParallelScheduler
+from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+PAGE = 4
+
+
+def ranks(pages: int = 4) -> DataParallelScheduler:
+    return DataParallelScheduler([Scheduler(PrefixCache(PageAllocator(pages), enabled=False), PAGE, 64, 64, 8)
+                                  for _ in range(2)])
+
+
+def seq(rid: str, prompt_tokens: int, reserved_tokens: int) -> Sequence:
+    return Sequence(rid, list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=1), reserved_tokens,
+                    torch.Generator())
+
+
+def test_a_request_goes_to_the_least_loaded_rank_that_has_room_for_it() -> None:
+    dp = ranks()
+    whole, busy = seq("whole", 15, 16), seq("busy", 4, 8)   # all 4 pages of a rank; 2 pages
+    dp.add(whole)
+    dp.add(busy)
+    assert [(s.seq.request_id, s.seq.dp_rank) for s in dp.schedule()] == [("whole", 0), ("busy", 1)]
+    whole.num_computed_tokens = 14          # 2 tokens left on rank 0 (no page free), 8 on rank 1 (2 free)
+    small = seq("small", 4, 4)
+    dp.add(small)
+    assert small.dp_rank == 1               # less work left on rank 0, but no room there
+    step = dp.schedule()
+    assert [(s.seq.request_id, s.seq.dp_rank) for s in step] == [("whole", 0), ("busy", 1), ("small", 1)]
+    assert whole.page_table == [0, 1, 2, 3] and busy.page_table == [0, 1] and small.page_table == [2]
+    assert dp.num_pages == 8 and dp.num_allocatable_pages == 1
+    assert [load.requests for load in dp.loads] == [1, 2]
+
+
+def test_finish_and_abort_free_pages_in_the_requests_own_rank() -> None:
+    dp = ranks()
+    a, b = seq("a", 3, 8), seq("b", 3, 8)
+    dp.add(a)
+    dp.add(b)
+    dp.schedule()
+    assert (a.dp_rank, b.dp_rank) == (0, 1) and dp.num_allocatable_pages == 4
+    dp.finish(b)
+    assert [r.num_allocatable_pages for r in dp.ranks] == [2, 4] and dp.rank_of("b") is None
+    assert dp.abort("a") is a and dp.abort("a") is None
+    assert [r.num_allocatable_pages for r in dp.ranks] == [4, 4] and not dp.has_work()

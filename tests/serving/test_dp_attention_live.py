@@ -1,0 +1,109 @@
+"""DP attention in a real tritonserver (issue #47): a tiny random DeepSeek-V3 (MLA, 8 experts, top-2, fp32)
+served by ``pd_ensemble`` with prefill and decode each at ``expert_parallel_size`` 2 with
+``enable_dp_attention``, over NIXL, beside a ``colocated`` model the same way.
+
+Invariants: each DP stub has started one rank process; every PD stream and every colocated stream (4 at
+once) equals an in-process single-rank colocated engine's greedy text,
+so each request's latent KV crossed from its prefill rank's pool to its decode rank's; each DP model served
+them on both ranks (``pd_dp_rank_requests_total``); kill -9 of the
+colocated model's rank 1 under a request ends that request with an error naming the rank within seconds (no
+hang), and the server then ends, as when a stub dies (``serving.workers.fatal``). Teardown stops the server if
+it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
+from live_prompts import colocated_greedy_texts
+from perf.server import Deployment, RunningServer, ServerPorts, free_ports
+from test_expert_parallel_live import ERROR_WITHIN_S, SERVER_GONE_WITHIN_S, rank_pids
+from test_moe_pd_workers import save_tiny_deepseek
+
+pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
+
+PROMPTS = ["t3 t17 t60 t5 t9", " ".join(f"t{(7 * i + 3) % 128}" for i in range(37)), "t7 t7 t1",
+           " ".join(f"t{(5 * i + 1) % 128}" for i in range(13))]
+GREEDY = {"max_tokens": "12", "temperature": "0", "ignore_eos": "true"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    return save_tiny_deepseek(tmp_path_factory.mktemp("dp-live"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    pytest.importorskip("pytriton")
+    dp2 = {"model": str(tiny), "num_pages": "128", "tp_timeout_s": "5", "expert_parallel_size": "2",
+           "enable_dp_attention": "true"}
+    deployment = Deployment(name="dp", entry_model="pd_ensemble",
+                            models=("pd_ensemble", "prefill", "decode", "colocated"),
+                            overrides={"prefill": dp2, "decode": dp2, "colocated": dp2})
+    running = RunningServer(deployment, ServerPorts(*free_ports(3)), tmp_path_factory.mktemp("dp-logs"),
+                            ready_timeout_s=300.0)
+    with running:
+        yield running
+
+
+def test_pd_and_colocated_with_dp_attention_equal_a_single_rank_engine(server: RunningServer,
+                                                                        tiny: Path) -> None:
+    for model in ("prefill", "decode", "colocated"):
+        assert len(rank_pids(server, model)) == 1, model
+    reference = colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, model=str(tiny))
+    assert len(set(reference.values())) == len(PROMPTS)
+    for model in ("pd_ensemble", "colocated"):
+        streams_match_reference(
+            lambda p, m=model: grpc_generate(server.ports.grpc_url, make_inputs(p, GREEDY), model=m),
+            PROMPTS, reference)
+    assert metric_value(server.ports.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
+    deadline = time.monotonic() + 5   # each DP model served on both ranks (the metrics hook runs every tick)
+    for model in ("prefill", "decode", "colocated"):
+        served = [0.0, 0.0]
+        while min(served) == 0 and time.monotonic() < deadline:
+            served = [_requests(server, model, rank) for rank in (0, 1)]
+            time.sleep(0.1)
+        assert min(served) >= 1 and sum(served) == len(PROMPTS), (model, served)
+
+
+def _requests(server: RunningServer, model: str, rank: int) -> float:
+    try:
+        return metric_value(server.ports.metrics_url, "pd_dp_rank_requests_total", model=model,
+                            rank=str(rank))
+    except KeyError:
+        return 0.0
+
+
+def test_rank_1_killed_under_a_request_ends_it_with_an_error_and_then_the_server(
+        server: RunningServer) -> None:
+    (rank1,) = rank_pids(server, "colocated")
+    started = threading.Event()
+    result: list[StreamResult] = []
+    long = {"max_tokens": "240", "temperature": "0", "ignore_eos": "true"}   # within 256 positions
+    request = threading.Thread(target=lambda: result.append(grpc_generate(
+        server.ports.grpc_url, make_inputs(PROMPTS[0], long), model="colocated", on_first_text=started.set)))
+    request.start()
+    assert started.wait(60), "the long request never streamed"
+    killed_at = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)   # the request runs on rank 0: rank 1 is idle, in the step's collectives
+    request.join(30)
+    assert result, "the request did not end"
+    got = result[0]
+    assert got.error is not None and f"rank 1 (pid {rank1}) was killed by signal 9" in got.error, got
+    assert got.end_s is not None and got.end_s - killed_at < ERROR_WITHIN_S
+    deadline = time.monotonic() + SERVER_GONE_WITHIN_S   # the stub exits after its grace; the guardian ends
+    while time.monotonic() < deadline:                    # the server
+        try:
+            server.check_alive("the rank's death")
+        except RuntimeError:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the server outlived its dead rank by {SERVER_GONE_WITHIN_S:g} s")

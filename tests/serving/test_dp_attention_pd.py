@@ -1,0 +1,102 @@
+"""PD with DP attention (issue #47 item 2, docs/parallelism.md): a tiny random DeepSeek-V3 (fp32) 1P1D through
+the router's orchestrator and the in-process KV backend, prefill and decode each with 2 DP ranks or one, in
+the three pairings DP -> DP, DP -> one rank, one rank -> DP; and DP -> DP over NIXL (two agents in this
+process, UCX over host memory: the decode's region is the ranks' shared memfd) and over Mooncake (TCP).
+
+Invariants: 4 concurrent streams equal the colocated single-rank engine's greedy text; the DP side spreads
+them over both ranks (its per-rank counters); the registered KV region of a DP instance is every rank's pool
+(2 x ``num_pages`` pages), so a request's KV lands in the pool of the rank that serves it; every page is back
+after the streams end, and the instance's status at its rendezvous lists each rank's free pages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from test_moe_pd_workers import colocated_text, save_tiny_deepseek
+from test_pd_workers import Cluster, request
+
+from kv_transfer import unavailable_reason
+from serving.config import WorkerConfig
+from serving.workers.pd_factory import create_pd_worker
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                 reason="transformers not installed")]
+
+VOCAB = 128
+PROMPTS = ["t3 t17 t60 t5 t9", " ".join(f"t{(7 * i + 3) % VOCAB}" for i in range(37)), "t7",
+           " ".join(f"t{(5 * i + 1) % VOCAB}" for i in range(13))]
+NUM_PAGES = 64
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_deepseek(tmp_path_factory.mktemp("tiny_deepseek_v3"))
+
+
+@pytest.fixture(scope="module")
+def colocated(folder: Path) -> dict[str, str]:
+    return {p: colocated_text(folder, p) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module", params=[("inprocess", 2, 2), ("inprocess", 2, 1), ("inprocess", 1, 2),
+                                        pytest.param(("nixl", 2, 2), marks=pytest.mark.nixl),
+                                        pytest.param(("mooncake", 2, 2), marks=pytest.mark.mooncake)],
+                ids=["dp-to-dp", "dp-to-one", "one-to-dp", "dp-to-dp-nixl", "dp-to-dp-mooncake"])
+def cluster(request: pytest.FixtureRequest, folder: Path) -> Iterator[Cluster]:
+    backend, p_ranks, d_ranks = request.param
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        pytest.skip(reason)
+
+    def config(ranks: int) -> WorkerConfig:
+        return WorkerConfig(model=str(folder), page_size=4, num_pages=NUM_PAGES, chunk_size=8,
+                            max_num_batched_tokens=16, kv_backend=backend, bootstrap_timeout_s=5.0,
+                            waiting_timeout_s=5.0, expert_parallel_size=ranks, enable_dp_attention=ranks > 1)
+
+    ids = (f"prefill-dp{p_ranks}@127.0.0.1:1", f"decode-dp{d_ranks}-{backend}@127.0.0.1:1")
+    prefill = create_pd_worker("prefill", config(p_ranks), ids[0])
+    decode = create_pd_worker("decode", config(d_ranks), ids[1])
+    prefill.start()
+    decode.start()
+    yield Cluster(prefill, decode, ids)
+    decode.stop()
+    prefill.stop()
+    for handle in (prefill, decode):
+        handle.loop.engine.close()
+
+
+def test_streams_equal_colocated_and_each_dp_side_uses_both_ranks(cluster: Cluster,
+                                                                  colocated: dict[str, str]) -> None:
+    engines = (cluster.prefill.loop.engine, cluster.decode.loop.engine)
+    for handle, engine in zip((cluster.prefill, cluster.decode), engines):
+        ranks = engine.config.dp_size
+        assert handle.kv_manager.args.layout.num_pages == ranks * NUM_PAGES
+        assert engine.num_total_pages == ranks * NUM_PAGES
+    start = cluster.free_pages()
+    before = [[load.requests for load in e.dp_loads] for e in engines]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: cluster.generate(request(p, max_tokens=20, ignore_eos=True)),
+                                PROMPTS))
+    for prompt, deltas in zip(PROMPTS, results):
+        assert not [d.error for d in deltas if d.error], deltas
+        assert "".join(d.text for d in deltas) == colocated[prompt], prompt
+    for engine, was in zip(engines, before):
+        if engine.config.dp_size > 1:
+            served = [load.requests - b for load, b in zip(engine.dp_loads, was)]
+            assert sum(served) == len(PROMPTS) and min(served) >= 1, served
+    assert cluster.wait_free(start) == start
+    deadline = time.monotonic() + 10   # the rendezvous' status: per-rank free pages of a DP side, idle again
+    expected = {e.config.dp_size: [NUM_PAGES] * 2 if e.config.dp_size > 1 else [] for e in engines}
+    while time.monotonic() < deadline:
+        loads = [s.load for client in cluster.clients for s in client.list_instances()]
+        if [load.rank_free_pages for load in loads] == [expected[e.config.dp_size] for e in engines]:
+            break
+        time.sleep(0.1)
+    assert [load.rank_free_pages for load in loads] == [expected[e.config.dp_size] for e in engines]
