@@ -54,7 +54,7 @@ class ErrorKind(enum.Enum):
         return cls.REQUEST if value == cls.REQUEST.value else cls.INSTANCE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Delta:
     """What one sample's stream says in one step: the one delta type of the serving path. The same value is a
     response's sample (``ResponseChunk.samples``), a child response as the router reads it
@@ -110,13 +110,15 @@ class ResponseChunk:
     samples: tuple[Delta, ...]
 
     @classmethod
-    def single(cls, text: str = "", finish_reason: str | None = None, num_input_tokens: int = 0,
+    def single(cls, *, text: str = "", finish_reason: str | None = None, num_input_tokens: int = 0,
                num_output_tokens: int = 0, num_new_tokens: int = 0, cumulative_logprob: float = 0.0,
                logprobs: tuple[TokenLogprob, ...] | None = None, num_cached_tokens: int = 0,
                token_ids: tuple[int, ...] = ()) -> ResponseChunk:
         """A response of a one-sample request."""
-        return cls((Delta(text, finish_reason, num_input_tokens, num_output_tokens, num_new_tokens,
-                          cumulative_logprob, logprobs, num_cached_tokens, token_ids),))
+        return cls((Delta(text=text, finish_reason=finish_reason, num_input_tokens=num_input_tokens,
+                          num_output_tokens=num_output_tokens, num_new_tokens=num_new_tokens,
+                          cumulative_logprob=cumulative_logprob, logprobs=logprobs,
+                          num_cached_tokens=num_cached_tokens, token_ids=token_ids),))
 
     @property
     def text(self) -> str:
@@ -289,6 +291,9 @@ class GenerationStream:
     def _chunk(self, text: str) -> ResponseChunk:
         """The response now: ``text`` and the tokens (and their logprobs) since the previous response."""
         num_new, logprobs = self._pending.take(self.num_output_tokens)
-        return ResponseChunk.single(text, self.finish_reason if self.done else None, self.num_input_tokens,
-                                    self.num_output_tokens, num_new, self.cumulative_logprob, logprobs,
-                                    self.num_cached_tokens, self._pending.take_token_ids())
+        return ResponseChunk.single(text=text, finish_reason=self.finish_reason if self.done else None,
+                                    num_input_tokens=self.num_input_tokens,
+                                    num_output_tokens=self.num_output_tokens, num_new_tokens=num_new,
+                                    cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
+                                    num_cached_tokens=self.num_cached_tokens,
+                                    token_ids=self._pending.take_token_ids())

@@ -192,9 +192,11 @@ class PrefillWorker:
             # (EOS, a stop, max_tokens == 1). A transfer that fails later fails the request as before.
             job.cumulative_logprob = event.cumulative_logprob
             logprobs = tuple(event.new_token_logprobs) if job.pd.request.params.logprobs is not None else None
-            job.sink.send(ResponseChunk.single(event.new_text, chunk.finish_reason, event.num_prompt_tokens, 1, 1,
-                                               event.cumulative_logprob, logprobs, event.num_cached_tokens,
-                                               tuple(event.new_token_ids)),
+            job.sink.send(ResponseChunk.single(text=event.new_text, finish_reason=chunk.finish_reason,
+                                               num_input_tokens=event.num_prompt_tokens, num_output_tokens=1,
+                                               num_new_tokens=1, cumulative_logprob=event.cumulative_logprob,
+                                               logprobs=logprobs, num_cached_tokens=event.num_cached_tokens,
+                                               token_ids=tuple(event.new_token_ids)),
                           final=False)
         send_s = time.monotonic()   # before ``send``: with inline progress it posts (copies) the WRITE
         job.first_send_s = job.first_send_s or send_s
@@ -224,7 +226,8 @@ class PrefillWorker:
                 now = time.monotonic()
                 self._transfer_s_total += now - job.first_send_s
                 self._transfer_tail_s_total += now - job.last_send_s
-                job.sink.send(ResponseChunk.single("", None, len(job.token_ids), 1, 0, job.cumulative_logprob),
+                job.sink.send(ResponseChunk.single(num_input_tokens=len(job.token_ids), num_output_tokens=1,
+                                                   cumulative_logprob=job.cumulative_logprob),
                               final=True)
                 self._count("finished", job)
             else:
