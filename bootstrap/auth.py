@@ -1,5 +1,5 @@
 """Fleet secret authentication: the signed HTTP calls of the fleet (membership registry, rendezvous), the signed
-child streams (``serving.parsing.child_codec``), the signed member records (``bootstrap.membership.member``) and
+child streams (``serving.child.codec``), the signed member records (``bootstrap.membership.member``) and
 the key that unlocks tritonserver's admin APIs (``admin_key``).
 
 Every request between fleet processes carries ``X-PD-Fleet-Auth: v2 t=<unix s>,n=<nonce hex>,s=<hmac hex>``,
@@ -102,7 +102,7 @@ def sign(secret: bytes, method: str, authority: str, path_qs: str, body: bytes, 
         authority: the target: ``host:port`` as dialed over HTTP (``Authorities.normalize`` form: lower case,
             the port always written), or the target instance's id on a child stream.
         path_qs: the path with its query string exactly as sent (percent-encoding included).
-        body: the bytes sent (b"" for none), or a digest of them (``child_codec.inputs_digest``).
+        body: the bytes sent (b"" for none), or a digest of them (``signing.inputs_digest``).
         now_s: unix seconds.
     """
     t, nonce = int(now_s), secrets.token_hex(12)

@@ -64,7 +64,7 @@ class Registration:
     ``rendezvous_url`` (``http://host:port``) is the instance's own rendezvous server, where peers fetch this
     registration and decode instances post destinations. ``worker_endpoint`` (``host:port``; empty: none) is the
     worker's own endpoint for ``model_name`` alone, in child frames over TCP (``serving.workers.endpoint``,
-    ``serving.parsing.child_frames``; protocol version 6): routers send its child requests there, past
+    ``serving.child.frames``; protocol version 6): routers send its child requests there, past
     tritonserver.
     """
 

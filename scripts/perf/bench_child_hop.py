@@ -11,7 +11,7 @@ in the same invocation, alternating rounds, so the host's load affects both.
     PYTHONPATH=. .venv/bin/python scripts/perf/bench_child_hop.py --responses 100      # streamed tokens
 
 grpc.aio: ``tritonclient.grpc.service_pb2_grpc``'s service and stub (what ``GrpcLauncher`` uses). Child frames:
-``serving.parsing.child_frames`` as ``EndpointLauncher`` and ``serving.workers.endpoint`` use it, reduced to the
+``serving.child.frames`` as ``EndpointLauncher`` and ``serving.workers.endpoint`` use it, reduced to the
 framing (no worker, no auth).
 """
 
@@ -72,7 +72,7 @@ def _grpc_server(port: int, responses: int, ready: mp.synchronize.Event) -> None
 
 
 def _frames_server(port: int, responses: int, ready: mp.synchronize.Event) -> None:
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, read_frame, split_open
+    from serving.child.frames import PREAMBLE, FrameKind, frame, read_frame, split_open
     from tritonclient.grpc import service_pb2
 
     payload = _response()
@@ -125,7 +125,7 @@ async def _grpc_calls(port: int, calls: int, responses: int) -> list[tuple[float
 
 
 async def _frames_calls(port: int, calls: int, responses: int) -> list[tuple[float, float]]:
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
+    from serving.child.frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
     from tritonclient.grpc import service_pb2
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -19,7 +19,7 @@
                                 ``text_input`` again when ``tokenizer_id`` is its own tokenizer's
                                 (``engine.model.tokenizer.Tokenizer.fingerprint``), else it tokenizes
 ``tokenizer_id``       STRING   the fingerprint of the tokenizer that made ``prompt_token_ids``
-``child_schema``       STRING   the router's ``serving.parsing.child_codec.SCHEMA_HASH``: a child of another build
+``child_schema``       STRING   the router's ``serving.child.codec.SCHEMA_HASH``: a child of another build
                                 answers with an error naming both (absent: not checked)
 ``pd_control``         STRING   ``"describe"``: no generation; one response whose ``text_output`` is this
                                 instance's ``InstanceCard`` JSON (how a router of the same server finds it)
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from serving.parsing.child_codec import SCHEMA_INPUT, check_schema
+from serving.child.codec import SCHEMA_INPUT, check_schema
 from serving.parsing.request import GenerateRequest, RequestError, parse_request
 
 Room = int
@@ -127,7 +127,7 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
             ``resume_token_ids`` (integers ``[k]``, direct decode only), ``prompt_token_ids`` (integers ``[k]``
             >= 0, with ``tokenizer_id``).
     Raises:
-        ChildSchemaMismatch: ``child_schema`` is another build's (``serving.parsing.child_codec``), checked first.
+        ChildSchemaMismatch: ``child_schema`` is another build's (``serving.child.codec``), checked first.
         RequestError: naming the offending input.
     """
     check_schema(pd_inputs)

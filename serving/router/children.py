@@ -15,7 +15,7 @@ import logging
 from collections import deque
 
 from serving.router.launch import ChildCall, ChildUnavailable, Launcher, PushLauncher
-from serving.stream import Delta, ErrorKind
+from serving.delta import Delta, ErrorKind
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from serving.parsing.child_codec import AUTH_PARAMETER, sign_call
+from serving.child.signing import AUTH_PARAMETER, sign_call
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, InstanceCard
 from serving.triton.admin_access import admin_headers
 from serving.triton.control_client import control_client
@@ -170,7 +170,7 @@ def describe(client: Any, model: str, timeout_s: float, fleet_secret: bytes | No
     """Ask PD worker ``model`` for its card over one gRPC stream (the model is decoupled). The stream is
     half-closed only after the FINAL flag (cancelling right after FINAL keeps tritonserver 2.51 from unloading
     the model later). With ``fleet_secret`` the request is signed for ``instance_id``
-    (``child_codec.sign_call``, in its ``pd_fleet_auth`` parameter), as every child request is. Raises
+    (``signing.sign_call``, in its ``pd_fleet_auth`` parameter), as every child request is. Raises
     ``TimeoutError``, ``ValueError`` (a bad card), ``RuntimeError`` (the worker's error, e.g. a refused
     signature) or the client's errors."""
     from tritonclient.grpc import InferInput

@@ -16,7 +16,8 @@ from typing import Protocol
 from serving.parsing.pd_request import PDRequest
 from serving.parsing.request import parse_request
 from serving.router.launch import ChildCall, ChildUnavailable
-from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
+from serving.delta import Delta, ErrorKind, ResponseChunk
+from serving.stream import ResponseSink
 
 
 class PDWorker(Protocol):

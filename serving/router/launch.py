@@ -1,7 +1,7 @@
 """The ``Launcher`` seam: send one child request (prefill or decode) and stream its responses.
 
 ``ChildLauncher`` (the router's) sends a child request to the worker's own endpoint when its target is one
-(``serving.workers.endpoint``: ``EndpointLauncher``, child frames over TCP, ``serving.parsing.child_frames``), else
+(``serving.workers.endpoint``: ``EndpointLauncher``, child frames over TCP, ``serving.child.frames``), else
 to the tritonserver that serves it, whichever server that is (the router's own included): ``GrpcLauncher``, asyncio
 gRPC streaming (Triton's ``ModelStreamInfer`` through the service stub tritonclient ships,
 ``tritonclient.grpc.service_pb2_grpc``). Either way one stream per child request, so that cancelling the stream
@@ -10,10 +10,10 @@ endpoint's stream can also be pushed (``PushLauncher.push``: each response hande
 connection's reader task, no task per child stream), which ``ChildStreams`` prefers. Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
 stub and not ``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
 ``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one per
-streamed token) once, straight from its raw contents (``child_codec.decode_raw_response``): 110 -> ~20 us per
+streamed token) once, straight from its raw contents (``serving.child.codec.decode_raw_response``): 110 -> ~20 us per
 response measured here.
 
-Child protocol: ``serving.parsing.child_codec`` (inputs, outputs and their types, the response decoder this module uses,
+Child protocol: ``serving.child.codec`` (inputs, outputs and their types, the response decoder this module uses,
 the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error`` (and
 ``error_kind``) is set. With a fleet secret every child request is signed (``sign_child``: bound to the target
 instance and to the request's model, id and inputs) on both paths: in the ``OPEN`` frame to a worker endpoint,
@@ -33,27 +33,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from bootstrap.tls import FleetTLS, ssl_module
-from serving.parsing.child_codec import (
-    AUTH_PARAMETER,
-    CHILD_OUTPUTS,
-    SCHEMA_HASH,
-    SCHEMA_INPUT,
-    decode_raw_response,
-    sign_call,
-)
-from serving.parsing.child_frames import (
-    PREAMBLE,
-    FrameError,
-    FrameKind,
-    frame,
-    keepalive,
-    open_payload,
-    read_frame,
-)
+from serving.child.codec import CHILD_OUTPUTS, SCHEMA_HASH, SCHEMA_INPUT, decode_raw_response
+from serving.child.signing import AUTH_PARAMETER, sign_call
+from serving.child.frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, open_payload, read_frame
 from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
-from serving.stream import Delta, ErrorKind
+from serving.delta import Delta, ErrorKind
 from serving.triton.grpc_tls import GrpcTls
 
 if TYPE_CHECKING:
@@ -164,7 +150,7 @@ def child_request_id(call: ChildCall) -> str:
 
 
 def sign_child(call: ChildCall, secret: bytes | None, arrays: Mapping[str, np.ndarray] | None = None) -> str:
-    """The fleet signature of ``call``'s child request (``child_codec.sign_call``: for its target instance,
+    """The fleet signature of ``call``'s child request (``signing.sign_call``: for its target instance,
     over its model name, request id and inputs, ``arrays`` or else ``child_arrays(call)``), timestamped now;
     "" without a secret. Once per child stream, never per token (its cost: docs/benchmarks.md, "Fleet
     signatures")."""
@@ -180,7 +166,7 @@ def child_request(call: ChildCall, signature: str = "",
     raw contents (BYTES as Triton's length-prefixed elements), every ``CHILD_OUTPUTS`` requested, request id
     ``child_request_id``, and ``triton_enable_empty_final_response`` so the FINAL flag always comes.
     ``signature`` (``sign_child``; the tritonserver path) goes in the request parameter ``pd_fleet_auth``
-    (``child_codec.AUTH_PARAMETER``); "": none (a worker endpoint's travels in the stream's ``OPEN``).
+    (``signing.AUTH_PARAMETER``); "": none (a worker endpoint's travels in the stream's ``OPEN``).
     ``arrays``: ``child_arrays(call)`` when the caller has them already."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
@@ -260,7 +246,7 @@ class GrpcLauncher:
 
 
 class FrameConnection:
-    """One TCP connection to a worker endpoint in child frames (``serving.parsing.child_frames``), shared by every
+    """One TCP connection to a worker endpoint in child frames (``serving.child.frames``), shared by every
     child stream the router opens there; its reader task hands each ``RESPONSE`` to its stream's inbox. Event
     loop thread only. ``ChannelPool`` keeps one per endpoint (``connect`` lazily, ``close``). With
     ``ssl_context`` (``FleetTLS.client_context``) it speaks TLS, checking the worker's certificate against the
@@ -404,13 +390,13 @@ class _Inbox:
 
 class EndpointLauncher:
     """Child requests to workers' own endpoints (``serving.workers.endpoint``) in child frames
-    (``serving.parsing.child_frames``): one TCP connection per endpoint (``ChannelPool``: a connection that
+    (``serving.child.frames``): one TCP connection per endpoint (``ChannelPool``: a connection that
     failed is replaced, so a restarted worker is reached on the next call), one stream per call. Responses are
     read straight from their raw contents, as ``GrpcLauncher`` reads them."""
 
     def __init__(self, fleet_secret: bytes | None = None, connect_timeout_s: float = 5.0,
                  tls: FleetTLS | None = None) -> None:
-        """``fleet_secret``: every stream carries its signature (``child_codec.sign_call``), which the endpoint
+        """``fleet_secret``: every stream carries its signature (``signing.sign_call``), which the endpoint
         checks. ``connect_timeout_s``: a worker whose host does not answer the connection (or the TLS
         handshake) fails the call (the router retries elsewhere) after this many seconds. ``tls``: the
         fleet's TLS setting: every connection speaks TLS and checks the worker's certificate against the

@@ -46,7 +46,8 @@ from serving.router.fleet import Fleet, Target
 from serving.router.launch import FORWARDED_INPUTS, ChildCall, Launcher
 from serving.router.migration import MigrationState, pick_decode
 from serving.router.pairing import Demand, NoInstance, Pair, PairingPolicy
-from serving.stream import Delta, ErrorKind
+from serving.delta import Delta, ErrorKind
+from serving.schema import OUTPUTS, Carry
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,12 @@ class RoomAllocator:
         return len(self._in_flight)
 
 
+#: Delta attributes the merge carries over a request's children (``serving.schema.Carry``): the largest any
+#: child reported; the largest the child that prefilled reported
+_MAX = tuple(o.child.attribute for o in OUTPUTS if o.child is not None and o.carry is Carry.MAX)
+_PREFILLED = tuple(o.child.attribute for o in OUTPUTS if o.child is not None and o.carry is Carry.PREFILLED)
+
+
 @dataclass
 class _MergeState:
     first_done: bool = False
@@ -122,13 +129,13 @@ class _MergeState:
     decode_final: bool = False
     decode_has_kv: bool = False   # decode sent tokens of its own or its FINAL: it holds the prompt's KV
     held: list[Delta] = field(default_factory=list)
-    num_input_tokens: int = 0
+    # the outputs carried from response to response (``serving.schema.Carry`` MAX, PREFILLED), by attribute
+    carried: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_MAX + _PREFILLED, 0))
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
-    # the prompt's prefix-cache hit, as the child that prefills it reports it (prefill; decode when direct)
+    # the child that prefills the prompt (prefill; decode when direct): the PREFILLED outputs are its
     prefilled_by: str = "prefill"
-    num_cached_tokens: int = 0
     # what came with the finish reason: sent with the final chunk, so that the last response carries the last
     # tokens (the vLLM convention: no response without tokens)
     tail_text: str = ""
@@ -138,10 +145,10 @@ class _MergeState:
     drain_check_s: float = 0.0   # monotonic: when a draining decode's stream may next be checked for a move
 
     def final_chunk(self, finish_reason: str | None) -> Delta:
-        return Delta(text=self.tail_text, finish_reason=finish_reason, num_input_tokens=self.num_input_tokens,
-                     num_output_tokens=self.num_output_tokens, cumulative_logprob=self.cumulative_logprob,
+        return Delta(text=self.tail_text, finish_reason=finish_reason, num_output_tokens=self.num_output_tokens,
+                     cumulative_logprob=self.cumulative_logprob,
                      logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None,
-                     num_cached_tokens=self.num_cached_tokens, final=True)
+                     final=True, **self.carried)
 
 
 class _ChildInputs(NamedTuple):
@@ -561,7 +568,8 @@ class PDOrchestrator:
     def _accept(self, role: str, response: Delta, state: _MergeState,
                 emit: Callable[[Delta], None]) -> None:
         if role == state.prefilled_by:
-            state.num_cached_tokens = max(state.num_cached_tokens, response.num_cached_tokens)
+            for name in _PREFILLED:
+                state.carried[name] = max(state.carried[name], getattr(response, name))
         if role == "prefill":
             state.prefill_final = state.prefill_final or response.final
             if not state.first_done and (response.num_output_tokens or response.final):
@@ -581,7 +589,8 @@ class PDOrchestrator:
 
     @staticmethod
     def _forward(response: Delta, state: _MergeState, emit: Callable[[Delta], None]) -> None:
-        state.num_input_tokens = max(state.num_input_tokens, response.num_input_tokens)
+        for name in _MAX:
+            state.carried[name] = max(state.carried[name], getattr(response, name))
         state.migration.token_ids.extend(response.token_ids)
         if response.num_output_tokens >= state.num_output_tokens:
             state.num_output_tokens = response.num_output_tokens
@@ -596,9 +605,8 @@ class PDOrchestrator:
             return
         if response.text or response.logprobs:
             state.emitted = state.emitted or bool(response.text)
-            emit(Delta(text=response.text, num_input_tokens=state.num_input_tokens,
-                       num_output_tokens=state.num_output_tokens, cumulative_logprob=state.cumulative_logprob,
-                       logprobs=response.logprobs, num_cached_tokens=state.num_cached_tokens))
+            emit(Delta(text=response.text, num_output_tokens=state.num_output_tokens,
+                       cumulative_logprob=state.cumulative_logprob, logprobs=response.logprobs, **state.carried))
 
     def _count_rejected(self, reason: str) -> None:
         if self._metrics is not None:

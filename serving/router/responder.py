@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from serving.parsing.request import GenerateRequest
-from serving.stream import Delta, PendingTokens, ResponseChunk, ResponseSink
+from serving.delta import Delta, ResponseChunk
+from serving.stream import PendingTokens, ResponseSink
 
 
 class EnsembleResponder:

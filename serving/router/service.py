@@ -42,7 +42,7 @@ from serving.router.launch import ChildLauncher, Launcher
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
-from serving.stream import Delta
+from serving.delta import Delta
 
 logger = logging.getLogger(__name__)
 

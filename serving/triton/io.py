@@ -16,7 +16,7 @@ backend's). Like ``num_input_tokens``, an asked count is on every response.
 the top ``logprobs`` tokens not already listed (the vLLM backend's layout); ``null`` when the request set no
 ``logprobs`` sampling parameter.
 
-Child layout (prefill/decode → the router): ``serving.parsing.child_codec``.
+Child layout (prefill/decode → the router): ``serving.child.codec``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ import numpy as np
 
 from engine.outputs import TokenLogprob
 from serving.answering import start_or_fail
-from serving.parsing.child_codec import encode_response
+from serving.child.codec import encode_response
 from serving.parsing.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
+from serving.schema import CLIENT_OUTPUTS
 from serving.triton.response_dispatch import ResponseDispatcher
-from serving.stream import Delta, ErrorKind, ResponseChunk, merge_chunks
+from serving.delta import Delta, ErrorKind, ResponseChunk, merge_chunks
 
 logger = logging.getLogger(__name__)
 #: No optional output asked for (the default of a client request).
@@ -116,25 +117,29 @@ def logprobs_json(entries: tuple[TokenLogprob, ...] | None) -> str:
     return json.dumps(tokens)
 
 
+#: Delta attribute → the text a client BYTES output carries for its value (other attributes: ``str``)
+_CLIENT_TEXTS: dict[str, Callable[[Any], str]] = {"logprobs": logprobs_json}
+#: Triton data type of a client output → its numpy dtype
+_CLIENT_DTYPES: dict[str, Any] = {"TYPE_STRING": np.object_, "TYPE_UINT32": np.uint32, "TYPE_FP32": np.float32}
+
+
 def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -> dict[str, np.ndarray]:
-    """The output arrays of one client response, by output name: ``text_output`` and what ``options`` asks."""
-    samples = chunk.samples
-    arrays = {"text_output": np.array([s.text.encode("utf-8") for s in samples], dtype=np.object_)}
-    if options.finish_reason:
-        arrays["finish_reason"] = np.array([str(s.finish_reason).encode() for s in samples], dtype=np.object_)
-    if options.cumulative_logprob:
-        arrays["cumulative_logprob"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
-    if options.logprobs:
-        arrays["logprobs"] = np.array([logprobs_json(s.logprobs).encode() for s in samples], dtype=np.object_)
-    if options.num_input_tokens:
-        arrays["num_input_tokens"] = np.array([chunk.num_input_tokens], dtype=np.uint32)
-    if options.num_output_tokens:
-        arrays["num_output_tokens"] = np.array([s.num_new_tokens for s in samples], dtype=np.uint32)
-    if options.num_cached_tokens:
-        arrays["num_cached_tokens"] = np.array([s.num_cached_tokens for s in samples], dtype=np.uint32)
+    """The output arrays of one client response, by output name: ``text_output`` and what ``options`` asks, as
+    ``serving.schema``'s client layout declares them (an output of dims ``[1]`` holds the samples' largest
+    value)."""
+    arrays = {}
+    for output in CLIENT_OUTPUTS.values():
+        layout = output.client
+        if layout is None or not options.asks(output.name):
+            continue
+        values = [getattr(s, layout.attribute) for s in chunk.samples]
+        if layout.dims == (1,):
+            values = [max(values, default=0)]
+        if layout.data_type == "TYPE_STRING":
+            text = _CLIENT_TEXTS.get(layout.attribute, str)
+            values = [text(v).encode("utf-8") for v in values]
+        arrays[output.name] = np.array(values, dtype=_CLIENT_DTYPES[layout.data_type])
     return arrays
-
-
 
 
 def inference_response(chunk: ResponseChunk, child: bool = False, options: OutputOptions = NO_OPTIONS) -> Any:
@@ -187,7 +192,7 @@ class TritonResponseSink:
             dispatcher: the model instance's response thread (started).
             request_id: for log lines (the client's request id, may be empty).
             child: the request comes from the router: responses use the child output layout
-                (``serving.parsing.child_codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
+                (``serving.child.codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
                 holds the message instead of a Triton error response (a decoupled BLS response iterator never
                 ends after an error response in tritonserver 2.51; over gRPC either form works).
             child_errors: with ``child``, errors too in the child layout (the router reads them there); False:
@@ -293,7 +298,7 @@ def from_router(request: Any) -> bool:
     ``serving.router.launch.child_arrays``) or ``pd_control`` (the router's ``describe``). A request without
     either (a client calling the worker model directly) gets its error as a ``pb_utils.TritonError`` (HTTP 400
     with the message as text), not as bytes in the child's ``error`` output."""
-    from serving.parsing.child_codec import SCHEMA_INPUT
+    from serving.child.codec import SCHEMA_INPUT
     from serving.parsing.pd_request import CONTROL_INPUT
 
     return any(pb_utils().get_input_tensor_by_name(request, name) is not None

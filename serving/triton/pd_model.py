@@ -15,7 +15,7 @@ reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter). A reque
 same tritonserver finds it with no registry.
 
 Authentication: with a fleet secret every request here, ``describe`` included, must carry the router's
-signature in its ``pd_fleet_auth`` parameter (``child_codec.AUTH_PARAMETER``, ``child_codec.sign_call``: bound
+signature in its ``pd_fleet_auth`` parameter (``signing.AUTH_PARAMETER``, ``signing.sign_call``: bound
 to this instance's id and to a digest of the request's model, id and inputs), checked by the worker's
 ``ChildAuth`` (``serving.workers.child_auth``, shared with its own endpoint: one replay guard for both paths)
 before anything else; a request without a valid one gets one FINAL ``instance`` error, "unauthenticated child
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from serving.config import ConfigError, apply_cpu_affinity, build_worker_config, instance_device
-from serving.parsing.child_codec import AUTH_PARAMETER
+from serving.child.signing import AUTH_PARAMETER
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, InstanceCard, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
-from serving.stream import ResponseChunk
+from serving.delta import ResponseChunk
 from serving.triton.host import ModelHost, wait_idle
 from serving.triton.io import TritonResponseSink, read_parameters, scalars_from_arrays
 from serving.workers.child_auth import NO_AUTH, ChildAuth
@@ -46,12 +46,12 @@ logger = logging.getLogger(__name__)
 
 def read_child_inputs(request: Any) -> dict[str, np.ndarray]:
     """Every input of one child request (a ``pb_utils.InferenceRequest``), as numpy arrays by name (``BYTES``:
-    object arrays of bytes), as ``child_codec.inputs_digest`` takes them."""
+    object arrays of bytes), as ``signing.inputs_digest`` takes them."""
     return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
 
 
 def read_signature(request: Any) -> str | None:
-    """The fleet signature in the request's ``pd_fleet_auth`` parameter (``child_codec.AUTH_PARAMETER``); None
+    """The fleet signature in the request's ``pd_fleet_auth`` parameter (``signing.AUTH_PARAMETER``); None
     when absent or not a string. Raises ``RequestError`` when the parameters are not a JSON object."""
     value = read_parameters(request).get(AUTH_PARAMETER)
     return value if isinstance(value, str) else None

@@ -14,7 +14,7 @@ a sender after it sent FINAL (tritonserver 2.51 crashed on ``is_cancelled()`` af
 queue (the errors and FINALs of failing requests still go out) within its deadline.
 
 Stream batching: a stream that fell behind (several of its responses queued when the thread comes to it) has its
-queued chunk responses (``submit_chunk``) merged into one by ``merge`` (``serving.stream.merge_chunks``: texts,
+queued chunk responses (``submit_chunk``) merged into one by ``merge`` (``serving.delta.merge_chunks``: texts,
 tokens and logprobs joined), so the sends, and the work of every hop after this one, shrink with the backlog;
 a stream that keeps up still gets one response per chunk, and nothing waits to be merged (the first token is
 never delayed). Streams take turns in the order their first queued response arrived.

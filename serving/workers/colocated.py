@@ -26,11 +26,12 @@ from typing import Protocol
 from engine.errors import EngineError, InvalidSamplingParams
 from serving.config import WorkerConfig
 from serving.workers.engine_loop import EngineLoop
-from serving.workers.events import LoopEvent, LoopStopped, RequestId
+from serving.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.workers.parallel_sampling import SampleFanIn
 from serving.parsing.request import GenerateRequest, RequestError
-from serving.stream import ErrorKind, GenerationStream, ResponseSink
+from serving.delta import ErrorKind
+from serving.stream import GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
 

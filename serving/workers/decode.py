@@ -36,11 +36,12 @@ from engine.outputs import Reservation
 from engine.sampling_params import SamplingParams
 from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
 from serving.workers.engine_loop import EngineLoop, PagedEngineCore
-from serving.workers.events import LoopEvent
+from serving.events import LoopEvent
 from serving.workers.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.parsing.pd_request import PDRequest
-from serving.stream import ErrorKind, GenerationStream, ResponseSink, client_message
+from serving.delta import ErrorKind
+from serving.stream import GenerationStream, ResponseSink, client_message
 
 logger = logging.getLogger(__name__)
 

@@ -6,24 +6,24 @@ on a busy host) per direction; PD's first token crosses that path twice more tha
 (router -> prefill -> router), and every streamed token once more (decode -> router). The endpoint serves the
 same request and response messages (Triton's ``ModelInferRequest`` / ``ModelStreamInferResponse``, from
 ``tritonclient.grpc.service_pb2``) from inside the worker's own process, over a plain TCP connection in child
-frames (``serving.parsing.child_frames``: why not gRPC there, and the framing), which the router's
+frames (``serving.child.frames``: why not gRPC there, and the framing), which the router's
 ``EndpointLauncher`` speaks. Dynamo's disaggregated workers and SGLang's router reach workers on their own
 endpoints the same way. Triton still serves the model as before (a client's requests, the router's
 ``describe``, plain ``tritonserver`` with no router, a router with ``worker_endpoints`` false).
 
 Protocol: one child request per stream (the router's ``launch.child_request``: ``model_name`` must be this
-worker's model, inputs as raw contents; ``child_codec.CHILD_INPUTS``); responses are ``ModelStreamInferResponse``s
-in the child layout (``child_codec.encode_response``) with ``triton_final_response`` set on the last one, which
+worker's model, inputs as raw contents; ``serving.child.codec.CHILD_INPUTS``); responses are ``ModelStreamInferResponse``s
+in the child layout (``serving.child.codec.encode_response``) with ``triton_final_response`` set on the last one, which
 the router's ``decode_raw_response`` reads. A stream that fell behind gets its pending responses merged into one
-(``serving.stream.merge_chunks``), as the Triton path's response thread does. Cancelling the stream (the router's
+(``serving.delta.merge_chunks``), as the Triton path's response thread does. Cancelling the stream (the router's
 ``CANCEL``, or its connection closing) cancels the request: the worker sees ``is_cancelled`` and aborts the room.
 Another model's name, a bad or malformed input or a missing fleet signature each end that stream with one FINAL
 error response; nothing else is touched.
 
 Authentication: with a fleet secret (``bootstrap.auth``), every stream's ``OPEN`` carries the router's
-signature of its request (``child_codec.sign_call``): an HMAC bound to this worker's instance id, the gRPC
+signature of its request (``signing.sign_call``): an HMAC bound to this worker's instance id, the gRPC
 method path, a timestamp, a nonce and a digest of the request (model name, request id and every input:
-``child_codec.inputs_digest``). The worker's ``ChildAuth`` (``serving.workers.child_auth``, shared with the
+``signing.inputs_digest``). The worker's ``ChildAuth`` (``serving.workers.child_auth``, shared with the
 worker's tritonserver path, one replay guard for both) checks it before anything else: a stream whose
 signature is missing, stale, already used on either path, or made for another instance or another request (a
 captured one put on another prompt or model) is answered with one FINAL ``instance`` error, "unauthenticated
@@ -54,11 +54,12 @@ import numpy as np
 
 from bootstrap.auth import check_bind
 from serving.answering import start_or_fail
-from serving.parsing.child_codec import CHILD_OUTPUTS, encode_response
-from serving.parsing.child_frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, read_frame, split_open
+from serving.child.codec import CHILD_OUTPUTS, encode_response
+from serving.child.frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, read_frame, split_open
 from serving.parsing.pd_request import CONTROL_INPUT, PD_INPUT_NAMES, PDRequest, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
-from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink, merge_chunks
+from serving.delta import Delta, ErrorKind, ResponseChunk, merge_chunks
+from serving.stream import ResponseSink
 from serving.workers.child_auth import NO_AUTH, ChildAuth
 
 if TYPE_CHECKING:
@@ -367,7 +368,7 @@ class WorkerEndpoint:
             await asyncio.wait(list(self._connections), timeout=5)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One router's connection: its ``OPEN``s and ``CANCEL``s (``child_frames``); every stream on it is
+        """One router's connection: its ``OPEN``s and ``CANCEL``s (``serving.child.frames``); every stream on it is
         cancelled when it closes."""
         task = asyncio.current_task()
         assert task is not None

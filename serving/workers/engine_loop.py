@@ -42,7 +42,7 @@ from typing import Protocol
 from engine.errors import EngineError, RequestRejected, TensorParallelError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from serving.workers.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
+from serving.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from serving.workers.colocated import Tokenizer, prompt_token_ids
 from serving.workers.engine_loop import EngineLoop
 from serving.parsing.pd_request import PDRequest
 from serving.parsing.request import RequestError
-from serving.stream import ErrorKind, ResponseSink
+from serving.delta import ErrorKind
+from serving.stream import ResponseSink
 
 J = TypeVar("J")
 

@@ -32,11 +32,12 @@ from typing import Protocol
 from bootstrap.messages import InstanceLoad
 from kv_transfer import AuxData, BaseKVManager, BaseKVSender, KVPoll, TransferError
 from serving.workers.engine_loop import EngineLoop, PagedEngineCore
-from serving.workers.events import LoopEvent, RequestFailed
+from serving.events import LoopEvent, RequestFailed
 from serving.workers.intake import Intake, WorkerTokenizer
 from serving.metrics import ServingMetrics
 from serving.parsing.pd_request import PDRequest
-from serving.stream import ErrorKind, ResponseChunk, ResponseSink, client_message, error_kind_of
+from serving.delta import ErrorKind, ResponseChunk
+from serving.stream import ResponseSink, client_message, error_kind_of
 
 logger = logging.getLogger(__name__)
 

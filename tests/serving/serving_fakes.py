@@ -11,7 +11,8 @@ from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from serving.workers.engine_loop import EngineCore
-from serving.stream import ErrorKind, ResponseChunk, ResponseSink
+from serving.delta import ErrorKind, ResponseChunk
+from serving.stream import ResponseSink
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``serving.parsing.child_codec``: the child protocol's one schema, held to the model configs and to both encoders; the
+"""``serving.child.codec``: the child protocol's one schema, held to the model configs and to both encoders; the
 schema check; a response round trip, errors and their kind included."""
 
 from __future__ import annotations
@@ -10,20 +10,12 @@ import numpy as np
 import pytest
 
 from engine.outputs import TokenLogprob
-from serving.parsing.child_codec import (
-    CHILD_INPUTS,
-    CHILD_OUTPUTS,
-    SCHEMA_HASH,
-    SCHEMA_INPUT,
-    ChildSchemaMismatch,
-    check_schema,
-    decode_response,
-    encode_response,
-)
+from serving.child.codec import (CHILD_INPUTS, CHILD_OUTPUTS, SCHEMA_HASH, SCHEMA_INPUT, ChildSchemaMismatch,
+                                 check_schema, decode_response, encode_response)
 from serving.parsing.pd_request import parse_pd_request
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, child_arrays
-from serving.stream import Delta, ErrorKind
+from serving.delta import Delta, ErrorKind
 
 ROOT = Path(__file__).resolve().parents[2]
 #: numpy dtype kind of each Triton data type the protocol uses

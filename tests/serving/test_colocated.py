@@ -13,7 +13,7 @@ from serving.workers.colocated import ColocatedWorker
 from serving.workers.engine_loop import EngineLoop
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.parsing.request import parse_request
-from serving.stream import ErrorKind
+from serving.delta import ErrorKind
 
 pytestmark = pytest.mark.timeout(30)
 

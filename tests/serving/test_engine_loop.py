@@ -17,7 +17,7 @@ from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from serving.workers.engine_loop import EngineLoop
-from serving.workers.events import LoopEvent, LoopStopped, RequestAborted, RequestFailed
+from serving.events import LoopEvent, LoopStopped, RequestAborted, RequestFailed
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -28,7 +28,8 @@ from serving.parsing.pd_request import PDRequest
 from serving.router.config import build_router_config
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, ChildUnavailable, EndpointLauncher
-from serving.stream import Delta, ResponseChunk, ResponseSink
+from serving.delta import Delta, ResponseChunk
+from serving.stream import ResponseSink
 from serving.workers.endpoint import WorkerEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import pytest
 from serving_fakes import RecordingSink
 
 from serving.workers.parallel_sampling import SampleFanIn
-from serving.stream import ResponseChunk
+from serving.delta import ResponseChunk
 
 
 def chunk(text: str, reason: str | None = None, total: int = 1, new: int = 1) -> ResponseChunk:

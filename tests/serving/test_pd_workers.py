@@ -31,7 +31,7 @@ from serving.router.inprocess import InProcessLauncher
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import PairingPolicy, make_policy
 from serving.router.responder import EnsembleResponder
-from serving.stream import Delta, ErrorKind, ResponseChunk
+from serving.delta import Delta, ErrorKind, ResponseChunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

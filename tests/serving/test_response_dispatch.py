@@ -83,7 +83,7 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged_in_order_and_ot
     """While the sender is stuck, one stream queues 20 chunk responses, then FINAL; another stream queues a
     plain response: once the sender moves, the first stream's chunks go out as one response (the texts and
     token counts joined, in order) with the FINAL flag, and the plain response as it was."""
-    from serving.stream import ResponseChunk, merge_chunks
+    from serving.delta import ResponseChunk, merge_chunks
 
     release = threading.Event()
     dispatcher = ResponseDispatcher("test", FINAL, cancel_poll_interval_s=0.01, merge=merge_chunks)
@@ -106,7 +106,7 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged_in_order_and_ot
 
 
 def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
-    from serving.stream import ResponseChunk, merge_chunks
+    from serving.delta import ResponseChunk, merge_chunks
 
     dispatcher = ResponseDispatcher("test", FINAL, cancel_poll_interval_s=0.01, merge=merge_chunks)
     dispatcher.start()
@@ -125,7 +125,7 @@ def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
 
 def test_merged_chunks_join_logprobs_and_keep_each_samples_latest_counts() -> None:
     from engine.outputs import TokenLogprob
-    from serving.stream import Delta, ResponseChunk, merge_chunks
+    from serving.delta import Delta, ResponseChunk, merge_chunks
 
     lp = (TokenLogprob(5, -0.5, 1, "a"),)
     a = ResponseChunk((Delta(text="a", num_input_tokens=9, num_output_tokens=1, num_new_tokens=1,

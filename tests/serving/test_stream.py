@@ -6,7 +6,7 @@ from serving_fakes import RecordingSink
 
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
-from serving.workers.events import RequestAborted, RequestFailed
+from serving.events import RequestAborted, RequestFailed
 from serving.parsing.request import parse_request
 from serving.stream import GenerationStream
 

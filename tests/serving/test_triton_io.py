@@ -9,11 +9,12 @@ import pytest
 
 from engine.outputs import TokenLogprob
 from serving.parsing.request import OutputOptions, RequestError, parse_request
-from serving.stream import Delta, ResponseChunk
-from serving.parsing.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
+from serving.delta import Delta, ResponseChunk
+from serving.child.codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
+from serving.schema import CLIENT_OUTPUTS
 from serving.triton.io import logprobs_json, response_arrays, scalars_from_arrays
 
-ALL = OutputOptions(True, True, True, True, True, True)
+ALL = OutputOptions(frozenset(CLIENT_OUTPUTS))
 
 
 def test_inputs_as_triton_hands_them_over() -> None:
@@ -55,7 +56,7 @@ def test_response_arrays_hold_only_what_was_asked() -> None:
     assert arrays["num_output_tokens"].dtype == np.uint32 and arrays["num_output_tokens"].tolist() == [2]
     assert arrays["logprobs"].tolist() == [b"null"]
     assert response_arrays(ResponseChunk.single(text="x"), ALL)["finish_reason"].tolist() == [b"None"]
-    only = response_arrays(chunk, OutputOptions(num_input_tokens=True))
+    only = response_arrays(chunk, OutputOptions.of("num_input_tokens"))
     assert sorted(only) == ["num_input_tokens", "text_output"]
 
 
@@ -63,8 +64,8 @@ def test_num_cached_tokens_is_per_sample_uint32_and_only_when_asked() -> None:
     chunk = ResponseChunk((Delta(text="a", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1,
                                  num_cached_tokens=32),
                            Delta(text="", num_input_tokens=40)))
-    assert "num_cached_tokens" not in response_arrays(chunk, OutputOptions(num_input_tokens=True))
-    arrays = response_arrays(chunk, OutputOptions(num_cached_tokens=True))
+    assert "num_cached_tokens" not in response_arrays(chunk, OutputOptions.of("num_input_tokens"))
+    arrays = response_arrays(chunk, OutputOptions.of("num_cached_tokens"))
     assert sorted(arrays) == ["num_cached_tokens", "text_output"]
     assert arrays["num_cached_tokens"].dtype == np.uint32 and arrays["num_cached_tokens"].tolist() == [32, 0]
 
@@ -119,9 +120,9 @@ def test_parameters_stand_in_for_sampling_parameters() -> None:
 
 def test_return_inputs_select_outputs() -> None:
     req = parse_request({"text_input": b"x", "return_logprobs": True, "return_num_output_tokens": False})
-    assert req.outputs == OutputOptions(logprobs=True)
+    assert req.outputs == OutputOptions.of("logprobs")
     req = parse_request({"text_input": b"x", "return_num_cached_tokens": True})
-    assert req.outputs == OutputOptions(num_cached_tokens=True)
+    assert req.outputs == OutputOptions.of("num_cached_tokens")
 
 
 def test_child_token_ids_round_trip_as_int32_and_resume_ids_travel_to_decode_only() -> None:

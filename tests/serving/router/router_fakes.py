@@ -9,7 +9,7 @@ from bootstrap.messages import InstanceLoad, InstanceStatus
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
 from serving.router.launch import ChildCall, ChildUnavailable
-from serving.stream import Delta
+from serving.delta import Delta
 
 #: per call: a list of (delay_s, Delta | Exception); keyed by (role, instance id) or role
 Script = list[tuple[float, "Delta | Exception"]]

@@ -13,7 +13,7 @@ from serving.router.config import RouterConfig
 from serving.router.launch import ChildCall
 from serving.router.orchestrator import PDOrchestrator, RoomAllocator, RoutedRequest
 from serving.router.pairing import make_policy
-from serving.stream import Delta, ErrorKind
+from serving.delta import Delta, ErrorKind
 
 FLEET = (status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
 

@@ -7,7 +7,7 @@ call (open a stream, one request, the first response) took 549 us over grpc.aio 
 TCP connection, and each streamed response cost the receiver 80 us of CPU against 6 us. A PD request's first
 token crosses this hop twice (router → prefill → router) and every streamed token once (decode → router). The messages stay Triton's
 (``tritonclient.grpc.service_pb2``: ``ModelInferRequest`` in, ``ModelStreamInferResponse`` out, raw contents,
-``triton_final_response`` on the last), so ``child_codec`` and both sides' encoders are the same as through
+``triton_final_response`` on the last), so ``serving.child.codec`` and both sides' encoders are the same as through
 tritonserver; only the framing around them is ours.
 
 One TCP connection per (router, endpoint) carries any number of child streams:
@@ -18,7 +18,7 @@ One TCP connection per (router, endpoint) carries any number of child streams:
 - Every message is a frame: ``HEADER`` (payload bytes: u32, kind: u8, stream id: u32, little-endian), then the
   payload. ``MAX_FRAME_BYTES`` bounds a payload; a larger one is a protocol error that closes the connection.
 - ``OPEN`` (router → endpoint): a new stream; payload = u16 length + the fleet signature
-  (``child_codec.sign_call``: bound to the target instance and to the request's model, id and inputs; empty
+  (``signing.sign_call``: bound to the target instance and to the request's model, id and inputs; empty
   without a fleet secret), then the serialized ``ModelInferRequest``. One request per stream; an ``OPEN`` for
   a stream id already open is ignored (logged).
 - ``CANCEL`` (router → endpoint, empty payload): the router closed the stream before its FINAL; the worker
