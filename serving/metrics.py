@@ -63,7 +63,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from engine.prefix_cache import PrefixCacheStats
-from serving.workers.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -330,10 +329,34 @@ class ServingMetrics:
         self.increment("pd_generation_tokens_total", num_output_tokens)
 
 
+class LoopCounters(Protocol):
+    """What ``LoopMetricsHook`` reads of a loop's ``stats()`` (``serving.workers.engine_loop.LoopStats``)."""
+
+    @property
+    def num_active_requests(self) -> int: ...
+
+    @property
+    def num_queued_commands(self) -> int: ...
+
+    @property
+    def steps_total(self) -> int: ...
+
+    @property
+    def step_seconds_total(self) -> float: ...
+
+
+class CountedLoop(Protocol):
+    """The loop whose counters ``LoopMetricsHook`` publishes (``serving.workers.engine_loop.EngineLoop``)."""
+
+    def stats(self) -> LoopCounters:
+        """The loop's counters now; called on the loop thread."""
+        ...
+
+
 class LoopMetricsHook:
     """Tick hook that publishes the KV pool and the loop's counters (runs on the loop thread)."""
 
-    def __init__(self, loop: EngineLoop, metrics: ServingMetrics,
+    def __init__(self, loop: CountedLoop, metrics: ServingMetrics,
                  kv_pages: Callable[[], tuple[int, int]],
                  prefix_cache: Callable[[], PrefixCacheStats] | None = None) -> None:
         """

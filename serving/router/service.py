@@ -66,7 +66,7 @@ class TokenCounter:
 
     def __call__(self, request: GenerateRequest) -> list[int] | int:
         if self._tokenizer is not None:
-            from serving.workers.colocated import prompt_token_ids
+            from serving.parsing.prompt import prompt_token_ids
 
             try:
                 ids = prompt_token_ids(self._tokenizer, request)

@@ -35,6 +35,7 @@ import numpy as np
 from engine.outputs import TokenLogprob
 from serving.answering import start_or_fail
 from serving.child.codec import encode_response
+from serving.parsing.arrays import scalars_from_arrays
 from serving.parsing.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
 from serving.schema import CLIENT_OUTPUTS
 from serving.triton.response_dispatch import ResponseDispatcher
@@ -48,29 +49,6 @@ NO_OPTIONS = OutputOptions()
 def pb_utils() -> ModuleType:
     """The python backend's utility module. Raises ImportError outside a Triton python-backend stub."""
     return importlib.import_module("triton_python_backend_utils")
-
-
-def scalars_from_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, RawValue]:
-    """One Python scalar per input array: ``bytes``/``str`` stay as they are, ``np.bool_`` becomes ``bool``.
-
-    Raises:
-        RequestError: naming an input that holds other than exactly one element, or one of another type.
-    """
-    values: dict[str, RawValue] = {}
-    for name, array in arrays.items():
-        flat = np.asarray(array).reshape(-1)
-        if flat.size != 1:
-            raise RequestError(name, f"must hold exactly one element, got shape {tuple(np.shape(array))}")
-        item = flat[0]
-        if isinstance(item, (bool, np.bool_)):
-            values[name] = bool(item)
-        elif isinstance(item, (bytes, np.bytes_)):
-            values[name] = bytes(item)
-        elif isinstance(item, (str, np.str_)):
-            values[name] = str(item)
-        else:
-            raise RequestError(name, f"must be a string or a bool, got {type(item).__name__}")
-    return values
 
 
 def read_inputs(request: Any) -> dict[str, RawValue]:

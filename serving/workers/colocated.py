@@ -29,27 +29,12 @@ from serving.workers.engine_loop import EngineLoop
 from serving.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.workers.parallel_sampling import SampleFanIn
+from serving.parsing.prompt import Tokenizer, prompt_token_ids
 from serving.parsing.request import GenerateRequest, RequestError
 from serving.delta import ErrorKind
 from serving.stream import GenerationStream, ResponseSink
 
 logger = logging.getLogger(__name__)
-
-
-class Tokenizer(Protocol):
-    """The part of ``engine.tokenizer.Tokenizer`` the worker uses."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
-
-
-def prompt_token_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
-    """The prompt's token ids, after wrapping it as one user message when ``apply_chat_template`` is set."""
-    text = request.prompt
-    if request.apply_chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return tokenizer.encode(text)
 
 
 class ColocatedWorker:

@@ -57,6 +57,7 @@ from serving.answering import start_or_fail
 from serving.child.codec import CHILD_OUTPUTS, encode_response
 from serving.child.frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, read_frame, split_open
 from serving.parsing.pd_request import CONTROL_INPUT, PD_INPUT_NAMES, PDRequest, parse_pd_request
+from serving.parsing.arrays import scalars_from_arrays
 from serving.parsing.request import INPUT_NAMES, RequestError
 from serving.delta import Delta, ErrorKind, ResponseChunk, merge_chunks
 from serving.stream import ResponseSink
@@ -494,7 +495,6 @@ class WorkerEndpoint:
         if CONTROL_INPUT in arrays:
             raise RequestError(CONTROL_INPUT, "is answered by the model through tritonserver, not here")
         llm = {name: arrays[name] for name in INPUT_NAMES if name in arrays}
-        from serving.triton.io import scalars_from_arrays   # numpy only (no pb_utils)
 
         pd = parse_pd_request(scalars_from_arrays(llm), {n: arrays[n] for n in PD_INPUT_NAMES if n in arrays})
         self._worker.handle(pd, sink)

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from engine.errors import InvalidSamplingParams
-from serving.workers.colocated import Tokenizer, prompt_token_ids
 from serving.workers.engine_loop import EngineLoop
 from serving.parsing.pd_request import PDRequest
+from serving.parsing.prompt import Tokenizer, prompt_token_ids
 from serving.parsing.request import RequestError
 from serving.delta import ErrorKind
 from serving.stream import ResponseSink

@@ -173,7 +173,7 @@ def infer_outputs(url: str, prompt: str, params: dict[str, Any],
 def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tuple[int, float]], float]:
     """The colocated engine, in this process: (text, [(token id, logprob)], cumulative logprob)."""
     from engine import LLMEngine
-    from serving.workers.colocated import prompt_token_ids
+    from serving.parsing.prompt import prompt_token_ids
     from serving.config import WorkerConfig
     from serving.parsing.request import parse_request
 

@@ -37,7 +37,7 @@ def colocated_greedy_texts(prompts: list[str], sampling: dict[str, str], sequent
     import time
 
     from engine import LLMEngine
-    from serving.workers.colocated import prompt_token_ids
+    from serving.parsing.prompt import prompt_token_ids
     from serving.config import WorkerConfig
     from serving.parsing.request import parse_request
 

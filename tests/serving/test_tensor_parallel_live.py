@@ -107,7 +107,7 @@ def reference(tiny: Path) -> dict[str, Generation]:
     from engine import LLMEngine
     from serving.config import WorkerConfig
     from serving.parsing.request import parse_request
-    from serving.workers.colocated import prompt_token_ids
+    from serving.parsing.prompt import prompt_token_ids
 
     engine = LLMEngine(WorkerConfig(model=str(tiny), num_pages=256).engine_config("colocated"))
     out = {p: Generation() for p in PROMPTS}
