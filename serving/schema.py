@@ -12,7 +12,7 @@ the model's ``config.pbtxt`` declares them) and the ``Delta`` attribute it carri
 And how the router carries it over the children of one request (``Carry``). What reads the table: the Triton
 encoder (``serving.triton.io.response_arrays``), the child codec and its schema hash
 (``serving.child.codec``), the router's merge (``serving.router.orchestrator``), the OpenAI front's
-request flags and decoder (``frontend.wire``); ``tests/serving/test_schema.py`` holds the four
+request flags and decoder (``frontend.wire``); ``tests/serving/test_response_schema.py`` holds the four
 ``model_repository/*/config.pbtxt`` to it.
 
 A new count (an int per sample, say) is one row here, one ``Delta`` attribute, its producer and its reader;
@@ -104,13 +104,15 @@ OUTPUTS: tuple[Output, ...] = (
            "return_finish_reason", Carry.CHUNK),
     Output("cumulative_logprob", _client("TYPE_FP32", "cumulative_logprob"),
            _child("TYPE_FP32", "cumulative_logprob", (1,)), "return_cumulative_logprob", Carry.COUNT),
-    Output("logprobs", _client(_TEXT, "logprobs"), _child(_BYTES, "logprobs"), "return_logprobs", Carry.CHUNK),
+    Output("logprobs", _client(_TEXT, "logprobs"), _child(_BYTES, "logprobs"), "return_logprobs",
+           Carry.CHUNK),
     Output("num_input_tokens", _client("TYPE_UINT32", "num_input_tokens", (1,)),
            _child("TYPE_INT32", "num_input_tokens", (1,)), "return_num_input_tokens", Carry.MAX),
     # the client's count is each response's new tokens, the child's the tokens generated so far
     Output("num_output_tokens", _client("TYPE_UINT32", "num_new_tokens"),
-           _child("TYPE_INT32", "num_output_tokens", (1,), always=True), "return_num_output_tokens", Carry.COUNT),
-    # ours (not the vLLM backend's): the prompt tokens the prefix cache of the instance that prefilled supplied
+           _child("TYPE_INT32", "num_output_tokens", (1,), always=True), "return_num_output_tokens",
+           Carry.COUNT),
+    # ours (not the vLLM backend's): the prompt tokens the prefix cache of the prefilling instance supplied
     Output("num_cached_tokens", _client("TYPE_UINT32", "num_cached_tokens"),
            _child("TYPE_INT32", "num_cached_tokens", (1,)), "return_num_cached_tokens", Carry.PREFILLED),
     Output("output_token_ids", None, _child("TYPE_INT32", "token_ids"), None, Carry.CHUNK),

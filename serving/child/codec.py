@@ -4,7 +4,7 @@ encoders and decoders of both sides next to each other, and the schema hash both
 ``CHILD_INPUTS`` and ``CHILD_OUTPUTS`` are the protocol: every input the router may send (with the roles that
 take it) and every output a child answers with, in Triton data types (the outputs are ``serving.schema``'s
 child layout); the prefill and decode ``config.pbtxt`` declare them (``tests/serving/test_child_codec.py`` and
-``tests/serving/test_schema.py`` hold them to each other). ``SCHEMA_HASH`` hashes them with
+``tests/serving/test_response_schema.py`` hold them to each other). ``SCHEMA_HASH`` hashes them with
 ``CHILD_PROTOCOL_VERSION`` (raise it for a change of meaning that keeps names and types); the router sends it
 in ``child_schema`` and a child of another build answers that request with an error naming both hashes
 (``ChildSchemaMismatch``, an ``INSTANCE`` error: the fleet runs two builds), instead of failing on a missing
@@ -74,8 +74,9 @@ def check_schema(pd_inputs: Mapping[str, np.ndarray]) -> None:
     first = value[0] if value.size else b""
     sent = first.decode() if isinstance(first, bytes) else str(first)
     if sent != SCHEMA_HASH:
-        raise ChildSchemaMismatch(f"child protocol mismatch: the router speaks child schema {sent!r}, this child "
-                                  f"{SCHEMA_HASH!r} (run one build of the project across the fleet)")
+        raise ChildSchemaMismatch(f"child protocol mismatch: the router speaks child schema {sent!r}, "
+                                  f"this child {SCHEMA_HASH!r} (run one build of the project across the "
+                                  f"fleet)")
 
 
 def utf8_array(text: str) -> np.ndarray:
@@ -123,15 +124,15 @@ _DEFAULTS = Delta()
 
 
 def encode_response(delta: Delta) -> dict[str, np.ndarray]:
-    """Child side: the output arrays of one prefill/decode response to ``pd_ensemble`` (its one sample's delta,
-    or ``Delta.failure``), by name, in ``CHILD_OUTPUTS``' types: the schema's ``always`` outputs
+    """Child side: the output arrays of one prefill/decode response to ``pd_ensemble`` (its one sample's
+    delta, or ``Delta.failure``), by name, in ``CHILD_OUTPUTS``' types: the schema's ``always`` outputs
     (``text_output``, ``num_output_tokens``) always, every other output only when it differs from what its
     absence decodes to (``decode_raw_response``: empty text, 0, no logprobs, no error; ``error_kind`` goes
-    with ``error``), so a streamed token is 3 tensors, not 10 (each costs a tensor in the stub, in tritonserver
-    and on the wire, once per token). The text fields are UTF-8 ``uint8`` arrays (``[num_bytes]``), never
-    BYTES: tritonserver 2.51's python backend corrupts the object dtype's reference count when a BLS model
-    reads BYTES outputs of a decoupled child (``as_numpy``): after ~1.5k responses pd_ensemble's stub died
-    with "Reference count error detected ... dtype 17 (O)"."""
+    with ``error``), so a streamed token is 3 tensors, not 10 (each costs a tensor in the stub, in
+    tritonserver and on the wire, once per token). The text fields are UTF-8 ``uint8`` arrays
+    (``[num_bytes]``), never BYTES: tritonserver 2.51's python backend corrupts the object dtype's reference
+    count when a BLS model reads BYTES outputs of a decoupled child (``as_numpy``): after ~1.5k responses
+    pd_ensemble's stub died with "Reference count error detected ... dtype 17 (O)"."""
     arrays = {}
     for name, attribute, dtype, _, always in _ROWS:
         value = getattr(delta, attribute)
@@ -150,8 +151,9 @@ def decode_response(values: Mapping[str, np.ndarray], final: bool) -> Delta:
     """Router side, from arrays: a child's output arrays (absent outputs left out) and its FINAL flag → the
     ``Delta`` they say; ``decode_raw_response`` on each array's bytes. Raises ValueError on malformed
     ``logprobs``."""
-    return decode_raw_response({name: np.ascontiguousarray(array).astype(_DTYPES[CHILD_OUTPUTS[name]], copy=False)
-                                .tobytes() for name, array in values.items() if name in CHILD_OUTPUTS}, final)
+    return decode_raw_response({name: np.ascontiguousarray(array)
+                                .astype(_DTYPES[CHILD_OUTPUTS[name]], copy=False).tobytes()
+                                for name, array in values.items() if name in CHILD_OUTPUTS}, final)
 
 
 def decode_raw_response(raw: Mapping[str, bytes], final: bool) -> Delta:

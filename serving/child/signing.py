@@ -17,7 +17,8 @@ from bootstrap.auth import AuthError, sign, verify
 #: The gRPC method every child stream calls (Triton's, served by tritonserver or a worker's own endpoint).
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 #: The request parameter (a string) that carries a child request's fleet signature through tritonserver; on a
-#: worker's own endpoint the signature travels in the stream's ``OPEN`` frame instead (``serving.child.frames``).
+#: worker's own endpoint the signature travels in the stream's ``OPEN`` frame instead
+#: (``serving.child.frames``).
 AUTH_PARAMETER = "pd_fleet_auth"
 _DIGEST_DOMAIN = b"pd-child-inputs-v1\n"
 #: numpy dtype kind + item size → Triton data type (object, bytes and str arrays are ``BYTES``)
