@@ -3,8 +3,8 @@
 Inputs (``request_arrays``): ``text_input`` BYTES [1]; ``stream`` BOOL [1] (always true: the front aggregates
 non-streaming answers itself); ``exclude_input_in_output`` BOOL [1] (true); ``sampling_parameters`` BYTES [1]
 (a JSON object); and, only where the model declares them (``Contract``), the ``return_*`` inputs of
-``serving.schema``: ``return_logprobs`` and ``return_cumulative_logprob`` when the request wants logprobs, every
-other one (``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``,
+``serving.schema``: ``return_logprobs`` and ``return_cumulative_logprob`` when the request wants logprobs,
+every other one (``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``,
 ``return_num_cached_tokens``...) always.
 
 Outputs of one response (``ResponseDecoder``), entry ``i`` of each belonging to sample (choice) ``i``:
@@ -251,8 +251,9 @@ class Totals:
 
     def prompt_count(self, name: str) -> int | None:
         """A count of the prompt (``COUNT_NAMES``: ``num_cached_tokens``, the prompt's tokens served by the
-        server's prefix cache), counted once like the prompt: the least of the samples' (each sample is its own
-        prefill, and a later one may reuse an earlier one's pages); None when the server sent no ``name``."""
+        server's prefix cache), counted once like the prompt: the least of the samples' (each sample is its
+        own prefill, and a later one may reuse an earlier one's pages); None when the server sent no
+        ``name``."""
         counts = [s.counts[name] for s in self.samples if name in s.counts]
         return min(counts) if counts else None
 

@@ -2,9 +2,10 @@
 ``from ... import`` of every module, function-level ones included.
 
 Packages: ``engine`` imports no other project package; ``bootstrap`` none; ``kv_transfer`` only ``bootstrap``;
-``serving`` never ``frontend``; ``frontend`` of ``serving`` only ``serving.schema``, which imports nothing but the
-standard library. Inside ``serving``, ``LAYERS`` ranks every module: a module imports its own group or groups of
-a lower rank, never a higher rank nor another group of its rank (``workers`` and ``router`` are siblings).
+``serving`` never ``frontend``; ``frontend`` of ``serving`` only ``serving.schema``, which imports nothing but
+the standard library. Inside ``serving``, ``LAYERS`` ranks every module: a module imports its own group or
+groups of a lower rank, never a higher rank nor another group of its rank (``workers`` and ``router`` are
+siblings).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ LAYERS: tuple[tuple[int, str, str], ...] = (
 
 def group_of(module: str) -> tuple[int, str]:
     """(rank, group) of a serving module: those of its longest prefix in ``LAYERS``."""
-    rank, group, _ = max((layer for layer in LAYERS if module == layer[2] or module.startswith(layer[2] + ".")),
-                         key=lambda layer: len(layer[2]))
+    matches = (layer for layer in LAYERS if module == layer[2] or module.startswith(layer[2] + "."))
+    rank, group, _ = max(matches, key=lambda layer: len(layer[2]))
     return rank, group
 
 
@@ -125,6 +126,7 @@ def test_an_uphill_or_sideways_import_fails(module: str, source: str) -> None:
 
 
 def test_downhill_imports_pass() -> None:
-    assert not violations("serving.workers.prefill", "from serving.stream import GenerationStream\nimport numpy")
+    assert not violations("serving.workers.prefill",
+                          "from serving.stream import GenerationStream\nimport numpy")
     assert not violations("frontend.wire", "from serving.schema import OUTPUTS")
     assert not violations("kv_transfer.manager", "from bootstrap.client import ClientPool")
