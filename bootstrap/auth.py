@@ -59,9 +59,10 @@ class AuthError(BootstrapError):
     """A message failed authentication, or the fleet secret is misconfigured; ``str()`` says which."""
 
 
-def load_fleet_secret(environ: Mapping[str, str] = os.environ) -> bytes | None:
+def load_fleet_secret(environ: Mapping[str, str]) -> bytes | None:
     """The fleet secret: ``PD_FLEET_SECRET`` (the text) or ``PD_FLEET_SECRET_FILE`` (a file holding it,
-    surrounding whitespace stripped); None when neither is set (loopback-only fleets).
+    surrounding whitespace stripped) of ``environ`` (the process's environment, passed by its config layer or
+    command line); None when neither is set (loopback-only fleets).
 
     Raises ``AuthError`` when both are set, the file cannot be read, or the secret is empty.
     """
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m bootstrap.auth admin-key", file=sys.stderr)
         return 2
     try:
-        secret = load_fleet_secret()
+        secret = load_fleet_secret(os.environ)
     except AuthError as exc:
         print(f"bootstrap.auth: {exc}", file=sys.stderr)
         return 2

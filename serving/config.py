@@ -16,7 +16,13 @@ This module is the only place in ``serving/`` that reads environment variables:
 * a KV backend's own environment overrides (``PD_KV_NETWORK_ONLY`` for NIXL's ``kv_network_only``,
   docs/multihost.md), read by ``kv_transfer.backends.parse_options`` with the environment passed from here;
 * ``PD_DRAIN_TIMEOUT_S`` overrides every model's ``drain_timeout_s`` parameter (``read_drain_timeout``:
-  ``scripts/serve.sh`` sets it from its ``DRAIN_TIMEOUT_S`` together with tritonserver's exit timeout).
+  ``scripts/serve.sh`` sets it from its ``DRAIN_TIMEOUT_S`` together with tritonserver's exit timeout);
+* ``PD_ETCD_USER`` / ``PD_ETCD_PASSWORD`` / ``PD_ETCD_CA`` / ``PD_ETCD_CERT`` / ``PD_ETCD_KEY``: etcd's own
+  auth and TLS, for an ``etcd://`` registry (``read_etcd_settings``; ``bootstrap.membership.make_membership``
+  takes them as values).
+
+Everything below gets values from the configs built here; the transport libraries' own variables (``UCX_*``,
+``MC_*``), which those libraries read themselves, are defaulted in ``kv_transfer.network``.
 """
 
 from __future__ import annotations
@@ -126,6 +132,8 @@ class WorkerConfig:
         fleet_tls: TLS of the instance's rendezvous and worker endpoint and of its calls to peers' and to the
             registry (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
             ``http://`` ``registry_url`` is refused.
+        etcd_settings: etcd's own auth and TLS for an ``etcd://`` registry (``PD_ETCD_*``, never a
+            parameter; ``read_etcd_settings``).
 
     Raises:
         ConfigError: at construction, naming the parameter, when a value is out of range.
@@ -158,6 +166,7 @@ class WorkerConfig:
     blip_tolerance_s: float = DEFAULT_BLIP_TOLERANCE_S
     fleet_secret: bytes | None = field(default=None, repr=False)
     fleet_tls: FleetTLS | None = None
+    etcd_settings: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads",
@@ -289,6 +298,16 @@ def read_fleet_tls(environ: Mapping[str, str] | None = None) -> FleetTLS | None:
         raise ConfigError(CERT_ENV, str(e)) from None
 
 
+def read_etcd_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """etcd's own auth and TLS settings (``PD_ETCD_USER``, ``PD_ETCD_PASSWORD``, ``PD_ETCD_CA``,
+    ``PD_ETCD_CERT``, ``PD_ETCD_KEY``: ``bootstrap.membership.ETCD_ENV``), those set, by name; checked when
+    the membership is made (``EtcdOptions``)."""
+    from bootstrap.membership.etcd_client import ETCD_ENV
+
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in ETCD_ENV if env.get(name)}
+
+
 GRPC_SSL_ENV = ("PD_GRPC_SSL_ROOT_CERT", "PD_GRPC_SSL_CLIENT_CERT", "PD_GRPC_SSL_CLIENT_KEY",
                 "PD_GRPC_SSL_TARGET_NAME")
 
@@ -417,7 +436,7 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     """
     owned = option_parameters()
     values = parse_parameters({k: v for k, v in parameters.items() if k not in owned}, WorkerConfig,
-                              skip=("device", "fleet_secret", "fleet_tls", "kv_options"),
+                              skip=("device", "fleet_secret", "fleet_tls", "kv_options", "etcd_settings"),
                               also_known=tuple(owned))
     config = WorkerConfig(**values, device=device)
     backend_params = {k: _text(v) for k, v in parameters.items() if k in owned}
@@ -432,7 +451,8 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     return replace(config, registry_url=read_registry_url(config.registry_url, environ),
                    grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ),
                    drain_timeout_s=read_drain_timeout(config.drain_timeout_s, environ),
-                   fleet_tls=read_fleet_tls(environ), kv_options=kv_options)
+                   fleet_tls=read_fleet_tls(environ), kv_options=kv_options,
+                   etcd_settings=read_etcd_settings(environ))
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:

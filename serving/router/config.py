@@ -14,6 +14,7 @@ from serving.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ConfigError,
     parse_parameters,
+    read_etcd_settings,
     read_fleet_secret,
     read_fleet_tls,
     read_grpc_tls,
@@ -99,6 +100,8 @@ class RouterConfig:
         fleet_tls: TLS of the router's calls to the registry, the instances' rendezvous and the worker
             endpoints (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
             ``http://`` ``registry_url`` is refused.
+        etcd_settings: etcd's own auth and TLS for an ``etcd://`` registry (``PD_ETCD_*``, never a
+            parameter; ``serving.config.read_etcd_settings``).
 
     Raises:
         ConfigError: at construction, naming the parameter.
@@ -129,6 +132,7 @@ class RouterConfig:
     fleet_secret: bytes | None = field(default=None, repr=False)
     grpc_tls: GrpcTls | None = None
     fleet_tls: FleetTLS | None = None
+    etcd_settings: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -176,15 +180,17 @@ def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     """The router config from ``model_config["parameters"]`` (``{"key": {"string_value": "..."}}`` or plain
     strings); ``PD_REGISTRY_URL`` / ``PD_GRPC_URL`` / ``PD_DRAIN_TIMEOUT_S`` override ``registry_url`` /
     ``grpc_url`` / ``drain_timeout_s``; the fleet secret
-    and the TLS settings (``PD_GRPC_SSL_*``, ``PD_TLS_*``) come from the environment only.
+    and the TLS settings (``PD_GRPC_SSL_*``, ``PD_TLS_*``, ``PD_ETCD_*``) come from the environment only.
 
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    values = parse_parameters(parameters, RouterConfig, skip=("fleet_secret", "grpc_tls", "fleet_tls"))
+    values = parse_parameters(parameters, RouterConfig,
+                              skip=("fleet_secret", "grpc_tls", "fleet_tls", "etcd_settings"))
     values["registry_url"] = read_registry_url(values.get("registry_url", RouterConfig.registry_url), environ)
     values["fleet_secret"] = read_fleet_secret(environ)
     values["fleet_tls"] = read_fleet_tls(environ)
+    values["etcd_settings"] = read_etcd_settings(environ)
     values["grpc_tls"] = read_grpc_tls(environ)
     values["grpc_url"] = read_grpc_url(values.get("grpc_url", RouterConfig.grpc_url), environ)
     drain_timeout_s = values.get("drain_timeout_s", RouterConfig.drain_timeout_s)

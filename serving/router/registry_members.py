@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from bootstrap.membership import Membership, MembershipError, make_membership
@@ -30,13 +31,14 @@ class RegistryMembers:
     """A ``MemberSource`` over a started ``Membership`` client."""
 
     def __init__(self, registry_url: str, secret: bytes | None, grace_s: float = GRACE_S,
-                 tls: FleetTLS | None = None) -> None:
-        """``tls``: the fleet's TLS setting (an ``https://`` registry). Raises ``MembershipError`` for a URL
-        no backend takes, or an ``http://`` one with TLS."""
+                 tls: FleetTLS | None = None, etcd_settings: Mapping[str, str] | None = None) -> None:
+        """``tls``: the fleet's TLS setting (an ``https://`` registry); ``etcd_settings``: etcd's own auth and
+        TLS (``RouterConfig.etcd_settings``). Raises ``MembershipError`` for a URL no backend takes, or an
+        ``http://`` one with TLS."""
         self._grace_s = grace_s
         self._seen: dict[str, tuple[FleetMember, float]] = {}   # instance id → member, last listed (monotonic)
         self._refused: set[tuple[str, int]] = set()   # (instance id, epoch) whose rendezvous refused: gone
-        membership: Membership | None = make_membership(registry_url, secret, tls=tls)
+        membership: Membership | None = make_membership(registry_url, secret, etcd_settings, tls=tls)
         if membership is None:
             raise MembershipError("RegistryMembers needs a registry URL")
         self._membership = membership

@@ -286,5 +286,6 @@ def make_member_source(config: RouterConfig) -> MemberSource:
     if config.registry_url:
         from serving.router.registry_members import RegistryMembers
 
-        return RegistryMembers(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
+        return RegistryMembers(config.registry_url, config.fleet_secret, tls=config.fleet_tls,
+                               etcd_settings=config.etcd_settings)
     return LocalServerMembers(config.grpc_url, fleet_secret=config.fleet_secret, tls=config.grpc_tls)

@@ -190,6 +190,7 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
                                         prefix_cache=engine.prefix_cache_stats))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
-    membership = make_membership(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
+    membership = make_membership(config.registry_url, config.fleet_secret, config.etcd_settings,
+                                 tls=config.fleet_tls)
     return PDWorkerHandle(worker, loop, kv_manager, membership,
                           instance_id=instance_id, model_name=model_name, grpc_url=config.grpc_url)
