@@ -136,7 +136,8 @@ def request_arrays(request: BackendRequest, contract: Contract) -> dict[str, np.
         "text_input": np.array([request.prompt.encode("utf-8")], dtype=np.object_),
         "stream": np.array([True], dtype=np.bool_),
         "exclude_input_in_output": np.array([True], dtype=np.bool_),
-        "sampling_parameters": np.array([json.dumps(dict(request.sampling)).encode("utf-8")], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps(dict(request.sampling)).encode("utf-8")],
+                                        dtype=np.object_),
     }
     for name in contract.flags(request.want_logprobs):
         arrays[name] = np.array([True], dtype=np.bool_)
@@ -180,7 +181,8 @@ class ResponseDecoder:
 
 def parse_logprobs(raw: str) -> tuple[TokenLogprob, ...]:
     """One ``logprobs`` entry (a JSON list of ``{"<id>": {"logprob", "rank", "decoded_token"}}``, the sampled
-    token first) → one ``TokenLogprob`` per token; ``"null"``/``""`` → (). Raises ValueError on malformed JSON."""
+    token first) → one ``TokenLogprob`` per token; ``"null"``/``""`` → (). Raises ValueError on malformed
+    JSON."""
     if raw in ("", "null", "None"):
         return ()
     entries = json.loads(raw)

@@ -3,7 +3,8 @@
 This module is the only place in ``serving/`` that reads environment variables:
 
 * ``PD_REGISTRY_URL`` overrides the ``registry_url`` parameter: the fleet's membership registry (``http://``:
-  the embedded registry service, ``etcd://``: etcd; empty: none, a router pairs the workers of its own server);
+  the embedded registry service, ``etcd://``: etcd; empty: none, a router pairs the workers of its own
+  server);
 * ``PD_FLEET_SECRET`` / ``PD_FLEET_SECRET_FILE`` (read by ``bootstrap.auth.load_fleet_secret``, called from
   here only): the fleet secret that signs rendezvous and registry calls;
 * ``PD_TLS_CERT`` / ``PD_TLS_KEY`` / ``PD_TLS_CA`` (read by ``bootstrap.tls.load_fleet_tls``, called from here
@@ -34,8 +35,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig, Mode
-from kv_transfer.backends import BackendOptions, OptionError, backend_names, option_parameters, options_type, \
-    parse_options
+from kv_transfer.backends import (BackendOptions, OptionError, backend_names, option_parameters, options_type,
+                                  parse_options)
 
 if TYPE_CHECKING:
     from bootstrap.tls import FleetTLS
@@ -82,19 +83,21 @@ class WorkerConfig:
         chunk_size: most prompt tokens of one request per engine step (chunked prefill).
         max_num_batched_tokens: per-step token budget over the whole batch.
         num_threads: torch intra-op threads of the engine.
-        registry_url: the fleet's membership registry (``http://host:port``, ``etcd://host:port[,...]``), where
-            PD workers announce themselves and routers watch the fleet; empty (the default): none, a router then
-            pairs the workers of its own tritonserver (found through Triton's repository index).
+        registry_url: the fleet's membership registry (``http://host:port``, ``etcd://host:port[,...]``),
+            where PD workers announce themselves and routers watch the fleet; empty (the default): none, a
+            router then pairs the workers of its own tritonserver (found through Triton's repository index).
         rendezvous_port: port of the instance's own rendezvous server (PD workers), on the host of
             ``grpc_url``; 0 (the default) picks a free one (routers learn it from the instance).
         worker_port: port of the PD worker's own endpoint (``serving.workers.endpoint``: routers send its
-            child requests there, past tritonserver), on the host of ``grpc_url``; 0 (the default) picks a free
-            one (routers learn it from the instance's rendezvous); -1: none (routers go through tritonserver).
+            child requests there, past tritonserver), on the host of ``grpc_url``; 0 (the default) picks a
+            free one (routers learn it from the instance's rendezvous); -1: none (routers go through
+            tritonserver).
         kv_backend: a registered KV backend (``kv_transfer.backends``): ``"nixl"``, ``"mooncake"`` or
             ``"inprocess"`` (PD workers only).
         kv_options: the ``kv_backend``'s own options (``NixlOptions``, ``MooncakeOptions``, ...), built by
-            ``build_worker_config`` from the parameters ``kv_<option>`` that backend owns (``kv_network_only``,
-            ``kv_protocol``, ``kv_device``) and its environment overrides; None: the backend's defaults.
+            ``build_worker_config`` from the parameters ``kv_<option>`` that backend owns
+            (``kv_network_only``, ``kv_protocol``, ``kv_device``) and its environment overrides; None: the
+            backend's defaults.
         grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers announce
             it; Triton's default port is 8001); its host is also where the KV transport and the rendezvous
             listen.
@@ -109,7 +112,8 @@ class WorkerConfig:
         weight_quant: ``"none"`` or ``"int8"`` (weight-only int8, quantized at load; ``EngineConfig``). The
             shipped configs keep ``float32``/``none`` (token-exact with transformers); docs/benchmarks.md
             ("Weight formats") gives the fastest mode whose quality holds on each machine.
-        device: torch device of the engine; set from the Triton instance (``instance_device``), not a parameter.
+        device: torch device of the engine; set from the Triton instance (``instance_device``), not a
+            parameter.
         cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
             no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.
         enable_prefix_caching: the engine's prefix cache (``EngineConfig.enable_prefix_caching``): on by
@@ -118,7 +122,8 @@ class WorkerConfig:
         tensor_parallel_size: ranks the model is split over (``EngineConfig.tensor_parallel_size``): the
             stub is rank 0 and starts ranks 1..N-1 as processes of its own; 1 (the default): none. Must fit
             the model's heads (checked when the model loads: a bad value fails the load, naming it). Colocated
-            models only for now: prefill and decode refuse N > 1 until the KV transfer moves each rank's heads.
+            models only for now: prefill and decode refuse N > 1 until the KV transfer moves each rank's
+            heads.
         tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
             (a hung rank); a rank process that dies fails it within ~50 ms.
         drain_timeout_s: a server stop or an unload: how long the requests in flight may run to their end
@@ -185,7 +190,8 @@ class WorkerConfig:
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         if self.kv_options is not None and type(self.kv_options) is not options_type(self.kv_backend):
-            raise ConfigError("kv_backend", f"{self.kv_backend!r} takes {options_type(self.kv_backend).__name__}, "
+            raise ConfigError("kv_backend", f"{self.kv_backend!r} takes "
+                                            f"{options_type(self.kv_backend).__name__}, "
                                             f"got {type(self.kv_options).__name__}")
         validate_registry_url("registry_url", self.registry_url, self.fleet_tls)
         if not 0 <= self.rendezvous_port < 65536:
@@ -200,7 +206,8 @@ class WorkerConfig:
         try:
             cores = self.cpu_cores
         except ValueError:
-            raise ConfigError("cpu_affinity", f"must be comma-separated core ids, got {self.cpu_affinity!r}") from None
+            raise ConfigError("cpu_affinity",
+                              f"must be comma-separated core ids, got {self.cpu_affinity!r}") from None
         if any(c < 0 for c in cores):
             raise ConfigError("cpu_affinity", f"core ids must be >= 0, got {self.cpu_affinity!r}")
         if self.max_num_batched_tokens < self.chunk_size:
@@ -218,7 +225,8 @@ class WorkerConfig:
         return self.num_pages * self.page_size
 
     def engine_config(self, mode: Mode) -> EngineConfig:
-        """The engine configuration of this worker in ``mode`` (``"colocated"``, ``"prefill"``, ``"decode"``)."""
+        """The engine configuration of this worker in ``mode`` (``"colocated"``, ``"prefill"``,
+        ``"decode"``)."""
         return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,
                             num_pages=self.num_pages, chunk_size=self.chunk_size,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
@@ -228,7 +236,8 @@ class WorkerConfig:
 
 
 def instance_device(kind: str, device_id: int) -> str:
-    """Torch device of a Triton model instance: ``"cuda:<id>"`` for ``KIND_GPU`` (``"GPU"``), else ``"cpu"``."""
+    """Torch device of a Triton model instance: ``"cuda:<id>"`` for ``KIND_GPU`` (``"GPU"``), else
+    ``"cpu"``."""
     return f"cuda:{device_id}" if kind.upper().endswith("GPU") else "cpu"
 
 
@@ -349,8 +358,8 @@ def read_grpc_url(configured: str, environ: Mapping[str, str] | None = None,
                   server_argv: list[str] | None = None) -> str:
     """This server's gRPC endpoint as others reach it: ``PD_GRPC_URL`` when set; else ``configured`` when the
     model config names one; else what the tritonserver running this stub listens on (its ``--grpc-port`` and
-    ``--grpc-address``, read from the parent process's command line: plain ``tritonserver`` on any port needs no
-    setting); else Triton's default, ``127.0.0.1:8001``.
+    ``--grpc-address``, read from the parent process's command line: plain ``tritonserver`` on any port needs
+    no setting); else Triton's default, ``127.0.0.1:8001``.
 
     ``server_argv``: the server's command line (tests); None reads ``/proc/<parent pid>/cmdline``."""
     env = os.environ if environ is None else environ
@@ -378,7 +387,8 @@ def server_grpc_endpoint(argv: list[str]) -> str | None:
 
 
 def _parent_argv() -> list[str]:
-    """The parent process's command line (a python-backend stub's parent is its tritonserver); [] if unreadable."""
+    """The parent process's command line (a python-backend stub's parent is its tritonserver); [] if
+    unreadable."""
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
@@ -445,7 +455,8 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
             logger.warning("model parameter %r is an option of KV backend %s, not of %r: ignored", name,
                            "/".join(owned[name]), config.kv_backend)
     try:
-        kv_options = parse_options(config.kv_backend, backend_params, os.environ if environ is None else environ)
+        kv_options = parse_options(config.kv_backend, backend_params,
+                                   os.environ if environ is None else environ)
     except OptionError as exc:
         raise ConfigError(exc.param, exc.reason) from None
     return replace(config, registry_url=read_registry_url(config.registry_url, environ),
@@ -456,7 +467,8 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:
-    """Convert one ``string_value`` to the field's type (annotations are strings under postponed evaluation)."""
+    """Convert one ``string_value`` to the field's type (annotations are strings under postponed
+    evaluation)."""
     kind = type_name if isinstance(type_name, str) else type_name.__name__
     try:
         if kind == "int":

@@ -13,14 +13,14 @@ from engine.outputs import TokenLogprob
 
 
 class ErrorKind(enum.Enum):
-    """Whose fault a failed request is; travels with the error to the router (the child output ``error_kind``),
-    which decides by it alone (never by the message) whether another instance should try.
+    """Whose fault a failed request is; travels with the error to the router (the child output
+    ``error_kind``), which decides by it alone (never by the message) whether another instance should try.
 
-    ``REQUEST``: the request itself (a bad input or sampling parameter, a prompt the engine rejects, a prompt the
-    tokenizer cannot take): every instance would answer the same, so it is neither retried nor counted against
-    the instance's circuit breaker (a client sending bad requests must not take healthy instances out of
-    rotation). ``INSTANCE``: this instance could not serve it (its KV transfer failed or timed out, its peer
-    died, it is stopping, an engine fault): another instance may succeed.
+    ``REQUEST``: the request itself (a bad input or sampling parameter, a prompt the engine rejects, a prompt
+    the tokenizer cannot take): every instance would answer the same, so it is neither retried nor counted
+    against the instance's circuit breaker (a client sending bad requests must not take healthy instances out
+    of rotation). ``INSTANCE``: this instance could not serve it (its KV transfer failed or timed out, its
+    peer died, it is stopping, an engine fault): another instance may succeed.
 
     ``UNREACHABLE``: the router's own finding, never on the wire: the child could not be reached or its stream
     broke (the only kind that counts against the instance's circuit breaker).
@@ -41,8 +41,8 @@ class ErrorKind(enum.Enum):
 class Delta:
     """What one sample's stream says in one step: the one delta type of the serving path. The same value is a
     response's sample (``ResponseChunk.samples``), a child response as the router reads it
-    (``serving.child.codec.decode_raw_response``) and what the router's orchestrator hands its responder; only the engine's
-    own ``RequestOutput`` comes before it (``GenerationStream`` turns that into deltas).
+    (``serving.child.codec.decode_raw_response``) and what the router's orchestrator hands its responder; only
+    the engine's own ``RequestOutput`` comes before it (``GenerationStream`` turns that into deltas).
 
     Attributes:
         text: new text (a delta when streaming; the whole text in a non-streaming response; ``""`` when the
@@ -135,8 +135,10 @@ def merge_chunks(earlier: ResponseChunk, later: ResponseChunk) -> ResponseChunk:
         raise ValueError(f"cannot merge chunks of {len(earlier.samples)} and {len(later.samples)} samples")
     samples = []
     for a, b in zip(earlier.samples, later.samples):
-        logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or ()) + (b.logprobs or ())
-        samples.append(replace(b, text=a.text + b.text, num_input_tokens=b.num_input_tokens or a.num_input_tokens,
+        logprobs = None if a.logprobs is None and b.logprobs is None \
+            else (a.logprobs or ()) + (b.logprobs or ())
+        samples.append(replace(b, text=a.text + b.text,
+                               num_input_tokens=b.num_input_tokens or a.num_input_tokens,
                                num_new_tokens=a.num_new_tokens + b.num_new_tokens, logprobs=logprobs,
                                num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
                                token_ids=a.token_ids + b.token_ids))

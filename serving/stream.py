@@ -21,7 +21,7 @@ from typing import Protocol
 
 from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput, TokenLogprob
-from serving.delta import Delta, ErrorKind, ResponseChunk
+from serving.delta import ErrorKind, ResponseChunk
 from serving.events import LoopEvent, RequestId
 from serving.parsing.request import GenerateRequest, RequestError
 

@@ -13,7 +13,8 @@ Inputs, as ``triton_io.read_inputs`` hands them over (one Python scalar per inpu
                                        ``text_output``; streaming: the prompt is never sent, and an explicit
                                        false is an error (as in the vLLM backend)
 ``apply_chat_template``       bool     wrap the prompt as one user message in the model's chat template
-``return_finish_reason``      bool     send ``finish_reason`` (BYTES ``[n]``: ``"None"`` until the sample ends)
+``return_finish_reason``      bool     send ``finish_reason`` (BYTES ``[n]``: ``"None"`` until the sample
+                                       ends)
 ``return_cumulative_logprob`` bool     send ``cumulative_logprob`` (FP32 ``[n]``)
 ``return_logprobs``           bool     send ``logprobs`` (BYTES ``[n]``, JSON; ``null`` without the
                                        ``logprobs`` sampling parameter)
@@ -48,7 +49,8 @@ INPUT_NAMES: tuple[str, ...] = (
     *RETURN_INPUTS)
 _BOOL_INPUTS: tuple[str, ...] = ("stream", "exclude_input_in_output", "apply_chat_template", *RETURN_INPUTS)
 #: The vLLM backend's own words for this error (its client tests compare the message).
-STREAM_PROMPT_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+STREAM_PROMPT_ERROR = ("Error generating stream: When streaming, `exclude_input_in_output` = False is not "
+                       "allowed.")
 
 
 class RequestError(ValueError):
@@ -115,7 +117,8 @@ class GenerateRequest:
         return not self.stream and not self.exclude_input_in_output
 
 
-def parse_request(inputs: Mapping[str, RawValue], parameters: Mapping[str, object] | None = None) -> GenerateRequest:
+def parse_request(inputs: Mapping[str, RawValue],
+                  parameters: Mapping[str, object] | None = None) -> GenerateRequest:
     """Validate the inputs of one request and build its ``GenerateRequest``.
 
     Args:

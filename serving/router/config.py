@@ -1,6 +1,7 @@
 """``RouterConfig``: the knobs of one router (``pd_ensemble`` instance), built once from its model parameters.
 
-Environment variables are read in ``serving.config`` only (``PD_REGISTRY_URL``, ``PD_GRPC_URL``, the fleet secret).
+Environment variables are read in ``serving.config`` only (``PD_REGISTRY_URL``, ``PD_GRPC_URL``, the fleet
+secret).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class RouterConfig:
 
     Attributes:
         registry_url: the fleet's membership registry (``http://host:port``: the embedded registry service;
-            ``etcd://host:port[,...]``: etcd); empty (the default): no registry, the fleet is the PD workers of
-            this router's own tritonserver (Triton's repository index). Losing the registry freezes membership
-            only: the router keeps its last view and asks each instance's own rendezvous for its health.
+            ``etcd://host:port[,...]``: etcd); empty (the default): no registry, the fleet is the PD workers
+            of this router's own tritonserver (Triton's repository index). Losing the registry freezes
+            membership only: the router keeps its last view and asks each instance's own rendezvous for its
+            health.
         grpc_url: this tritonserver's own gRPC endpoint (``host:port``); a bare model name of a static list
             is served there, and without a registry the fleet is found there.
         prefill_models / decode_models: static lists (comma-separated ``model`` or ``model@host:port``);
@@ -80,10 +82,10 @@ class RouterConfig:
         instance_stale_s: an instance not heard from for this long is out of rotation (new requests go to
             others), seconds; its open streams are given up only after ``blip_tolerance_s``.
         fleet_wait_s: a request that finds no healthy prefill or decode instance waits this long for one (the
-            fleet asked again every ``fleet_refresh_s``) before it fails with "no healthy ... instance", seconds;
-            0: it fails at once. Covers a router that loaded next to its workers and has not read them yet when
-            tritonserver says ready, and a worker rejoining after a restart or a reload; a retry that finds no
-            instance but the ones that failed it (by id and epoch) waits the same.
+            fleet asked again every ``fleet_refresh_s``) before it fails with "no healthy ... instance",
+            seconds; 0: it fails at once. Covers a router that loaded next to its workers and has not read
+            them yet when tritonserver says ready, and a worker rejoining after a restart or a reload; a retry
+            that finds no instance but the ones that failed it (by id and epoch) waits the same.
         breaker_failures: consecutive failures that take an instance out of rotation.
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
         drain_timeout_s: a server stop: how long the router lets its open streams run to their end (new ones
@@ -91,9 +93,9 @@ class RouterConfig:
             unload needs none: tritonserver waits for the model's requests before ``finalize``.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
         worker_endpoints: send child requests to each worker's own endpoint when it has one
-            (``serving.workers.endpoint``, child frames over TCP; its ``worker_endpoint`` in the fleet listing),
-            past its tritonserver (the default; figures in docs/benchmarks.md "Serving path"); false: over gRPC
-            through the worker's tritonserver.
+            (``serving.workers.endpoint``, child frames over TCP; its ``worker_endpoint`` in the fleet
+            listing), past its tritonserver (the default; figures in docs/benchmarks.md "Serving path");
+            false: over gRPC through the worker's tritonserver.
         fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
         grpc_tls: TLS of the router's gRPC channels to tritonservers (its own server's index, children over
             gRPC; ``PD_GRPC_SSL_*``, never a parameter); None: plaintext.
@@ -176,7 +178,8 @@ class RouterConfig:
         return specs
 
 
-def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RouterConfig:
+def build_router_config(parameters: Mapping[str, Any],
+                        environ: Mapping[str, str] | None = None) -> RouterConfig:
     """The router config from ``model_config["parameters"]`` (``{"key": {"string_value": "..."}}`` or plain
     strings); ``PD_REGISTRY_URL`` / ``PD_GRPC_URL`` / ``PD_DRAIN_TIMEOUT_S`` override ``registry_url`` /
     ``grpc_url`` / ``drain_timeout_s``; the fleet secret

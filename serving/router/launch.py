@@ -2,22 +2,24 @@
 
 ``ChildLauncher`` (the router's) sends a child request to the worker's own endpoint when its target is one
 (``serving.workers.endpoint``: ``EndpointLauncher``, child frames over TCP, ``serving.child.frames``), else
-to the tritonserver that serves it, whichever server that is (the router's own included): ``GrpcLauncher``, asyncio
-gRPC streaming (Triton's ``ModelStreamInfer`` through the service stub tritonclient ships,
-``tritonclient.grpc.service_pb2_grpc``). Either way one stream per child request, so that cancelling the stream
-cancels exactly that request (the child then sees ``is_cancelled()``, aborts it and frees its pages). A worker
-endpoint's stream can also be pushed (``PushLauncher.push``: each response handed to a callback by the
-connection's reader task, no task per child stream), which ``ChildStreams`` prefers. Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
-stub and not ``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
-``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one per
-streamed token) once, straight from its raw contents (``serving.child.codec.decode_raw_response``): 110 -> ~20 us per
-response measured here.
+to the tritonserver that serves it, whichever server that is (the router's own included): ``GrpcLauncher``,
+asyncio gRPC streaming (Triton's ``ModelStreamInfer`` through the service stub tritonclient ships,
+``tritonclient.grpc.service_pb2_grpc``). Either way one stream per child request, so that cancelling the
+stream cancels exactly that request (the child then sees ``is_cancelled()``, aborts it and frees its pages). A
+worker endpoint's stream can also be pushed (``PushLauncher.push``: each response handed to a callback by the
+connection's reader task, no task per child stream), which ``ChildStreams`` prefers. Why not BLS for the
+router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the stub and not
+``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
+``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one
+per streamed token) once, straight from its raw contents (``serving.child.codec.decode_raw_response``): 110 ->
+~20 us per response measured here.
 
-Child protocol: ``serving.child.codec`` (inputs, outputs and their types, the response decoder this module uses,
-the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error`` (and
-``error_kind``) is set. With a fleet secret every child request is signed (``sign_child``: bound to the target
-instance and to the request's model, id and inputs) on both paths: in the ``OPEN`` frame to a worker endpoint,
-in the request parameter ``pd_fleet_auth`` through tritonserver; the worker refuses a request without it.
+Child protocol: ``serving.child.codec`` (inputs, outputs and their types, the response decoder this module
+uses, the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error``
+(and ``error_kind``) is set. With a fleet secret every child request is signed (``sign_child``: bound to the
+target instance and to the request's model, id and inputs) on both paths: in the ``OPEN`` frame to a worker
+endpoint, in the request parameter ``pd_fleet_auth`` through tritonserver; the worker refuses a request
+without it.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ class Launcher(Protocol):
         ...
 
     def reset(self, endpoint: str) -> None:
-        """The router lost touch with ``endpoint`` (its instance stopped answering): the next call to it opens a
-        new connection; streams open on the old one go on until they end."""
+        """The router lost touch with ``endpoint`` (its instance stopped answering): the next call to it opens
+        a new connection; streams open on the old one go on until they end."""
         ...
 
     async def close(self) -> None:
@@ -104,7 +106,8 @@ class Launcher(Protocol):
         ...
 
 
-#: Where a pushed child stream's responses go (``PushLauncher.push``), each once, in order, the last one final.
+#: Where a pushed child stream's responses go (``PushLauncher.push``), each once, in order, the last one
+#: final.
 Deliver = Callable[[Delta], None]
 
 
@@ -115,10 +118,11 @@ class PushLauncher(Launcher, Protocol):
     generator), one loop turn less per streamed token. ``ChildStreams`` uses it where it is offered."""
 
     def push(self, call: ChildCall, deliver: Deliver) -> asyncio.Future[None] | None:
-        """Send ``call``; ``deliver`` gets each response, the last one final (a child that cannot be reached or
-        whose stream breaks: one ``ErrorKind.UNREACHABLE`` failure, as ``stream`` raises ``ChildUnavailable``).
-        Returns a future done once the final response was delivered; cancelling it before that cancels the child
-        request (as closing ``stream``'s iterator does). None: this call has no push path (use ``stream``)."""
+        """Send ``call``; ``deliver`` gets each response, the last one final (a child that cannot be reached
+        or whose stream breaks: one ``ErrorKind.UNREACHABLE`` failure, as ``stream`` raises
+        ``ChildUnavailable``). Returns a future done once the final response was delivered; cancelling it
+        before that cancels the child request (as closing ``stream``'s iterator does). None: this call has no
+        push path (use ``stream``)."""
         ...
 
 
@@ -130,7 +134,8 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
         if name in call.inputs:
             value = call.inputs[name]
             arrays[name] = (np.array([value], dtype=np.bool_) if isinstance(value, bool) else
-                            np.array([value if isinstance(value, bytes) else str(value).encode()], dtype=np.object_))
+                            np.array([value if isinstance(value, bytes) else str(value).encode()],
+                                     dtype=np.object_))
     arrays["bootstrap_room"] = np.array([call.room], dtype=np.int64)
     arrays[SCHEMA_INPUT] = np.array([SCHEMA_HASH.encode()], dtype=np.object_)
     if call.role == "decode":
@@ -162,12 +167,12 @@ def sign_child(call: ChildCall, secret: bytes | None, arrays: Mapping[str, np.nd
 
 def child_request(call: ChildCall, signature: str = "",
                   arrays: Mapping[str, np.ndarray] | None = None) -> Any:
-    """The ``ModelInferRequest`` (``tritonclient.grpc.service_pb2``) of ``call``: its inputs (``child_arrays``) as
-    raw contents (BYTES as Triton's length-prefixed elements), every ``CHILD_OUTPUTS`` requested, request id
-    ``child_request_id``, and ``triton_enable_empty_final_response`` so the FINAL flag always comes.
-    ``signature`` (``sign_child``; the tritonserver path) goes in the request parameter ``pd_fleet_auth``
-    (``signing.AUTH_PARAMETER``); "": none (a worker endpoint's travels in the stream's ``OPEN``).
-    ``arrays``: ``child_arrays(call)`` when the caller has them already."""
+    """The ``ModelInferRequest`` (``tritonclient.grpc.service_pb2``) of ``call``: its inputs
+    (``child_arrays``) as raw contents (BYTES as Triton's length-prefixed elements), every ``CHILD_OUTPUTS``
+    requested, request id ``child_request_id``, and ``triton_enable_empty_final_response`` so the FINAL flag
+    always comes. ``signature`` (``sign_child``; the tritonserver path) goes in the request parameter
+    ``pd_fleet_auth`` (``signing.AUTH_PARAMETER``); "": none (a worker endpoint's travels in the stream's
+    ``OPEN``). ``arrays``: ``child_arrays(call)`` when the caller has them already."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
@@ -193,8 +198,8 @@ class GrpcLauncher:
     connect is replaced, so a restarted server is reached on the next call), one stream per call. Keepalive
     pings every ``keepalive_s`` (300 s: tritonserver's default policy refuses pings more often than every 5
     minutes, or on a channel without calls, with GOAWAY ``too_many_pings``), so plain tritonserver needs no
-    ``--grpc-*`` flags. A dead host is noticed sooner by the fleet watcher (its rendezvous stops answering) and
-    by ``request_idle_timeout_s``.
+    ``--grpc-*`` flags. A dead host is noticed sooner by the fleet watcher (its rendezvous stops answering)
+    and by ``request_idle_timeout_s``.
     """
 
     def __init__(self, keepalive_s: float = 300.0, tls: GrpcTls | None = None,
@@ -227,8 +232,8 @@ class GrpcLauncher:
                     return
             raise ChildUnavailable(f"{call.role} {call.target.instance_id}: stream ended without FINAL")
         except grpc.RpcError as e:
-            # the connection is suspect (a server restarted, a path back after a partition, a reconnect backoff
-            # under way): the next call opens a new one
+            # the connection is suspect (a server restarted, a path back after a partition, a reconnect
+            # backoff under way): the next call opens a new one
             self._channels.retire(channel)
             raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint} "
                                    f"unreachable: {_rpc_message(e)}") from None
@@ -342,8 +347,8 @@ class FrameConnection:
                 raise ChildUnavailable(f"connection failed: {e}") from None
 
     def finish(self, stream_id: int, cancel: bool) -> None:
-        """The stream ended (its FINAL read) or, with ``cancel``, was closed early: the worker is told to abort
-        it."""
+        """The stream ended (its FINAL read) or, with ``cancel``, was closed early: the worker is told to
+        abort it."""
         self._inboxes.pop(stream_id, None)
         if cancel and self.lost is None and self._writer is not None:
             self._writer.write(frame(FrameKind.CANCEL, stream_id))
@@ -365,8 +370,8 @@ class FrameConnection:
 
 class _Inbox:
     """One stream's responses (serialized, or None when the connection ended), in order: the reader task puts,
-    the stream's task gets; or, with ``on_payload``, the reader task hands each to it at once. Event loop thread
-    only."""
+    the stream's task gets; or, with ``on_payload``, the reader task hands each to it at once. Event loop
+    thread only."""
 
     def __init__(self, on_payload: Callable[[bytes | None], None] | None = None) -> None:
         self._items: collections.deque[bytes | None] = collections.deque()
@@ -432,8 +437,9 @@ class EndpointLauncher:
             while True:
                 payload = await inbox.get()
                 if payload is None:
-                    raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint}: "
-                                           f"{connection.lost} before the stream's FINAL")
+                    raise ChildUnavailable(f"{call.role} {call.target.instance_id} at "
+                                           f"{call.target.endpoint}: {connection.lost} before the stream's "
+                                           "FINAL")
                 response = service_pb2.ModelStreamInferResponse.FromString(payload)
                 delta = _response_delta(call, response)
                 finished = delta.final
@@ -461,9 +467,9 @@ class EndpointLauncher:
 
 
 class _PushedStream:
-    """One ``EndpointLauncher.push`` call: connects and opens the stream in a short task, then its responses go
-    from the connection's reader straight to ``deliver``; ``done`` ends it (set after the final response, or
-    cancelled by the caller: the worker is told to cancel). Event loop thread only."""
+    """One ``EndpointLauncher.push`` call: connects and opens the stream in a short task, then its responses
+    go from the connection's reader straight to ``deliver``; ``done`` ends it (set after the final response,
+    or cancelled by the caller: the worker is told to cancel). Event loop thread only."""
 
     def __init__(self, launcher: EndpointLauncher, call: ChildCall, deliver: Deliver) -> None:
         self._launcher, self._call, self._deliver = launcher, call, deliver
@@ -472,7 +478,8 @@ class _PushedStream:
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         pool = launcher._connections
         self._channel = pool.acquire(call.target.endpoint)
-        if self._channel.client.lost is not None:   # the worker closed it since (it restarted, say): a new one
+        # the worker closed it since (it restarted, say): a new one
+        if self._channel.client.lost is not None:
             pool.retire(self._channel)
             pool.release(self._channel)
             self._channel = pool.acquire(call.target.endpoint)
@@ -491,7 +498,8 @@ class _PushedStream:
             await self._connection.connected()
             if self.done.done():
                 return
-            self._stream_id, _ = self._connection.open(signature, request.SerializeToString(), self._on_payload)
+            self._stream_id, _ = self._connection.open(signature, request.SerializeToString(),
+                                                       self._on_payload)
             await self._connection.drain()
         except ChildUnavailable as e:
             self._fail(f"{self._where()} unreachable: {e}")
@@ -513,7 +521,8 @@ class _PushedStream:
 
         try:
             delta = _response_delta(self._call, service_pb2.ModelStreamInferResponse.FromString(payload))
-        except Exception as e:   # a malformed response: this child fails, the connection's other streams go on
+        # a malformed response: this child fails, the connection's other streams go on
+        except Exception as e:
             self._deliver(Delta.failure(f"{self._call.role} failed: {e}"))
             self.done.set_result(None)   # not finished: ``_end`` cancels it on the worker
             return
@@ -569,8 +578,8 @@ def _response_delta(call: ChildCall, response: Any) -> Delta:
     result = response.infer_response
     final = result.parameters["triton_final_response"].bool_param
     raw = result.raw_output_contents
-    return decode_raw_response({output.name: raw[i] for i, output in enumerate(result.outputs) if i < len(raw)},
-                               final)
+    return decode_raw_response({output.name: raw[i] for i, output in enumerate(result.outputs)
+                                if i < len(raw)}, final)
 
 
 def _rpc_message(error: BaseException) -> str:

@@ -43,5 +43,6 @@ class EnsembleResponder:
     def _response(self, text: str, delta: Delta) -> ResponseChunk:
         """The response now: ``text`` and the tokens (and logprobs) since the previous response."""
         num_new, logprobs = self._pending.take(delta.num_output_tokens)
-        return ResponseChunk((replace(delta, text=text, finish_reason=delta.finish_reason if delta.final else None,
+        return ResponseChunk((replace(delta, text=text,
+                                      finish_reason=delta.finish_reason if delta.final else None,
                                       num_new_tokens=num_new, logprobs=logprobs, token_ids=()),))

@@ -6,10 +6,10 @@ imported on first use; the numpy halves (``scalars_from_arrays``, ``response_arr
 Tensors of the LLM convention: inputs are shape ``[1]`` (or ``[1, 1]``); strings arrive as ``bytes`` in numpy
 object arrays, bools as ``np.bool_``. Outputs (the vLLM backend's, ``docs/additional_outputs.md`` there), one
 entry per sample: ``text_output`` (BYTES ``[n]``) always; when asked (``return_*``): ``finish_reason`` (BYTES
-``[n]``, ``"None"`` until the sample ends), ``cumulative_logprob`` (FP32 ``[n]``), ``logprobs`` (BYTES ``[n]``,
-JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's tokens),
-``num_cached_tokens`` (UINT32 ``[n]``, the sample's prompt tokens served by the prefix cache; ours, not the vLLM
-backend's). Like ``num_input_tokens``, an asked count is on every response.
+``[n]``, ``"None"`` until the sample ends), ``cumulative_logprob`` (FP32 ``[n]``), ``logprobs`` (BYTES
+``[n]``, JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's
+tokens), ``num_cached_tokens`` (UINT32 ``[n]``, the sample's prompt tokens served by the prefix cache; ours,
+not the vLLM backend's). Like ``num_input_tokens``, an asked count is on every response.
 
 ``logprobs`` JSON of one sample: a list with one object per token of the response,
 ``{"<token_id>": {"logprob": float, "rank": int, "decoded_token": str}, ...}``: the sampled token first, then
@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -36,7 +36,8 @@ from engine.outputs import TokenLogprob
 from serving.answering import start_or_fail
 from serving.child.codec import encode_response
 from serving.parsing.arrays import scalars_from_arrays
-from serving.parsing.request import INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError, parse_request
+from serving.parsing.request import (INPUT_NAMES, GenerateRequest, OutputOptions, RawValue, RequestError,
+                                     parse_request)
 from serving.schema import CLIENT_OUTPUTS
 from serving.triton.response_dispatch import ResponseDispatcher
 from serving.delta import Delta, ErrorKind, ResponseChunk, merge_chunks
@@ -98,7 +99,8 @@ def logprobs_json(entries: tuple[TokenLogprob, ...] | None) -> str:
 #: Delta attribute → the text a client BYTES output carries for its value (other attributes: ``str``)
 _CLIENT_TEXTS: dict[str, Callable[[Any], str]] = {"logprobs": logprobs_json}
 #: Triton data type of a client output → its numpy dtype
-_CLIENT_DTYPES: dict[str, Any] = {"TYPE_STRING": np.object_, "TYPE_UINT32": np.uint32, "TYPE_FP32": np.float32}
+_CLIENT_DTYPES: dict[str, Any] = {"TYPE_STRING": np.object_, "TYPE_UINT32": np.uint32,
+                                  "TYPE_FP32": np.float32}
 
 
 def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -> dict[str, np.ndarray]:
@@ -121,8 +123,8 @@ def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -
 
 
 def inference_response(chunk: ResponseChunk, child: bool = False, options: OutputOptions = NO_OPTIONS) -> Any:
-    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: its one sample in the prefill/decode output
-    layout; else the client layout with the outputs ``options`` asks for)."""
+    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: its one sample in the prefill/decode
+    output layout; else the client layout with the outputs ``options`` asks for)."""
     pb = pb_utils()
     arrays = encode_response(chunk.samples[0] if chunk.samples else Delta()) if child \
         else response_arrays(chunk, options)
@@ -158,7 +160,8 @@ class TritonResponseSink:
     ``ResponseDispatcher``: the caller's thread (an engine loop, the router's event loop) only queues.
 
     The FINAL flag is queued exactly once; later calls are dropped (tritonserver 2.51 crashes on a sender
-    touched after FINAL, and the dispatcher never does). ``is_cancelled`` reads the dispatcher's cached answer.
+    touched after FINAL, and the dispatcher never does). ``is_cancelled`` reads the dispatcher's cached
+    answer.
     """
 
     def __init__(self, response_sender: Any, dispatcher: ResponseDispatcher, request_id: str = "",
@@ -170,9 +173,10 @@ class TritonResponseSink:
             dispatcher: the model instance's response thread (started).
             request_id: for log lines (the client's request id, may be empty).
             child: the request comes from the router: responses use the child output layout
-                (``serving.child.codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
-                holds the message instead of a Triton error response (a decoupled BLS response iterator never
-                ends after an error response in tritonserver 2.51; over gRPC either form works).
+                (``serving.child.codec.encode_response``), and an error is a normal FINAL response whose
+                ``error`` output holds the message instead of a Triton error response (a decoupled BLS
+                response iterator never ends after an error response in tritonserver 2.51; over gRPC either
+                form works).
             child_errors: with ``child``, errors too in the child layout (the router reads them there); False:
                 as a Triton error (HTTP 400 with the message: a client calling prefill/decode directly,
                 ``from_router``), the other responses staying in the declared child layout.
@@ -252,7 +256,8 @@ class TritonResponseSink:
             submit()
 
 
-def parse_client_request(request: Any, sink: TritonResponseSink) -> tuple[GenerateRequest, dict[str, RawValue]]:
+def parse_client_request(request: Any,
+                         sink: TritonResponseSink) -> tuple[GenerateRequest, dict[str, RawValue]]:
     """Parse a client request of a public model (``colocated``, ``pd_ensemble``) and set ``sink``'s output
     options from it. Returns the parsed request and its raw inputs.
 
@@ -272,10 +277,10 @@ def new_dispatcher(name: str) -> ResponseDispatcher:
 
 
 def from_router(request: Any) -> bool:
-    """Whether a prefill/decode request comes from a router: it carries ``child_schema`` (every router sends it,
-    ``serving.router.launch.child_arrays``) or ``pd_control`` (the router's ``describe``). A request without
-    either (a client calling the worker model directly) gets its error as a ``pb_utils.TritonError`` (HTTP 400
-    with the message as text), not as bytes in the child's ``error`` output."""
+    """Whether a prefill/decode request comes from a router: it carries ``child_schema`` (every router sends
+    it, ``serving.router.launch.child_arrays``) or ``pd_control`` (the router's ``describe``). A request
+    without either (a client calling the worker model directly) gets its error as a ``pb_utils.TritonError``
+    (HTTP 400 with the message as text), not as bytes in the child's ``error`` output."""
     from serving.child.codec import SCHEMA_INPUT
     from serving.parsing.pd_request import CONTROL_INPUT
 
@@ -286,7 +291,8 @@ def from_router(request: Any) -> bool:
 def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],
                 dispatcher: ResponseDispatcher, child: bool = False,
                 timing: RequestTimingSink | None = None) -> None:
-    """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then ``handle(request, sink)``.
+    """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then
+    ``handle(request, sink)``.
 
     A ``RequestError`` (bad input) becomes that request's error response, and so does any other exception
     (logged): every stream ends with FINAL, and one request's failure never reaches another.
@@ -300,6 +306,6 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
         timing: the public models' latency histograms (``TritonResponseSink``'s ``timing``).
     """
     for request in requests:
-        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child,
-                                  timing=timing, child_errors=not child or from_router(request))
+        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(),
+                                  child=child, timing=timing, child_errors=not child or from_router(request))
         start_or_fail(lambda: handle(request, sink), sink, request.request_id())  # noqa: B023 - called at once

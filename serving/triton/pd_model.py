@@ -10,9 +10,9 @@ engine loop never waits on Triton.
 
 Identity: a PD model runs exactly one instance, known to the fleet as ``<model name>@<grpc_url>``
 (fleet-unique: two servers may both serve a model named ``prefill``), with the Triton gRPC endpoint routers
-reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter). A request with ``pd_control =
-"describe"`` is answered at once with the instance's ``InstanceCard`` (its rendezvous URL): how a router of the
-same tritonserver finds it with no registry.
+reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter). A request with
+``pd_control = "describe"`` is answered at once with the instance's ``InstanceCard`` (its rendezvous URL): how
+a router of the same tritonserver finds it with no registry.
 
 Authentication: with a fleet secret every request here, ``describe`` included, must carry the router's
 signature in its ``pd_fleet_auth`` parameter (``signing.AUTH_PARAMETER``, ``signing.sign_call``: bound
@@ -74,16 +74,20 @@ class PDChildModel(ModelHost):
         instance_id = f"{self.model_name}@{config.grpc_url}"
         self._auth = ChildAuth(config.fleet_secret, instance_id)   # both paths: one replay guard
         apply_cpu_affinity(config)
-        from serving.workers.pd_factory import create_pd_worker  # heavy imports (torch, nixl) after config checks
+        # heavy imports (torch, nixl) after config checks
+        from serving.workers.pd_factory import create_pd_worker
 
         self._endpoint = None if config.worker_port < 0 else WorkerEndpoint(
             config.grpc_url.rsplit(":", 1)[0], config.worker_port, self.model_name, self._auth,
             fleet_tls=config.fleet_tls).bind()
         try:
-            self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics, model_name=self.model_name,
+            # a dead rank: end as a dead stub (on_fatal)
+            self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics,
+                                            model_name=self.model_name,
                                             worker_endpoint=self._endpoint.address if self._endpoint else "",
-                                            on_fatal=exit_process_soon)   # a dead rank: end as a dead stub
-            if self._endpoint is not None:   # serving before the registration: routers may use it from then on
+                                            on_fatal=exit_process_soon)
+            # serving before the registration: routers may use it from then on
+            if self._endpoint is not None:
                 self._endpoint.start(self._handle.worker)
             self._handle.start()
         except BaseException:
@@ -146,5 +150,6 @@ def _check_one_instance(model_config: dict[str, Any], role: str) -> None:
     spread a model's requests over its instances. Raises ConfigError otherwise."""
     count = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
     if count != 1:
-        raise ConfigError("instance_group", f"a {role} model runs exactly one instance (got {count}); for more "
-                          f"{role} instances add models ({role}_1, ...): the router finds them at the bootstrap")
+        raise ConfigError("instance_group", f"a {role} model runs exactly one instance (got {count}); for "
+                          f"more {role} instances add models ({role}_1, ...): the router finds them at the "
+                          "bootstrap")

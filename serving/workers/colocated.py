@@ -21,7 +21,6 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
 
 from engine.errors import EngineError, InvalidSamplingParams
 from serving.config import WorkerConfig
@@ -76,8 +75,9 @@ class ColocatedWorker:
         loop = EngineLoop(engine, name=f"{name}-engine-loop", idle_wait_s=config.idle_wait_s,
                           nice=config.engine_nice, on_fatal=on_fatal)
         if metrics is not None:
-            loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
-                                        prefix_cache=engine.prefix_cache_stats))
+            loop.add_hook(LoopMetricsHook(loop, metrics,
+                                          lambda: (engine.num_free_pages, engine.num_total_pages),
+                                          prefix_cache=engine.prefix_cache_stats))
         return cls(loop, engine.tokenizer, name=name, metrics=metrics, close_engine=engine.close)
 
     @property
@@ -139,7 +139,8 @@ class ColocatedWorker:
         with self._lock:
             self._streams[request_id] = stream
         try:
-            self._loop.submit(request_id, token_ids, request.params, lambda event: self._on_event(stream, event))
+            self._loop.submit(request_id, token_ids, request.params,
+                              lambda event: self._on_event(stream, event))
         except LoopStopped as e:
             with self._lock:
                 self._streams.pop(request_id, None)
