@@ -136,9 +136,10 @@ def encode_response(delta: Delta) -> dict[str, np.ndarray]:
     arrays = {}
     for name, attribute, dtype, _, always in _ROWS:
         value = getattr(delta, attribute)
-        if attribute == "error_kind":
-            always = bool(delta.error)
-        if not always and (value == getattr(_DEFAULTS, attribute) or value == ""):
+        if attribute == "error_kind":   # sent with an error, and only then
+            if not delta.error:
+                continue
+        elif not always and (value == getattr(_DEFAULTS, attribute) or value == ""):
             continue
         if attribute in _TEXTS:
             arrays[name] = utf8_array(_TEXTS[attribute][0](value))
