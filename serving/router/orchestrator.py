@@ -35,7 +35,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from engine.outputs import TokenLogprob
 from serving.parsing.request import GenerateRequest, RawValue, sample_sampling
@@ -130,7 +130,7 @@ class _MergeState:
     decode_has_kv: bool = False   # decode sent tokens of its own or its FINAL: it holds the prompt's KV
     held: list[Delta] = field(default_factory=list)
     # the outputs carried from response to response (``serving.schema.Carry`` MAX, PREFILLED), by attribute
-    carried: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_MAX + _PREFILLED, 0))
+    carried: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_MAX + _PREFILLED, 0))
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
