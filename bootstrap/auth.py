@@ -1,6 +1,6 @@
 """Fleet secret authentication: the signed HTTP calls of the fleet (membership registry, rendezvous), the
-signed child streams (``serving.parsing.child_codec``), the signed member records
-(``bootstrap.membership.member``) and the key that unlocks tritonserver's admin APIs (``admin_key``).
+signed child streams (``serving.child.codec``), the signed member records (``bootstrap.membership.member``)
+and the key that unlocks tritonserver's admin APIs (``admin_key``).
 
 Every request between fleet processes carries ``X-PD-Fleet-Auth: v2 t=<unix s>,n=<nonce hex>,s=<hmac hex>``,
 where ``s`` is HMAC-SHA256 under the fleet secret of::
@@ -60,9 +60,10 @@ class AuthError(BootstrapError):
     """A message failed authentication, or the fleet secret is misconfigured; ``str()`` says which."""
 
 
-def load_fleet_secret(environ: Mapping[str, str] = os.environ) -> bytes | None:
+def load_fleet_secret(environ: Mapping[str, str]) -> bytes | None:
     """The fleet secret: ``PD_FLEET_SECRET`` (the text) or ``PD_FLEET_SECRET_FILE`` (a file holding it,
-    surrounding whitespace stripped); None when neither is set (loopback-only fleets).
+    surrounding whitespace stripped) of ``environ`` (the process's environment, passed by its config layer or
+    command line); None when neither is set (loopback-only fleets).
 
     Raises ``AuthError`` when both are set, the file cannot be read, or the secret is empty.
     """
@@ -103,7 +104,7 @@ def sign(secret: bytes, method: str, authority: str, path_qs: str, body: bytes, 
         authority: the target: ``host:port`` as dialed over HTTP (``Authorities.normalize`` form: lower case,
             the port always written), or the target instance's id on a child stream.
         path_qs: the path with its query string exactly as sent (percent-encoding included).
-        body: the bytes sent (b"" for none), or a digest of them (``child_codec.inputs_digest``).
+        body: the bytes sent (b"" for none), or a digest of them (``signing.inputs_digest``).
         now_s: unix seconds.
     """
     t, nonce = int(now_s), secrets.token_hex(12)
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m bootstrap.auth admin-key", file=sys.stderr)
         return 2
     try:
-        secret = load_fleet_secret()
+        secret = load_fleet_secret(os.environ)
     except AuthError as exc:
         print(f"bootstrap.auth: {exc}", file=sys.stderr)
         return 2

@@ -73,8 +73,8 @@ class Registration:
     interprets it. ``rendezvous_url`` (``http://host:port``) is the instance's own rendezvous server, where
     peers fetch this registration and decode instances post destinations. ``worker_endpoint`` (``host:port``;
     empty: none) is the worker's own endpoint for ``model_name`` alone, in child frames over TCP
-    (``serving.workers.endpoint``, ``serving.parsing.child_frames``; protocol version 6): routers send its
-    child requests there, past tritonserver.
+    (``serving.workers.endpoint``, ``serving.child.frames``; protocol version 6): routers send its child
+    requests there, past tritonserver.
     """
 
     instance_id: str

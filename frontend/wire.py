@@ -2,18 +2,21 @@
 
 Inputs (``request_arrays``): ``text_input`` BYTES [1]; ``stream`` BOOL [1] (always true: the front aggregates
 non-streaming answers itself); ``exclude_input_in_output`` BOOL [1] (true); ``sampling_parameters`` BYTES [1]
-(a JSON object); and, only where the model declares them (``Contract``), ``return_finish_reason``,
-``return_num_input_tokens``, ``return_num_output_tokens``, ``return_num_cached_tokens`` (always asked) and
-``return_logprobs``, ``return_cumulative_logprob`` (asked when the request wants logprobs).
+(a JSON object); and, only where the model declares them (``Contract``), the ``return_*`` inputs of
+``serving.schema``: ``return_logprobs`` and ``return_cumulative_logprob`` when the request wants logprobs,
+every other one (``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``,
+``return_num_cached_tokens``...) always.
 
 Outputs of one response (``ResponseDecoder``), entry ``i`` of each belonging to sample (choice) ``i``:
 ``text_output`` BYTES [n] (text delta), ``finish_reason`` BYTES [n] (``"None"`` or ``""`` until the sample
 ends), ``logprobs`` BYTES [n] (a JSON list, one ``{"<id>": {"logprob", "rank", "decoded_token"}}`` per new
 token, the sampled token first, then its top-k; ``"null"`` when not asked), ``num_input_tokens`` [1],
-``num_output_tokens`` [n], ``num_cached_tokens`` [n] (the sample's prompt tokens the server's prefix cache
-supplied; the same on each of its responses, 0 in a sample's entry until that sample reported). Models that declare ``return_num_output_tokens`` send new tokens per response;
-older ones (no ``return_*`` inputs) send one sample and cumulative INT32 counts, turned into deltas here.
-An absent output means "not asked" and decodes as empty.
+``num_output_tokens`` [n], and every other per-sample count of the schema (UINT32 [n], in
+``SampleDelta.counts`` by output name): ``num_cached_tokens`` (the sample's prompt tokens the server's prefix
+cache supplied; the same on each of its responses, 0 in a sample's entry until that sample reported). Models
+that declare ``return_num_output_tokens`` send new tokens per response; older ones (no ``return_*`` inputs)
+send one sample and cumulative INT32 counts, turned into deltas here. An absent output means "not asked" and
+decodes as empty.
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serving.schema import CLIENT_OUTPUTS, RETURN_FLAGS
+
 JSONValue = str | int | float | bool | list[str] | list[int] | dict[str, float]
 #: Outputs the front may read; absent ones are simply not in a response.
-OUTPUT_NAMES: tuple[str, ...] = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                 "num_cached_tokens", "logprobs", "cumulative_logprob")
-_ALWAYS_ASKED = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
-                 "return_num_cached_tokens")
+OUTPUT_NAMES: tuple[str, ...] = tuple(CLIENT_OUTPUTS)
 _LOGPROB_FLAGS = ("return_logprobs", "return_cumulative_logprob")
+_ALWAYS_ASKED = tuple(flag for flag in RETURN_FLAGS if flag not in _LOGPROB_FLAGS)
+#: the per-sample counts a response may carry besides ``num_output_tokens`` (``SampleDelta.counts``)
+COUNT_NAMES: tuple[str, ...] = tuple(
+    o.name for o in CLIENT_OUTPUTS.values()
+    if o.client is not None and o.client.data_type == "TYPE_UINT32" and o.client.dims == (-1,)
+    and o.name != "num_output_tokens")
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class SampleDelta:
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` on the sample's last response, else None.
         num_new_tokens: tokens this response added to the sample.
         logprobs: one entry per new token (empty when not asked).
-        num_cached_tokens: the sample's prompt tokens served by the prefix cache; None when not sent.
+        counts: the sample's counts of ``COUNT_NAMES`` the response carried, by output name
+            (``num_cached_tokens``: its prompt tokens served by the prefix cache); a count not sent is absent.
     """
 
     index: int
@@ -105,7 +114,11 @@ class SampleDelta:
     finish_reason: str | None = None
     num_new_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
-    num_cached_tokens: int | None = None
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        return self.counts.get("num_cached_tokens")
 
 
 @dataclass(frozen=True)
@@ -123,7 +136,8 @@ def request_arrays(request: BackendRequest, contract: Contract) -> dict[str, np.
         "text_input": np.array([request.prompt.encode("utf-8")], dtype=np.object_),
         "stream": np.array([True], dtype=np.bool_),
         "exclude_input_in_output": np.array([True], dtype=np.bool_),
-        "sampling_parameters": np.array([json.dumps(dict(request.sampling)).encode("utf-8")], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps(dict(request.sampling)).encode("utf-8")],
+                                        dtype=np.object_),
     }
     for name in contract.flags(request.want_logprobs):
         arrays[name] = np.array([True], dtype=np.bool_)
@@ -145,7 +159,7 @@ class ResponseDecoder:
         reasons = _strings(values.get("finish_reason"))
         counts = _ints(values.get("num_output_tokens"))
         logprobs = _strings(values.get("logprobs"))
-        cached = _ints(values.get("num_cached_tokens"))
+        others = {name: _ints(values.get(name)) for name in COUNT_NAMES}
         samples = []
         for i, text in enumerate(texts):
             reason = reasons[i] if i < len(reasons) else ""
@@ -153,7 +167,7 @@ class ResponseDecoder:
                 index=i, text=text, finish_reason=None if reason in ("", "None") else reason,
                 num_new_tokens=self._new_tokens(i, counts[i] if i < len(counts) else 0),
                 logprobs=parse_logprobs(logprobs[i]) if i < len(logprobs) else (),
-                num_cached_tokens=cached[i] if i < len(cached) else None))
+                counts={name: got[i] for name, got in others.items() if i < len(got)}))
         inputs = _ints(values.get("num_input_tokens"))
         return BackendResponse(tuple(samples), inputs[0] if inputs else None, final)
 
@@ -167,7 +181,8 @@ class ResponseDecoder:
 
 def parse_logprobs(raw: str) -> tuple[TokenLogprob, ...]:
     """One ``logprobs`` entry (a JSON list of ``{"<id>": {"logprob", "rank", "decoded_token"}}``, the sampled
-    token first) → one ``TokenLogprob`` per token; ``"null"``/``""`` → (). Raises ValueError on malformed JSON."""
+    token first) → one ``TokenLogprob`` per token; ``"null"``/``""`` → (). Raises ValueError on malformed
+    JSON."""
     if raw in ("", "null", "None"):
         return ()
     entries = json.loads(raw)
@@ -206,12 +221,12 @@ class SampleTotals:
     finish_reason: str | None = None
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_cached_tokens: int | None = None
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 class Totals:
-    """Accumulates a request's responses: per-sample text, finish reason, tokens and logprobs; prompt tokens
-    and the prompt's cached tokens."""
+    """Accumulates a request's responses: per-sample text, finish reason, tokens, logprobs and counts (the
+    largest each sample reported); prompt tokens."""
 
     def __init__(self, n: int) -> None:
         self.samples: list[SampleTotals] = [SampleTotals() for _ in range(n)]
@@ -227,8 +242,8 @@ class Totals:
             sample.text.append(delta.text)
             sample.num_tokens += delta.num_new_tokens
             sample.logprobs.extend(delta.logprobs)
-            if delta.num_cached_tokens is not None:
-                sample.num_cached_tokens = max(sample.num_cached_tokens or 0, delta.num_cached_tokens)
+            for name, count in delta.counts.items():
+                sample.counts[name] = max(sample.counts.get(name, 0), count)
             if delta.finish_reason is not None:
                 sample.finish_reason = delta.finish_reason
 
@@ -236,11 +251,15 @@ class Totals:
     def num_output_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
 
+    def prompt_count(self, name: str) -> int | None:
+        """A count of the prompt (``COUNT_NAMES``: ``num_cached_tokens``, the prompt's tokens served by the
+        server's prefix cache), counted once like the prompt: the least of the samples' (each sample is its
+        own prefill, and a later one may reuse an earlier one's pages); None when the server sent no
+        ``name``."""
+        counts = [s.counts[name] for s in self.samples if name in s.counts]
+        return min(counts) if counts else None
+
     @property
     def num_cached_tokens(self) -> int | None:
-        """The prompt's tokens served by the server's prefix cache, counted once like the prompt: the least of
-        the samples' (each sample is its own prefill, and a later one may reuse an earlier one's pages); None
-        when the server sent no ``num_cached_tokens``."""
-        counts = [s.num_cached_tokens for s in self.samples if s.num_cached_tokens is not None]
-        return min(counts) if counts else None
+        return self.prompt_count("num_cached_tokens")
 

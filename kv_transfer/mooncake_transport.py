@@ -159,8 +159,7 @@ class MooncakeTransport(Transport):
     def register(self, table: BlockTable) -> None:
         """Creates the engine and registers the KV region and the aux region, once. Raises
         ``TransportError``."""
-        for key, value in MOONCAKE_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        network.apply(MOONCAKE_DEFAULTS)
         for warning in network.reachability_warnings(self._hostname, environ={}):   # no UCX here
             logger.warning("%s: %s", self._name, warning)
         from mooncake.engine import TransferEngine
@@ -439,7 +438,7 @@ def _retry_fast_failures(attempt: Callable[[], bool]) -> bool:
 def _lanes_per_peer() -> int:
     """The engine's connections per peer: ``MC_TCP_LANES_PER_PEER`` (as the engine reads it), default 4."""
     try:
-        return max(1, int(os.environ.get("MC_TCP_LANES_PER_PEER", "4")))
+        return max(1, int(network.library_setting("MC_TCP_LANES_PER_PEER", "4")))
     except ValueError:
         return 4
 
@@ -448,7 +447,8 @@ def _timeout_s(nbytes: int) -> float:
     """A write's deadline, seconds: ``MC_TRANSFER_TIMEOUT`` (at least 5, as the engine's Python binding reads
     it) plus a second per GiB, the rule of the engine's own blocking calls."""
     try:
-        base_s = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", MOONCAKE_DEFAULTS["MC_TRANSFER_TIMEOUT"])))
+        base_s = max(5, int(network.library_setting("MC_TRANSFER_TIMEOUT",
+                                                    MOONCAKE_DEFAULTS["MC_TRANSFER_TIMEOUT"])))
     except ValueError:
         base_s = 5     # the binding's atoi reads 0; max(5, 0)
     return base_s + nbytes / (1 << 30)

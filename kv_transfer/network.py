@@ -15,9 +15,12 @@ The operator gives one thing, the address peers reach this instance at (``KVArgs
 * No UCX TCP tuning: socket buffers, segment sizes and polling were tried against raw TCP on one link and none
   moved the figures beyond the noise of this (shared) machine (docs/multihost.md, "Tuning").
 
-Settings the operator put in the environment always win (``os.environ.setdefault``). This module reads the
-environment (``apply``, ``reachability_warnings``); ``kv_transfer.nixl_transport`` is its only caller that
-writes it, before UCX is initialised.
+Settings the operator put in the environment always win (``os.environ.setdefault``). This is the one module of
+``kv_transfer`` that touches the environment, and only for the transport libraries' own variables (UCX's
+``UCX_*``, Mooncake's ``MC_*``), which those libraries read from it themselves: ``apply`` puts defaults there
+(``kv_transfer.nixl_transport`` before UCX is initialised, ``kv_transfer.mooncake_transport`` before its
+engine starts), ``library_setting`` reads back what a library sees, ``reachability_warnings`` checks them.
+The project's own settings come from the config layer (``serving.config``) as values.
 """
 
 from __future__ import annotations
@@ -101,6 +104,12 @@ def apply(settings: Mapping[str, str]) -> dict[str, str]:
     for key, value in settings.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in settings}
+
+
+def library_setting(name: str, default: str = "") -> str:
+    """The value of a transport library's environment variable ``name`` as the library reads it (``default``
+    when unset)."""
+    return os.environ.get(name, default)
 
 
 def _tls_reach_network(tls: str) -> bool:

@@ -83,9 +83,10 @@ def ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) 
 
 
 def apply_ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) -> dict[str, str]:
-    """``ucx_defaults(...)`` into ``os.environ`` where the operator set nothing (the one place this package
-    writes the environment); call before importing nixl. Returns the values in force for those keys. UCX reads
-    them when an agent's backend is created, so the first agent of a process fixes them for all."""
+    """``ucx_defaults(...)`` into ``os.environ`` where the operator set nothing (``kv_transfer.network.apply``,
+    where this package touches the environment); call before importing nixl. Returns the values in force for
+    those keys. UCX reads them when an agent's backend is created, so the first agent of a process fixes them
+    for all."""
     return network.apply(ucx_defaults(local_hostname, network_only))
 
 
@@ -296,7 +297,8 @@ class NixlTransport(Transport):
         return name
 
     def _unreachable(self, what: str, exc: BaseException) -> PeerUnreachable:
-        settings = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in ("UCX_TLS", "UCX_NET_DEVICES"))
+        settings = ", ".join(f"{k}={network.library_setting(k, '(unset)')}"
+                             for k in ("UCX_TLS", "UCX_NET_DEVICES"))
         return PeerUnreachable(f"UCX cannot {what}: {exc!r}; this instance advertises {self._hostname} with "
                                f"{settings} (a peer on another host needs a network transport on the "
                                "interface of that address: docs/multihost.md)")

@@ -24,10 +24,11 @@ import statistics
 import time
 from collections.abc import Callable
 
+from serving.delta import ResponseChunk
 from serving.parsing.pd_request import PDRequest
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, EndpointLauncher, child_arrays, child_request, sign_child
-from serving.stream import ResponseChunk, ResponseSink
+from serving.stream import ResponseSink
 from serving.workers.child_auth import NO_AUTH, ChildAuth
 from serving.workers.endpoint import WorkerEndpoint, request_arrays
 

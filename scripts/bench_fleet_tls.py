@@ -52,7 +52,7 @@ class _ScriptedWorker:
     ``TOKENS_ROOM`` gets ``TOKENS`` responses 1 ms apart from a thread of its own, then FINAL."""
 
     def handle(self, pd: Any, sink: Any) -> str:
-        from serving.stream import ResponseChunk
+        from serving.delta import ResponseChunk
 
         def tokens() -> None:
             for i in range(TOKENS):

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from serving.parsing.child_codec import ChildSchemaMismatch, ChildUnauthenticated
+from serving.child.codec import ChildSchemaMismatch
+from serving.child.signing import ChildUnauthenticated
+from serving.delta import ErrorKind
 from serving.parsing.request import RequestError
-from serving.stream import ErrorKind, ResponseSink
+from serving.stream import ResponseSink
 
 logger = logging.getLogger(__name__)
 

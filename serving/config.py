@@ -3,7 +3,8 @@
 This module is the only place in ``serving/`` that reads environment variables:
 
 * ``PD_REGISTRY_URL`` overrides the ``registry_url`` parameter: the fleet's membership registry (``http://``:
-  the embedded registry service, ``etcd://``: etcd; empty: none, a router pairs the workers of its own server);
+  the embedded registry service, ``etcd://``: etcd; empty: none, a router pairs the workers of its own
+  server);
 * ``PD_FLEET_SECRET`` / ``PD_FLEET_SECRET_FILE`` (read by ``bootstrap.auth.load_fleet_secret``, called from
   here only): the fleet secret that signs rendezvous and registry calls;
 * ``PD_TLS_CERT`` / ``PD_TLS_KEY`` / ``PD_TLS_CA`` (read by ``bootstrap.tls.load_fleet_tls``, called from here
@@ -16,7 +17,13 @@ This module is the only place in ``serving/`` that reads environment variables:
 * a KV backend's own environment overrides (``PD_KV_NETWORK_ONLY`` for NIXL's ``kv_network_only``,
   docs/multihost.md), read by ``kv_transfer.backends.parse_options`` with the environment passed from here;
 * ``PD_DRAIN_TIMEOUT_S`` overrides every model's ``drain_timeout_s`` parameter (``read_drain_timeout``:
-  ``scripts/serve.sh`` sets it from its ``DRAIN_TIMEOUT_S`` together with tritonserver's exit timeout).
+  ``scripts/serve.sh`` sets it from its ``DRAIN_TIMEOUT_S`` together with tritonserver's exit timeout);
+* ``PD_ETCD_USER`` / ``PD_ETCD_PASSWORD`` / ``PD_ETCD_CA`` / ``PD_ETCD_CERT`` / ``PD_ETCD_KEY``: etcd's own
+  auth and TLS, for an ``etcd://`` registry (``read_etcd_settings``; ``bootstrap.membership.make_membership``
+  takes them as values).
+
+Everything below gets values from the configs built here; the transport libraries' own variables (``UCX_*``,
+``MC_*``), which those libraries read themselves, are defaulted in ``kv_transfer.network``.
 """
 
 from __future__ import annotations
@@ -82,19 +89,21 @@ class WorkerConfig:
         chunk_size: most prompt tokens of one request per engine step (chunked prefill).
         max_num_batched_tokens: per-step token budget over the whole batch.
         num_threads: torch intra-op threads of the engine.
-        registry_url: the fleet's membership registry (``http://host:port``, ``etcd://host:port[,...]``), where
-            PD workers announce themselves and routers watch the fleet; empty (the default): none, a router then
-            pairs the workers of its own tritonserver (found through Triton's repository index).
+        registry_url: the fleet's membership registry (``http://host:port``, ``etcd://host:port[,...]``),
+            where PD workers announce themselves and routers watch the fleet; empty (the default): none, a
+            router then pairs the workers of its own tritonserver (found through Triton's repository index).
         rendezvous_port: port of the instance's own rendezvous server (PD workers), on the host of
             ``grpc_url``; 0 (the default) picks a free one (routers learn it from the instance).
         worker_port: port of the PD worker's own endpoint (``serving.workers.endpoint``: routers send its
-            child requests there, past tritonserver), on the host of ``grpc_url``; 0 (the default) picks a free
-            one (routers learn it from the instance's rendezvous); -1: none (routers go through tritonserver).
+            child requests there, past tritonserver), on the host of ``grpc_url``; 0 (the default) picks a
+            free one (routers learn it from the instance's rendezvous); -1: none (routers go through
+            tritonserver).
         kv_backend: a registered KV backend (``kv_transfer.backends``): ``"nixl"``, ``"mooncake"`` or
             ``"inprocess"`` (PD workers only).
         kv_options: the ``kv_backend``'s own options (``NixlOptions``, ``MooncakeOptions``, ...), built by
-            ``build_worker_config`` from the parameters ``kv_<option>`` that backend owns (``kv_network_only``,
-            ``kv_protocol``, ``kv_device``) and its environment overrides; None: the backend's defaults.
+            ``build_worker_config`` from the parameters ``kv_<option>`` that backend owns
+            (``kv_network_only``, ``kv_protocol``, ``kv_device``) and its environment overrides; None: the
+            backend's defaults.
         grpc_url: ``host:port`` of this tritonserver's gRPC endpoint as routers reach it (PD workers announce
             it; Triton's default port is 8001); its host is also where the KV transport and the rendezvous
             listen.
@@ -109,7 +118,8 @@ class WorkerConfig:
         weight_quant: ``"none"`` or ``"int8"`` (weight-only int8, quantized at load; ``EngineConfig``). The
             shipped configs keep ``float32``/``none`` (token-exact with transformers); docs/benchmarks.md
             ("Weight formats") gives the fastest mode whose quality holds on each machine.
-        device: torch device of the engine; set from the Triton instance (``instance_device``), not a parameter.
+        device: torch device of the engine; set from the Triton instance (``instance_device``), not a
+            parameter.
         cpu_affinity: CPU cores the instance's process runs on, comma-separated (``"0"``, ``"2,3"``); empty:
             no pinning. Applied by ``apply_cpu_affinity`` before the engine's threads start.
         enable_prefix_caching: the engine's prefix cache (``EngineConfig.enable_prefix_caching``): on by
@@ -141,6 +151,8 @@ class WorkerConfig:
         fleet_tls: TLS of the instance's rendezvous and worker endpoint and of its calls to peers' and to the
             registry (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
             ``http://`` ``registry_url`` is refused.
+        etcd_settings: etcd's own auth and TLS for an ``etcd://`` registry (``PD_ETCD_*``, never a
+            parameter; ``read_etcd_settings``).
 
     Raises:
         ConfigError: at construction, naming the parameter, when a value is out of range.
@@ -175,6 +187,7 @@ class WorkerConfig:
     blip_tolerance_s: float = DEFAULT_BLIP_TOLERANCE_S
     fleet_secret: bytes | None = field(default=None, repr=False)
     fleet_tls: FleetTLS | None = None
+    etcd_settings: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_size", "max_num_batched_tokens", "num_threads",
@@ -201,7 +214,8 @@ class WorkerConfig:
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError("kv_backend", f"must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         if self.kv_options is not None and type(self.kv_options) is not options_type(self.kv_backend):
-            raise ConfigError("kv_backend", f"{self.kv_backend!r} takes {options_type(self.kv_backend).__name__}, "
+            raise ConfigError("kv_backend", f"{self.kv_backend!r} takes "
+                                            f"{options_type(self.kv_backend).__name__}, "
                                             f"got {type(self.kv_options).__name__}")
         validate_registry_url("registry_url", self.registry_url, self.fleet_tls)
         if not 0 <= self.rendezvous_port < 65536:
@@ -216,7 +230,8 @@ class WorkerConfig:
         try:
             cores = self.cpu_cores
         except ValueError:
-            raise ConfigError("cpu_affinity", f"must be comma-separated core ids, got {self.cpu_affinity!r}") from None
+            raise ConfigError("cpu_affinity",
+                              f"must be comma-separated core ids, got {self.cpu_affinity!r}") from None
         if any(c < 0 for c in cores):
             raise ConfigError("cpu_affinity", f"core ids must be >= 0, got {self.cpu_affinity!r}")
         if self.max_num_batched_tokens < self.chunk_size:
@@ -234,7 +249,8 @@ class WorkerConfig:
         return self.num_pages * self.page_size
 
     def engine_config(self, mode: Mode) -> EngineConfig:
-        """The engine configuration of this worker in ``mode`` (``"colocated"``, ``"prefill"``, ``"decode"``)."""
+        """The engine configuration of this worker in ``mode`` (``"colocated"``, ``"prefill"``,
+        ``"decode"``)."""
         return EngineConfig(model=self.model, mode=mode, page_size=self.page_size,
                             num_pages=self.num_pages, chunk_size=self.chunk_size,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.num_threads,
@@ -246,7 +262,8 @@ class WorkerConfig:
 
 
 def instance_device(kind: str, device_id: int) -> str:
-    """Torch device of a Triton model instance: ``"cuda:<id>"`` for ``KIND_GPU`` (``"GPU"``), else ``"cpu"``."""
+    """Torch device of a Triton model instance: ``"cuda:<id>"`` for ``KIND_GPU`` (``"GPU"``), else
+    ``"cpu"``."""
     return f"cuda:{device_id}" if kind.upper().endswith("GPU") else "cpu"
 
 
@@ -316,6 +333,16 @@ def read_fleet_tls(environ: Mapping[str, str] | None = None) -> FleetTLS | None:
         raise ConfigError(CERT_ENV, str(e)) from None
 
 
+def read_etcd_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """etcd's own auth and TLS settings (``PD_ETCD_USER``, ``PD_ETCD_PASSWORD``, ``PD_ETCD_CA``,
+    ``PD_ETCD_CERT``, ``PD_ETCD_KEY``: ``bootstrap.membership.ETCD_ENV``), those set, by name; checked when
+    the membership is made (``EtcdOptions``)."""
+    from bootstrap.membership.etcd_client import ETCD_ENV
+
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in ETCD_ENV if env.get(name)}
+
+
 GRPC_SSL_ENV = ("PD_GRPC_SSL_ROOT_CERT", "PD_GRPC_SSL_CLIENT_CERT", "PD_GRPC_SSL_CLIENT_KEY",
                 "PD_GRPC_SSL_TARGET_NAME")
 
@@ -357,8 +384,8 @@ def read_grpc_url(configured: str, environ: Mapping[str, str] | None = None,
                   server_argv: list[str] | None = None) -> str:
     """This server's gRPC endpoint as others reach it: ``PD_GRPC_URL`` when set; else ``configured`` when the
     model config names one; else what the tritonserver running this stub listens on (its ``--grpc-port`` and
-    ``--grpc-address``, read from the parent process's command line: plain ``tritonserver`` on any port needs no
-    setting); else Triton's default, ``127.0.0.1:8001``.
+    ``--grpc-address``, read from the parent process's command line: plain ``tritonserver`` on any port needs
+    no setting); else Triton's default, ``127.0.0.1:8001``.
 
     ``server_argv``: the server's command line (tests); None reads ``/proc/<parent pid>/cmdline``."""
     env = os.environ if environ is None else environ
@@ -386,7 +413,8 @@ def server_grpc_endpoint(argv: list[str]) -> str | None:
 
 
 def _parent_argv() -> list[str]:
-    """The parent process's command line (a python-backend stub's parent is its tritonserver); [] if unreadable."""
+    """The parent process's command line (a python-backend stub's parent is its tritonserver); [] if
+    unreadable."""
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
@@ -444,7 +472,7 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
     """
     owned = option_parameters()
     values = parse_parameters({k: v for k, v in parameters.items() if k not in owned}, WorkerConfig,
-                              skip=("device", "fleet_secret", "fleet_tls", "kv_options"),
+                              skip=("device", "fleet_secret", "fleet_tls", "kv_options", "etcd_settings"),
                               also_known=tuple(owned))
     config = WorkerConfig(**values, device=device)
     backend_params = {k: _text(v) for k, v in parameters.items() if k in owned}
@@ -453,17 +481,20 @@ def build_worker_config(parameters: Mapping[str, Any], environ: Mapping[str, str
             logger.warning("model parameter %r is an option of KV backend %s, not of %r: ignored", name,
                            "/".join(owned[name]), config.kv_backend)
     try:
-        kv_options = parse_options(config.kv_backend, backend_params, os.environ if environ is None else environ)
+        kv_options = parse_options(config.kv_backend, backend_params,
+                                   os.environ if environ is None else environ)
     except OptionError as exc:
         raise ConfigError(exc.param, exc.reason) from None
     return replace(config, registry_url=read_registry_url(config.registry_url, environ),
                    grpc_url=read_grpc_url(config.grpc_url, environ), fleet_secret=read_fleet_secret(environ),
                    drain_timeout_s=read_drain_timeout(config.drain_timeout_s, environ),
-                   fleet_tls=read_fleet_tls(environ), kv_options=kv_options)
+                   fleet_tls=read_fleet_tls(environ), kv_options=kv_options,
+                   etcd_settings=read_etcd_settings(environ))
 
 
 def _parse(name: str, type_name: Any, text: str) -> Any:
-    """Convert one ``string_value`` to the field's type (annotations are strings under postponed evaluation)."""
+    """Convert one ``string_value`` to the field's type (annotations are strings under postponed
+    evaluation)."""
     kind = type_name if isinstance(type_name, str) else type_name.__name__
     try:
         if kind == "int":

@@ -1,8 +1,8 @@
 """Custom metrics of the serving workers, shown on Triton's metrics endpoint (``:8002/metrics``).
 
 ``ServingMetrics`` wraps python-backend metric families (``pb_utils.MetricFamily``, passed in so this module
-stays importable without Triton). Every metric carries the labels ``model``, ``instance`` and ``pid`` (the stub
-process: see ``ServingMetrics``); names carry units:
+stays importable without Triton). Every metric carries the labels ``model``, ``instance`` and ``pid`` (the
+stub process: see ``ServingMetrics``); names carry units:
 
 ==================================  =======  =================================================================
 ``pd_kv_free_pages``                gauge    free pages in the KV pool
@@ -23,13 +23,15 @@ process: see ``ServingMetrics``); names carry units:
 ``pd_dp_rank_requests_total``       counter  DP attention: requests assigned to each rank (label ``rank``)
 ``pd_dp_rank_tokens_total``         counter  DP attention: tokens each rank computed (label ``rank``)
 ``pd_engine_step_seconds_total``    counter  time spent in engine steps
-``pd_kv_transfer_bytes_total``      counter  KV bytes posted to decode instances (prefill): whole pages, and only
-                                             the filled slots of a prompt's last page (aux data not counted)
+``pd_kv_transfer_bytes_total``      counter  KV bytes posted to decode instances (prefill): whole pages, and
+                                             only the filled slots of a prompt's last page (aux data not
+                                             counted)
 ``pd_kv_transfers_total``           counter  rooms whose KV transfer reached Success
 ``pd_kv_failed_rooms_total``        counter  rooms whose KV transfer failed (timeouts included)
 ``pd_kv_timed_out_rooms_total``     counter  rooms failed by the bootstrap or waiting timeout
-``pd_kv_fenced_rooms_total``        counter  decode: failed rooms whose writer was fenced before their pages went
-                                             back (a write failed or the writer vanished; a no-op on NIXL)
+``pd_kv_fenced_rooms_total``        counter  decode: failed rooms whose writer was fenced before their pages
+                                             went back (a write failed or the writer vanished; a no-op on
+                                             NIXL)
 ``pd_kv_skipped_pages_total``       counter  prompt pages not sent (prefill) / not received (decode): decode
                                              held them already (its prefix cache)
 ``pd_kv_transfer_seconds_total``    counter  prefill: first KV chunk posted → last WRITE done, summed
@@ -38,19 +40,22 @@ process: see ``ServingMetrics``); names carry units:
                                              ``queued``, ``inflight``)
 ``pd_router_selections_total``      counter  router: requests sent per instance (labels ``role``, ``target``)
 ``pd_router_retries_total``         counter  router: attempts retried on another pair before the first token
-``pd_router_migrations_total``      counter  router: requests moved to another decode instance after the first token
+``pd_router_migrations_total``      counter  router: requests moved to another decode instance after the first
+                                             token
 ``pd_router_rejections_total``      counter  router: requests refused (label ``reason``: ``busy``,
                                              ``no_prefill``, ``no_decode``)
 ``pd_router_requests_total``        counter  router: requests ended (label ``outcome``)
 ``pd_router_healthy_instances``     gauge    router: 1 while an instance is in rotation (``role``, ``target``)
-``pd_router_ready``                 gauge    router: 1 while at least one prefill and one decode are in rotation
+``pd_router_ready``                 gauge    router: 1 while at least one prefill and one decode are in
+                                             rotation
 ``pd_time_to_first_token_seconds``  histo    public models (pd_ensemble, colocated): request arrival → first
                                              text queued for the client, per finished request
 ``pd_time_per_output_token_seconds`` histo   public models: (end − first token) / (output tokens − 1), per
                                              finished request with at least two tokens (TPOT; per sample)
 ``pd_e2e_request_latency_seconds``  histo    public models: request arrival → final response queued
 ``pd_request_prompt_tokens``        histo    public models: prompt tokens per finished request
-``pd_request_generation_tokens``    histo    public models: generated tokens per finished request (all samples)
+``pd_request_generation_tokens``    histo    public models: generated tokens per finished request (all
+                                             samples)
 ==================================  =======  =================================================================
 
 Histogram buckets are those of vLLM's own metrics (``vllm:time_to_first_token_seconds`` and its siblings, as
@@ -66,7 +71,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from engine.prefix_cache import PrefixCacheStats
-from serving.workers.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +90,8 @@ class Metric(Protocol):
 
 
 class MetricFamilyFactory(Protocol):
-    """``pb_utils.MetricFamily``: ``MetricFamily(name, description, kind)``, ``.Metric(labels=...)`` (histograms:
-    ``.Metric(labels=..., buckets=[...])``, then ``observe(value)``)."""
+    """``pb_utils.MetricFamily``: ``MetricFamily(name, description, kind)``, ``.Metric(labels=...)``
+    (histograms: ``.Metric(labels=..., buckets=[...])``, then ``observe(value)``)."""
 
     COUNTER: Any
     GAUGE: Any
@@ -115,24 +119,25 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
     "pd_kv_transfers_total": ("COUNTER", "Rooms whose KV transfer reached Success"),
     "pd_kv_failed_rooms_total": ("COUNTER", "Rooms whose KV transfer failed (timeouts included)"),
     "pd_kv_timed_out_rooms_total": ("COUNTER", "Rooms failed by the bootstrap or waiting timeout"),
-    "pd_kv_fenced_rooms_total": ("COUNTER", ("Decode: failed rooms whose writer was fenced before their pages "
-                                             "went back (a write failed or the writer vanished)")),
+    "pd_kv_fenced_rooms_total": ("COUNTER", ("Decode: failed rooms whose writer was fenced before their "
+                                             "pages went back (a write failed or the writer vanished)")),
     "pd_kv_skipped_pages_total": ("COUNTER", ("Prompt pages not sent (prefill) or not received (decode) "
                                               "because decode held them already (prefix cache)")),
     "pd_kv_transfer_seconds_total": ("COUNTER", "Prefill: seconds from a room's first KV chunk posted to its "
                                      "last WRITE done, summed over rooms"),
-    "pd_kv_transfer_tail_seconds_total": ("COUNTER", "Prefill: seconds from a room's last KV chunk posted to its "
-                                          "last WRITE done, summed over rooms"),
+    "pd_kv_transfer_tail_seconds_total": ("COUNTER", "Prefill: seconds from a room's last KV chunk posted to "
+                                          "its last WRITE done, summed over rooms"),
     "pd_router_queue_requests": ("GAUGE", "Router: requests waiting for admission (queued) and orchestrated "
                                  "(inflight)"),
     "pd_router_selections_total": ("COUNTER", "Router: requests sent per instance"),
     "pd_router_retries_total": ("COUNTER", "Router: attempts retried on another pair before the first token"),
-    "pd_router_migrations_total": ("COUNTER", "Router: requests moved to another decode instance after the first "
-                                              "token"),
+    "pd_router_migrations_total": ("COUNTER", "Router: requests moved to another decode instance after the "
+                                              "first token"),
     "pd_router_rejections_total": ("COUNTER", "Router: requests refused (busy, no healthy instance)"),
     "pd_router_requests_total": ("COUNTER", "Router: requests ended, by outcome"),
     "pd_router_healthy_instances": ("GAUGE", "Router: 1 while the instance is in rotation"),
-    "pd_router_ready": ("GAUGE", "Router: 1 while at least one prefill and one decode instance are in rotation"),
+    "pd_router_ready": ("GAUGE", "Router: 1 while at least one prefill and one decode instance are in "
+                                 "rotation"),
 }
 
 
@@ -176,22 +181,25 @@ class ServingMetrics:
     Updates are buffered: ``set_gauge``, ``increment`` and ``observe`` only note the change (any thread, a few
     microseconds), and a flusher thread (``metrics-<instance>``) hands them to tritonserver every
     ``flush_interval_s``: a gauge's last value (unchanged values are not sent), a counter's summed increments,
-    every histogram observation. Why: each python-backend ``Metric.set``/``increment``/``observe`` is a round trip
-    to the server process that holds the GIL while it waits (py-spy, tritonserver 2.51: a quarter of a prefill
-    engine loop's GIL time went to gauges set every tick), which delayed first tokens and decode steps.
+    every histogram observation. Why: each python-backend ``Metric.set``/``increment``/``observe`` is a round
+    trip to the server process that holds the GIL while it waits (py-spy, tritonserver 2.51: a quarter of a
+    prefill engine loop's GIL time went to gauges set every tick), which delayed first tokens and decode
+    steps.
 
     Each series also carries ``pid``, the stub's process id, so that no two stubs ever share one: tritonserver
-    (core ``src/metric_family.cc``, 2.51 and still upstream) gives every ``MetricFamily`` object its own reference
-    count of the prometheus series it added, while two families of one name (an old and a new version of a model
-    during a reload: both alive until the old one's last request ends) share prometheus' family and so the series
-    of equal labels. The first stub to delete its ``Metric`` frees the series under the other, whose next update
-    writes freed memory: a reload of ``decode`` under traffic aborted tritonserver (``malloc(): unaligned fastbin
-    chunk detected``), and the new version's series were gone from ``/metrics`` (``test_healing_live``).
+    (core ``src/metric_family.cc``, 2.51 and still upstream) gives every ``MetricFamily`` object its own
+    reference count of the prometheus series it added, while two families of one name (an old and a new
+    version of a model during a reload: both alive until the old one's last request ends) share prometheus'
+    family and so the series of equal labels. The first stub to delete its ``Metric`` frees the series under
+    the other, whose next update writes freed memory: a reload of ``decode`` under traffic aborted
+    tritonserver (``malloc(): unaligned fastbin chunk detected``), and the new version's series were gone from
+    ``/metrics`` (``test_healing_live``).
 
     ``close()`` must run in the model's ``finalize``: a python-backend ``Metric`` or ``MetricFamily`` sends a
     delete message to tritonserver when it is destroyed, and one still alive when the stub tears itself down
-    (after ``finalize`` returned) dereferences the stub's freed shared-memory pool (tritonserver 2.51: segfault
-    in ``Metric::SaveToSharedMemory``). It flushes what is buffered first; updates after ``close()`` are ignored.
+    (after ``finalize`` returned) dereferences the stub's freed shared-memory pool (tritonserver 2.51:
+    segfault in ``Metric::SaveToSharedMemory``). It flushes what is buffered first; updates after ``close()``
+    are ignored.
     """
 
     def __init__(self, family_factory: MetricFamilyFactory, model: str, instance: str,
@@ -205,17 +213,20 @@ class ServingMetrics:
             flush_interval_s: period of the flusher thread (started here), seconds.
         """
         self._labels = {"model": model, "instance": instance, "pid": str(os.getpid())}
-        self._families = {name: family_factory(name=name, description=desc, kind=getattr(family_factory, kind))
+        self._families = {name: family_factory(name=name, description=desc,
+                                               kind=getattr(family_factory, kind))
                           for name, (kind, desc) in _FAMILIES.items()}
-        self._families.update({name: family_factory(name=name, description=desc, kind=family_factory.HISTOGRAM)
+        self._families.update({name: family_factory(name=name, description=desc,
+                                                    kind=family_factory.HISTOGRAM)
                                for name, (desc, _) in _HISTOGRAMS.items()})
         self._series: dict[_Key, Metric] = {}
         self._last_gauge: dict[_Key, float] = {}
-        # held while talking to Triton (flush) and by close(): a flush never sends through a metric that close()
-        # is destroying, and nothing keeps a metric alive past close()
+        # held while talking to Triton (flush) and by close(): a flush never sends through a metric that
+        # close() is destroying, and nothing keeps a metric alive past close()
         self._lock = threading.Lock()
         self._closed = False
-        # held only to note or take buffered updates: the engine and router threads never wait for a round trip
+        # held only to note or take buffered updates: the engine and router threads never wait for a round
+        # trip
         self._pending_lock = threading.Lock()
         self._accepting = True
         self._gauges: dict[_Key, float] = {}
@@ -227,8 +238,8 @@ class ServingMetrics:
         self._thread.start()
 
     def close(self) -> None:
-        """Flush, then destroy every Triton metric and family now (model ``finalize``; see the class docstring).
-        Idempotent."""
+        """Flush, then destroy every Triton metric and family now (model ``finalize``; see the class
+        docstring). Idempotent."""
         self._stop.set()
         with self._pending_lock:
             self._accepting = False
@@ -336,10 +347,34 @@ class ServingMetrics:
         self.increment("pd_generation_tokens_total", num_output_tokens)
 
 
+class LoopCounters(Protocol):
+    """What ``LoopMetricsHook`` reads of a loop's ``stats()`` (``serving.workers.engine_loop.LoopStats``)."""
+
+    @property
+    def num_active_requests(self) -> int: ...
+
+    @property
+    def num_queued_commands(self) -> int: ...
+
+    @property
+    def steps_total(self) -> int: ...
+
+    @property
+    def step_seconds_total(self) -> float: ...
+
+
+class CountedLoop(Protocol):
+    """The loop whose counters ``LoopMetricsHook`` publishes (``serving.workers.engine_loop.EngineLoop``)."""
+
+    def stats(self) -> LoopCounters:
+        """The loop's counters now; called on the loop thread."""
+        ...
+
+
 class LoopMetricsHook:
     """Tick hook that publishes the KV pool and the loop's counters (runs on the loop thread)."""
 
-    def __init__(self, loop: EngineLoop, metrics: ServingMetrics,
+    def __init__(self, loop: CountedLoop, metrics: ServingMetrics,
                  kv_pages: Callable[[], tuple[int, int]],
                  prefix_cache: Callable[[], PrefixCacheStats] | None = None) -> None:
         """
@@ -365,7 +400,8 @@ class LoopMetricsHook:
         self._metrics.set_queue_length("running", stats.num_active_requests)
         self._metrics.set_queue_length("commands", stats.num_queued_commands)
         self._metrics.increment("pd_engine_steps_total", stats.steps_total - self._steps_seen)
-        self._metrics.increment("pd_engine_step_seconds_total", stats.step_seconds_total - self._step_seconds_seen)
+        self._metrics.increment("pd_engine_step_seconds_total",
+                                stats.step_seconds_total - self._step_seconds_seen)
         self._steps_seen, self._step_seconds_seen = stats.steps_total, stats.step_seconds_total
         if self._prefix_cache is not None:
             self._publish_prefix_cache(self._prefix_cache())
@@ -374,7 +410,8 @@ class LoopMetricsHook:
     def _publish_prefix_cache(self, cache: PrefixCacheStats) -> None:
         seen = self._cache_seen
         self._metrics.set_gauge("pd_kv_cached_pages", cache.cached_pages)
-        self._metrics.increment("pd_prefix_cache_queries_tokens_total", cache.queries_tokens - seen.queries_tokens)
+        self._metrics.increment("pd_prefix_cache_queries_tokens_total",
+                                cache.queries_tokens - seen.queries_tokens)
         self._metrics.increment("pd_prefix_cache_hits_tokens_total", cache.hits_tokens - seen.hits_tokens)
         self._cache_seen = cache
 

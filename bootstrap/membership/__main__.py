@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
-        secret = load_fleet_secret()
+        secret = load_fleet_secret(os.environ)
         check_bind(args.host, secret, "the membership registry")
         tls = args.fleet_tls()
     except (AuthError, TLSError) as exc:

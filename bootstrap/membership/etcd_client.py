@@ -7,8 +7,9 @@ same venv (a python-backend stub imports both); the gateway needs nothing beyond
 dependency, and speaks the same API (keys and values base64, int64 as strings). Its one cost, a watch being an
 HTTP stream, is handled by reopening it from the next revision after an idle read timeout.
 
-``EtcdOptions.from_url`` is the only reader of ``PD_ETCD_USER``, ``PD_ETCD_PASSWORD``, ``PD_ETCD_CA``,
-``PD_ETCD_CERT`` and ``PD_ETCD_KEY``. Not thread-safe: one ``EtcdClient`` per thread.
+``EtcdOptions.from_url`` is the only reader of the settings ``PD_ETCD_USER``, ``PD_ETCD_PASSWORD``,
+``PD_ETCD_CA``, ``PD_ETCD_CERT`` and ``PD_ETCD_KEY`` (``ETCD_ENV``), from the mapping its caller passes (a
+process's config layer reads them from the environment). Not thread-safe: one ``EtcdClient`` per thread.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import urllib3
 from bootstrap.membership.member import MembershipError
 
 JsonObject = dict[str, Any]   # a gateway message, as json.loads gives it
+#: etcd's own auth and TLS settings, by environment variable name (``EtcdOptions.from_url``)
+ETCD_ENV = ("PD_ETCD_USER", "PD_ETCD_PASSWORD", "PD_ETCD_CA", "PD_ETCD_CERT", "PD_ETCD_KEY")
 CODE_NOT_FOUND = 5
 CODE_UNAUTHENTICATED = 16
 

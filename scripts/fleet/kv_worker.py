@@ -93,7 +93,7 @@ class _Worker:
         self.pages = flat.reshape(NUM_PAGES, -1)               # [num_pages, page floats], page-major
         kv_args = KVArgs(instance_id=args.instance_id, role=args.role, kv_base_ptr=flat.ctypes.data,
                          kv_nbytes=flat.nbytes, layout=smollm2_layout(), model_id=MODEL_ID,
-                         local_hostname=args.hostname, fleet_secret=load_fleet_secret(),
+                         local_hostname=args.hostname, fleet_secret=load_fleet_secret(os.environ),
                          waiting_timeout_s=args.waiting_timeout_s, bootstrap_timeout_s=args.waiting_timeout_s)
         # --network-only is NIXL's option; a backend without it (Mooncake, always over its network) ignores
         # it. Of the environment only NIXL's progress thread is read (an A/B of it); --local keeps its meaning

@@ -11,8 +11,8 @@ transports run in the same invocation, alternating rounds, so the host's load af
     PYTHONPATH=. .venv/bin/python scripts/perf/bench_child_hop.py --responses 100      # streamed tokens
 
 grpc.aio: ``tritonclient.grpc.service_pb2_grpc``'s service and stub (what ``GrpcLauncher`` uses). Child
-frames: ``serving.parsing.child_frames`` as ``EndpointLauncher`` and ``serving.workers.endpoint`` use it,
-reduced to the framing (no worker, no auth).
+frames: ``serving.child.frames`` as ``EndpointLauncher`` and ``serving.workers.endpoint`` use it, reduced to
+the framing (no worker, no auth).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _grpc_server(port: int, responses: int, ready: mp.synchronize.Event) -> None
 def _frames_server(port: int, responses: int, ready: mp.synchronize.Event) -> None:
     from tritonclient.grpc import service_pb2
 
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, read_frame, split_open
+    from serving.child.frames import PREAMBLE, FrameKind, frame, read_frame, split_open
 
     payload = _response()
 
@@ -128,7 +128,7 @@ async def _grpc_calls(port: int, calls: int, responses: int) -> list[tuple[float
 async def _frames_calls(port: int, calls: int, responses: int) -> list[tuple[float, float]]:
     from tritonclient.grpc import service_pb2
 
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
+    from serving.child.frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(PREAMBLE)

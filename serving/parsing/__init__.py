@@ -1,2 +1,2 @@
-"""Requests in: the Triton LLM convention's inputs parsed and validated once (``request``), the router's child
-requests (``pd_request``) and the child protocol's codec with its schema hash (``child_codec``)."""
+"""Requests in: the Triton LLM convention's inputs parsed and validated once (``request``) and the router's
+child requests (``pd_request``, over the child protocol of ``serving.child``)."""

@@ -11,15 +11,15 @@
 ``prefill_rendezvous`` STRING   decode only, with ``prefill_instance``: that instance's own rendezvous
                                 (``http://host:port``), where decode posts the room's destination
 ``resume_token_ids``   INT32    decode only, ``[k]``, ``1 <= k < max_tokens``, no ``prefill_instance``: a
-                                **migrated** request: the tokens it already generated (on a decode instance that
-                                failed) and sent to the client; a direct decode that prefills the prompt and
-                                these tokens and streams only what follows them
-``prompt_token_ids``   INT32    ``[k]``, with ``tokenizer_id``: the prompt's token ids as the router's tokenizer
-                                made them (chat template applied); the child uses them instead of tokenizing
-                                ``text_input`` again when ``tokenizer_id`` is its own tokenizer's
+                                **migrated** request: the tokens it already generated (on a decode instance
+                                that failed) and sent to the client; a direct decode that prefills the prompt
+                                and these tokens and streams only what follows them
+``prompt_token_ids``   INT32    ``[k]``, with ``tokenizer_id``: the prompt's token ids as the router's
+                                tokenizer made them (chat template applied); the child uses them instead of
+                                tokenizing ``text_input`` again when ``tokenizer_id`` is its own tokenizer's
                                 (``engine.model.tokenizer.Tokenizer.fingerprint``), else it tokenizes
 ``tokenizer_id``       STRING   the fingerprint of the tokenizer that made ``prompt_token_ids``
-``child_schema``       STRING   the router's ``serving.parsing.child_codec.SCHEMA_HASH``: a child of another build
+``child_schema``       STRING   the router's ``serving.child.codec.SCHEMA_HASH``: a child of another build
                                 answers with an error naming both (absent: not checked)
 ``pd_control``         STRING   ``"describe"``: no generation; one response whose ``text_output`` is this
                                 instance's ``InstanceCard`` JSON (how a router of the same server finds it)
@@ -40,13 +40,13 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from serving.parsing.child_codec import SCHEMA_INPUT, check_schema
+from serving.child.codec import SCHEMA_INPUT, check_schema
 from serving.parsing.request import GenerateRequest, RequestError, parse_request
 
 Room = int
 MAX_ROOM = 2**63 - 1
-PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous", "resume_token_ids",
-                                   "prompt_token_ids", "tokenizer_id", SCHEMA_INPUT)
+PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous",
+                                   "resume_token_ids", "prompt_token_ids", "tokenizer_id", SCHEMA_INPUT)
 CONTROL_INPUT = "pd_control"
 DESCRIBE = "describe"
 CARD_VERSION = 1
@@ -117,17 +117,18 @@ class PDRequest:
         return not self.prefill_instance
 
 
-def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Mapping[str, np.ndarray]) -> PDRequest:
+def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool],
+                     pd_inputs: Mapping[str, np.ndarray]) -> PDRequest:
     """Validate a child request.
 
     Args:
         llm_inputs: the LLM-convention inputs (``triton_io.read_inputs``).
         pd_inputs: ``bootstrap_room`` (int64, one element) and, for decode, ``prefill_instance`` (bytes; empty
-            or absent: direct decode) with ``prefill_rendezvous`` (bytes, required with ``prefill_instance``), and
-            ``resume_token_ids`` (integers ``[k]``, direct decode only), ``prompt_token_ids`` (integers ``[k]``
-            >= 0, with ``tokenizer_id``).
+            or absent: direct decode) with ``prefill_rendezvous`` (bytes, required with ``prefill_instance``),
+            and ``resume_token_ids`` (integers ``[k]``, direct decode only), ``prompt_token_ids`` (integers
+            ``[k]`` >= 0, with ``tokenizer_id``).
     Raises:
-        ChildSchemaMismatch: ``child_schema`` is another build's (``serving.parsing.child_codec``), checked first.
+        ChildSchemaMismatch: ``child_schema`` is another build's (``serving.child.codec``), checked first.
         RequestError: naming the offending input.
     """
     check_schema(pd_inputs)
@@ -143,19 +144,19 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool], pd_inputs: Ma
     prefill_instance = _optional_text(pd_inputs, "prefill_instance")
     prefill_rendezvous = _optional_text(pd_inputs, "prefill_rendezvous")
     if prefill_instance and not prefill_rendezvous.startswith(("http://", "https://")):
-        raise RequestError("prefill_rendezvous", "must be the prefill instance's rendezvous URL (http://host:port) "
-                           "when prefill_instance is set")
+        raise RequestError("prefill_rendezvous", "must be the prefill instance's rendezvous URL "
+                           "(http://host:port) when prefill_instance is set")
     resume = _resume_token_ids(pd_inputs, request.params.max_tokens)
     if resume and prefill_instance:
         raise RequestError("resume_token_ids", "resumes a direct decode: send it without prefill_instance")
     prompt_ids = _token_ids(pd_inputs, "prompt_token_ids")
     tokenizer_id = _optional_text(pd_inputs, "tokenizer_id")
     if prompt_ids and not tokenizer_id:
-        raise RequestError("tokenizer_id", "is required with prompt_token_ids (the fingerprint of the tokenizer "
-                           "that made them)")
+        raise RequestError("tokenizer_id", "is required with prompt_token_ids (the fingerprint of the "
+                           "tokenizer that made them)")
     return PDRequest(request=request, room=room, prefill_instance=prefill_instance,
-                     prefill_rendezvous=prefill_rendezvous, resume_token_ids=resume, prompt_token_ids=prompt_ids,
-                     tokenizer_id=tokenizer_id)
+                     prefill_rendezvous=prefill_rendezvous, resume_token_ids=resume,
+                     prompt_token_ids=prompt_ids, tokenizer_id=tokenizer_id)
 
 
 def _resume_token_ids(pd_inputs: Mapping[str, np.ndarray], max_tokens: int) -> tuple[int, ...]:

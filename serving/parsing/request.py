@@ -13,7 +13,8 @@ Inputs, as ``triton_io.read_inputs`` hands them over (one Python scalar per inpu
                                        ``text_output``; streaming: the prompt is never sent, and an explicit
                                        false is an error (as in the vLLM backend)
 ``apply_chat_template``       bool     wrap the prompt as one user message in the model's chat template
-``return_finish_reason``      bool     send ``finish_reason`` (BYTES ``[n]``: ``"None"`` until the sample ends)
+``return_finish_reason``      bool     send ``finish_reason`` (BYTES ``[n]``: ``"None"`` until the sample
+                                       ends)
 ``return_cumulative_logprob`` bool     send ``cumulative_logprob`` (FP32 ``[n]``)
 ``return_logprobs``           bool     send ``logprobs`` (BYTES ``[n]``, JSON; ``null`` without the
                                        ``logprobs`` sampling parameter)
@@ -38,17 +39,18 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParams
 from engine.sampling_params import SamplingParams
+from serving.schema import CLIENT_OUTPUTS, RETURN_FLAGS
 
 RawValue = bytes | str | bool
-RETURN_INPUTS: tuple[str, ...] = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-                                  "return_num_input_tokens", "return_num_output_tokens",
-                                  "return_num_cached_tokens")
+#: the ``return_*`` inputs, one per optional output of the client layout (``serving.schema``)
+RETURN_INPUTS: tuple[str, ...] = RETURN_FLAGS
 INPUT_NAMES: tuple[str, ...] = (
     "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "apply_chat_template",
     *RETURN_INPUTS)
 _BOOL_INPUTS: tuple[str, ...] = ("stream", "exclude_input_in_output", "apply_chat_template", *RETURN_INPUTS)
 #: The vLLM backend's own words for this error (its client tests compare the message).
-STREAM_PROMPT_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+STREAM_PROMPT_ERROR = ("Error generating stream: When streaming, `exclude_input_in_output` = False is not "
+                       "allowed.")
 
 
 class RequestError(ValueError):
@@ -68,14 +70,22 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class OutputOptions:
-    """Which optional outputs the client asked for (the ``return_*`` inputs); each defaults to off."""
+    """Which optional outputs the client asked for (their ``return_*`` inputs), by output name; none by
+    default.
 
-    finish_reason: bool = False
-    cumulative_logprob: bool = False
-    logprobs: bool = False
-    num_input_tokens: bool = False
-    num_output_tokens: bool = False
-    num_cached_tokens: bool = False
+    Attributes:
+        names: the outputs asked for (names of ``serving.schema.CLIENT_OUTPUTS``).
+    """
+
+    names: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, *names: str) -> OutputOptions:
+        return cls(frozenset(names))
+
+    def asks(self, name: str) -> bool:
+        """True when the output ``name`` is sent: asked for, or one without a ``return_*`` input."""
+        return name in self.names or CLIENT_OUTPUTS[name].return_flag is None
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,8 @@ class GenerateRequest:
         return not self.stream and not self.exclude_input_in_output
 
 
-def parse_request(inputs: Mapping[str, RawValue], parameters: Mapping[str, object] | None = None) -> GenerateRequest:
+def parse_request(inputs: Mapping[str, RawValue],
+                  parameters: Mapping[str, object] | None = None) -> GenerateRequest:
     """Validate the inputs of one request and build its ``GenerateRequest``.
 
     Args:
@@ -137,7 +148,8 @@ def parse_request(inputs: Mapping[str, RawValue], parameters: Mapping[str, objec
     else:
         sampling = {k: v for k, v in (parameters or {}).items() if not k.startswith("triton_")}
     params = sampling_params(sampling)
-    outputs = OutputOptions(*(flags.get(name, False) for name in RETURN_INPUTS))
+    outputs = OutputOptions(frozenset(o.name for o in CLIENT_OUTPUTS.values()
+                                      if o.return_flag is not None and flags.get(o.return_flag, False)))
     return GenerateRequest(prompt=prompt, stream=stream, params=params,
                            exclude_input_in_output=stream if exclude is None else exclude,
                            apply_chat_template=flags.get("apply_chat_template", False), outputs=outputs,

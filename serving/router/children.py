@@ -14,8 +14,8 @@ import asyncio
 import logging
 from collections import deque
 
+from serving.delta import Delta, ErrorKind
 from serving.router.launch import ChildCall, ChildUnavailable, Launcher, PushLauncher
-from serving.stream import Delta, ErrorKind
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,10 @@ class ChildStreams:
         self._reader_of[id(call)] = reader
 
     async def next_event(self, timeout_s: float) -> Event | None:
-        """The oldest event not read yet, waiting up to ``timeout_s`` seconds for one; None when none came. One
-        reader at a time (the merge loop). Runs once per streamed token: one future and one timer per wait, no
-        task (``asyncio.wait_for`` on a queue's ``get`` made a task, a future and a timer for each)."""
+        """The oldest event not read yet, waiting up to ``timeout_s`` seconds for one; None when none came.
+        One reader at a time (the merge loop). Runs once per streamed token: one future and one timer per
+        wait, no task (``asyncio.wait_for`` on a queue's ``get`` made a task, a future and a timer for
+        each)."""
         if not self._events:
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
@@ -72,8 +73,8 @@ class ChildStreams:
         return self._current.get(call.role) is call
 
     def forget(self, role: str) -> None:
-        """Give up ``role``'s current call (its instance stopped answering: a frozen server, a host cut off from
-        the router): its events become stale, and ``cancel_all`` no longer waits for it.
+        """Give up ``role``'s current call (its instance stopped answering: a frozen server, a host cut off
+        from the router): its events become stale, and ``cancel_all`` no longer waits for it.
 
         A call to a worker's own endpoint (``Target.worker_endpoint``) is cancelled now: its ``CANCEL`` frame
         waits in the router's socket until the path is back, and the worker then aborts the request and frees
@@ -81,8 +82,8 @@ class ChildStreams:
         the link was down, and that abort never reached it: docs/multihost.md). A call through tritonserver is
         left to end by itself: a cancel that reached tritonserver 2.51 once the path was back, while the
         server's writes to this router were still stalled, aborted that server (a gRPC assertion,
-        ``interceptor_common.h: ASSERTION FAILED: ops_``; docs/multihost.md); the instance's work for the request
-        then runs to its end (its pages come back then, or at the waiting timeout)."""
+        ``interceptor_common.h: ASSERTION FAILED: ops_``; docs/multihost.md); the instance's work for the
+        request then runs to its end (its pages come back then, or at the waiting timeout)."""
         call = self._current.pop(role, None)
         reader = self._reader_of.pop(id(call), None) if call is not None else None
         if call is None or reader is None or reader not in self._readers:
@@ -93,13 +94,14 @@ class ChildStreams:
         reader.add_done_callback(lambda r: r.cancelled() or r.exception())   # retrieved: no "never retrieved"
 
     async def cancel_all(self, grace_s: float = FINISH_GRACE_S) -> None:
-        """End every open stream: one that ends by itself within ``grace_s`` (its FINAL already on its way, e.g.
-        both children rejecting the same bad request) is left to end; the rest are cancelled (Triton cancels
-        those children: they abort and free their pages). Waits for the readers; queued events of these calls
-        become stale.
+        """End every open stream: one that ends by itself within ``grace_s`` (its FINAL already on its way,
+        e.g. both children rejecting the same bad request) is left to end; the rest are cancelled (Triton
+        cancels those children: they abort and free their pages). Waits for the readers; queued events of
+        these calls become stale.
 
-        Why the grace: a stream cancelled after the server sent its FINAL makes tritonserver 2.51's gRPC frontend
-        keep that model loaded until the server's exit timeout (docs/healing.md section 4): a stop then took 20 s.
+        Why the grace: a stream cancelled after the server sent its FINAL makes tritonserver 2.51's gRPC
+        frontend keep that model loaded until the server's exit timeout (docs/healing.md section 4): a stop
+        then took 20 s.
         """
         self._current.clear()
         self._reader_of.clear()

@@ -1,6 +1,7 @@
 """``RouterConfig``: the knobs of one router (``pd_ensemble`` instance), built once from its model parameters.
 
-Environment variables are read in ``serving.config`` only (``PD_REGISTRY_URL``, ``PD_GRPC_URL``, the fleet secret).
+Environment variables are read in ``serving.config`` only (``PD_REGISTRY_URL``, ``PD_GRPC_URL``, the fleet
+secret).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from serving.config import (
     ConfigError,
     parse_parameters,
     read_drain_timeout,
+    read_etcd_settings,
     read_fleet_secret,
     read_fleet_tls,
     read_grpc_tls,
@@ -47,9 +49,10 @@ class RouterConfig:
 
     Attributes:
         registry_url: the fleet's membership registry (``http://host:port``: the embedded registry service;
-            ``etcd://host:port[,...]``: etcd); empty (the default): no registry, the fleet is the PD workers of
-            this router's own tritonserver (Triton's repository index). Losing the registry freezes membership
-            only: the router keeps its last view and asks each instance's own rendezvous for its health.
+            ``etcd://host:port[,...]``: etcd); empty (the default): no registry, the fleet is the PD workers
+            of this router's own tritonserver (Triton's repository index). Losing the registry freezes
+            membership only: the router keeps its last view and asks each instance's own rendezvous for its
+            health.
         grpc_url: this tritonserver's own gRPC endpoint (``host:port``); a bare model name of a static list
             is served there, and without a registry the fleet is found there.
         prefill_models / decode_models: static lists (comma-separated ``model`` or ``model@host:port``);
@@ -79,10 +82,10 @@ class RouterConfig:
         instance_stale_s: an instance not heard from for this long is out of rotation (new requests go to
             others), seconds; its open streams are given up only after ``blip_tolerance_s``.
         fleet_wait_s: a request that finds no healthy prefill or decode instance waits this long for one (the
-            fleet asked again every ``fleet_refresh_s``) before it fails with "no healthy ... instance", seconds;
-            0: it fails at once. Covers a router that loaded next to its workers and has not read them yet when
-            tritonserver says ready, and a worker rejoining after a restart or a reload; a retry that finds no
-            instance but the ones that failed it (by id and epoch) waits the same.
+            fleet asked again every ``fleet_refresh_s``) before it fails with "no healthy ... instance",
+            seconds; 0: it fails at once. Covers a router that loaded next to its workers and has not read
+            them yet when tritonserver says ready, and a worker rejoining after a restart or a reload; a retry
+            that finds no instance but the ones that failed it (by id and epoch) waits the same.
         breaker_failures: consecutive failures that take an instance out of rotation.
         breaker_cooldown_s: how long it stays out before one trial request, seconds.
         drain_timeout_s: a server stop: how long the router lets its open streams run to their end (new ones
@@ -90,15 +93,17 @@ class RouterConfig:
             unload needs none: tritonserver waits for the model's requests before ``finalize``.
         health_port: port of the router's readiness endpoint (``GET /ready``: 200 or 503); 0: none.
         worker_endpoints: send child requests to each worker's own endpoint when it has one
-            (``serving.workers.endpoint``, child frames over TCP; its ``worker_endpoint`` in the fleet listing),
-            past its tritonserver (the default; figures in docs/benchmarks.md "Serving path"); false: over gRPC
-            through the worker's tritonserver.
+            (``serving.workers.endpoint``, child frames over TCP; its ``worker_endpoint`` in the fleet
+            listing), past its tritonserver (the default; figures in docs/benchmarks.md "Serving path");
+            false: over gRPC through the worker's tritonserver.
         fleet_secret: the fleet secret (env, never a parameter); None: unauthenticated, loopback only.
         grpc_tls: TLS of the router's gRPC channels to tritonservers (its own server's index, children over
             gRPC; ``PD_GRPC_SSL_*``, never a parameter); None: plaintext.
         fleet_tls: TLS of the router's calls to the registry, the instances' rendezvous and the worker
             endpoints (``PD_TLS_*``, never a parameter; ``bootstrap.tls``); None: plaintext. With it an
             ``http://`` ``registry_url`` is refused.
+        etcd_settings: etcd's own auth and TLS for an ``etcd://`` registry (``PD_ETCD_*``, never a
+            parameter; ``serving.config.read_etcd_settings``).
 
     Raises:
         ConfigError: at construction, naming the parameter.
@@ -129,6 +134,7 @@ class RouterConfig:
     fleet_secret: bytes | None = field(default=None, repr=False)
     grpc_tls: GrpcTls | None = None
     fleet_tls: FleetTLS | None = None
+    etcd_settings: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -172,19 +178,22 @@ class RouterConfig:
         return specs
 
 
-def build_router_config(parameters: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RouterConfig:
+def build_router_config(parameters: Mapping[str, Any],
+                        environ: Mapping[str, str] | None = None) -> RouterConfig:
     """The router config from ``model_config["parameters"]`` (``{"key": {"string_value": "..."}}`` or plain
     strings); ``PD_REGISTRY_URL`` / ``PD_GRPC_URL`` / ``PD_DRAIN_TIMEOUT_S`` override ``registry_url`` /
     ``grpc_url`` / ``drain_timeout_s``; the fleet secret
-    and the TLS settings (``PD_GRPC_SSL_*``, ``PD_TLS_*``) come from the environment only.
+    and the TLS settings (``PD_GRPC_SSL_*``, ``PD_TLS_*``, ``PD_ETCD_*``) come from the environment only.
 
     Raises:
         ConfigError: an unknown parameter, a value that does not parse, or one out of range.
     """
-    values = parse_parameters(parameters, RouterConfig, skip=("fleet_secret", "grpc_tls", "fleet_tls"))
+    values = parse_parameters(parameters, RouterConfig,
+                              skip=("fleet_secret", "grpc_tls", "fleet_tls", "etcd_settings"))
     values["registry_url"] = read_registry_url(values.get("registry_url", RouterConfig.registry_url), environ)
     values["fleet_secret"] = read_fleet_secret(environ)
     values["fleet_tls"] = read_fleet_tls(environ)
+    values["etcd_settings"] = read_etcd_settings(environ)
     values["grpc_tls"] = read_grpc_tls(environ)
     values["grpc_url"] = read_grpc_url(values.get("grpc_url", RouterConfig.grpc_url), environ)
     drain_timeout_s = values.get("drain_timeout_s", RouterConfig.drain_timeout_s)

@@ -4,10 +4,11 @@ Two sources, one ``MemberSource`` seam:
 
 - ``LocalServerMembers`` (no registry, the default): the PD workers of the router's own tritonserver. Triton's
   repository index lists the READY models; a model whose inputs include ``pd_control`` is a PD worker, and a
-  ``describe`` request (``serving.parsing.pd_request.InstanceCard``) tells its instance id, role and rendezvous URL. This
-  is what makes plain ``tritonserver --model-repository`` work with nothing beside it.
-- ``RegistryMembers``: the fleet's membership registry (``bootstrap.membership``: the embedded registry service
-  or etcd), for fleets across servers. Losing the registry freezes the member list; it does not empty it.
+  ``describe`` request (``serving.parsing.pd_request.InstanceCard``) tells its instance id, role and
+  rendezvous URL. This is what makes plain ``tritonserver --model-repository`` work with nothing beside it.
+- ``RegistryMembers``: the fleet's membership registry (``bootstrap.membership``: the embedded registry
+  service or etcd), for fleets across servers. Losing the registry freezes the member list; it does not empty
+  it.
 
 Either way the router then asks each member's own rendezvous for its load and health (``FleetWatcher``), so no
 central process sits between a router and the instances it pairs.
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from serving.parsing.child_codec import AUTH_PARAMETER, sign_call
+from serving.child.signing import AUTH_PARAMETER, sign_call
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, InstanceCard
 from serving.triton.admin_access import admin_headers
 from serving.triton.control_client import control_client
@@ -69,8 +70,8 @@ class MemberSource(Protocol):
         ...
 
     def forget(self, instance_id: str) -> None:
-        """The member's rendezvous refused a connection (its process is gone), or lists it draining (its model is
-        being unloaded; a reload's successor serves that model now): learn it anew next time."""
+        """The member's rendezvous refused a connection (its process is gone), or lists it draining (its model
+        is being unloaded; a reload's successor serves that model now): learn it anew next time."""
         ...
 
     def close(self) -> None: ...
@@ -99,10 +100,10 @@ class LocalServerMembers:
         try:
             ready = self._ready_models()
         except Exception as e:   # the server is loading, stopping or unreachable: keep the last view
-            # once when it starts failing (a server still starting or stopping answers UNAVAILABLE every round,
-            # 4 a second), then at debug level until it reads again; while the server starts (the router's model
-            # loads before tritonserver opens its gRPC port: refused at first, every start) only once that took
-            # longer than STARTUP_GRACE_S
+            # once when it starts failing (a server still starting or stopping answers UNAVAILABLE every
+            # round, 4 a second), then at debug level until it reads again; while the server starts (the
+            # router's model loads before tritonserver opens its gRPC port: refused at first, every start)
+            # only once that took longer than STARTUP_GRACE_S
             now = time.monotonic()
             if self._failing_since_s is None:
                 self._failing_since_s = now
@@ -170,7 +171,7 @@ def describe(client: Any, model: str, timeout_s: float, fleet_secret: bytes | No
     """Ask PD worker ``model`` for its card over one gRPC stream (the model is decoupled). The stream is
     half-closed only after the FINAL flag (cancelling right after FINAL keeps tritonserver 2.51 from unloading
     the model later). With ``fleet_secret`` the request is signed for ``instance_id``
-    (``child_codec.sign_call``, in its ``pd_fleet_auth`` parameter), as every child request is. Raises
+    (``signing.sign_call``, in its ``pd_fleet_auth`` parameter), as every child request is. Raises
     ``TimeoutError``, ``ValueError`` (a bad card), ``RuntimeError`` (the worker's error, e.g. a refused
     signature) or the client's errors."""
     from tritonclient.grpc import InferInput

@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Protocol
 
+from serving.delta import Delta, ErrorKind, ResponseChunk
 from serving.parsing.pd_request import PDRequest
 from serving.parsing.request import parse_request
 from serving.router.launch import ChildCall, ChildUnavailable
-from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
+from serving.stream import ResponseSink
 
 
 class PDWorker(Protocol):

@@ -1,23 +1,25 @@
 """The ``Launcher`` seam: send one child request (prefill or decode) and stream its responses.
 
 ``ChildLauncher`` (the router's) sends a child request to the worker's own endpoint when its target is one
-(``serving.workers.endpoint``: ``EndpointLauncher``, child frames over TCP, ``serving.parsing.child_frames``), else
-to the tritonserver that serves it, whichever server that is (the router's own included): ``GrpcLauncher``, asyncio
-gRPC streaming (Triton's ``ModelStreamInfer`` through the service stub tritonclient ships,
-``tritonclient.grpc.service_pb2_grpc``). Either way one stream per child request, so that cancelling the stream
-cancels exactly that request (the child then sees ``is_cancelled()``, aborts it and frees its pages). A worker
-endpoint's stream can also be pushed (``PushLauncher.push``: each response handed to a callback by the
-connection's reader task, no task per child stream), which ``ChildStreams`` prefers. Why not BLS for the router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the
-stub and not ``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
-``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one per
-streamed token) once, straight from its raw contents (``child_codec.decode_raw_response``): 110 -> ~20 us per
-response measured here.
+(``serving.workers.endpoint``: ``EndpointLauncher``, child frames over TCP, ``serving.child.frames``), else
+to the tritonserver that serves it, whichever server that is (the router's own included): ``GrpcLauncher``,
+asyncio gRPC streaming (Triton's ``ModelStreamInfer`` through the service stub tritonclient ships,
+``tritonclient.grpc.service_pb2_grpc``). Either way one stream per child request, so that cancelling the
+stream cancels exactly that request (the child then sees ``is_cancelled()``, aborts it and frees its pages). A
+worker endpoint's stream can also be pushed (``PushLauncher.push``: each response handed to a callback by the
+connection's reader task, no task per child stream), which ``ChildStreams`` prefers. Why not BLS for the
+router's own server: docs/architecture.md, "Why the router speaks gRPC". Why the stub and not
+``tritonclient.grpc.aio.InferenceServerClient.stream_infer``: that client wraps every response in an
+``InferResult`` whose ``as_numpy`` scans the outputs once per name; the router reads each child response (one
+per streamed token) once, straight from its raw contents (``serving.child.codec.decode_raw_response``): 110 ->
+~20 us per response measured here.
 
-Child protocol: ``serving.parsing.child_codec`` (inputs, outputs and their types, the response decoder this module uses,
-the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error`` (and
-``error_kind``) is set. With a fleet secret every child request is signed (``sign_child``: bound to the target
-instance and to the request's model, id and inputs) on both paths: in the ``OPEN`` frame to a worker endpoint,
-in the request parameter ``pd_fleet_auth`` through tritonserver; the worker refuses a request without it.
+Child protocol: ``serving.child.codec`` (inputs, outputs and their types, the response decoder this module
+uses, the schema hash ``child_arrays`` sends). A child reports a failure as a FINAL response whose ``error``
+(and ``error_kind``) is set. With a fleet secret every child request is signed (``sign_child``: bound to the
+target instance and to the request's model, id and inputs) on both paths: in the ``OPEN`` frame to a worker
+endpoint, in the request parameter ``pd_fleet_auth`` through tritonserver; the worker refuses a request
+without it.
 """
 
 from __future__ import annotations
@@ -33,27 +35,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from bootstrap.tls import FleetTLS, ssl_module
-from serving.parsing.child_codec import (
-    AUTH_PARAMETER,
-    CHILD_OUTPUTS,
-    SCHEMA_HASH,
-    SCHEMA_INPUT,
-    decode_raw_response,
-    sign_call,
-)
-from serving.parsing.child_frames import (
-    PREAMBLE,
-    FrameError,
-    FrameKind,
-    frame,
-    keepalive,
-    open_payload,
-    read_frame,
-)
+from serving.child.codec import CHILD_OUTPUTS, SCHEMA_HASH, SCHEMA_INPUT, decode_raw_response
+from serving.child.frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, open_payload, read_frame
+from serving.child.signing import AUTH_PARAMETER, sign_call
+from serving.delta import Delta, ErrorKind
 from serving.parsing.request import RawValue
 from serving.router.channels import ChannelPool
 from serving.router.fleet import Target
-from serving.stream import Delta, ErrorKind
 from serving.triton.grpc_tls import GrpcTls
 
 if TYPE_CHECKING:
@@ -109,8 +97,8 @@ class Launcher(Protocol):
         ...
 
     def reset(self, endpoint: str) -> None:
-        """The router lost touch with ``endpoint`` (its instance stopped answering): the next call to it opens a
-        new connection; streams open on the old one go on until they end."""
+        """The router lost touch with ``endpoint`` (its instance stopped answering): the next call to it opens
+        a new connection; streams open on the old one go on until they end."""
         ...
 
     async def close(self) -> None:
@@ -118,7 +106,8 @@ class Launcher(Protocol):
         ...
 
 
-#: Where a pushed child stream's responses go (``PushLauncher.push``), each once, in order, the last one final.
+#: Where a pushed child stream's responses go (``PushLauncher.push``), each once, in order, the last one
+#: final.
 Deliver = Callable[[Delta], None]
 
 
@@ -129,10 +118,11 @@ class PushLauncher(Launcher, Protocol):
     generator), one loop turn less per streamed token. ``ChildStreams`` uses it where it is offered."""
 
     def push(self, call: ChildCall, deliver: Deliver) -> asyncio.Future[None] | None:
-        """Send ``call``; ``deliver`` gets each response, the last one final (a child that cannot be reached or
-        whose stream breaks: one ``ErrorKind.UNREACHABLE`` failure, as ``stream`` raises ``ChildUnavailable``).
-        Returns a future done once the final response was delivered; cancelling it before that cancels the child
-        request (as closing ``stream``'s iterator does). None: this call has no push path (use ``stream``)."""
+        """Send ``call``; ``deliver`` gets each response, the last one final (a child that cannot be reached
+        or whose stream breaks: one ``ErrorKind.UNREACHABLE`` failure, as ``stream`` raises
+        ``ChildUnavailable``). Returns a future done once the final response was delivered; cancelling it
+        before that cancels the child request (as closing ``stream``'s iterator does). None: this call has no
+        push path (use ``stream``)."""
         ...
 
 
@@ -144,7 +134,8 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
         if name in call.inputs:
             value = call.inputs[name]
             arrays[name] = (np.array([value], dtype=np.bool_) if isinstance(value, bool) else
-                            np.array([value if isinstance(value, bytes) else str(value).encode()], dtype=np.object_))
+                            np.array([value if isinstance(value, bytes) else str(value).encode()],
+                                     dtype=np.object_))
     arrays["bootstrap_room"] = np.array([call.room], dtype=np.int64)
     arrays[SCHEMA_INPUT] = np.array([SCHEMA_HASH.encode()], dtype=np.object_)
     if call.role == "decode":
@@ -164,7 +155,7 @@ def child_request_id(call: ChildCall) -> str:
 
 
 def sign_child(call: ChildCall, secret: bytes | None, arrays: Mapping[str, np.ndarray] | None = None) -> str:
-    """The fleet signature of ``call``'s child request (``child_codec.sign_call``: for its target instance,
+    """The fleet signature of ``call``'s child request (``signing.sign_call``: for its target instance,
     over its model name, request id and inputs, ``arrays`` or else ``child_arrays(call)``), timestamped now;
     "" without a secret. Once per child stream, never per token (its cost: docs/benchmarks.md, "Fleet
     signatures")."""
@@ -176,12 +167,12 @@ def sign_child(call: ChildCall, secret: bytes | None, arrays: Mapping[str, np.nd
 
 def child_request(call: ChildCall, signature: str = "",
                   arrays: Mapping[str, np.ndarray] | None = None) -> Any:
-    """The ``ModelInferRequest`` (``tritonclient.grpc.service_pb2``) of ``call``: its inputs (``child_arrays``) as
-    raw contents (BYTES as Triton's length-prefixed elements), every ``CHILD_OUTPUTS`` requested, request id
-    ``child_request_id``, and ``triton_enable_empty_final_response`` so the FINAL flag always comes.
-    ``signature`` (``sign_child``; the tritonserver path) goes in the request parameter ``pd_fleet_auth``
-    (``child_codec.AUTH_PARAMETER``); "": none (a worker endpoint's travels in the stream's ``OPEN``).
-    ``arrays``: ``child_arrays(call)`` when the caller has them already."""
+    """The ``ModelInferRequest`` (``tritonclient.grpc.service_pb2``) of ``call``: its inputs
+    (``child_arrays``) as raw contents (BYTES as Triton's length-prefixed elements), every ``CHILD_OUTPUTS``
+    requested, request id ``child_request_id``, and ``triton_enable_empty_final_response`` so the FINAL flag
+    always comes. ``signature`` (``sign_child``; the tritonserver path) goes in the request parameter
+    ``pd_fleet_auth`` (``signing.AUTH_PARAMETER``); "": none (a worker endpoint's travels in the stream's
+    ``OPEN``). ``arrays``: ``child_arrays(call)`` when the caller has them already."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
@@ -207,8 +198,8 @@ class GrpcLauncher:
     connect is replaced, so a restarted server is reached on the next call), one stream per call. Keepalive
     pings every ``keepalive_s`` (300 s: tritonserver's default policy refuses pings more often than every 5
     minutes, or on a channel without calls, with GOAWAY ``too_many_pings``), so plain tritonserver needs no
-    ``--grpc-*`` flags. A dead host is noticed sooner by the fleet watcher (its rendezvous stops answering) and
-    by ``request_idle_timeout_s``.
+    ``--grpc-*`` flags. A dead host is noticed sooner by the fleet watcher (its rendezvous stops answering)
+    and by ``request_idle_timeout_s``.
     """
 
     def __init__(self, keepalive_s: float = 300.0, tls: GrpcTls | None = None,
@@ -241,8 +232,8 @@ class GrpcLauncher:
                     return
             raise ChildUnavailable(f"{call.role} {call.target.instance_id}: stream ended without FINAL")
         except grpc.RpcError as e:
-            # the connection is suspect (a server restarted, a path back after a partition, a reconnect backoff
-            # under way): the next call opens a new one
+            # the connection is suspect (a server restarted, a path back after a partition, a reconnect
+            # backoff under way): the next call opens a new one
             self._channels.retire(channel)
             raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint} "
                                    f"unreachable: {_rpc_message(e)}") from None
@@ -260,7 +251,7 @@ class GrpcLauncher:
 
 
 class FrameConnection:
-    """One TCP connection to a worker endpoint in child frames (``serving.parsing.child_frames``), shared by every
+    """One TCP connection to a worker endpoint in child frames (``serving.child.frames``), shared by every
     child stream the router opens there; its reader task hands each ``RESPONSE`` to its stream's inbox. Event
     loop thread only. ``ChannelPool`` keeps one per endpoint (``connect`` lazily, ``close``). With
     ``ssl_context`` (``FleetTLS.client_context``) it speaks TLS, checking the worker's certificate against the
@@ -356,8 +347,8 @@ class FrameConnection:
                 raise ChildUnavailable(f"connection failed: {e}") from None
 
     def finish(self, stream_id: int, cancel: bool) -> None:
-        """The stream ended (its FINAL read) or, with ``cancel``, was closed early: the worker is told to abort
-        it."""
+        """The stream ended (its FINAL read) or, with ``cancel``, was closed early: the worker is told to
+        abort it."""
         self._inboxes.pop(stream_id, None)
         if cancel and self.lost is None and self._writer is not None:
             self._writer.write(frame(FrameKind.CANCEL, stream_id))
@@ -379,8 +370,8 @@ class FrameConnection:
 
 class _Inbox:
     """One stream's responses (serialized, or None when the connection ended), in order: the reader task puts,
-    the stream's task gets; or, with ``on_payload``, the reader task hands each to it at once. Event loop thread
-    only."""
+    the stream's task gets; or, with ``on_payload``, the reader task hands each to it at once. Event loop
+    thread only."""
 
     def __init__(self, on_payload: Callable[[bytes | None], None] | None = None) -> None:
         self._items: collections.deque[bytes | None] = collections.deque()
@@ -404,13 +395,13 @@ class _Inbox:
 
 class EndpointLauncher:
     """Child requests to workers' own endpoints (``serving.workers.endpoint``) in child frames
-    (``serving.parsing.child_frames``): one TCP connection per endpoint (``ChannelPool``: a connection that
+    (``serving.child.frames``): one TCP connection per endpoint (``ChannelPool``: a connection that
     failed is replaced, so a restarted worker is reached on the next call), one stream per call. Responses are
     read straight from their raw contents, as ``GrpcLauncher`` reads them."""
 
     def __init__(self, fleet_secret: bytes | None = None, connect_timeout_s: float = 5.0,
                  tls: FleetTLS | None = None) -> None:
-        """``fleet_secret``: every stream carries its signature (``child_codec.sign_call``), which the endpoint
+        """``fleet_secret``: every stream carries its signature (``signing.sign_call``), which the endpoint
         checks. ``connect_timeout_s``: a worker whose host does not answer the connection (or the TLS
         handshake) fails the call (the router retries elsewhere) after this many seconds. ``tls``: the
         fleet's TLS setting: every connection speaks TLS and checks the worker's certificate against the
@@ -446,8 +437,9 @@ class EndpointLauncher:
             while True:
                 payload = await inbox.get()
                 if payload is None:
-                    raise ChildUnavailable(f"{call.role} {call.target.instance_id} at {call.target.endpoint}: "
-                                           f"{connection.lost} before the stream's FINAL")
+                    raise ChildUnavailable(f"{call.role} {call.target.instance_id} at "
+                                           f"{call.target.endpoint}: {connection.lost} before the stream's "
+                                           "FINAL")
                 response = service_pb2.ModelStreamInferResponse.FromString(payload)
                 delta = _response_delta(call, response)
                 finished = delta.final
@@ -475,9 +467,9 @@ class EndpointLauncher:
 
 
 class _PushedStream:
-    """One ``EndpointLauncher.push`` call: connects and opens the stream in a short task, then its responses go
-    from the connection's reader straight to ``deliver``; ``done`` ends it (set after the final response, or
-    cancelled by the caller: the worker is told to cancel). Event loop thread only."""
+    """One ``EndpointLauncher.push`` call: connects and opens the stream in a short task, then its responses
+    go from the connection's reader straight to ``deliver``; ``done`` ends it (set after the final response,
+    or cancelled by the caller: the worker is told to cancel). Event loop thread only."""
 
     def __init__(self, launcher: EndpointLauncher, call: ChildCall, deliver: Deliver) -> None:
         self._launcher, self._call, self._deliver = launcher, call, deliver
@@ -486,7 +478,8 @@ class _PushedStream:
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         pool = launcher._connections
         self._channel = pool.acquire(call.target.endpoint)
-        if self._channel.client.lost is not None:   # the worker closed it since (it restarted, say): a new one
+        # the worker closed it since (it restarted, say): a new one
+        if self._channel.client.lost is not None:
             pool.retire(self._channel)
             pool.release(self._channel)
             self._channel = pool.acquire(call.target.endpoint)
@@ -505,7 +498,8 @@ class _PushedStream:
             await self._connection.connected()
             if self.done.done():
                 return
-            self._stream_id, _ = self._connection.open(signature, request.SerializeToString(), self._on_payload)
+            self._stream_id, _ = self._connection.open(signature, request.SerializeToString(),
+                                                       self._on_payload)
             await self._connection.drain()
         except ChildUnavailable as e:
             self._fail(f"{self._where()} unreachable: {e}")
@@ -527,7 +521,8 @@ class _PushedStream:
 
         try:
             delta = _response_delta(self._call, service_pb2.ModelStreamInferResponse.FromString(payload))
-        except Exception as e:   # a malformed response: this child fails, the connection's other streams go on
+        # a malformed response: this child fails, the connection's other streams go on
+        except Exception as e:
             self._deliver(Delta.failure(f"{self._call.role} failed: {e}"))
             self.done.set_result(None)   # not finished: ``_end`` cancels it on the worker
             return
@@ -583,8 +578,8 @@ def _response_delta(call: ChildCall, response: Any) -> Delta:
     result = response.infer_response
     final = result.parameters["triton_final_response"].bool_param
     raw = result.raw_output_contents
-    return decode_raw_response({output.name: raw[i] for i, output in enumerate(result.outputs) if i < len(raw)},
-                               final)
+    return decode_raw_response({output.name: raw[i] for i, output in enumerate(result.outputs)
+                                if i < len(raw)}, final)
 
 
 def _rpc_message(error: BaseException) -> str:

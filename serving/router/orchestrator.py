@@ -1,7 +1,7 @@
 """``PDOrchestrator``: the life of one client request in the router (``pd_ensemble``).
 
-1. **admission** (``Admission``): wait for one of ``max_inflight_requests`` slots in a bounded queue, or end at
-   once with "server busy";
+1. **admission** (``Admission``): wait for one of ``max_inflight_requests`` slots in a bounded queue, or end
+   at once with "server busy";
 2. **pair**: count the prompt's tokens, take the healthy candidates of the fleet and let the policy choose a
    (prefill, decode) pair — or decode alone for a short prompt (direct decode);
 3. **room**: a random 63-bit bootstrap room, unique among this router's rooms in flight;
@@ -10,15 +10,15 @@
 5. **merge**: prefill's first token first, then decode's tokens in order (decode responses that arrive earlier
    are held back);
 6. **end** with exactly one final chunk: success; a client cancel; a failure. On a cancel or a failure both
-   child streams are cancelled: Triton tells both children, which drop the room (telling each other over the KV
-   transport) and free its pages. A failure **before the first token** reached the client is retried once on
-   another pair (the instance that failed is excluded, and its partner in that pair while the fleet has another
-   pair; an instance the router could not reach but whose rendezvous still answers stays a last resort, once:
-   the connection was stale); after the first token the request **migrates** (``migration.py``): the open
-   children are cancelled and a direct decode on another decode instance resumes it from the tokens already
-   sent, into the same client stream, up to ``migration_limit`` times, then the error ends it. A request
-   whose decode **drains** (its server stops) moves the same way, when another decode is in rotation, instead
-   of holding up that stop. An error
+   child streams are cancelled: Triton tells both children, which drop the room (telling each other over the
+   KV transport) and free its pages. A failure **before the first token** reached the client is retried once
+   on another pair (the instance that failed is excluded, and its partner in that pair while the fleet has
+   another pair; an instance the router could not reach but whose rendezvous still answers stays a last
+   resort, once: the connection was stale); after the first token the request **migrates** (``migration.py``):
+   the open children are cancelled and a direct decode on another decode instance resumes it from the tokens
+   already sent, into the same client stream, up to ``migration_limit`` times, then the error ends it. A
+   request whose decode **drains** (its server stops) moves the same way, when another decode is in rotation,
+   instead of holding up that stop. An error
    about the request itself (bad input, rejected by the engine) is never retried nor migrated. Successes,
    unreachable children and silent (idle-timed-out) children feed the instances' circuit breakers; cancels and
    errors a child reports do not.
@@ -35,9 +35,10 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from engine.outputs import TokenLogprob
+from serving.delta import Delta, ErrorKind
 from serving.parsing.request import GenerateRequest, RawValue, sample_sampling
 from serving.router.admission import Admission, ServerBusy
 from serving.router.children import ChildStreams
@@ -46,7 +47,7 @@ from serving.router.fleet import Fleet, Target
 from serving.router.launch import FORWARDED_INPUTS, ChildCall, Launcher
 from serving.router.migration import MigrationState, pick_decode
 from serving.router.pairing import Demand, NoInstance, Pair, PairingPolicy
-from serving.stream import Delta, ErrorKind
+from serving.schema import OUTPUTS, Carry
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,12 @@ class RoomAllocator:
         return len(self._in_flight)
 
 
+#: Delta attributes the merge carries over a request's children (``serving.schema.Carry``): the largest any
+#: child reported; the largest the child that prefilled reported
+_MAX = tuple(o.child.attribute for o in OUTPUTS if o.child is not None and o.carry is Carry.MAX)
+_PREFILLED = tuple(o.child.attribute for o in OUTPUTS if o.child is not None and o.carry is Carry.PREFILLED)
+
+
 @dataclass
 class _MergeState:
     first_done: bool = False
@@ -122,13 +129,13 @@ class _MergeState:
     decode_final: bool = False
     decode_has_kv: bool = False   # decode sent tokens of its own or its FINAL: it holds the prompt's KV
     held: list[Delta] = field(default_factory=list)
-    num_input_tokens: int = 0
+    # the outputs carried from response to response (``serving.schema.Carry`` MAX, PREFILLED), by attribute
+    carried: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_MAX + _PREFILLED, 0))
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
-    # the prompt's prefix-cache hit, as the child that prefills it reports it (prefill; decode when direct)
+    # the child that prefills the prompt (prefill; decode when direct): the PREFILLED outputs are its
     prefilled_by: str = "prefill"
-    num_cached_tokens: int = 0
     # what came with the finish reason: sent with the final chunk, so that the last response carries the last
     # tokens (the vLLM convention: no response without tokens)
     tail_text: str = ""
@@ -138,10 +145,10 @@ class _MergeState:
     drain_check_s: float = 0.0   # monotonic: when a draining decode's stream may next be checked for a move
 
     def final_chunk(self, finish_reason: str | None) -> Delta:
-        return Delta(text=self.tail_text, finish_reason=finish_reason, num_input_tokens=self.num_input_tokens,
+        return Delta(text=self.tail_text, finish_reason=finish_reason,
                      num_output_tokens=self.num_output_tokens, cumulative_logprob=self.cumulative_logprob,
                      logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None,
-                     num_cached_tokens=self.num_cached_tokens, final=True)
+                     final=True, **self.carried)
 
 
 class _ChildInputs(NamedTuple):
@@ -193,9 +200,9 @@ class PDOrchestrator:
 
     async def generate(self, routed: RoutedRequest, emit: Callable[[Delta], None],
                        is_cancelled: Callable[[], bool]) -> None:
-        """Serve one request to its end; ``emit`` gets the client's chunks in order, the final one exactly once,
-        last. Never raises (a failure becomes a final chunk with ``error``), except ``CancelledError`` when the
-        task itself is cancelled (shutdown): the caller then ends the stream."""
+        """Serve one request to its end; ``emit`` gets the client's chunks in order, the final one exactly
+        once, last. Never raises (a failure becomes a final chunk with ``error``), except ``CancelledError``
+        when the task itself is cancelled (shutdown): the caller then ends the stream."""
         try:
             async with self.admission.admit():
                 final = await self._serve(routed, emit, is_cancelled)
@@ -219,7 +226,8 @@ class PDOrchestrator:
         demand = Demand(tokens, max_tokens) if isinstance(tokens, int) else \
             Demand(len(tokens), max_tokens, tuple(tokens))
         failed: dict[str, int] = {}     # instances that failed this request → their epoch then
-        avoided: set[str] = set()       # their partners in the failed pairs: not taken again while others exist
+        # their partners in the failed pairs: not taken again while others exist
+        avoided: set[str] = set()
         last_resort: set[str] = set()   # failed at the router's connection, yet responsive: taken last, once
         last_error = ""
         for attempt in range(1 + self._config.max_retries):
@@ -231,7 +239,8 @@ class PDOrchestrator:
                 # back with a new epoch; the same id then counts as new); if none comes, the failure itself is
                 # the client's answer, not the missing second pair
                 try:
-                    waited = await self._wait_for_pair(demand, is_cancelled, lambda: self._still_failed(failed))
+                    waited = await self._wait_for_pair(demand, is_cancelled,
+                                                       lambda: self._still_failed(failed))
                 except NoInstance as still:
                     if last_error:
                         return Delta.failure(f"{last_error} (no other {e.role} instance to retry on)")
@@ -276,10 +285,10 @@ class PDOrchestrator:
 
     async def _wait_for_pair(self, demand: Demand, is_cancelled: Callable[[], bool],
                              excluded: Callable[[], frozenset[str]] = frozenset) -> Pair | None:
-        """A pair for a request that found none (without the ``excluded()`` instances): the fleet is asked again
-        every ``fleet_refresh_s`` for up to ``fleet_wait_s`` (a router that just loaded next to its workers has
-        not read them yet when tritonserver says ready; a worker restarting or reloaded rejoins within seconds).
-        Returns None when the client cancels meanwhile.
+        """A pair for a request that found none (without the ``excluded()`` instances): the fleet is asked
+        again every ``fleet_refresh_s`` for up to ``fleet_wait_s`` (a router that just loaded next to its
+        workers has not read them yet when tritonserver says ready; a worker restarting or reloaded rejoins
+        within seconds). Returns None when the client cancels meanwhile.
 
         Raises:
             NoInstance: still no pair after ``fleet_wait_s`` (at once when it is 0).
@@ -297,9 +306,9 @@ class PDOrchestrator:
 
     def _choose_avoiding(self, demand: Demand, excluded: frozenset[str], avoided: frozenset[str],
                          last_resort: frozenset[str]) -> Pair:
-        """A pair without ``excluded`` instances; without ``avoided`` and ``last_resort`` ones too when the fleet
-        has such a pair, else without ``last_resort`` ones when it has such a pair. Raises ``NoInstance`` as
-        ``_choose``."""
+        """A pair without ``excluded`` instances; without ``avoided`` and ``last_resort`` ones too when the
+        fleet has such a pair, else without ``last_resort`` ones when it has such a pair. Raises
+        ``NoInstance`` as ``_choose``."""
         for without in (excluded | avoided | last_resort, excluded | last_resort):
             if without != excluded:
                 try:
@@ -329,9 +338,11 @@ class PDOrchestrator:
             targets["prefill"] = prefill
             children.start(ChildCall("prefill", prefill, room, "", "", forwarded, **self._prompt_ids(demand)))
         children.start(ChildCall("decode", pair.decode, room, prefill.instance_id if prefill else "",
-                                 prefill.rendezvous_url if prefill else "", forwarded, **self._prompt_ids(demand)))
+                                 prefill.rendezvous_url if prefill else "", forwarded,
+                                 **self._prompt_ids(demand)))
         direct = prefill is None
-        state = _MergeState(first_done=direct, prefill_final=direct, prefilled_by="decode" if direct else "prefill")
+        state = _MergeState(first_done=direct, prefill_final=direct,
+                            prefilled_by="decode" if direct else "prefill")
         assigned = dict(targets)   # what ``_choose`` counted on each instance
         try:
             return await self._merge(room, children, state, targets, _ChildInputs(forwarded, demand), emit,
@@ -340,7 +351,8 @@ class PDOrchestrator:
             await children.cancel_all()   # ends (cancels) child streams still open
             for role, target in assigned.items():
                 self._fleet.note_finished(target, demand.prompt_tokens,
-                                          demand.tokens_to_reserve if role == "decode" else demand.prompt_tokens)
+                                          demand.tokens_to_reserve if role == "decode"
+                                          else demand.prompt_tokens)
             for extra in state.rooms:
                 self.rooms.release(extra)
 
@@ -365,7 +377,8 @@ class PDOrchestrator:
                 lost = self._lost_child(state, targets, time.monotonic() - last_event_s)
                 if lost is not None:
                     role, response = lost
-                    self._launcher.reset(targets[role].endpoint)   # a later call reconnects, not this connection
+                    # a later call reconnects, not this connection
+                    self._launcher.reset(targets[role].endpoint)
                     # a child whose instance stopped answering (a host cut off from the router, a frozen
                     # server) is treated as a broken stream: retried before the first token, else migrated
                     children.forget(role)
@@ -384,11 +397,13 @@ class PDOrchestrator:
                                  state.prefill_final, state.decode_final)
                     for target in targets.values():
                         self._fleet.record(target, ok=False)
-                    if not (state.first_done and state.finish_reason is None and self._config.migration_limit > 0):
+                    if not (state.first_done and state.finish_reason is None
+                            and self._config.migration_limit > 0):
                         return _Outcome(final=Delta.failure(reason), error=reason)
                     # a decode that hangs (a host cut off without a reset) is as gone as a dead one
-                    outcome = await self._migrate(room, children, state, targets, request,
-                                                  _Outcome(error=reason, culprit=targets["decode"], migrate=True))
+                    outcome = await self._migrate(
+                        room, children, state, targets, request,
+                        _Outcome(error=reason, culprit=targets["decode"], migrate=True))
                     if not outcome.migrate:
                         return outcome
                     last_event_s = time.monotonic()
@@ -509,8 +524,8 @@ class PDOrchestrator:
         # nothing reached the client yet: retry elsewhere
         return _Outcome(error=error, culprit=culprit, unreachable=unreachable)
 
-    async def _migrate(self, room: Room, children: ChildStreams, state: _MergeState, targets: dict[str, Target],
-                       request: _ChildInputs, failure: _Outcome) -> _Outcome:
+    async def _migrate(self, room: Room, children: ChildStreams, state: _MergeState,
+                       targets: dict[str, Target], request: _ChildInputs, failure: _Outcome) -> _Outcome:
         """Move the request to a direct decode that resumes from the tokens sent (``migration.py``); returns
         ``failure`` when it did (the merge goes on), else the final error for the client."""
         migration, demand = state.migration, request.demand
@@ -552,8 +567,8 @@ class PDOrchestrator:
         return failure
 
     def _prompt_ids(self, demand: Demand) -> dict[str, tuple[int, ...] | str]:
-        """The ``prompt_token_ids`` and ``tokenizer_id`` of a child call: the ids the router tokenized, when it
-        has them and knows its tokenizer's fingerprint; else nothing (the child tokenizes)."""
+        """The ``prompt_token_ids`` and ``tokenizer_id`` of a child call: the ids the router tokenized, when
+        it has them and knows its tokenizer's fingerprint; else nothing (the child tokenizes)."""
         if not (demand.token_ids and self._tokenizer_id):
             return {}
         return {"prompt_token_ids": demand.token_ids, "tokenizer_id": self._tokenizer_id}
@@ -561,7 +576,8 @@ class PDOrchestrator:
     def _accept(self, role: str, response: Delta, state: _MergeState,
                 emit: Callable[[Delta], None]) -> None:
         if role == state.prefilled_by:
-            state.num_cached_tokens = max(state.num_cached_tokens, response.num_cached_tokens)
+            for name in _PREFILLED:
+                state.carried[name] = max(state.carried[name], getattr(response, name))
         if role == "prefill":
             state.prefill_final = state.prefill_final or response.final
             if not state.first_done and (response.num_output_tokens or response.final):
@@ -581,7 +597,8 @@ class PDOrchestrator:
 
     @staticmethod
     def _forward(response: Delta, state: _MergeState, emit: Callable[[Delta], None]) -> None:
-        state.num_input_tokens = max(state.num_input_tokens, response.num_input_tokens)
+        for name in _MAX:
+            state.carried[name] = max(state.carried[name], getattr(response, name))
         state.migration.token_ids.extend(response.token_ids)
         if response.num_output_tokens >= state.num_output_tokens:
             state.num_output_tokens = response.num_output_tokens
@@ -596,9 +613,9 @@ class PDOrchestrator:
             return
         if response.text or response.logprobs:
             state.emitted = state.emitted or bool(response.text)
-            emit(Delta(text=response.text, num_input_tokens=state.num_input_tokens,
-                       num_output_tokens=state.num_output_tokens, cumulative_logprob=state.cumulative_logprob,
-                       logprobs=response.logprobs, num_cached_tokens=state.num_cached_tokens))
+            emit(Delta(text=response.text, num_output_tokens=state.num_output_tokens,
+                       cumulative_logprob=state.cumulative_logprob, logprobs=response.logprobs,
+                       **state.carried))
 
     def _count_rejected(self, reason: str) -> None:
         if self._metrics is not None:

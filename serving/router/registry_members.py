@@ -1,16 +1,19 @@
-"""``RegistryMembers``: the fleet's members as its membership registry announces them (``bootstrap.membership``:
-the embedded registry service or etcd). The registry's loss freezes the member list (its last view), it never
-empties it: the fleet watcher keeps asking each known member's own rendezvous for its health. A member the
-registry stops listing stays a member for ``grace_s`` more (a registry restarted empty lists the fleet again
-within one renewal); one whose rendezvous refuses a connection leaves at once (``forget``).
+"""``RegistryMembers``: the fleet's members as its membership registry announces them
+(``bootstrap.membership``: the embedded registry service or etcd). The registry's loss freezes the member list
+(its last view), it never empties it: the fleet watcher keeps asking each known member's own rendezvous for
+its health. A member the registry stops listing stays a member for ``grace_s`` more (a registry restarted
+empty lists the fleet again within one renewal); one whose rendezvous refuses a connection leaves at once
+(``forget``).
 
-Threads: the membership client runs its own thread; ``members`` (the fleet watcher's thread) only reads its view.
+Threads: the membership client runs its own thread; ``members`` (the fleet watcher's thread) only reads its
+view.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from bootstrap.membership import Membership, MembershipError, make_membership
@@ -30,13 +33,15 @@ class RegistryMembers:
     """A ``MemberSource`` over a started ``Membership`` client."""
 
     def __init__(self, registry_url: str, secret: bytes | None, grace_s: float = GRACE_S,
-                 tls: FleetTLS | None = None) -> None:
-        """``tls``: the fleet's TLS setting (an ``https://`` registry). Raises ``MembershipError`` for a URL
-        no backend takes, or an ``http://`` one with TLS."""
+                 tls: FleetTLS | None = None, etcd_settings: Mapping[str, str] | None = None) -> None:
+        """``tls``: the fleet's TLS setting (an ``https://`` registry); ``etcd_settings``: etcd's own auth and
+        TLS (``RouterConfig.etcd_settings``). Raises ``MembershipError`` for a URL no backend takes, or an
+        ``http://`` one with TLS."""
         self._grace_s = grace_s
-        self._seen: dict[str, tuple[FleetMember, float]] = {}   # instance id → member, last listed (monotonic)
+        # instance id → member, last listed (monotonic)
+        self._seen: dict[str, tuple[FleetMember, float]] = {}
         self._refused: set[tuple[str, int]] = set()   # (instance id, epoch) whose rendezvous refused: gone
-        membership: Membership | None = make_membership(registry_url, secret, tls=tls)
+        membership: Membership | None = make_membership(registry_url, secret, etcd_settings, tls=tls)
         if membership is None:
             raise MembershipError("RegistryMembers needs a registry URL")
         self._membership = membership
@@ -48,7 +53,8 @@ class RegistryMembers:
         self._refused &= listed   # the registry dropped it (TTL): nothing left to skip
         for m in view.members:
             if m.role in KV_ROLES and m.rendezvous_url and (m.instance_id, m.epoch) not in self._refused:
-                member = FleetMember(m.instance_id, m.role, m.address, m.model_name, m.rendezvous_url, m.epoch)
+                member = FleetMember(m.instance_id, m.role, m.address, m.model_name, m.rendezvous_url,
+                                     m.epoch)
                 self._seen[m.instance_id] = (member, now_s)
         for instance_id, (_, seen_s) in list(self._seen.items()):
             if now_s - seen_s > self._grace_s:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from serving.delta import Delta, ResponseChunk
 from serving.parsing.request import GenerateRequest
-from serving.stream import Delta, PendingTokens, ResponseChunk, ResponseSink
+from serving.stream import PendingTokens, ResponseSink
 
 
 class EnsembleResponder:
@@ -42,5 +43,6 @@ class EnsembleResponder:
     def _response(self, text: str, delta: Delta) -> ResponseChunk:
         """The response now: ``text`` and the tokens (and logprobs) since the previous response."""
         num_new, logprobs = self._pending.take(delta.num_output_tokens)
-        return ResponseChunk((replace(delta, text=text, finish_reason=delta.finish_reason if delta.final else None,
+        return ResponseChunk((replace(delta, text=text,
+                                      finish_reason=delta.finish_reason if delta.final else None,
                                       num_new_tokens=num_new, logprobs=logprobs, token_ids=()),))

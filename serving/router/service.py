@@ -5,21 +5,21 @@ tests and benchmarks drive it in-process the same way.
 
 Threads (owner ``Router``; started by ``start``, stopped by ``stop`` in reverse order):
 
-=========================  ========================================================================================
-``router-loop-<name>``     the asyncio loop: every orchestration, the gRPC child streams, the readiness endpoint,
-                           the metrics publisher
+=========================  ===================================================================================
+``router-loop-<name>``     the asyncio loop: every orchestration, the gRPC child streams, the readiness
+                           endpoint, the metrics publisher
 ``router-fleet-<name>``    ``FleetWatcher``: reads the members, asks each member's rendezvous for its load
 ``router-poll-<name>_*``   the watcher's pool: one member's rendezvous poll each
-=========================  ========================================================================================
+=========================  ===================================================================================
 
 Drain (``drain``, a server stop): refuse new requests ("the router is draining"), report not ready, and let
 the open ones run to their end (their orchestrations go on as usual: retries, migrations, a draining decode's
 streams moved to another decode) up to a timeout.
 
-Shutdown (``stop``): refuse new requests; cancel every orchestration (each ends its client stream with an error
-and FINAL, and cancels its child streams: Triton tells each child, which aborts its room and frees its pages);
-stop the fleet watcher; close the gRPC channels; stop the loop. A router that dies instead needs no cleanup of
-its own: its connections drop, and Triton cancels its children the same way.
+Shutdown (``stop``): refuse new requests; cancel every orchestration (each ends its client stream with an
+error and FINAL, and cancels its child streams: Triton tells each child, which aborts its room and frees its
+pages); stop the fleet watcher; close the gRPC channels; stop the loop. A router that dies instead needs no
+cleanup of its own: its connections drop, and Triton cancels its children the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from serving.delta import Delta
 from serving.parsing.request import GenerateRequest
 from serving.router.config import RouterConfig
 from serving.router.discovery import LocalServerMembers, MemberSource
@@ -42,7 +43,6 @@ from serving.router.launch import ChildLauncher, Launcher
 from serving.router.metrics import RouterMetricsSink
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
-from serving.stream import Delta
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ METRICS_INTERVAL_S = 0.25
 class TokenCounter:
     """The prompt's token ids (a list), with the fleet's tokenizer (chat template applied when asked): the
     workers' own ids, so the cache-aware policy's page keys are the engines'. Without a tokenizer (or when
-    tokenizing fails), only an estimate of the count (an int): one token per 3 UTF-8 bytes. ``fingerprint``: the
-    tokenizer's (``""`` without one): the ids go to the workers with it (``PDOrchestrator``)."""
+    tokenizing fails), only an estimate of the count (an int): one token per 3 UTF-8 bytes. ``fingerprint``:
+    the tokenizer's (``""`` without one): the ids go to the workers with it (``PDOrchestrator``)."""
 
     def __init__(self, model: str) -> None:
         self._tokenizer: Any = None
@@ -66,7 +66,7 @@ class TokenCounter:
 
     def __call__(self, request: GenerateRequest) -> list[int] | int:
         if self._tokenizer is not None:
-            from serving.workers.colocated import prompt_token_ids
+            from serving.parsing.prompt import prompt_token_ids
 
             try:
                 ids = prompt_token_ids(self._tokenizer, request)
@@ -91,7 +91,8 @@ class Router:
             metrics: where to publish; None disables.
             launcher: how children are reached; default ``ChildLauncher`` (worker endpoints in child frames,
                 tritonservers over gRPC).
-            count_tokens: the prompt's token ids, or only their count; default ``TokenCounter(config.tokenizer)``.
+            count_tokens: the prompt's token ids, or only their count; default
+                ``TokenCounter(config.tokenizer)``.
             members: who the fleet is; default ``make_member_source(config)``.
         """
         self.config = config
@@ -120,7 +121,8 @@ class Router:
         self.orchestrator = PDOrchestrator(self.config, self.fleet, make_policy(self.config.policy,
                                            self.config.direct_decode_max_tokens), self._launcher,
                                            count, self._metrics,
-                                           tokenizer_id=count.fingerprint if isinstance(count, TokenCounter) else "")
+                                           tokenizer_id=count.fingerprint
+                                           if isinstance(count, TokenCounter) else "")
         self._watcher.start()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"router-loop-{self._name}",
                                         daemon=True)
@@ -199,11 +201,12 @@ class Router:
             task.cancel()
         if self._tasks:
             _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
-            for task in pending:   # where a task that ignores its cancel waits (a stop must never wait on one)
+            # where a task that ignores its cancel waits (a stop must never wait on one)
+            for task in pending:
                 stack = io.StringIO()
                 task.print_stack(file=stack)
-                logger.error("router %s: task still running %.0f s after its cancel: %s", self._name, timeout_s,
-                             stack.getvalue())
+                logger.error("router %s: task still running %.0f s after its cancel: %s", self._name,
+                             timeout_s, stack.getvalue())
         if self._health_runner is not None:
             await self._health_runner.cleanup()
         await self._launcher.close()
@@ -286,5 +289,6 @@ def make_member_source(config: RouterConfig) -> MemberSource:
     if config.registry_url:
         from serving.router.registry_members import RegistryMembers
 
-        return RegistryMembers(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
+        return RegistryMembers(config.registry_url, config.fleet_secret, tls=config.fleet_tls,
+                               etcd_settings=config.etcd_settings)
     return LocalServerMembers(config.grpc_url, fleet_secret=config.fleet_secret, tls=config.grpc_tls)

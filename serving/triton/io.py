@@ -6,17 +6,17 @@ imported on first use; the numpy halves (``scalars_from_arrays``, ``response_arr
 Tensors of the LLM convention: inputs are shape ``[1]`` (or ``[1, 1]``); strings arrive as ``bytes`` in numpy
 object arrays, bools as ``np.bool_``. Outputs (the vLLM backend's, ``docs/additional_outputs.md`` there), one
 entry per sample: ``text_output`` (BYTES ``[n]``) always; when asked (``return_*``): ``finish_reason`` (BYTES
-``[n]``, ``"None"`` until the sample ends), ``cumulative_logprob`` (FP32 ``[n]``), ``logprobs`` (BYTES ``[n]``,
-JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's tokens),
-``num_cached_tokens`` (UINT32 ``[n]``, the sample's prompt tokens served by the prefix cache; ours, not the vLLM
-backend's). Like ``num_input_tokens``, an asked count is on every response.
+``[n]``, ``"None"`` until the sample ends), ``cumulative_logprob`` (FP32 ``[n]``), ``logprobs`` (BYTES
+``[n]``, JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's
+tokens), ``num_cached_tokens`` (UINT32 ``[n]``, the sample's prompt tokens served by the prefix cache; ours,
+not the vLLM backend's). Like ``num_input_tokens``, an asked count is on every response.
 
 ``logprobs`` JSON of one sample: a list with one object per token of the response,
 ``{"<token_id>": {"logprob": float, "rank": int, "decoded_token": str}, ...}``: the sampled token first, then
 the top ``logprobs`` tokens not already listed (the vLLM backend's layout); ``null`` when the request set no
 ``logprobs`` sampling parameter.
 
-Child layout (prefill/decode → the router): ``serving.parsing.child_codec``.
+Child layout (prefill/decode → the router): ``serving.child.codec``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -34,7 +34,9 @@ import numpy as np
 
 from engine.outputs import TokenLogprob
 from serving.answering import start_or_fail
-from serving.parsing.child_codec import encode_response
+from serving.child.codec import encode_response
+from serving.delta import Delta, ErrorKind, ResponseChunk, merge_chunks
+from serving.parsing.arrays import scalars_from_arrays
 from serving.parsing.request import (
     INPUT_NAMES,
     GenerateRequest,
@@ -43,7 +45,7 @@ from serving.parsing.request import (
     RequestError,
     parse_request,
 )
-from serving.stream import Delta, ErrorKind, ResponseChunk, merge_chunks
+from serving.schema import CLIENT_OUTPUTS
 from serving.triton.response_dispatch import ResponseDispatcher
 
 logger = logging.getLogger(__name__)
@@ -54,29 +56,6 @@ NO_OPTIONS = OutputOptions()
 def pb_utils() -> ModuleType:
     """The python backend's utility module. Raises ImportError outside a Triton python-backend stub."""
     return importlib.import_module("triton_python_backend_utils")
-
-
-def scalars_from_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, RawValue]:
-    """One Python scalar per input array: ``bytes``/``str`` stay as they are, ``np.bool_`` becomes ``bool``.
-
-    Raises:
-        RequestError: naming an input that holds other than exactly one element, or one of another type.
-    """
-    values: dict[str, RawValue] = {}
-    for name, array in arrays.items():
-        flat = np.asarray(array).reshape(-1)
-        if flat.size != 1:
-            raise RequestError(name, f"must hold exactly one element, got shape {tuple(np.shape(array))}")
-        item = flat[0]
-        if isinstance(item, (bool, np.bool_)):
-            values[name] = bool(item)
-        elif isinstance(item, (bytes, np.bytes_)):
-            values[name] = bytes(item)
-        elif isinstance(item, (str, np.str_)):
-            values[name] = str(item)
-        else:
-            raise RequestError(name, f"must be a string or a bool, got {type(item).__name__}")
-    return values
 
 
 def read_inputs(request: Any) -> dict[str, RawValue]:
@@ -123,30 +102,35 @@ def logprobs_json(entries: tuple[TokenLogprob, ...] | None) -> str:
     return json.dumps(tokens)
 
 
+#: Delta attribute → the text a client BYTES output carries for its value (other attributes: ``str``)
+_CLIENT_TEXTS: dict[str, Callable[[Any], str]] = {"logprobs": logprobs_json}
+#: Triton data type of a client output → its numpy dtype
+_CLIENT_DTYPES: dict[str, Any] = {"TYPE_STRING": np.object_, "TYPE_UINT32": np.uint32,
+                                  "TYPE_FP32": np.float32}
+
+
 def response_arrays(chunk: ResponseChunk, options: OutputOptions = NO_OPTIONS) -> dict[str, np.ndarray]:
-    """The output arrays of one client response, by output name: ``text_output`` and what ``options`` asks."""
-    samples = chunk.samples
-    arrays = {"text_output": np.array([s.text.encode("utf-8") for s in samples], dtype=np.object_)}
-    if options.finish_reason:
-        arrays["finish_reason"] = np.array([str(s.finish_reason).encode() for s in samples], dtype=np.object_)
-    if options.cumulative_logprob:
-        arrays["cumulative_logprob"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
-    if options.logprobs:
-        arrays["logprobs"] = np.array([logprobs_json(s.logprobs).encode() for s in samples], dtype=np.object_)
-    if options.num_input_tokens:
-        arrays["num_input_tokens"] = np.array([chunk.num_input_tokens], dtype=np.uint32)
-    if options.num_output_tokens:
-        arrays["num_output_tokens"] = np.array([s.num_new_tokens for s in samples], dtype=np.uint32)
-    if options.num_cached_tokens:
-        arrays["num_cached_tokens"] = np.array([s.num_cached_tokens for s in samples], dtype=np.uint32)
+    """The output arrays of one client response, by output name: ``text_output`` and what ``options`` asks, as
+    ``serving.schema``'s client layout declares them (an output of dims ``[1]`` holds the samples' largest
+    value)."""
+    arrays = {}
+    for output in CLIENT_OUTPUTS.values():
+        layout = output.client
+        if layout is None or not options.asks(output.name):
+            continue
+        values = [getattr(s, layout.attribute) for s in chunk.samples]
+        if layout.dims == (1,):
+            values = [max(values, default=0)]
+        if layout.data_type == "TYPE_STRING":
+            text = _CLIENT_TEXTS.get(layout.attribute, str)
+            values = [text(v).encode("utf-8") for v in values]
+        arrays[output.name] = np.array(values, dtype=_CLIENT_DTYPES[layout.data_type])
     return arrays
 
 
-
-
 def inference_response(chunk: ResponseChunk, child: bool = False, options: OutputOptions = NO_OPTIONS) -> Any:
-    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: its one sample in the prefill/decode output
-    layout; else the client layout with the outputs ``options`` asks for)."""
+    """``pb_utils.InferenceResponse`` holding ``chunk`` (``child``: its one sample in the prefill/decode
+    output layout; else the client layout with the outputs ``options`` asks for)."""
     pb = pb_utils()
     arrays = encode_response(chunk.samples[0] if chunk.samples else Delta()) if child \
         else response_arrays(chunk, options)
@@ -182,7 +166,8 @@ class TritonResponseSink:
     ``ResponseDispatcher``: the caller's thread (an engine loop, the router's event loop) only queues.
 
     The FINAL flag is queued exactly once; later calls are dropped (tritonserver 2.51 crashes on a sender
-    touched after FINAL, and the dispatcher never does). ``is_cancelled`` reads the dispatcher's cached answer.
+    touched after FINAL, and the dispatcher never does). ``is_cancelled`` reads the dispatcher's cached
+    answer.
     """
 
     def __init__(self, response_sender: Any, dispatcher: ResponseDispatcher, request_id: str = "",
@@ -194,9 +179,10 @@ class TritonResponseSink:
             dispatcher: the model instance's response thread (started).
             request_id: for log lines (the client's request id, may be empty).
             child: the request comes from the router: responses use the child output layout
-                (``serving.parsing.child_codec.encode_response``), and an error is a normal FINAL response whose ``error`` output
-                holds the message instead of a Triton error response (a decoupled BLS response iterator never
-                ends after an error response in tritonserver 2.51; over gRPC either form works).
+                (``serving.child.codec.encode_response``), and an error is a normal FINAL response whose
+                ``error`` output holds the message instead of a Triton error response (a decoupled BLS
+                response iterator never ends after an error response in tritonserver 2.51; over gRPC either
+                form works).
             child_errors: with ``child``, errors too in the child layout (the router reads them there); False:
                 as a Triton error (HTTP 400 with the message: a client calling prefill/decode directly,
                 ``from_router``), the other responses staying in the declared child layout.
@@ -276,7 +262,8 @@ class TritonResponseSink:
             submit()
 
 
-def parse_client_request(request: Any, sink: TritonResponseSink) -> tuple[GenerateRequest, dict[str, RawValue]]:
+def parse_client_request(request: Any,
+                         sink: TritonResponseSink) -> tuple[GenerateRequest, dict[str, RawValue]]:
     """Parse a client request of a public model (``colocated``, ``pd_ensemble``) and set ``sink``'s output
     options from it. Returns the parsed request and its raw inputs.
 
@@ -296,11 +283,11 @@ def new_dispatcher(name: str) -> ResponseDispatcher:
 
 
 def from_router(request: Any) -> bool:
-    """Whether a prefill/decode request comes from a router: it carries ``child_schema`` (every router sends it,
-    ``serving.router.launch.child_arrays``) or ``pd_control`` (the router's ``describe``). A request without
-    either (a client calling the worker model directly) gets its error as a ``pb_utils.TritonError`` (HTTP 400
-    with the message as text), not as bytes in the child's ``error`` output."""
-    from serving.parsing.child_codec import SCHEMA_INPUT
+    """Whether a prefill/decode request comes from a router: it carries ``child_schema`` (every router sends
+    it, ``serving.router.launch.child_arrays``) or ``pd_control`` (the router's ``describe``). A request
+    without either (a client calling the worker model directly) gets its error as a ``pb_utils.TritonError``
+    (HTTP 400 with the message as text), not as bytes in the child's ``error`` output."""
+    from serving.child.codec import SCHEMA_INPUT
     from serving.parsing.pd_request import CONTROL_INPUT
 
     return any(pb_utils().get_input_tensor_by_name(request, name) is not None
@@ -310,7 +297,8 @@ def from_router(request: Any) -> bool:
 def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink], None],
                 dispatcher: ResponseDispatcher, child: bool = False,
                 timing: RequestTimingSink | None = None) -> None:
-    """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then ``handle(request, sink)``.
+    """``execute`` of a decoupled model: for each request, a ``TritonResponseSink`` then
+    ``handle(request, sink)``.
 
     A ``RequestError`` (bad input) becomes that request's error response, and so does any other exception
     (logged): every stream ends with FINAL, and one request's failure never reaches another.
@@ -324,6 +312,6 @@ def answer_each(requests: list[Any], handle: Callable[[Any, TritonResponseSink],
         timing: the public models' latency histograms (``TritonResponseSink``'s ``timing``).
     """
     for request in requests:
-        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(), child=child,
-                                  timing=timing, child_errors=not child or from_router(request))
+        sink = TritonResponseSink(request.get_response_sender(), dispatcher, request.request_id(),
+                                  child=child, timing=timing, child_errors=not child or from_router(request))
         start_or_fail(lambda: handle(request, sink), sink, request.request_id())  # noqa: B023 - called at once

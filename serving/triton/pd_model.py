@@ -10,12 +10,12 @@ engine loop never waits on Triton.
 
 Identity: a PD model runs exactly one instance, known to the fleet as ``<model name>@<grpc_url>``
 (fleet-unique: two servers may both serve a model named ``prefill``), with the Triton gRPC endpoint routers
-reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter). A request with ``pd_control =
-"describe"`` is answered at once with the instance's ``InstanceCard`` (its rendezvous URL): how a router of the
-same tritonserver finds it with no registry.
+reach it at (``grpc_url``, from ``PD_GRPC_URL`` or the model parameter). A request with
+``pd_control = "describe"`` is answered at once with the instance's ``InstanceCard`` (its rendezvous URL): how
+a router of the same tritonserver finds it with no registry.
 
 Authentication: with a fleet secret every request here, ``describe`` included, must carry the router's
-signature in its ``pd_fleet_auth`` parameter (``child_codec.AUTH_PARAMETER``, ``child_codec.sign_call``: bound
+signature in its ``pd_fleet_auth`` parameter (``signing.AUTH_PARAMETER``, ``signing.sign_call``: bound
 to this instance's id and to a digest of the request's model, id and inputs), checked by the worker's
 ``ChildAuth`` (``serving.workers.child_auth``, shared with its own endpoint: one replay guard for both paths)
 before anything else; a request without a valid one gets one FINAL ``instance`` error, "unauthenticated child
@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from serving.child.signing import AUTH_PARAMETER
 from serving.config import ConfigError, apply_cpu_affinity, build_worker_config, instance_device
-from serving.parsing.child_codec import AUTH_PARAMETER
+from serving.delta import ResponseChunk
 from serving.parsing.pd_request import CONTROL_INPUT, DESCRIBE, PD_INPUT_NAMES, InstanceCard, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
-from serving.stream import ResponseChunk
 from serving.triton.host import ModelHost, wait_idle
 from serving.triton.io import TritonResponseSink, read_parameters, scalars_from_arrays
 from serving.workers.child_auth import NO_AUTH, ChildAuth
@@ -46,12 +46,12 @@ logger = logging.getLogger(__name__)
 
 def read_child_inputs(request: Any) -> dict[str, np.ndarray]:
     """Every input of one child request (a ``pb_utils.InferenceRequest``), as numpy arrays by name (``BYTES``:
-    object arrays of bytes), as ``child_codec.inputs_digest`` takes them."""
+    object arrays of bytes), as ``signing.inputs_digest`` takes them."""
     return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
 
 
 def read_signature(request: Any) -> str | None:
-    """The fleet signature in the request's ``pd_fleet_auth`` parameter (``child_codec.AUTH_PARAMETER``); None
+    """The fleet signature in the request's ``pd_fleet_auth`` parameter (``signing.AUTH_PARAMETER``); None
     when absent or not a string. Raises ``RequestError`` when the parameters are not a JSON object."""
     value = read_parameters(request).get(AUTH_PARAMETER)
     return value if isinstance(value, str) else None
@@ -74,18 +74,20 @@ class PDChildModel(ModelHost):
         instance_id = f"{self.model_name}@{config.grpc_url}"
         self._auth = ChildAuth(config.fleet_secret, instance_id)   # both paths: one replay guard
         apply_cpu_affinity(config)
-        from serving.workers.pd_factory import (
-            create_pd_worker,  # heavy imports (torch, nixl) after config checks
-        )
+        # heavy imports (torch, nixl) after config checks
+        from serving.workers.pd_factory import create_pd_worker
 
         self._endpoint = None if config.worker_port < 0 else WorkerEndpoint(
             config.grpc_url.rsplit(":", 1)[0], config.worker_port, self.model_name, self._auth,
             fleet_tls=config.fleet_tls).bind()
         try:
-            self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics, model_name=self.model_name,
+            # a dead rank: end as a dead stub (on_fatal)
+            self._handle = create_pd_worker(self.ROLE, config, instance_id, self.metrics,
+                                            model_name=self.model_name,
                                             worker_endpoint=self._endpoint.address if self._endpoint else "",
-                                            on_fatal=exit_process_soon)   # a dead rank: end as a dead stub
-            if self._endpoint is not None:   # serving before the registration: routers may use it from then on
+                                            on_fatal=exit_process_soon)
+            # serving before the registration: routers may use it from then on
+            if self._endpoint is not None:
                 self._endpoint.start(self._handle.worker)
             self._handle.start()
         except BaseException:
@@ -148,5 +150,6 @@ def _check_one_instance(model_config: dict[str, Any], role: str) -> None:
     spread a model's requests over its instances. Raises ConfigError otherwise."""
     count = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
     if count != 1:
-        raise ConfigError("instance_group", f"a {role} model runs exactly one instance (got {count}); for more "
-                          f"{role} instances add models ({role}_1, ...): the router finds them at the bootstrap")
+        raise ConfigError("instance_group", f"a {role} model runs exactly one instance (got {count}); for "
+                          f"more {role} instances add models ({role}_1, ...): the router finds them at the "
+                          "bootstrap")

@@ -1,23 +1,23 @@
 """``ResponseDispatcher``: the one thread of a model instance that talks to Triton's response senders.
 
-Why: in tritonserver 2.51 both ``response_sender.send()`` and ``response_sender.is_cancelled()`` are round trips
-to the server process (the stub waits for the backend's answer). A send blocks for as long as the server does
-not take the response — for a child of a BLS parent whose stub died or stalls, forever (the parent's message
-queue is full). Called on the engine loop thread, that froze a worker with every request it held. So engine
-loops (and the router's event loop) only enqueue; this thread sends, in order, and polls cancellation every
-``cancel_poll_interval_s`` for every open stream, caching the answer for ``is_cancelled`` to read. A stuck
-transport then stalls responses, never the engine: requests still finish, time out or get aborted, and their
-pages come back.
+Why: in tritonserver 2.51 both ``response_sender.send()`` and ``response_sender.is_cancelled()`` are round
+trips to the server process (the stub waits for the backend's answer). A send blocks for as long as the server
+does not take the response — for a child of a BLS parent whose stub died or stalls, forever (the parent's
+message queue is full). Called on the engine loop thread, that froze a worker with every request it held. So
+engine loops (and the router's event loop) only enqueue; this thread sends, in order, and polls cancellation
+every ``cancel_poll_interval_s`` for every open stream, caching the answer for ``is_cancelled`` to read. A
+stuck transport then stalls responses, never the engine: requests still finish, time out or get aborted, and
+their pages come back.
 
 Ordering and FINAL: operations of one stream run in the order they were queued; the dispatcher never touches
-a sender after it sent FINAL (tritonserver 2.51 crashed on ``is_cancelled()`` after FINAL). ``stop`` drains the
-queue (the errors and FINALs of failing requests still go out) within its deadline.
+a sender after it sent FINAL (tritonserver 2.51 crashed on ``is_cancelled()`` after FINAL). ``stop`` drains
+the queue (the errors and FINALs of failing requests still go out) within its deadline.
 
-Stream batching: a stream that fell behind (several of its responses queued when the thread comes to it) has its
-queued chunk responses (``submit_chunk``) merged into one by ``merge`` (``serving.stream.merge_chunks``: texts,
-tokens and logprobs joined), so the sends, and the work of every hop after this one, shrink with the backlog;
-a stream that keeps up still gets one response per chunk, and nothing waits to be merged (the first token is
-never delayed). Streams take turns in the order their first queued response arrived.
+Stream batching: a stream that fell behind (several of its responses queued when the thread comes to it) has
+its queued chunk responses (``submit_chunk``) merged into one by ``merge`` (``serving.delta.merge_chunks``:
+texts, tokens and logprobs joined), so the sends, and the work of every hop after this one, shrink with the
+backlog; a stream that keeps up still gets one response per chunk, and nothing waits to be merged (the first
+token is never delayed). Streams take turns in the order their first queued response arrived.
 
 Triton-free: it drives anything with ``send(response=None, flags=0)`` and ``is_cancelled()``.
 """
@@ -126,7 +126,8 @@ class ResponseDispatcher:
         thread."""
         self._enqueue(handle, _Op(build, final, self._final_flag if final else 0))
 
-    def submit_chunk(self, handle: StreamHandle, chunk: Chunk, make: Callable[[Chunk], Any], final: bool) -> None:
+    def submit_chunk(self, handle: StreamHandle, chunk: Chunk, make: Callable[[Chunk], Any],
+                     final: bool) -> None:
         """Queue one response that may be merged with the stream's queued chunk responses next to it
         (``make(chunk)`` builds it on the dispatcher thread; of a merged run, the last one's ``make`` builds
         the merged chunk); any thread."""

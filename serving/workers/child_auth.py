@@ -1,7 +1,7 @@
 """``ChildAuth``: a PD worker's check of its child requests' fleet signatures, one per worker, shared by both
 paths into it (its own endpoint, ``serving.workers.endpoint``, and tritonserver, ``serving.triton.pd_model``).
 
-With a fleet secret, a child request is served only when it carries a signature (``child_codec.sign_call``)
+With a fleet secret, a child request is served only when it carries a signature (``signing.sign_call``)
 valid for this instance's id and for this request (its model name, request id and every input: another prompt
 or another model fails it), fresh (30 s) and never seen before on either path (one
 ``bootstrap.auth.ReplayGuard``). Anything else is refused with ``ChildUnauthenticated`` before the request is
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from bootstrap.auth import DEFAULT_MAX_SKEW_S, AuthError, ReplayGuard
-from serving.parsing.child_codec import ChildUnauthenticated, verify_call
+from serving.child.signing import ChildUnauthenticated, verify_call
 
 
 class ChildAuth:

@@ -21,34 +21,19 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
 
 from engine.errors import EngineError, InvalidSamplingParams
 from serving.config import WorkerConfig
+from serving.delta import ErrorKind
+from serving.events import LoopEvent, LoopStopped, RequestId
 from serving.metrics import DPRankMetricsHook, LoopMetricsHook, ServingMetrics
+from serving.parsing.prompt import Tokenizer, prompt_token_ids
 from serving.parsing.request import GenerateRequest, RequestError
-from serving.stream import ErrorKind, GenerationStream, ResponseSink
+from serving.stream import GenerationStream, ResponseSink
 from serving.workers.engine_loop import EngineLoop
-from serving.workers.events import LoopEvent, LoopStopped, RequestId
 from serving.workers.parallel_sampling import SampleFanIn
 
 logger = logging.getLogger(__name__)
-
-
-class Tokenizer(Protocol):
-    """The part of ``engine.tokenizer.Tokenizer`` the worker uses."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
-
-
-def prompt_token_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
-    """The prompt's token ids, after wrapping it as one user message when ``apply_chat_template`` is set."""
-    text = request.prompt
-    if request.apply_chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return tokenizer.encode(text)
 
 
 class ColocatedWorker:
@@ -90,10 +75,12 @@ class ColocatedWorker:
         loop = EngineLoop(engine, name=f"{name}-engine-loop", idle_wait_s=config.idle_wait_s,
                           nice=config.engine_nice, on_fatal=on_fatal)
         if metrics is not None:
-            loop.add_hook(LoopMetricsHook(loop, metrics, lambda: (engine.num_free_pages, engine.num_total_pages),
-                                        prefix_cache=engine.prefix_cache_stats))
+            loop.add_hook(LoopMetricsHook(loop, metrics,
+                                          lambda: (engine.num_free_pages, engine.num_total_pages),
+                                          prefix_cache=engine.prefix_cache_stats))
             if engine.config.dp_size > 1:
-                loop.add_hook(DPRankMetricsHook(metrics, lambda: engine.rank_free_pages, lambda: engine.dp_loads))
+                loop.add_hook(DPRankMetricsHook(metrics, lambda: engine.rank_free_pages,
+                                                lambda: engine.dp_loads))
         return cls(loop, engine.tokenizer, name=name, metrics=metrics, close_engine=engine.close)
 
     @property
@@ -155,7 +142,8 @@ class ColocatedWorker:
         with self._lock:
             self._streams[request_id] = stream
         try:
-            self._loop.submit(request_id, token_ids, request.params, lambda event: self._on_event(stream, event))
+            self._loop.submit(request_id, token_ids, request.params,
+                              lambda event: self._on_event(stream, event))
         except LoopStopped as e:
             with self._lock:
                 self._streams.pop(request_id, None)

@@ -9,8 +9,9 @@ Lifecycle of one request (SGLang's decode side), every step but the first on the
    it; one that can never fit fails), sharing the prompt's longest prefix its prefix cache holds, and
    ``receiver.init`` tells the prefill instance where to write and how many leading tokens decode already has
    (prefill sends only the pages after them);
-3. **transfer queue**: the receiver is polled each tick; at ``Success`` the request joins the **running batch**
-   with ``add_prebuilt_request`` (first token from the aux data, no prefill forward) and streams its tokens;
+3. **transfer queue**: the receiver is polled each tick; at ``Success`` the request joins the **running
+   batch** with ``add_prebuilt_request`` (first token from the aux data, no prefill forward) and streams its
+   tokens;
 4. a failure ends the request with an error response; its pages stay reserved until the receiver says no
    write can land any more (``pages_releasable``), then the engine frees them.
 
@@ -35,11 +36,12 @@ from engine.errors import OutOfPages, RequestRejected
 from engine.outputs import Reservation
 from engine.sampling_params import SamplingParams
 from kv_transfer import BaseKVManager, BaseKVReceiver, KVPoll
+from serving.delta import ErrorKind
+from serving.events import LoopEvent
 from serving.metrics import ServingMetrics
 from serving.parsing.pd_request import PDRequest
-from serving.stream import ErrorKind, GenerationStream, ResponseSink, client_message
+from serving.stream import GenerationStream, ResponseSink, client_message
 from serving.workers.engine_loop import EngineLoop, PagedEngineCore
-from serving.workers.events import LoopEvent
 from serving.workers.intake import Intake, WorkerTokenizer
 
 logger = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ class DecodeWorker:
         self.load = InstanceLoad()   # snapshot taken every tick; read by the KV manager's heartbeat
         loop.add_hook(self)
 
-    # ---- any thread -------------------------------------------------------------------------------------------
+    # ---- any thread ----------------------------------------------------------------------------------------
     def handle(self, pd: PDRequest, sink: ResponseSink) -> str:
         """Queue one request; its tokens after the first go to ``sink``. Never raises."""
         return self._intake.accept(pd, sink, lambda request_id, token_ids: _Job(
@@ -116,14 +118,15 @@ class DecodeWorker:
                 job.receiver.abort(reason)
             job.stream.sink.send_error(reason)
 
-    # ---- loop thread ------------------------------------------------------------------------------------------
+    # ---- loop thread ---------------------------------------------------------------------------------------
     def on_tick(self) -> bool:
         """Advance every queue by one round; True while something waits on the network."""
         for job in self._intake.take():
             if job.pd.direct:
                 self._start_direct(job)
                 continue
-            job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance, job.pd.prefill_rendezvous)
+            job.receiver = self._kv.create_receiver(job.pd.room, job.pd.prefill_instance,
+                                                    job.pd.prefill_rendezvous)
             self._prealloc.append(job)
         self._poll_prealloc()
         self._poll_transfer()
@@ -136,7 +139,8 @@ class DecodeWorker:
     def _load(self) -> InstanceLoad:
         """Free pages net of what the prealloc queue will reserve (decode reserves prompt + max_tokens)."""
         ps = self._page_size
-        promised = sum(-(-(len(j.token_ids) + j.pd.request.params.max_tokens - 1) // ps) for j in self._prealloc)
+        promised = sum(-(-(len(j.token_ids) + j.pd.request.params.max_tokens - 1) // ps)
+                       for j in self._prealloc)
         return InstanceLoad(
             num_queued_requests=len(self._prealloc) + len(self._transfer) + len(self._intake),
             num_running_requests=len(self._running),
@@ -165,7 +169,8 @@ class DecodeWorker:
             if blocked:
                 continue
             try:
-                reservation = self._engine.reserve_request(job.request_id, job.token_ids, job.pd.request.params)
+                reservation = self._engine.reserve_request(job.request_id, job.token_ids,
+                                                           job.pd.request.params)
             except OutOfPages:
                 blocked = True  # FIFO: later requests wait behind the head
                 continue

@@ -6,24 +6,24 @@ on a busy host) per direction; PD's first token crosses that path twice more tha
 (router -> prefill -> router), and every streamed token once more (decode -> router). The endpoint serves the
 same request and response messages (Triton's ``ModelInferRequest`` / ``ModelStreamInferResponse``, from
 ``tritonclient.grpc.service_pb2``) from inside the worker's own process, over a plain TCP connection in child
-frames (``serving.parsing.child_frames``: why not gRPC there, and the framing), which the router's
+frames (``serving.child.frames``: why not gRPC there, and the framing), which the router's
 ``EndpointLauncher`` speaks. Dynamo's disaggregated workers and SGLang's router reach workers on their own
 endpoints the same way. Triton still serves the model as before (a client's requests, the router's
 ``describe``, plain ``tritonserver`` with no router, a router with ``worker_endpoints`` false).
 
 Protocol: one child request per stream (the router's ``launch.child_request``: ``model_name`` must be this
-worker's model, inputs as raw contents; ``child_codec.CHILD_INPUTS``); responses are ``ModelStreamInferResponse``s
-in the child layout (``child_codec.encode_response``) with ``triton_final_response`` set on the last one, which
-the router's ``decode_raw_response`` reads. A stream that fell behind gets its pending responses merged into one
-(``serving.stream.merge_chunks``), as the Triton path's response thread does. Cancelling the stream (the router's
-``CANCEL``, or its connection closing) cancels the request: the worker sees ``is_cancelled`` and aborts the room.
-Another model's name, a bad or malformed input or a missing fleet signature each end that stream with one FINAL
-error response; nothing else is touched.
+worker's model, inputs as raw contents; ``serving.child.codec.CHILD_INPUTS``); responses are
+``ModelStreamInferResponse``s in the child layout (``serving.child.codec.encode_response``) with
+``triton_final_response`` set on the last one, which the router's ``decode_raw_response`` reads. A stream that
+fell behind gets its pending responses merged into one (``serving.delta.merge_chunks``), as the Triton path's
+response thread does. Cancelling the stream (the router's ``CANCEL``, or its connection closing) cancels the
+request: the worker sees ``is_cancelled`` and aborts the room. Another model's name, a bad or malformed input
+or a missing fleet signature each end that stream with one FINAL error response; nothing else is touched.
 
 Authentication: with a fleet secret (``bootstrap.auth``), every stream's ``OPEN`` carries the router's
-signature of its request (``child_codec.sign_call``): an HMAC bound to this worker's instance id, the gRPC
+signature of its request (``signing.sign_call``): an HMAC bound to this worker's instance id, the gRPC
 method path, a timestamp, a nonce and a digest of the request (model name, request id and every input:
-``child_codec.inputs_digest``). The worker's ``ChildAuth`` (``serving.workers.child_auth``, shared with the
+``signing.inputs_digest``). The worker's ``ChildAuth`` (``serving.workers.child_auth``, shared with the
 worker's tritonserver path, one replay guard for both) checks it before anything else: a stream whose
 signature is missing, stale, already used on either path, or made for another instance or another request (a
 captured one put on another prompt or model) is answered with one FINAL ``instance`` error, "unauthenticated
@@ -32,9 +32,9 @@ child request: <reason>", and the worker never sees it. Without a secret the end
 certificate must name the advertised host, which routers dial); a plaintext connection fails its handshake and
 never reaches a stream.
 
-Threads: the endpoint runs its own asyncio loop on thread ``worker-endpoint-<port>``; the worker's sinks are fed
-from the engine loop thread, which wakes the loop once for every stream with something new (``_Outbox``: one
-``call_soon_threadsafe`` per engine step, not one per stream), and the loop writes what they hold to each
+Threads: the endpoint runs its own asyncio loop on thread ``worker-endpoint-<port>``; the worker's sinks are
+fed from the engine loop thread, which wakes the loop once for every stream with something new (``_Outbox``:
+one ``call_soon_threadsafe`` per engine step, not one per stream), and the loop writes what they hold to each
 router connection in one write (a decode step's tokens of every stream on it in one ``send``).
 """
 
@@ -54,19 +54,13 @@ import numpy as np
 
 from bootstrap.auth import check_bind
 from serving.answering import start_or_fail
-from serving.parsing.child_codec import CHILD_OUTPUTS, encode_response
-from serving.parsing.child_frames import (
-    PREAMBLE,
-    FrameError,
-    FrameKind,
-    frame,
-    keepalive,
-    read_frame,
-    split_open,
-)
+from serving.child.codec import CHILD_OUTPUTS, encode_response
+from serving.child.frames import PREAMBLE, FrameError, FrameKind, frame, keepalive, read_frame, split_open
+from serving.delta import Delta, ErrorKind, ResponseChunk, merge_chunks
+from serving.parsing.arrays import scalars_from_arrays
 from serving.parsing.pd_request import CONTROL_INPUT, PD_INPUT_NAMES, PDRequest, parse_pd_request
 from serving.parsing.request import INPUT_NAMES, RequestError
-from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink, merge_chunks
+from serving.stream import ResponseSink
 from serving.workers.child_auth import NO_AUTH, ChildAuth
 
 if TYPE_CHECKING:
@@ -92,13 +86,13 @@ class ChildWorker(Protocol):
 
 
 def request_arrays(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
-    """The inputs of a ``ModelInferRequest`` sent with raw contents, as numpy arrays by name: ``BYTES`` as an object
-    array of ``bytes`` (Triton's length-prefixed elements), ``INT64``/``INT32``/``BOOL``/``UINT8`` as their dtype,
-    each reshaped to its declared shape.
+    """The inputs of a ``ModelInferRequest`` sent with raw contents, as numpy arrays by name: ``BYTES`` as an
+    object array of ``bytes`` (Triton's length-prefixed elements), ``INT64``/``INT32``/``BOOL``/``UINT8`` as
+    their dtype, each reshaped to its declared shape.
 
     Raises:
-        RequestError: naming an input sent without raw contents, of another data type, or whose contents do not
-            fit its shape.
+        RequestError: naming an input sent without raw contents, of another data type, or whose contents do
+            not fit its shape.
     """
     from tritonclient.utils import deserialize_bytes_tensor
 
@@ -116,7 +110,8 @@ def request_arrays(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarr
             else:
                 raise RequestError(tensor.name, f"data type {tensor.datatype} is not a child input's")
             arrays[tensor.name] = array.reshape(shape)
-        except (ValueError, IndexError, struct.error) as e:   # a short buffer, a length past the end, a bad shape
+        # a short buffer, a length past the end, a bad shape
+        except (ValueError, IndexError, struct.error) as e:
             raise RequestError(tensor.name, f"malformed raw contents for shape {list(shape)}: {e}") from None
     return arrays
 
@@ -141,8 +136,8 @@ def response_message(delta: Delta, final: bool, model_name: str, request_id: str
 
 
 class _Outbox:
-    """The hand-off from the engine loop thread to the endpoint's loop, shared by every stream of the endpoint:
-    a sink with something new joins ``ready``, and the loop is woken once for all of them (one
+    """The hand-off from the engine loop thread to the endpoint's loop, shared by every stream of the
+    endpoint: a sink with something new joins ``ready``, and the loop is woken once for all of them (one
     ``call_soon_threadsafe`` per engine step, not one per stream: each is a write to the loop's self-pipe, on
     the engine thread). ``flush`` runs on the loop thread with the sinks that have something pending."""
 
@@ -192,7 +187,8 @@ class _StreamSink:
     """``ResponseSink`` of one endpoint stream: the engine loop thread appends, the endpoint's loop drains (in
     ``WorkerEndpoint._flush``, with every other stream that has something new).
 
-    FINAL once (later calls dropped); ``is_cancelled`` is True once the stream was cancelled or FINAL queued."""
+    FINAL once (later calls dropped); ``is_cancelled`` is True once the stream was cancelled or FINAL
+    queued."""
 
     def __init__(self, outbox: _Outbox, connection: _Connection, stream_id: int) -> None:
         self._outbox = outbox
@@ -200,7 +196,8 @@ class _StreamSink:
         self.stream_id = stream_id
         self.request_id = ""
         self._pending: collections.deque[tuple[ResponseChunk | Delta, bool]] = collections.deque()
-        self._scheduled = False   # in the outbox's ready list or its connection's waiting list (under its lock)
+        # in the outbox's ready list or its connection's waiting list (under its lock)
+        self._scheduled = False
         self._closed = False
         self.cancelled = False
         self.finished: asyncio.Future[None] = outbox.loop.create_future()   # set once FINAL is written
@@ -261,8 +258,9 @@ def _child_delta(chunk: ResponseChunk) -> Delta:
 
 
 class WorkerEndpoint:
-    """A PD worker's own gRPC endpoint (module docstring). ``bind`` (the port is known at once), then ``start``
-    with the worker, ``stop`` once the worker stopped (its requests' last responses are flushed first).
+    """A PD worker's own gRPC endpoint (module docstring). ``bind`` (the port is known at once), then
+    ``start`` with the worker, ``stop`` once the worker stopped (its requests' last responses are flushed
+    first).
 
     Args:
         host: the address to bind and advertise (the host of the worker's ``grpc_url``).
@@ -288,9 +286,11 @@ class WorkerEndpoint:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()   # one per router connection (loop thread)
-        self._drains: set[asyncio.Task[None]] = set()        # ``_wait_drained`` of a slow router (loop thread)
+        # ``_wait_drained`` of a slow router (loop thread)
+        self._drains: set[asyncio.Task[None]] = set()
         self._stop_lock = threading.Lock()
-        self._active = 0          # streams whose request was handed to the worker and has not ended (loop thread)
+        # streams whose request was handed to the worker and has not ended (loop thread)
+        self._active = 0
         self._draining = False
 
     @property
@@ -329,9 +329,9 @@ class WorkerEndpoint:
 
     def drain(self, timeout_s: float) -> int:
         """A model unload: new streams are answered with an ``INSTANCE`` error (the router retries them
-        elsewhere); waits up to ``timeout_s`` seconds for the streams in flight to end, as tritonserver waits for
-        a model's own requests before ``finalize``. Returns how many are still open (``stop`` then ends them).
-        Any thread."""
+        elsewhere); waits up to ``timeout_s`` seconds for the streams in flight to end, as tritonserver waits
+        for a model's own requests before ``finalize``. Returns how many are still open (``stop`` then ends
+        them). Any thread."""
         self.refuse_new()
         deadline = time.monotonic() + timeout_s
         while self._active and time.monotonic() < deadline:
@@ -340,7 +340,8 @@ class WorkerEndpoint:
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving: streams still open get ``grace_s`` seconds to send what is queued (their FINAL), then
-        are cancelled; the loop thread ends. Idempotent and thread-safe (a second caller waits for the first)."""
+        are cancelled; the loop thread ends. Idempotent and thread-safe (a second caller waits for the
+        first)."""
         with self._stop_lock:
             if self._thread is None:
                 return
@@ -375,8 +376,8 @@ class WorkerEndpoint:
             await asyncio.wait(list(self._connections), timeout=5)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One router's connection: its ``OPEN``s and ``CANCEL``s (``child_frames``); every stream on it is
-        cancelled when it closes."""
+        """One router's connection: its ``OPEN``s and ``CANCEL``s (``serving.child.frames``); every stream on
+        it is cancelled when it closes."""
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
@@ -426,7 +427,8 @@ class WorkerEndpoint:
             try:
                 signature, raw = split_open(payload)
                 request = service_pb2.ModelInferRequest.FromString(raw)
-            except Exception as e:   # FrameError, protobuf's DecodeError: this stream's error, not the connection's
+            # FrameError, protobuf's DecodeError: this stream's error, not the connection's
+            except Exception as e:
                 request, signature = None, None
                 sink.send_error(f"a malformed child request: {e}", ErrorKind.REQUEST)
             if request is not None:
@@ -447,7 +449,8 @@ class WorkerEndpoint:
     def _flush(self, sinks: list[_StreamSink]) -> None:
         """Loop thread: the pending responses of ``sinks`` written, each connection's in one write (a decode
         step's tokens of every stream on it: one ``send`` instead of one per stream). A connection whose send
-        buffer is full keeps its sinks waiting (``_Connection``); a cancelled stream's responses are dropped."""
+        buffer is full keeps its sinks waiting (``_Connection``); a cancelled stream's responses are
+        dropped."""
         touched: list[_Connection] = []
         for sink in sinks:
             connection = sink.connection
@@ -472,7 +475,8 @@ class WorkerEndpoint:
                 continue
             data, connection.out = b"".join(connection.out), []
             connection.writer.write(data)
-            if connection.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER and not connection.draining:
+            if connection.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER \
+                    and not connection.draining:
                 connection.draining = True
                 waiter = asyncio.ensure_future(self._wait_drained(connection))
                 self._drains.add(waiter)
@@ -490,7 +494,8 @@ class WorkerEndpoint:
             if waiting:
                 self._flush(waiting)
 
-    def _start(self, request: service_pb2.ModelInferRequest, signature: str | None, sink: _StreamSink) -> None:
+    def _start(self, request: service_pb2.ModelInferRequest, signature: str | None,
+               sink: _StreamSink) -> None:
         arrays = request_arrays(request)
         self._auth.check(signature, request.model_name, request.id, arrays)   # before any work
         if request.model_name != self._model_name:
@@ -501,7 +506,6 @@ class WorkerEndpoint:
         if CONTROL_INPUT in arrays:
             raise RequestError(CONTROL_INPUT, "is answered by the model through tritonserver, not here")
         llm = {name: arrays[name] for name in INPUT_NAMES if name in arrays}
-        from serving.triton.io import scalars_from_arrays  # numpy only (no pb_utils)
 
         pd = parse_pd_request(scalars_from_arrays(llm), {n: arrays[n] for n in PD_INPUT_NAMES if n in arrays})
         self._worker.handle(pd, sink)

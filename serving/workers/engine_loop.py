@@ -3,8 +3,8 @@
 Every engine call happens on the loop thread; other threads talk to it with ``submit``, ``abort`` and
 ``call_soon``, which only enqueue. One tick of the loop:
 
-1. wait for commands: not at all when the engine has work, up to ``busy_wait_s`` while a tick hook reports work
-   in flight, else up to ``idle_wait_s`` (an idle loop sleeps on its queue, it never spins);
+1. wait for commands: not at all when the engine has work, up to ``busy_wait_s`` while a tick hook reports
+   work in flight, else up to ``idle_wait_s`` (an idle loop sleeps on its queue, it never spins);
 2. run the queued commands in order (new requests join the continuous batch here, between two steps);
 3. run one ``engine.step()`` when the engine has unfinished requests, and hand each output to its request's
    callback;
@@ -12,8 +12,8 @@ Every engine call happens on the loop thread; other threads talk to it with ``su
    after the step).
 
 Each submitted request gets exactly one terminal event: a finished ``RequestOutput``, or a ``RequestFailed``
-(rejected by the engine, aborted, engine step error, loop stopped). Callbacks run on the loop thread and must be
-quick; an exception in one is logged and aborts that request only.
+(rejected by the engine, aborted, engine step error, loop stopped). Callbacks run on the loop thread and must
+be quick; an exception in one is logged and aborts that request only.
 
 Priority (``nice``): the loop thread can run at a higher priority than the rest of the process and of the
 machine (Linux ``setpriority`` on that thread alone, set as it starts). The engine step is what every stream
@@ -42,7 +42,7 @@ from typing import Protocol
 from engine.errors import EngineError, RequestRejected, TensorParallelError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from serving.workers.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
+from serving.events import LoopEvent, LoopStopped, OnEvent, RequestAborted, RequestFailed, RequestId
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class EngineCore(Protocol):
                     resumed_output_ids: Iterable[int] = ()) -> None: ...
 
     def prepare_request(self, params: SamplingParams) -> None:
-        """Any thread: compile ``params.structured`` (raises ``InvalidSamplingParams``); called only when set."""
+        """Any thread: compile ``params.structured`` (raises ``InvalidSamplingParams``); called only when
+        set."""
         ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -140,7 +141,8 @@ class EngineLoop:
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._callbacks: dict[RequestId, OnEvent] = {}
         # submitted, not added yet (still in the queue) → how many; an abort meeting one of them is kept in
-        # ``_abort_on_add`` until the submit comes off the queue (a tick hook's abort, same tick as its submit)
+        # ``_abort_on_add`` until the submit comes off the queue (a tick hook's abort, same tick as its
+        # submit)
         self._queued_submits: dict[RequestId, int] = {}
         self._abort_on_add: dict[RequestId, str] = {}
         self._submits_lock = threading.Lock()
@@ -154,7 +156,7 @@ class EngineLoop:
         self._on_fatal = on_fatal
         self._fatal_reported = False
 
-    # ---- any thread -------------------------------------------------------------------------------------------
+    # ---- any thread ----------------------------------------------------------------------------------------
     def add_hook(self, hook: TickHook) -> None:
         """Register a tick hook. Raises RuntimeError once the loop was started."""
         if self._thread is not None:
@@ -172,7 +174,8 @@ class EngineLoop:
         logger.info("%s started", self._name)
 
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """Stop the thread, aborting every request in flight; returns False if it did not exit in ``timeout_s``."""
+        """Stop the thread, aborting every request in flight; returns False if it did not exit in
+        ``timeout_s``."""
         self._stop.set()
         self._commands.put(None)
         if self._thread is None:
@@ -210,14 +213,15 @@ class EngineLoop:
         with self._submits_lock:
             self._queued_submits[request_id] = self._queued_submits.get(request_id, 0) + 1
         try:
-            self._put(_Submit(request_id, list(prompt_token_ids), params, on_event, tuple(resumed_output_ids)))
+            self._put(_Submit(request_id, list(prompt_token_ids), params, on_event,
+                              tuple(resumed_output_ids)))
         except LoopStopped:
             self._unqueue(request_id)
             raise
 
     def prepare(self, params: SamplingParams) -> None:
-        """Caller's thread (admission): compile the request's structured-outputs grammar now, so the loop thread
-        finds it compiled and a slow or bad spec holds up only its own request. No-op without one.
+        """Caller's thread (admission): compile the request's structured-outputs grammar now, so the loop
+        thread finds it compiled and a slow or bad spec holds up only its own request. No-op without one.
 
         Raises:
             InvalidSamplingParams: the spec cannot be compiled for this model's vocabulary (naming its field).
@@ -228,10 +232,10 @@ class EngineLoop:
     def abort(self, request_id: RequestId, reason: str = "aborted by caller") -> None:
         """Queue an abort: the engine frees the request's pages and its callback gets ``RequestAborted``.
 
-        Called on the loop thread (a tick hook), it takes effect at once; from elsewhere, before the next step.
-        A request still queued (submitted, not added yet: a tick hook that submits and aborts in one tick) is
-        aborted when it comes off the queue, without reaching the engine. A request that already finished (or is
-        unknown) is left alone.
+        Called on the loop thread (a tick hook), it takes effect at once; from elsewhere, before the next
+        step. A request still queued (submitted, not added yet: a tick hook that submits and aborts in one
+        tick) is aborted when it comes off the queue, without reaching the engine. A request that already
+        finished (or is unknown) is left alone.
 
         Raises:
             LoopStopped: called from another thread when the loop is not running (nothing left to abort).
@@ -242,7 +246,8 @@ class EngineLoop:
             self.call_soon(lambda: self._abort(request_id, reason))
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread before the next step (PD workers: reserve pages, add prebuilt requests).
+        """Run ``fn`` on the loop thread before the next step (PD workers: reserve pages, add prebuilt
+        requests).
 
         Exceptions from ``fn`` are logged, never raised. Raises LoopStopped when the loop is not running.
         """
@@ -252,7 +257,7 @@ class EngineLoop:
         """Make the loop tick now instead of finishing its idle wait (e.g. new work for a tick hook)."""
         self._commands.put(None)
 
-    # ---- loop thread only -------------------------------------------------------------------------------------
+    # ---- loop thread only ----------------------------------------------------------------------------------
     def track(self, request_id: RequestId, on_event: OnEvent) -> None:
         """Route the engine's outputs for a request added outside ``submit`` (e.g. ``add_prebuilt_request``).
 
@@ -262,7 +267,8 @@ class EngineLoop:
 
     def stats(self) -> LoopStats:
         """Counters of this loop; loop thread only for a consistent view."""
-        return LoopStats(len(self._callbacks), self._commands.qsize(), self._steps_total, self._step_seconds_total)
+        return LoopStats(len(self._callbacks), self._commands.qsize(), self._steps_total,
+                         self._step_seconds_total)
 
     def _put(self, command: _Command) -> None:
         with self._accept_lock:
@@ -322,7 +328,8 @@ class EngineLoop:
             logger.exception("%s: queued call %r failed", self._name, command)
 
     def _unqueue(self, request_id: RequestId) -> str | None:
-        """The submit of ``request_id`` left the queue: forget one count; the abort that waited for it, if any."""
+        """The submit of ``request_id`` left the queue: forget one count; the abort that waited for it, if
+        any."""
         with self._submits_lock:
             left = self._queued_submits.get(request_id, 0) - 1
             if left > 0:
@@ -338,7 +345,8 @@ class EngineLoop:
             self._deliver(s.on_event, RequestFailed(s.request_id, RequestAborted(s.request_id, aborted)))
             return
         if s.request_id in self._callbacks:
-            self._deliver(s.on_event, RequestFailed(s.request_id, RequestRejected(s.request_id, "duplicate id")))
+            self._deliver(s.on_event,
+                          RequestFailed(s.request_id, RequestRejected(s.request_id, "duplicate id")))
             return
         try:
             if s.resumed_output_ids:

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from engine.errors import InvalidSamplingParams
+from serving.delta import ErrorKind
 from serving.parsing.pd_request import PDRequest
+from serving.parsing.prompt import Tokenizer, prompt_token_ids
 from serving.parsing.request import RequestError
-from serving.stream import ErrorKind, ResponseSink
-from serving.workers.colocated import Tokenizer, prompt_token_ids
+from serving.stream import ResponseSink
 from serving.workers.engine_loop import EngineLoop
 
 J = TypeVar("J")
@@ -50,14 +51,15 @@ class Intake(Generic[J]):
 
     def accept(self, pd: PDRequest, sink: ResponseSink, make_job: Callable[[str, list[int]], J]) -> str:
         """Queue ``make_job(request_id, prompt_token_ids)``; on a tokenizer error, a grammar that cannot be
-        compiled or a stopped loop, answer ``sink`` with an error instead. Never raises. Returns the request id."""
+        compiled or a stopped loop, answer ``sink`` with an error instead. Never raises. Returns the request
+        id."""
         request_id = f"{self._name}-{next(self._ids)}"
         fingerprint = self._tokenizer.fingerprint
         if pd.prompt_token_ids and fingerprint and pd.tokenizer_id == fingerprint:
             token_ids = list(pd.prompt_token_ids)
             if max(token_ids) >= self._tokenizer.vocab_size:
-                sink.send_error(str(RequestError("prompt_token_ids", f"token id {max(token_ids)} is not below the "
-                                                 f"vocabulary size {self._tokenizer.vocab_size}")),
+                sink.send_error(str(RequestError("prompt_token_ids", f"token id {max(token_ids)} is not "
+                                                 f"below the vocabulary size {self._tokenizer.vocab_size}")),
                                 ErrorKind.REQUEST)
                 return request_id
         else:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
+from serving.delta import Delta, ErrorKind, ResponseChunk
+from serving.stream import ResponseSink
 
 
 class SampleFanIn:

@@ -1,10 +1,10 @@
-"""Builds the PD workers: engine + engine loop + KV manager (with the instance's own rendezvous), wired for one
-model instance, and announced to the fleet's membership registry when one is configured.
+"""Builds the PD workers: engine + engine loop + KV manager (with the instance's own rendezvous), wired for
+one model instance, and announced to the fleet's membership registry when one is configured.
 
 Start order (``PDWorkerHandle.start``): KV manager (registers the KV region with its transport, starts the
 instance's rendezvous), engine loop, then the membership announcement (routers may pair it from then on). Stop
-order, the reverse: withdraw from the membership, engine loop (requests in flight end with an error and FINAL),
-KV manager (fails open rooms, tells the peers, stops the rendezvous).
+order, the reverse: withdraw from the membership, engine loop (requests in flight end with an error and
+FINAL), KV manager (fails open rooms, tells the peers, stops the rendezvous).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: Load report period of a PD worker to its own rendezvous, seconds: routers read the load there.
 HEARTBEAT_INTERVAL_S = 0.5
-#: How long the registry keeps a worker that stopped renewing (a killed process), seconds. Routers notice a dead
-#: worker sooner: its rendezvous refuses their next poll.
+#: How long the registry keeps a worker that stopped renewing (a killed process), seconds. Routers notice a
+#: dead worker sooner: its rendezvous refuses their next poll.
 MEMBER_TTL_S = 10.0
 
 
@@ -68,7 +68,8 @@ def kv_args(config: WorkerConfig, engine: LLMEngine, instance_id: str, role: str
 
 
 class KVMetricsHook:
-    """Tick hook publishing the KV manager's counters (``pd_kv_*``) and the transfer time of finished rooms."""
+    """Tick hook publishing the KV manager's counters (``pd_kv_*``) and the transfer time of finished
+    rooms."""
 
     def __init__(self, kv_manager: BaseKVManager, metrics: ServingMetrics,
                  worker: PrefillWorker | DecodeWorker | None = None) -> None:
@@ -127,18 +128,18 @@ class PDWorkerHandle:
         return self.kv_manager.epoch
 
     def withdraw(self, timeout_s: float = 2.0) -> None:
-        """Leave the fleet: out of its registry, and listed as draining at this worker's own rendezvous (routers
-        stop pairing it within one refresh, also those that find their workers through their server's repository
-        index, which then ask the model again and find a reloaded successor); the worker keeps serving what it
-        has. Idempotent; ``stop`` does it too."""
+        """Leave the fleet: out of its registry, and listed as draining at this worker's own rendezvous
+        (routers stop pairing it within one refresh, also those that find their workers through their server's
+        repository index, which then ask the model again and find a reloaded successor); the worker keeps
+        serving what it has. Idempotent; ``stop`` does it too."""
         self.kv_manager.set_draining()
         membership, self.membership = self.membership, None
         if membership is not None:
             membership.stop(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """Idempotent and thread-safe (the server watch and ``finalize`` may both call it): a second call waits
-        for the first to finish. Returns False if the engine loop did not stop within ``timeout_s``."""
+        """Idempotent and thread-safe (the server watch and ``finalize`` may both call it): a second call
+        waits for the first to finish. Returns False if the engine loop did not stop within ``timeout_s``."""
         with self._stop_lock:
             if self._stopped:
                 return True
@@ -154,10 +155,10 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
                      metrics: ServingMetrics | None = None, model_name: str = "",
                      worker_endpoint: str = "",
                      on_fatal: Callable[[EngineError], None] | None = None) -> PDWorkerHandle:
-    """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started), known to its peers as
-    ``instance_id`` serving ``model_name`` at ``config.grpc_url`` (and at ``worker_endpoint``, the address of its
-    own ``serving.workers.endpoint``, when not empty). ``on_fatal``: as ``EngineLoop``'s (the engine failed
-    for good, e.g. a tensor-parallel rank died).
+    """Load the model and build a ``"prefill"`` or ``"decode"`` worker (nothing started), known to its peers
+    as ``instance_id`` serving ``model_name`` at ``config.grpc_url`` (and at ``worker_endpoint``, the address
+    of its own ``serving.workers.endpoint``, when not empty). ``on_fatal``: as ``EngineLoop``'s (the engine
+    failed for good, e.g. a tensor-parallel rank died).
 
     Raises:
         ValueError: ``role`` is neither ``"prefill"`` nor ``"decode"``.
@@ -195,6 +196,7 @@ def create_pd_worker(role: str, config: WorkerConfig, instance_id: str,
         if engine.config.dp_size > 1:
             loop.add_hook(DPRankMetricsHook(metrics, lambda: engine.rank_free_pages, lambda: engine.dp_loads))
         loop.add_hook(KVMetricsHook(kv_manager, metrics, worker))
-    membership = make_membership(config.registry_url, config.fleet_secret, tls=config.fleet_tls)
+    membership = make_membership(config.registry_url, config.fleet_secret, config.etcd_settings,
+                                 tls=config.fleet_tls)
     return PDWorkerHandle(worker, loop, kv_manager, membership,
                           instance_id=instance_id, model_name=model_name, grpc_url=config.grpc_url)

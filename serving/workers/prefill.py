@@ -4,13 +4,13 @@ Lifecycle of one request, every step but the first on the engine loop thread:
 
 1. ``handle`` (Triton's execute thread): tokenize (or take the router's ids: ``Intake``); the job is queued
    for the loop;
-2. the loop opens a KV sender for its room (``Bootstrapping`` until the decode side has posted where to write),
-   declares the prompt's pages (``sender.init(num_pages, num_tokens)``) and submits the request at once: it
-   joins the engine's **waiting** queue and runs with chunked prefill **while decode reserves its pages and
-   posts the destination**, so the rendezvous is off the first token's path (vLLM's and Dynamo's prefill runs
-   first too; SGLang's prefill waits in a bootstrap queue for decode's pages). After each chunk its completed
-   pages go to ``sender.send``: posted as one-sided WRITEs into decode's pages once the destination is known,
-   queued until then (the manager thread posts them when it arrives);
+2. the loop opens a KV sender for its room (``Bootstrapping`` until the decode side has posted where to
+   write), declares the prompt's pages (``sender.init(num_pages, num_tokens)``) and submits the request at
+   once: it joins the engine's **waiting** queue and runs with chunked prefill **while decode reserves its
+   pages and posts the destination**, so the rendezvous is off the first token's path (vLLM's and Dynamo's
+   prefill runs first too; SGLang's prefill waits in a bootstrap queue for decode's pages). After each chunk
+   its completed pages go to ``sender.send``: posted as one-sided WRITEs into decode's pages once the
+   destination is known, queued until then (the manager thread posts them when it arrives);
 3. after the last chunk, the first token goes to the client at once and the job moves to **inflight**: its
    pages stay held until the sender reports ``Success`` (every WRITE done) or ``Failed`` with no WRITE in
    flight; then the engine frees them and the stream ends with FINAL. A cancel (the router's, when the decode
@@ -31,11 +31,12 @@ from typing import Protocol
 
 from bootstrap.messages import InstanceLoad
 from kv_transfer import AuxData, BaseKVManager, BaseKVSender, KVPoll, TransferError
+from serving.delta import ErrorKind, ResponseChunk
+from serving.events import LoopEvent, RequestFailed
 from serving.metrics import ServingMetrics
 from serving.parsing.pd_request import PDRequest
-from serving.stream import ErrorKind, ResponseChunk, ResponseSink, client_message, error_kind_of
+from serving.stream import ResponseSink, client_message, error_kind_of
 from serving.workers.engine_loop import EngineLoop, PagedEngineCore
-from serving.workers.events import LoopEvent, RequestFailed
 from serving.workers.intake import Intake, WorkerTokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,11 @@ class PrefillWorker:
         self.load = InstanceLoad()   # snapshot taken every tick; read by the KV manager's heartbeat
         loop.add_hook(self)
 
-    # ---- any thread -------------------------------------------------------------------------------------------
+    # ---- any thread ----------------------------------------------------------------------------------------
     def handle(self, pd: PDRequest, sink: ResponseSink) -> str:
         """Queue one request; responses go to ``sink``. Never raises: failures become an error response."""
-        return self._intake.accept(pd, sink, lambda request_id, token_ids: _Job(request_id, pd, token_ids, sink))
+        return self._intake.accept(pd, sink,
+                                   lambda request_id, token_ids: _Job(request_id, pd, token_ids, sink))
 
     def num_active(self) -> int:
         return len(self._intake) + len(self._prefilling) + len(self._inflight)
@@ -118,11 +120,12 @@ class PrefillWorker:
 
     @property
     def transfer_tail_seconds_total(self) -> float:
-        """Sum over finished rooms of (last chunk posted → every WRITE done), seconds: the part of the transfer
-        that no prefill compute hides (the decode side's second token waits for it; the first token does not)."""
+        """Sum over finished rooms of (last chunk posted → every WRITE done), seconds: the part of the
+        transfer that no prefill compute hides (the decode side's second token waits for it; the first token
+        does not)."""
         return self._transfer_tail_s_total
 
-    # ---- loop thread ------------------------------------------------------------------------------------------
+    # ---- loop thread ---------------------------------------------------------------------------------------
     def on_tick(self) -> bool:
         """Advance every queue by one round; True while something waits on the network."""
         for job in self._intake.take():
@@ -138,8 +141,8 @@ class PrefillWorker:
         return bool(self._prefilling or self._inflight)
 
     def _load(self) -> InstanceLoad:
-        """Queued: jobs not taken by the loop yet; running: prefilling (in the engine); queued prompt tokens: the
-        prefilling jobs' prompts."""
+        """Queued: jobs not taken by the loop yet; running: prefilling (in the engine); queued prompt tokens:
+        the prefilling jobs' prompts."""
         engine = self._engine
         return InstanceLoad(
             num_queued_requests=len(self._intake), num_running_requests=len(self._prefilling),
@@ -151,7 +154,8 @@ class PrefillWorker:
         assert job.sender is not None
         num_pages = -(-len(job.token_ids) // self._page_size)
         try:
-            job.sender.init(num_pages, len(job.token_ids))   # a partly filled last page: only its filled slots
+            # a partly filled last page: only its filled slots
+            job.sender.init(num_pages, len(job.token_ids))
         except TransferError as e:
             self._end_failed(job, str(e))
             return
@@ -187,14 +191,16 @@ class PrefillWorker:
             assert chunk.first_token_id is not None and chunk.first_logprob is not None
             aux = AuxData(chunk.first_token_id, chunk.first_logprob, job.pd.room)
             # the first token goes to the client before the last pages' WRITE is posted (with inline progress
-            # ``send`` copies them, ~1 ms of TTFT on the tiny model here); it travels with its logprobs (decode
-            # reports only the tokens after it), and with the finish reason when it already ends the request
-            # (EOS, a stop, max_tokens == 1). A transfer that fails later fails the request as before.
+            # ``send`` copies them, ~1 ms of TTFT on the tiny model here); it travels with its logprobs
+            # (decode reports only the tokens after it), and with the finish reason when it already ends the
+            # request (EOS, a stop, max_tokens == 1). A transfer that fails later fails the request as before.
             job.cumulative_logprob = event.cumulative_logprob
             logprobs = tuple(event.new_token_logprobs) if job.pd.request.params.logprobs is not None else None
-            job.sink.send(ResponseChunk.single(event.new_text, chunk.finish_reason, event.num_prompt_tokens, 1, 1,
-                                               event.cumulative_logprob, logprobs, event.num_cached_tokens,
-                                               tuple(event.new_token_ids)),
+            job.sink.send(ResponseChunk.single(text=event.new_text, finish_reason=chunk.finish_reason,
+                                               num_input_tokens=event.num_prompt_tokens, num_output_tokens=1,
+                                               num_new_tokens=1, cumulative_logprob=event.cumulative_logprob,
+                                               logprobs=logprobs, num_cached_tokens=event.num_cached_tokens,
+                                               token_ids=tuple(event.new_token_ids)),
                           final=False)
         send_s = time.monotonic()   # before ``send``: with inline progress it posts (copies) the WRITE
         job.first_send_s = job.first_send_s or send_s
@@ -209,9 +215,9 @@ class PrefillWorker:
             assert job.sender is not None
             reason = self._cancel_reason(job)
             if reason is not None and job.failed is None and job.sender.poll() != KVPoll.Success:
-                # the router cancelled after the first token: its decode half failed or went away (maybe before
-                # it ever posted a destination, so no peer here can report it); the room ends now, not at the
-                # bootstrap timeout, and its pages come back once no WRITE is in flight
+                # the router cancelled after the first token: its decode half failed or went away (maybe
+                # before it ever posted a destination, so no peer here can report it); the room ends now, not
+                # at the bootstrap timeout, and its pages come back once no WRITE is in flight
                 job.failed = reason
                 job.sender.abort(reason)
             state = job.sender.poll()
@@ -224,7 +230,8 @@ class PrefillWorker:
                 now = time.monotonic()
                 self._transfer_s_total += now - job.first_send_s
                 self._transfer_tail_s_total += now - job.last_send_s
-                job.sink.send(ResponseChunk.single("", None, len(job.token_ids), 1, 0, job.cumulative_logprob),
+                job.sink.send(ResponseChunk.single(num_input_tokens=len(job.token_ids), num_output_tokens=1,
+                                                   cumulative_logprob=job.cumulative_logprob),
                               final=True)
                 self._count("finished", job)
             else:

@@ -211,7 +211,7 @@ def _worker_main(url: str, instance_id: str, role: str, ttl_s: str) -> None:
 
     logging.basicConfig(level=logging.INFO)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})   # before any thread: sigwait takes it
-    membership = make_membership(url, load_fleet_secret())
+    membership = make_membership(url, load_fleet_secret(os.environ), dict(os.environ))
     assert membership is not None
     membership.announce(Member(instance_id, role, "127.0.0.1:1", "m", "http://127.0.0.1:2", time.time_ns()),
                         float(ttl_s))

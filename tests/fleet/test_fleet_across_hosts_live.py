@@ -177,8 +177,8 @@ def colocated_tokens(prompt: str, params: dict[str, Any]) -> tuple[str, list[tup
     """The colocated engine, in this process: (text, [(token id, logprob)], cumulative logprob)."""
     from engine import LLMEngine
     from serving.config import WorkerConfig
+    from serving.parsing.prompt import prompt_token_ids
     from serving.parsing.request import parse_request
-    from serving.workers.colocated import prompt_token_ids
 
     engine = LLMEngine(WorkerConfig(num_pages=256).engine_config("colocated"))
     req = parse_request({"text_input": prompt.encode(), "sampling_parameters": json.dumps(params)})

@@ -63,6 +63,7 @@ def text_responses(pieces: Sequence[str], prompt_tokens: int = 5, reason: str = 
     out = []
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        delta = SampleDelta(0, piece, reason if last else None, 1, num_cached_tokens=cached_tokens)
+        counts = {} if cached_tokens is None else {"num_cached_tokens": cached_tokens}
+        delta = SampleDelta(0, piece, reason if last else None, 1, counts=counts)
         out.append(BackendResponse((delta,), prompt_tokens, last))
     return out

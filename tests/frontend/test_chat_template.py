@@ -1,6 +1,6 @@
 """The front renders chat messages with the model's own template, so one user message gives exactly the prompt
-tokens of the server's ``apply_chat_template=true`` path (``serving.workers.colocated.prompt_token_ids``), and
-a system message and several turns keep their order and roles."""
+tokens of the server's ``apply_chat_template=true`` path (``serving.parsing.prompt.prompt_token_ids``), and a
+system message and several turns keep their order and roles."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def tokenizer():  # engine.model.tokenizer.Tokenizer
 
 
 def test_one_user_message_gives_the_servers_prompt_tokens(tokenizer) -> None:
+    from serving.parsing.prompt import prompt_token_ids
     from serving.parsing.request import GenerateRequest
-    from serving.workers.colocated import prompt_token_ids
 
     for text in ("What is the capital of France?", "  spaces and\nnewlines  ", "ünïcödé ✓"):
         rendered = ChatRenderer(tokenizer).render([{"role": "user", "content": text}])

@@ -112,10 +112,11 @@ def test_usage_is_prompt_tokens_plus_the_new_tokens_of_every_choice() -> None:
 
 def test_usage_reports_the_prompts_cached_tokens_once_as_openai_defines_them() -> None:
     totals = Totals(2)
-    totals.add(BackendResponse((SampleDelta(0, "A", None, 1, num_cached_tokens=32),
-                                SampleDelta(1, "B", None, 1, num_cached_tokens=32)), 40))
-    totals.add(BackendResponse((SampleDelta(0, "", "stop", 0, num_cached_tokens=32),
-                                SampleDelta(1, "C", "length", 1, num_cached_tokens=32)), 40, True))
+    totals.add(BackendResponse((SampleDelta(0, "A", None, 1, counts={"num_cached_tokens": 32}),
+                                SampleDelta(1, "B", None, 1, counts={"num_cached_tokens": 32})), 40))
+    last = (SampleDelta(0, "", "stop", 0, counts={"num_cached_tokens": 32}),
+            SampleDelta(1, "C", "length", 1, counts={"num_cached_tokens": 32}))
+    totals.add(BackendResponse(last, 40, True))
     usage = mapping.usage_of(totals)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 3, 43)
     assert usage.model_dump()["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -71,10 +71,11 @@ def test_cached_tokens_are_per_sample_and_the_prompt_counts_once_with_the_least_
         response = decoder.decode(values, final=False)
         assert [d.num_cached_tokens for d in response.samples] == cached
         totals.add(response)
-    assert [s.num_cached_tokens for s in totals.samples] == [32, 16] and totals.num_cached_tokens == 16
+    assert [s.counts["num_cached_tokens"] for s in totals.samples] == [32, 16]
+    assert totals.num_cached_tokens == 16
     silent = Totals(1)
     silent.add(decoder.decode({"text_output": _bytes("x")}, final=True))
-    assert silent.samples[0].num_cached_tokens is None and silent.num_cached_tokens is None
+    assert "num_cached_tokens" not in silent.samples[0].counts and silent.num_cached_tokens is None
 
 
 def test_an_empty_final_response_has_no_samples_and_absent_outputs_are_empty() -> None:

@@ -48,8 +48,8 @@ def colocated_greedy_runs(prompts: list[str], sampling: dict[str, str], sequenti
 
     from engine import LLMEngine
     from serving.config import WorkerConfig
+    from serving.parsing.prompt import prompt_token_ids
     from serving.parsing.request import parse_request
-    from serving.workers.colocated import prompt_token_ids
 
     config = WorkerConfig(num_pages=256, **worker)  # type: ignore[arg-type]
     engine = LLMEngine(config.engine_config("colocated"))

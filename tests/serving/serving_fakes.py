@@ -10,7 +10,8 @@ from typing import Any, ClassVar
 from engine.errors import InvalidSamplingParams, RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from serving.stream import ErrorKind, ResponseChunk, ResponseSink
+from serving.delta import ErrorKind, ResponseChunk
+from serving.stream import ResponseSink
 from serving.workers.engine_loop import EngineCore
 
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from serving.answering import start_or_fail
-from serving.parsing.child_codec import ChildSchemaMismatch
+from serving.child.codec import ChildSchemaMismatch
+from serving.delta import ErrorKind, ResponseChunk
 from serving.parsing.request import RequestError
-from serving.stream import ErrorKind, ResponseChunk
 
 
 class Refused(Exception):

@@ -1,4 +1,4 @@
-"""Child request signatures (``child_codec.sign_call`` / ``verify_call``, ``inputs_digest``) and the worker's
+"""Child request signatures (``signing.sign_call`` / ``verify_call``, ``inputs_digest``) and the worker's
 check (``serving.workers.child_auth.ChildAuth``).
 
 Invariants: a signature admits exactly the request it was made for, at the instance it was made for, once,
@@ -19,13 +19,7 @@ import numpy as np
 import pytest
 
 from bootstrap.auth import AuthError
-from serving.parsing.child_codec import (
-    AUTH_PARAMETER,
-    ChildUnauthenticated,
-    inputs_digest,
-    sign_call,
-    verify_call,
-)
+from serving.child.signing import AUTH_PARAMETER, ChildUnauthenticated, inputs_digest, sign_call, verify_call
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, child_arrays, child_request, child_request_id, sign_child
 from serving.workers.child_auth import NO_AUTH, ChildAuth

@@ -31,7 +31,9 @@ from live_prompts import colocated_greedy_texts
 from perf.server import ServeScript, supervised
 from test_worker_endpoint_live import make_model_repository
 
-from serving.parsing.child_codec import AUTH_PARAMETER, decode_raw_response
+from serving.child.codec import decode_raw_response
+from serving.child.signing import AUTH_PARAMETER
+from serving.delta import Delta, ErrorKind
 from serving.router.fleet import Target
 from serving.router.launch import (
     ChildCall,
@@ -41,7 +43,6 @@ from serving.router.launch import (
     child_request_id,
     sign_child,
 )
-from serving.stream import Delta, ErrorKind
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
 TRITON_MODELS = ("pd_ensemble", "pd_triton", "prefill", "decode")

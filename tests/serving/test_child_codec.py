@@ -1,5 +1,5 @@
-"""``serving.parsing.child_codec``: the child protocol's one schema, held to the model configs and to both
-encoders; the schema check; a response round trip, errors and their kind included."""
+"""``serving.child.codec``: the child protocol's one schema, held to the model configs and to both encoders;
+the schema check; a response round trip, errors and their kind included."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.outputs import TokenLogprob
-from serving.parsing.child_codec import (
+from serving.child.codec import (
     CHILD_INPUTS,
     CHILD_OUTPUTS,
     SCHEMA_HASH,
@@ -20,10 +20,10 @@ from serving.parsing.child_codec import (
     decode_response,
     encode_response,
 )
+from serving.delta import Delta, ErrorKind
 from serving.parsing.pd_request import parse_pd_request
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, child_arrays
-from serving.stream import Delta, ErrorKind
 
 ROOT = Path(__file__).resolve().parents[2]
 #: numpy dtype kind of each Triton data type the protocol uses
@@ -65,20 +65,26 @@ def test_the_routers_encoder_sends_only_schema_inputs_in_their_types(role: str) 
 
 def test_the_childs_encoder_answers_schema_outputs_in_their_types_and_leaves_out_defaults() -> None:
     entry = TokenLogprob(7, -0.5, 1, "x", ())
-    full = encode_response(Delta("x", "stop", 3, 2, 1, -0.5, (entry,), 16, (7,)))
+    full = encode_response(Delta(text="x", finish_reason="stop", num_input_tokens=3, num_output_tokens=2,
+                                 num_new_tokens=1, cumulative_logprob=-0.5, logprobs=(entry,),
+                                 num_cached_tokens=16,
+                                 token_ids=(7,)))
     failed = encode_response(Delta.failure("bad", ErrorKind.REQUEST))
     assert {name: array.dtype for name, array in {**full, **failed}.items()} == \
         {name: np.dtype(NUMPY_OF[t]) for name, t in CHILD_OUTPUTS.items()}
     # a streamed token: its text, its count and its id; what is absent decodes to its default
-    token = encode_response(Delta(" y", None, 0, 5, 1, token_ids=(9,)))
+    token = encode_response(Delta(text=" y", num_input_tokens=0, num_output_tokens=5, num_new_tokens=1,
+                                  token_ids=(9,)))
     assert sorted(token) == ["num_output_tokens", "output_token_ids", "text_output"]
-    assert decode_response(token, final=False) == Delta(" y", None, 0, 5, 0, token_ids=(9,))
-    assert sorted(encode_response(Delta(""))) == ["num_output_tokens", "text_output"]
+    assert decode_response(token, final=False) == Delta(text=" y", num_input_tokens=0, num_output_tokens=5,
+                                                        num_new_tokens=0, token_ids=(9,))
+    assert sorted(encode_response(Delta(text=""))) == ["num_output_tokens", "text_output"]
 
 
 def test_a_response_round_trips_and_an_error_keeps_its_kind() -> None:
     entry = TokenLogprob(7, -0.5, 1, "é", ((8, -1.0, "b"),))
-    sent = Delta("é", "length", 3, 2, 1, -0.5, (entry,), 16, (7,))
+    sent = Delta(text="é", finish_reason="length", num_input_tokens=3, num_output_tokens=2, num_new_tokens=1,
+                 cumulative_logprob=-0.5, logprobs=(entry,), num_cached_tokens=16, token_ids=(7,))
     got = decode_response(encode_response(sent), final=True)
     assert (got.text, got.finish_reason, got.num_input_tokens, got.num_output_tokens, got.cumulative_logprob,
             got.logprobs, got.num_cached_tokens, got.token_ids, got.final, got.error) == \

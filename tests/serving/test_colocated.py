@@ -9,9 +9,9 @@ import time
 import pytest
 from serving_fakes import FakeEngine, FakeFamily, RecordingSink
 
+from serving.delta import ErrorKind
 from serving.metrics import LoopMetricsHook, ServingMetrics
 from serving.parsing.request import parse_request
-from serving.stream import ErrorKind
 from serving.workers.colocated import ColocatedWorker
 from serving.workers.engine_loop import EngineLoop
 

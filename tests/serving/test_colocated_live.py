@@ -103,7 +103,7 @@ def test_bad_inputs_fail_alone_while_a_good_request_completes(triton_server, ref
     # over HTTP the server closes the stream only after FINAL: the error response was the final one
     events = http_generate_stream(triton_server.http_url, {"text_input": "", "stream": True})
     assert len(events) == 1 and "text_input" in events[0]["error"]
-    # the request's own error is Triton's INVALID_ARG: HTTP 400, not 500 (serving.stream.ErrorKind.REQUEST)
+    # the request's own error is Triton's INVALID_ARG: HTTP 400, not 500 (serving.delta.ErrorKind.REQUEST)
     resp = requests.post(f"{triton_server.http_url}/v2/models/colocated/generate",
                          json={"text_input": ""}, timeout=60)
     assert resp.status_code == 400 and "text_input" in resp.json()["error"], (resp.status_code, resp.text)

@@ -21,8 +21,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineError, TensorParallelError
+from serving.events import LoopEvent, RequestFailed
 from serving.workers.engine_loop import EngineLoop
-from serving.workers.events import LoopEvent, RequestFailed
 from tests.engine.test_moe_models import deepseek_config, save_model
 from tests.engine.test_tensor_parallel import _alive
 

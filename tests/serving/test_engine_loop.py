@@ -16,8 +16,8 @@ from serving_fakes import FakeEngine
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from serving.events import LoopEvent, LoopStopped, RequestAborted, RequestFailed
 from serving.workers.engine_loop import EngineLoop
-from serving.workers.events import LoopEvent, LoopStopped, RequestAborted, RequestFailed
 
 pytestmark = pytest.mark.timeout(30)
 

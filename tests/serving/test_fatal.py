@@ -19,8 +19,8 @@ from serving_fakes import FakeEngine
 
 from engine.errors import EngineError, TensorParallelError
 from engine.sampling_params import SamplingParams
+from serving.events import LoopEvent, RequestFailed
 from serving.workers.engine_loop import EngineLoop
-from serving.workers.events import LoopEvent, RequestFailed
 from serving.workers.fatal import EXIT_STATUS
 
 pytestmark = pytest.mark.timeout(30)

@@ -24,11 +24,12 @@ from perf.tls_certs import FleetCerts, have_openssl, make_fleet_certs
 
 from bootstrap.tls import FleetTLS, load_fleet_tls
 from serving.config import ConfigError, build_worker_config
+from serving.delta import Delta, ResponseChunk
 from serving.parsing.pd_request import PDRequest
 from serving.router.config import build_router_config
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, ChildUnavailable, EndpointLauncher
-from serving.stream import Delta, ResponseChunk, ResponseSink
+from serving.stream import ResponseSink
 from serving.workers.endpoint import WorkerEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]

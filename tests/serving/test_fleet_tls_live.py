@@ -22,7 +22,7 @@ from live_prompts import colocated_greedy_texts
 from perf.server import ServeScript, supervised
 from perf.tls_certs import FleetCerts, have_openssl, make_fleet_certs
 
-from serving.parsing.child_frames import PREAMBLE
+from serving.child.frames import PREAMBLE
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600),
               pytest.mark.skipif(not have_openssl(), reason="the openssl command is not installed")]

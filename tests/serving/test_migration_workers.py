@@ -20,6 +20,7 @@ import pytest
 from bootstrap.client import BootstrapClient
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
+from serving.delta import Delta, ErrorKind, ResponseChunk
 from serving.parsing.request import parse_request
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
@@ -28,7 +29,6 @@ from serving.router.launch import ChildCall, ChildUnavailable
 from serving.router.orchestrator import PDOrchestrator, RoutedRequest
 from serving.router.pairing import make_policy
 from serving.router.responder import EnsembleResponder
-from serving.stream import Delta, ErrorKind, ResponseChunk
 from serving.workers.pd_factory import PDWorkerHandle, create_pd_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 from serving_fakes import RecordingSink
 
-from serving.stream import ResponseChunk
+from serving.delta import ResponseChunk
 from serving.workers.parallel_sampling import SampleFanIn
 
 
 def chunk(text: str, reason: str | None = None, total: int = 1, new: int = 1) -> ResponseChunk:
-    return ResponseChunk.single(text, reason, 4, total, new, -0.5 * total)
+    return ResponseChunk.single(text=text, finish_reason=reason, num_input_tokens=4, num_output_tokens=total,
+                                num_new_tokens=new, cumulative_logprob=-0.5 * total)
 
 
 def test_streaming_sends_each_sample_response_with_the_others_empty() -> None:
@@ -36,15 +37,19 @@ def test_each_entry_carries_its_own_samples_cached_tokens() -> None:
     sink = RecordingSink()
     fan = SampleFanIn(sink, 2, stream=True, logprobs=False)
     a, b = fan.sample_sink(0), fan.sample_sink(1)
-    a.send(ResponseChunk.single("x", None, 40, 1, 1, num_cached_tokens=32), final=False)
-    b.send(ResponseChunk.single("y", None, 40, 1, 1, num_cached_tokens=16), final=False)
-    a.send(ResponseChunk.single("z", "length", 40, 2, 1, num_cached_tokens=32), final=True)
+    a.send(ResponseChunk.single(text="x", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1,
+                                num_cached_tokens=32), final=False)
+    b.send(ResponseChunk.single(text="y", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1,
+                                num_cached_tokens=16), final=False)
+    a.send(ResponseChunk.single(text="z", finish_reason="length", num_input_tokens=40, num_output_tokens=2,
+                                num_new_tokens=1, num_cached_tokens=32), final=True)
     # an entry stays 0 until its sample reported, then keeps that sample's value
     assert [[s.num_cached_tokens for s in c.samples] for c, _ in sink.chunks] == [[32, 0], [32, 16], [32, 16]]
     whole = RecordingSink()
     fan = SampleFanIn(whole, 2, stream=False, logprobs=False)
     for i, cached in ((1, 16), (0, 32)):
-        fan.sample_sink(i).send(ResponseChunk.single("t", "stop", 40, 1, 1,
+        fan.sample_sink(i).send(ResponseChunk.single(text="t", finish_reason="stop", num_input_tokens=40,
+                                                     num_output_tokens=1, num_new_tokens=1,
                                                      num_cached_tokens=cached), final=True)
     assert [s.num_cached_tokens for s in whole.chunks[0][0].samples] == [32, 16]
 

@@ -49,8 +49,8 @@ def test_each_return_input_turns_on_its_own_output_only() -> None:
     assert _parse().outputs == OutputOptions()
     for name in RETURN_INPUTS:
         asked = _parse(**{name: True}).outputs
-        assert [f for f, on in vars(asked).items() if on] == [name.removeprefix("return_")], name
-    assert _parse(return_num_cached_tokens=True).outputs == OutputOptions(num_cached_tokens=True)
+        assert asked.names == {name.removeprefix("return_")}, name
+    assert _parse(return_num_cached_tokens=True).outputs == OutputOptions.of("num_cached_tokens")
 
 
 def test_missing_prompt_is_an_error() -> None:

@@ -83,7 +83,7 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged_in_order_and_ot
     """While the sender is stuck, one stream queues 20 chunk responses, then FINAL; another stream queues a
     plain response: once the sender moves, the first stream's chunks go out as one response (the texts and
     token counts joined, in order) with the FINAL flag, and the plain response as it was."""
-    from serving.stream import ResponseChunk, merge_chunks
+    from serving.delta import ResponseChunk, merge_chunks
 
     release = threading.Event()
     dispatcher = ResponseDispatcher("test", FINAL, cancel_poll_interval_s=0.01, merge=merge_chunks)
@@ -92,8 +92,8 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged_in_order_and_ot
     dispatcher.submit(dispatcher.open(blocker), lambda: "first", final=False)   # the thread waits in here
     handle = dispatcher.open(behind)
     for i in range(20):
-        chunk = ResponseChunk.single(f"t{i} ", num_input_tokens=3, num_output_tokens=i + 1, num_new_tokens=1,
-                                     token_ids=(i,))
+        chunk = ResponseChunk.single(text=f"t{i} ", num_input_tokens=3, num_output_tokens=i + 1,
+                                     num_new_tokens=1, token_ids=(i,))
         dispatcher.submit_chunk(handle, chunk, lambda c: c, final=i == 19)
     dispatcher.submit(dispatcher.open(plain), lambda: "plain", final=True)
     release.set()
@@ -108,15 +108,15 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged_in_order_and_ot
 
 
 def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
-    from serving.stream import ResponseChunk, merge_chunks
+    from serving.delta import ResponseChunk, merge_chunks
 
     dispatcher = ResponseDispatcher("test", FINAL, cancel_poll_interval_s=0.01, merge=merge_chunks)
     dispatcher.start()
     sender = FakeSender()
     handle = dispatcher.open(sender)
     for i in range(5):
-        dispatcher.submit_chunk(handle,
-                                ResponseChunk.single(str(i), num_output_tokens=i + 1, num_new_tokens=1),
+        dispatcher.submit_chunk(handle, ResponseChunk.single(text=str(i), num_output_tokens=i + 1,
+                                                             num_new_tokens=1),
                                 lambda c: c.text, final=i == 4)
         deadline = time.monotonic() + 2.0
         while len(sender.sent) < i + 1 and time.monotonic() < deadline:
@@ -128,14 +128,24 @@ def test_a_stream_that_keeps_up_gets_one_response_per_chunk() -> None:
 
 def test_merged_chunks_join_logprobs_and_keep_each_samples_latest_counts() -> None:
     from engine.outputs import TokenLogprob
-    from serving.stream import Delta, ResponseChunk, merge_chunks
+    from serving.delta import Delta, ResponseChunk, merge_chunks
 
     lp = (TokenLogprob(5, -0.5, 1, "a"),)
-    a = ResponseChunk((Delta("a", None, 9, 1, 1, -0.5, lp, 4, (5,)), Delta("", None, 9, 0, 0, 0.0, ())))
-    b = ResponseChunk((Delta("b", "stop", 9, 2, 1, -1.0, lp, 4, (6,)), Delta("x", None, 9, 1, 1, -0.2, lp)))
+    a = ResponseChunk((Delta(text="a", num_input_tokens=9, num_output_tokens=1, num_new_tokens=1,
+                             cumulative_logprob=-0.5, logprobs=lp, num_cached_tokens=4, token_ids=(5,)),
+                       Delta(text="", num_input_tokens=9, logprobs=())))
+    b = ResponseChunk((Delta(text="b", finish_reason="stop", num_input_tokens=9, num_output_tokens=2,
+                             num_new_tokens=1, cumulative_logprob=-1.0, logprobs=lp, num_cached_tokens=4,
+                             token_ids=(6,)),
+                       Delta(text="x", num_input_tokens=9, num_output_tokens=1, num_new_tokens=1,
+                             cumulative_logprob=-0.2, logprobs=lp)))
     m = merge_chunks(a, b)
-    assert m.samples[0] == Delta("ab", "stop", 9, 2, 2, -1.0, lp + lp, 4, (5, 6))
-    assert m.samples[1] == Delta("x", None, 9, 1, 1, -0.2, lp, 0, ())
+    assert m.samples[0] == Delta(text="ab", finish_reason="stop", num_input_tokens=9, num_output_tokens=2,
+                                 num_new_tokens=2, cumulative_logprob=-1.0, logprobs=lp + lp,
+                                 num_cached_tokens=4,
+                                 token_ids=(5, 6))
+    assert m.samples[1] == Delta(text="x", num_input_tokens=9, num_output_tokens=1, num_new_tokens=1,
+                                 cumulative_logprob=-0.2, logprobs=lp, num_cached_tokens=0, token_ids=())
     assert m.num_input_tokens == 9
     with pytest.raises(ValueError):
-        merge_chunks(a, ResponseChunk.single("z"))
+        merge_chunks(a, ResponseChunk.single(text="z"))

@@ -52,6 +52,17 @@ def test_environment_overrides_registry_url_and_carries_the_fleet_secret() -> No
     assert build_worker_config({}, environ={}).registry_url == ""   # no registry by default: plain Triton
 
 
+def test_etcds_own_settings_come_from_the_environment_once_as_values() -> None:
+    from serving.router.config import build_router_config
+
+    env = {"PD_ETCD_USER": "u", "PD_ETCD_PASSWORD": "s3cret", "PD_ETCD_CA": "", "UNRELATED": "x"}
+    want = {"PD_ETCD_USER": "u", "PD_ETCD_PASSWORD": "s3cret"}
+    assert build_worker_config({}, environ=env).etcd_settings == want
+    assert build_router_config({}, environ=env).etcd_settings == want
+    assert "s3cret" not in repr(build_worker_config({}, environ=env))   # a password stays out of logs
+    assert build_worker_config({}, environ={}).etcd_settings == {}
+
+
 def test_kv_network_only_is_nixls_parameter_and_the_environment_overrides_it() -> None:
     assert build_worker_config({}, environ={}).kv_options == NixlOptions(network_only=False)
     assert (build_worker_config(_sv(kv_network_only="true"), environ={}).kv_options

@@ -6,9 +6,9 @@ from serving_fakes import RecordingSink
 
 from engine.errors import RequestRejected
 from engine.outputs import RequestOutput
+from serving.events import RequestAborted, RequestFailed
 from serving.parsing.request import parse_request
 from serving.stream import GenerationStream
-from serving.workers.events import RequestAborted, RequestFailed
 
 
 def _outputs(*texts: str) -> list[RequestOutput]:

@@ -106,8 +106,8 @@ def reference(tiny: Path) -> dict[str, Generation]:
     """Each prompt's greedy text and cumulative logprob from one in-process engine with one rank."""
     from engine import LLMEngine
     from serving.config import WorkerConfig
+    from serving.parsing.prompt import prompt_token_ids
     from serving.parsing.request import parse_request
-    from serving.workers.colocated import prompt_token_ids
 
     engine = LLMEngine(WorkerConfig(model=str(tiny), num_pages=256).engine_config("colocated"))
     out = {p: Generation() for p in PROMPTS}

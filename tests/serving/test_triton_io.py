@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from engine.outputs import TokenLogprob
-from serving.parsing.child_codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
+from serving.child.codec import decode_response, encode_response, logprobs_from_wire, logprobs_to_wire
+from serving.delta import Delta, ResponseChunk
 from serving.parsing.request import OutputOptions, RequestError, parse_request
-from serving.stream import Delta, ResponseChunk
+from serving.schema import CLIENT_OUTPUTS
 from serving.triton.io import logprobs_json, response_arrays, scalars_from_arrays
 
-ALL = OutputOptions(True, True, True, True, True, True)
+ALL = OutputOptions(frozenset(CLIENT_OUTPUTS))
 
 
 def test_inputs_as_triton_hands_them_over() -> None:
@@ -44,7 +45,8 @@ def test_bad_tensors_name_the_input(arrays: dict[str, np.ndarray], field: str) -
 
 
 def test_response_arrays_hold_only_what_was_asked() -> None:
-    chunk = ResponseChunk.single("héllo", "stop", 7, 3, 2, -1.5)
+    chunk = ResponseChunk.single(text="héllo", finish_reason="stop", num_input_tokens=7, num_output_tokens=3,
+                                 num_new_tokens=2, cumulative_logprob=-1.5)
     arrays = response_arrays(chunk)
     assert list(arrays) == ["text_output"]
     assert arrays["text_output"].dtype == np.object_ and arrays["text_output"][0].decode() == "héllo"
@@ -55,24 +57,24 @@ def test_response_arrays_hold_only_what_was_asked() -> None:
     assert arrays["num_input_tokens"].dtype == np.uint32 and arrays["num_input_tokens"].tolist() == [7]
     assert arrays["num_output_tokens"].dtype == np.uint32 and arrays["num_output_tokens"].tolist() == [2]
     assert arrays["logprobs"].tolist() == [b"null"]
-    assert response_arrays(ResponseChunk.single("x"), ALL)["finish_reason"].tolist() == [b"None"]
-    only = response_arrays(chunk, OutputOptions(num_input_tokens=True))
+    assert response_arrays(ResponseChunk.single(text="x"), ALL)["finish_reason"].tolist() == [b"None"]
+    only = response_arrays(chunk, OutputOptions.of("num_input_tokens"))
     assert sorted(only) == ["num_input_tokens", "text_output"]
 
 
 def test_num_cached_tokens_is_per_sample_uint32_and_only_when_asked() -> None:
-    chunk = ResponseChunk((Delta("a", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1,
+    chunk = ResponseChunk((Delta(text="a", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1,
                                  num_cached_tokens=32),
-                           Delta("", num_input_tokens=40)))
-    assert "num_cached_tokens" not in response_arrays(chunk, OutputOptions(num_input_tokens=True))
-    arrays = response_arrays(chunk, OutputOptions(num_cached_tokens=True))
+                           Delta(text="", num_input_tokens=40)))
+    assert "num_cached_tokens" not in response_arrays(chunk, OutputOptions.of("num_input_tokens"))
+    arrays = response_arrays(chunk, OutputOptions.of("num_cached_tokens"))
     assert sorted(arrays) == ["num_cached_tokens", "text_output"]
     assert arrays["num_cached_tokens"].dtype == np.uint32 and arrays["num_cached_tokens"].tolist() == [32, 0]
 
 
 def test_one_entry_per_sample() -> None:
-    chunk = ResponseChunk((Delta("a", num_input_tokens=5, num_output_tokens=1, num_new_tokens=1),
-                           Delta("", "length", num_input_tokens=5, num_output_tokens=4)))
+    chunk = ResponseChunk((Delta(text="a", num_input_tokens=5, num_output_tokens=1, num_new_tokens=1),
+                           Delta(text="", finish_reason="length", num_input_tokens=5, num_output_tokens=4)))
     arrays = response_arrays(chunk, ALL)
     assert arrays["text_output"].tolist() == [b"a", b""]
     assert arrays["finish_reason"].tolist() == [b"None", b"length"]
@@ -95,12 +97,14 @@ def test_logprobs_json_is_the_vllm_layout() -> None:
 def test_child_layout_round_trips_logprobs() -> None:
     assert logprobs_from_wire(logprobs_to_wire(ENTRIES)) == ENTRIES
     assert logprobs_from_wire(logprobs_to_wire(None)) is None
-    arrays = encode_response(Delta("é", None, 3, 1, 1, -0.25, ENTRIES[:1]))
+    arrays = encode_response(Delta(text="é", num_input_tokens=3, num_output_tokens=1, num_new_tokens=1,
+                                   cumulative_logprob=-0.25, logprobs=ENTRIES[:1]))
     assert arrays["text_output"].dtype == np.uint8 and arrays["text_output"].tobytes().decode() == "é"
     assert arrays["cumulative_logprob"].tolist() == [-0.25]
     assert "num_cached_tokens" not in arrays   # 0: left out, and decoded as 0
     assert decode_response(arrays, final=False).num_cached_tokens == 0
-    cached = encode_response(Delta("x", None, 40, 1, 1, num_cached_tokens=32))
+    cached = encode_response(Delta(text="x", num_input_tokens=40, num_output_tokens=1, num_new_tokens=1,
+                                   num_cached_tokens=32))
     assert cached["num_cached_tokens"].tolist() == [32] and cached["num_input_tokens"].tolist() == [40]
     assert logprobs_from_wire(arrays["logprobs"].tobytes().decode()) == ENTRIES[:1]
     with pytest.raises(ValueError):
@@ -120,19 +124,20 @@ def test_parameters_stand_in_for_sampling_parameters() -> None:
 
 def test_return_inputs_select_outputs() -> None:
     req = parse_request({"text_input": b"x", "return_logprobs": True, "return_num_output_tokens": False})
-    assert req.outputs == OutputOptions(logprobs=True)
+    assert req.outputs == OutputOptions.of("logprobs")
     req = parse_request({"text_input": b"x", "return_num_cached_tokens": True})
-    assert req.outputs == OutputOptions(num_cached_tokens=True)
+    assert req.outputs == OutputOptions.of("num_cached_tokens")
 
 
 def test_child_token_ids_round_trip_as_int32_and_resume_ids_travel_to_decode_only() -> None:
     from serving.router.fleet import Target
     from serving.router.launch import ChildCall, child_arrays
 
-    arrays = encode_response(Delta("ab", None, 3, 4, 2, token_ids=(7, 9)))
+    arrays = encode_response(Delta(text="ab", num_input_tokens=3, num_output_tokens=4, num_new_tokens=2,
+                                   token_ids=(7, 9)))
     assert arrays["output_token_ids"].dtype == np.int32 and arrays["output_token_ids"].tolist() == [7, 9]
     assert decode_response(arrays, final=False).token_ids == (7, 9)
-    assert decode_response(encode_response(Delta("")), final=True).token_ids == ()
+    assert decode_response(encode_response(Delta(text="")), final=True).token_ids == ()
     target = Target("d0@h:1", "decode", "127.0.0.1:8001", "decode", rendezvous_url="http://d0:1")
     call = ChildCall("decode", target, 5, "", "", {"text_input": "hi"}, resume_token_ids=(4, 5, 6))
     sent = child_arrays(call)

@@ -20,11 +20,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from serving.delta import Delta, ErrorKind, ResponseChunk
 from serving.parsing.pd_request import PDRequest
 from serving.parsing.request import RequestError
 from serving.router.fleet import Target
 from serving.router.launch import ChildCall, EndpointLauncher, child_arrays, child_request
-from serving.stream import Delta, ErrorKind, ResponseChunk, ResponseSink
+from serving.stream import ResponseSink
 from serving.workers.child_auth import NO_AUTH, ChildAuth
 from serving.workers.endpoint import WorkerEndpoint, request_arrays
 
@@ -342,7 +343,7 @@ def test_an_unreachable_endpoint_fails_the_call_at_once() -> None:
 def test_a_peer_without_the_preamble_or_with_a_malformed_open_is_refused_and_others_go_on() -> None:
     import struct
 
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame
+    from serving.child.frames import PREAMBLE, FrameKind, frame
 
     worker = ScriptedWorker(tokens(3))
 
@@ -402,7 +403,7 @@ def test_a_router_that_stops_reading_gets_every_stream_merged_and_whole_and_othe
     responses, with one FINAL; a stream on another connection is served meanwhile."""
     from tritonclient.grpc import service_pb2
 
-    from serving.parsing.child_frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
+    from serving.child.frames import PREAMBLE, FrameKind, frame, open_payload, read_frame
     from serving.router.launch import _response_delta
 
     piece = "y" * 4000

@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from bootstrap.messages import InstanceLoad, InstanceStatus
+from serving.delta import Delta
 from serving.router.config import RouterConfig
 from serving.router.fleet import Fleet, FleetSnapshot
 from serving.router.launch import ChildCall, ChildUnavailable
-from serving.stream import Delta
 
 #: per call: a list of (delay_s, Delta | Exception); keyed by (role, instance id) or role
 Script = list[tuple[float, "Delta | Exception"]]

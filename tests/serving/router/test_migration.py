@@ -12,8 +12,8 @@ from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
 from test_orchestrator import run
 
 from engine.outputs import TokenLogprob
+from serving.delta import Delta
 from serving.router.config import RouterConfig
-from serving.stream import Delta
 
 FLEET = (status("p0@h:1", "prefill"), status("d0@h:1", "decode"), status("d1@h:1", "decode"),
          status("d2@h:1", "decode"))

@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 
 from router_fakes import Script, ScriptedLauncher, fleet_of, status, unavailable
 
+from serving.delta import Delta, ErrorKind
 from serving.parsing.request import GenerateRequest
 from serving.router.config import RouterConfig
 from serving.router.launch import ChildCall
 from serving.router.orchestrator import PDOrchestrator, RoomAllocator, RoutedRequest
 from serving.router.pairing import make_policy
-from serving.stream import Delta, ErrorKind
 
 FLEET = (status("p0@h:1", "prefill"), status("p1@h:1", "prefill"), status("d0@h:1", "decode"))
 

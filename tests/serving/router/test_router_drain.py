@@ -9,13 +9,13 @@ import time
 
 from router_fakes import ScriptedLauncher, status
 
+from serving.delta import Delta
 from serving.parsing.request import GenerateRequest
 from serving.router.config import RouterConfig
 from serving.router.discovery import FleetMember
 from serving.router.fleet import FleetSnapshot
 from serving.router.orchestrator import RoutedRequest
 from serving.router.service import Router
-from serving.stream import Delta
 
 FLEET = (status("p0@h:1", "prefill"), status("d0@h:1", "decode"))
 PREFILL = [(0.0, Delta(text="A", num_input_tokens=7, num_output_tokens=1)), (0.0, Delta(final=True))]

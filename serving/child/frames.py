@@ -5,10 +5,11 @@ through a socket, so each message crosses one more thread than the bytes need; m
 processes on this host (``scripts/perf/bench_child_hop.py``; ``docs/benchmarks.md``, "Session 19"), one child
 call (open a stream, one request, the first response) took 549 us over grpc.aio and 86 us over a plain asyncio
 TCP connection, and each streamed response cost the receiver 80 us of CPU against 6 us. A PD request's first
-token crosses this hop twice (router → prefill → router) and every streamed token once (decode → router). The messages stay Triton's
-(``tritonclient.grpc.service_pb2``: ``ModelInferRequest`` in, ``ModelStreamInferResponse`` out, raw contents,
-``triton_final_response`` on the last), so ``child_codec`` and both sides' encoders are the same as through
-tritonserver; only the framing around them is ours.
+token crosses this hop twice (router → prefill → router) and every streamed token once (decode → router). The
+messages stay Triton's (``tritonclient.grpc.service_pb2``: ``ModelInferRequest`` in,
+``ModelStreamInferResponse`` out, raw contents, ``triton_final_response`` on the last), so
+``serving.child.codec`` and both sides' encoders are the same as through tritonserver; only the framing around
+them is ours.
 
 One TCP connection per (router, endpoint) carries any number of child streams:
 
@@ -18,7 +19,7 @@ One TCP connection per (router, endpoint) carries any number of child streams:
 - Every message is a frame: ``HEADER`` (payload bytes: u32, kind: u8, stream id: u32, little-endian), then the
   payload. ``MAX_FRAME_BYTES`` bounds a payload; a larger one is a protocol error that closes the connection.
 - ``OPEN`` (router → endpoint): a new stream; payload = u16 length + the fleet signature
-  (``child_codec.sign_call``: bound to the target instance and to the request's model, id and inputs; empty
+  (``signing.sign_call``: bound to the target instance and to the request's model, id and inputs; empty
   without a fleet secret), then the serialized ``ModelInferRequest``. One request per stream; an ``OPEN`` for
   a stream id already open is ignored (logged).
 - ``CANCEL`` (router → endpoint, empty payload): the router closed the stream before its FINAL; the worker
@@ -29,8 +30,8 @@ One TCP connection per (router, endpoint) carries any number of child streams:
   ``ChildUnavailable``; the endpoint cancels them.
 
 Stream ids are the router's (unique per connection, never reused on it). Everything here is encoding, plus the
-connections' TCP keepalive (``keepalive``): callers are the router's event loop thread (``serving.router.launch.EndpointLauncher``) and the endpoint's loop
-thread (``serving.workers.endpoint``).
+connections' TCP keepalive (``keepalive``): callers are the router's event loop thread
+(``serving.router.launch.EndpointLauncher``) and the endpoint's loop thread (``serving.workers.endpoint``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[FrameKind, int, byte
 
 #: TCP keepalive of every child connection (seconds): idle before the first probe, between probes, probes. A
 #: peer host that vanished without a FIN or RST (a partition, a powered-off host) is found within ~60 s even
-#: while no stream waits on it; a stream that waits is ended sooner by the router's ``request_idle_timeout_s``.
+#: while no stream waits on it; a stream that waits is ended sooner by the router's
+#: ``request_idle_timeout_s``.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 
 
