@@ -55,11 +55,12 @@ class EngineConfig:
             model's experts and attention heads (checked at load, naming it).
         enable_dp_attention: DP attention over the instance's ranks (``tensor_parallel_size`` for a dense
             model, ``expert_parallel_size`` for an MoE one, N > 1; docs/parallelism.md, "DP attention"): each
-            rank holds every attention head and its own KV pool (``num_pages`` pages, its own page ids) and runs
-            attention on its own requests, which this process's scheduler assigns (least-loaded rank); dense
-            MLPs stay split by columns over every rank's tokens, MoE layers expert-parallel. The instance holds
-            N x the tokens of one pool. In prefill and decode mode (CPU) the ranks' pools are one region whose
-            page ids ``rank * num_pages + p`` the KV transfer addresses (``LLMEngine.kv_pools``).
+            rank holds every attention head and its own KV pool (``num_pages`` pages, its own page ids) and
+            runs attention on its own requests, which this process's scheduler assigns (least-loaded rank);
+            dense MLPs stay split by columns over every rank's tokens, MoE layers expert-parallel. The
+            instance holds N x the tokens of one pool. In prefill and decode mode (CPU) the ranks' pools are
+            one region whose page ids ``rank * num_pages + p`` the KV transfer addresses
+            (``LLMEngine.kv_pools``).
         tp_timeout_s: how long a rank waits for the others inside a step before the group fails (a rank that
             hangs); a rank process that dies fails the group within ~50 ms instead.
         tp_collectives: ``"auto"`` (CPU: shared-memory collectives, ``engine.parallel.shm``, where its C file

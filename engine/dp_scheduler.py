@@ -58,7 +58,7 @@ class DataParallelScheduler:
         self.loads = [DPRankLoad() for _ in ranks]
         self._rank_of: dict[RequestId, int] = {}
 
-    # ---- the one-scheduler interface ------------------------------------------------------------------------
+    # ---- the one-scheduler interface -----------------------------------------------------------------------
     def pages_needed(self, seq: Sequence) -> int:
         return self.ranks[0].pages_needed(seq)
 
@@ -91,8 +91,8 @@ class DataParallelScheduler:
         self.ranks[self._place(seq)].add(seq)
 
     def reserve(self, seq: Sequence) -> bool:
-        """Assign ``seq`` to a rank and take its pages there now; False (nothing taken, no rank kept) when that
-        rank is short."""
+        """Assign ``seq`` to a rank and take its pages there now; False (nothing taken, no rank kept) when
+        that rank is short."""
         rank = self._place(seq)
         if self.ranks[rank].reserve(seq):
             return True
@@ -136,7 +136,7 @@ class DataParallelScheduler:
         self._forget(request_id)
         return self.ranks[rank].abort(request_id)
 
-    # ---- placement -------------------------------------------------------------------------------------------
+    # ---- placement -----------------------------------------------------------------------------------------
     def rank_of(self, request_id: RequestId) -> int | None:
         """The rank a live request was assigned to; None for an unknown or finished one."""
         return self._rank_of.get(request_id)

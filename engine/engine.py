@@ -99,8 +99,8 @@ class LLMEngine:
         num_pages = self.parallel.num_pages if self.parallel else \
             config.num_pages or shape.pages_for_bytes(config.pool_bytes, dtype)
         region_fd = self.parallel.dp_region_fd if self.parallel else -1
-        # DP attention on the CPU: every rank's pool in one region, rank 0's first; the whole region is what the
-        # KV transfer registers (a page id r * num_pages + p is page p of rank r's pool)
+        # DP attention on the CPU: every rank's pool in one region, rank 0's first; the whole region is what
+        # the KV transfer registers (a page id r * num_pages + p is page p of rank r's pool)
         self._dp_region: KVPool | None = None
         if region_fd >= 0:
             total = config.dp_size * num_pages
@@ -203,8 +203,8 @@ class LLMEngine:
         """The structured-outputs compiler for this model's vocabulary (built on first use; any thread)."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
-                                                 sorted(self._eos_token_ids))
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(),
+                                                 self.model_config.vocab_size, sorted(self._eos_token_ids))
             return self._grammars
 
     def prepare_request(self, params: SamplingParams) -> None:
@@ -280,13 +280,12 @@ class LLMEngine:
                              first_token_sent: bool = False) -> None:
         """Decode mode: the prompt KV is in the reserved pages; continue from ``first_token_id``.
 
-        A seeded sampling request continues its seed's random stream past the first token's draw, so its tokens
-        are the colocated engine's for the same seed. The first token is reported in the request's next output,
-        unless ``first_token_sent``: then the
-        prefill side already sent it (its id and the text a prefill-mode engine emits for it) and the outputs
-        here carry only what follows; ``num_output_tokens`` still counts it. If the first token already
-        finishes the request (EOS, a stop token or string, ``max_tokens == 1``) the request finishes at the
-        next step, no forward.
+        A seeded sampling request continues its seed's random stream past the first token's draw, so its
+        tokens are the colocated engine's for the same seed. The first token is reported in the request's next
+        output, unless ``first_token_sent``: then the prefill side already sent it (its id and the text a
+        prefill-mode engine emits for it) and the outputs here carry only what follows; ``num_output_tokens``
+        still counts it. If the first token already finishes the request (EOS, a stop token or string,
+        ``max_tokens == 1``) the request finishes at the next step, no forward.
 
         Raises:
             EngineError: not in decode mode, ``request_id`` is not reserved, or it was added already.
@@ -371,9 +370,9 @@ class LLMEngine:
         ps = self.config.page_size
         is_last = sampled is not None
         done_pages = pages_for_tokens(seq.num_prompt_tokens, ps) if is_last else seq.num_computed_tokens // ps
-        chunk = PrefillChunk(self._instance_pages(seq, seq.page_table[seq.num_sent_pages:done_pages]), is_last,
-                             sampled.token_id if sampled else None, sampled.logprob if sampled else None,
-                             reason)
+        chunk = PrefillChunk(self._instance_pages(seq, seq.page_table[seq.num_sent_pages:done_pages]),
+                             is_last, sampled.token_id if sampled else None,
+                             sampled.logprob if sampled else None, reason)
         seq.num_sent_pages = done_pages
         if is_last:
             reason = reason or "length"
@@ -439,7 +438,8 @@ class LLMEngine:
             raise RequestRejected(request_id, f"logit_bias names token ids outside [0, {vocab}): {bad[:5]}")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise RequestRejected(request_id, f"stop_token_ids names token ids outside [0, {vocab}): {bad[:5]}")
+            raise RequestRejected(request_id,
+                                  f"stop_token_ids names token ids outside [0, {vocab}): {bad[:5]}")
         if any(not 0 <= int(t) < vocab for t in prompt_token_ids):
             raise RequestRejected(request_id, f"prompt has token ids outside [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:

@@ -29,7 +29,8 @@ from engine.page_allocator import PageId
 
 logger = logging.getLogger(__name__)
 
-#: Transparent huge page size on x86-64 (and the alignment a region needs for the kernel to back it with them).
+#: Transparent huge page size on x86-64 (and the alignment a region needs for the kernel to back it with
+#: them).
 HUGE_PAGE_BYTES = 2 << 20
 
 
@@ -223,12 +224,13 @@ _SYS_MADVISE = {"x86_64": 28, "aarch64": 233}.get(os.uname().machine)
 
 def _raw_madvise() -> Callable[[int, int, int], int]:
     """``madvise(addr, length, advice) -> 0 or -1 (errno set)`` as the raw system call (``syscall(2)``), not
-    libc's ``madvise``: UCX (NIXL's UCX backend) live-patches libc's ``madvise``, ``mmap`` and the like when it
-    starts (its UCM "bistro" memory hooks), and a thread parked inside one of those functions while its first
-    bytes are rewritten resumes on half-written instructions (SIGSEGV or SIGILL: a known UCM race, openucx/ucx's
-    ``test_hooks``). The populate thread spends the worker's start inside ``madvise`` calls of a few ms each,
-    right when NIXL starts UCX; a decode stub died so once (2026-12-04, its fault handler's trace in ``populate``).
-    ``syscall`` itself is not patched. Elsewhere (another architecture) libc's ``madvise``."""
+    libc's ``madvise``: UCX (NIXL's UCX backend) live-patches libc's ``madvise``, ``mmap`` and the like when
+    it starts (its UCM "bistro" memory hooks), and a thread parked inside one of those functions while its
+    first bytes are rewritten resumes on half-written instructions (SIGSEGV or SIGILL: a known UCM race,
+    openucx/ucx's ``test_hooks``). The populate thread spends the worker's start inside ``madvise`` calls of a
+    few ms each, right when NIXL starts UCX; a decode stub died so once (2026-12-04, its fault handler's trace
+    in ``populate``). ``syscall`` itself is not patched. Elsewhere (another architecture) libc's
+    ``madvise``."""
     libc = ctypes.CDLL(None, use_errno=True)
     if _SYS_MADVISE is None:
         fn = libc.madvise
@@ -246,12 +248,12 @@ def _raw_madvise() -> Callable[[int, int, int], int]:
 
 
 def _populate_in_background(base: int, nbytes: int) -> threading.Thread | None:
-    """Start a daemon thread that faults in ``[base, base + nbytes)`` (page-aligned, a mapping of this process)
-    with ``MADV_POPULATE_WRITE``, at nice 19 (it competed with the rest of a worker's start: the phase after the
-    pool, NIXL's set-up, took 0.6 s before it and 1.7 s beside it on a quiet host). Returns the thread, or None
-    when the kernel refuses the advice (tried on the first huge page, here): the caller then touches the memory
-    itself. The thread holds no Python object of the pool: if the mapping is closed first, its madvise fails
-    (ENOMEM) and it ends."""
+    """Start a daemon thread that faults in ``[base, base + nbytes)`` (page-aligned, a mapping of this
+    process) with ``MADV_POPULATE_WRITE``, at nice 19 (it competed with the rest of a worker's start: the
+    phase after the pool, NIXL's set-up, took 0.6 s before it and 1.7 s beside it on a quiet host). Returns
+    the thread, or None when the kernel refuses the advice (tried on the first huge page, here): the caller
+    then touches the memory itself. The thread holds no Python object of the pool: if the mapping is closed
+    first, its madvise fails (ENOMEM) and it ends."""
     madvise = _raw_madvise()
     first = min(nbytes, HUGE_PAGE_BYTES)
     if madvise(base, first, _MADV_POPULATE_WRITE) != 0:

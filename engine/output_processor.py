@@ -78,7 +78,8 @@ class OutputProcessor:
 
     def start(self, seq: Sequence) -> None:
         p = seq.params
-        self._texts[seq.request_id] = _TextState(self.make_detokenizer(), p.stop, p.include_stop_str_in_output)
+        self._texts[seq.request_id] = _TextState(self.make_detokenizer(), p.stop,
+                                                 p.include_stop_str_in_output)
 
     def drop(self, request_id: RequestId) -> None:
         self._texts.pop(request_id, None)

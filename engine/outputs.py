@@ -60,8 +60,8 @@ class TokenLogprob:
         decoded_token: the text this token added to the output (incremental detokenization: ``""`` for a token
             that ends inside a multi-byte character, whose text comes with a later token; the concatenation of
             a request's ``decoded_token``s is its text, up to a stop string cut).
-        top: the ``logprobs`` most likely tokens, most likely first: ``(token_id, logprob, text)``, the text of
-            each token decoded alone.
+        top: the ``logprobs`` most likely tokens, most likely first: ``(token_id, logprob, text)``, the text
+            of each token decoded alone.
     """
 
     token_id: int

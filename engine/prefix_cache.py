@@ -3,9 +3,9 @@
 Why chained page hashes (vLLM's hash-based prefix caching, ``vllm/v1/core/kv_cache_utils.py``) rather than a
 radix tree (SGLang): a page's key is ``H(parent key, the page's token ids)``, so it names the page's whole
 prefix; matching a prompt is one dict lookup per page (O(1) each), there is no tree to split or rebalance, and
-the unit of sharing is the unit the pool allocates (a page), so a hit never needs a partial-page copy. Keys are
-SHA-256 digests: a collision would silently serve another prompt's KV, and 64-bit ``hash()`` is not safe enough
-at scale; the cost (~1 µs per page) is noise next to a forward.
+the unit of sharing is the unit the pool allocates (a page), so a hit never needs a partial-page copy. Keys
+are SHA-256 digests: a collision would silently serve another prompt's KV, and 64-bit ``hash()`` is not safe
+enough at scale; the cost (~1 µs per page) is noise next to a forward.
 
 Page states (each page is in exactly one):
 
@@ -17,11 +17,11 @@ Page states (each page is in exactly one):
 Eviction is LRU over cached pages only, so a page a live request holds is never evicted. It is leaf-first
 without tracking children: a request releases its pages last page first, and any request that matched a child
 page also matched (and later released) its parent, so a parent is always released no earlier than its children
-and sits behind them in the LRU order. One case escapes this: when two requests computed the same page at once,
-the key stays with the first one's page, and a child page the second request keys later hangs under a parent
-page it never held, so that parent can be evicted first. The orphan is then unreachable (matching starts at
-the first page) and ages out; it wastes a page, it never serves wrong KV, because keys name token content, not
-pages.
+and sits behind them in the LRU order. One case escapes this: when two requests computed the same page at
+once, the key stays with the first one's page, and a child page the second request keys later hangs under a
+parent page it never held, so that parent can be evicted first. The orphan is then unreachable (matching
+starts at the first page) and ages out; it wastes a page, it never serves wrong KV, because keys name token
+content, not pages.
 
 A cached page is never written: keys go only to pages whose every slot holds computed KV, and a request writes
 only at positions past its computed (and so past its matched) tokens.
@@ -110,7 +110,8 @@ class PrefixCache:
         return self.allocator.num_free + len(self._evictable)
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.queries_tokens, self.hits_tokens, len(self._key_of), len(self._evictable))
+        return PrefixCacheStats(self.queries_tokens, self.hits_tokens, len(self._key_of),
+                                len(self._evictable))
 
     def ref_count(self, page: PageId) -> int:
         return self._ref_count[page]
@@ -128,8 +129,8 @@ class PrefixCache:
         return pages
 
     def can_allocate(self, n: int, sharing: Seq[PageId] = ()) -> bool:
-        """Whether ``n`` new pages can be allocated after ``acquire(sharing)`` (which takes cached pages out of
-        the allocatable set)."""
+        """Whether ``n`` new pages can be allocated after ``acquire(sharing)`` (which takes cached pages out
+        of the allocatable set)."""
         taken = sum(1 for p in sharing if self._ref_count[p] == 0)
         return 0 <= n <= self.num_allocatable - taken
 

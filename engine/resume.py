@@ -48,7 +48,8 @@ def replay_outputs(seq: Sequence, token_ids: Iterable[int], outputs: OutputProce
     seeded = seq.params.seed is not None and not seq.params.greedy
     for index, token_id in enumerate(token_ids):
         if seq.grammar is not None and not seq.grammar.accept(token_id):
-            raise RequestRejected(seq.request_id, f"resumed token {index} ({token_id}) is outside the grammar")
+            raise RequestRejected(seq.request_id,
+                                  f"resumed token {index} ({token_id}) is outside the grammar")
         if seeded:
             torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=seq.generator)
         reason = outputs.append_token(seq, token_id, 0.0)

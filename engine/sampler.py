@@ -5,8 +5,8 @@ masked while fewer tokens were generated); ``repetition_penalty`` (prompt and ou
 is divided by it, a negative one multiplied, as in CTRL, Keskar et al. 2019); ``frequency_penalty`` and
 ``presence_penalty`` (output tokens only: ``logit -= frequency * count + presence * (count > 0)``, as in
 OpenAI's API); then the structured-outputs token mask (``structured``: tokens its grammar does not allow next
-get ``-inf``; ``engine.structured``); then greedy argmax, or temperature, ``min_p`` (drop tokens below ``min_p`` times the top
-token's probability), top-k, top-p and a draw.
+get ``-inf``; ``engine.structured``); then greedy argmax, or temperature, ``min_p`` (drop tokens below
+``min_p`` times the top token's probability), top-k, top-p and a draw.
 
 Logprobs: the reported logprob of a chosen token (and the top ``logprobs`` alternatives, with ranks) is taken
 from the *raw* model distribution, ``log_softmax(logits)`` before any of the above (vLLM's default
@@ -101,7 +101,8 @@ class Sampler:
             if masked:
                 assert masks is not None
                 row = apply_mask(row, masks[i])
-                if not bool(torch.isfinite(row).any()):  # min_tokens forbids the only tokens the grammar allows
+                if not bool(torch.isfinite(row).any()):  # min_tokens forbids the only tokens the
+                                                         # grammar allows
                     row = apply_mask(logits[i], masks[i])  # the grammar wins
             token_ids[i] = int(torch.argmax(row)) if p.greedy else _sample_row(row, p, generators[i])
         log_norm = torch.logsumexp(logits, dim=-1)
@@ -119,7 +120,8 @@ class Sampler:
         vocab = row.shape[0]
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=row.device)
-            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device))
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype,
+                                                device=row.device))
         if p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens:
             stop_ids = [t for t in set(self.eos_token_ids) | set(p.stop_token_ids) if t < vocab]
             if stop_ids:
@@ -129,7 +131,8 @@ class Sampler:
                                 dtype=torch.int64, device=row.device)
             if seen.numel():
                 values = row[seen]
-                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                        values * p.repetition_penalty)
         if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(history.output_token_ids):
             out = torch.tensor(list(history.output_token_ids), dtype=torch.int64, device=row.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)

@@ -182,8 +182,9 @@ class SamplingParams:
             _check_int("logit_bias", token_id, minimum=0)
             _check_float("logit_bias", bias)
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise InvalidSamplingParams("logit_bias", f"bias of token {token_id} must be in "
-                                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+                raise InvalidSamplingParams(
+                    "logit_bias", f"bias of token {token_id} must be in "
+                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -217,7 +218,8 @@ class SamplingParams:
                     raise InvalidSamplingParams(key, f"not supported by this server except at {default!r}")
                 continue
             if key not in known:
-                raise InvalidSamplingParams(key, f"unknown parameter (known: {sorted(known | set(SPEC_KEYS))})")
+                raise InvalidSamplingParams(key,
+                                            f"unknown parameter (known: {sorted(known | set(SPEC_KEYS))})")
             if value is not None:
                 kwargs[key] = _PARSERS[key](key, value)
         return cls(**kwargs)

@@ -31,7 +31,8 @@ from kv_transfer.transport import BackendOptions, OptionError, Transport
 BACKENDS = backend_names()   # the built-in ones; ``backend_names()`` also lists later registrations
 
 
-def make_kv_manager(args: KVArgs, backend: str = "nixl", options: BackendOptions | None = None) -> BaseKVManager:
+def make_kv_manager(args: KVArgs, backend: str = "nixl",
+                    options: BackendOptions | None = None) -> BaseKVManager:
     """A manager for ``args`` on the registered ``backend`` (``kv_transfer.backends``) with that backend's
     ``options`` (None: its defaults); nothing starts until ``start()``. Raises ``ValueError`` for an unknown
     backend or options of another backend, ``ImportError`` when its package is missing."""

@@ -23,8 +23,8 @@ from kv_transfer.mooncake_transport import MooncakeOptions, MooncakeTransport
 from kv_transfer.nixl_transport import NixlOptions, NixlTransport
 from kv_transfer.transport import BackendOptions, OptionError, Transport
 
-__all__ = ["BackendOptions", "OptionError", "backend_names", "make_transport", "option_parameters", "options_type",
-           "parse_options", "register_backend", "unavailable_reason"]
+__all__ = ["BackendOptions", "OptionError", "backend_names", "make_transport", "option_parameters",
+           "options_type", "parse_options", "register_backend", "unavailable_reason"]
 
 _O = TypeVar("_O", bound=BackendOptions)
 
@@ -46,7 +46,8 @@ def register_backend(name: str, factory: Callable[[KVArgs, _O], Transport], opti
     ``ValueError`` when ``name`` is taken."""
     if name in _BACKENDS:
         raise ValueError(f"KV backend {name!r} is registered already")
-    _BACKENDS[name] = _Backend(cast(Callable[[KVArgs, BackendOptions], Transport], factory), options, requires)
+    _BACKENDS[name] = _Backend(cast(Callable[[KVArgs, BackendOptions], Transport], factory), options,
+                               requires)
 
 
 def _backend(name: str) -> _Backend:
@@ -92,9 +93,9 @@ def option_parameters() -> dict[str, tuple[str, ...]]:
 
 def parse_options(name: str, parameters: Mapping[str, str],
                   environ: Mapping[str, str] | None = None) -> BackendOptions:
-    """Backend ``name``'s options from model parameters (``{"kv_protocol": "rdma", ...}``: its own are read, the
-    rest ignored) and ``environ`` (its ``ENV`` overrides; None: none). Raises ``ValueError`` for an unknown
-    backend, ``OptionError`` for a value its options refuse."""
+    """Backend ``name``'s options from model parameters (``{"kv_protocol": "rdma", ...}``: its own are read,
+    the rest ignored) and ``environ`` (its ``ENV`` overrides; None: none). Raises ``ValueError`` for an
+    unknown backend, ``OptionError`` for a value its options refuse."""
     return _backend(name).options.parse(parameters, environ)
 
 
@@ -106,7 +107,8 @@ def make_transport(args: KVArgs, backend: str, options: BackendOptions | None = 
     if options is None:
         options = entry.options()
     elif type(options) is not entry.options:
-        raise ValueError(f"KV backend {backend!r} takes {entry.options.__name__}, got {type(options).__name__}")
+        raise ValueError(f"KV backend {backend!r} takes {entry.options.__name__}, "
+                         f"got {type(options).__name__}")
     return entry.factory(args, options)
 
 

@@ -61,21 +61,21 @@ class BaseKVSender(ABC):
     @abstractmethod
     def init(self, num_pages: int, num_tokens: int | None = None) -> None:
         """Caller: the prefill worker, once, before the first ``send``. ``num_tokens``, when given, is the
-        prompt's length: then only the filled token slots of a partly filled last page are written (the rest of
-        that page holds no KV), so the bytes moved are the prompt's KV and nothing more. ``num_pages`` (> 0) is
-        the number of pages the prompt's KV spans (all of them, whatever decode holds already: the sender drops the leading
-        pages decode's destination says it has cached, and sends only the rest). Raises ``TransferError`` (and
-        fails the room) when ``num_pages`` <= 0 or disagrees with ``num_tokens``, or the destination decode
-        published does not fit it (fewer pages than the uncached rest, or a cached count that is not
-        page-aligned or covers the last page)."""
+        prompt's length: then only the filled token slots of a partly filled last page are written (the rest
+        of that page holds no KV), so the bytes moved are the prompt's KV and nothing more. ``num_pages``
+        (> 0) is the number of pages the prompt's KV spans (all of them, whatever decode holds already: the
+        sender drops the leading pages decode's destination says it has cached, and sends only the rest).
+        Raises ``TransferError`` (and fails the room) when ``num_pages`` <= 0 or disagrees with
+        ``num_tokens``, or the destination decode published does not fit it (fewer pages than the uncached
+        rest, or a cached count that is not page-aligned or covers the last page)."""
 
     @abstractmethod
     def send(self, page_ids: Sequence[PageId], is_last: bool, aux: AuxData | None = None) -> None:
         """Caller: the engine-loop thread, once per prefill chunk, after the chunk's forward pass wrote these
         pages. ``page_ids`` are local page ids (whole pages only, except that the last chunk carries the
         partial last page); they stay owned by the caller but must not be written or freed until
-        ``pages_releasable()``. ``aux`` (first token and logprob) is required with ``is_last``. Returns once the
-        chunk is queued (or, inline, posted); never waits for the bytes to land. A no-op on a Failed room.
+        ``pages_releasable()``. ``aux`` (first token and logprob) is required with ``is_last``. Returns once
+        the chunk is queued (or, inline, posted); never waits for the bytes to land. A no-op on a Failed room.
         Raises ``TransferError`` (the room fails) on a call that breaks these rules."""
 
     @abstractmethod
@@ -89,8 +89,8 @@ class BaseKVSender(ABC):
 
 
 class BaseKVReceiver(ABC):
-    """Decode side of one room. Made by ``BaseKVManager.create_receiver``; lives until the room is terminal and
-    ``pages_releasable()``."""
+    """Decode side of one room. Made by ``BaseKVManager.create_receiver``; lives until the room is terminal
+    and ``pages_releasable()``."""
 
     room: Room
 
@@ -155,25 +155,27 @@ class BaseKVManager(ABC):
     @abstractmethod
     def start(self) -> None:
         """Caller: the worker's start, once. Registers the KV memory with the transport (once, for the
-        manager's lifetime), starts the instance's own rendezvous server and registers there, starts the manager
-        thread. Raises ``BootstrapError`` (the rendezvous cannot listen), ``TransportError`` (the backend cannot
-        start), ``RuntimeError`` (twice)."""
+        manager's lifetime), starts the instance's own rendezvous server and registers there, starts the
+        manager thread. Raises ``BootstrapError`` (the rendezvous cannot listen), ``TransportError`` (the
+        backend cannot start), ``RuntimeError`` (twice)."""
 
     @abstractmethod
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Caller: the worker's stop. Idempotent; blocks at most ~``timeout_s``. Fails open rooms (peers are
-        told), stops the rendezvous, closes the transport. The caller keeps the KV memory alive until it returned."""
+        told), stops the rendezvous, closes the transport. The caller keeps the KV memory alive until it
+        returned."""
 
     @abstractmethod
     def create_sender(self, room: Room) -> BaseKVSender:
-        """Prefill role only (``TypeError`` otherwise): the sender of ``room``, ``Bootstrapping`` (or ``Failed``
-        at once when the room is open here already)."""
+        """Prefill role only (``TypeError`` otherwise): the sender of ``room``, ``Bootstrapping`` (or
+        ``Failed`` at once when the room is open here already)."""
 
     @abstractmethod
-    def create_receiver(self, room: Room, prefill_instance_id: str, prefill_rendezvous_url: str) -> BaseKVReceiver:
+    def create_receiver(self, room: Room, prefill_instance_id: str,
+                        prefill_rendezvous_url: str) -> BaseKVReceiver:
         """Decode role only (``TypeError`` otherwise): the receiver of ``room``, fed by
-        ``prefill_instance_id``, whose own rendezvous is at ``prefill_rendezvous_url`` (``http://host:port``, as
-        the router learned it): the handshake, the destination and the release go there."""
+        ``prefill_instance_id``, whose own rendezvous is at ``prefill_rendezvous_url`` (``http://host:port``,
+        as the router learned it): the handshake, the destination and the release go there."""
 
     @property
     @abstractmethod
@@ -183,5 +185,6 @@ class BaseKVManager(ABC):
 
     @abstractmethod
     def metrics(self) -> dict[str, int]:
-        """Counters (``kv_bytes_total``, ``transfers_total``, ``failed_rooms_total``, ``timed_out_rooms_total``,
-        ...) and gauges (``open_rooms``, ``free_aux_slots``); a snapshot, safe from any thread."""
+        """Counters (``kv_bytes_total``, ``transfers_total``, ``failed_rooms_total``,
+        ``timed_out_rooms_total``, ...) and gauges (``open_rooms``, ``free_aux_slots``); a snapshot, safe from
+        any thread."""

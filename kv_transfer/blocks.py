@@ -1,10 +1,10 @@
 """Descriptor index space of one instance's registered memory: every KV page, then every aux slot.
 
-Index ``page`` is the whole page (every layer, K and V: ``page_bytes`` at ``page * page_bytes``, the pool being
-page-major, docs/architecture.md); index ``num_pages + slot`` is aux slot ``slot``. Every transport takes
-transfers as (local indices, remote indices) pairs in this space: NIXL prepares the whole list once per agent
-(and merges runs that are contiguous on both sides at transfer time); Mooncake and the in-process transport
-turn indices into addresses and merge such runs themselves (``merge_runs``).
+Index ``page`` is the whole page (every layer, K and V: ``page_bytes`` at ``page * page_bytes``, the pool
+being page-major, docs/architecture.md); index ``num_pages + slot`` is aux slot ``slot``. Every transport
+takes transfers as (local indices, remote indices) pairs in this space: NIXL prepares the whole list once per
+agent (and merges runs that are contiguous on both sides at transfer time); Mooncake and the in-process
+transport turn indices into addresses and merge such runs themselves (``merge_runs``).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class BlockTable:
         return self.num_kv_descs + self.aux_slots
 
     def kv_indices(self, pages: Sequence[PageId], aux_slot: int | None = None) -> np.ndarray:
-        """Indices of ``pages``: int64 ``[len(pages)]`` (one descriptor per page), in order; with ``aux_slot``,
-        that slot's index appended. Raises ``ValueError`` for a page or slot out of range."""
+        """Indices of ``pages``: int64 ``[len(pages)]`` (one descriptor per page), in order; with
+        ``aux_slot``, that slot's index appended. Raises ``ValueError`` for a page or slot out of range."""
         out = np.empty(len(pages) + (aux_slot is not None), dtype=np.int64)
         out[:len(pages)] = pages
         if len(pages) and (out[:len(pages)].min() < 0 or out[:len(pages)].max() >= self.layout.num_pages):

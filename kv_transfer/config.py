@@ -19,11 +19,12 @@ ROLES = ("prefill", "decode")
 class KVArgs:
     """Everything a manager needs: its identity, its KV region and layout, its rendezvous, its timeouts.
 
-    ``kv_base_ptr``/``kv_nbytes`` describe the engine's page-major pool ``[num_pages, num_layers, 2, page_size,
-    num_kv_heads, head_dim]`` (``kv_transfer.layout``); the caller owns that memory and keeps it alive until ``shutdown()``.
-    A tensor-parallel engine gives ``kv_regions`` instead (every rank's pool, ``kv_transfer.head_slices``,
-    rank 0 first): ``kv_base_ptr`` is then the first region's, ``kv_nbytes`` the sum of the regions' pool
-    bytes and ``layout.num_kv_heads`` the model's KV heads.
+    ``kv_base_ptr``/``kv_nbytes`` describe the engine's page-major pool
+    ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (``kv_transfer.layout``); the caller
+    owns that memory and keeps it alive until ``shutdown()``. A tensor-parallel engine gives ``kv_regions``
+    instead (every rank's pool, ``kv_transfer.head_slices``, rank 0 first): ``kv_base_ptr`` is then the first
+    region's, ``kv_nbytes`` the sum of the regions' pool bytes and ``layout.num_kv_heads`` the model's KV
+    heads.
     """
 
     instance_id: str
@@ -36,17 +37,19 @@ class KVArgs:
     waiting_timeout_s: float = 30.0        # decode: no chunk for this long after the destination went out
     mem_type: str = "DRAM"                 # "VRAM" for a CUDA pool
     device_id: int = 0
-    address: str = ""                      # Triton gRPC endpoint (host:port) serving ``model_name``: routers send
-    model_name: str = ""                   # requests there (in our registration, never used here)
-    worker_endpoint: str = ""              # the worker's own gRPC endpoint (host:port; "": none): routers send
-                                           # its child requests there instead (serving.workers.endpoint)
+    address: str = ""                      # Triton gRPC endpoint (host:port) serving ``model_name``: routers
+    model_name: str = ""                   # send requests there (in our registration, never used here)
+    worker_endpoint: str = ""              # the worker's own gRPC endpoint (host:port; "": none): routers
+                                           # send its child requests there instead (serving.workers.endpoint)
     aux_slots: int = 1024                  # concurrent rooms per instance
     heartbeat_interval_s: float = 1.0
     peer_check_interval_s: float = 1.0     # how often peers with open rooms are checked at their rendezvous
-    peer_lost_s: float = 10.0              # a peer whose rendezvous does not answer this long is lost (a refused
-                                           # connection: at once)
-    rendezvous_port: int = 0               # our rendezvous server's port on ``local_hostname`` (0: a free one)
-    fleet_secret: bytes | None = None      # HMAC key of rendezvous calls (bootstrap.auth); None: loopback only
+    peer_lost_s: float = 10.0              # a peer whose rendezvous does not answer this long is lost (a
+                                           # refused connection: at once)
+    rendezvous_port: int = 0               # our rendezvous server's port on ``local_hostname`` (0: a
+                                           # free one)
+    fleet_secret: bytes | None = None      # HMAC key of rendezvous calls (bootstrap.auth); None:
+                                           # loopback only
     fleet_tls: FleetTLS | None = None      # the rendezvous serves HTTPS, peers' are dialed so (bootstrap.tls)
     bootstrap_poll_interval_s: float = 0.005   # prefill: destination polling while a sender waits
     idle_poll_interval_s: float = 0.1          # prefill: destination polling with no sender waiting
@@ -90,8 +93,8 @@ class KVArgs:
         if self.kv_base_ptr <= 0:
             raise ValueError("KVArgs.kv_base_ptr must be a valid address")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
-                     "peer_check_interval_s", "peer_lost_s", "bootstrap_poll_interval_s", "idle_poll_interval_s",
-                     "active_tick_s", "idle_tick_s", "http_timeout_s"):
+                     "peer_check_interval_s", "peer_lost_s", "bootstrap_poll_interval_s",
+                     "idle_poll_interval_s", "active_tick_s", "idle_tick_s", "http_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVArgs.{name} must be positive")
         if self.staging_bytes < 0:

@@ -3,9 +3,9 @@ time rooms out, cancel and release.
 
 Every rendezvous call goes to the prefill instance's own rendezvous (``KVReceiver.prefill_rendezvous_url``,
 from the router's request): a refused connection there means the prefill process is gone, so the room fails at
-once instead of waiting for a timeout. Rendezvous calls happen on the manager thread; so do transport calls, except the notification draining
-that ``drain_now`` does for callers of ``KVReceiver.poll`` (``KVArgs.inline_progress``). Receivers are touched
-under the manager lock.
+once instead of waiting for a timeout. Rendezvous calls happen on the manager thread; so do transport calls,
+except the notification draining that ``drain_now`` does for callers of ``KVReceiver.poll``
+(``KVArgs.inline_progress``). Receivers are touched under the manager lock.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ RELEASE_INTERVAL_S = 0.02
 #: host made a failing release every 20 ms, one log line each, for the partition's length).
 RELEASE_BACKOFF_MAX_S = 2.0
 #: A cancel the writer has not answered (``done``) is sent again after this long, doubling up to
-#: ``CANCEL_RESEND_MAX_S``: a message may be lost (Mooncake drops the messages queued behind a write that failed,
-#: as after a partition; a peer's answer can be queued behind it), and the room's pages wait for the answer.
+#: ``CANCEL_RESEND_MAX_S``: a message may be lost (Mooncake drops the messages queued behind a write that
+#: failed, as after a partition; a peer's answer can be queued behind it), and the room's pages wait for the
+#: answer.
 CANCEL_RESEND_S = 1.0
 CANCEL_RESEND_MAX_S = 8.0
 FULL_ROUND_S = 0.001   # between full rounds, a round nobody woke only drains notifications
@@ -59,7 +60,8 @@ class DecodeSide:
         self._retry_at_s: dict[str, float] = {}   # prefill instance id → next handshake attempt
         self._publish_retry_at_s: dict[Room, float] = {}   # room → next attempt to post its destination
         self._next_peer_check_s = 0.0
-        self._peer_progress_s: dict[str, float] = {}   # prefill agent → last time any of its chunks landed here
+        self._peer_progress_s: dict[str, float] = {}   # prefill agent → last time any of its chunks
+                                                       # landed here
         self._next_release_s = 0.0
         self._next_full_s = 0.0
         self._wait_s = args.idle_tick_s
@@ -97,7 +99,8 @@ class DecodeSide:
         self._publish(now_s)
         with self._lock:
             self._timeouts(now_s)
-        if now_s >= self._next_release_s:   # rendezvous HTTP in batches, away from the moment a room completes
+        if now_s >= self._next_release_s:   # rendezvous HTTP in batches, away from the moment a
+                                            # room completes
             self._next_release_s = now_s + RELEASE_INTERVAL_S
             self._cancel_and_release(now_s)
             self._resend_cancels(now_s)
@@ -199,7 +202,8 @@ class DecodeSide:
                 receiver.publishing = False
                 if result.accepted:
                     receiver.published, receiver.progress_s = True, now_s
-                    self.metrics.skipped_pages_total += receiver.num_cached_tokens // self._args.layout.page_size
+                    self.metrics.skipped_pages_total += (receiver.num_cached_tokens
+                                                         // self._args.layout.page_size)
                     receiver.state = advance(receiver.state, KVPoll.WaitingForInput)
                 else:   # room in use, or that rendezvous is not (any more) this prefill instance's
                     self._fail(receiver, result.reason)
@@ -226,8 +230,8 @@ class DecodeSide:
     def drain_now(self) -> None:
         """Reads arrived notifications from the calling thread (inline progress), at most once per
         ``INLINE_DRAIN_INTERVAL_S``, and not while the manager thread handshakes (the caller, an engine loop
-        serving every request of this instance, never waits behind one peer). Never raises: a transport error is
-        left to the manager thread."""
+        serving every request of this instance, never waits behind one peer). Never raises: a transport error
+        is left to the manager thread."""
         now_s = time.monotonic()
         if now_s - self._last_inline_drain_s < INLINE_DRAIN_INTERVAL_S:
             return
@@ -288,18 +292,18 @@ class DecodeSide:
                   and now_s - self._progress_s(receiver) > self._args.waiting_timeout_s):
                 self._fail(receiver, f"waiting timeout: no KV for {self._args.waiting_timeout_s}s",
                            timed_out=True)
-                # its writer's state is unknown (its abort may have been lost in a partition, and its answer to
-                # our cancel may come from a manager that forgot the room): fence before the pages go back
+                # its writer's state is unknown (its abort may have been lost in a partition, and its answer
+                # to our cancel may come from a manager that forgot the room): fence before the pages go back
                 receiver.fence_needed = True
 
     def _progress_s(self, receiver: KVReceiver) -> float:
-        """When ``receiver``'s transfer last moved, for the waiting timeout. A room still waiting for its first
-        chunk counts its prefill's chunks for our other rooms too: that prefill is alive and working through
-        its queue, and this room is queued behind them. Without it, rooms queued behind one busy prefill (its
-        peer restarting) failed after ``waiting_timeout_s`` and were retried at the back of the same queue
-        (30 rooms in one 9-minute chaos run). Rooms queued there behind other decode instances' rooms
-        hear it from the prefill itself (``queued`` notifications, which move ``progress_s``). A room whose chunks
-        started and then stopped is timed on its own."""
+        """When ``receiver``'s transfer last moved, for the waiting timeout. A room still waiting for its
+        first chunk counts its prefill's chunks for our other rooms too: that prefill is alive and working
+        through its queue, and this room is queued behind them. Without it, rooms queued behind one busy
+        prefill (its peer restarting) failed after ``waiting_timeout_s`` and were retried at the back of the
+        same queue (30 rooms in one 9-minute chaos run). Rooms queued there behind other decode instances'
+        rooms hear it from the prefill itself (``queued`` notifications, which move ``progress_s``). A room
+        whose chunks started and then stopped is timed on its own."""
         if receiver.state != KVPoll.WaitingForInput or receiver.peer is None:
             return receiver.progress_s
         return max(receiver.progress_s, self._peer_progress_s.get(receiver.peer.agent_name, 0.0))
@@ -325,8 +329,8 @@ class DecodeSide:
                 receiver.release_attempts += 1
                 delay_s = min(RELEASE_BACKOFF_MAX_S, RELEASE_INTERVAL_S * 2 ** receiver.release_attempts)
                 receiver.release_next_s = now_s + delay_s
-                logger.warning("room %d: cannot release at prefill's rendezvous (attempt %d, next in %.2f s): %s",
-                               receiver.room, receiver.release_attempts, delay_s, exc)
+                logger.warning("room %d: cannot release at prefill's rendezvous (attempt %d, next in "
+                               "%.2f s): %s", receiver.room, receiver.release_attempts, delay_s, exc)
                 if give_up_unreachable:
                     with self._lock:
                         receiver.room_released = True
@@ -342,9 +346,9 @@ class DecodeSide:
     def _resend_cancels(self, now_s: float) -> None:
         """A failed room whose writer has not answered its cancel (``done``, or an ``abort``) gets it again,
         every ``CANCEL_RESEND_S`` doubling to ``CANCEL_RESEND_MAX_S`` (either message may have been lost: the
-        prefill side answers a cancel of a room it forgot too). No answer within ``KVArgs.waiting_timeout_s`` of
-        the first cancel: the writer's connections are fenced (``_fence``) and the pages go back, as for a room
-        whose KV stopped coming."""
+        prefill side answers a cancel of a room it forgot too). No answer within ``KVArgs.waiting_timeout_s``
+        of the first cancel: the writer's connections are fenced (``_fence``) and the pages go back, as for a
+        room whose KV stopped coming."""
         with self._lock:
             for receiver in self.receivers.values():
                 if (receiver.state != KVPoll.Failed or not receiver.room_released or receiver.writer_done
@@ -363,10 +367,10 @@ class DecodeSide:
                 self._send_cancel(receiver, now_s)
 
     def _fence(self, now_s: float) -> None:
-        """Fences the writers of failed rooms whose last write may still be on the way (``fence_needed``), once
-        their writer is done, per peer, outside the manager lock (the transport may wait for sockets to close).
-        A fence that keeps failing for ``FENCE_GIVE_UP_S`` is given up, logged as an error: the pages are then
-        released rather than held for ever."""
+        """Fences the writers of failed rooms whose last write may still be on the way (``fence_needed``),
+        once their writer is done, per peer, outside the manager lock (the transport may wait for sockets to
+        close). A fence that keeps failing for ``FENCE_GIVE_UP_S`` is given up, logged as an error: the pages
+        are then released rather than held for ever."""
         todo: dict[str, list[KVReceiver]] = {}
         with self._lock:
             for receiver in self.receivers.values():
@@ -386,14 +390,14 @@ class DecodeSide:
                     if not fenced and now_s - receiver.fence_since_s < FENCE_GIVE_UP_S:
                         continue
                     if not fenced:
-                        logger.error("room %d: could not fence %s's connections in %.0f s; releasing its pages "
-                                     "anyway", receiver.room, agent_name, FENCE_GIVE_UP_S)
+                        logger.error("room %d: could not fence %s's connections in %.0f s; releasing its "
+                                     "pages anyway", receiver.room, agent_name, FENCE_GIVE_UP_S)
                     receiver.fenced = True
                     self.metrics.fenced_rooms_total += 1
 
     def _send_cancel(self, receiver: KVReceiver, now_s: float) -> None:
-        """Tells the room's writer to stop (caller holds the lock); the next one goes out after a backoff unless
-        the writer answers first (``_resend_cancels``)."""
+        """Tells the room's writer to stop (caller holds the lock); the next one goes out after a backoff
+        unless the writer answers first (``_resend_cancels``)."""
         reason = receiver.failure.reason if receiver.failure else ""
         peer = receiver.peer
         assert peer is not None   # the caller checked
@@ -423,8 +427,8 @@ class DecodeSide:
             if alive:
                 continue
             with self._lock:
-                self._on_peer_lost(peer.agent_name, "prefill instance lost (its rendezvous refused us, forgot it "
-                                                    "or stayed silent, or it restarted)")
+                self._on_peer_lost(peer.agent_name, "prefill instance lost (its rendezvous refused us, "
+                                                    "forgot it or stayed silent, or it restarted)")
 
     def _on_peer_lost(self, agent_name: str, reason: str) -> None:
         """Rooms published to a dead agent fail (their writer is gone); unpublished ones handshake again."""

@@ -2,10 +2,10 @@
 
 The pool of one engine instance is one contiguous, page-major region:
 ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (dim 2: 0 = K, 1 = V). Page ``p`` (every
-layer, K and V) is the one contiguous range ``[p * page_bytes, (p + 1) * page_bytes)``; the block of page ``p``
-of layer ``l``, K or V (``kv``), starts at ``((p * num_layers + l) * 2 + kv) * block_bytes``.
-Version history: 1 was layer-major (``[num_layers, 2, num_pages, ...]``, a page was ``2 * num_layers``
-separate blocks); 2 is page-major. The version is part of the compatibility hash.
+layer, K and V) is the one contiguous range ``[p * page_bytes, (p + 1) * page_bytes)``; the block of page
+``p`` of layer ``l``, K or V (``kv``), starts at ``((p * num_layers + l) * 2 + kv) * block_bytes``. Version
+history: 1 was layer-major (``[num_layers, 2, num_pages, ...]``, a page was ``2 * num_layers`` separate
+blocks); 2 is page-major. The version is part of the compatibility hash.
 
 ``kind`` names what a token's KV is: ``"mha"`` (K and V planes of ``num_kv_heads`` heads, as above) or
 ``"mla"`` (multi-head latent attention, DeepSeek-V2/V3: one plane holding the latent ``c_kv | k_pe``, one

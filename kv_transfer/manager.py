@@ -1,18 +1,18 @@
 """One KV manager per engine instance: owns the transport agent, the registered regions, the instance's own
-rendezvous (``bootstrap.rendezvous``: its registration, and on prefill the rooms decode posts to it) and the one
-background thread that does the transfer work (with ``KVArgs.inline_progress``,
-``send`` posts its WRITE and ``poll`` drains notifications in the caller's thread; the thread does the rest).
+rendezvous (``bootstrap.rendezvous``: its registration, and on prefill the rooms decode posts to it) and the
+one background thread that does the transfer work (with ``KVArgs.inline_progress``, ``send`` posts its WRITE
+and ``poll`` drains notifications in the caller's thread; the thread does the rest).
 
 Threads: ``start()`` starts the thread ``kv-<role>-<instance>``; it loops until ``shutdown()`` sets the stop
 event, each round: the role's tick (bootstrap polling, handshakes, notification draining, transfer polling,
 timeouts, cleanup), then a wait on the wake event (set by sender/receiver calls, and by the rendezvous when a
-destination arrives) with a timeout, so timeouts and cleanup also run when no new work arrives. The role's tick
-is told whether the event was set since the last round (the decode side keeps rounds nobody woke cheap; the
-prefill side takes new destinations at once). A second thread, ``kv-heartbeat-<instance>``, reports the
+destination arrives) with a timeout, so timeouts and cleanup also run when no new work arrives. The role's
+tick is told whether the event was set since the last round (the decode side keeps rounds nobody woke cheap;
+the prefill side takes new destinations at once). A second thread, ``kv-heartbeat-<instance>``, reports the
 instance's load every ``heartbeat_interval_s`` (what routers read as "this instance answers"): a round that
 waits on one peer (a first handshake across hosts, an HTTP call to a partitioned peer: seconds) must not make
-the whole instance look dead to every router, which would give up its other requests and open its breaker.
-It stops reporting when a round has run for ``MANAGER_STALL_S``: a manager thread stuck for good lets the
+the whole instance look dead to every router, which would give up its other requests and open its breaker. It
+stops reporting when a round has run for ``MANAGER_STALL_S``: a manager thread stuck for good lets the
 registration expire, so routers stop choosing the instance.
 Shutdown order: stop the thread, fail open rooms and tell the peers, deregister and stop the rendezvous, close
 the agent. The caller keeps the KV memory alive until ``shutdown()`` returned.
@@ -67,7 +67,8 @@ class KVManager(BaseKVManager):
                                       on_destination=self._wake.set)
         self._clients = ClientPool(args.http_timeout_s, args.fleet_secret, args.fleet_tls)
         self._peers = PeerTable(self._clients, self._transport, args.model_id, args.layout, args.peer_lost_s)
-        self._side: PrefillSide | DecodeSide | None = None   # built in start(): decode needs our rendezvous URL
+        self._side: PrefillSide | DecodeSide | None = None   # built in start(): decode needs our
+                                                             # rendezvous URL
         self.epoch = 0
         self._heartbeats: threading.Thread | None = None
         self._round_started_s: float | None = None   # set while a manager round runs (a float write: atomic)
@@ -76,9 +77,9 @@ class KVManager(BaseKVManager):
         self._draining = False
 
     def set_load_source(self, load: Callable[[], InstanceLoad | None]) -> None:
-        """``load()`` is called on the heartbeat thread before every heartbeat; what it returns travels with the
-        heartbeat (the router pairs by it). It must be cheap and thread-safe (read a snapshot). Call before
-        ``start``."""
+        """``load()`` is called on the heartbeat thread before every heartbeat; what it returns travels with
+        the heartbeat (the router pairs by it). It must be cheap and thread-safe (read a snapshot). Call
+        before ``start``."""
         self._load = load
 
     @property
@@ -104,29 +105,29 @@ class KVManager(BaseKVManager):
             # each half holds at least one page of every KV head (a piece is at most half)
             staging = StagingBuffer(max(self.args.staging_bytes, 2 * self.args.layout.page_bytes))
         self._transport.register(BlockTable(
-            self.args.kv_base_ptr, self.args.layout, self._aux.base_ptr, self.args.aux_slots, self.args.kv_regions,
-            (staging.base_ptr, staging.nbytes) if staging is not None else (0, 0)))
+            self.args.kv_base_ptr, self.args.layout, self._aux.base_ptr, self.args.aux_slots,
+            self.args.kv_regions, (staging.base_ptr, staging.nbytes) if staging is not None else (0, 0)))
         self._rendezvous.start(name=f"rendezvous-{self.args.instance_id}")
         if self.args.role == "prefill":
             self._side = PrefillSide(self.args, self._transport, self._rendezvous, self._peers, self._aux,
                                      self._lock, staging)
         else:
-            self._side = DecodeSide(self.args, self._transport, self._clients, self._peers, self._aux, self._lock,
-                                    self._rendezvous.url)
+            self._side = DecodeSide(self.args, self._transport, self._clients, self._peers, self._aux,
+                                    self._lock, self._rendezvous.url)
         self.epoch = time.time_ns()
         self._register()
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.args.role}-{self.args.instance_id}",
                                         daemon=True)
         self._thread.start()
-        self._heartbeats = threading.Thread(target=self._heartbeat_loop, name=f"kv-heartbeat-{self.args.instance_id}",
-                                            daemon=True)
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop,
+                                            name=f"kv-heartbeat-{self.args.instance_id}", daemon=True)
         self._heartbeats.start()
-        logger.info("kv manager %s (%s) started, agent %s, rendezvous %s", self.args.instance_id, self.args.role,
-                    self.agent_name, self._rendezvous.url)
+        logger.info("kv manager %s (%s) started, agent %s, rendezvous %s", self.args.instance_id,
+                    self.args.role, self.agent_name, self._rendezvous.url)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Idempotent. Stops the thread, fails open rooms (peers are told), deregisters and stops the rendezvous,
-        closes the agent."""
+        """Idempotent. Stops the thread, fails open rooms (peers are told), deregisters and stops the
+        rendezvous, closes the agent."""
         if self._thread is None or self._side is None:
             return
         self._stop.set()
@@ -135,8 +136,8 @@ class KVManager(BaseKVManager):
         if self._heartbeats is not None:
             self._heartbeats.join(timeout_s)
             self._heartbeats = None
-        # open rooms get at most SHUTDOWN_ROOMS_S for their WRITEs and the peers' answers: at a server stop every
-        # instance shuts down at once, so no peer answers and a longer wait only holds the server's exit
+        # open rooms get at most SHUTDOWN_ROOMS_S for their WRITEs and the peers' answers: at a server stop
+        # every instance shuts down at once, so no peer answers and a longer wait only holds the server's exit
         self._side.shutdown(time.monotonic() + min(timeout_s / 2, SHUTDOWN_ROOMS_S), time.monotonic)
         self._rendezvous.deregister(self.args.instance_id, self.epoch)
         self._rendezvous.stop()
@@ -153,9 +154,10 @@ class KVManager(BaseKVManager):
         self._wake.set()
         return sender
 
-    def create_receiver(self, room: Room, prefill_instance_id: str, prefill_rendezvous_url: str) -> KVReceiver:
-        """Decode role only: the receiver of room ``room``, fed by ``prefill_instance_id``, whose rendezvous is
-        at ``prefill_rendezvous_url``."""
+    def create_receiver(self, room: Room, prefill_instance_id: str,
+                        prefill_rendezvous_url: str) -> KVReceiver:
+        """Decode role only: the receiver of room ``room``, fed by ``prefill_instance_id``, whose rendezvous
+        is at ``prefill_rendezvous_url``."""
         if not isinstance(self._side, DecodeSide):
             raise TypeError("create_receiver on a prefill manager (or before start)")
         receiver = self._side.create_receiver(room, prefill_instance_id, prefill_rendezvous_url, self._wake,
@@ -209,8 +211,8 @@ class KVManager(BaseKVManager):
             started_s = self._round_started_s
             if started_s is not None and time.monotonic() - started_s > MANAGER_STALL_S:
                 if not self._stall_logged:
-                    logger.error("kv manager %s: one round has run for over %.0f s; load reports stop until it "
-                                 "ends", self.args.instance_id, MANAGER_STALL_S)
+                    logger.error("kv manager %s: one round has run for over %.0f s; load reports stop until "
+                                 "it ends", self.args.instance_id, MANAGER_STALL_S)
                     self._stall_logged = True
                 continue
             self._stall_logged = False
@@ -232,7 +234,8 @@ class KVManager(BaseKVManager):
             self._register()   # it expired (the process stalled past the TTL)
 
     def _register(self) -> None:
-        """This epoch's registration at the instance's own rendezvous, with its draining mark if it has one."""
+        """This epoch's registration at the instance's own rendezvous, with its draining mark if it has
+        one."""
         self._rendezvous.register(self._registration())
         if self._draining:
             self._rendezvous.set_draining(self.args.instance_id, self.epoch)

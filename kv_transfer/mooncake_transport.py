@@ -73,9 +73,10 @@ ABANDONED_KEEP_S = 600.0
 #: library's default, 30 s, is longer than a decode request waits). The one place it touches the environment.
 MOONCAKE_DEFAULTS = {"MC_TRANSFER_TIMEOUT": "10"}
 WRITER_STOP_S = 2.0
-#: A batch or message that failed faster than this, seconds (a reset connection: the receiver fenced this host,
-#: or a pooled connection went stale) is tried again, up to ``FAST_RETRIES`` times; a timeout is not. Each
-#: such failure uses up one dead pooled connection (the engine keeps ``MC_TCP_LANES_PER_PEER``, 4, per peer).
+#: A batch or message that failed faster than this, seconds (a reset connection: the receiver fenced this
+#: host, or a pooled connection went stale) is tried again, up to ``FAST_RETRIES`` times; a timeout is not.
+#: Each such failure uses up one dead pooled connection (the engine keeps ``MC_TCP_LANES_PER_PEER``, 4, per
+#: peer).
 FAST_FAILURE_S = 1.0
 FAST_RETRIES = 4
 #: How long ``fence_incoming`` waits for the engine to close the connections it shut down, seconds.
@@ -89,8 +90,8 @@ class MooncakeOptions(BackendOptions):
     """Mooncake's options (model parameters ``kv_protocol``, ``kv_device``).
 
     Attributes:
-        protocol: the transfer engine's protocol: ``"tcp"``, or ``"rdma"`` where RDMA NICs exist (Mooncake falls
-            back to TCP without RDMA devices).
+        protocol: the transfer engine's protocol: ``"tcp"``, or ``"rdma"`` where RDMA NICs exist (Mooncake
+            falls back to TCP without RDMA devices).
         device: RDMA NIC names for ``rdma``, comma-separated; empty: Mooncake picks.
     Raises:
         OptionError: a protocol outside ``PROTOCOLS``.
@@ -149,7 +150,8 @@ class MooncakeTransport(Transport):
 
     @classmethod
     def create(cls, args: KVArgs, options: MooncakeOptions) -> MooncakeTransport:
-        """The backend's factory (``kv_transfer.backends``): a transport advertising ``args.local_hostname``."""
+        """The backend's factory (``kv_transfer.backends``): a transport advertising
+        ``args.local_hostname``."""
         return cls(args.instance_id, args.local_hostname, options.protocol, options.device)
 
     @property
@@ -191,8 +193,8 @@ class MooncakeTransport(Transport):
         except (ValueError, KeyError, TypeError) as exc:
             raise TransportError(f"bad mooncake peer metadata: {exc!r}") from exc
         if self._engine.send_probe(endpoint) != 0:
-            raise PeerUnreachable(f"mooncake peer {name} at {endpoint} does not answer (its advertised address "
-                                  "must be reachable from here: docs/multihost.md)")
+            raise PeerUnreachable(f"mooncake peer {name} at {endpoint} does not answer (its advertised "
+                                  "address must be reachable from here: docs/multihost.md)")
         if not self._deliver(endpoint, b"hello"):
             raise PeerUnreachable(f"mooncake warm-up message to {name} at {endpoint} failed")
         self.remove_peer(name)
@@ -216,8 +218,8 @@ class MooncakeTransport(Transport):
         target = self._peers.get(peer)
         if target is None or self._table is None:
             raise TransportError(f"agent {peer} was not added")
-        return self.post_write_spans(peer, self._table.spans(local_indices), target.table.spans(remote_indices),
-                                     notif)
+        return self.post_write_spans(peer, self._table.spans(local_indices),
+                                     target.table.spans(remote_indices), notif)
 
     def post_write_spans(self, peer: str, local_spans: np.ndarray, remote_spans: np.ndarray,
                          notif: bytes) -> object:
@@ -257,8 +259,8 @@ class MooncakeTransport(Transport):
 
     def fence_incoming(self, peer: str) -> bool:
         """Shuts down the connections the engine accepted from ``peer``'s host on its data port and waits (up
-        to ``FENCE_WAIT_S``) until the engine closed them (``tcp_fence.fence_host``): a write the peer gave up on
-        can then no longer land here. Every peer on that host loses its pooled connections too; their next
+        to ``FENCE_WAIT_S``) until the engine closed them (``tcp_fence.fence_host``): a write the peer gave up
+        on can then no longer land here. Every peer on that host loses its pooled connections too; their next
         writes fail at once and are tried again (``FAST_RETRIES``) until one gets a new connection. True when
         fenced; a peer never added here: True (no connection of ours carries its writes). Manager thread,
         without the transport lock."""
@@ -282,7 +284,8 @@ class MooncakeTransport(Transport):
         if self._engine is None:
             return
         if any(thread.is_alive() for thread in busy):
-            logger.warning("mooncake transport %s closed with a writer still busy: engine left alive", self._name)
+            logger.warning("mooncake transport %s closed with a writer still busy: engine left alive",
+                           self._name)
             return
         if self._reap():
             logger.warning("mooncake transport %s closed with pieces of a failed write in flight: engine "
@@ -420,10 +423,10 @@ class MooncakeTransport(Transport):
 
 
 def _retry_fast_failures(attempt: Callable[[], bool]) -> bool:
-    """``attempt()``, tried again up to ``FAST_RETRIES`` times while it fails within ``FAST_FAILURE_S`` (a reset
-    connection, which the engine drops and replaces on the next try). Safe for a write: each try writes the same
-    bytes to the same addresses, which still belong to its room (the decode side frees a room's pages only after
-    the writer reported the room, and fences first if a write of it failed)."""
+    """``attempt()``, tried again up to ``FAST_RETRIES`` times while it fails within ``FAST_FAILURE_S`` (a
+    reset connection, which the engine drops and replaces on the next try). Safe for a write: each try writes
+    the same bytes to the same addresses, which still belong to its room (the decode side frees a room's pages
+    only after the writer reported the room, and fences first if a write of it failed)."""
     for _ in range(FAST_RETRIES):
         t0_s = time.monotonic()
         if attempt():

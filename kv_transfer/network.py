@@ -1,5 +1,5 @@
-"""Where a transport's bytes go: the interface behind the address this instance advertises, and the UCX settings
-that follow from it.
+"""Where a transport's bytes go: the interface behind the address this instance advertises, and the UCX
+settings that follow from it.
 
 The operator gives one thing, the address peers reach this instance at (``KVArgs.local_hostname``, from
 ``ADVERTISE_HOST``). From it:
@@ -8,10 +8,10 @@ The operator gives one thing, the address peers reach this instance at (``KVArgs
   transport listens and connects where peers can reach it, and only there. On a host with RDMA devices it is
   left to UCX (which prefers RDMA and adds TCP on every interface). An address no interface owns (NAT, a name
   that does not resolve here) leaves it to UCX too, with a warning.
-* ``network_only`` (``NixlOptions.network_only``: ``kv_network_only``, ``PD_KV_NETWORK_ONLY=1``) sets ``UCX_TLS`` so the bytes
-  never take shared memory or ``cma``: ``tcp,self`` without RDMA devices, ``^sm`` with them. Only needed where
-  "hosts" share one kernel (network namespaces, ``scripts/fleet/netns.py``): on separate machines UCX has no
-  shared-memory path between them anyway.
+* ``network_only`` (``NixlOptions.network_only``: ``kv_network_only``, ``PD_KV_NETWORK_ONLY=1``) sets
+  ``UCX_TLS`` so the bytes never take shared memory or ``cma``: ``tcp,self`` without RDMA devices, ``^sm``
+  with them. Only needed where "hosts" share one kernel (network namespaces, ``scripts/fleet/netns.py``): on
+  separate machines UCX has no shared-memory path between them anyway.
 * No UCX TCP tuning: socket buffers, segment sizes and polling were tried against raw TCP on one link and none
   moved the figures beyond the noise of this (shared) machine (docs/multihost.md, "Tuning").
 
@@ -132,8 +132,8 @@ def reachability_warnings(local_hostname: str, environ: Mapping[str, str] | None
     out = []
     device = interface_for(address)
     if device is None:
-        out.append(f"no interface here has the advertised address {address} (NAT or a wrong ADVERTISE_HOST?): "
-                   "peers may not reach this instance at it")
+        out.append(f"no interface here has the advertised address {address} (NAT or a wrong "
+                   "ADVERTISE_HOST?): peers may not reach this instance at it")
     devices = [d.strip() for d in env.get("UCX_NET_DEVICES", "all").split(",")]
     if "all" not in devices and device is not None and not any(d.split(":")[0] == device for d in devices):
         out.append(f"UCX_NET_DEVICES={env['UCX_NET_DEVICES']} leaves out {device}, the interface of the "

@@ -69,15 +69,17 @@ MAX_PROGRESS_THREAD_MS = 1000.0
 
 
 def ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) -> dict[str, str]:
-    """The UCX settings for an agent that advertises ``local_hostname`` (``kv_transfer.network.ucx_settings``):
-    the interface owning that address as ``UCX_NET_DEVICES`` (``lo`` for loopback), ``UCX_TLS=tcp,self`` with
-    ``network_only``, ``UCX_MM_ERROR_HANDLING=y``, and ``UCX_MODULES=^ib`` on a host without RDMA devices.
+    """The UCX settings for an agent that advertises ``local_hostname``
+    (``kv_transfer.network.ucx_settings``): the interface owning that address as ``UCX_NET_DEVICES`` (``lo``
+    for loopback), ``UCX_TLS=tcp,self`` with ``network_only``, ``UCX_MM_ERROR_HANDLING=y``, and
+    ``UCX_MODULES=^ib`` on a host without RDMA devices.
 
-    Why ``^ib``: the nixl-cu12 wheel bundles its own libnl-route-3 (``nixl_cu12.libs/libnl-route-3-<hash>.so``);
-    where the system's libibverbs1 is installed (Mooncake's set-up installs it), UCX's ``ib`` module loads it,
-    and with it the system's libnl-route-3: two copies of libnl in one process, and every process that created
-    a NIXL agent segfaults in the bundled copy at exit (reproduced: 3 of 3 without the setting, 0 of 3 with
-    it). Without RDMA devices the ``ib`` module has nothing to offer; with them it is left alone.
+    Why ``^ib``: the nixl-cu12 wheel bundles its own libnl-route-3
+    (``nixl_cu12.libs/libnl-route-3-<hash>.so``); where the system's libibverbs1 is installed (Mooncake's
+    set-up installs it), UCX's ``ib`` module loads it, and with it the system's libnl-route-3: two copies of
+    libnl in one process, and every process that created a NIXL agent segfaults in the bundled copy at exit
+    (reproduced: 3 of 3 without the setting, 0 of 3 with it). Without RDMA devices the ``ib`` module has
+    nothing to offer; with them it is left alone.
     """
     return network.ucx_settings(local_hostname, network_only)
 
@@ -364,9 +366,9 @@ class NixlTransport(Transport):
 
     def post_write_blocks(self, peer: str, local: tuple[int, int], remote: tuple[int, int], block_bytes: int,
                           local_blocks: np.ndarray, remote_blocks: np.ndarray) -> object:
-        """A prepared WRITE (``make_prepped_xfer``) over block lists prepared once per area and block size, and
-        not merged, so that NIXL splits one of ``SPLIT_MIN_DESCS`` blocks or more between its copy threads; it
-        is not waited for (no notification to push): the caller checks it."""
+        """A prepared WRITE (``make_prepped_xfer``) over block lists prepared once per area and block size,
+        and not merged, so that NIXL splits one of ``SPLIT_MIN_DESCS`` blocks or more between its copy
+        threads; it is not waited for (no notification to push): the caller checks it."""
         if peer not in self._peer_dlists or not self._local_dlists:
             raise TransportError(f"agent {peer} was not added")
         handle = None

@@ -90,10 +90,10 @@ class PeerTable:
         return self._peers.get(instance_id)
 
     def ensure(self, instance_id: str, rendezvous_url: str, expected_agent: str | None = None) -> Peer:
-        """The handshaked peer; handshakes on first use, when ``expected_agent`` differs from the cached one, or
-        when the peer now lives at another rendezvous URL (a restart). Raises ``LookupError`` (not registered
-        there), ``CompatibilityError``, ``TransportError``, ``BootstrapError`` (``RendezvousRefused``: nothing
-        listens at ``rendezvous_url``).
+        """The handshaked peer; handshakes on first use, when ``expected_agent`` differs from the cached one,
+        or when the peer now lives at another rendezvous URL (a restart). Raises ``LookupError`` (not
+        registered there), ``CompatibilityError``, ``TransportError``, ``BootstrapError``
+        (``RendezvousRefused``: nothing listens at ``rendezvous_url``).
         """
         peer = self._peers.get(instance_id)
         if peer is not None and (expected_agent is None or peer.agent_name == expected_agent) \

@@ -2,9 +2,9 @@
 
 Destinations arrive at this instance's own rendezvous (``bootstrap.rendezvous``, a thread of this process),
 which wakes the manager thread; the thread takes them in-process. Rendezvous calls to decode instances (their
-registration for the handshake, liveness checks) happen on the manager thread; so do transport calls, except the last chunk's WRITE, which
-``post_now`` posts from the caller of ``send`` (``KVArgs.inline_progress``). Senders are touched under the
-manager lock.
+registration for the handshake, liveness checks) happen on the manager thread; so do transport calls, except
+the last chunk's WRITE, which ``post_now`` posts from the caller of ``send`` (``KVArgs.inline_progress``).
+Senders are touched under the manager lock.
 Rooms aborted before their destination arrived are remembered (``_tombstones``) so that the decode side is
 told as soon as its destination shows up.
 """
@@ -38,9 +38,9 @@ from kv_transfer.tags import ABORTED_BY_DECODE, UNSETTLED, Tag, TagKind, chunk_t
 from kv_transfer.transport import LockedTransport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
-# (sender, chunk, peer, local, remote, tag, KV bytes): local/remote are descriptor indices (int64 [n]) or, for a
-# last chunk whose last page is partly filled, explicit spans (int64 [n, 2] address, nbytes); or a chunk that
-# goes through the staging area: local a ``_Staged``, remote empty
+# (sender, chunk, peer, local, remote, tag, KV bytes): local/remote are descriptor indices (int64 [n]) or, for
+# a last chunk whose last page is partly filled, explicit spans (int64 [n, 2] address, nbytes); or a chunk
+# that goes through the staging area: local a ``_Staged``, remote empty
 _Post = tuple[KVSender, Chunk, Peer, 'np.ndarray | _Staged', np.ndarray, 'Tag | None', int]
 #: Longest wait for one staged WRITE to be done before the staging area is packed again, seconds
 STAGED_WRITE_TIMEOUT_S = 10.0
@@ -128,8 +128,8 @@ class PrefillSide:
 
     # --- destinations -------------------------------------------------------------------------------------
     def _poll_destinations(self, now_s: float, woken: bool) -> None:
-        """Takes new destinations from our rendezvous (in-process): at once when woken (a destination's arrival
-        wakes the thread), else on the poll interval."""
+        """Takes new destinations from our rendezvous (in-process): at once when woken (a destination's
+        arrival wakes the thread), else on the poll interval."""
         if now_s < self._next_poll_s and not woken:
             return
         with self._lock:
@@ -145,7 +145,8 @@ class PrefillSide:
         room = dest.room
         try:
             old = self._peers.get(dest.decode_instance_id)
-            peer = self._peers.ensure(dest.decode_instance_id, dest.decode_rendezvous_url, dest.decode_agent_name)
+            peer = self._peers.ensure(dest.decode_instance_id, dest.decode_rendezvous_url,
+                                      dest.decode_agent_name)
         except (CompatibilityError, LookupError, TransportError, BootstrapError) as exc:
             logger.error("room %d: handshake with decode %s failed: %s", room, dest.decode_instance_id, exc)
             with self._lock:
@@ -169,11 +170,11 @@ class PrefillSide:
 
     def _keep_queued_alive(self, now_s: float) -> None:
         """Every ``queued_keepalive_s``, while this prefill keeps posting chunks (for any room, any decode): a
-        ``queued`` notification to the decode of each room whose destination is in and whose first chunk is not
-        yet computed. Its decode counts it as progress against its waiting timeout: without it a room queued here
-        behind rooms of *other* decode instances saw nothing for the whole timeout and failed (4 rooms in a 2P2D
-        chaos run of 9 minutes), though this prefill was alive and would have reached it. A prefill that
-        posts nothing (its engine stuck) says nothing, and its rooms time out as before."""
+        ``queued`` notification to the decode of each room whose destination is in and whose first chunk is
+        not yet computed. Its decode counts it as progress against its waiting timeout: without it a room
+        queued here behind rooms of *other* decode instances saw nothing for the whole timeout and failed (4
+        rooms in a 2P2D chaos run of 9 minutes), though this prefill was alive and would have reached it. A
+        prefill that posts nothing (its engine stuck) says nothing, and its rooms time out as before."""
         if now_s < self._next_keepalive_s:
             return
         interval_s = self._args.queued_keepalive_s
@@ -183,7 +184,8 @@ class PrefillSide:
         with self._lock:
             queued = [(s.peer, Tag(TagKind.QUEUED, room, s.destination.xfer_id))
                       for room, s in self.senders.items()
-                      if s.state == KVPoll.WaitingForInput and s.peer is not None and s.destination is not None]
+                      if s.state == KVPoll.WaitingForInput and s.peer is not None
+                      and s.destination is not None]
         for peer, tag in queued:
             self._notify(peer, tag)
 
@@ -287,7 +289,8 @@ class PrefillSide:
             kv_bytes = int(local[:, 1].sum())
             if dram:   # one WRITE: the KV spans and the aux slot
                 local = np.concatenate([local, self._table.spans(np.array([self._table.aux_index(slot)]))])
-                remote = np.concatenate([remote, peer.table.spans(np.array([peer.table.aux_index(dest.aux_slot)]))])
+                remote = np.concatenate(
+                    [remote, peer.table.spans(np.array([peer.table.aux_index(dest.aux_slot)]))])
         else:
             local = self._table.kv_indices(chunk.src_pages, aux_slot=slot if dram else None)
             remote = peer.table.kv_indices(dst_pages, aux_slot=dest.aux_slot if dram else None)
@@ -303,10 +306,10 @@ class PrefillSide:
     def _prepare_sliced(self, sender: KVSender, chunk: Chunk, peer: Peer,
                         dst_pages: list[int]) -> _Post | None:
         """A chunk between instances whose KV is split over ranks differently (issue #45), the aux slot on the
-        last chunk, once: in host memory through the staging area (``kv_transfer.staging``: whole pages of each
-        destination region, ``_write_staged``), else one WRITE of head-sliced spans (``kv_transfer.head_slices``).
-        This agent registered every rank's pool, so one notification follows every rank pair's bytes. Lock
-        held."""
+        last chunk, once: in host memory through the staging area (``kv_transfer.staging``: whole pages of
+        each destination region, ``_write_staged``), else one WRITE of head-sliced spans
+        (``kv_transfer.head_slices``). This agent registered every rank's pool, so one notification follows
+        every rank pair's bytes. Lock held."""
         dest = sender.destination
         assert dest is not None
         last = chunk.is_last and chunk.aux is not None
@@ -314,13 +317,13 @@ class PrefillSide:
         tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1 if last else 0)
         staged: _Staged | None = None
         if self._staging is not None:
-            staged_plan = plan(self._args.layout, self._table.kv_regions, peer.table.kv_regions, chunk.src_pages,
-                               dst_pages, partial, self._staging.nbytes // 2)
+            staged_plan = plan(self._args.layout, self._table.kv_regions, peer.table.kv_regions,
+                               chunk.src_pages, dst_pages, partial, self._staging.nbytes // 2)
             empty = np.zeros((0, 2), dtype=np.int64)
             staged, kv_bytes = _Staged(staged_plan, empty, empty.copy()), staged_plan.kv_bytes
         else:
-            local, remote = head_sliced_spans(self._args.layout, self._table.kv_regions, peer.table.kv_regions,
-                                              chunk.src_pages, dst_pages, partial)
+            local, remote = head_sliced_spans(self._args.layout, self._table.kv_regions,
+                                              peer.table.kv_regions, chunk.src_pages, dst_pages, partial)
             kv_bytes = int(local[:, 1].sum())
         if last:
             slot = self._aux.alloc()
@@ -367,11 +370,12 @@ class PrefillSide:
         return _Written(handle, None, post_start_s, time.monotonic())
 
     def _write_staged(self, peer: Peer, staged: _Staged, notif: bytes) -> object | None:
-        """A staged chunk's WRITEs (``kv_transfer.staging``), the transport's lock held throughout (the staging
-        area is one): each piece packed into one half of it while the other half's WRITE runs; once every
-        piece's WRITE is done, one WRITE of the direct spans and the aux slot with the notification (or the
-        notification alone), so that it still follows every byte of the chunk. Returns that WRITE's handle (None: nothing to track). Raises ``TransportError`` (a piece failed
-        or did not finish within ``STAGED_WRITE_TIMEOUT_S``: some of the chunk may have landed)."""
+        """A staged chunk's WRITEs (``kv_transfer.staging``), the transport's lock held throughout (the
+        staging area is one): each piece packed into one half of it while the other half's WRITE runs; once
+        every piece's WRITE is done, one WRITE of the direct spans and the aux slot with the notification (or
+        the notification alone), so that it still follows every byte of the chunk. Returns that WRITE's handle
+        (None: nothing to track). Raises ``TransportError`` (a piece failed or did not finish within
+        ``STAGED_WRITE_TIMEOUT_S``: some of the chunk may have landed)."""
         assert self._staging is not None
         with self._transport.held():
             inflight: deque[object] = deque()   # at most one WRITE per half of the staging area
@@ -381,10 +385,11 @@ class PrefillSide:
                         self._wait_done(inflight.popleft())   # the half piece k packs into
                     local, remote = pack(piece, self._args.layout, self._table.kv_regions,
                                          peer.table.kv_regions, self._staging, k % 2)
-                    blocks = piece_blocks(piece, self._args.layout, peer.table.kv_regions, self._staging, k % 2,
-                                          STAGED_MIN_BLOCKS)
+                    blocks = piece_blocks(piece, self._args.layout, peer.table.kv_regions, self._staging,
+                                          k % 2, STAGED_MIN_BLOCKS)
                     inflight.append(
-                        self._transport.post_write_spans(peer.agent_name, local, remote, b"") if blocks is None
+                        self._transport.post_write_spans(peer.agent_name, local, remote, b"")
+                        if blocks is None
                         else self._transport.post_write_blocks(peer.agent_name, *blocks))
                 while inflight:
                     self._wait_done(inflight.popleft())
@@ -399,9 +404,9 @@ class PrefillSide:
             return None
 
     def _wait_done(self, handle: object) -> None:
-        """Waits until a staged piece's WRITE is done and releases it. Raises ``TransportError`` on ERR or after
-        ``STAGED_WRITE_TIMEOUT_S``; a handle still in progress then is left unreleased (what it may still copy
-        from the staging area lands only in the pages of the room that fails)."""
+        """Waits until a staged piece's WRITE is done and releases it. Raises ``TransportError`` on ERR or
+        after ``STAGED_WRITE_TIMEOUT_S``; a handle still in progress then is left unreleased (what it may
+        still copy from the staging area lands only in the pages of the room that fails)."""
         deadline_s = time.monotonic() + STAGED_WRITE_TIMEOUT_S
         while (state := self._transport.check(handle)) == XferState.PROC:
             if time.monotonic() > deadline_s:
@@ -412,9 +417,9 @@ class PrefillSide:
             raise TransportError("a staged write failed (decode lost?)")
 
     def _settle(self, post: _Post, written: _Written) -> None:
-        """Records a chunk's write under the manager lock (``sender.posting`` counted it when it left the queue;
-        this uncounts it under the same lock that records the handle, so no thread ever sees the chunk neither
-        queued, posting nor in flight): in flight, or the room failed."""
+        """Records a chunk's write under the manager lock (``sender.posting`` counted it when it left the
+        queue; this uncounts it under the same lock that records the handle, so no thread ever sees the chunk
+        neither queued, posting nor in flight): in flight, or the room failed."""
         sender, chunk, _, _, _, tag, kv_bytes = post
         with self._lock:
             sender.posting -= 1
@@ -536,8 +541,8 @@ class PrefillSide:
                 continue
             if not alive:
                 with self._lock:
-                    self._fail_peer(peer, "decode instance lost (its rendezvous refused us, forgot it or stayed "
-                                          "silent, or it restarted)")
+                    self._fail_peer(peer, "decode instance lost (its rendezvous refused us, forgot it or "
+                                          "stayed silent, or it restarted)")
 
     def _fail_peer(self, peer: Peer, reason: str) -> None:
         for sender in self.senders.values():
@@ -563,8 +568,8 @@ class PrefillSide:
 
     def _next_wait_s(self) -> float:
         """Short rounds only while a WRITE is under way or could be posted: chunks queued before decode's
-        destination arrived wait for it (its arrival wakes the thread), so prefill's compute is not robbed of a
-        core by a spinning thread meanwhile."""
+        destination arrived wait for it (its arrival wakes the thread), so prefill's compute is not robbed of
+        a core by a spinning thread meanwhile."""
         if any(s.inflight or (s.queued and s.destination is not None) or s.posting or s.state.is_terminal
                for s in self.senders.values()):
             return self._args.active_tick_s

@@ -1,8 +1,8 @@
 """Decode side, one ``KVReceiver`` per request (room).
 
 Lifecycle of a room on the decode side:
-1. ``manager.create_receiver(room, prefill_instance_id, prefill_rendezvous_url)``  → Bootstrapping; the thread handshakes with the
-   prefill instance once per peer (compatibility checked before any byte moves)
+1. ``manager.create_receiver(room, prefill_instance_id, prefill_rendezvous_url)`` → Bootstrapping; the thread
+   handshakes with the prefill instance once per peer (compatibility checked before any byte moves)
 2. ``init(dst_page_ids)``: the pages the decode engine reserved; an aux slot is taken; the thread posts the
    destination to the bootstrap (a room already in use fails this receiver only)   → WaitingForInput
 3. the prefill instance WRITEs chunks; each arrives with a ``chunk`` notification  → Transferring
@@ -53,7 +53,8 @@ class KVReceiver(BaseKVReceiver):
         self._failure: TransferError | None = None
         self._aux: AuxData | None = None
         self.dst_page_ids: list[PageId] | None = None
-        self.num_cached_tokens = 0      # leading prompt tokens decode already holds; prefill skips their pages
+        self.num_cached_tokens = 0      # leading prompt tokens decode already holds; prefill skips
+                                        # their pages
         self.aux_slot: int | None = None
         self.xfer_id = uuid.uuid4().hex[:12]
         self.peer: Peer | None = None
@@ -61,8 +62,10 @@ class KVReceiver(BaseKVReceiver):
         self.published = False          # prefill's rendezvous holds our destination
         self.room_released = False      # ...and no longer does
         self.writer_done = False        # the prefill side will never write for this room again
-        self.fence_needed = False       # ...but a write of it failed or its writer vanished: bytes may still come
-        self.fenced = False             # the transport made sure they cannot land any more (``fence_incoming``)
+        self.fence_needed = False       # ...but a write of it failed or its writer vanished: bytes may
+                                        # still come
+        self.fenced = False             # the transport made sure they cannot land any
+                                        # more (``fence_incoming``)
         self.fence_since_s: float | None = None   # the first fence attempt (monotonic seconds)
         self.cancel_first_s: float | None = None   # the first cancel sent to the writer (monotonic seconds)
         self.cancel_next_s = 0.0        # when an unanswered cancel goes out again
@@ -105,9 +108,9 @@ class KVReceiver(BaseKVReceiver):
             return ReceiverTimings(**vars(self.times))
 
     def init(self, dst_page_ids: Sequence[PageId], num_cached_tokens: int = 0) -> None:
-        """Gives the pages reserved for the prompt's KV from token ``num_cached_tokens`` on (owned by the caller
-        until ``pages_releasable``); the pages of the first ``num_cached_tokens`` tokens are the caller's
-        (prefix cache) and are never written."""
+        """Gives the pages reserved for the prompt's KV from token ``num_cached_tokens`` on (owned by the
+        caller until ``pages_releasable``); the pages of the first ``num_cached_tokens`` tokens are the
+        caller's (prefix cache) and are never written."""
         with self._lock:
             if self.dst_page_ids is not None:
                 raise TransferError(self.room, "init called twice")

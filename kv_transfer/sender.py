@@ -62,7 +62,8 @@ class KVSender(BaseKVSender):
         self.state = KVPoll.Bootstrapping
         self._failure: TransferError | None = None
         self.num_pages: int | None = None
-        self.last_page_tokens: int | None = None   # tokens of a partly filled last prompt page (None: full/unknown)
+        self.last_page_tokens: int | None = None   # tokens of a partly filled last prompt page
+                                                   # (None: full/unknown)
         self.destination: Destination | None = None
         self.peer: Peer | None = None
         self.queued: deque[Chunk] = deque()
@@ -73,8 +74,10 @@ class KVSender(BaseKVSender):
         self.last_queued = False
         self.last_posted = False
         self.pending_notif: Tag | None = None   # sent to decode once no WRITE is in flight
-        self.write_failed = False               # a WRITE of this room ended in ERR: part of it may still arrive
-        self.aux_post: tuple[np.ndarray, np.ndarray, Tag] | None = None   # VRAM mode: the aux WRITE, after the KV one
+        self.write_failed = False               # a WRITE of this room ended in ERR: part of it may
+                                                # still arrive
+        # VRAM mode: the aux WRITE, after the KV one
+        self.aux_post: tuple[np.ndarray, np.ndarray, Tag] | None = None
         self.local_aux_slot: int | None = None   # staging slot of the aux bytes while the last WRITE runs
         self.closed = False                     # the manager dropped this room
         self.times = SenderTimings()            # written under the lock; ``timings`` copies it
@@ -96,8 +99,8 @@ class KVSender(BaseKVSender):
             return SenderTimings(**vars(self.times))
 
     def init(self, num_pages: int, num_tokens: int | None = None) -> None:
-        """Declares how many pages (and, when known, tokens) the prompt's KV spans. Raises ``TransferError`` if
-        they disagree, or the destination (with the pages decode already holds) does not match."""
+        """Declares how many pages (and, when known, tokens) the prompt's KV spans. Raises ``TransferError``
+        if they disagree, or the destination (with the pages decode already holds) does not match."""
         with self._lock:
             if num_pages <= 0:
                 raise self._fail_and_raise(f"init with {num_pages} pages")

@@ -68,8 +68,9 @@ class StagingBuffer:
 @dataclass(frozen=True)
 class StagedPiece:
     """One staged WRITE: destination region ``dst_index`` gets source pages ``src_pages`` (int64 ``[n]``) as
-    its pages ``dst_pages`` (int64 ``[n]``), packed at the start of the staging area; when ``last_page_tokens``
-    is set, the piece's last page holds only that many tokens and only their slots are written."""
+    its pages ``dst_pages`` (int64 ``[n]``), packed at the start of the staging area; when
+    ``last_page_tokens`` is set, the piece's last page holds only that many tokens and only their slots are
+    written."""
 
     dst_index: int
     src_pages: np.ndarray
@@ -105,9 +106,9 @@ def _sources(src: Sequence[KVRegion], dst: KVRegion) -> list[tuple[KVRegion, int
 
 def _page_spans(region: KVRegion, layout: KVLayout, pages: np.ndarray, last_page_tokens: int | None,
                 base_ptr: int | None = None) -> np.ndarray:
-    """(address, nbytes) of ``pages`` of ``region`` (or of pages ``0..n-1`` of the same layout at ``base_ptr``:
-    the staging area): one span per whole page, and per (layer, plane) block of a last page that holds only
-    ``last_page_tokens`` tokens. int64 ``[m, 2]``."""
+    """(address, nbytes) of ``pages`` of ``region`` (or of pages ``0..n-1`` of the same layout at
+    ``base_ptr``: the staging area): one span per whole page, and per (layer, plane) block of a last page that
+    holds only ``last_page_tokens`` tokens. int64 ``[m, 2]``."""
     local = region.layout(layout)
     at = (np.arange(len(pages), dtype=np.int64) * local.page_bytes + base_ptr if base_ptr is not None
           else region.base_ptr + pages * local.page_bytes)
@@ -123,10 +124,10 @@ def _page_spans(region: KVRegion, layout: KVLayout, pages: np.ndarray, last_page
 def plan(layout: KVLayout, src: Sequence[KVRegion], dst: Sequence[KVRegion], src_pages: Sequence[PageId],
          dst_pages: Sequence[PageId], last_page_tokens: int | None, staging_bytes: int) -> StagedPlan:
     """The copies that put source pages ``src_pages`` (an instance of regions ``src``, this process's) into
-    destination pages ``dst_pages`` (regions ``dst``), as ``head_slices.head_sliced_spans`` defines them, through
-    a staging area of ``staging_bytes``. ``layout`` is the instance layout (``num_kv_heads``: the model's).
-    Raises ``ValueError`` when the page lists differ in length, a destination head has no source, or a
-    destination region's page does not fit the staging area."""
+    destination pages ``dst_pages`` (regions ``dst``), as ``head_slices.head_sliced_spans`` defines them,
+    through a staging area of ``staging_bytes``. ``layout`` is the instance layout (``num_kv_heads``: the
+    model's). Raises ``ValueError`` when the page lists differ in length, a destination head has no source, or
+    a destination region's page does not fit the staging area."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
     sp, dp = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
@@ -201,15 +202,17 @@ def pack(piece: StagedPiece, layout: KVLayout, src: Sequence[KVRegion], dst: Seq
         view = _pool_view(s, layout)
         a, b = head - s.head_start, stop - s.head_start
         for first, at, length in _runs(piece.src_pages):
-            out[at:at + length, :, :, head - d.head_start:stop - d.head_start] = view[first:first + length, :, :, a:b]
-    return (_page_spans(d, layout, piece.dst_pages, piece.last_page_tokens, base_ptr=staging.base_ptr + start),
+            out[at:at + length, :, :, head - d.head_start:stop - d.head_start] = (
+                view[first:first + length, :, :, a:b])
+    return (_page_spans(d, layout, piece.dst_pages, piece.last_page_tokens,
+                        base_ptr=staging.base_ptr + start),
             _page_spans(d, layout, piece.dst_pages, piece.last_page_tokens))
 
 
 
 class PieceBlocks(NamedTuple):
-    """A packed piece's WRITE as equal blocks (``Transport.post_write_blocks``'s arguments after the peer): the
-    local area (the staging half, (address, nbytes)) and the remote one (the destination region's pool),
+    """A packed piece's WRITE as equal blocks (``Transport.post_write_blocks``'s arguments after the peer):
+    the local area (the staging half, (address, nbytes)) and the remote one (the destination region's pool),
     ``block_bytes``, and the block indices in each (int64 ``[n]``)."""
 
     local_area: tuple[int, int]
@@ -221,9 +224,10 @@ class PieceBlocks(NamedTuple):
 
 def piece_blocks(piece: StagedPiece, layout: KVLayout, dst: Sequence[KVRegion], staging: StagingBuffer,
                  half: int, min_blocks: int) -> PieceBlocks | None:
-    """``piece``'s WRITE after ``pack(..., half)`` as blocks: each page cut into the fewest whole (layer, plane)
-    groups that give at least ``min_blocks`` blocks (a transport splits a WRITE between threads by descriptor
-    count), or None for a piece whose last page is partly filled (its spans are not equal blocks)."""
+    """``piece``'s WRITE after ``pack(..., half)`` as blocks: each page cut into the fewest whole (layer,
+    plane) groups that give at least ``min_blocks`` blocks (a transport splits a WRITE between threads by
+    descriptor count), or None for a piece whose last page is partly filled (its spans are not equal
+    blocks)."""
     if piece.last_page_tokens is not None and piece.last_page_tokens != layout.page_size:
         return None
     d = dst[piece.dst_index]

@@ -37,7 +37,8 @@ class TagKind(str, Enum):
     CANCEL = "cancel"
     DONE = "done"
     HELLO = "hello"
-    QUEUED = "queued"   # prefill → decode: the room waits in prefill's queue, and prefill is working through it
+    QUEUED = "queued"   # prefill → decode: the room waits in prefill's queue, and prefill is working
+                        # through it
 
 
 @dataclass(frozen=True)

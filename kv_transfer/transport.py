@@ -1,16 +1,16 @@
 """The byte-moving seam under a KV manager: one-sided WRITEs plus small notifications between agents.
 
 Three implementations pass the same contract tests: ``NixlTransport`` (UCX over NIXL; host or GPU memory),
-``MooncakeTransport`` (Mooncake's transfer engine; TCP, RDMA by configuration) and ``InProcessTransport`` (memmove
-between managers living in one process).
+``MooncakeTransport`` (Mooncake's transfer engine; TCP, RDMA by configuration) and ``InProcessTransport``
+(memmove between managers living in one process).
 
 Threading: an implementation does no locking of its own. The manager wraps it in ``LockedTransport``, which
 serialises every call, because two threads use it: the manager's background thread, and with
 ``KVArgs.inline_progress`` the callers of ``send`` (which post WRITEs) and of ``poll`` (which drain
-notifications). NIXL agents need no more than that: calls on one agent must not overlap. Those callers' threads
-(engine loops) never wait behind a handshake (``LockedTransport.held_unless_handshaking``): a first handshake with
-a peer across the network can hold the agent for seconds, and every request of the instance would stall behind
-that one peer; they leave their work to the manager thread instead.
+notifications). NIXL agents need no more than that: calls on one agent must not overlap. Those callers'
+threads (engine loops) never wait behind a handshake (``LockedTransport.held_unless_handshaking``): a first
+handshake with a peer across the network can hold the agent for seconds, and every request of the instance
+would stall behind that one peer; they leave their work to the manager thread instead.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class BackendOptions:
               environ: Mapping[str, str] | None = None) -> _Options:
         """The options from model parameters (``{"kv_protocol": "rdma"}``: only the names in ``parameters()``
         are read, others are ignored) and ``environ`` (``ENV`` overrides a parameter when set and not empty;
-        None: no environment). Raises ``OptionError`` for a value that does not parse (naming the parameter, or
-        the environment variable it came from) or that ``__post_init__`` refuses."""
+        None: no environment). Raises ``OptionError`` for a value that does not parse (naming the parameter,
+        or the environment variable it came from) or that ``__post_init__`` refuses."""
         values: dict[str, Any] = {}
         env = environ or {}
         for f in fields(cls):
@@ -111,12 +111,14 @@ def _parse_option(param: str, kind: str, text: str) -> object:
     ``OptionError``."""
     if kind == "bool":
         if text.lower() not in _TRUE + _FALSE:
-            raise OptionError(param, f"must be a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), got {text!r}")
+            raise OptionError(param,
+                              f"must be a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), got {text!r}")
         return text.lower() in _TRUE
     try:
         return int(text) if kind == "int" else float(text) if kind == "float" else text
     except ValueError:
-        raise OptionError(param, f"must be a{'n int' if kind == 'int' else ' number'}, got {text!r}") from None
+        raise OptionError(param,
+                          f"must be a{'n int' if kind == 'int' else ' number'}, got {text!r}") from None
 
 
 class Transport(ABC):
@@ -168,15 +170,17 @@ class Transport(ABC):
     def post_write_blocks(self, peer: str, local: tuple[int, int], remote: tuple[int, int], block_bytes: int,
                           local_blocks: Int64Array, remote_blocks: Int64Array) -> object:
         """Posts one WRITE, without a notification, of equal blocks: local block ``local_blocks[i]`` (at
-        ``local[0] + local_blocks[i] * block_bytes``, inside the registered area ``local`` = (address, nbytes))
-        into remote block ``remote_blocks[i]`` (likewise inside the peer's registered area ``remote``); int64
-        ``[n]`` each. For the staged pieces of ``kv_transfer.staging``, posted one after another into the same
-        areas. Same contract as ``post_write`` otherwise. This default: ``post_write_spans`` of those blocks (a
-        backend that can prepare the areas' block lists once overrides it)."""
+        ``local[0] + local_blocks[i] * block_bytes``, inside the registered area ``local`` = (address,
+        nbytes)) into remote block ``remote_blocks[i]`` (likewise inside the peer's registered area
+        ``remote``); int64 ``[n]`` each. For the staged pieces of ``kv_transfer.staging``, posted one after
+        another into the same areas. Same contract as ``post_write`` otherwise. This default:
+        ``post_write_spans`` of those blocks (a backend that can prepare the areas' block lists once overrides
+        it)."""
         def spans(base: int, blocks: Int64Array) -> Int64Array:
             return np.stack([base + blocks * block_bytes, np.full_like(blocks, block_bytes)], axis=1)
 
-        return self.post_write_spans(peer, spans(local[0], local_blocks), spans(remote[0], remote_blocks), b"")
+        return self.post_write_spans(peer, spans(local[0], local_blocks), spans(remote[0], remote_blocks),
+                                     b"")
 
     @abstractmethod
     def check(self, handle: object) -> XferState:
@@ -220,17 +224,19 @@ class LockedTransport(Transport):
     def __init__(self, inner: Transport) -> None:
         self._inner = inner
         self._lock = threading.RLock()   # reentrant: calls inside ``held_unless_handshaking`` take it again
-        self._handshake_lock = threading.Lock()   # guards ``_handshakes``; never held while waiting for the other
+        self._handshake_lock = threading.Lock()   # guards ``_handshakes``; never held while waiting for
+                                                  # the other
         self._handshakes = 0   # ``add_peer`` calls announced or running
 
     @contextmanager
     def held_unless_handshaking(self) -> Iterator[bool]:
-        """``with transport.held_unless_handshaking() as held:``: False, at once, while an ``add_peer`` runs or
-        waits for the lock (a first handshake: seconds across hosts); else True, with the lock this thread's
-        until the block ends (waiting only for a call in progress), so the transport's calls inside it go
-        through. For callers on engine threads (inline progress): on False they leave the work to the manager
-        thread. No manager lock inside the block (the order above). Race-free: ``add_peer`` announces itself
-        under ``_handshake_lock`` before it waits for the lock, and this takes the lock under the same one."""
+        """``with transport.held_unless_handshaking() as held:``: False, at once, while an ``add_peer`` runs
+        or waits for the lock (a first handshake: seconds across hosts); else True, with the lock this
+        thread's until the block ends (waiting only for a call in progress), so the transport's calls inside
+        it go through. For callers on engine threads (inline progress): on False they leave the work to the
+        manager thread. No manager lock inside the block (the order above). Race-free: ``add_peer`` announces
+        itself under ``_handshake_lock`` before it waits for the lock, and this takes the lock under the same
+        one."""
         with self._handshake_lock:
             held = self._handshakes == 0
             if held:
@@ -243,18 +249,18 @@ class LockedTransport(Transport):
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """``with transport.held():`` the lock for a sequence of calls (a staged chunk's WRITEs, which reuse one
-        staging area): waits for a call in progress, or a handshake. Callers: the manager thread, without the
-        manager lock (the order above), and a thread already inside ``held_unless_handshaking`` (the lock is
-        reentrant: it waits for nothing then)."""
+        """``with transport.held():`` the lock for a sequence of calls (a staged chunk's WRITEs, which reuse
+        one staging area): waits for a call in progress, or a handshake. Callers: the manager thread, without
+        the manager lock (the order above), and a thread already inside ``held_unless_handshaking`` (the lock
+        is reentrant: it waits for nothing then)."""
         with self._lock:
             yield
 
     @property
     def handshaking(self) -> bool:
         """Whether an ``add_peer`` is announced or running: a snapshot without any lock, for a caller's cheap
-        early check (``PrefillSide.post_now`` leaves its chunks queued at once); ``held_unless_handshaking`` is
-        the race-free one."""
+        early check (``PrefillSide.post_now`` leaves its chunks queued at once); ``held_unless_handshaking``
+        is the race-free one."""
         return self._handshakes > 0
 
     @property
@@ -296,7 +302,8 @@ class LockedTransport(Transport):
     def post_write_blocks(self, peer: str, local: tuple[int, int], remote: tuple[int, int], block_bytes: int,
                           local_blocks: Int64Array, remote_blocks: Int64Array) -> object:
         with self._lock:
-            return self._inner.post_write_blocks(peer, local, remote, block_bytes, local_blocks, remote_blocks)
+            return self._inner.post_write_blocks(peer, local, remote, block_bytes, local_blocks,
+                                                 remote_blocks)
 
     def check(self, handle: object) -> XferState:
         with self._lock:

@@ -12,8 +12,9 @@ Contract
 - Shapes: ``q`` ``[num_tokens, num_heads, head_dim]``; ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]``;
   ``layer_kv`` ``[2, num_pages, page_size, num_kv_heads, head_dim]`` (``kv_cache[layer]``, dim 0: 0 = K, 1 =
   V; a strided view of the page-major pool, so pages are not adjacent: never ``view`` it flat, index it by
-  (page, offset) as ``write_kv_slots`` does); output ``[num_tokens, num_heads * head_dim]``. dtype: that of ``q`` (fp32 on CPU; fp16/bf16 on CUDA),
-  ``k``, ``v`` and ``layer_kv`` share it. ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
+  (page, offset) as ``write_kv_slots`` does); output ``[num_tokens, num_heads * head_dim]``. dtype: that of
+  ``q`` (fp32 on CPU; fp16/bf16 on CUDA), ``k``, ``v`` and ``layer_kv`` share it. ``num_heads`` is a multiple
+  of ``num_kv_heads`` (GQA).
 - MLA (``forward_latent``, DeepSeek-V2/V3): ``layer_kv`` ``[1, num_pages, page_size, 1, latent_dim]`` holds
   one plane, the token's latent ``c_kv | k_pe``; attention runs in the latent space (the absorbed form: one
   KV head whose keys are the whole latent and whose values are its first ``value_dim`` elements). Backends

@@ -66,8 +66,9 @@ class DecoderLayer(nn.Module):
                 backend: AttentionBackend, metadata: object,
                 comm: Communicator | None = None, dp: DPShares | None = None) -> torch.Tensor:
         """``h`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes this layer's K/V into
-        ``layer_kv``; with ``comm``, sums the row-parallel products over the ranks; with ``dp`` (and ``comm``),
-        attention is this rank's alone and the MLP runs on every rank's tokens (module docstring)."""
+        ``layer_kv``; with ``comm``, sums the row-parallel products over the ranks; with ``dp`` (and
+        ``comm``), attention is this rank's alone and the MLP runs on every rank's tokens (module
+        docstring)."""
         cfg = self.cfg
         if dp is not None:
             assert comm is not None

@@ -282,7 +282,8 @@ def counts_by_source(topk_ids: torch.Tensor, token_splits: list[int], num_expert
                      ep_size: int) -> torch.Tensor:
     """What every source rank sends rank ``rank``'s experts, from the routing of every rank's tokens:
     ``topk_ids`` ``[T, K]`` int64, the tokens of rank ``s`` its ``token_splits[s]`` rows in rank order.
-    Returns ``[ep_size, num_experts // ep_size]`` int64 (a ``recv_counts`` for ``TokenDispatcher.dispatch``)."""
+    Returns ``[ep_size, num_experts // ep_size]`` int64 (a ``recv_counts`` for
+    ``TokenDispatcher.dispatch``)."""
     per_rank = num_experts // ep_size
     rows = []
     for ids in torch.split(topk_ids, token_splits):

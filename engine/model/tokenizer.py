@@ -35,9 +35,10 @@ class Tokenizer:
         eos_token_ids: token ids that end generation (from the model config and the tokenizer config).
         bos_token_id: beginning-of-sequence id, or ``None``.
         vocab_size: number of token ids, added tokens included.
-        fingerprint: 16 hex digits of SHA-256 over ``tokenizer.json`` and the chat template: equal fingerprints
-            give equal ids for equal prompts (the router forwards its ids to workers whose tokenizer has the same
-            fingerprint: ``serving.parsing.pd_request``); ``""`` when not built ``from_folder``.
+        fingerprint: 16 hex digits of SHA-256 over ``tokenizer.json`` and the chat template: equal
+            fingerprints give equal ids for equal prompts (the router forwards its ids to workers whose
+            tokenizer has the same fingerprint: ``serving.parsing.pd_request``); ``""`` when not built
+            ``from_folder``.
     """
 
     def __init__(self, backend: _HFTokenizer, chat_template: str | None, eos_token_ids: list[int],

@@ -39,7 +39,8 @@ def gather_rows(comm: Communicator, x: torch.Tensor, counts: tuple[int, ...], ra
 
 
 def gather_tokens(comm: Communicator, x: torch.Tensor, dp: DPShares) -> torch.Tensor:
-    """``x`` ``[dp.token_counts[dp.rank], H]`` -> every rank's tokens ``[dp.num_tokens, H]`` (``gather_rows``)."""
+    """``x`` ``[dp.token_counts[dp.rank], H]`` -> every rank's tokens ``[dp.num_tokens, H]``
+    (``gather_rows``)."""
     return gather_rows(comm, x, dp.token_counts, dp.rank)
 
 

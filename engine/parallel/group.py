@@ -9,8 +9,8 @@ Lifecycle (``LLMEngine`` drives it; all on the thread that builds and closes the
    too (``rank_pools``: the KV transfer reaches every rank's heads from this process); start ranks 1..N-1
    (``python -m engine.parallel.rank_worker``, stdin a pipe only this process writes), load rank 0's own
    slice meanwhile, join the process group once every rank said hello, wait until every rank is ready (each
-   wait also watches the processes: a rank that exits fails the start at once, naming it), attach the communicator, start the
-   rank watch (a daemon thread, ``tp-rank-watch``).
+   wait also watches the processes: a rank that exits fails the start at once, naming it), attach the
+   communicator, start the rank watch (a daemon thread, ``tp-rank-watch``).
 2. ``ParallelCausalLM.forward`` (the engine thread, once per step): broadcast the step, run rank 0's slice;
    its all-reduces meet the other ranks', the logits come back whole.
 3. A rank process that exits while serving: the rank watch (every 50 ms) aborts the communicator with the

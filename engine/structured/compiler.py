@@ -28,8 +28,8 @@ DEFAULT_CACHE_SIZE = 256
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A compiled spec: ``template`` (an ``llguidance.LLMatcher`` at the grammar's start: copy it, never advance
-    it) and the stop tokens that end its sentences."""
+    """A compiled spec: ``template`` (an ``llguidance.LLMatcher`` at the grammar's start: copy it, never
+    advance it) and the stop tokens that end its sentences."""
 
     template: Any
     stop_token_ids: frozenset[int]
@@ -37,7 +37,8 @@ class CompiledGrammar:
 
 @dataclass(frozen=True)
 class CompileStats:
-    """Counters since start: ``hits`` (spec found compiled), ``misses`` (compiled now), ``size`` (cached now)."""
+    """Counters since start: ``hits`` (spec found compiled), ``misses`` (compiled now), ``size`` (cached
+    now)."""
 
     hits: int
     misses: int

@@ -1,10 +1,10 @@
 """``GrammarState``: one request's position in its grammar, and the batched token mask it yields.
 
 Per step, for the rows of the batch that carry a grammar (``GrammarState``): ``fill_masks`` writes each row's
-allowed-token bitmask into one ``[num_rows, ceil(vocab / 32)]`` int32 tensor (bit ``t % 32`` of word ``t // 32``
-set = token ``t`` allowed); the sampler applies it (``apply_masks``: disallowed logits -> ``-inf``) after logit
-bias, ``min_tokens`` and the penalties and before temperature / top-k / top-p / the draw, vLLM's order; the
-engine then ``accept``s the sampled token, which moves the state on.
+allowed-token bitmask into one ``[num_rows, ceil(vocab / 32)]`` int32 tensor (bit ``t % 32`` of word
+``t // 32`` set = token ``t`` allowed); the sampler applies it (``apply_masks``: disallowed logits ->
+``-inf``) after logit bias, ``min_tokens`` and the penalties and before temperature / top-k / top-p / the
+draw, vLLM's order; the engine then ``accept``s the sampled token, which moves the state on.
 
 Thread: a ``GrammarState`` belongs to its sequence and is used on the engine thread only.
 """
@@ -63,8 +63,8 @@ class GrammarState:
 
     @property
     def is_terminated(self) -> bool:
-        """True once a stop token was accepted (the sentence is over; later tokens, with ``ignore_eos``, are not
-        constrained)."""
+        """True once a stop token was accepted (the sentence is over; later tokens, with ``ignore_eos``, are
+        not constrained)."""
         return self._terminated
 
     @property

@@ -1,8 +1,9 @@
 """``StructuredSpec``: what one request's output must match, parsed from vLLM's structured-outputs object.
 
-vLLM's ``SamplingParams`` carries the constraint as an object, ``structured_outputs`` (``StructuredOutputsParams``,
-vLLM >= 0.10.2) or ``guided_decoding`` (``GuidedDecodingParams``, older vLLM; what Triton's vLLM backend
-builds from ``sampling_parameters``). Both have the same fields; exactly one constraint is set:
+vLLM's ``SamplingParams`` carries the constraint as an object, ``structured_outputs``
+(``StructuredOutputsParams``, vLLM >= 0.10.2) or ``guided_decoding`` (``GuidedDecodingParams``, older vLLM;
+what Triton's vLLM backend builds from ``sampling_parameters``). Both have the same fields; exactly one
+constraint is set:
 
 =================  ===========================  ========================================================
 field              value                        the output is
@@ -15,14 +16,14 @@ field              value                        the output is
 =================  ===========================  ========================================================
 
 Options accepted next to the constraint: ``disable_any_whitespace`` (JSON without free whitespace between
-tokens: the compact form), ``disable_fallback`` (no effect: there is one backend), ``backend`` (``"guidance"``,
-``"auto"`` or absent). Anything else (``whitespace_pattern``, ``structural_tag``,
+tokens: the compact form), ``disable_fallback`` (no effect: there is one backend), ``backend``
+(``"guidance"``, ``"auto"`` or absent). Anything else (``whitespace_pattern``, ``structural_tag``,
 ``disable_additional_properties``, an unknown key) is refused by name.
 
-A spec is validated when it is parsed (``parse_structured``): the constraint is turned into an llguidance grammar
-and checked without a tokenizer (cheap, milliseconds) so a bad schema, regex or grammar is refused with the field
-named, wherever the request is parsed (router, colocated, prefill, decode). The tokenizer-specific part happens
-later (``engine.structured.compiler``).
+A spec is validated when it is parsed (``parse_structured``): the constraint is turned into an llguidance
+grammar and checked without a tokenizer (cheap, milliseconds) so a bad schema, regex or grammar is refused
+with the field named, wherever the request is parsed (router, colocated, prefill, decode). The
+tokenizer-specific part happens later (``engine.structured.compiler``).
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def parse_structured(key: str, raw: Any) -> StructuredSpec | None:
     Returns:
         The spec, or None when no constraint is set.
     Raises:
-        InvalidSamplingParams: ``<key>.<field>`` for an unknown or unsupported field, two constraints at once, a
-            value of the wrong type, or a schema / regex / grammar llguidance refuses (its message).
+        InvalidSamplingParams: ``<key>.<field>`` for an unknown or unsupported field, two constraints at once,
+            a value of the wrong type, or a schema / regex / grammar llguidance refuses (its message).
     """
     values = _as_object(key, raw)
     set_fields = {k: v for k, v in values.items() if v is not None and v is not False}
@@ -89,8 +90,9 @@ def parse_structured(key: str, raw: Any) -> StructuredSpec | None:
         if name in _REFUSED:
             raise InvalidSamplingParams(f"{key}.{name}", f"not supported by this server: {_REFUSED[name]}")
         if name not in _KINDS and name not in _BOOL_OPTIONS and name != "backend":
-            raise InvalidSamplingParams(f"{key}.{name}", f"unknown field (known: {sorted(_KINDS + _BOOL_OPTIONS)}"
-                                                         " and backend)")
+            raise InvalidSamplingParams(f"{key}.{name}",
+                                        f"unknown field (known: {sorted(_KINDS + _BOOL_OPTIONS)}"
+                                        " and backend)")
     backend = set_fields.get("backend")
     if backend is not None and backend not in _BACKENDS:
         raise InvalidSamplingParams(f"{key}.backend", f"must be one of {list(_BACKENDS)}, got {backend!r}")
@@ -170,7 +172,8 @@ def _canonical(field_name: str, kind: SpecKind, value: Any) -> str:
             except json.JSONDecodeError as e:
                 raise InvalidSamplingParams(field_name, f"malformed JSON schema: {e}") from None
         if not isinstance(value, (dict, bool)):
-            raise InvalidSamplingParams(field_name, f"must be a JSON schema object, got {type(value).__name__}")
+            raise InvalidSamplingParams(field_name,
+                                        f"must be a JSON schema object, got {type(value).__name__}")
         return json.dumps(value, separators=(",", ":"))  # key order kept: it is the output's field order
     if kind == "json_object":
         if value is not True:
@@ -178,7 +181,8 @@ def _canonical(field_name: str, kind: SpecKind, value: Any) -> str:
         return ""
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise InvalidSamplingParams(field_name, f"must be a non-empty list of non-empty strings, got {value!r}")
+            raise InvalidSamplingParams(field_name,
+                                        f"must be a non-empty list of non-empty strings, got {value!r}")
         return json.dumps(value, ensure_ascii=False)
     if not isinstance(value, str) or not value:
         raise InvalidSamplingParams(field_name, f"must be a non-empty string, got {value!r}")

@@ -37,7 +37,8 @@ class GemvKernels:
     """The entry points of the built library; every call is single-threaded and synchronous.
 
     Each computes ``y[M, N] = x[M, K] @ W[N, K].T`` (times ``scale[N]`` for int8) in float32 accumulation:
-    ``bf16`` and ``int8`` with float32 ``x`` on AVX2 + FMA, ``bf16_native`` with bfloat16 ``x`` on AVX512_BF16.
+    ``bf16`` and ``int8`` with float32 ``x`` on AVX2 + FMA, ``bf16_native`` with bfloat16 ``x`` on
+    AVX512_BF16.
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
@@ -57,8 +58,8 @@ class GemvKernels:
         return y
 
     def bf16_native(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, K]`` bfloat16, ``weight`` ``[N, K]`` bfloat16, both contiguous -> ``[M, N]`` float32, on
-        AVX512_BF16's dot products (``native_bf16`` must be True). Raises ``RuntimeError`` otherwise."""
+        """``x`` ``[M, K]`` bfloat16, ``weight`` ``[N, K]`` bfloat16, both contiguous -> ``[M, N]`` float32,
+        on AVX512_BF16's dot products (``native_bf16`` must be True). Raises ``RuntimeError`` otherwise."""
         if not self.native_bf16:
             raise RuntimeError("this CPU has no AVX512_BF16")
         y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
