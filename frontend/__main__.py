@@ -48,7 +48,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[FrontendConfig, str
     a = p.parse_args(argv)
     config = FrontendConfig(host=a.host, port=a.port, grpc_url=a.grpc_url, model=a.model,
                             served_model_name=a.served_model_name, tokenizer=a.tokenizer,
-                            default_max_tokens=a.default_max_tokens, graceful_shutdown_s=a.graceful_shutdown_s,
+                            default_max_tokens=a.default_max_tokens,
+                            graceful_shutdown_s=a.graceful_shutdown_s,
                             grpc_keepalive_s=a.grpc_keepalive_s, grpc_ssl_root_cert=a.grpc_ssl_root_cert,
                             grpc_ssl_client_cert=a.grpc_ssl_client_cert,
                             grpc_ssl_client_key=a.grpc_ssl_client_key,

@@ -59,8 +59,8 @@ class ClientDisconnected(Exception):
 
 
 def create_app(config: FrontendConfig, backend: Backend, renderer: ChatRenderer) -> FastAPI:
-    """The application; ``backend`` and ``renderer`` are used on the event loop that serves it, and the backend
-    is closed when the application shuts down (after uvicorn ended every open request)."""
+    """The application; ``backend`` and ``renderer`` are used on the event loop that serves it, and the
+    backend is closed when the application shuts down (after uvicorn ended every open request)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -148,7 +148,8 @@ def create_app(config: FrontendConfig, backend: Backend, renderer: ChatRenderer)
             return mapping.chat_chunk(r, rid, now, model, top, calls)
 
         def usage(totals: Totals) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=now, model=model, choices=[], usage=mapping.usage_of(totals))
+            return ChatCompletionChunk(id=rid, created=now, model=model, choices=[],
+                                       usage=mapping.usage_of(totals))
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse(events(first, stream, n, mapping.chat_role_chunk(n, rid, now, model), chunk,
@@ -170,8 +171,10 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     loc = [part for part in first.get("loc", ()) if part != "body"]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     if first.get("type") == "extra_forbidden":
-        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error", param)
-    return OpenAIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", "invalid_request_error", param)
+        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error",
+                           param)
+    return OpenAIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", "invalid_request_error",
+                       param)
 
 
 async def generate(backend: Backend, request: BackendRequest, prompt_field: str,

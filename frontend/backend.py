@@ -1,8 +1,9 @@
 """The ``Backend`` seam (where generation requests go) and ``TritonGrpcBackend`` (tritonclient.grpc.aio).
 
-One gRPC channel per front, one bidirectional stream per request (``ModelStreamInfer``): cancelling that stream
-cancels exactly that request; Triton then reports ``is_cancelled()`` to the model, which aborts it and frees its
-KV pages (for ``pd_ensemble``: the router cancels both children). Every call runs on the front's event loop.
+One gRPC channel per front, one bidirectional stream per request (``ModelStreamInfer``): cancelling that
+stream cancels exactly that request; Triton then reports ``is_cancelled()`` to the model, which aborts it and
+frees its KV pages (for ``pd_ensemble``: the router cancels both children). Every call runs on the front's
+event loop.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class Backend(Protocol):
 
     def generate(self, request: BackendRequest) -> AsyncGenerator[BackendResponse, None]:
         """Send ``request``; yield its responses in order, the last one with ``final`` set. Closing the
-        iterator early (``aclose``, or cancelling the task that iterates it) cancels the request on the server.
-        Raises TritonError (the server's error response) or BackendUnavailable (no server, broken stream)."""
+        iterator early (``aclose``, or cancelling the task that iterates it) cancels the request on the
+        server. Raises TritonError (the server's error response) or BackendUnavailable (no server, broken
+        stream)."""
         ...
 
     async def ready(self) -> bool:
@@ -75,8 +77,8 @@ class TritonGrpcBackend:
 
         ``keepalive_s``: HTTP/2 keepalive ping interval, 0 = none (tritonclient's default). tritonserver
         answers pings more frequent than its ``--grpc-http2-min-recv-ping-interval-without-data`` (5 min by
-        default) with GOAWAY ``too_many_pings``, which breaks every stream on the channel: seen with 10 s pings
-        during a genai-perf run (503s). Set it only below a server configured to accept it.
+        default) with GOAWAY ``too_many_pings``, which breaks every stream on the channel: seen with 10 s
+        pings during a genai-perf run (503s). Set it only below a server configured to accept it.
 
         ``tls``: speak TLS to a tritonserver with ``--grpc-use-ssl`` (its files are read when the channel is
         made); None: plaintext."""
@@ -165,7 +167,8 @@ class TritonGrpcBackend:
                     finished = True
                     raise TritonError(error.message())
                 final = bool(result.get_response().parameters["triton_final_response"].bool_param)
-                values = {name: array for name in OUTPUT_NAMES if (array := result.as_numpy(name)) is not None}
+                values = {name: array for name in OUTPUT_NAMES
+                          if (array := result.as_numpy(name)) is not None}
                 finished = final
                 yield decoder.decode(values, final)
                 if final:

@@ -1,7 +1,7 @@
 """Chat messages → one prompt string, rendered with the served model's own chat template.
 
-The tokenizer is loaded the way the router loads it (``engine.model.loader.load_tokenizer``: the same files the
-workers read), and ``Tokenizer.apply_chat_template`` is the very function the server applies for
+The tokenizer is loaded the way the router loads it (``engine.model.loader.load_tokenizer``: the same files
+the workers read), and ``Tokenizer.apply_chat_template`` is the very function the server applies for
 ``apply_chat_template=true``, so one user message renders to the same prompt tokens either way.
 """
 

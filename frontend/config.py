@@ -1,4 +1,5 @@
-"""The front's configuration: one frozen dataclass, built once from the command line (``frontend.__main__``)."""
+"""The front's configuration: one frozen dataclass, built once from the command line
+(``frontend.__main__``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ class FrontendConfig:
         model: the Triton model requests go to (``pd_ensemble``, ``colocated``).
         served_model_name: the ``model`` name clients use and ``/v1/models`` lists (empty: ``model``).
         tokenizer: whose chat template renders chat messages (``smollm2``, a ``.gguf`` path or an HF folder).
-        default_max_tokens: a chat request's ``max_tokens`` when it sets none (the server reserves KV pages for
-            prompt + max_tokens up front, so "up to the context length" would cost a whole context per request).
+        default_max_tokens: a chat request's ``max_tokens`` when it sets none (the server reserves KV pages
+            for prompt + max_tokens up front, so "up to the context length" would cost a whole context per
+            request).
         graceful_shutdown_s: how long open streams may run on at shutdown before they are cancelled.
         grpc_keepalive_s: HTTP/2 keepalive pings to the server, seconds; 0 = none (see ``TritonGrpcBackend``:
             tritonserver's defaults answer frequent pings with GOAWAY, which breaks every open stream).

@@ -6,7 +6,8 @@ Triton errors arrive as text on the gRPC stream (the server's ``RequestError`` a
 message                                                status  type                      param
 =====================================================  ======  ========================  ===================
 ``invalid input 'sampling_parameters.<key>': ...``     400     ``invalid_request_error`` ``<key>`` (OpenAI's
-                                                                                         name where it differs)
+                                                                                         name where it
+                                                                                         differs)
 ``invalid input '...structured_outputs.<kind>': ...``  400     ``invalid_request_error`` the field the front
                                                                                          made it from
 ``invalid input '<input>': ...``                       400     ``invalid_request_error`` prompt / messages
@@ -45,8 +46,8 @@ class OpenAIError(Exception):
         code: a machine-readable code (``model_not_found``, ...), if any.
     """
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -58,7 +59,8 @@ class OpenAIError(Exception):
         return f"{self.status} {self.type}: {self.message}"
 
     def body(self) -> ErrorBody:
-        return ErrorBody(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return ErrorBody(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                         code=self.code))
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -68,7 +70,8 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 def unsupported(field: str, detail: str = "") -> OpenAIError:
     """400 for an OpenAI field this server cannot honour, naming it."""
     suffix = f": {detail}" if detail else ""
-    return OpenAIError(400, f"'{field}' is not supported by this server{suffix}", "invalid_request_error", field)
+    return OpenAIError(400, f"'{field}' is not supported by this server{suffix}", "invalid_request_error",
+                       field)
 
 
 def from_triton_message(message: str, prompt_field: str = "prompt",

@@ -4,12 +4,12 @@ Request mapping: ``max_tokens`` (chat: ``max_completion_tokens`` first) → ``ma
 16, as OpenAI; chat ``FrontendConfig.default_max_tokens``, because the server reserves KV pages for prompt +
 max_tokens up front); ``temperature`` (absent: 1.0, OpenAI's default), ``top_p``, ``seed``, ``stop``, ``n``
 (> 1 only), penalties (non-neutral only), ``logit_bias`` and vLLM's extensions pass through; completions
-``logprobs: k`` and chat ``logprobs: true`` + ``top_logprobs: k`` → ``logprobs: k``. Only keys the client set are
-sent, so a server that predates a key still serves every request that does not use it. Chat ``response_format``
-and forced tool calls become ``structured_outputs`` (``frontend.structured``); tools are described in the system
-message and answers parsed back into ``tool_calls`` (``frontend.tools``); an answer cut short inside a call
-keeps its finish reason (``length``) and only the calls completed before the cut, never the call object as
-content.
+``logprobs: k`` and chat ``logprobs: true`` + ``top_logprobs: k`` → ``logprobs: k``. Only keys the client set
+are sent, so a server that predates a key still serves every request that does not use it. Chat
+``response_format`` and forced tool calls become ``structured_outputs`` (``frontend.structured``); tools are
+described in the system message and answers parsed back into ``tool_calls`` (``frontend.tools``); an answer
+cut short inside a call keeps its finish reason (``length``) and only the calls completed before the cut,
+never the call object as content.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def tool_plan(req: ChatCompletionRequest) -> tools.ToolPlan | None:
 
 def chat_messages(req: ChatCompletionRequest, plan: tools.ToolPlan | None = None) -> list[dict[str, str]]:
     """The messages as ``{"role", "content"}`` dicts for the chat template (``developer`` → ``system``; text
-    parts joined; earlier tool calls and tool results as text, the tools described in the system message unless
-    ``tool_choice`` is none). Raises OpenAIError (400) naming an unsupported field."""
+    parts joined; earlier tool calls and tool results as text, the tools described in the system message
+    unless ``tool_choice`` is none). Raises OpenAIError (400) naming an unsupported field."""
     _check_stream_options(req)
     for name in ("functions", "audio", "prediction", "reasoning_effort"):
         if getattr(req, name):
@@ -199,7 +199,8 @@ def chat_logprobs(tokens: Sequence[TokenLogprob], top_k: int) -> ChatLogprobs:
 
     return ChatLogprobs(content=[
         ChatTokenLogprob(token=t.token, logprob=t.logprob, bytes=utf8(t.token),
-                         top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=utf8(s)) for s, lp in t.top[:top_k]])
+                         top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=utf8(s))
+                                       for s, lp in t.top[:top_k]])
         for t in tokens])
 
 
@@ -225,7 +226,8 @@ def chat_response(totals: Totals, request_id: str, created: int, model: str,
         message = AssistantMessage(content=answer.content, tool_calls=None if answer.tool_calls is None else
                                    [ToolCall.model_validate(c) for c in answer.tool_calls])
         choices.append(ChatChoice(index=i, message=message, finish_reason=answer.finish_reason,
-                                  logprobs=None if top_logprobs is None else chat_logprobs(s.logprobs, top_logprobs)))
+                                  logprobs=(None if top_logprobs is None
+                                            else chat_logprobs(s.logprobs, top_logprobs))))
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage_of(totals))
 
@@ -251,18 +253,20 @@ def chat_chunk(response: BackendResponse, request_id: str, created: int, model: 
             delta, finish = ChatDelta(content=d.text), d.finish_reason
         else:
             out = calls.feed(d.index, d.text, d.finish_reason)
-            tool_calls = None if out.tool_calls is None else [ToolCallDelta.model_validate(c) for c in out.tool_calls]
+            tool_calls = (None if out.tool_calls is None
+                          else [ToolCallDelta.model_validate(c) for c in out.tool_calls])
             delta, finish = ChatDelta(content=out.content, tool_calls=tool_calls), out.finish_reason
             if out.content is None and tool_calls is None and finish is None and logprobs is None:
                 continue
         choices.append(ChatChunkChoice(index=d.index, delta=delta, finish_reason=finish, logprobs=logprobs))
-    return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices) if choices else None
+    return (ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices)
+            if choices else None)
 
 
 def completion_chunk(response: BackendResponse, request_id: str, created: int, model: str,
                      want_logprobs: bool, text_offsets: list[int]) -> CompletionChunk | None:
-    """The chunk of one backend response; ``text_offsets[i]``: characters choice ``i`` streamed so far (updated
-    here). None when the response changed no choice."""
+    """The chunk of one backend response; ``text_offsets[i]``: characters choice ``i`` streamed so far
+    (updated here). None when the response changed no choice."""
     choices = []
     for d in response.samples:
         if not (d.text or d.finish_reason or d.logprobs):

@@ -2,10 +2,10 @@
 
 Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" with 400): a field we cannot
 honour is an error naming it, never silently ignored. Fields that OpenAI defines but this server cannot honour
-(``functions``, ``audio``, ``suffix``, ``echo``, ...) are declared so that
-``mapping.check_supported`` can name them in a 400. vLLM's sampling extensions (``top_k``, ``min_p``,
-``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``) are
-accepted too: genai-perf and vLLM clients send them.
+(``functions``, ``audio``, ``suffix``, ``echo``, ...) are declared so that ``mapping.check_supported`` can
+name them in a 400. vLLM's sampling extensions (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``) are accepted too: genai-perf and vLLM
+clients send them.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict", ...}}``."""
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict",
+    ...}}``."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -109,7 +110,8 @@ class ChatCompletionRequest(SamplingFields):
 # ---- responses --------------------------------------------------------------------------------------------
 
 class PromptTokensDetails(BaseModel):
-    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` of the prompt came from the prefix cache."""
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` of the prompt came from the prefix
+    cache."""
 
     cached_tokens: int = 0
 
@@ -122,7 +124,8 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: one entry per generated token; ``text_offset`` in characters of the text."""
+    """Legacy completions logprobs: one entry per generated token; ``text_offset`` in characters of the
+    text."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)

@@ -1,13 +1,14 @@
 """``ToolCallStream``: a chat stream's text turned into content deltas or tool-call deltas, per choice.
 
-A tool call (``frontend.tools``) is the whole answer, one JSON object, so a choice's text is held back while it
-may still be one: while it is blank, always; once it starts with ``{``, until the choice ends (then it is parsed:
-tool calls, or, if it is not a call, the held text as content). Text that starts otherwise streams as content at
-once. With ``tool_choice`` ``required`` or a named function the answer is always a call, so it is held to the
-end. The tool calls go out in one delta per choice (each call whole: ``index``, ``id``, ``type``, ``function``
-with its ``name`` and complete ``arguments``), which OpenAI's SDK accumulates like split ones; the choice's
-finish reason becomes ``tool_calls``. A call cut short (``max_tokens``) sends the calls completed before the
-cut, if any, and its finish reason (``length``), never the held call object as content (``tools.answer_of``).
+A tool call (``frontend.tools``) is the whole answer, one JSON object, so a choice's text is held back while
+it may still be one: while it is blank, always; once it starts with ``{``, until the choice ends (then it is
+parsed: tool calls, or, if it is not a call, the held text as content). Text that starts otherwise streams as
+content at once. With ``tool_choice`` ``required`` or a named function the answer is always a call, so it is
+held to the end. The tool calls go out in one delta per choice (each call whole: ``index``, ``id``, ``type``,
+``function`` with its ``name`` and complete ``arguments``), which OpenAI's SDK accumulates like split ones;
+the choice's finish reason becomes ``tool_calls``. A call cut short (``max_tokens``) sends the calls completed
+before the cut, if any, and its finish reason (``length``), never the held call object as content
+(``tools.answer_of``).
 
 Thread: one instance per request, used on the front's event loop only.
 """

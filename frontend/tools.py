@@ -1,7 +1,7 @@
 """Tool calling for a model whose chat template has no tool syntax (SmolLM2's): a documented JSON format.
 
-The tools are described to the model in the system message (``system_prompt``); a call is the whole answer, one
-JSON object::
+The tools are described to the model in the system message (``system_prompt``); a call is the whole answer,
+one JSON object::
 
     {"tool_calls": [{"name": "<function name>", "arguments": {<arguments object>}}, ...]}
 
@@ -74,8 +74,8 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     """Validate ``tools`` / ``tool_choice``; None when the request has no tools.
 
     Raises:
-        OpenAIError: 400 naming ``tools[i]...`` or ``tool_choice`` (not a function tool, no name, a choice naming
-            an undeclared function, ``tool_choice`` other than none without tools).
+        OpenAIError: 400 naming ``tools[i]...`` or ``tool_choice`` (not a function tool, no name, a choice
+            naming an undeclared function, ``tool_choice`` other than none without tools).
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -89,10 +89,11 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         return ToolPlan(functions, tool_choice or "auto", None, parallel)  # type: ignore[arg-type]
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) \
-            else None
+        name = ((tool_choice.get("function") or {}).get("name")
+                if isinstance(tool_choice.get("function"), dict) else None)
         if name not in names:
-            raise bad_request(f"tool_choice names {name!r}, which is not among the tools {names}", "tool_choice")
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools {names}",
+                              "tool_choice")
         return ToolPlan(functions, "named", name, parallel)
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                       "{'name': ...}}", "tool_choice")
@@ -106,7 +107,8 @@ def _function(index: int, tool: dict[str, Any]) -> dict[str, Any]:
         raise bad_request("a function tool needs function.name", f"tools[{index}].function.name")
     parameters = fn.get("parameters") or {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise bad_request("function.parameters must be a JSON schema object", f"tools[{index}].function.parameters")
+        raise bad_request("function.parameters must be a JSON schema object",
+                          f"tools[{index}].function.parameters")
     return {"name": fn["name"], "description": fn.get("description") or "", "parameters": parameters}
 
 
@@ -114,8 +116,8 @@ def system_prompt(plan: ToolPlan) -> str:
     """The text that describes the tools and the call format to the model (appended to the system message)."""
     lines = ["You can call these functions (name, description, JSON schema of the arguments):"]
     lines += [json.dumps(f, ensure_ascii=False) for f in plan.functions]
-    lines.append('To call functions, answer with only this JSON object: {"tool_calls": [{"name": <function name>, '
-                 '"arguments": <arguments object>}]}. Otherwise answer in plain text.')
+    lines.append('To call functions, answer with only this JSON object: {"tool_calls": [{"name": '
+                 '<function name>, "arguments": <arguments object>}]}. Otherwise answer in plain text.')
     return "\n".join(lines)
 
 
@@ -140,8 +142,9 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
 
 
 def parse_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]] | None:
-    """The OpenAI ``tool_calls`` of an answer: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
-    (``arguments`` a JSON string); None when ``text`` is not a call of declared tools (then it is content)."""
+    """The OpenAI ``tool_calls`` of an answer: ``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]`` (``arguments`` a JSON string); None when ``text`` is not a call of declared tools (then
+    it is content)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -200,7 +203,8 @@ def _is_call(call: Any, plan: ToolPlan) -> bool:
 
 def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
+             "function": {"name": c["name"],
+                          "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
             for c in calls]
 
 

@@ -125,17 +125,18 @@ class WorkerConfig:
         enable_prefix_caching: the engine's prefix cache (``EngineConfig.enable_prefix_caching``): on by
             default; ``"false"`` turns it off. Every worker uses it: decode shares the pages it already holds
             and prefill sends only the rest of the prompt's KV.
-        tensor_parallel_size: ranks the model is split over (``EngineConfig.tensor_parallel_size``): the
-            stub is rank 0 and starts ranks 1..N-1 as processes of its own; 1 (the default): none. Must fit
-            the model's heads (checked when the model loads: a bad value fails the load, naming it). Colocated
-            models only for now: prefill and decode refuse N > 1 until the KV transfer moves each rank's heads.
+        tensor_parallel_size: ranks the model is split over (``EngineConfig.tensor_parallel_size``): the stub
+            is rank 0 and starts ranks 1..N-1 as processes of its own; 1 (the default): none. Must fit the
+            model's heads (checked when the model loads: a bad value fails the load, naming it). Colocated
+            models only for now: prefill and decode refuse N > 1 until the KV transfer moves each rank's
+            heads.
         expert_parallel_size: ranks the routed experts of an MoE model are spread over
             (``EngineConfig.expert_parallel_size``): the stub is rank 0 and starts ranks 1..N-1, attention is
             tensor-parallel over the same ranks. Must divide the model's experts and attention heads and be
             used without ``tensor_parallel_size`` (a bad value fails the load, naming it).
         enable_dp_attention: DP attention over the instance's ranks (``EngineConfig.enable_dp_attention``,
-            docs/parallelism.md): with ``tensor_parallel_size`` (a dense model) or ``expert_parallel_size`` (an
-            MoE model) N > 1, each rank runs attention on its own requests over its own KV pool of
+            docs/parallelism.md): with ``tensor_parallel_size`` (a dense model) or ``expert_parallel_size``
+            (an MoE model) N > 1, each rank runs attention on its own requests over its own KV pool of
             ``num_pages`` pages (N x the tokens of one pool); ``false`` by default. Prefill and decode models
             (CPU) register the ranks' pools as one region: a request's KV lands in its rank's pool.
         tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
@@ -197,8 +198,8 @@ class WorkerConfig:
         if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ConfigError("expert_parallel_size",
                               f"must be 1 with tensor_parallel_size={self.tensor_parallel_size}, got "
-                              f"{self.expert_parallel_size}: an expert-parallel instance splits attention over "
-                              "its own ranks")
+                              f"{self.expert_parallel_size}: an expert-parallel instance splits attention "
+                              "over its own ranks")
         if self.enable_dp_attention and max(self.tensor_parallel_size, self.expert_parallel_size) == 1:
             raise ConfigError("enable_dp_attention", "needs tensor_parallel_size (a dense model) or "
                                                      "expert_parallel_size (an MoE model) > 1")

@@ -417,8 +417,8 @@ class LoopMetricsHook:
 
 
 class DPRankMetricsHook:
-    """Tick hook publishing a DP-attention engine's per-rank load (``pd_dp_rank_*``, label ``rank``): free pages
-    of each rank's pool, requests assigned and tokens computed (runs on the loop thread).
+    """Tick hook publishing a DP-attention engine's per-rank load (``pd_dp_rank_*``, label ``rank``): free
+    pages of each rank's pool, requests assigned and tokens computed (runs on the loop thread).
 
     Args:
         metrics: where to publish.

@@ -2,14 +2,13 @@
 
 Why not gRPC here: grpc.aio hands every event from its completion-queue poller thread to the asyncio loop
 through a socket, so each message crosses one more thread than the bytes need; measured between two Python
-processes on this host (``scripts/perf/bench_child_hop.py``; ``docs/benchmarks.md``, "Session 19"), one child
-call (open a stream, one request, the first response) took 549 us over grpc.aio and 86 us over a plain asyncio
-TCP connection, and each streamed response cost the receiver 80 us of CPU against 6 us. A PD request's first
-token crosses this hop twice (router → prefill → router) and every streamed token once (decode → router). The
-messages stay Triton's (``tritonclient.grpc.service_pb2``: ``ModelInferRequest`` in,
-``ModelStreamInferResponse`` out, raw contents, ``triton_final_response`` on the last), so
-``serving.child.codec`` and both sides' encoders are the same as through tritonserver; only the framing around
-them is ours.
+processes on this host (``scripts/perf/bench_child_hop.py``), one child call (open a stream, one request, the
+first response) took 549 us over grpc.aio and 86 us over a plain asyncio TCP connection, and each streamed
+response cost the receiver 80 us of CPU against 6 us. A PD request's first token crosses this hop twice
+(router → prefill → router) and every streamed token once (decode → router). The messages stay Triton's
+(``tritonclient.grpc.service_pb2``: ``ModelInferRequest`` in, ``ModelStreamInferResponse`` out, raw contents,
+``triton_final_response`` on the last), so ``serving.child.codec`` and both sides' encoders are the same as
+through tritonserver; only the framing around them is ours.
 
 One TCP connection per (router, endpoint) carries any number of child streams:
 

@@ -11,10 +11,12 @@ One job per module:
   decode for short prompts);
 * ``launch``: the ``Launcher`` seam that sends one child request and streams its responses (tritonclient gRPC
   streaming to any tritonserver; an in-process one for tests and benchmarks);
-* ``admission``: at most ``max_inflight_requests`` orchestrated, a bounded queue behind them, "server busy" after;
+* ``admission``: at most ``max_inflight_requests`` orchestrated, a bounded queue behind them, "server busy"
+  after;
 * ``orchestrator``: one request's life: admit, pair, room, both children, merge, failover, cancellation;
 * ``responder``: orchestrator chunks → the client's responses (Triton LLM convention);
-* ``triton_model``: the python-backend adapter (own asyncio loop thread; ``execute`` only hands requests over).
+* ``triton_model``: the python-backend adapter (own asyncio loop thread; ``execute`` only hands requests
+  over).
 
 Nothing here imports Triton except ``triton_model`` (lazily, through ``serving.triton.io``).
 """

@@ -1,6 +1,7 @@
 """Admission control of the router: at most ``max_inflight`` requests orchestrated at once, at most
-``max_queued`` waiting behind them for up to ``queue_timeout_s``; beyond that a request is refused at once with
-``ServerBusy`` (SGLang's gateway answers HTTP 429 the same way). Waiters are admitted first come, first served.
+``max_queued`` waiting behind them for up to ``queue_timeout_s``; beyond that a request is refused at once
+with ``ServerBusy`` (SGLang's gateway answers HTTP 429 the same way). Waiters are admitted first come, first
+served.
 
 Event loop thread only.
 """
@@ -50,8 +51,8 @@ class Admission:
             self._inflight += 1
             return
         if len(self._waiters) >= self._max_queued:
-            raise ServerBusy(f"server busy: {self._inflight} requests in flight and {len(self._waiters)} queued "
-                             f"(max_inflight_requests={self._max_inflight}, max_queued_requests="
+            raise ServerBusy(f"server busy: {self._inflight} requests in flight and {len(self._waiters)} "
+                             f"queued (max_inflight_requests={self._max_inflight}, max_queued_requests="
                              f"{self._max_queued}); retry later")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)

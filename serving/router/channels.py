@@ -1,5 +1,5 @@
-"""``ChannelPool``: the router's connections (gRPC channels to tritonservers, child-frame connections to worker
-endpoints: ``serving.router.launch``), one per endpoint, replaced after a connection failure.
+"""``ChannelPool``: the router's connections (gRPC channels to tritonservers, child-frame connections to
+worker endpoints: ``serving.router.launch``), one per endpoint, replaced after a connection failure.
 
 A gRPC channel whose server died keeps reconnecting with exponential backoff (1 s, 1.6 s, 2.6 s, ... up to
 120 s by default); while it waits, every call on it fails at once with "UNAVAILABLE: failed to connect to all
@@ -47,17 +47,17 @@ class Channel:
 
 
 class ChannelPool:
-    """gRPC clients by endpoint; ``acquire``/``release`` around every call, ``retire`` after a transport failure,
-    ``retire_endpoint`` when the router lost touch with an instance."""
+    """gRPC clients by endpoint; ``acquire``/``release`` around every call, ``retire`` after a transport
+    failure, ``retire_endpoint`` when the router lost touch with an instance."""
 
     def __init__(self, keepalive_s: float = 300.0,
                  connect: Callable[[str, list[tuple[str, int]]], Any] | None = None,
                  tls: GrpcTls | None = None) -> None:
         """
         Args:
-            keepalive_s: keepalive ping interval (300 s: tritonserver's default ping policy answers more frequent
-                pings, or pings on a channel without calls, with GOAWAY ``too_many_pings``); a ping unanswered
-                for 20 s fails the channel's streams.
+            keepalive_s: keepalive ping interval (300 s: tritonserver's default ping policy answers more
+                frequent pings, or pings on a channel without calls, with GOAWAY ``too_many_pings``); a ping
+                unanswered for 20 s fails the channel's streams.
             connect: (endpoint, channel args) → client; default: ``GrpcClient.connect`` (an asyncio channel).
             tls: TLS of the default ``connect``'s channels (tritonservers with ``--grpc-use-ssl``); None:
                 plaintext.
@@ -100,7 +100,8 @@ class ChannelPool:
         task.add_done_callback(self._closing.discard)
 
     def retire(self, channel: Channel) -> None:
-        """A call on ``channel`` failed at the transport: the next call to its endpoint opens a new channel."""
+        """A call on ``channel`` failed at the transport: the next call to its endpoint opens a new
+        channel."""
         if self._channels.get(channel.endpoint) is channel:
             del self._channels[channel.endpoint]
             logger.info("connection to %s reset after a failure", channel.endpoint)

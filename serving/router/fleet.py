@@ -13,11 +13,11 @@ thread only, so it takes no lock.
 Load between two reports: an instance reports its load with every heartbeat (``InstanceLoad``), so a burst of
 requests routed within one heartbeat would all see the same numbers. The router therefore adds what it itself
 assigned to an instance after that instance's last report (``note_assigned``) and drops those notes once a
-newer report covers them — the same correction SGLang's router makes with its local request counts. The other way
-round too: a request that ended after the instance's last report (``note_finished``) may still be counted in it
-(its prompt as queued, its pages as used), so the router takes it out of that report until a newer one comes. A
-conversation's next turn, sent the moment the last one ended, would otherwise find its own previous turn still
-queued on the prefill holding its prefix, and go to the other one.
+newer report covers them — the same correction SGLang's router makes with its local request counts. The other
+way round too: a request that ended after the instance's last report (``note_finished``) may still be counted
+in it (its prompt as queued, its pages as used), so the router takes it out of that report until a newer one
+comes. A conversation's next turn, sent the moment the last one ended, would otherwise find its own previous
+turn still queued on the prefill holding its prefix, and go to the other one.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class Target:
     model_name: str
     epoch: int = 0
     rendezvous_url: str = ""   # the instance's own rendezvous: a decode child is told its prefill's
-    # True: ``endpoint`` is the worker's own endpoint (``serving.workers.endpoint``, child frames), which it has
-    # when the router uses them (``RouterConfig.worker_endpoints``); False: the tritonserver (gRPC) that serves
-    # ``model_name``
+    # True: ``endpoint`` is the worker's own endpoint (``serving.workers.endpoint``, child frames), which it
+    # has when the router uses them (``RouterConfig.worker_endpoints``); False: the tritonserver (gRPC) that
+    # serves ``model_name``
     worker_endpoint: bool = False
 
 
@@ -183,14 +183,15 @@ class Fleet:
                 available.append(candidate)
         return available or fresh
 
-    def _fresh(self, role: str,
-               exclude: frozenset[InstanceId] = frozenset()) -> list[tuple[InstanceStatus, _InstanceState, float]]:
-        """Registered, allowed instances of ``role`` heard from within ``instance_stale_s`` and not draining, with
-        their state and the local time of their last report."""
+    def _fresh(self, role: str, exclude: frozenset[InstanceId] = frozenset()
+               ) -> list[tuple[InstanceStatus, _InstanceState, float]]:
+        """Registered, allowed instances of ``role`` heard from within ``instance_stale_s`` and not draining,
+        with their state and the local time of their last report."""
         now_s = self._now()
         out = []
         for status in self._snapshot.instances:
-            if status.role != role or status.instance_id in exclude or status.draining or not self._allowed(status):
+            if (status.role != role or status.instance_id in exclude or status.draining
+                    or not self._allowed(status)):
                 continue
             reported_s = self._snapshot.taken_s - status.age_s
             if now_s - reported_s <= self._config.instance_stale_s:
@@ -221,8 +222,8 @@ class Fleet:
             s.draining and (s.instance_id, s.epoch) == key for s in self._snapshot.instances)
 
     def epochs(self) -> dict[InstanceId, int]:
-        """Instance id → the epoch of its registration in the current reading (a restarted or reloaded instance
-        shows a new one)."""
+        """Instance id → the epoch of its registration in the current reading (a restarted or reloaded
+        instance shows a new one)."""
         return {status.instance_id: status.epoch for status in self._snapshot.instances}
 
     def note_assigned(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
@@ -233,15 +234,16 @@ class Fleet:
             state.breaker.on_pick()
 
     def note_finished(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
-        """A request ``note_assigned`` counted on ``target`` ended there (its attempt is over: prefill's queue no
-        longer holds it, decode freed or is freeing its pages): stop counting it now instead of at the next report,
-        which a short request can beat (a conversation's next turn, sent the moment the last one ended, found its
-        own previous turn still counted as queued on the prefill holding its prefix, and went to the other one).
-        Removes one not yet reported assignment of the same sizes; when a report already covered it, that report
-        (and any other taken before now) counts it no longer: its prompt tokens leave the queued ones and its
-        reserved pages come back, floored at nothing queued and capped at the pool, until a newer report. A
-        report taken after the request left the instance's queue but before the router heard it end is then
-        corrected twice; the floor bounds that, and the next report (every heartbeat) replaces it."""
+        """A request ``note_assigned`` counted on ``target`` ended there (its attempt is over: prefill's queue
+        no longer holds it, decode freed or is freeing its pages): stop counting it now instead of at the next
+        report, which a short request can beat (a conversation's next turn, sent the moment the last one
+        ended, found its own previous turn still counted as queued on the prefill holding its prefix, and went
+        to the other one). Removes one not yet reported assignment of the same sizes; when a report already
+        covered it, that report (and any other taken before now) counts it no longer: its prompt tokens leave
+        the queued ones and its reserved pages come back, floored at nothing queued and capped at the pool,
+        until a newer report. A report taken after the request left the instance's queue but before the router
+        heard it end is then corrected twice; the floor bounds that, and the next report (every heartbeat)
+        replaces it."""
         state = self._states.get(target.instance_id)
         if state is None or state.epoch != target.epoch:
             return
@@ -274,7 +276,8 @@ class Fleet:
         now_s = self._now()
         out: dict[str, dict[InstanceId, bool]] = {"prefill": {}, "decode": {}}
         for role, instances in out.items():
-            healthy = {status.instance_id for status, state, _ in self._fresh(role) if state.breaker.available(now_s)}
+            healthy = {status.instance_id for status, state, _ in self._fresh(role)
+                       if state.breaker.available(now_s)}
             for status in self._snapshot.instances:
                 if status.role == role and self._allowed(status):
                     instances[status.instance_id] = status.instance_id in healthy
@@ -292,8 +295,8 @@ class Fleet:
     def _state(self, status: InstanceStatus) -> _InstanceState:
         state = self._states.get(status.instance_id)
         if state is None or state.epoch != status.epoch:   # new, or restarted: a fresh breaker
-            state = _InstanceState(CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown_s),
-                                   status.epoch)
+            state = _InstanceState(CircuitBreaker(self._config.breaker_failures,
+                                                  self._config.breaker_cooldown_s), status.epoch)
             self._states[status.instance_id] = state
         return state
 
@@ -349,7 +352,8 @@ class FleetWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(4, thread_name_prefix=f"router-poll-{name}")
-        self._clients: dict[str, BootstrapClient] = {}   # rendezvous URL → client (one poll per URL at a time)
+        # rendezvous URL → client (one poll per URL at a time)
+        self._clients: dict[str, BootstrapClient] = {}
         self._last: dict[InstanceId, tuple[InstanceStatus, float]] = {}   # last status and when it was heard
         self._draining: dict[tuple[InstanceId, int], float] = {}   # (id, epoch) seen draining → when, last
 

@@ -1,17 +1,17 @@
 """Pairing policies: which prefill and which decode instance serve one request.
 
 ``LoadAwarePairing``: the prefill with the least queued prompt tokens (the work ahead of the new prompt, so
-the least TTFT), and the decode with the most free KV pages among those that can hold prompt + max_tokens right
-now (decode reserves that much up front; one that cannot must queue the request). Ties go round robin, so an
-idle fleet still spreads requests. ``CacheAwarePairing`` (the default, ``RouterConfig.policy``) is load aware
-with credit for the prefix each instance is likely to hold in its prefix cache (``PrefixIndex``: the page keys
-of the prompts this router sent there), so a conversation's turns and prompts sharing a system prompt land where
-their KV already is. ``RoundRobinPairing`` cycles through the healthy instances of each role. Each may send a
-prompt shorter than ``direct_decode_max_tokens`` to a decode instance alone (it prefills the prompt itself: no
-transfer, no prefill queue), as llm-d and Dynamo do for short prompts.
+the least TTFT), and the decode with the most free KV pages among those that can hold prompt + max_tokens
+right now (decode reserves that much up front; one that cannot must queue the request). Ties go round robin,
+so an idle fleet still spreads requests. ``CacheAwarePairing`` (the default, ``RouterConfig.policy``) is load
+aware with credit for the prefix each instance is likely to hold in its prefix cache (``PrefixIndex``: the
+page keys of the prompts this router sent there), so a conversation's turns and prompts sharing a system
+prompt land where their KV already is. ``RoundRobinPairing`` cycles through the healthy instances of each
+role. Each may send a prompt shorter than ``direct_decode_max_tokens`` to a decode instance alone (it prefills
+the prompt itself: no transfer, no prefill queue), as llm-d and Dynamo do for short prompts.
 
-Policies are pure: they see ``Candidate``s (healthy instances with their load) and a ``Demand``, and run on the
-router's event loop thread.
+Policies are pure: they see ``Candidate``s (healthy instances with their load) and a ``Demand``, and run on
+the router's event loop thread.
 """
 
 from __future__ import annotations
@@ -157,12 +157,12 @@ class PrefixIndex:
 class CacheAwarePairing(LoadAwarePairing):
     """``LoadAwarePairing`` with prefix-cache credit from a ``PrefixIndex``.
 
-    Prefill: the least work before this prompt's first token, ``queued_prompt_tokens - hit_tokens`` (the prompt
-    tokens a hit lets the instance skip, counted against the queue ahead), so a long shared prefix outweighs a
-    short queue and an idle instance still wins over a busy one with a small hit. Decode: among instances that
-    can hold prompt + max_tokens with the hit pages shared (they need not be allocated), the most
-    ``free_pages + hit_pages``: memory still decides, and the hit (which saves the transfer of those pages)
-    breaks near ties. With no token ids (an estimated count) it is ``LoadAwarePairing``.
+    Prefill: the least work before this prompt's first token, ``queued_prompt_tokens - hit_tokens`` (the
+    prompt tokens a hit lets the instance skip, counted against the queue ahead), so a long shared prefix
+    outweighs a short queue and an idle instance still wins over a busy one with a small hit. Decode: among
+    instances that can hold prompt + max_tokens with the hit pages shared (they need not be allocated), the
+    most ``free_pages + hit_pages``: memory still decides, and the hit (which saves the transfer of those
+    pages) breaks near ties. With no token ids (an estimated count) it is ``LoadAwarePairing``.
     """
 
     def __init__(self, direct_decode_max_tokens: int = 0, index: PrefixIndex | None = None) -> None:
@@ -186,7 +186,8 @@ class CacheAwarePairing(LoadAwarePairing):
         hits = {c.target.instance_id: hit(c) for c in ordered}
         fits = [c for c in ordered
                 if c.fits(c.pages_for(demand.tokens_to_reserve) - hits[c.target.instance_id])]
-        decode = max(fits or ordered, key=lambda c: (c.free_pages + hits[c.target.instance_id], -c.queued_requests))
+        decode = max(fits or ordered,
+                     key=lambda c: (c.free_pages + hits[c.target.instance_id], -c.queued_requests))
         self.index.record(decode.target, page_keys(decode))
         if demand.prompt_tokens < self._direct_max:
             return Pair(None, decode.target)

@@ -5,9 +5,9 @@ short-lived "auto-complete" stub that imports model.py only to ask ``TritonPytho
 ``auto_complete_config`` (python_backend ``src/python_be.cc``: ``TRITONBACKEND_ModelInitialize`` →
 ``LaunchAutoCompleteStubProcess``), stops it, then starts the instance's stub, which imports model.py again.
 Our model.py files imported the serving code at their top (torch, NIXL: 3–5 s on an idle core), so every start
-paid that import twice: in the chaos run, 22 s of a healed prefill server's 45 s start went to the auto-complete
-stub alone (docs/healing.md). A deferred model.py imports only this module (standard library), so the
-auto-complete stub ends at once; the instance's stub imports the real class in ``initialize``.
+paid that import twice: in the chaos run, 22 s of a healed prefill server's 45 s start went to the
+auto-complete stub alone (docs/healing.md). A deferred model.py imports only this module (standard library),
+so the auto-complete stub ends at once; the instance's stub imports the real class in ``initialize``.
 
 The instance's stub guardian (``serving.triton.stub_guard``, standard library only) starts first in
 ``initialize``, before the real class is imported: from then on a tritonserver that dies under the loading
@@ -33,7 +33,8 @@ def deferred_model(module: str, class_name: str, **attributes: object) -> type:
         attributes: instance attributes the real class reads in ``initialize`` (``ROLE="prefill"``); the
             started ``StubGuard`` is set as ``stub_guard`` too.
 
-    Errors of the import or of the real ``initialize`` propagate (Triton then fails the model's load with them).
+    Errors of the import or of the real ``initialize`` propagate (Triton then fails the model's load with
+    them).
     """
 
     class TritonPythonModel:

@@ -57,9 +57,9 @@ logger = logging.getLogger(__name__)
 
 
 def setup_logging() -> None:
-    """INFO logs to the server log; ``kill -USR1 <stub pid>`` dumps every Python thread's stack there too, and so
-    does a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: ``faulthandler.enable``) before the stub dies, so
-    that a stub lost while loading or serving names where it was."""
+    """INFO logs to the server log; ``kill -USR1 <stub pid>`` dumps every Python thread's stack there too, and
+    so does a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: ``faulthandler.enable``) before the stub
+    dies, so that a stub lost while loading or serving names where it was."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -132,7 +132,8 @@ class ModelHost(ABC):
         except BaseException:
             self._stub_guard.stop()
             raise
-        self.metrics = ServingMetrics(pb_utils().MetricFamily, model=self.model_name, instance=self.instance_name)
+        self.metrics = ServingMetrics(pb_utils().MetricFamily, model=self.model_name,
+                                      instance=self.instance_name)
         self.responses = new_dispatcher(self.instance_name)
         self.responses.start()
         try:
@@ -166,7 +167,8 @@ class ModelHost(ABC):
             logger.warning("%s: %d requests still in flight after the drain: ending them", self.instance_name,
                            left)
         self.stop(self.STOP_TIMEOUT_S)
-        self.responses.stop(self.STOP_TIMEOUT_S)   # after the service: the FINALs of its requests go out first
+        # after the service: the FINALs of its requests go out first
+        self.responses.stop(self.STOP_TIMEOUT_S)
         self.metrics.close()   # after every thread that updates them stopped; before the stub tears down
         self._stub_guard.stop()
         self._orphan_watch.stop()   # last: no Python of ours may run while the stub tears down

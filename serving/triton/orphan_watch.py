@@ -13,7 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 class OrphanWatch:
-    """End this stub process once tritonserver is gone (its parent changed), on thread ``orphan-watch-<name>``.
+    """End this stub process once tritonserver is gone (its parent changed), on thread
+    ``orphan-watch-<name>``.
 
     A stub left behind by a server that hit its exit timeout would otherwise keep heartbeating and register
     again, under the same instance id, with the next bootstrap service on the same port, and the next server's
@@ -21,12 +22,12 @@ class OrphanWatch:
     server died waits for the answer forever (tritonserver 2.51's stub then deadlocks its own exit). ``stop``
     (the model's ``finalize``) ends and joins the thread, so it never runs Python while the stub tears down.
 
-    It checks every ``interval_s`` (default 50 ms) to end the stub with ``os._exit`` before the stub's own health
-    thread (python_backend's ``pb_stub.cc``, every 300 ms) notices the dead parent: that one destroys the stub
-    and calls ``exit(1)`` while this process's Python threads still run, and an operator's trial saw the
-    ``colocated`` stub segfault there once after its server was killed. At 50 ms the stub's check comes first in
-    about 1 of 12 deaths instead of 17 of 20 at the former 1 s; the cost is 20 wake-ups a second of a thread that
-    reads the parent pid.
+    It checks every ``interval_s`` (default 50 ms) to end the stub with ``os._exit`` before the stub's own
+    health thread (python_backend's ``pb_stub.cc``, every 300 ms) notices the dead parent: that one destroys
+    the stub and calls ``exit(1)`` while this process's Python threads still run, and an operator's trial saw
+    the ``colocated`` stub segfault there once after its server was killed. At 50 ms the stub's check comes
+    first in about 1 of 12 deaths instead of 17 of 20 at the former 1 s; the cost is 20 wake-ups a second of a
+    thread that reads the parent pid.
     """
 
     def __init__(self, name: str, interval_s: float = 0.05) -> None:

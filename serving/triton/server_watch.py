@@ -17,12 +17,12 @@ says "Server exiting", readiness false, every model refuses new requests), waits
 and unloads the models; its gRPC service stops last. So the watch, on gRPC, sees the stop as it begins for the
 models.
 
-Why liveness and not readiness: tritonserver 2.51 answers liveness with ``UNAVAILABLE: Server exiting`` from the
-moment its stop begins (``InferenceServer::IsLive``, r24.10 core), and with "live" at every other time after
-start-up. Readiness is strict by default: "not ready" while *any* model of the server loads or unloads (an
-operator's ``POST /v2/repository/models/<m>/load``), which is no shutdown: a watch on readiness ended the router
-and the decode loop at every model reload. A model's own unload is not a shutdown either: it ends with the
-model's ``finalize``.
+Why liveness and not readiness: tritonserver 2.51 answers liveness with ``UNAVAILABLE: Server exiting`` from
+the moment its stop begins (``InferenceServer::IsLive``, r24.10 core), and with "live" at every other time
+after start-up. Readiness is strict by default: "not ready" while *any* model of the server loads or unloads
+(an operator's ``POST /v2/repository/models/<m>/load``), which is no shutdown: a watch on readiness ended the
+router and the decode loop at every model reload. A model's own unload is not a shutdown either: it ends with
+the model's ``finalize``.
 
 With a model and ``on_unload``, the watch also asks whether the model is ready while the server is live: a
 model that read ready and then reads not ready (twice in a row) is being unloaded while this instance still

@@ -2,15 +2,15 @@
 process first thing in ``initialize``, tells it when the model works (a death from then on is healed) and, in
 ``finalize``, that this stub ends on purpose.
 
-tritonserver 2.51's python backend never restarts a dead stub of a decoupled model and keeps reporting the model
-ready (r24.10 ``src/python_be.cc``: "TODO: Implement restart on decoupled"). Nothing inside the dead stub can act,
-and tritonserver does not ask it: the guardian (``serving.triton.stub_guardian``, a small process of its own) holds the
-read end of a pipe whose only write end is this stub's. A stub that dies in any way (``kill -9``, a segfault, the
-OOM killer) closes it, and the guardian sees end-of-file at once; ``ending`` writes ``finalize`` first, so an
-unload or a server stop is never taken for a death. The guardian also watches tritonserver: a server that dies
-under a running stub (killed while its models load, say) has the stub killed at once, before python_backend's
-stub tears itself down under its running threads (a crash). What the guardian does:
-``serving.triton.stub_guardian``.
+tritonserver 2.51's python backend never restarts a dead stub of a decoupled model and keeps reporting the
+model ready (r24.10 ``src/python_be.cc``: "TODO: Implement restart on decoupled"). Nothing inside the dead
+stub can act, and tritonserver does not ask it: the guardian (``serving.triton.stub_guardian``, a small
+process of its own) holds the read end of a pipe whose only write end is this stub's. A stub that dies in any
+way (``kill -9``, a segfault, the OOM killer) closes it, and the guardian sees end-of-file at once; ``ending``
+writes ``finalize`` first, so an unload or a server stop is never taken for a death. The guardian also watches
+tritonserver: a server that dies under a running stub (killed while its models load, say) has the stub killed
+at once, before python_backend's stub tears itself down under its running threads (a crash). What the guardian
+does: ``serving.triton.stub_guardian``.
 
 No thread: the guardian process is the watcher.
 """
@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 def python_executable() -> str:
-    """The interpreter for the guardian: the stub embeds Python, so ``sys.executable`` may name the stub binary;
-    the ``python3`` on PATH is the one the stub itself was started with (serve.sh puts the venv first)."""
+    """The interpreter for the guardian: the stub embeds Python, so ``sys.executable`` may name the stub
+    binary; the ``python3`` on PATH is the one the stub itself was started with (serve.sh puts the venv
+    first)."""
     if Path(sys.executable).name.startswith("python"):
         return sys.executable
     return shutil.which("python3") or "python3"

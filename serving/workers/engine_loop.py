@@ -21,7 +21,7 @@ waits for, while a server's other threads (the response thread, tritonserver's g
 same host) each wake thousands of times a second: at equal priority the scheduler lets each wake-up preempt
 the step it lands beside. Measured on a 2-core host (``scripts/bench_serving_path.py``, ``colocated``
 streaming 32 x 128 tokens of a tiny model, 6 runs each, alternating): nice -10 against 0, 4457-4828 against
-3624-3827 tokens/s (docs/benchmarks.md "Serving path", "Session 29"). A nice below the process's own needs
+3624-3827 tokens/s (docs/benchmarks.md, "Serving path (tiny model)"). A nice below the process's own needs
 ``CAP_SYS_NICE``; without it the thread keeps the process's priority and the loop says so once in the log.
 
 Shutdown (``stop``): set the stop event, wake the thread, join it with a deadline; on its way out the thread
