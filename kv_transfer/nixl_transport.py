@@ -87,8 +87,8 @@ def ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) 
 def apply_ucx_defaults(local_hostname: str = "127.0.0.1", network_only: bool = False) -> dict[str, str]:
     """``ucx_defaults(...)`` into ``os.environ`` where the operator set nothing
     (``kv_transfer.network.apply``, where this package touches the environment); call before importing nixl.
-    Returns the values in force for those keys. UCX reads them when an agent's backend is created, so the first
-    agent of a process fixes them for all."""
+    Returns the values in force for those keys. UCX reads them when an agent's backend is created, so the
+    first agent of a process fixes them for all."""
     return network.apply(ucx_defaults(local_hostname, network_only))
 
 
