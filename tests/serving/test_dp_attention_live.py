@@ -13,18 +13,20 @@ it runs.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_client import StreamResult, grpc_generate, make_inputs, metric_value, streams_match_reference
+from live_client import grpc_generate, make_inputs, metric_value, streams_match_reference
 from live_prompts import colocated_greedy_texts
 from perf.server import Deployment, RunningServer, ServerPorts, free_ports
-from test_expert_parallel_live import ERROR_WITHIN_S, SERVER_GONE_WITHIN_S, rank_pids
+from test_expert_parallel_live import (
+    ERROR_WITHIN_S,
+    assert_server_ends,
+    kill_rank_under_a_request,
+    rank_pids,
+)
 from test_moe_pd_workers import save_tiny_deepseek
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.nixl, pytest.mark.timeout(600)]
@@ -85,25 +87,8 @@ def _requests(server: RunningServer, model: str, rank: int) -> float:
 def test_rank_1_killed_under_a_request_ends_it_with_an_error_and_then_the_server(
         server: RunningServer) -> None:
     (rank1,) = rank_pids(server, "colocated")
-    started = threading.Event()
-    result: list[StreamResult] = []
-    long = {"max_tokens": "240", "temperature": "0", "ignore_eos": "true"}   # within 256 positions
-    request = threading.Thread(target=lambda: result.append(grpc_generate(
-        server.ports.grpc_url, make_inputs(PROMPTS[0], long), model="colocated", on_first_text=started.set)))
-    request.start()
-    assert started.wait(60), "the long request never streamed"
-    killed_at = time.monotonic()
-    os.kill(rank1, signal.SIGKILL)   # the request runs on rank 0: rank 1 is idle, in the step's collectives
-    request.join(30)
-    assert result, "the request did not end"
-    got = result[0]
+    # the request runs on rank 0: rank 1 is idle, in the step's collectives
+    got, killed_at = kill_rank_under_a_request(server, rank1, PROMPTS[0])
     assert got.error is not None and f"rank 1 (pid {rank1}) was killed by signal 9" in got.error, got
     assert got.end_s is not None and got.end_s - killed_at < ERROR_WITHIN_S
-    deadline = time.monotonic() + SERVER_GONE_WITHIN_S   # the stub exits after its grace; the guardian ends
-    while time.monotonic() < deadline:                    # the server
-        try:
-            server.check_alive("the rank's death")
-        except RuntimeError:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"the server outlived its dead rank by {SERVER_GONE_WITHIN_S:g} s")
+    assert_server_ends(server)

@@ -78,29 +78,42 @@ def test_pd_with_prefill_ep2_and_colocated_ep2_equal_a_colocated_ep1_engine(serv
     assert metric_value(server.ports.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
 
 
-def test_rank_1_killed_under_a_request_ends_it_with_an_error_and_then_the_server(
-        server: RunningServer) -> None:
-    (rank1,) = rank_pids(server, "colocated")
+def kill_rank_under_a_request(server: RunningServer, rank_pid: int, prompt: str,
+                              model: str = "colocated") -> tuple[StreamResult, float]:
+    """Start a long greedy request on ``model``, SIGKILL ``rank_pid`` once it streams; (its result, when the
+    kill was sent). Fails the test when the request never streams or does not end within 30 s."""
     started = threading.Event()
     result: list[StreamResult] = []
     long = {"max_tokens": "240", "temperature": "0", "ignore_eos": "true"}   # within 256 positions
     request = threading.Thread(target=lambda: result.append(grpc_generate(
-        server.ports.grpc_url, make_inputs(PROMPTS[0], long), model="colocated", on_first_text=started.set)))
+        server.ports.grpc_url, make_inputs(prompt, long), model=model, on_first_text=started.set)))
     request.start()
     assert started.wait(60), "the long request never streamed"
     killed_at = time.monotonic()
-    os.kill(rank1, signal.SIGKILL)
+    os.kill(rank_pid, signal.SIGKILL)
     request.join(30)
     assert result, "the request did not end"
-    got = result[0]
-    assert got.error is not None and "tensor-parallel group failed" in got.error, got
-    assert f"rank 1 (pid {rank1}) was killed by signal 9" in got.error
-    assert got.end_s is not None and got.end_s - killed_at < ERROR_WITHIN_S
-    deadline = time.monotonic() + SERVER_GONE_WITHIN_S   # the stub exits after its grace; the guardian ends
-    while time.monotonic() < deadline:                    # the server
+    return result[0], killed_at
+
+
+def assert_server_ends(server: RunningServer) -> None:
+    """The server is gone within ``SERVER_GONE_WITHIN_S`` (the stub exits after its grace; its guardian ends
+    the server)."""
+    deadline = time.monotonic() + SERVER_GONE_WITHIN_S
+    while time.monotonic() < deadline:
         try:
             server.check_alive("the rank's death")
         except RuntimeError:
             return
         time.sleep(0.2)
     pytest.fail(f"the server outlived its dead rank by {SERVER_GONE_WITHIN_S:g} s")
+
+
+def test_rank_1_killed_under_a_request_ends_it_with_an_error_and_then_the_server(
+        server: RunningServer) -> None:
+    (rank1,) = rank_pids(server, "colocated")
+    got, killed_at = kill_rank_under_a_request(server, rank1, PROMPTS[0])
+    assert got.error is not None and "tensor-parallel group failed" in got.error, got
+    assert f"rank 1 (pid {rank1}) was killed by signal 9" in got.error
+    assert got.end_s is not None and got.end_s - killed_at < ERROR_WITHIN_S
+    assert_server_ends(server)
