@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import TensorParallelError
 from engine.forward_batch import ForwardBatch
 from engine.parallel.step import decode_dp_step, encode_dp_step
+from tests.engine.test_expert_parallel import assert_a_killed_rank_fails_the_step
 from tests.engine.test_moe_models import deepseek_config, qwen3_moe_config, save_model
 from tests.engine.test_tensor_parallel import SHAPE_6_3, _alive, _children, needs_model
 
@@ -232,37 +232,10 @@ def test_a_dense_llama_runs_its_mlp_split_and_gives_the_single_rank_tokens(
 
 def test_rank_1_killed_mid_step_fails_the_step_naming_it_and_everything_after(deepseek: Path) -> None:
     engine = make_engine(deepseek, expert_parallel_size=2, enable_dp_attention=True, tp_timeout_s=30.0)
-    pid = engine.parallel.rank_pids[0]
     try:
-        for rid in ("a", "b"):   # one per rank
-            engine.add_request(rid, PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0))
-        for _ in range(3):
-            engine.step()
-        os.kill(pid, signal.SIGSTOP)   # rank 1 stops where it is, so the next step blocks on it
-        failed: list[tuple[float, BaseException]] = []
-
-        def step() -> None:
-            try:
-                engine.step()
-            except TensorParallelError as e:
-                failed.append((time.monotonic(), e))
-
-        stepping = threading.Thread(target=step)
-        stepping.start()
-        time.sleep(0.3)
-        killed_at = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        stepping.join(10)
-        assert not stepping.is_alive() and failed, "the step did not fail"
-        assert failed[0][0] - killed_at < 3.0
-        assert f"rank 1 (pid {pid}) was killed by signal 9" in str(failed[0][1])
-        with pytest.raises(TensorParallelError, match="killed by signal 9"):
-            engine.step()
+        pid = assert_a_killed_rank_fails_the_step(engine)
         with pytest.raises(TensorParallelError, match="killed by signal 9"):
             engine.add_request("c", PROMPTS[0], SamplingParams(max_tokens=4))
-        for rid in ("a", "b"):   # what the serving loop does with a failed step's requests
-            engine.abort_request(rid)
-        assert engine.num_free_pages == engine.num_total_pages
     finally:
         engine.close()
     assert not _alive(pid)

@@ -115,38 +115,46 @@ def test_expert_parallel_with_tensor_parallel_or_on_a_dense_model_is_refused_by_
         check_expert_parallel_size(dense, 2)
 
 
+def assert_a_killed_rank_fails_the_step(engine: LLMEngine) -> int:
+    """Two greedy requests stepped 3 times; rank 1 stopped (SIGSTOP) so that the next step blocks inside one
+    of its exchanges, then killed: that step fails within 3 s naming rank 1, the next one too, and once the
+    requests are aborted (what the serving loop does) every page is free. Returns rank 1's pid."""
+    pid = engine.parallel.rank_pids[0]
+    for rid in ("a", "b"):   # with DP attention: one per rank
+        engine.add_request(rid, PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    os.kill(pid, signal.SIGSTOP)   # rank 1 stops where it is, so the next step blocks on it
+    failed: list[tuple[float, BaseException]] = []
+
+    def step() -> None:
+        try:
+            engine.step()
+        except TensorParallelError as e:
+            failed.append((time.monotonic(), e))
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    time.sleep(0.3)                 # rank 0 now waits inside an exchange of that step
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    stepping.join(10)
+    assert not stepping.is_alive() and failed, "the step did not fail"
+    assert failed[0][0] - killed_at < 3.0
+    assert f"rank 1 (pid {pid}) was killed by signal 9" in str(failed[0][1])
+    with pytest.raises(TensorParallelError, match="killed by signal 9"):
+        engine.step()
+    for rid in ("a", "b"):
+        engine.abort_request(rid)
+    assert engine.num_free_pages == engine.num_total_pages
+    return pid
+
+
 def test_rank_1_killed_mid_step_fails_that_step_naming_it_and_everything_after(
         models: dict[str, Path]) -> None:
     engine = make_engine(models["deepseek_v3"], 2, tp_timeout_s=30.0)   # the death is seen, not timed out
-    pid = engine.parallel.rank_pids[0]
     try:
-        for rid in ("a", "b"):
-            engine.add_request(rid, PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0))
-        for _ in range(3):
-            engine.step()
-        os.kill(pid, signal.SIGSTOP)   # rank 1 stops where it is, so the next step blocks on it
-        failed: list[tuple[float, BaseException]] = []
-
-        def step() -> None:
-            try:
-                engine.step()
-            except TensorParallelError as e:
-                failed.append((time.monotonic(), e))
-
-        stepping = threading.Thread(target=step)
-        stepping.start()
-        time.sleep(0.3)                 # rank 0 now waits inside an exchange of that step
-        killed_at = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        stepping.join(10)
-        assert not stepping.is_alive() and failed, "the step did not fail"
-        assert failed[0][0] - killed_at < 3.0
-        assert f"rank 1 (pid {pid}) was killed by signal 9" in str(failed[0][1])
-        with pytest.raises(TensorParallelError, match="killed by signal 9"):
-            engine.step()
-        for rid in ("a", "b"):          # what the serving loop does with a failed step's requests
-            engine.abort_request(rid)
-        assert engine.num_free_pages == engine.num_total_pages
+        pid = assert_a_killed_rank_fails_the_step(engine)
     finally:
         engine.close()
     assert not _alive(pid)
