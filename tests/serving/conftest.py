@@ -42,7 +42,9 @@ def triton_server(request: pytest.FixtureRequest,
     make_repository = getattr(request.module, "make_model_repository", None)
     # a module that serves its own repository (e.g. xPyD) builds it here
     repository = make_repository(tmp_path_factory.mktemp("model_repository")) if make_repository else None
-    server = ServeScript(models, tmp_path_factory.mktemp("triton") / "server.log", repository)
+    # a module may set serve.sh's environment (``TRITON_ENV``, e.g. a short ``DRAIN_TIMEOUT_S``)
+    server = ServeScript(models, tmp_path_factory.mktemp("triton") / "server.log", repository,
+                         env=getattr(request.module, "TRITON_ENV", None))
     ready_timeout_s = getattr(request.module, "READY_TIMEOUT_S", READY_TIMEOUT_S)  # a module may load more
     with supervised(server, ready_timeout_s, STOP_TIMEOUT_S, CLEAN_STOP_S):
         yield server
