@@ -24,7 +24,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import TensorParallelError
 from tests.engine.test_moe_models import deepseek_config, qwen3_moe_config, save_model
-from tests.engine.test_tensor_parallel import _alive, _children
+from tests.engine.test_tensor_parallel import _alive, _children, greedy_outputs
 
 pytestmark = [pytest.mark.reference, pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -48,16 +48,7 @@ def make_engine(folder: Path, ep: int, **kw: object) -> LLMEngine:
 
 
 def greedy(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                          ignore_eos=True))
-    out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id][0].extend(o.new_token_ids)
-            out[o.request_id][1].extend(o.new_logprobs)
-    assert engine.num_free_pages == engine.num_total_pages
-    return out
+    return greedy_outputs(engine, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])

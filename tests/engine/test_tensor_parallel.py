@@ -150,19 +150,26 @@ def make_engine(folder: Path, tp: int, **kw: object) -> LLMEngine:
                                   max_num_batched_tokens=32, tensor_parallel_size=tp, **kw))
 
 
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]] = PROMPTS,
+                   max_tokens: int = MAX_TOKENS) -> dict[str, tuple[list[int], list[float]]]:
+    """Every prompt (request id: its index) run greedily to ``max_tokens`` (EOS ignored) on ``engine``: each
+    request's (token ids, logprobs); asserts every page is free afterwards."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                          ignore_eos=True))
+    out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(o.new_logprobs)
+    assert engine.num_free_pages == engine.num_total_pages
+    return out
+
+
 def greedy_run(folder: Path, tp: int, **kw: object) -> dict[str, tuple[list[int], list[float]]]:
     engine = make_engine(folder, tp, **kw)
     try:
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                              ignore_eos=True))
-        out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(PROMPTS))}
-        while engine.has_unfinished():
-            for o in engine.step():
-                out[o.request_id][0].extend(o.new_token_ids)
-                out[o.request_id][1].extend(o.new_logprobs)
-        assert engine.num_free_pages == engine.num_total_pages
-        return out
+        return greedy_outputs(engine)
     finally:
         engine.close()
 
