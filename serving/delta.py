@@ -124,9 +124,12 @@ class ResponseChunk:
 def merge_chunks(earlier: ResponseChunk, later: ResponseChunk) -> ResponseChunk:
     """One streaming response saying what ``earlier`` then ``later`` (two consecutive, non-final-then-any
     responses of one stream) say: per sample, the texts, new tokens, their logprobs and ids joined in order;
-    the counts, the cumulative logprob and the finish reason of ``later``. Used by ``ResponseDispatcher`` to
-    send a stream that fell behind as fewer responses (vLLM's and SGLang's ``stream_interval`` idea, driven by
-    the backlog instead of a fixed interval).
+    the counts and the cumulative logprob of ``later``; the finish reason of ``later``, else ``earlier``'s (a
+    prefill's first token carries the finish reason when it already ends the request, and its final response,
+    sent once the KV is written, carries none: merged, the pair must still say why the request ended).
+
+    Used by ``ResponseDispatcher`` to send a stream that fell behind as fewer responses (vLLM's and SGLang's
+    ``stream_interval`` idea, driven by the backlog instead of a fixed interval).
 
     Raises:
         ValueError: the two chunks have different sample counts.
@@ -137,7 +140,7 @@ def merge_chunks(earlier: ResponseChunk, later: ResponseChunk) -> ResponseChunk:
     for a, b in zip(earlier.samples, later.samples):
         logprobs = None if a.logprobs is None and b.logprobs is None \
             else (a.logprobs or ()) + (b.logprobs or ())
-        samples.append(replace(b, text=a.text + b.text,
+        samples.append(replace(b, text=a.text + b.text, finish_reason=b.finish_reason or a.finish_reason,
                                num_input_tokens=b.num_input_tokens or a.num_input_tokens,
                                num_new_tokens=a.num_new_tokens + b.num_new_tokens, logprobs=logprobs,
                                num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,

@@ -149,3 +149,20 @@ def test_merged_chunks_join_logprobs_and_keep_each_samples_latest_counts() -> No
     assert m.num_input_tokens == 9
     with pytest.raises(ValueError):
         merge_chunks(a, ResponseChunk.single(text="z"))
+
+
+def test_a_merged_prefill_token_and_final_keep_the_tokens_finish_reason() -> None:
+    """A prefill's first token with ``max_tokens=1`` says "length"; its final response (sent once the KV is
+    written) says nothing. Merged (a stream that fell behind), the finish reason must survive: the router
+    otherwise streams the token as an unfinished chunk and ends the request with an empty response."""
+    from serving.delta import ResponseChunk, merge_chunks
+
+    token = ResponseChunk.single(text=" Paris", finish_reason="length", num_input_tokens=6,
+                                 num_output_tokens=1, num_new_tokens=1, cumulative_logprob=-1.5,
+                                 token_ids=(42,))
+    final = ResponseChunk.single(num_input_tokens=6, num_output_tokens=1, cumulative_logprob=-1.5)
+    merged = merge_chunks(token, final)
+    assert merged.finish_reason == "length" and merged.text == " Paris"
+    assert merged.samples[0].token_ids == (42,) and merged.samples[0].num_new_tokens == 1
+    later = ResponseChunk.single(text="!", finish_reason="stop", num_output_tokens=2, num_new_tokens=1)
+    assert merge_chunks(token, later).finish_reason == "stop"   # the later one's, where it has one
