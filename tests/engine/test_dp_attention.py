@@ -251,7 +251,7 @@ def test_a_hung_rank_fails_the_step_after_tp_timeout_s(deepseek: Path) -> None:
         start = time.monotonic()
         with pytest.raises(TensorParallelError):
             engine.step()
-        assert 0.9 < time.monotonic() - start < 3.0
+        assert 0.9 < time.monotonic() - start < 10.0   # seconds, never a hang (on a loaded host)
     finally:
         engine.close()
     assert not _alive(pid)
