@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
+from tokenizers import models, pre_tokenizers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.model import ModelLoadError, load_model
@@ -59,9 +59,10 @@ def qwen3_moe_config(**overrides):  # -> transformers.Qwen3MoeConfig
 
 
 def save_model(folder: Path, config, seed: int = 0, tie_gate: tuple[int, ...] = ()):
-    """A random model of ``config`` saved with its tokenizer into ``folder``; returns it (eval). DeepSeek's
-    correction bias is random (0.1 std); ``tie_gate``: these experts get the first one's router row (and
-    bias), so their scores tie exactly."""
+    """A random model of ``config`` saved into ``folder`` with a whitespace word-level tokenizer over ``t0``
+    .. ``t127`` (so that a server can take text); returns it (eval). DeepSeek's correction bias is random
+    (0.1 std); ``tie_gate``: these experts get the first one's router row (and bias), so their scores tie
+    exactly."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -79,8 +80,9 @@ def save_model(folder: Path, config, seed: int = 0, tie_gate: tuple[int, ...] = 
                 if bias is not None:
                     bias[e] = bias[tie_gate[0]]
     model.save_pretrained(folder)
-    HFTokenizer(models.WordLevel({f"t{k}": k for k in range(VOCAB)}, unk_token="t0")).save(
-        str(folder / "tokenizer.json"))
+    tokenizer = HFTokenizer(models.WordLevel({f"t{k}": k for k in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
     return model
 
 
