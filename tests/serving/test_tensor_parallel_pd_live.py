@@ -80,19 +80,20 @@ def test_prefill_tp2_to_decode_tp1_streams_equal_colocated_tp1(triton_server) ->
     check_streams_equal_colocated_tp1(triton_server)
 
 
-def check_streams_equal_colocated_tp1(triton_server) -> None:  # noqa: ANN001
-    """One rank process in the server; every stream of ``PROMPTS`` equals colocated TP=1's (text, token ids,
-    logprobs within ``LOGPROB_TOL``); KV crossed."""
+def check_streams_equal_colocated_tp1(triton_server, router: str = "pd_ensemble",  # noqa: ANN001
+                                      prefill: str = "prefill", rank_processes: int = 1) -> None:
+    """``rank_processes`` rank processes in the server; every stream of ``PROMPTS`` through ``router`` equals
+    colocated TP=1's (text, token ids, logprobs within ``LOGPROB_TOL``); KV crossed from ``prefill``."""
     ranks = [pid for stub in triton_server.stub_pids() for pid in children(stub)
              if b"engine.parallel.rank_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(ranks) == 1, ranks
+    assert len(ranks) == rank_processes, ranks
     runs = colocated_greedy_runs(PROMPTS, GREEDY, sequential=True, model=str(tiny()))
     reference = {prompt: text for prompt, (text, _) in runs.items()}
     assert len(set(reference.values())) > 1
 
     def generate(prompt: str):  # noqa: ANN202
         return grpc_generate(triton_server.grpc_url, make_inputs(prompt, GREEDY, return_logprobs=True),
-                             model="pd_ensemble")
+                             model=router)
 
     for prompt in PROMPTS:
         [result] = streams_match_reference(generate, [prompt], reference)
@@ -101,4 +102,4 @@ def check_streams_equal_colocated_tp1(triton_server) -> None:  # noqa: ANN001
         assert [t for t, _ in result.token_logprobs] == [t for t, _ in expected], prompt[:40]
         worst = max(abs(a - b) for (_, a), (_, b) in zip(result.token_logprobs, expected))
         assert worst <= LOGPROB_TOL, (prompt[:40], worst)
-    assert metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model="prefill") > 0
+    assert metric_value(triton_server.metrics_url, "pd_kv_transfer_bytes_total", model=prefill) > 0
