@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from bootstrap.errors import BootstrapError
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_ROOM = 2**63 - 1
 Room = int
 
@@ -47,6 +47,9 @@ class InstanceLoad:
         rank_free_pages: a DP-attention instance (``enable_dp_attention``): free pages of each rank's pool,
             rank 0 first (``num_free_pages`` is their sum; one request's pages all lie in one rank's pool);
             empty for an instance of one pool.
+        rank_queued_prompt_tokens: a DP-attention instance: ``num_queued_prompt_tokens`` split by the rank
+            each request runs on, rank 0 first (a request not placed on a rank yet counts on none); empty for
+            an instance of one pool. With ``rank_free_pages``, what a router chooses a request's rank by.
     """
 
     num_queued_requests: int = 0
@@ -56,6 +59,7 @@ class InstanceLoad:
     num_total_pages: int = 0
     page_size: int = 0
     rank_free_pages: list[int] = field(default_factory=list)
+    rank_queued_prompt_tokens: list[int] = field(default_factory=list)
 
     @property
     def largest_free_pages(self) -> int:

@@ -5,10 +5,11 @@ request on one rank, over that rank's own KV pool. Rank 0 (the engine's process)
 and page bookkeeping here: one ``Scheduler`` (its own ``PrefixCache`` and page ids) per rank. Lifecycle of a
 request:
 
-1. ``add`` (or ``reserve``) assigns it to a rank for good (``assign``: first a rank whose free pages hold it
-   now, then the least work once it is there: the tokens the rank still has to compute, less the request's
-   prompt tokens that rank's prefix cache holds; then the fewest requests, then the lowest rank) and queues
-   it there; ``Sequence.dp_rank`` says where.
+1. ``add`` (or ``reserve``) assigns it to a rank for good and queues it there; ``Sequence.dp_rank`` says
+   where. The rank is the caller's when it names one (a PD router chooses the rank of each request it
+   pairs), else ``assign``'s: first a rank whose free pages hold it now, then the least
+   work once it is there (the tokens the rank still has to compute, less the request's prompt tokens that
+   rank's prefix cache holds), then the fewest requests, then the lowest rank.
 2. ``schedule`` runs every rank's own scheduler (each with the whole per-step budgets: every rank computes
    its own batch) and returns their work rank by rank: rank 0's items first, each rank's in its own order.
 3. ``register_computed``, ``finish``, ``abort``, ``release`` go to the request's rank.
@@ -86,14 +87,15 @@ class DataParallelScheduler:
     def has_work(self) -> bool:
         return any(r.has_work() for r in self.ranks)
 
-    def add(self, seq: Sequence) -> None:
-        """Assign ``seq`` to a rank (``assign``) and queue it there."""
-        self.ranks[self._place(seq)].add(seq)
+    def add(self, seq: Sequence, rank: int | None = None) -> None:
+        """Queue ``seq`` on ``rank`` (None: the rank ``assign`` picks). The caller checked ``rank`` is one of
+        ``ranks``."""
+        self.ranks[self._place(seq, rank)].add(seq)
 
-    def reserve(self, seq: Sequence) -> bool:
-        """Assign ``seq`` to a rank and take its pages there now; False (nothing taken, no rank kept) when
-        that rank is short."""
-        rank = self._place(seq)
+    def reserve(self, seq: Sequence, rank: int | None = None) -> bool:
+        """Take ``seq``'s pages on ``rank`` (None: the rank ``assign`` picks) now; False (nothing taken, no
+        rank kept) when that rank is short."""
+        rank = self._place(seq, rank)
         if self.ranks[rank].reserve(seq):
             return True
         self._forget(seq.request_id)
@@ -157,8 +159,8 @@ class DataParallelScheduler:
 
         return min(fits, key=work)
 
-    def _place(self, seq: Sequence) -> int:
-        rank = seq.dp_rank = self.assign(seq)
+    def _place(self, seq: Sequence, rank: int | None) -> int:
+        rank = seq.dp_rank = self.assign(seq) if rank is None else rank
         self._rank_of[seq.request_id] = rank
         self.loads[rank].requests += 1
         return rank

@@ -159,6 +159,13 @@ class LLMEngine:
             return []
         return [rank.num_allocatable_pages for rank in self.scheduler.ranks]
 
+    def dp_rank_of(self, request_id: RequestId) -> int | None:
+        """The DP-attention rank a live request runs on; None for an unknown or finished one, or an engine
+        without DP attention."""
+        if not isinstance(self.scheduler, DataParallelScheduler):
+            return None
+        return self.scheduler.rank_of(request_id)
+
     @property
     def dp_loads(self) -> list[DPRankLoad]:
         """Per DP-attention rank counters (requests assigned, tokens computed, busy steps), rank 0 first; one
@@ -218,7 +225,7 @@ class LLMEngine:
             self.grammars.compile(params.structured)
 
     def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
-                    resumed_output_ids: Iterable[int] = ()) -> None:
+                    resumed_output_ids: Iterable[int] = (), dp_rank: int | None = None) -> None:
         """Queue a request; it starts when its pages (prompt + max_tokens) are free.
 
         ``resumed_output_ids`` (not in prefill mode): tokens this request already generated elsewhere and sent
@@ -226,14 +233,18 @@ class LLMEngine:
         stop rules, penalties) but are neither sampled nor reported again; their logprobs count as 0.0 in
         ``cumulative_logprob``. The prompt and these tokens are prefilled together.
 
+        ``dp_rank``: the DP-attention rank that runs the request (its KV in that rank's pool); None: the
+        engine places it (``DataParallelScheduler.assign``). An engine without DP attention has rank 0 only.
+
         Raises:
             RequestRejected: duplicate id, empty prompt, token out of vocabulary, longer than
                 ``max_model_len``, more pages than the whole pool, or ``params.structured`` cannot be compiled
                 (compiled here, on the engine thread, unless ``prepare_request`` compiled it before); resumed
                 tokens in prefill mode, out of vocabulary, not fewer than ``max_tokens``, outside the grammar,
-                or already ending the request.
+                or already ending the request; ``dp_rank`` not a rank of this engine.
             TensorParallelError: the engine's rank group has failed (it takes no request any more).
         """
+        self._check_dp_rank(request_id, dp_rank)
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         resumed = [int(t) for t in resumed_output_ids]
         if resumed:
@@ -248,11 +259,15 @@ class LLMEngine:
             except RequestRejected:
                 self._untrack(request_id)
                 raise
-        self.scheduler.add(seq)
+        if isinstance(self.scheduler, DataParallelScheduler):
+            self.scheduler.add(seq, dp_rank)
+        else:
+            self.scheduler.add(seq)
 
     def reserve_request(self, request_id: RequestId, prompt_token_ids: list[int],
-                        params: SamplingParams) -> Reservation:
-        """Decode mode: take the pages for prompt + max_tokens now.
+                        params: SamplingParams, dp_rank: int | None = None) -> Reservation:
+        """Decode mode: take the pages for prompt + max_tokens now, in ``dp_rank``'s pool (as ``add_request``;
+        a DP-attention engine's page ids say the rank: ``kv_pools``).
 
         With the prefix cache on, the prompt's longest cached page-aligned prefix (never its last token) is
         shared from the cache instead: those pages already hold the right KV and the peer must not write them.
@@ -263,12 +278,18 @@ class LLMEngine:
             prompt's KV.
         Raises:
             EngineError: not in decode mode.
-            OutOfPages: the pool is short now (retry later); nothing is taken.
+            OutOfPages: the pool (``dp_rank``'s) is short now (retry later); nothing is taken.
             RequestRejected, TensorParallelError: as ``add_request``.
         """
         self._require_mode("decode", "reserve_request")
+        self._check_dp_rank(request_id, dp_rank)
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        if not self.scheduler.reserve(seq):
+        if isinstance(self.scheduler, DataParallelScheduler):
+            if not self.scheduler.reserve(seq, dp_rank):
+                rank = seq.dp_rank
+                raise OutOfPages(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
+                                             f"{self.rank_free_pages[rank]} free on DP rank {rank}")
+        elif not self.scheduler.reserve(seq):
             raise OutOfPages(request_id, f"needs {self.scheduler.pages_needed(seq)} pages, "
                                          f"{self.num_free_pages} free")
         self._track(seq)
@@ -446,6 +467,12 @@ class LLMEngine:
             raise RequestRejected(request_id, f"prompt ({len(prompt_token_ids)}) + max_tokens "
                                               f"({params.max_tokens}) exceeds max_model_len "
                                               f"{self.max_model_len}")
+
+    def _check_dp_rank(self, request_id: RequestId, dp_rank: int | None) -> None:
+        ranks = self.config.dp_size
+        if dp_rank is not None and not 0 <= dp_rank < ranks:
+            raise RequestRejected(request_id, f"dp_rank {dp_rank} is not a DP-attention rank of this "
+                                              f"instance (it has {ranks}: 0..{ranks - 1})")
 
     def _require_mode(self, mode: str, method: str) -> None:
         if self.config.mode != mode:

@@ -39,6 +39,8 @@ stub process: see ``ServingMetrics``); names carry units:
 ``pd_router_queue_requests``        gauge    router: requests waiting for admission (label ``state``:
                                              ``queued``, ``inflight``)
 ``pd_router_selections_total``      counter  router: requests sent per instance (labels ``role``, ``target``)
+``pd_router_dp_rank_selections_total`` counter  router: requests sent per DP-attention rank of an instance
+                                             (labels ``role``, ``target``, ``rank``)
 ``pd_router_retries_total``         counter  router: attempts retried on another pair before the first token
 ``pd_router_migrations_total``      counter  router: requests moved to another decode instance after the first
                                              token
@@ -130,6 +132,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {  # name → (kind, description)
     "pd_router_queue_requests": ("GAUGE", "Router: requests waiting for admission (queued) and orchestrated "
                                  "(inflight)"),
     "pd_router_selections_total": ("COUNTER", "Router: requests sent per instance"),
+    "pd_router_dp_rank_selections_total": ("COUNTER", "Router: requests sent per DP-attention rank of an "
+                                                      "instance"),
     "pd_router_retries_total": ("COUNTER", "Router: attempts retried on another pair before the first token"),
     "pd_router_migrations_total": ("COUNTER", "Router: requests moved to another decode instance after the "
                                               "first token"),

@@ -50,6 +50,7 @@ CHILD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "resume_token_ids": ("TYPE_INT32", (DECODE,)),
     "prompt_token_ids": ("TYPE_INT32", BOTH),
     "tokenizer_id": ("TYPE_STRING", BOTH),
+    "dp_rank": ("TYPE_INT32", BOTH),
     SCHEMA_INPUT: ("TYPE_STRING", BOTH),
 }
 #: output → Triton data type: every output of every child response (``serving.schema``'s child layout)

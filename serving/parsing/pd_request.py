@@ -19,6 +19,10 @@
                                 tokenizing ``text_input`` again when ``tokenizer_id`` is its own tokenizer's
                                 (``engine.model.tokenizer.Tokenizer.fingerprint``), else it tokenizes
 ``tokenizer_id``       STRING   the fingerprint of the tokenizer that made ``prompt_token_ids``
+``dp_rank``            INT32    ``[1]``, ``>= 0``: the DP-attention rank of this instance that runs the
+                                request (a decode's: whose KV pool receives the prompt's KV), as the router
+                                chose it; absent: the instance places the request itself. A rank the
+                                instance does not have is a request error
 ``child_schema``       STRING   the router's ``serving.child.codec.SCHEMA_HASH``: a child of another build
                                 answers with an error naming both (absent: not checked)
 ``pd_control``         STRING   ``"describe"``: no generation; one response whose ``text_output`` is this
@@ -46,7 +50,8 @@ from serving.parsing.request import GenerateRequest, RequestError, parse_request
 Room = int
 MAX_ROOM = 2**63 - 1
 PD_INPUT_NAMES: tuple[str, ...] = ("bootstrap_room", "prefill_instance", "prefill_rendezvous",
-                                   "resume_token_ids", "prompt_token_ids", "tokenizer_id", SCHEMA_INPUT)
+                                   "resume_token_ids", "prompt_token_ids", "tokenizer_id", "dp_rank",
+                                   SCHEMA_INPUT)
 CONTROL_INPUT = "pd_control"
 DESCRIBE = "describe"
 CARD_VERSION = 1
@@ -101,6 +106,7 @@ class PDRequest:
             a new request.
         prompt_token_ids: the prompt's ids as the router tokenized it (empty: not sent).
         tokenizer_id: the fingerprint of the tokenizer that made ``prompt_token_ids``.
+        dp_rank: the DP-attention rank the router chose for the request; None: the instance places it.
     """
 
     request: GenerateRequest
@@ -110,6 +116,7 @@ class PDRequest:
     resume_token_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     tokenizer_id: str = ""
+    dp_rank: int | None = None
 
     @property
     def direct(self) -> bool:
@@ -126,7 +133,7 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool],
         pd_inputs: ``bootstrap_room`` (int64, one element) and, for decode, ``prefill_instance`` (bytes; empty
             or absent: direct decode) with ``prefill_rendezvous`` (bytes, required with ``prefill_instance``),
             and ``resume_token_ids`` (integers ``[k]``, direct decode only), ``prompt_token_ids`` (integers
-            ``[k]`` >= 0, with ``tokenizer_id``).
+            ``[k]`` >= 0, with ``tokenizer_id``), ``dp_rank`` (one integer >= 0).
     Raises:
         ChildSchemaMismatch: ``child_schema`` is another build's (``serving.child.codec``), checked first.
         RequestError: naming the offending input.
@@ -156,7 +163,20 @@ def parse_pd_request(llm_inputs: Mapping[str, bytes | str | bool],
                            "tokenizer that made them)")
     return PDRequest(request=request, room=room, prefill_instance=prefill_instance,
                      prefill_rendezvous=prefill_rendezvous, resume_token_ids=resume,
-                     prompt_token_ids=prompt_ids, tokenizer_id=tokenizer_id)
+                     prompt_token_ids=prompt_ids, tokenizer_id=tokenizer_id, dp_rank=_dp_rank(pd_inputs))
+
+
+def _dp_rank(pd_inputs: Mapping[str, np.ndarray]) -> int | None:
+    """``dp_rank``: one integer >= 0; None when absent. Whether the instance has that rank is its engine's
+    to say (``LLMEngine.add_request``). Raises ``RequestError`` naming the input."""
+    raw = pd_inputs.get("dp_rank")
+    if raw is None:
+        return None
+    array = np.asarray(raw).reshape(-1)
+    if array.size != 1 or not np.issubdtype(array.dtype, np.integer) or int(array[0]) < 0:
+        raise RequestError("dp_rank", f"must be one integer >= 0 (a DP-attention rank of the instance), got "
+                                      f"{array.tolist()[:4]}")
+    return int(array[0])
 
 
 def _resume_token_ids(pd_inputs: Mapping[str, np.ndarray], max_tokens: int) -> tuple[int, ...]:

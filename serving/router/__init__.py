@@ -9,6 +9,8 @@ One job per module:
   load and health as each instance's own rendezvous reports them, freshness and circuit breakers;
 * ``pairing``: policies that pick the (prefill, decode) pair of a request (load-aware, round robin, direct
   decode for short prompts);
+* ``ranks``: the DP-attention rank of each paired instance that has ranks (the least loaded; cache-aware per
+  rank);
 * ``launch``: the ``Launcher`` seam that sends one child request and streams its responses (tritonclient gRPC
   streaming to any tritonserver; an in-process one for tests and benchmarks);
 * ``admission``: at most ``max_inflight_requests`` orchestrated, a bounded queue behind them, "server busy"

@@ -59,13 +59,27 @@ class Target:
     # has when the router uses them (``RouterConfig.worker_endpoints``); False: the tritonserver (gRPC) that
     # serves ``model_name``
     worker_endpoint: bool = False
+    # the DP-attention rank of the instance that is to run the request (``serving.router.ranks``); None: the
+    # instance itself, which places the request (one without DP attention, or a target not paired yet)
+    dp_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One DP-attention rank of a candidate as the router sees it now: the rank's reported free pages and
+    queued prompt tokens (``InstanceLoad.rank_free_pages``, ``rank_queued_prompt_tokens``) with the router's
+    own assignments to that rank since the report."""
+
+    free_pages: int
+    queued_prompt_tokens: int
 
 
 @dataclass(frozen=True)
 class Candidate:
     """A healthy instance and its load as the router sees it now (reported load + the router's own
     assignments since that report). ``largest_free_pages``: the most pages one request can take (a
-    DP-attention instance: its freest rank's, ``InstanceLoad.rank_free_pages``); None: ``free_pages``."""
+    DP-attention instance: its freest rank's, ``InstanceLoad.rank_free_pages``); None: ``free_pages``.
+    ``ranks``: a DP-attention instance's ranks, rank 0 first; empty for an instance of one pool."""
 
     target: Target
     queued_requests: int
@@ -74,6 +88,7 @@ class Candidate:
     total_pages: int
     page_size: int
     largest_free_pages: int | None = None
+    ranks: tuple[RankLoad, ...] = ()
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages ``num_tokens`` tokens take in this instance's pool (``page_size`` 0: unknown → 0)."""
@@ -135,6 +150,7 @@ class _Pending:
     assigned_s: float
     prompt_tokens: int
     tokens_to_reserve: int
+    dp_rank: int | None = None   # the rank the router chose (None: the instance places it)
 
 
 @dataclass
@@ -142,6 +158,7 @@ class _Ended:
     ended_s: float
     prompt_tokens: int
     tokens_to_reserve: int
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -227,10 +244,11 @@ class Fleet:
         return {status.instance_id: status.epoch for status in self._snapshot.instances}
 
     def note_assigned(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
-        """The router sent a request to ``target``: count it until the instance's next report covers it."""
+        """The router sent a request to ``target`` (on ``target.dp_rank``): count it until the instance's next
+        report covers it."""
         state = self._states.get(target.instance_id)
         if state is not None:
-            state.pending.append(_Pending(self._now(), prompt_tokens, tokens_to_reserve))
+            state.pending.append(_Pending(self._now(), prompt_tokens, tokens_to_reserve, target.dp_rank))
             state.breaker.on_pick()
 
     def note_finished(self, target: Target, prompt_tokens: int, tokens_to_reserve: int) -> None:
@@ -251,10 +269,11 @@ class Fleet:
         if reported_s is not None:
             state.pending = [p for p in state.pending if p.assigned_s >= reported_s]
         for i, pending in enumerate(state.pending):
-            if (pending.prompt_tokens, pending.tokens_to_reserve) == (prompt_tokens, tokens_to_reserve):
+            if (pending.prompt_tokens, pending.tokens_to_reserve, pending.dp_rank) == \
+                    (prompt_tokens, tokens_to_reserve, target.dp_rank):
                 del state.pending[i]
                 return
-        state.ended.append(_Ended(self._now(), prompt_tokens, tokens_to_reserve))
+        state.ended.append(_Ended(self._now(), prompt_tokens, tokens_to_reserve, target.dp_rank))
 
     def _reported_s(self, target: Target) -> float | None:
         """Local time of ``target``'s last report in the current reading; None when it is not in it."""
@@ -317,12 +336,40 @@ class Fleet:
         target = Target(status.instance_id, status.role, status.worker_endpoint if direct else status.address,
                         status.model_name, status.epoch, status.rendezvous_url, worker_endpoint=direct)
         free = reported_free - pending_pages
-        # a DP instance: a request's pages lie in one rank's pool (the router does not know which rank its own
-        # pending assignments went to, so each may have gone to the freest)
-        largest = min(free, load.largest_free_pages) if load.rank_free_pages else None
+        # a DP instance: a request's pages lie in one rank's pool
+        ranks = _rank_loads(load, state.pending, state.ended, pages)
+        largest = min(free, max(r.free_pages for r in ranks)) if ranks else None
         return Candidate(target, load.num_queued_requests + len(state.pending),
                          reported_tokens + sum(p.prompt_tokens for p in state.pending),
-                         free, load.num_total_pages, load.page_size, largest)
+                         free, load.num_total_pages, load.page_size, largest, ranks)
+
+
+def _rank_loads(load: InstanceLoad, pending: list[_Pending], ended: list[_Ended],
+                pages: Callable[[int], int]) -> tuple[RankLoad, ...]:
+    """Each DP rank's reported load (``rank_free_pages``, ``rank_queued_prompt_tokens``) corrected as the
+    instance's is (``Fleet._candidate``), by rank: an assignment since the report takes its pages from its
+    rank and adds its prompt there (one without a rank, which the instance placed, may have gone to any rank:
+    its pages are taken from each); a request that ended since gives its rank's back (capped at the rank's
+    share of the pool, floored at nothing queued). () for an instance of one pool."""
+    n = len(load.rank_free_pages)
+    if n == 0:
+        return ()
+    queued = list(load.rank_queued_prompt_tokens[:n]) + [0] * max(0, n - len(load.rank_queued_prompt_tokens))
+    free = list(load.rank_free_pages)
+    rank_total = load.num_total_pages // n if load.num_total_pages else 0
+    for e in ended:
+        if e.dp_rank is not None and 0 <= e.dp_rank < n:
+            queued[e.dp_rank] = max(0, queued[e.dp_rank] - e.prompt_tokens)
+            free[e.dp_rank] += pages(e.tokens_to_reserve)
+            if rank_total:
+                free[e.dp_rank] = min(rank_total, free[e.dp_rank])
+    for p in pending:
+        if p.dp_rank is not None and 0 <= p.dp_rank < n:
+            queued[p.dp_rank] += p.prompt_tokens
+            free[p.dp_rank] -= pages(p.tokens_to_reserve)
+        else:
+            free = [f - pages(p.tokens_to_reserve) for f in free]
+    return tuple(RankLoad(f, q) for f, q in zip(free, queued, strict=True))
 
 
 class FleetWatcher:

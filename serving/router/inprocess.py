@@ -67,7 +67,8 @@ class InProcessLauncher:
         request = replace(parse_request(dict(call.inputs)), stream=True, exclude_input_in_output=True)
         sink = _LoopSink(asyncio.get_running_loop())
         worker.handle(PDRequest(request, call.room, call.prefill_instance, call.prefill_rendezvous,
-                                call.resume_token_ids, call.prompt_token_ids, call.tokenizer_id), sink)
+                                call.resume_token_ids, call.prompt_token_ids, call.tokenizer_id,
+                                call.target.dp_rank), sink)
         finished = False
         try:
             while not finished:

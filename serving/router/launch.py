@@ -60,7 +60,7 @@ class ChildCall:
 
     Attributes:
         role: ``"prefill"`` or ``"decode"``.
-        target: the instance that serves it.
+        target: the instance that serves it (and its DP rank, ``Target.dp_rank``, sent as ``dp_rank``).
         room: the bootstrap room of the attempt.
         prefill_instance: decode only: the paired prefill's instance id; empty: direct decode.
         prefill_rendezvous: decode only: the paired prefill's own rendezvous URL.
@@ -128,7 +128,7 @@ class PushLauncher(Launcher, Protocol):
 
 def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
     """The child request's input arrays, by input name (shape ``[1]`` each; ``resume_token_ids`` and
-    ``prompt_token_ids``: ``[k]``)."""
+    ``prompt_token_ids``: ``[k]``); ``dp_rank`` when the target has one."""
     arrays: dict[str, np.ndarray] = {}
     for name in FORWARDED_INPUTS:
         if name in call.inputs:
@@ -146,6 +146,8 @@ def child_arrays(call: ChildCall) -> dict[str, np.ndarray]:
     if call.prompt_token_ids and call.tokenizer_id:
         arrays["prompt_token_ids"] = np.array(call.prompt_token_ids, dtype=np.int32)
         arrays["tokenizer_id"] = np.array([call.tokenizer_id.encode()], dtype=np.object_)
+    if call.target.dp_rank is not None:   # the DP-attention rank the router chose (serving.router.ranks)
+        arrays["dp_rank"] = np.array([call.target.dp_rank], dtype=np.int32)
     return arrays
 
 

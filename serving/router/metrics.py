@@ -13,8 +13,11 @@ class RouterMetricsSink:
         self._metrics = metrics
         self._published: set[tuple[str, str]] = set()   # (role, instance id) with a healthy-instances gauge
 
-    def selected(self, role: str, instance_id: str) -> None:
+    def selected(self, role: str, instance_id: str, dp_rank: int | None = None) -> None:
         self._metrics.increment("pd_router_selections_total", 1, role=role, target=instance_id)
+        if dp_rank is not None:
+            self._metrics.increment("pd_router_dp_rank_selections_total", 1, role=role, target=instance_id,
+                                    rank=str(dp_rank))
 
     def retried(self) -> None:
         self._metrics.increment("pd_router_retries_total", 1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from serving.router.fleet import Candidate, Target
 from serving.router.pairing import NoInstance
+from serving.router.ranks import decode_rank
 
 
 @dataclass
@@ -45,7 +46,8 @@ class MigrationState:
 
 def pick_decode(candidates: Sequence[Candidate], tokens_to_reserve: int) -> Target:
     """The decode instance a migrated request goes to: among those whose free pages hold
-    ``tokens_to_reserve`` (or all, when none does), the one with the most free pages, then the shortest queue.
+    ``tokens_to_reserve`` (or all, when none does), the one with the most free pages, then the shortest queue;
+    on an instance with DP attention, its roomiest rank (``serving.router.ranks.decode_rank``).
 
     Raises:
         NoInstance: ``candidates`` is empty.
@@ -53,4 +55,5 @@ def pick_decode(candidates: Sequence[Candidate], tokens_to_reserve: int) -> Targ
     if not candidates:
         raise NoInstance("decode")
     fits = [c for c in candidates if c.fits(c.pages_for(tokens_to_reserve))]
-    return max(fits or candidates, key=lambda c: (c.free_pages, -c.queued_requests)).target
+    chosen = max(fits or candidates, key=lambda c: (c.free_pages, -c.queued_requests))
+    return decode_rank(chosen, chosen.pages_for(tokens_to_reserve))

@@ -59,7 +59,9 @@ CANCEL_POLL_INTERVAL_S = 0.02
 class RouterMetrics(Protocol):
     """What the orchestrator reports (``serving.router.metrics``)."""
 
-    def selected(self, role: str, instance_id: str) -> None: ...
+    def selected(self, role: str, instance_id: str, dp_rank: int | None = None) -> None:
+        """A request was sent to ``instance_id`` as ``role``, on its DP-attention rank ``dp_rank`` if any."""
+        ...
 
     def retried(self) -> None: ...
 
@@ -325,7 +327,7 @@ class PDOrchestrator:
                 reserve = demand.tokens_to_reserve if target.role == "decode" else demand.prompt_tokens
                 self._fleet.note_assigned(target, demand.prompt_tokens, reserve)
                 if self._metrics is not None:
-                    self._metrics.selected(target.role, target.instance_id)
+                    self._metrics.selected(target.role, target.instance_id, target.dp_rank)
         return pair
 
     async def _attempt(self, pair: Pair, room: Room, routed: RoutedRequest, demand: Demand,
@@ -550,7 +552,7 @@ class PDOrchestrator:
             return give_up("no other decode instance to migrate to")
         self._fleet.note_assigned(target, demand.prompt_tokens + len(sent), demand.tokens_to_reserve)
         if self._metrics is not None:
-            self._metrics.selected("decode", target.instance_id)
+            self._metrics.selected("decode", target.instance_id, target.dp_rank)
             self._metrics.migrated()
         migration.num_migrations += 1
         migration.logprob_base = state.cumulative_logprob

@@ -8,7 +8,8 @@ Lifecycle of one request (SGLang's decode side), every step but the first on the
    engine reserves pages for prompt + max_tokens (a request that waits for free pages holds up the ones behind
    it; one that can never fit fails), sharing the prompt's longest prefix its prefix cache holds, and
    ``receiver.init`` tells the prefill instance where to write and how many leading tokens decode already has
-   (prefill sends only the pages after them);
+   (prefill sends only the pages after them). On a DP-attention engine the pages are the pool's of the rank
+   the router named (``PDRequest.dp_rank``; else the engine's own pick), so the KV lands in that rank's pool;
 3. **transfer queue**: the receiver is polled each tick; at ``Success`` the request joins the **running
    batch** with ``add_prebuilt_request`` (first token from the aux data, no prefill forward) and streams its
    tokens;
@@ -50,8 +51,8 @@ logger = logging.getLogger(__name__)
 class DecodeEngineCore(PagedEngineCore, Protocol):
     """The decode half of ``engine.LLMEngine`` (mode ``decode``) the worker drives, on the loop thread."""
 
-    def reserve_request(self, request_id: str, prompt_token_ids: list[int],
-                        params: SamplingParams) -> Reservation: ...
+    def reserve_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        dp_rank: int | None = None) -> Reservation: ...
 
     def add_prebuilt_request(self, request_id: str, first_token_id: int, first_logprob: float,
                              first_token_sent: bool = False) -> None: ...
@@ -137,23 +138,33 @@ class DecodeWorker:
         return bool(self._prealloc or self._transfer or self._releasing)
 
     def _load(self) -> InstanceLoad:
-        """Free pages net of what the prealloc queue will reserve (decode reserves prompt + max_tokens)."""
+        """Free pages net of what the prealloc queue will reserve (decode reserves prompt + max_tokens);
+        queued prompt tokens: the prealloc queue's. Per DP-attention rank the same, of the jobs the router
+        sent to that rank (``dp_rank``; a job without one has no rank until its pages are reserved)."""
         ps = self._page_size
-        promised = sum(-(-(len(j.token_ids) + j.pd.request.params.max_tokens - 1) // ps)
-                       for j in self._prealloc)
+        rank_free = list(self._engine.rank_free_pages)
+        rank_queued = [0] * len(rank_free)
+        promised = 0
+        for job in self._prealloc:
+            pages = -(-(len(job.token_ids) + job.pd.request.params.max_tokens - 1) // ps)
+            promised += pages
+            rank = job.pd.dp_rank
+            if rank is not None and rank < len(rank_free):
+                rank_free[rank] = max(0, rank_free[rank] - pages)
+                rank_queued[rank] += len(job.token_ids)
         return InstanceLoad(
             num_queued_requests=len(self._prealloc) + len(self._transfer) + len(self._intake),
             num_running_requests=len(self._running),
             num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prealloc),
             num_free_pages=max(0, self._engine.num_free_pages - promised),
             num_total_pages=self._engine.num_total_pages, page_size=ps,
-            rank_free_pages=self._engine.rank_free_pages)
+            rank_free_pages=rank_free, rank_queued_prompt_tokens=rank_queued)
 
     def _start_direct(self, job: _Job) -> None:
         """Direct decode: the engine prefills and decodes the request like a colocated one."""
         self._running[job.request_id] = job
         self._loop.submit(job.request_id, job.token_ids, job.pd.request.params,
-                          lambda event: self._on_event(job, event), job.pd.resume_token_ids)
+                          lambda event: self._on_event(job, event), job.pd.resume_token_ids, job.pd.dp_rank)
 
     def _poll_prealloc(self) -> None:
         blocked = False
@@ -169,8 +180,10 @@ class DecodeWorker:
             if blocked:
                 continue
             try:
+                # the router's rank, when it chose one: the KV lands in that rank's pool (the reservation's
+                # page ids are that rank's, rank * num_pages + p)
                 reservation = self._engine.reserve_request(job.request_id, job.token_ids,
-                                                           job.pd.request.params)
+                                                           job.pd.request.params, job.pd.dp_rank)
             except OutOfPages:
                 blocked = True  # FIFO: later requests wait behind the head
                 continue

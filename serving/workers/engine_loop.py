@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.errors import EngineError, RequestRejected, TensorParallelError
 from engine.outputs import RequestOutput
@@ -51,7 +51,7 @@ class EngineCore(Protocol):
     """The part of ``engine.LLMEngine`` the loop drives (all calls on the loop thread)."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    resumed_output_ids: Iterable[int] = ()) -> None: ...
+                    resumed_output_ids: Iterable[int] = (), dp_rank: int | None = None) -> None: ...
 
     def prepare_request(self, params: SamplingParams) -> None:
         """Any thread: compile ``params.structured`` (raises ``InvalidSamplingParams``); called only when
@@ -77,6 +77,11 @@ class PagedEngineCore(EngineCore, Protocol):
     @property
     def rank_free_pages(self) -> list[int]:
         """A DP-attention engine's free pages per rank (``LLMEngine.rank_free_pages``); [] for one pool."""
+        ...
+
+    def dp_rank_of(self, request_id: str) -> int | None:
+        """The DP-attention rank a live request runs on (``LLMEngine.dp_rank_of``); None: unknown, finished,
+        or no DP attention."""
         ...
 
 
@@ -105,6 +110,7 @@ class _Submit:
     params: SamplingParams
     on_event: OnEvent
     resumed_output_ids: tuple[int, ...] = ()
+    dp_rank: int | None = None
 
 
 _Command = _Submit | Callable[[], None] | None  # None only wakes the thread
@@ -198,11 +204,13 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
-               on_event: OnEvent, resumed_output_ids: tuple[int, ...] = ()) -> None:
+               on_event: OnEvent, resumed_output_ids: tuple[int, ...] = (),
+               dp_rank: int | None = None) -> None:
         """Queue a new request; it joins the batch before the next step.
 
         ``resumed_output_ids``: tokens the request already generated and sent elsewhere (a migrated request;
-        ``LLMEngine.add_request``); its outputs carry only what follows them.
+        ``LLMEngine.add_request``); its outputs carry only what follows them. ``dp_rank``: the DP-attention
+        rank that runs it (None: the engine places it).
 
         ``on_event`` is called on the loop thread with each ``RequestOutput`` and exactly one terminal event.
         Engine rejections (``RequestRejected``, a duplicate id) arrive there as ``RequestFailed``.
@@ -214,7 +222,7 @@ class EngineLoop:
             self._queued_submits[request_id] = self._queued_submits.get(request_id, 0) + 1
         try:
             self._put(_Submit(request_id, list(prompt_token_ids), params, on_event,
-                              tuple(resumed_output_ids)))
+                              tuple(resumed_output_ids), dp_rank))
         except LoopStopped:
             self._unqueue(request_id)
             raise
@@ -348,12 +356,14 @@ class EngineLoop:
             self._deliver(s.on_event,
                           RequestFailed(s.request_id, RequestRejected(s.request_id, "duplicate id")))
             return
+        # only what is set: an engine without migration or DP attention need not take those arguments
+        extra: dict[str, Any] = {}
+        if s.resumed_output_ids:
+            extra["resumed_output_ids"] = s.resumed_output_ids
+        if s.dp_rank is not None:
+            extra["dp_rank"] = s.dp_rank
         try:
-            if s.resumed_output_ids:
-                self.engine.add_request(s.request_id, s.prompt_token_ids, s.params,
-                                        resumed_output_ids=s.resumed_output_ids)
-            else:
-                self.engine.add_request(s.request_id, s.prompt_token_ids, s.params)
+            self.engine.add_request(s.request_id, s.prompt_token_ids, s.params, **extra)
         except Exception as e:  # an engine error concerns this request only
             if not isinstance(e, EngineError):
                 logger.exception("%s: add_request(%s) failed unexpectedly", self._name, s.request_id)

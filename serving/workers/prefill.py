@@ -10,7 +10,9 @@ Lifecycle of one request, every step but the first on the engine loop thread:
    pages and posts the destination**, so the rendezvous is off the first token's path (vLLM's and Dynamo's
    prefill runs first too; SGLang's prefill waits in a bootstrap queue for decode's pages). After each chunk
    its completed pages go to ``sender.send``: posted as one-sided WRITEs into decode's pages once the
-   destination is known, queued until then (the manager thread posts them when it arrives);
+   destination is known, queued until then (the manager thread posts them when it arrives). On a
+   DP-attention engine the request runs on the rank the router named (``PDRequest.dp_rank``), else on the
+   engine's own pick;
 3. after the last chunk, the first token goes to the client at once and the job moves to **inflight**: its
    pages stay held until the sender reports ``Success`` (every WRITE done) or ``Failed`` with no WRITE in
    flight; then the engine frees them and the stream ends with FINAL. A cancel (the router's, when the decode
@@ -142,13 +144,20 @@ class PrefillWorker:
 
     def _load(self) -> InstanceLoad:
         """Queued: jobs not taken by the loop yet; running: prefilling (in the engine); queued prompt tokens:
-        the prefilling jobs' prompts."""
+        the prefilling jobs' prompts, and per DP-attention rank those of the jobs on that rank (the router's
+        ``dp_rank``, else where the engine placed it)."""
         engine = self._engine
+        rank_free = engine.rank_free_pages
+        rank_queued = [0] * len(rank_free)
+        for job in self._prefilling.values():
+            rank = job.pd.dp_rank if job.pd.dp_rank is not None else engine.dp_rank_of(job.request_id)
+            if rank is not None and rank < len(rank_queued):
+                rank_queued[rank] += len(job.token_ids)
         return InstanceLoad(
             num_queued_requests=len(self._intake), num_running_requests=len(self._prefilling),
             num_queued_prompt_tokens=sum(len(j.token_ids) for j in self._prefilling.values()),
             num_free_pages=engine.num_free_pages, num_total_pages=engine.num_total_pages,
-            page_size=self._page_size, rank_free_pages=engine.rank_free_pages)
+            page_size=self._page_size, rank_free_pages=rank_free, rank_queued_prompt_tokens=rank_queued)
 
     def _start_prefill(self, job: _Job) -> None:
         assert job.sender is not None
@@ -161,7 +170,7 @@ class PrefillWorker:
             return
         self._prefilling[job.request_id] = job
         self._loop.submit(job.request_id, job.token_ids, job.pd.request.params,
-                          lambda event: self._on_event(job, event))
+                          lambda event: self._on_event(job, event), dp_rank=job.pd.dp_rank)
 
     def _poll_prefilling(self) -> None:
         for job in list(self._prefilling.values()):

@@ -31,6 +31,18 @@ def test_a_mismatched_envelope_is_refused(change: dict) -> None:  # type: ignore
         decode(json.dumps(envelope), Destination)
 
 
+def test_a_load_report_of_protocol_8_is_refused_naming_both_versions() -> None:
+    """Version 9 added each DP rank's queued prompt tokens to ``InstanceLoad``; a version-8 peer's message
+    (without them) is refused by its version, not misread as a load with no queued tokens per rank."""
+    load = InstanceLoad(num_queued_prompt_tokens=7, rank_free_pages=[3, 4], rank_queued_prompt_tokens=[7, 0])
+    assert decode(encode(load), InstanceLoad) == load
+    envelope = json.loads(encode(load))
+    envelope["version"] = 8
+    del envelope["body"]["rank_queued_prompt_tokens"]
+    with pytest.raises(BootstrapError, match="peer speaks version 8 .* we speak 9"):
+        decode(json.dumps(envelope), InstanceLoad)
+
+
 @pytest.fixture
 def prefill_rendezvous() -> Iterator[tuple[Rendezvous, threading.Event]]:
     woken = threading.Event()

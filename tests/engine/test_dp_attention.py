@@ -7,7 +7,8 @@ Invariants: the DP step message carries each rank's batch, an empty one included
 equal the single-rank engine's (logprobs within 1e-4) whichever rank serves it and whatever runs on the other
 rank, or with the other rank idle; each rank's pool has its own page ids, all back after the requests end;
 under 32 concurrent requests the ranks' computed tokens and requests stay within 1.5x of each other (the
-engine's per-rank counters); a rank killed with kill -9 mid-step fails that step within seconds naming it,
+engine's per-rank counters); a request that names its rank runs there, one naming a rank the engine lacks is
+refused; a rank killed with kill -9 mid-step fails that step within seconds naming it,
 and every later step and request; a rank that hangs fails the step after ``tp_timeout_s``; a bad
 configuration is refused by name.
 """
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.errors import TensorParallelError
+from engine.errors import RequestRejected, TensorParallelError
 from engine.forward_batch import ForwardBatch
 from engine.parallel.step import decode_dp_step, encode_dp_step
 from tests.engine.test_expert_parallel import assert_a_killed_rank_fails_the_step
@@ -161,6 +162,27 @@ def test_32_concurrent_requests_keep_the_ranks_loads_within_1_5x(dp_deepseek: LL
     assert sum(tokens) == sum(len(p) + lengths[rid] - 1 for rid, p in prompts.items())
     assert max(tokens) <= 1.5 * min(tokens), tokens
     assert max(requests) <= 1.5 * min(requests), requests
+
+
+def test_a_request_runs_on_the_rank_it_names_and_a_rank_the_engine_lacks_is_refused_by_name(
+        dp_deepseek: LLMEngine) -> None:
+    """What a PD router's ``dp_rank`` becomes: the engine runs the request on that rank (an idle engine would
+    place it on rank 0) with the tokens it gives there by itself; a rank outside 0..N-1 is a rejection
+    naming it, and nothing is left behind."""
+    engine = dp_deepseek
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("named", PROMPTS[1], params, dp_rank=1)
+    assert engine.dp_rank_of("named") == 1
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert engine.dp_rank_of("named") is None and engine.num_free_pages == engine.num_total_pages
+    where: dict[str, int] = {}
+    assert tokens == run(engine, {"placed": PROMPTS[1]}, ranks=where)["placed"][0] and where == {"placed": 0}
+    for bad in (2, -1):
+        with pytest.raises(RequestRejected, match=rf"dp_rank {bad} is not a DP-attention rank .*0\.\.1"):
+            engine.add_request(f"bad{bad}", PROMPTS[0], params, dp_rank=bad)
+    assert not engine.has_unfinished() and engine.num_free_pages == engine.num_total_pages
 
 
 def test_a_prompt_goes_back_to_the_rank_caching_its_prefix_unless_that_rank_is_busier_than_it_saves(

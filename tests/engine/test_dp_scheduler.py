@@ -1,9 +1,10 @@
 """``DataParallelScheduler`` (engine/dp_scheduler.py): one scheduler per DP-attention rank, pure bookkeeping.
 
 Invariants: each rank hands out its own page ids; a new request goes to the rank with the least work left
-among those whose free pages hold it now, even when a fuller rank has less work; every item of a step names
-its rank, rank 0's first; finishing or aborting a request frees its pages in its own rank only; the instance's
-page counts are the ranks' sums.
+among those whose free pages hold it now, even when a fuller rank has less work, unless the caller names its
+rank (then that rank, and a reservation waits for it); every item of a step names its rank, rank 0's first;
+finishing or aborting a request frees its pages in its own rank only; the instance's page counts are the
+ranks' sums.
 """
 
 from __future__ import annotations
@@ -58,3 +59,19 @@ def test_finish_and_abort_free_pages_in_the_requests_own_rank() -> None:
     assert [r.num_allocatable_pages for r in dp.ranks] == [2, 4] and dp.rank_of("b") is None
     assert dp.abort("a") is a and dp.abort("a") is None
     assert [r.num_allocatable_pages for r in dp.ranks] == [4, 4] and not dp.has_work()
+
+
+def test_a_named_rank_is_used_even_where_assign_would_pick_another_and_reserve_waits_for_it() -> None:
+    """A router's rank (``add``/``reserve`` with ``rank``) is kept as given: the request queues on it even
+    when the other rank has less work, and a reservation that the named rank cannot hold now takes nothing
+    (no fallback to the other rank) until that rank has room."""
+    dp = ranks()
+    dp.add(seq("busy", 8, 8), rank=1)            # rank 1 busy, rank 0 idle: assign would pick rank 0
+    more = seq("more", 4, 4)
+    dp.add(more, rank=1)
+    assert (more.dp_rank, dp.rank_of("more")) == (1, 1) and [load.requests for load in dp.loads] == [0, 2]
+    dp.schedule()                                # rank 1: 3 of its 4 pages taken (2 + 1)
+    big = seq("big", 8, 8)                       # 2 pages: rank 0 could hold it, rank 1 cannot now
+    assert not dp.reserve(big, rank=1) and dp.rank_of("big") is None
+    assert [r.num_allocatable_pages for r in dp.ranks] == [4, 1]
+    assert dp.reserve(big, rank=0) and big.page_table == [0, 1] and big.dp_rank == 0

@@ -51,13 +51,13 @@ def test_each_child_config_declares_the_schema(role: str) -> None:
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_the_routers_encoder_sends_only_schema_inputs_in_their_types(role: str) -> None:
-    target = Target(f"{role[0]}0@h:1", role, "127.0.0.1:8001", role, rendezvous_url="http://p0:1")
+    target = Target(f"{role[0]}0@h:1", role, "127.0.0.1:8001", role, rendezvous_url="http://p0:1", dp_rank=1)
     call = ChildCall(role, target, 5, "p0@h:1" if role == "decode" else "",
                      "http://p0:1" if role == "decode" else "",
                      {"text_input": "hi", "sampling_parameters": "{}", "apply_chat_template": True},
                      prompt_token_ids=(1, 2), tokenizer_id="abc")
     arrays = child_arrays(call)
-    assert arrays[SCHEMA_INPUT].tolist() == [SCHEMA_HASH.encode()]
+    assert arrays[SCHEMA_INPUT].tolist() == [SCHEMA_HASH.encode()] and arrays["dp_rank"].tolist() == [1]
     for name, array in arrays.items():
         data_type, roles = CHILD_INPUTS[name]
         assert role in roles and array.dtype == NUMPY_OF[data_type], name

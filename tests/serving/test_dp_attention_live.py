@@ -5,7 +5,9 @@ served by ``pd_ensemble`` with prefill and decode each at ``expert_parallel_size
 Invariants: each DP stub has started one rank process; every PD stream and every colocated stream (4 at
 once) equals an in-process single-rank colocated engine's greedy text,
 so each request's latent KV crossed from its prefill rank's pool to its decode rank's; each DP model served
-them on both ranks (``pd_dp_rank_requests_total``); kill -9 of the
+them on both ranks (``pd_dp_rank_requests_total``), the PD ones on the ranks the router chose
+(``pd_router_dp_rank_selections_total`` equals them rank by rank); a prompt sent again is paired to the ranks
+holding its prefix (prefill's and decode's prefix caches both hit); kill -9 of the
 colocated model's rank 1 under a request ends that request with an error naming the rank within seconds (no
 hang), and the server then ends, as when a stub dies (``serving.workers.fatal``). Teardown stops the server if
 it runs.
@@ -74,12 +76,41 @@ def test_pd_and_colocated_with_dp_attention_equal_a_single_rank_engine(server: R
             served = [_requests(server, model, rank) for rank in (0, 1)]
             time.sleep(0.1)
         assert min(served) >= 1 and sum(served) == len(PROMPTS), (model, served)
+    for role in ("prefill", "decode"):   # each PD request ran on the ranks the router chose for it
+        chosen = [_chosen(server, role, rank) for rank in (0, 1)]
+        assert chosen == [_requests(server, role, rank) for rank in (0, 1)], (role, chosen)
+    # a prompt sent again goes back to the ranks holding its prefix: both prefix caches hit
+    hits = {role: _hit_tokens(server, role) for role in ("prefill", "decode")}
+    again = grpc_generate(server.ports.grpc_url, make_inputs(PROMPTS[1], GREEDY), model="pd_ensemble")
+    assert again.error is None and again.text == reference[PROMPTS[1]]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_hit_tokens(server, r) == h for r, h in hits.items()):
+        time.sleep(0.1)
+    assert all(_hit_tokens(server, r) > h for r, h in hits.items()), hits
+    for role in ("prefill", "decode"):
+        assert [_chosen(server, role, r) for r in (0, 1)] == [_requests(server, role, r) for r in (0, 1)]
 
 
 def _requests(server: RunningServer, model: str, rank: int) -> float:
     try:
         return metric_value(server.ports.metrics_url, "pd_dp_rank_requests_total", model=model,
                             rank=str(rank))
+    except KeyError:
+        return 0.0
+
+
+def _chosen(server: RunningServer, role: str, rank: int) -> float:
+    """Requests the router sent to ``role``'s DP rank ``rank`` (its own count, as it chose)."""
+    try:
+        return metric_value(server.ports.metrics_url, "pd_router_dp_rank_selections_total",
+                            model="pd_ensemble", role=role, rank=str(rank))
+    except KeyError:
+        return 0.0
+
+
+def _hit_tokens(server: RunningServer, model: str) -> float:
+    try:
+        return metric_value(server.ports.metrics_url, "pd_prefix_cache_hits_tokens_total", model=model)
     except KeyError:
         return 0.0
 

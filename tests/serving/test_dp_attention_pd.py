@@ -3,17 +3,19 @@ the router's orchestrator and the in-process KV backend, prefill and decode each
 the three pairings DP -> DP, DP -> one rank, one rank -> DP; and DP -> DP over NIXL (two agents in this
 process, UCX over host memory: the decode's region is the ranks' shared memfd) and over Mooncake (TCP).
 
-Invariants: 4 concurrent streams equal the colocated single-rank engine's greedy text; the DP side spreads
-them over both ranks (its per-rank counters); the registered KV region of a DP instance is every rank's pool
+Invariants: 4 concurrent streams equal the colocated single-rank engine's greedy text; the router chooses a
+rank on each DP side only, and that side ran each request on the rank chosen, spread over both ranks (its
+per-rank counters); the registered KV region of a DP instance is every rank's pool
 (2 x ``num_pages`` pages), so a request's KV lands in the pool of the rank that serves it; every page is back
-after the streams end, and the instance's status at its rendezvous lists each rank's free pages.
+after the streams end, and the instance's status at its rendezvous lists each rank's free pages and queued
+prompt tokens.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from test_pd_workers import Cluster, request
 
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
+from serving.delta import Delta
+from serving.router.launch import ChildCall
 from serving.workers.pd_factory import create_pd_worker
 
 pytestmark = [pytest.mark.timeout(300),
@@ -72,9 +76,23 @@ def cluster(request: pytest.FixtureRequest, folder: Path) -> Iterator[Cluster]:
         handle.loop.engine.close()
 
 
-def test_streams_equal_colocated_and_each_dp_side_uses_both_ranks(cluster: Cluster,
-                                                                  colocated: dict[str, str]) -> None:
+def test_streams_equal_colocated_and_each_dp_side_uses_both_ranks(cluster: Cluster, colocated: dict[str, str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen: dict[str, list[int | None]] = {"prefill": [], "decode": []}   # the router's ranks, per role
+    launcher = cluster._launcher
+    stream = launcher.stream
+
+    def recording(call: ChildCall) -> AsyncIterator[Delta]:
+        chosen[call.role].append(call.target.dp_rank)
+        return stream(call)
+
+    monkeypatch.setattr(launcher, "stream", recording)
     engines = (cluster.prefill.loop.engine, cluster.decode.loop.engine)
+    deadline = time.monotonic() + 10   # the first load reports, which list a DP side's ranks
+    while any(len(s.load.rank_free_pages) != (e.config.dp_size if e.config.dp_size > 1 else 0)
+              for client, e in zip(cluster.clients, engines) for s in client.list_instances()):
+        assert time.monotonic() < deadline, "no load report lists the DP ranks"
+        time.sleep(0.1)
     for handle, engine in zip((cluster.prefill, cluster.decode), engines):
         ranks = engine.config.dp_size
         assert handle.kv_manager.args.layout.num_pages == ranks * NUM_PAGES
@@ -87,16 +105,21 @@ def test_streams_equal_colocated_and_each_dp_side_uses_both_ranks(cluster: Clust
     for prompt, deltas in zip(PROMPTS, results):
         assert not [d.error for d in deltas if d.error], deltas
         assert "".join(d.text for d in deltas) == colocated[prompt], prompt
-    for engine, was in zip(engines, before):
-        if engine.config.dp_size > 1:
+    for role, engine, was in zip(("prefill", "decode"), engines, before):
+        if engine.config.dp_size > 1:   # each request ran on the rank the router chose for it
             served = [load.requests - b for load, b in zip(engine.dp_loads, was)]
             assert sum(served) == len(PROMPTS) and min(served) >= 1, served
+            assert served == [chosen[role].count(rank) for rank in (0, 1)], (role, chosen[role])
+        else:                           # an instance of one pool is sent no rank
+            assert chosen[role] == [None] * len(PROMPTS), (role, chosen[role])
     assert cluster.wait_free(start) == start
     deadline = time.monotonic() + 10   # the rendezvous' status: per-rank free pages of a DP side, idle again
     expected = {e.config.dp_size: [NUM_PAGES] * 2 if e.config.dp_size > 1 else [] for e in engines}
+    queued = {e.config.dp_size: [0] * 2 if e.config.dp_size > 1 else [] for e in engines}
     while time.monotonic() < deadline:
         loads = [s.load for client in cluster.clients for s in client.list_instances()]
         if [load.rank_free_pages for load in loads] == [expected[e.config.dp_size] for e in engines]:
             break
         time.sleep(0.1)
     assert [load.rank_free_pages for load in loads] == [expected[e.config.dp_size] for e in engines]
+    assert [load.rank_queued_prompt_tokens for load in loads] == [queued[e.config.dp_size] for e in engines]

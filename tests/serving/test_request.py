@@ -126,3 +126,14 @@ def test_prompt_token_ids_come_with_their_tokenizers_fingerprint() -> None:
         parse_pd_request(llm, {**room, "prompt_token_ids": np.array([-4], dtype=np.int32),
                                "tokenizer_id": np.array([b"x"], dtype=np.object_)})
     assert parse_pd_request(llm, room).prompt_token_ids == ()
+
+
+def test_dp_rank_is_one_integer_at_least_0_and_absent_means_the_instance_places_the_request() -> None:
+    llm = {"text_input": b"Hi", "sampling_parameters": b'{"max_tokens": 16}'}
+    room = {"bootstrap_room": np.array([7], dtype=np.int64)}
+    assert parse_pd_request(llm, room).dp_rank is None
+    assert parse_pd_request(llm, {**room, "dp_rank": np.array([1], dtype=np.int32)}).dp_rank == 1
+    for bad in (np.array([-1], dtype=np.int32), np.array([0, 1], dtype=np.int32), np.array([1.0]),
+                np.array([b"1"], dtype=np.object_)):
+        with pytest.raises(RequestError, match="invalid input 'dp_rank': must be one integer >= 0"):
+            parse_pd_request(llm, {**room, "dp_rank": bad})
