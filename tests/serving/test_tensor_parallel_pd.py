@@ -4,8 +4,8 @@ random Llama with 4 attention heads over 2 KV heads, real KV transfer (in-proces
 for P TP=2 → D TP=1).
 
 Invariants: with P TP=2 → D TP=1 and P TP=1 → D TP=2 the merged greedy stream equals a colocated TP=1
-engine's; the prefill side moves exactly the KV's own bytes (each KV head of each prompt token once); every
-page of both instances returns.
+engine's (text, token ids, logprobs within 1e-4); the prefill side moves exactly the KV's own bytes (each KV
+head of each prompt token once); every page of both instances returns.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def colocated_texts(folder: Path) -> dict[str, str]:
-    """Greedy outputs of a colocated TP=1 engine (the reference)."""
+def colocated_texts(folder: Path) -> dict[str, tuple[str, list[tuple[int, float]]]]:
+    """Greedy outputs of a colocated TP=1 engine (the reference): per prompt, the text and each token's (id,
+    logprob)."""
     from engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(folder), mode="colocated", num_pages=128))
@@ -54,11 +55,13 @@ def colocated_texts(folder: Path) -> dict[str, str]:
     try:
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(str(i), engine.tokenizer.encode(prompt),
-                               parse_request(request(prompt, MAX_TOKENS)).params)
-            parts = []
+                               parse_request(request(prompt, MAX_TOKENS, logprobs=1)).params)
+            parts, tokens = [], []
             while engine.has_unfinished():
-                parts += [o.new_text for o in engine.step()]
-            texts[prompt] = "".join(parts)
+                for o in engine.step():
+                    parts.append(o.new_text)
+                    tokens += [(t.token_id, t.logprob) for t in o.new_token_logprobs or ()]
+            texts[prompt] = ("".join(parts), tokens)
     finally:
         engine.close()
     return texts
@@ -86,8 +89,8 @@ def cluster(request: pytest.FixtureRequest, folder: Path) -> Iterator[Cluster]:
     prefill.stop()
 
 
-def test_greedy_streams_equal_colocated_tp1_and_the_kv_moves_once(cluster: Cluster,
-                                                                  colocated_texts: dict[str, str]) -> None:
+def test_greedy_streams_equal_colocated_tp1_and_the_kv_moves_once(
+        cluster: Cluster, colocated_texts: dict[str, tuple[str, list[tuple[int, float]]]]) -> None:
     start = cluster.free_pages()
     engine = cluster.prefill.loop.engine
     shape = SHAPE_4_2
@@ -95,9 +98,14 @@ def test_greedy_streams_equal_colocated_tp1_and_the_kv_moves_once(cluster: Clust
     token_bytes = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 4
     for prompt in PROMPTS:
         before = cluster.prefill.kv_manager.metrics()["kv_bytes_total"]
-        responses = cluster.generate(request(prompt, MAX_TOKENS))
+        responses = cluster.generate(request(prompt, MAX_TOKENS, logprobs=1))
         assert responses[-1].final and responses[-1].error is None, responses[-1].error
-        assert "".join(r.text for r in responses) == colocated_texts[prompt]
+        text, expected = colocated_texts[prompt]
+        assert "".join(r.text for r in responses) == text
+        got = [(t.token_id, t.logprob) for r in responses for t in r.logprobs or ()]
+        assert [t for t, _ in got] == [t for t, _ in expected] and len(got) == MAX_TOKENS, prompt
+        # fp32; TP sums row-parallel products over the ranks: last-bit differences (docs/parallelism.md)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected)) <= 1e-4, prompt
         moved = cluster.prefill.kv_manager.metrics()["kv_bytes_total"] - before
         assert moved == len(engine.tokenizer.encode(prompt)) * token_bytes
     assert cluster.wait_free(start) == start
