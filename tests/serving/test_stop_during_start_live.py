@@ -1,4 +1,4 @@
-"""No crash at any stop (issue #50 item 5): SIGTERM at a random moment of a server's start, 20 tries, each to
+"""No crash at any stop (issue #50 item 5): SIGTERM at a random moment of a server's start, 12 tries, each to
 ``scripts/serve.sh`` alone (what a supervisor sends) or to its whole process group (a terminal's signals reach
 every process of the group: serve.sh, tritonserver, its stubs and their guardians).
 
@@ -33,7 +33,7 @@ from live_client import StreamResult, grpc_generate, make_inputs
 from perf.server import SHM_PREFIX, Deployment, ServeScript, build_model_repository, kernel_log, wait_ready
 
 pytestmark = [pytest.mark.live, pytest.mark.model, pytest.mark.timeout(1200)]
-TRIES = 20
+TRIES = 12   # in CI; 20 and more were run by hand (docs/healing.md)
 CRASH = re.compile(r"Fatal Python error|terminate called|Segmentation fault|Aborted|core dumped|"
                    r"Non-graceful termination|corrupted|double free|Signal \((6|11)\) received")
 
