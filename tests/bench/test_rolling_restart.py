@@ -23,7 +23,7 @@ def test_a_rolling_restart_under_load_loses_nothing(tmp_path: Path) -> None:
     pytest.importorskip("pytriton")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "rolling_restart.py"), "--concurrency", "8",
-         "--cancel-fraction", "0.2", "--max-new-tokens", "128", "--warmup-s", "5", "--settle-s", "2",
+         "--cancel-fraction", "0.2", "--max-new-tokens", "96", "--warmup-s", "3", "--settle-s", "1",
          "--log-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "rolling.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=1400, check=False)
     assert proc.returncode == 0 and "\nPASS\n" in proc.stdout, proc.stdout[-20000:] + proc.stderr[-5000:]
