@@ -132,6 +132,12 @@ OUTPUTS: tuple[Output, ...] = (
            _child("TYPE_INT32", "num_cached_tokens", (1,)), "return_num_cached_tokens", Carry.PREFILLED,
            "the sample's prompt tokens whose KV the prefix cache supplied (their prefill skipped): whole "
            "pages, below the prompt length, 0 on a miss; on pd_ensemble the prefill instance's hit"),
+    # ours: the router's own count, set on what it sends the client (colocated and the children send 0)
+    Output("num_migrations", _client("TYPE_UINT32", "num_migrations"), None, "return_num_migrations",
+           Carry.COUNT,
+           "times pd_ensemble moved the sample's decode to another decode instance mid-stream (the instance "
+           "failed, went silent or drained), resuming it from the tokens already sent: so far, on every "
+           "response; 0 on colocated"),
     Output("output_token_ids", None, _child("TYPE_INT32", "token_ids"), None, Carry.CHUNK,
            "ids of the tokens generated since the previous response (prefill: the first token): what the "
            "router resumes a request with on another decode instance when this one fails mid-stream"),
