@@ -128,10 +128,10 @@ server_args+=(
   # the drain (DRAIN_TIMEOUT_S) and then the end of what is left, finalize and the stubs' exit, must fit in
   # it: past it tritonserver exits under its stubs
   --exit-timeout-secs="$EXIT_TIMEOUT_S"
-  # Every config.pbtxt here is complete: without this flag each model load first runs a short-lived python
-  # stub only to ask model.py for its config (1.3 s of a 7 s prefill server start on a quiet host; more under
-  # load, where it delays a healed server: docs/healing.md)
-  --disable-auto-complete-config
+  # auto-complete stays on (no --disable-auto-complete-config): each model's outputs, and a public model's
+  # return_* inputs, come from serving/schema.py through its model.py's auto_complete_config, which a
+  # short-lived stub per load runs (1.3 s of a load on a quiet host: docs/healing.md); under that flag a load
+  # fails, naming it
 )
 # Explicit model control always (every model of the repository: --load-model=*), so that an operator can load,
 # unload or reload one model through the repository API without touching the others (docs/healing.md).

@@ -57,6 +57,8 @@ class Delta:
         num_cached_tokens: leading prompt tokens whose KV the prefix cache of the instance that prefilled
             supplied (their prefill was skipped); 0 until known.
         token_ids: ids of the new tokens, in order (for the router to resume the request elsewhere).
+        num_migrations: times the router moved the sample's decode to another instance so far (set by the
+            router on what it sends the client; 0 elsewhere).
         error: the request failed with this message (a terminal delta: ``final`` is set).
         error_kind: whose fault ``error`` is (``ErrorKind``).
         final: the last delta of its stream (a child's FINAL flag; the sample's last chunk in the router).
@@ -71,6 +73,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_cached_tokens: int = 0
     token_ids: tuple[int, ...] = ()
+    num_migrations: int = 0
     error: str | None = None
     error_kind: ErrorKind = ErrorKind.INSTANCE
     final: bool = False

@@ -4,7 +4,8 @@
 #   INPUT_FILE  default scripts/perf/inputs/chat_256.json (see scripts/perf/make_inputs.py)
 #   extra args  replace the defaults "--concurrency-range 1 --request-count 16"
 # Env: OUT_DIR (default artifacts/perf_analyzer/MODEL), PERF_ANALYZER (default tools/bin/perf_analyzer).
-# Writes OUT_DIR/profile_export.json (per-response timestamps, ns) and prints TTFT/ITL computed from it last.
+# Writes OUT_DIR/input_data.json (INPUT_FILE with every return_* flag), OUT_DIR/profile_export.json (per-response
+# timestamps, ns) and prints TTFT/ITL computed from it last.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 [[ $# -ge 2 ]] || { sed -n 2,7p "$0"; exit 2; }
@@ -18,6 +19,10 @@ PERF_ANALYZER="${PERF_ANALYZER:-$ROOT/tools/bin/perf_analyzer}"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 [[ -x "$PERF_ANALYZER" ]] || { echo "no $PERF_ANALYZER: run scripts/install_perf_tools.sh" >&2; exit 3; }
 mkdir -p "$OUT_DIR"
-"$PERF_ANALYZER" -m "$MODEL" -i grpc -u "127.0.0.1:$GRPC_PORT" --streaming --input-data "$INPUT" \
+# Every request asks for every optional output of serving/schema.py (the input file's requests, each with every
+# return_* flag, written here): perf_analyzer's export of a declared output that a response lacks is
+# uninitialized memory (genai_perf.sh says more)
+"$PYTHON" "$ROOT/scripts/perf/make_inputs.py" --return-flags "$INPUT" "$OUT_DIR/input_data.json"
+"$PERF_ANALYZER" -m "$MODEL" -i grpc -u "127.0.0.1:$GRPC_PORT" --streaming --input-data "$OUT_DIR/input_data.json" \
   --profile-export-file "$OUT_DIR/profile_export.json" "${EXTRA[@]}"
 "$PYTHON" "$ROOT/scripts/perf/pa_export_stats.py" "$OUT_DIR/profile_export.json"

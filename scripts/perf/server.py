@@ -296,7 +296,7 @@ def server_command(repo: Path, ports: ServerPorts, fleet_secret: bytes | None = 
             f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
             # serve.sh's exit timeout: the models' drain (30 s by default) + 15 s
             "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=45",
-            "--disable-auto-complete-config",   # as serve.sh: the configs are complete
+            # no --disable-auto-complete-config, as serve.sh: the models' outputs come from auto-complete
             # the routers' keepalive pings (serve.sh says why)
             "--grpc-keepalive-permit-without-calls=1",
             "--grpc-http2-min-recv-ping-interval-without-data=5000",

@@ -3,7 +3,8 @@ encoders and decoders of both sides next to each other, and the schema hash both
 
 ``CHILD_INPUTS`` and ``CHILD_OUTPUTS`` are the protocol: every input the router may send (with the roles that
 take it) and every output a child answers with, in Triton data types (the outputs are ``serving.schema``'s
-child layout); the prefill and decode ``config.pbtxt`` declare them (``tests/serving/test_child_codec.py`` and
+child layout); the prefill and decode models declare them (the inputs in ``config.pbtxt``, the outputs by
+auto-complete from the schema; ``tests/serving/test_child_codec.py`` and
 ``tests/serving/test_response_schema.py`` hold them to each other). ``SCHEMA_HASH`` hashes them with
 ``CHILD_PROTOCOL_VERSION`` (raise it for a change of meaning that keeps names and types); the router sends it
 in ``child_schema`` and a child of another build answers that request with an error naming both hashes

@@ -13,22 +13,16 @@ Inputs, as ``triton_io.read_inputs`` hands them over (one Python scalar per inpu
                                        ``text_output``; streaming: the prompt is never sent, and an explicit
                                        false is an error (as in the vLLM backend)
 ``apply_chat_template``       bool     wrap the prompt as one user message in the model's chat template
-``return_finish_reason``      bool     send ``finish_reason`` (BYTES ``[n]``: ``"None"`` until the sample
-                                       ends)
-``return_cumulative_logprob`` bool     send ``cumulative_logprob`` (FP32 ``[n]``)
-``return_logprobs``           bool     send ``logprobs`` (BYTES ``[n]``, JSON; ``null`` without the
-                                       ``logprobs`` sampling parameter)
-``return_num_input_tokens``   bool     send ``num_input_tokens`` (UINT32 ``[1]``)
-``return_num_output_tokens``  bool     send ``num_output_tokens`` (UINT32 ``[n]``: tokens of this response)
-``return_num_cached_tokens``  bool     send ``num_cached_tokens`` (UINT32 ``[n]``: the sample's prompt tokens
-                                       the prefix cache supplied, i.e. whose prefill was skipped)
+``return_<output>``           bool     send ``<output>``: one flag per optional output of the client
+                                       layout (``serving.schema.RETURN_FLAGS``; what each output holds:
+                                       its row of ``serving.schema.OUTPUTS``)
 ============================  =======  ==========================================================
 
 Without a ``sampling_parameters`` input, the request's Triton parameters are the sampling parameters (what the
 extra JSON fields of HTTP ``generate`` / ``generate_stream`` become, and what ``tritonclient``'s
 ``parameters=`` sends), as in the vLLM backend; keys starting with ``triton_`` are Triton's own and skipped.
 The ``return_*`` inputs and the outputs they enable follow the vLLM backend's ``docs/additional_outputs.md``;
-``return_num_cached_tokens`` is ours (that backend has no such output) and follows the same rules.
+the outputs that backend does not have (``num_cached_tokens``, ...) are ours and follow the same rules.
 """
 
 from __future__ import annotations

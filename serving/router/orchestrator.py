@@ -149,6 +149,7 @@ class _MergeState:
     def final_chunk(self, finish_reason: str | None) -> Delta:
         return Delta(text=self.tail_text, finish_reason=finish_reason,
                      num_output_tokens=self.num_output_tokens, cumulative_logprob=self.cumulative_logprob,
+                     num_migrations=self.migration.num_migrations,
                      logprobs=tuple(self.tail_logprobs) if self.tail_logprobs is not None else None,
                      final=True, **self.carried)
 
@@ -617,6 +618,7 @@ class PDOrchestrator:
             state.emitted = state.emitted or bool(response.text)
             emit(Delta(text=response.text, num_output_tokens=state.num_output_tokens,
                        cumulative_logprob=state.cumulative_logprob, logprobs=response.logprobs,
+                       num_migrations=state.migration.num_migrations,
                        **state.carried))
 
     def _count_rejected(self, reason: str) -> None:

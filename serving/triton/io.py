@@ -4,12 +4,10 @@
 imported on first use; the numpy halves (``scalars_from_arrays``, ``response_arrays``) work anywhere.
 
 Tensors of the LLM convention: inputs are shape ``[1]`` (or ``[1, 1]``); strings arrive as ``bytes`` in numpy
-object arrays, bools as ``np.bool_``. Outputs (the vLLM backend's, ``docs/additional_outputs.md`` there), one
-entry per sample: ``text_output`` (BYTES ``[n]``) always; when asked (``return_*``): ``finish_reason`` (BYTES
-``[n]``, ``"None"`` until the sample ends), ``cumulative_logprob`` (FP32 ``[n]``), ``logprobs`` (BYTES
-``[n]``, JSON), ``num_input_tokens`` (UINT32 ``[1]``), ``num_output_tokens`` (UINT32 ``[n]``, this response's
-tokens), ``num_cached_tokens`` (UINT32 ``[n]``, the sample's prompt tokens served by the prefix cache; ours,
-not the vLLM backend's). Like ``num_input_tokens``, an asked count is on every response.
+object arrays, bools as ``np.bool_``. Outputs (the vLLM backend's, ``docs/additional_outputs.md`` there, and
+ours): the client layout of ``serving.schema.OUTPUTS``, whose rows give each output's type, dims (``[n]``: one
+entry per sample; ``[1]``: one value) and meaning: ``text_output`` always, every other output when its
+``return_*`` input asks for it, then on every response.
 
 ``logprobs`` JSON of one sample: a list with one object per token of the response,
 ``{"<token_id>": {"logprob": float, "rank": int, "decoded_token": str}, ...}``: the sampled token first, then

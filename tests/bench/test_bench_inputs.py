@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from perf.pa_export_stats import records_from_export
 from perf.workload import InterferenceConfig, chat_phase, interference_phase, make_prompt
+
+from serving.schema import RETURN_FLAGS
 
 
 def test_prompts_are_reproducible_distinct_and_sized_in_words() -> None:
@@ -45,21 +53,44 @@ def test_export_records_carry_ns_timestamps_as_seconds_and_flag_unended_streams(
     assert not open_.ok
 
 
-def test_perf_tools_ask_for_every_optional_output_the_public_models_declare() -> None:
-    """perf_analyzer's export of a declared output that a response lacks is uninitialized memory
-    (``scripts/perf/genai_perf.sh`` says more): its inputs and genai_perf.sh ask for every ``return_*``."""
-    import json
-    import re
-    from pathlib import Path
+def _fake_tool(path: Path, record: Path) -> Path:
+    """An executable that writes its arguments, one a line, to ``record``, and copies its ``--input-data``
+    file beside it (``record`` + ``.input``)."""
+    path.write_text("#!/usr/bin/env bash\n"
+                    f'printf "%s\\n" "$@" > "{record}"\n'
+                    'while [[ $# -gt 0 ]]; do\n'
+                    f'  if [[ "$1" == --input-data ]]; then cp "$2" "{record}.input"; fi; shift\n'
+                    "done\n")
+    path.chmod(0o755)
+    return path
 
+
+def test_perf_tools_ask_for_every_optional_output_the_public_models_declare(tmp_path: Path) -> None:
+    """perf_analyzer's export of a declared output that a response lacks is uninitialized memory
+    (``scripts/perf/genai_perf.sh`` says more): the requests ``perf_analyzer.sh`` and ``genai_perf.sh`` send
+    (each run against a stand-in of its tool that records what it got) ask for every ``return_*`` flag the
+    public models declare (``serving.schema.RETURN_FLAGS``: their auto-complete adds exactly those,
+    ``tests/serving/test_response_schema.py``). The committed inputs hold no flag: a new output needs no edit
+    there, nor in the scripts."""
     root = Path(__file__).resolve().parents[2]
-    for model in ("pd_ensemble", "colocated"):
-        config = (root / "model_repository" / model / "config.pbtxt").read_text()
-        declared = set(re.findall(r'name: "(return_\w+)"', config))
-        assert "return_num_cached_tokens" in declared
-        script = (root / "scripts/perf/genai_perf.sh").read_text()
-        assert all(re.search(rf"\b{name}\b", script) for name in declared), model
-        for path in sorted((root / "scripts/perf/inputs").glob("*.json")):
-            entries = json.loads(path.read_text())["data"]
-            assert all(declared <= {k for k, v in e.items() if v == [True]} for e in entries), \
-                (model, path.name)
+    env = {**os.environ, "OUT_DIR": str(tmp_path / "out"), "PYTHON": sys.executable}
+    for path in sorted((root / "scripts/perf/inputs").glob("*.json")):
+        committed = json.loads(path.read_text())["data"]
+        assert not [k for e in committed for k in e if k.startswith("return_")], path.name
+        record = tmp_path / f"pa-{path.stem}"
+        subprocess.run([str(root / "scripts/perf/perf_analyzer.sh"), "colocated", "1", str(path)], cwd=root,
+                       env={**env, "PERF_ANALYZER": str(_fake_tool(tmp_path / "perf_analyzer", record))},
+                       capture_output=True, timeout=60, check=False)   # pa_export_stats finds no export: fine
+        sent = json.loads(Path(f"{record}.input").read_text())["data"]
+        assert sent == [{**e, **{flag: [True] for flag in RETURN_FLAGS}} for e in committed], path.name
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    record = tmp_path / "genai-perf"
+    proc = subprocess.run([str(root / "scripts/perf/genai_perf.sh"), "colocated", "1"], cwd=root,
+                          env={**env, "GENAI_PERF": str(_fake_tool(tmp_path / "genai-perf-tool", record)),
+                               "TOKENIZER": str(tokenizer)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    args = record.read_text().splitlines()
+    extra = {args[i + 1] for i, arg in enumerate(args) if arg == "--extra-inputs"}
+    assert extra == {f"{flag}:true" for flag in RETURN_FLAGS}

@@ -2,6 +2,7 @@
 
 * logprobs through PD equal colocated's (same greedy tokens, logprobs within 1e-4, same top tokens), the first
   token (computed by prefill) included, ``max_tokens=1`` included;
+* the served configs declare the schema's outputs and ``return_*`` inputs (auto-complete added them);
 * the vLLM backend's additional outputs: present only when asked, with its dtypes and per-response meaning;
 * ``num_cached_tokens`` (ours): a long prompt sent again reports the prefix cache's hit (prefill's in PD),
   whole pages below the prompt length, per sample and on every response;
@@ -25,6 +26,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from live_client import RESPONSE_TIMEOUT_S, make_inputs
 
+from serving.schema import CLIENT_OUTPUTS, RETURN_FLAGS, config_inputs, config_outputs
+
 pytestmark = pytest.mark.live
 
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode", "colocated")
@@ -34,9 +37,8 @@ PROMPTS = (
     "List the colors of the rainbow: red, orange, yellow, green, blue, indigo, violet. Again: red, orange,",
     "def fibonacci(n):\n    ",
 )
-ALL_OUTPUTS = {"return_finish_reason": True, "return_cumulative_logprob": True, "return_logprobs": True,
-               "return_num_input_tokens": True, "return_num_output_tokens": True,
-               "return_num_cached_tokens": True}
+#: every optional output of the schema asked
+ALL_OUTPUTS = dict.fromkeys(RETURN_FLAGS, True)
 NO_OUTPUTS = {name: False for name in ALL_OUTPUTS}
 
 
@@ -99,6 +101,24 @@ def _chosen(token: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return int(key), token[key]
 
 
+def test_the_served_configs_hold_the_schema(triton_server) -> None:
+    """What tritonserver serves (``get_model_config``) declares each model's outputs and a public model's
+    ``return_*`` inputs exactly as ``serving.schema`` does: its config.pbtxt has none, auto-complete added
+    them (``tests/serving/test_response_schema.py`` holds model.py's ``auto_complete_config`` to the
+    schema)."""
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    try:
+        for model in TRITON_MODELS:
+            config = client.get_model_config(model, as_json=True)["config"]
+            served = {section: {e["name"]: (e["data_type"], [int(d) for d in e["dims"]])
+                                for e in config[section]} for section in ("input", "output")}
+            assert served["output"] == {e["name"]: (e["data_type"], e["dims"]) for e in config_outputs(model)}
+            flags = {name: value for name, value in served["input"].items() if name.startswith("return_")}
+            assert flags == {e["name"]: (e["data_type"], e["dims"]) for e in config_inputs(model)}, model
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("max_tokens", [1, 12])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_logprobs_through_pd_equal_colocated(triton_server, prompt, max_tokens) -> None:
@@ -136,9 +156,7 @@ def test_additional_outputs_only_when_asked(triton_server, model) -> None:
     full = infer(triton_server.grpc_url, model, PROMPTS[0], _greedy(6), **ALL_OUTPUTS)
     assert full.error is None and len(full.outputs) >= 2
     for i, o in enumerate(full.outputs):
-        assert set(o) == {"text_output", "finish_reason", "cumulative_logprob", "logprobs",
-                          "num_input_tokens",
-                          "num_output_tokens", "num_cached_tokens"}
+        assert set(o) == set(CLIENT_OUTPUTS)
         assert o["num_input_tokens"].dtype == np.uint32 and o["num_output_tokens"].dtype == np.uint32
         assert o["num_cached_tokens"].dtype == np.uint32 and o["num_cached_tokens"].shape == (1,)
         assert o["cumulative_logprob"].dtype == np.float32

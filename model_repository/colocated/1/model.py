@@ -7,4 +7,4 @@ python backend's auto-complete stub imports this file too, and need not load tor
 
 from serving.triton.entry import deferred_model
 
-TritonPythonModel = deferred_model("serving.triton.colocated_model", "ColocatedModel")
+TritonPythonModel = deferred_model("serving.triton.colocated_model", "ColocatedModel", "colocated")

@@ -10,4 +10,4 @@ imports this file too, and need not load torch).
 
 from serving.triton.entry import deferred_model
 
-TritonPythonModel = deferred_model("serving.router.triton_model", "RouterModel")
+TritonPythonModel = deferred_model("serving.router.triton_model", "RouterModel", "pd_ensemble")

@@ -8,4 +8,4 @@ this file too, and need not load torch).
 
 from serving.triton.entry import deferred_model
 
-TritonPythonModel = deferred_model("serving.triton.pd_model", "PDChildModel", ROLE="prefill")
+TritonPythonModel = deferred_model("serving.triton.pd_model", "PDChildModel", "prefill", ROLE="prefill")

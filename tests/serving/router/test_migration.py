@@ -8,6 +8,7 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 from router_fakes import ScriptedLauncher, fleet_of, status, unavailable
 from test_orchestrator import run
 
@@ -271,3 +272,23 @@ def test_a_decode_that_drains_with_no_other_decode_keeps_its_stream_to_the_end()
     timer.join()
     assert out[-1].error is None and "".join(c.text for c in out) == "ABC"
     assert [c.role for c in launcher.calls] == ["prefill", "decode"] and launcher.cancelled == []
+
+
+def test_each_response_says_how_many_times_its_decode_moved_so_far() -> None:
+    """``num_migrations``, the client output of that name: 0 before the first move, then the moves so far, on
+    every delta the client gets; the Triton encoder sends it (UINT32 ``[n]``) and the front decodes it into
+    the sample's counts."""
+    from frontend.wire import Contract, ResponseDecoder
+    from serving.delta import ResponseChunk
+    from serving.parsing.request import OutputOptions
+    from serving.triton.io import response_arrays
+
+    again = [(0.0, tok("D", 4, (13,), -0.5)), (0.0, unavailable("d down again"))]
+    last = [(0.0, tok("E", 5, (14,), -0.5, True, "length"))]
+    launcher = ScriptedLauncher({"prefill": PREFILL, "decode": DIES_AFTER_3}, resumed=[again, last])
+    out, _ = run(launcher, fleet=fleet_of(*FLEET))
+    assert [(c.text, c.num_migrations) for c in out] == [("A", 0), ("B", 0), ("C", 0), ("D", 1), ("E", 2)]
+    arrays = response_arrays(ResponseChunk((out[-1],)), OutputOptions.of("num_migrations"))
+    assert arrays["num_migrations"].dtype == np.uint32 and arrays["num_migrations"].tolist() == [2]
+    decoded = ResponseDecoder(Contract(frozenset({"return_num_migrations"}))).decode(arrays, final=True)
+    assert decoded.samples[0].counts == {"num_migrations": 2}
