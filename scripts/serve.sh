@@ -128,11 +128,16 @@ server_args+=(
   # the drain (DRAIN_TIMEOUT_S) and then the end of what is left, finalize and the stubs' exit, must fit in
   # it: past it tritonserver exits under its stubs
   --exit-timeout-secs="$EXIT_TIMEOUT_S"
-  # auto-complete stays on (no --disable-auto-complete-config): each model's outputs, and a public model's
-  # return_* inputs, come from serving/schema.py through its model.py's auto_complete_config, which a
-  # short-lived stub per load runs (1.3 s of a load on a quiet host: docs/healing.md); under that flag a load
-  # fails, naming it
+  # auto-complete stays on: each model's outputs, and a public model's return_* inputs, come from
+  # serving/schema.py through its model.py's auto_complete_config, which a short-lived stub per load runs (1.3 s
+  # of a load on a quiet host: docs/healing.md). A repository whose every config declares its outputs already
+  # (written by scripts/perf/server.py's complete_config) skips that stage below.
 )
+complete_configs=1
+for config in "$MODEL_REPOSITORY"/*/config.pbtxt; do
+  grep -q '^output *\[' "$config" 2>/dev/null || complete_configs=0
+done
+if [[ "$complete_configs" == 1 ]]; then server_args+=(--disable-auto-complete-config); fi
 # Explicit model control always (every model of the repository: --load-model=*), so that an operator can load,
 # unload or reload one model through the repository API without touching the others (docs/healing.md).
 server_args+=(--model-control-mode=explicit)

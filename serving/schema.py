@@ -205,3 +205,22 @@ def undeclared(model_config: Mapping[str, Any], role: str) -> list[str]:
                     or [int(d) for d in got.get("dims", [])] != entry["dims"]:
                 missing.append(entry["name"])
     return missing
+
+
+def config_pbtxt(role: str) -> str:
+    """``config_inputs`` and ``config_outputs`` of ``role`` as ``config.pbtxt`` text (an ``input`` and an
+    ``output`` list; protobuf's text format appends a repeated field's later lists to the earlier ones), for a
+    launcher that writes complete configs into its own repository copy and then starts tritonserver with
+    ``--disable-auto-complete-config`` (``scripts/perf/server.py``; ``scripts/serve.sh`` passes that flag when
+    every config of its repository declares an ``output`` list). Raises ValueError for an unknown role."""
+
+    def entry(e: ConfigEntry) -> str:
+        optional = ", optional: true" if e.get("optional") else ""
+        dims = ", ".join(str(d) for d in e["dims"])
+        return f'  {{ name: "{e["name"]}", data_type: {e["data_type"]}, dims: [ {dims} ]{optional} }}'
+
+    text = ""
+    for section, entries in (("input", config_inputs(role)), ("output", config_outputs(role))):
+        if entries:
+            text += f"{section} [\n" + ",\n".join(entry(e) for e in entries) + "\n]\n"
+    return text

@@ -137,6 +137,32 @@ def test_auto_complete_through_the_python_backends_own_model_config() -> None:
         assert entries(auto_completed(model, real), "output") == entries(auto_completed(model), "output")
 
 
+@pytest.mark.parametrize("model", CLIENT_MODELS + CHILD_MODELS)
+def test_a_rendered_complete_config_declares_what_auto_complete_does(model: str) -> None:
+    """``scripts/perf/server.py``'s ``complete_config`` (``serving.schema.config_pbtxt`` appended: what the
+    test servers run under ``--disable-auto-complete-config``) parses as Triton's ModelConfig to the committed
+    config plus exactly what auto-complete adds."""
+    import sys
+
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from perf.server import complete_config
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    text = complete_config((ROOT / "model_repository" / model / "config.pbtxt").read_text(), model)
+    parsed = json_format.MessageToDict(text_format.Parse(text, model_config_pb2.ModelConfig()),
+                                       preserving_proto_field_name=True)
+    for section in ("input", "output"):
+        for e in parsed[section]:
+            e["dims"] = [int(d) for d in e["dims"]]
+        assert entries(parsed, section) == entries(auto_completed(model), section), section
+    check_declared(parsed, model)
+    assert complete_config(text, model) == text   # complete already: left as it is
+
+
 def test_a_config_without_the_schema_fails_initialize_naming_the_flag() -> None:
     """What a server started with ``--disable-auto-complete-config`` hands ``initialize``."""
     for model in CLIENT_MODELS + CHILD_MODELS:
