@@ -1,13 +1,15 @@
 """DP attention in a real tritonserver (issue #47): a tiny random DeepSeek-V3 (MLA, 8 experts, top-2, fp32)
 served by ``pd_ensemble`` with prefill and decode each at ``expert_parallel_size`` 2 with
-``enable_dp_attention``, over NIXL, beside a ``colocated`` model the same way.
+``enable_dp_attention``, over NIXL, beside a ``colocated`` model the same way, and the mixed pairings (two
+more routers, each held to its pair: DP prefill -> a one-rank decode, a one-rank prefill -> DP decode).
 
 Invariants: each DP stub has started one rank process; every PD stream and every colocated stream (4 at
 once) equals an in-process single-rank colocated engine's greedy text,
 so each request's latent KV crossed from its prefill rank's pool to its decode rank's; each DP model served
 them on both ranks (``pd_dp_rank_requests_total``), the PD ones on the ranks the router chose
 (``pd_router_dp_rank_selections_total`` equals them rank by rank); a prompt sent again is paired to the ranks
-holding its prefix (prefill's and decode's prefix caches both hit); kill -9 of the
+holding its prefix (prefill's and decode's prefix caches both hit); the mixed pairings' streams equal the same
+reference, the router choosing a rank on the DP side only; kill -9 of the
 colocated model's rank 1 under a request ends that request with an error naming the rank within seconds (no
 hang), and the server then ends, as when a stub dies (``serving.workers.fatal``). Teardown stops the server if
 it runs.
@@ -49,9 +51,18 @@ def server(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run
     pytest.importorskip("pytriton")
     dp2 = {"model": str(tiny), "num_pages": "128", "tp_timeout_s": "5", "expert_parallel_size": "2",
            "enable_dp_attention": "true"}
-    deployment = Deployment(name="dp", entry_model="pd_ensemble",
-                            models=("pd_ensemble", "prefill", "decode", "colocated"),
-                            overrides={"prefill": dp2, "decode": dp2, "colocated": dp2})
+    one = {"model": str(tiny), "num_pages": "128"}
+    deployment = Deployment(
+        name="dp", entry_model="pd_ensemble",
+        models=("pd_ensemble", "prefill", "decode", "colocated", "prefill_one", "decode_one", "pd_dp_to_one",
+                "pd_one_to_dp"),
+        overrides={"prefill": dp2, "decode": dp2, "colocated": dp2, "prefill_one": one, "decode_one": one,
+                   # each router held to its pair (the mixed ones: DP prefill -> one-rank decode, and back)
+                   "pd_ensemble": {"prefill_models": "prefill", "decode_models": "decode"},
+                   "pd_dp_to_one": {"prefill_models": "prefill", "decode_models": "decode_one"},
+                   "pd_one_to_dp": {"prefill_models": "prefill_one", "decode_models": "decode"}},
+        copies={"prefill_one": "prefill", "decode_one": "decode", "pd_dp_to_one": "pd_ensemble",
+                "pd_one_to_dp": "pd_ensemble"})
     running = RunningServer(deployment, ServerPorts(*free_ports(3)), tmp_path_factory.mktemp("dp-logs"),
                             ready_timeout_s=300.0)
     with running:
@@ -91,6 +102,23 @@ def test_pd_and_colocated_with_dp_attention_equal_a_single_rank_engine(server: R
         assert [_chosen(server, role, r) for r in (0, 1)] == [_requests(server, role, r) for r in (0, 1)]
 
 
+def test_mixed_pairings_dp_prefill_to_one_rank_decode_and_back_equal_a_single_rank_engine(
+        server: RunningServer, tiny: Path) -> None:
+    """DP prefill (2 ranks) -> a one-rank decode, and a one-rank prefill -> DP decode: each request's latent
+    KV goes from the rank that computed it to the pool that decodes it; streams (4 at once) equal the
+    reference; the router chose a rank on the DP side only."""
+    reference = colocated_greedy_texts(PROMPTS, GREEDY, sequential=True, model=str(tiny))
+    for router in ("pd_dp_to_one", "pd_one_to_dp"):
+        streams_match_reference(
+            lambda p, m=router: grpc_generate(server.ports.grpc_url, make_inputs(p, GREEDY), model=m),
+            PROMPTS, reference)
+    assert sum(_chosen(server, "prefill", r, "pd_dp_to_one") for r in (0, 1)) == len(PROMPTS)
+    assert sum(_chosen(server, "decode", r, "pd_one_to_dp") for r in (0, 1)) == len(PROMPTS)
+    assert sum(_chosen(server, "decode", r, "pd_dp_to_one") for r in (0, 1)) == 0   # one rank: no choice
+    for model in ("prefill_one", "decode_one"):
+        assert metric_value(server.ports.metrics_url, "pd_kv_transfers_total", model=model) >= len(PROMPTS)
+
+
 def _requests(server: RunningServer, model: str, rank: int) -> float:
     try:
         return metric_value(server.ports.metrics_url, "pd_dp_rank_requests_total", model=model,
@@ -99,11 +127,11 @@ def _requests(server: RunningServer, model: str, rank: int) -> float:
         return 0.0
 
 
-def _chosen(server: RunningServer, role: str, rank: int) -> float:
-    """Requests the router sent to ``role``'s DP rank ``rank`` (its own count, as it chose)."""
+def _chosen(server: RunningServer, role: str, rank: int, router: str = "pd_ensemble") -> float:
+    """Requests ``router`` sent to ``role``'s DP rank ``rank`` (its own count, as it chose)."""
     try:
         return metric_value(server.ports.metrics_url, "pd_router_dp_rank_selections_total",
-                            model="pd_ensemble", role=role, rank=str(rank))
+                            model=router, role=role, rank=str(rank))
     except KeyError:
         return 0.0
 
