@@ -44,6 +44,8 @@ SYSTEM_PACKAGES=(gcc libc6-dev iproute2 procps openssl libibverbs1 libnl-route-3
 SMOLLM2_VERSION=0.1.2
 
 say() { echo "[setup] $*"; }
+# shellcheck source=scripts/venv.sh
+. "$ROOT/scripts/venv.sh"
 
 # installed_version NAME -> prints the installed version of a distribution, or nothing
 installed_version() {
@@ -69,17 +71,10 @@ make_venv() {
     rm -rf "$VENV"
   fi
   say "creating $VENV with $("$PYTHON" --version)"
-  if "$PYTHON" -m venv "$VENV"; then return; fi
-  rm -rf "$VENV"
-  if "$PYTHON" -m venv --without-pip "$VENV"; then
-    # Debian without python3-venv has no ensurepip: let the host pip seed the bare venv
-    say "venv without ensurepip: seeding pip with the host pip"
-    "$PYTHON" -m pip --python "$PY" install --quiet pip
-  else
-    say "no venv module: using virtualenv"
+  if ! new_venv "$PYTHON" "$VENV"; then
     rm -rf "$VENV"
-    "$PYTHON" -m pip install --quiet --user virtualenv
-    "$PYTHON" -m virtualenv --quiet "$VENV"
+    echo "[setup] could not make $VENV: see above" >&2
+    exit 1
   fi
 }
 
