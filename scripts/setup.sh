@@ -4,7 +4,8 @@
 #   scripts/setup.sh            # creates .venv, installs, prepares the python backend stub and the model cache
 #
 # Needs: Python >= 3.10 with pip, and root with apt-get for the system packages below (SYSTEM_PACKAGES). Without
-# root, install those yourself first: set-up then only checks them. Whatever is still missing at the end is named
+# root, install those yourself first: set-up then only checks them, before it makes the venv, and stops at once
+# naming what is missing (scripts/prereqs.py --system). Whatever is still missing at the end is named too
 # (scripts/prereqs.py) and set-up exits 1: it never leaves a half-installed machine whose tests would skip.
 # torch: `pip install torch==2.13.0` takes PyPI's build, which on x86_64 Linux is the multi-GB CUDA one unless the
 # index holds a CPU wheel; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu names PyTorch's CPU index.
@@ -33,13 +34,18 @@ PY="$VENV/bin/python"
 TORCH_VERSION=2.13.0
 NIXL_VERSION=1.5.1
 MOONCAKE_VERSION=0.3.13.post1
-# Debian packages: gcc (the CPU kernels), iproute2 (network namespaces of the tests across hosts), what mooncake's
-# CPU wheel loads, etcd (the etcd membership backend), and libpython3.X (the python backend stub links it; X is
-# the venv's Python, appended in install_system_libs).
-SYSTEM_PACKAGES=(gcc iproute2 libibverbs1 libnl-route-3-200 etcd-server etcd-client)
+# Debian packages: gcc and libc6-dev (the CPU kernels), iproute2 (network namespaces of the tests across hosts),
+# procps (serve.sh finds tritonserver's model stubs with ps; the live tests use pgrep), openssl (the TLS tests'
+# certificates), what mooncake's CPU wheel loads (libibverbs, libnl-route-3, libcurl), etcd (the etcd membership
+# backend), and libpython3.X (the python backend stub links it; X is the venv's Python, appended in
+# install_system_libs). Named each, not left to apt's recommends: an image may install none.
+SYSTEM_PACKAGES=(gcc libc6-dev iproute2 procps openssl libibverbs1 libnl-route-3-200 libcurl4 etcd-server
+                 etcd-client)
 SMOLLM2_VERSION=0.1.2
 
 say() { echo "[setup] $*"; }
+# shellcheck source=scripts/venv.sh
+. "$ROOT/scripts/venv.sh"
 
 # installed_version NAME -> prints the installed version of a distribution, or nothing
 installed_version() {
@@ -65,36 +71,32 @@ make_venv() {
     rm -rf "$VENV"
   fi
   say "creating $VENV with $("$PYTHON" --version)"
-  if "$PYTHON" -m venv "$VENV"; then return; fi
-  rm -rf "$VENV"
-  if "$PYTHON" -m venv --without-pip "$VENV"; then
-    # Debian without python3-venv has no ensurepip: let the host pip seed the bare venv
-    say "venv without ensurepip: seeding pip with the host pip"
-    "$PYTHON" -m pip --python "$PY" install --quiet pip
-  else
-    say "no venv module: using virtualenv"
+  if ! new_venv "$PYTHON" "$VENV"; then
     rm -rf "$VENV"
-    "$PYTHON" -m pip install --quiet --user virtualenv
-    "$PYTHON" -m virtualenv --quiet "$VENV"
+    echo "[setup] could not make $VENV: see above" >&2
+    exit 1
   fi
 }
 
 # apt_install PKG...: installs the missing ones as root with apt-get (apt-get update when the first try
 # fails); status 0 when it installed something, 1 when all were present. Not root, or no dpkg/apt-get: says
-# which are missing and leaves them to the final check (check_prereqs), which fails set-up if they still are.
-# An apt-get that fails stops set-up with apt's own error.
+# which are missing and leaves them to the check that follows (check_system_prereqs), which stops set-up if
+# they still are. An apt-get that fails stops set-up with apt's own error. PKG's 64-bit-time name (Ubuntu
+# 24.04's libcurl4t64, libpython3.12t64) counts as PKG.
 apt_install() {
-  local missing=() pkg
+  local missing=() pkg status
   if ! command -v dpkg-query >/dev/null; then
-    echo "[setup] no dpkg here: install the equivalents of ${*} yourself (checked at the end)" >&2
+    echo "[setup] no dpkg here: install the equivalents of ${*} yourself (checked next)" >&2
     return 1
   fi
   for pkg in "$@"; do
-    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then missing+=("$pkg"); fi
+    # one of the two names is always unknown to dpkg-query, which then exits 1: its output is what tells
+    status="$(dpkg-query -W -f='${Status}\n' "$pkg" "${pkg}t64" 2>/dev/null || true)"
+    if [[ "$status" != *"install ok installed"* ]]; then missing+=("$pkg"); fi
   done
   if [[ ${#missing[@]} -eq 0 ]]; then return 1; fi
   if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
-    echo "[setup] not root (or no apt-get): install ${missing[*]} yourself (checked at the end)" >&2
+    echo "[setup] not root (or no apt-get): install ${missing[*]} yourself (checked next)" >&2
     return 1
   fi
   say "apt-get install ${missing[*]}"
@@ -112,6 +114,15 @@ install_system_libs() {
   if apt_install "${SYSTEM_PACKAGES[@]}" "libpython$pyver" \
       && command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
     systemctl disable --now etcd >/dev/null 2>&1 || true
+  fi
+}
+
+# The system packages scripts/prereqs.py lists, present before anything goes into the venv (minutes of
+# downloads): else it names what is missing and set-up stops at once.
+check_system_prereqs() {
+  if ! "$PYTHON" "$ROOT/scripts/prereqs.py" --system; then
+    echo "[setup] stopped before making the venv: install the above first (as root, scripts/setup.sh does)" >&2
+    exit 1
   fi
 }
 
@@ -178,6 +189,7 @@ PY
 main() {
   cd "$ROOT"
   install_system_libs
+  check_system_prereqs
   make_venv
   install_packages
   install_stub

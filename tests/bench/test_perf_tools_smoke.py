@@ -2,8 +2,9 @@
 
 perf_analyzer (gRPC, ``--streaming``, ``scripts/perf/inputs/smoke.json``: 16-token prompts, ``max_tokens`` 8
 with ``ignore_eos``) and genai-perf (synthetic 16-token prompts, 4 new tokens) each send 4 requests at
-concurrency 2 through the wrappers in ``scripts/perf/``. Skips, with the reason, when
-``scripts/install_perf_tools.sh`` has not run. Uses the ``triton_server`` fixture of
+concurrency 2 through the wrappers in ``scripts/perf/``. Fails, naming it, when what
+``scripts/install_perf_tools.sh`` installs (``scripts/test.sh`` runs it) is missing; skips instead with
+``PD_TESTS_ALLOW_MISSING=1`` (``tests/conftest.py``). Uses the ``triton_server`` fixture of
 ``tests/serving/conftest.py`` (loaded below, not copied).
 """
 
@@ -47,6 +48,18 @@ def _grpc_port(server: object) -> str:
     return url.rsplit(":", 1)[1]
 
 
+def _require(path: Path, how: str) -> None:
+    """``path`` exists; else the test fails naming it and ``how`` to make it (skips with
+    ``PD_TESTS_ALLOW_MISSING=1``): the set-up of ``scripts/test.sh`` installs it, so its absence is a broken
+    set-up, not something to skip."""
+    if path.exists():
+        return
+    message = f"{path} missing: {how}"
+    if os.environ.get("PD_TESTS_ALLOW_MISSING") == "1":
+        pytest.skip(message)
+    pytest.fail(message)
+
+
 def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, check=False)
@@ -55,8 +68,7 @@ def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
 @pytest.mark.parametrize("model", ENTRY_MODELS)
 def test_perf_analyzer_streams_all_end(triton_server: object, model: str, tmp_path: Path) -> None:
     """perf_analyzer exits 0, and each of its requests got all 8 tokens and a final finish_reason."""
-    if not PERF_ANALYZER.exists():
-        pytest.skip(f"{PERF_ANALYZER} missing: run scripts/install_perf_tools.sh")
+    _require(PERF_ANALYZER, "run scripts/install_perf_tools.sh")
     proc = _run([str(ROOT / "scripts/perf/perf_analyzer.sh"), model, _grpc_port(triton_server),
                  str(SMOKE_INPUT),
                  "--concurrency-range", "2", "--request-count", str(NUM_REQUESTS)],
@@ -75,10 +87,8 @@ def test_perf_analyzer_streams_all_end(triton_server: object, model: str, tmp_pa
 @pytest.mark.parametrize("model", ENTRY_MODELS)
 def test_genai_perf_counts_every_request(triton_server: object, model: str, tmp_path: Path) -> None:
     """genai-perf exits 0 and reports every request it sent; each raw request ended with a finish_reason."""
-    if not GENAI_PERF.exists():
-        pytest.skip(f"{GENAI_PERF} missing: run scripts/install_perf_tools.sh")
-    if not (TOKENIZER / "tokenizer.json").exists():
-        pytest.skip(f"{TOKENIZER} missing: run scripts/install_perf_tools.sh after scripts/setup.sh")
+    _require(GENAI_PERF, "run scripts/install_perf_tools.sh")
+    _require(TOKENIZER / "tokenizer.json", "run scripts/install_perf_tools.sh after scripts/setup.sh")
     proc = _run([str(ROOT / "scripts/perf/genai_perf.sh"), model, _grpc_port(triton_server),
                  "--concurrency", "2", "--request-count", str(NUM_REQUESTS)],
                 {"OUT_DIR": str(tmp_path), "ISL": "16", "OSL": "4"})

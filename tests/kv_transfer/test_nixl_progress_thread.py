@@ -29,11 +29,19 @@ CHILD = Path(__file__).resolve().parent / "nixl_progress_child.py"
 
 
 def _write_with_target_silent(progress_thread_ms: float, wait_s: float) -> dict[str, object]:
+    """The child's JSON line. The child starts from no UCX_* variable of this process (an earlier in-process
+    transport of the session leaves its own here, e.g. UCX_MM_ERROR_HANDLING, which a network-only child does
+    not use), and its stdout may carry UCX's own lines (UCX logs to stdout, through C's buffer, which is
+    flushed after Python's at exit unless PYTHONUNBUFFERED is set): the JSON line is the last one that is
+    JSON, not the last line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     out = subprocess.run([sys.executable, str(CHILD), str(progress_thread_ms), str(wait_s)],
-                         capture_output=True,
+                         capture_output=True, env=env,
                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON line in the child's output: {out.stdout[-2000:]}"
+    return json.loads(lines[-1])
 
 
 def test_a_write_over_tcp_lands_with_the_targets_threads_silent() -> None:
