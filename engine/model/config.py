@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.model.moe_config import MLAConfig, MoEConfig
+from engine.model.rope_scaling import RopeScaling, hf_rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "deepseek_v3", "qwen3_moe")
 
@@ -37,6 +38,8 @@ class ModelConfig:
         moe: the routed experts (``moe_config.MoEConfig``); None for a dense model.
         mla: multi-head latent attention (``moe_config.MLAConfig``); None for GQA.
         qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``).
+        rope_scaling: how RoPE stretches past the pre-training context (``rope_scaling.LinearScaling``,
+            ``Llama3Scaling`` or ``YarnScaling``); None: plain RoPE.
 
     Raises:
         ValueError: from ``__post_init__`` when a field is out of range or the heads do not divide.
@@ -61,6 +64,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -110,7 +114,7 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "vocab_size": self.vocab_size,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": hf_rope_parameters(self.rope_theta, self.rope_scaling),
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias if self.architecture != "qwen2" else False,

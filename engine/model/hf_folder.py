@@ -2,7 +2,9 @@
 
 Field names follow transformers' ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` (and
 ``DeepseekV3Config`` / ``Qwen3MoeConfig``: ``engine.model.moe_config``); both the older
-top-level ``rope_theta`` and the newer ``rope_parameters`` dict are understood. RoPE scaling is not supported.
+``rope_theta`` / ``rope_scaling`` and the newer ``rope_parameters`` dict are understood, with the RoPE
+scalings ``linear``, ``llama3`` and ``yarn`` (``engine.model.rope_scaling``); ``dynamic``, ``longrope`` and
+any other ``rope_type`` fail the load, named.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.moe_config import moe_fields
+from engine.model.rope_scaling import rope_fields
 from engine.model.safetensors_io import read_safetensors_file
 
 
@@ -26,15 +29,6 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
         raise ModelLoadError(str(path),
                              f"unknown architecture {names} (supported: {SUPPORTED_ARCHITECTURES})")
     return arch
-
-
-def _rope_theta(raw: dict[str, Any], path: Path) -> float:
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling")
-    rope_type = params.get("rope_type", "default")
-    if (scaling and scaling.get("rope_type", scaling.get("type")) != "default") or rope_type != "default":
-        raise ModelLoadError(str(path), f"RoPE scaling {scaling or params} is not supported")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -69,7 +63,7 @@ def read_hf_config(path: Path, model_id: str) -> ModelConfig:
             intermediate_size=int(raw["intermediate_size"]), num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-            vocab_size=int(raw["vocab_size"]), rope_theta=_rope_theta(raw, path),
+            vocab_size=int(raw["vocab_size"]), **rope_fields(raw),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2", max_position_embeddings=max_pos,

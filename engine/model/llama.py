@@ -145,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param(config.hidden_size)
         tied_whole = config.tie_word_embeddings and self.shard.is_whole
         self.lm_head = self.embed_tokens if tied_whole else _param(len(self.shard.vocab), config.hidden_size)
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                 config.rope_scaling)
         self.rotary = rotary.to(device)
 
     def attach(self, comm: Communicator) -> None:

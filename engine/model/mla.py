@@ -10,8 +10,10 @@ and layer: ``kv_lora_rank + qk_rope_head_dim`` elements, one "head", no V. ``kv_
 expanding every cached latent into keys and values, the query is absorbed (``q_nope @ W_UK``, so a head's
 score is ``(q_nope W_UK) . c_kv + q_pe . k_pe``) and the output un-absorbed (``(softmax @ c_kv) @ W_UV^T``):
 equal to the expanded form in exact arithmetic, and it reads the latent once per head group (MQA over the
-latent: ``AttentionBackend.forward_latent``). Scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (no
-YaRN ``mscale``: RoPE scaling is refused at load).
+latent: ``AttentionBackend.forward_latent``). Scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``,
+with YaRN RoPE scaling multiplied by ``mscale(factor, mscale_all_dim) ** 2`` as transformers'
+``DeepseekV3Attention`` does (``rope_scaling.mla_softmax_scale_factor``; the cos/sin of ``q_pe`` and ``k_pe``
+carry YaRN's attention factor, ``rope.RotaryEmbedding``).
 
 ``rope_interleave`` (DeepSeek's checkpoints rotate interleaved pairs ``(x0, x1), (x2, x3), ..``): the rows of
 ``q_pe`` in ``q_b_proj`` and of ``k_pe`` in ``kv_a_proj_with_mqa`` are permuted at load (evens, then odds),
@@ -28,6 +30,7 @@ from engine.attention import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.moe import Take
 from engine.model.rope import apply_rope
+from engine.model.rope_scaling import mla_softmax_scale_factor
 
 #: transformers' ``DeepseekV3RMSNorm`` default: ``q_a_layernorm`` and ``kv_a_layernorm`` do not take
 #: ``rms_norm_eps``
@@ -100,7 +103,7 @@ class MLAAttention(nn.Module):
         self.w_uk, self.w_uv = per_head.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         o_proj = take(prefix + "o_proj.weight", (h, cfg.num_heads * m.v_head_dim))
         self.o_proj = put(o_proj[:, heads.start * m.v_head_dim:heads.stop * m.v_head_dim].contiguous())
-        self.scale = m.qk_head_dim ** -0.5
+        self.scale = m.qk_head_dim ** -0.5 * mla_softmax_scale_factor(cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                 backend: AttentionBackend, metadata: object) -> torch.Tensor:

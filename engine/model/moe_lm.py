@@ -24,8 +24,8 @@ a dense layer's SwiGLU stays split by columns over every rank's tokens (``engine
 keeping its own rows; the LM head's rows are split as above, over every rank's logits rows.
 
 Weights: the full precision tensors of a Hugging Face folder (transformers' names), held in the model dtype;
-``weight_quant`` other than ``"none"``, tensor parallelism without expert parallelism and RoPE scaling are
-refused at load. Tensors of layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer,
+``weight_quant`` other than ``"none"`` and tensor parallelism without expert parallelism are refused at
+load. Tensors of layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer,
 ``num_nextn_predict_layers``) are ignored; any other tensor left over fails the load, named.
 """
 
@@ -236,7 +236,8 @@ class MoEDecoderLM(nn.Module):
             self.lm_head = nn.Parameter(put("lm_head.weight", (config.vocab_size, h))[vocab].contiguous(),
                                         requires_grad=False)
         tensors.check_all_used(config.architecture)
-        self.rotary = RotaryEmbedding(rope_dim, config.max_position_embeddings, config.rope_theta).to(device)
+        self.rotary = RotaryEmbedding(rope_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling).to(device)
 
     def attach(self, comm: Communicator) -> None:
         """Sum partial products, put the MoE shares together and gather the logits through ``comm`` from the

@@ -241,7 +241,7 @@ def _bad_folder(tmp_path: Path, **fields) -> Path:
      "num_experts_per_tok=9 exceeds the 8 experts"),
     ({"kv_lora_rank": None}, "missing field 'kv_lora_rank'"),
     ({"topk_method": "greedy"}, "topk_method 'greedy' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 40}}, "RoPE scaling"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4}}, "rope_type 'dynamic'"),
 ])
 def test_a_config_the_engine_cannot_serve_fails_the_load_naming_the_field(tmp_path: Path, fields: dict,
                                                                           named: str) -> None:
