@@ -135,6 +135,25 @@ def complete_config(config: str, role: str) -> str:
         + config_pbtxt(role)
 
 
+_ROLE_OF_MODEL_PY = re.compile(r'deferred_model\(\s*"[\w.]+",\s*"\w+",\s*"(\w+)"')
+
+
+def complete_repository(repo: Path) -> Path:
+    """Completes, in place, every ``config.pbtxt`` of ``repo`` (a repository a test or benchmark wrote, e.g. a
+    copy of ``model_repository/``) that lacks its outputs (``complete_config``; the role read from the model's
+    ``1/model.py``, whose ``deferred_model`` names it); returns ``repo``. A model whose model.py names no role
+    is left as it is."""
+    for config_path in sorted(repo.glob("*/config.pbtxt")):
+        model_py = config_path.parent / "1" / "model.py"
+        match = _ROLE_OF_MODEL_PY.search(model_py.read_text()) if model_py.is_file() else None
+        if match is not None:
+            text = config_path.read_text()
+            completed = complete_config(text, match.group(1))
+            if completed != text:
+                config_path.write_text(completed)
+    return repo
+
+
 def repository_is_complete(repo: Path) -> bool:
     """Every model of ``repo`` declares an ``output`` list in its ``config.pbtxt`` (what ``complete_config``
     writes): tritonserver's auto-complete stage can be skipped. serve.sh makes the same check."""
@@ -569,14 +588,21 @@ class ServeScript:
 
     def __init__(self, models: str, log_path: Path, model_repository: Path | None = None,
                  env: Mapping[str, str] | None = None, ports: Sequence[int] | None = None,
-                 launcher: Sequence[str] = (), base_env: Mapping[str, str] | None = None) -> None:
+                 launcher: Sequence[str] = (), base_env: Mapping[str, str] | None = None,
+                 in_place: bool = False) -> None:
         """``env``: extra environment of serve.sh (``ROLE``, ``PD_REGISTRY_URL``, ...) over ``base_env``
         (default this process's environment; a host of ``scripts/fleet`` gives ``fleet.netns.project_env()``,
         without this process's transport settings);
         ``ports``: (http, grpc, metrics, registry) to reuse (a restarted server), else free ones;
         ``launcher``: argv that runs serve.sh (``ip netns exec <ns>``: a host of ``scripts/fleet``; it must
         exec, so that the process group is serve.sh's); the caller then points the URLs at where it reaches
-        them."""
+        them.
+
+        Configs: a given ``model_repository`` is completed in place (``complete_repository``); without one,
+        serve.sh gets a copy of ``model_repository/`` with complete configs (``build_model_repository``), so
+        that its starts and restarts skip tritonserver's auto-complete stage (~1.3 s a model load), unless
+        ``in_place``: then it serves ``model_repository/`` itself, whose models declare their outputs through
+        auto-complete (what a user's ``scripts/serve.sh`` does)."""
         http, grpc, metrics, registry = ports or free_ports(4)
         self.ports = (http, grpc, metrics, registry)
         self.http_url, self.grpc_url = f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
@@ -593,6 +619,15 @@ class ServeScript:
                      # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
                      "OPENAI": "0",
                      **(env or {})}
+        if model_repository is not None:
+            model_repository = complete_repository(model_repository)
+        elif not in_place:
+            copy = Path(tempfile.mkdtemp(prefix="serve-models-"))
+            weakref.finalize(self, shutil.rmtree, copy, ignore_errors=True)
+            every = tuple(sorted(d.name for d in (REPO_ROOT / "model_repository").iterdir()
+                                 if (d / "config.pbtxt").is_file()))
+            model_repository = build_model_repository(Deployment("serve", "pd_ensemble", every),
+                                                      copy / "models")
         if model_repository is not None:
             self._env["MODEL_REPOSITORY"] = str(model_repository)
         self._launcher = list(launcher)

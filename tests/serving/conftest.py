@@ -43,8 +43,11 @@ def triton_server(request: pytest.FixtureRequest,
     # a module that serves its own repository (e.g. xPyD) builds it here
     repository = make_repository(tmp_path_factory.mktemp("model_repository")) if make_repository else None
     # a module may set serve.sh's environment (``TRITON_ENV``, e.g. a short ``DRAIN_TIMEOUT_S``)
+    # a module may serve model_repository/ itself (``SERVE_IN_PLACE``: its models' outputs from auto-complete)
+    # instead of the copy with complete configs every other server gets
     server = ServeScript(models, tmp_path_factory.mktemp("triton") / "server.log", repository,
-                         env=getattr(request.module, "TRITON_ENV", None))
+                         env=getattr(request.module, "TRITON_ENV", None),
+                         in_place=getattr(request.module, "SERVE_IN_PLACE", False))
     ready_timeout_s = getattr(request.module, "READY_TIMEOUT_S", READY_TIMEOUT_S)  # a module may load more
     with supervised(server, ready_timeout_s, STOP_TIMEOUT_S, CLEAN_STOP_S):
         yield server

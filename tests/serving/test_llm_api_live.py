@@ -31,6 +31,9 @@ from serving.schema import CLIENT_OUTPUTS, RETURN_FLAGS, config_inputs, config_o
 pytestmark = pytest.mark.live
 
 TRITON_MODELS = ("pd_ensemble", "prefill", "decode", "colocated")
+#: read by the triton_server fixture: model_repository/ itself, so that the served configs checked here are
+#: what auto-complete declared (the other modules' servers get copies with complete configs)
+SERVE_IN_PLACE = True
 PATHS = ("pd_ensemble", "colocated")
 PROMPTS = (
     "The capital of France is",
