@@ -179,15 +179,14 @@ async def serve_concurrently(cluster: Cluster, inputs: list[dict[str, str | bool
     return await asyncio.gather(*(one(raw) for raw in inputs))
 
 
+@pytest.mark.parametrize("cluster", [("inprocess", 2, 2)], ids=["dp-to-dp"], indirect=True)
 def test_32_concurrent_requests_keep_the_router_chosen_ranks_within_1_5x(
-        cluster: Cluster, folder: Path, request: pytest.FixtureRequest,
-        monkeypatch: pytest.MonkeyPatch, record_property: pytest.RecordProperty) -> None:
+        cluster: Cluster, folder: Path, monkeypatch: pytest.MonkeyPatch,
+        record_property: pytest.RecordProperty) -> None:
     """32 requests sent at once: the router chooses every rank before any load report or end comes back, so
     its own assignments (``Candidate.ranks``) are what spread them; the engines' per-rank counters
     (``dp_loads``) then say what each rank served. Run with ``--junitxml`` (``-o junit_family=legacy``) the
     figures land in the report as properties."""
-    if request.node.callspec.params["cluster"] != ("inprocess", 2, 2):
-        pytest.skip("measured on DP -> DP over the in-process backend")
     prompts = burst_prompts()
     chosen: dict[str, list[int | None]] = {"prefill": [], "decode": []}
     stream = cluster._launcher.stream
