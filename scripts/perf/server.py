@@ -598,7 +598,8 @@ class ServeScript:
         exec, so that the process group is serve.sh's); the caller then points the URLs at where it reaches
         them.
 
-        Configs: a given ``model_repository`` is completed in place (``complete_repository``); without one,
+        Configs: a given ``model_repository`` (or ``MODEL_REPOSITORY`` in ``env``) is completed in place
+        (``complete_repository``); without one,
         serve.sh gets a copy of ``model_repository/`` with complete configs (``build_model_repository``), so
         that its starts and restarts skip tritonserver's auto-complete stage (~1.3 s a model load), unless
         ``in_place``: then it serves ``model_repository/`` itself, whose models declare their outputs through
@@ -619,6 +620,10 @@ class ServeScript:
                      # no OpenAI front on its fixed port unless asked (env OPENAI=1, OPENAI_PORT)
                      "OPENAI": "0",
                      **(env or {})}
+        if model_repository is None and self._env.get("MODEL_REPOSITORY"):   # given through ``env``
+            model_repository = Path(self._env["MODEL_REPOSITORY"])
+        if model_repository is not None and model_repository.resolve() == REPO_ROOT / "model_repository":
+            model_repository, in_place = None, True   # the committed configs are never rewritten
         if model_repository is not None:
             model_repository = complete_repository(model_repository)
         elif not in_place:
