@@ -1,16 +1,22 @@
-"""The paged KV pool: one contiguous region per engine, page-major, laid out as in docs/architecture.md.
+"""The paged KV pool: one contiguous region per engine, page-major and head-major inside a page, laid out as
+in docs/architecture.md.
 
-Memory order ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``: one page of every layer, K and
-V, is one contiguous region of ``page_bytes``, so a prompt's pages move as one descriptor each however
-scattered they are in the pool (with layer-major order a page was ``2 * num_layers`` separate blocks).
+Memory order ``[num_pages, num_kv_heads, num_layers, num_planes, page_size, head_dim]``: one page of every
+layer, K and V, is one contiguous region of ``page_bytes``, so a prompt's pages move as one descriptor each
+however scattered they are in the pool (with layer-major order a page was ``2 * num_layers`` separate blocks);
+inside a page, one KV head's K and V of every layer are one contiguous range of ``page_head_bytes``, so the
+heads ``[a, b)`` of a page are one range too: what a tensor-parallel rank holds, moved whole between
+instances whose ranks split the heads differently (head-major as vLLM's "HND" layout is for heterogeneous TP;
+with the heads innermost, token-major, each token's heads were their own 256-512 B span: docs/parallelism.md).
 The model sees the same memory as ``kv_cache[l, kv, p, s, h, d]`` (a strided view): element ``d`` of head
 ``h`` of the K (``kv=0``) or V (``kv=1``) vector of the token in slot ``s`` of page ``p`` in layer ``l``.
-The block of one (layer, kv, page) is contiguous; its byte offset from the region base is
-``((p * num_layers + l) * 2 + kv) * block_bytes``, and page ``p`` starts at ``p * page_bytes``.
+The block of one (page, head, layer, kv) holds its ``page_size`` tokens' vectors, contiguous; its byte offset
+from the region base is ``(((p * num_kv_heads + h) * num_layers + l) * num_planes + kv) * block_bytes``, and
+page ``p`` starts at ``p * page_bytes``.
 
 MLA models (``KVShape.kind == "mla"``) keep one plane instead of two: the token's latent ``c_kv | k_pe``
 (``num_kv_heads`` 1, ``head_dim`` = ``kv_lora_rank + qk_rope_head_dim``), no separate V; everywhere above, 2
-becomes ``num_planes`` = 1 (``[num_pages, num_layers, 1, page_size, 1, latent_dim]``).
+becomes ``num_planes`` = 1 (``[num_pages, 1, num_layers, 1, page_size, latent_dim]``).
 """
 
 from __future__ import annotations
@@ -63,12 +69,16 @@ class KVShape:
         return KV_PLANES[self.kind]
 
     def block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one (layer, kv, page) block: ``page_size * num_kv_heads * head_dim * itemsize``."""
-        return self.page_size * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+        """Bytes of one (page, head, layer, kv) block: ``page_size * head_dim * itemsize``."""
+        return self.page_size * self.head_dim * _itemsize(dtype)
+
+    def page_head_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one KV head in one page, every layer and plane (contiguous)."""
+        return self.num_planes * self.num_layers * self.block_bytes(dtype)
 
     def page_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one page holds over all layers and planes."""
-        return self.num_planes * self.num_layers * self.block_bytes(dtype)
+        """Bytes one page holds over all heads, layers and planes."""
+        return self.num_kv_heads * self.page_head_bytes(dtype)
 
     def pages_for_bytes(self, nbytes: int, dtype: torch.dtype) -> int:
         """Whole pages that fit in ``nbytes``."""
@@ -100,13 +110,13 @@ class KVPool:
     ``[fd_first_page, fd_first_page + num_pages)``; the whole memfd is mapped, the pool is a view of its part.
 
     Attributes:
-        storage: ``[num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim]``, ``dtype``,
+        storage: ``[num_pages, num_kv_heads, num_layers, num_planes, page_size, head_dim]``, ``dtype``,
             ``device``, contiguous (the region a KV transport registers); ``num_planes`` 2 (K, V) or 1 (MLA).
         kv_cache: ``[num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim]``, a strided view
             of ``storage`` (what the model indexes; never ``view`` it flat across pages).
         num_pages: pages in the pool.
-        block_bytes: bytes of one (layer, kv, page) block.
-        page_bytes: bytes of one page over all layers, K and V.
+        block_bytes: bytes of one (page, head, layer, kv) block.
+        page_bytes: bytes of one page over all heads, layers, K and V.
         populating: the daemon thread faulting a host mapping in (done when it is no longer alive), or None
             when the memory was zeroed in the constructor.
     """
@@ -125,10 +135,10 @@ class KVPool:
         self.dtype = dtype
         self.block_bytes = shape.block_bytes(dtype)
         self.page_bytes = shape.page_bytes(dtype)
-        dims = (num_pages, shape.num_layers, shape.num_planes, shape.page_size, shape.num_kv_heads,
+        dims = (num_pages, shape.num_kv_heads, shape.num_layers, shape.num_planes, shape.page_size,
                 shape.head_dim)
         self._region: mmap.mmap | None = None   # owns the memory of ``storage`` when it is a host mapping
-        # [num_pages, num_layers, num_planes, page_size, num_kv_heads, head_dim], contiguous
+        # [num_pages, num_kv_heads, num_layers, num_planes, page_size, head_dim], contiguous
         if shared_fd >= 0:   # a tensor-parallel rank's pool, which rank 0 maps too (its KV transfer agent)
             whole = (fd_pages, *dims[1:])
             self._region, region = _shared_tensor(shared_fd, whole, dtype, fd_pages * self.page_bytes)
@@ -143,7 +153,7 @@ class KVPool:
         if self.populating is None and shared_fd < 0:   # a fresh memfd reads as zeros already
             self.storage.zero_()
         # [num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim], a strided view of storage
-        self.kv_cache = self.storage.permute(1, 2, 0, 3, 4, 5)
+        self.kv_cache = self.storage.permute(2, 3, 0, 4, 1, 5)
 
     @property
     def base_ptr(self) -> int:
@@ -155,17 +165,19 @@ class KVPool:
         """Size of the region in bytes."""
         return int(self.storage.numel() * self.storage.element_size())
 
-    def block_offset(self, layer: int, kv: int, page: PageId) -> int:
-        """Byte offset from ``base_ptr`` of the block of page ``page``, layer ``layer``, K (0) or V (1) (MLA:
-        the latent, 0).
+    def block_offset(self, page: PageId, head: int, layer: int, kv: int) -> int:
+        """Byte offset from ``base_ptr`` of the block of page ``page``, local KV head ``head``, layer
+        ``layer``, K (0) or V (1) (MLA: the latent, 0): ``block_bytes`` of ``page_size`` vectors.
 
         Raises:
             IndexError: an index outside the pool.
         """
-        planes = self.shape.num_planes
-        if not (0 <= layer < self.shape.num_layers and 0 <= kv < planes and 0 <= page < self.num_pages):
-            raise IndexError(f"block (layer={layer}, kv={kv}, page={page}) is outside the pool")
-        return ((page * self.shape.num_layers + layer) * planes + kv) * self.block_bytes
+        s = self.shape
+        if not (0 <= layer < s.num_layers and 0 <= kv < s.num_planes and 0 <= page < self.num_pages
+                and 0 <= head < s.num_kv_heads):
+            raise IndexError(f"block (page={page}, head={head}, layer={layer}, kv={kv}) is outside the pool")
+        index = ((page * s.num_kv_heads + head) * s.num_layers + layer) * s.num_planes + kv
+        return index * self.block_bytes
 
     def page_offset(self, page: PageId) -> int:
         """Byte offset from ``base_ptr`` of page ``page`` (all its layers and planes: ``page_bytes``).

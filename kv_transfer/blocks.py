@@ -1,7 +1,7 @@
 """Descriptor index space of one instance's registered memory: every KV page, then every aux slot.
 
-Index ``page`` is the whole page (every layer, K and V: ``page_bytes`` at ``page * page_bytes``, the pool
-being page-major, docs/architecture.md); index ``num_pages + slot`` is aux slot ``slot``. Every transport
+Index ``page`` is the whole page (every head and layer, K and V: ``page_bytes`` at ``page * page_bytes``, the
+pool being page-major, docs/architecture.md); index ``num_pages + slot`` is aux slot ``slot``. Every transport
 takes transfers as (local indices, remote indices) pairs in this space: NIXL prepares the whole list once per
 agent (and merges runs that are contiguous on both sides at transfer time); Mooncake and the in-process
 transport turn indices into addresses and merge such runs themselves (``merge_runs``).
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kv_transfer.aux import AUX_SLOT_BYTES
-from kv_transfer.head_slices import KVRegion
+from kv_transfer.head_slices import KVRegion, page_spans
 from kv_transfer.layout import KVLayout, PageId
 
 
@@ -25,16 +25,13 @@ class BlockTable:
     """One instance's registered memory. ``regions``: a tensor-parallel instance's rank pools
     (``kv_transfer.head_slices``; ``kv_base_ptr`` is the first one's, ``layout.num_kv_heads`` the model's);
     empty: one pool of every head at ``kv_base_ptr``. With regions, the descriptor index space's KV pages are
-    the first region's (what it registers as a list), and KV moves as head-sliced spans only. ``staging``:
-    (address, nbytes) of a prefill's staging area (``kv_transfer.staging``; (0, 0): none), registered with the
-    KV pools and never named by a descriptor index."""
+    the first region's (what it registers as a list), and KV moves as head-sliced spans only."""
 
     kv_base_ptr: int
     layout: KVLayout
     aux_base_ptr: int
     aux_slots: int
     regions: tuple[KVRegion, ...] = ()
-    staging: tuple[int, int] = (0, 0)
 
     @property
     def kv_regions(self) -> tuple[KVRegion, ...]:
@@ -48,11 +45,9 @@ class BlockTable:
         return bool(self.regions)
 
     def region_spans(self) -> list[tuple[int, int]]:
-        """(address, nbytes) of every KV pool, in region order, then of the staging area if any: what a
-        transport registers besides the aux slots (all in ``mem_type``; a staging area exists in host memory
-        only)."""
-        pools = [(r.base_ptr, r.layout(self.layout).pool_bytes) for r in self.kv_regions]
-        return pools + [self.staging] if self.staging[1] else pools
+        """(address, nbytes) of every KV pool, in region order: what a transport registers besides the aux
+        slots (all in ``mem_type``)."""
+        return [(r.base_ptr, r.layout(self.layout).pool_bytes) for r in self.kv_regions]
 
     @property
     def num_kv_descs(self) -> int:
@@ -93,18 +88,16 @@ class BlockTable:
         return np.stack([addr, nbytes], axis=1).astype(np.int64)
 
     def partial_page_spans(self, page: PageId, num_tokens: int) -> np.ndarray:
-        """(address, nbytes) of the first ``num_tokens`` token slots of ``page`` in every (layer, plane)
-        block (planes: K and V, or the MLA latent): int64 ``[num_planes * num_layers, 2]``, in address order.
-        A page whose last slots hold no KV yet (a prompt's last page) is sent as these spans instead of the
-        whole page. Raises ``ValueError`` for a page out of range or ``num_tokens`` outside
-        ``[1, page_size]``."""
+        """(address, nbytes) of the first ``num_tokens`` token slots of ``page`` in every (head, layer,
+        plane) block (planes: K and V, or the MLA latent): int64 ``[num_kv_heads * num_layers * num_planes,
+        2]``, in address order (``head_slices.page_spans``; a whole page: one span). A page whose last slots
+        hold no KV yet (a prompt's last page) is sent as these spans instead of the whole page. Raises
+        ``ValueError`` for a page out of range or ``num_tokens`` outside ``[1, page_size]``."""
         layout = self.layout
         if not 0 <= page < layout.num_pages or not 1 <= num_tokens <= layout.page_size:
             raise ValueError(f"page {page} / {num_tokens} tokens out of range")
-        blocks = np.arange(layout.num_planes * layout.num_layers, dtype=np.int64)
-        addr = self.kv_base_ptr + page * layout.page_bytes + blocks * layout.block_bytes
-        nbytes = np.full_like(addr, num_tokens * (layout.block_bytes // layout.page_size))
-        return np.stack([addr, nbytes], axis=1)
+        return page_spans(self.kv_base_ptr, layout, np.array([page], dtype=np.int64),
+                          np.array([num_tokens], dtype=np.int64), 0, layout.num_kv_heads)
 
     def pages_spans(self, pages: Sequence[PageId], last_page_tokens: int) -> np.ndarray:
         """(address, nbytes) of ``pages`` whose last page holds only ``last_page_tokens`` tokens: the whole

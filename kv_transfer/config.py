@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from kv_transfer.head_slices import KVRegion, coverage_problem
 from kv_transfer.layout import KVLayout
-from kv_transfer.staging import DEFAULT_STAGING_BYTES
 
 if TYPE_CHECKING:
     from bootstrap.tls import FleetTLS
@@ -65,10 +64,6 @@ class KVArgs:
     # protocol, its devices, ...) are not here: ``kv_transfer.backends.make_transport`` takes them.
     local_hostname: str = "127.0.0.1"
     kv_regions: tuple[KVRegion, ...] = ()
-    # prefill in host memory: the registered staging area through which KV goes to a peer whose KV heads are
-    # split over ranks differently (``kv_transfer.staging``), bytes; raised to two pages of every KV head when
-    # smaller; 0: none (such KV then moves as one span per token and head range, ``kv_transfer.head_slices``)
-    staging_bytes: int = DEFAULT_STAGING_BYTES
 
     @property
     def queued_keepalive_s(self) -> float:
@@ -97,8 +92,6 @@ class KVArgs:
                      "idle_poll_interval_s", "active_tick_s", "idle_tick_s", "http_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVArgs.{name} must be positive")
-        if self.staging_bytes < 0:
-            raise ValueError("KVArgs.staging_bytes must not be negative")
         if self.aux_slots <= 0:
             raise ValueError("KVArgs.aux_slots must be positive")
         if not self.local_hostname:

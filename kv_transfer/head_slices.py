@@ -1,13 +1,14 @@
 """KV heads split over the ranks of a tensor-parallel instance, and the head-sliced copies between two such
 instances of different TP sizes (issue #45; docs/parallelism.md, "PD between different TP sizes").
 
-A tensor-parallel instance's KV is one pool per rank, each page-major (``kv_transfer.layout``) over the KV
-heads that rank holds, all with the same page ids. ``KVRegion`` names one: model KV heads ``[head_start,
-head_stop)`` at ``base_ptr``. An instance's regions cover every model KV head at least once (more than once
-where heads are replicated). Inside a region's block (page, layer, plane) token ``t``'s heads are contiguous,
-so the heads ``[a, b)`` of one token are one span of ``(b - a) * head_dim * itemsize`` bytes: a copy between
-two regions that hold different head ranges moves one span per (page, layer, plane, token), and between two
-regions holding the same heads one span per page (``merge_runs`` joins what is contiguous on both sides).
+A tensor-parallel instance's KV is one pool per rank, each page-major and head-major inside a page
+(``kv_transfer.layout``) over the KV heads that rank holds, all with the same page ids. ``KVRegion`` names
+one: model KV heads ``[head_start, head_stop)`` at ``base_ptr``. An instance's regions cover every model KV
+head at least once (more than once where heads are replicated). Inside a region's page the heads ``[a, b)``
+are one range of ``(b - a) * page_head_bytes``, so a copy between two regions moves one span per (page,
+head range): a 4k-token room of SmolLM2 from P TP=2 to D TP=1 is 512 spans of 120-240 KiB (with version 2's
+heads innermost it was 491,520 spans of 256-512 B). A prompt's partly filled last page moves its filled
+token slots only: one span per (head, layer, plane). ``merge_runs`` joins what is contiguous on both sides.
 
 Each destination region receives each of its heads once, from the first source region that holds it: no byte
 is moved twice but into a replica (a decode whose KV heads are replicated gets each replica written).
@@ -66,23 +67,34 @@ def coverage_problem(regions: Sequence[KVRegion], num_kv_heads: int) -> str | No
     return None
 
 
-def _token_spans(region: KVRegion, layout: KVLayout, pages: np.ndarray, num_tokens: np.ndarray,
-                 head_start: int, num_heads: int) -> np.ndarray:
-    """(address, nbytes) of heads ``[head_start, head_start + num_heads)`` of every token slot ``t <
-    num_tokens[i]`` of page ``pages[i]``, every layer and plane, in (page, layer, plane, token) order: int64
-    ``[n, 2]``."""
-    local = region.layout(layout)
-    head_bytes = layout.head_dim * layout.itemsize_bytes
-    token_bytes = local.num_kv_heads * head_bytes
-    blocks = np.arange(layout.num_layers * layout.num_planes, dtype=np.int64)
-    tokens = np.arange(layout.page_size, dtype=np.int64)
-    # [pages, layer * plane, token]: the address of each token's head range
-    addr = (region.base_ptr + pages[:, None, None] * local.page_bytes
-            + blocks[None, :, None] * local.block_bytes + tokens[None, None, :] * token_bytes
-            + (head_start - region.head_start) * head_bytes)
-    mask = np.broadcast_to(tokens[None, None, :] < num_tokens[:, None, None], addr.shape)
-    flat = addr[mask]
-    return np.stack([flat, np.full_like(flat, num_heads * head_bytes)], axis=1)
+def page_spans(base_ptr: int, layout: KVLayout, pages: np.ndarray, num_tokens: np.ndarray, head: int,
+               num_heads: int) -> np.ndarray:
+    """(address, nbytes) of local KV heads ``[head, head + num_heads)`` of pages ``pages`` (int64 ``[n]``) of
+    the pool at ``base_ptr`` laid out as ``layout`` (its ``num_kv_heads``: the pool's own), every layer and
+    plane, of which page ``pages[i]`` holds ``num_tokens[i]`` tokens (int64 ``[n]``, ``1..page_size``): one
+    span per whole page (the head range is contiguous), one per (head, layer, plane) of a partly filled page
+    (its first ``num_tokens[i]`` slots), in (page, head, layer, plane) order. int64 ``[m, 2]``."""
+    partial = num_tokens < layout.page_size
+    start = base_ptr + pages * layout.page_bytes + head * layout.page_head_bytes
+    if not partial.any():
+        return np.stack([start, np.full_like(start, num_heads * layout.page_head_bytes)], axis=1)
+    blocks = np.arange(num_heads * layout.num_layers * layout.num_planes, dtype=np.int64) * layout.block_bytes
+    vector_bytes = layout.block_bytes // layout.page_size
+    parts = []
+    for i in range(len(pages)):   # a room has one partial page (its last), so this loop is short
+        if partial[i]:
+            addr = start[i] + blocks
+            parts.append(np.stack([addr, np.full_like(addr, num_tokens[i] * vector_bytes)], axis=1))
+        else:
+            parts.append(np.array([[start[i], num_heads * layout.page_head_bytes]], dtype=np.int64))
+    return np.concatenate(parts)
+
+
+def _region_spans(region: KVRegion, layout: KVLayout, pages: np.ndarray, num_tokens: np.ndarray,
+                  head_start: int, num_heads: int) -> np.ndarray:
+    """``page_spans`` of model heads ``[head_start, head_start + num_heads)`` held by ``region``."""
+    return page_spans(region.base_ptr, region.layout(layout), pages, num_tokens,
+                      head_start - region.head_start, num_heads)
 
 
 def head_sliced_spans(layout: KVLayout, src: Sequence[KVRegion], dst: Sequence[KVRegion],
@@ -108,8 +120,8 @@ def head_sliced_spans(layout: KVLayout, src: Sequence[KVRegion], dst: Sequence[K
             if s is None:
                 raise ValueError(f"KV head {head} is held by no source region")
             stop = min(d.head_stop, s.head_stop)
-            parts_src.append(_token_spans(s, layout, sp, ntok, head, stop - head))
-            parts_dst.append(_token_spans(d, layout, dp, ntok, head, stop - head))
+            parts_src.append(_region_spans(s, layout, sp, ntok, head, stop - head))
+            parts_dst.append(_region_spans(d, layout, dp, ntok, head, stop - head))
             head = stop
     if not parts_src or not len(sp):
         empty = np.zeros((0, 2), dtype=np.int64)

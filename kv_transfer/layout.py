@@ -1,11 +1,15 @@
 """KV pool layout math (the contract in docs/architecture.md) and the handshake compatibility check.
 
-The pool of one engine instance is one contiguous, page-major region:
-``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (dim 2: 0 = K, 1 = V). Page ``p`` (every
-layer, K and V) is the one contiguous range ``[p * page_bytes, (p + 1) * page_bytes)``; the block of page
-``p`` of layer ``l``, K or V (``kv``), starts at ``((p * num_layers + l) * 2 + kv) * block_bytes``. Version
-history: 1 was layer-major (``[num_layers, 2, num_pages, ...]``, a page was ``2 * num_layers`` separate
-blocks); 2 is page-major. The version is part of the compatibility hash.
+The pool of one engine instance is one contiguous, page-major region, head-major inside a page:
+``[num_pages, num_kv_heads, num_layers, 2, page_size, head_dim]`` (dim 3: 0 = K, 1 = V). Page ``p`` (every
+head and layer, K and V) is the one contiguous range ``[p * page_bytes, (p + 1) * page_bytes)``; its KV head
+``h`` is the range of ``page_head_bytes`` from ``p * page_bytes + h * page_head_bytes`` (so heads ``[a, b)``
+of a page are one range); the block of page ``p``, head ``h``, layer ``l``, K or V (``kv``), ``page_size``
+vectors, starts at ``(((p * num_kv_heads + h) * num_layers + l) * 2 + kv) * block_bytes``. Version history: 1
+was layer-major (``[num_layers, 2, num_pages, ...]``, a page was ``2 * num_layers`` separate blocks); 2 was
+page-major with the heads innermost (``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``: a
+token's heads contiguous, so one head range of a page was one span per token, layer and plane); 3 is
+head-major inside the page. The version is part of the compatibility hash.
 
 ``kind`` names what a token's KV is: ``"mha"`` (K and V planes of ``num_kv_heads`` heads, as above) or
 ``"mla"`` (multi-head latent attention, DeepSeek-V2/V3: one plane holding the latent ``c_kv | k_pe``, one
@@ -25,7 +29,7 @@ from typing import Any
 
 from kv_transfer.errors import CompatibilityError
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 PageId = int
 
 _ITEMSIZE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
@@ -67,20 +71,27 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one (layer, plane, page) block."""
-        return self.page_size * self.num_kv_heads * self.head_dim * self.itemsize_bytes
+        """Bytes of one (page, head, layer, plane) block: ``page_size`` vectors of ``head_dim``."""
+        return self.page_size * self.head_dim * self.itemsize_bytes
+
+    @property
+    def page_head_bytes(self) -> int:
+        """Bytes of one KV head in one page, every layer and plane (one contiguous range)."""
+        return self.num_layers * self.num_planes * self.block_bytes
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page summed over all layers and planes."""
-        return self.num_layers * self.num_planes * self.block_bytes
+        """Bytes of one page summed over all heads, layers and planes."""
+        return self.num_kv_heads * self.page_head_bytes
 
     @property
     def pool_bytes(self) -> int:
         return self.num_pages * self.page_bytes
 
-    def block_offset_bytes(self, layer: int, kv: int, page: PageId) -> int:
-        return ((page * self.num_layers + layer) * self.num_planes + kv) * self.block_bytes
+    def block_offset_bytes(self, page: PageId, head: int, layer: int, kv: int) -> int:
+        """Byte offset of the block of page ``page``, KV head ``head``, layer ``layer``, plane ``kv``."""
+        return (((page * self.num_kv_heads + head) * self.num_layers + layer) * self.num_planes
+                + kv) * self.block_bytes
 
     def page_offset_bytes(self, page: PageId) -> int:
         """Byte offset of page ``page``; the page spans ``page_bytes`` from there."""

@@ -38,7 +38,6 @@ from kv_transfer.peers import PeerTable, kv_info
 from kv_transfer.prefill_side import PrefillSide
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, Room
-from kv_transfer.staging import StagingBuffer
 from kv_transfer.transport import LockedTransport, Transport
 
 logger = logging.getLogger(__name__)
@@ -100,17 +99,13 @@ class KVManager(BaseKVManager):
         non-loopback address without a fleet secret)."""
         if self._thread is not None:
             raise RuntimeError("KVManager.start called twice")
-        staging = None
-        if self.args.role == "prefill" and self.args.mem_type == "DRAM" and self.args.staging_bytes:
-            # each half holds at least one page of every KV head (a piece is at most half)
-            staging = StagingBuffer(max(self.args.staging_bytes, 2 * self.args.layout.page_bytes))
         self._transport.register(BlockTable(
             self.args.kv_base_ptr, self.args.layout, self._aux.base_ptr, self.args.aux_slots,
-            self.args.kv_regions, (staging.base_ptr, staging.nbytes) if staging is not None else (0, 0)))
+            self.args.kv_regions))
         self._rendezvous.start(name=f"rendezvous-{self.args.instance_id}")
         if self.args.role == "prefill":
             self._side = PrefillSide(self.args, self._transport, self._rendezvous, self._peers, self._aux,
-                                     self._lock, staging)
+                                     self._lock)
         else:
             self._side = DecodeSide(self.args, self._transport, self._clients, self._peers, self._aux,
                                     self._lock, self._rendezvous.url)

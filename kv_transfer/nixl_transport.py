@@ -215,7 +215,6 @@ class NixlTransport(Transport):
         self._copy_threads = copy_threads
         self._progress_thread_ms = progress_thread_ms
         # (agent or LOCAL, area address, area bytes, block bytes) → prepared list of the area's blocks
-        self._block_dlists: dict[tuple[str, int, int, int], object] = {}
 
     @classmethod
     def create(cls, args: KVArgs, options: NixlOptions) -> NixlTransport:
@@ -307,8 +306,6 @@ class NixlTransport(Transport):
 
     def remove_peer(self, agent_name: str) -> None:
         dlists, _ = self._peer_dlists.pop(agent_name, ([], 0))
-        blocks = [key for key in self._block_dlists if key[0] == agent_name]
-        dlists = [*dlists, *(self._block_dlists.pop(key) for key in blocks)]
         try:
             for dlist in dlists:
                 self._agent.release_dlist_handle(dlist)
@@ -364,37 +361,6 @@ class NixlTransport(Transport):
             raise TransportError(f"write to {peer} failed: {exc!r}") from exc
         return handle
 
-    def post_write_blocks(self, peer: str, local: tuple[int, int], remote: tuple[int, int], block_bytes: int,
-                          local_blocks: np.ndarray, remote_blocks: np.ndarray) -> object:
-        """A prepared WRITE (``make_prepped_xfer``) over block lists prepared once per area and block size,
-        and not merged, so that NIXL splits one of ``SPLIT_MIN_DESCS`` blocks or more between its copy
-        threads; it is not waited for (no notification to push): the caller checks it."""
-        if peer not in self._peer_dlists or not self._local_dlists:
-            raise TransportError(f"agent {peer} was not added")
-        handle = None
-        try:
-            local_dlist = self._block_dlist(LOCAL, local, block_bytes)
-            remote_dlist = self._block_dlist(peer, remote, block_bytes)
-            split = (self._copy_threads or 0) > 1 and len(local_blocks) >= SPLIT_MIN_DESCS
-            handle = self._agent.make_prepped_xfer("WRITE", local_dlist, local_blocks, remote_dlist,
-                                                   remote_blocks, b"", skip_desc_merge=split)
-            if self._agent.transfer(handle) == "ERR":
-                raise TransportError(f"transfer to {peer} returned ERR")
-        except self._errors as exc:
-            if handle is not None:
-                self._safe_release(handle)
-            raise TransportError(f"write to {peer} failed: {exc!r}") from exc
-        return handle
-
-    def _block_dlist(self, agent: str, area: tuple[int, int], block_bytes: int) -> object:
-        """The prepared list of ``area``'s blocks of ``block_bytes`` (at ``agent``, or ours), made once."""
-        key = (agent, area[0], area[1], block_bytes)
-        if key not in self._block_dlists:
-            starts = area[0] + np.arange(area[1] // block_bytes, dtype=np.int64) * block_bytes
-            descs = np.stack([starts, np.full_like(starts, block_bytes), np.zeros_like(starts)], axis=1)
-            self._block_dlists[key] = self._agent.prep_xfer_dlist(agent, descs, self._mem_type)
-        return self._block_dlists[key]
-
     def _wait_split(self, handle: object) -> None:
         """Waits (sleeping, so the copy threads keep the cores) until a split WRITE is done, up to
         ``SPLIT_WAIT_S``: NIXL sends its notification only from a ``check_xfer_state`` that sees every chunk
@@ -437,13 +403,13 @@ class NixlTransport(Transport):
         for name in list(self._peer_dlists):
             self.remove_peer(name)
         try:
-            for dlist in [*self._local_dlists, *self._block_dlists.values()]:
+            for dlist in self._local_dlists:
                 self._agent.release_dlist_handle(dlist)
             for descs in self._reg_descs:
                 self._agent.deregister_memory(descs)
         except self._errors as exc:
             logger.warning("releasing registered memory failed: %r", exc)
-        self._local_dlists, self._reg_descs, self._block_dlists = [], [], {}
+        self._local_dlists, self._reg_descs = [], []
         # the last reference: the agent (its UCX workers and threads) is destroyed now, in the caller's
         # shutdown, not whenever the interpreter gets to it while the Triton stub tears down
         self._agent = None

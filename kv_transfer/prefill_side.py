@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
@@ -33,30 +32,14 @@ from kv_transfer.metrics import Metrics
 from kv_transfer.peers import Peer, PeerTable
 from kv_transfer.poll import KVPoll, advance
 from kv_transfer.sender import Chunk, KVSender, Room
-from kv_transfer.staging import StagedPlan, StagingBuffer, pack, piece_blocks, plan
 from kv_transfer.tags import ABORTED_BY_DECODE, UNSETTLED, Tag, TagKind, chunk_tag
 from kv_transfer.transport import LockedTransport, TransportError, XferState
 
 logger = logging.getLogger(__name__)
 # (sender, chunk, peer, local, remote, tag, KV bytes): local/remote are descriptor indices (int64 [n]) or, for
-# a last chunk whose last page is partly filled, explicit spans (int64 [n, 2] address, nbytes); or a chunk
-# that goes through the staging area: local a ``_Staged``, remote empty
-_Post = tuple[KVSender, Chunk, Peer, 'np.ndarray | _Staged', np.ndarray, 'Tag | None', int]
-#: Longest wait for one staged WRITE to be done before the staging area is packed again, seconds
-STAGED_WRITE_TIMEOUT_S = 10.0
-STAGED_POLL_S = 0.00005
-#: Blocks a staged piece's WRITE is cut into at least: NIXL splits a WRITE of 16 descriptors or more between
-#: its copy threads (``nixl_transport.SPLIT_MIN_DESCS``), which then copy it while the next piece is packed
-STAGED_MIN_BLOCKS = 16
-
-
-class _Staged(NamedTuple):
-    """A chunk between instances whose KV heads are split differently: its plan and the spans of its last
-    WRITE besides the direct ones (the aux slot's, int64 ``[n, 2]``; empty but on a last chunk)."""
-
-    plan: StagedPlan
-    aux_local: np.ndarray
-    aux_remote: np.ndarray
+# a last chunk whose last page is partly filled and between instances whose KV heads are split differently,
+# explicit spans (int64 [n, 2] address, nbytes)
+_Post = tuple[KVSender, Chunk, Peer, np.ndarray, np.ndarray, 'Tag | None', int]
 
 
 class _Written(NamedTuple):
@@ -70,12 +53,9 @@ class _Written(NamedTuple):
 
 class PrefillSide:
     def __init__(self, args: KVArgs, transport: LockedTransport, rendezvous: Rendezvous, peers: PeerTable,
-                 aux: AuxBuffer, lock: threading.RLock, staging: StagingBuffer | None = None) -> None:
-        """``staging``: the registered staging area (``kv_transfer.staging``); None: head-sliced spans instead
-        (KV outside host memory)."""
+                 aux: AuxBuffer, lock: threading.RLock) -> None:
         self._args, self._transport, self._rendezvous, self._peers = args, transport, rendezvous, peers
         self._table = BlockTable(args.kv_base_ptr, args.layout, aux.base_ptr, aux.num_slots, args.kv_regions)
-        self._staging = staging
         self._aux, self._lock = aux, lock
         self.metrics = Metrics()
         self.senders: dict[Room, KVSender] = {}
@@ -305,26 +285,18 @@ class PrefillSide:
 
     def _prepare_sliced(self, sender: KVSender, chunk: Chunk, peer: Peer,
                         dst_pages: list[int]) -> _Post | None:
-        """A chunk between instances whose KV is split over ranks differently (issue #45), the aux slot on the
-        last chunk, once: in host memory through the staging area (``kv_transfer.staging``: whole pages of
-        each destination region, ``_write_staged``), else one WRITE of head-sliced spans
-        (``kv_transfer.head_slices``). This agent registered every rank's pool, so one notification follows
-        every rank pair's bytes. Lock held."""
+        """A chunk between instances whose KV is split over ranks differently (issue #45): one WRITE of
+        head-sliced spans (``kv_transfer.head_slices``: one per page and head range, the pools being
+        head-major inside a page), the aux slot on the last chunk, once. This agent registered every rank's
+        pool, so one notification follows every rank pair's bytes. Lock held."""
         dest = sender.destination
         assert dest is not None
         last = chunk.is_last and chunk.aux is not None
         partial = sender.last_page_tokens if last else None
         tag = chunk_tag(sender.room, dest.xfer_id, chunk.index, chunk.index + 1 if last else 0)
-        staged: _Staged | None = None
-        if self._staging is not None:
-            staged_plan = plan(self._args.layout, self._table.kv_regions, peer.table.kv_regions,
-                               chunk.src_pages, dst_pages, partial, self._staging.nbytes // 2)
-            empty = np.zeros((0, 2), dtype=np.int64)
-            staged, kv_bytes = _Staged(staged_plan, empty, empty.copy()), staged_plan.kv_bytes
-        else:
-            local, remote = head_sliced_spans(self._args.layout, self._table.kv_regions,
-                                              peer.table.kv_regions, chunk.src_pages, dst_pages, partial)
-            kv_bytes = int(local[:, 1].sum())
+        local, remote = head_sliced_spans(self._args.layout, self._table.kv_regions, peer.table.kv_regions,
+                                          chunk.src_pages, dst_pages, partial)
+        kv_bytes = int(local[:, 1].sum())
         if last:
             slot = self._aux.alloc()
             if slot is None:
@@ -333,14 +305,9 @@ class PrefillSide:
             assert chunk.aux is not None
             self._aux.write(slot, chunk.aux)
             sender.local_aux_slot = slot
-            aux_local = self._table.spans(np.array([self._table.aux_index(slot)]))
+            local = np.concatenate([local, self._table.spans(np.array([self._table.aux_index(slot)]))])
             aux_remote = peer.table.spans(np.array([peer.table.aux_index(dest.aux_slot)]))
-            if staged is not None:
-                staged = staged._replace(aux_local=aux_local, aux_remote=aux_remote)
-            else:
-                local, remote = np.concatenate([local, aux_local]), np.concatenate([remote, aux_remote])
-        if staged is not None:
-            return sender, chunk, peer, staged, np.zeros((0, 2), dtype=np.int64), tag, kv_bytes
+            remote = np.concatenate([remote, aux_remote])
         return sender, chunk, peer, local, remote, tag, kv_bytes
 
     def _post(self, sender: KVSender, chunk: Chunk, peer: Peer, local: np.ndarray, remote: np.ndarray,
@@ -357,9 +324,7 @@ class PrefillSide:
         post_start_s = time.monotonic()
         handle = None
         try:
-            if isinstance(local, _Staged):
-                handle = self._write_staged(peer, local, notif)
-            elif len(local) and local.ndim == 2:
+            if len(local) and local.ndim == 2:
                 handle = self._transport.post_write_spans(peer.agent_name, local, remote, notif)
             elif len(local):
                 handle = self._transport.post_write(peer.agent_name, local, remote, notif)
@@ -369,53 +334,6 @@ class PrefillSide:
             return _Written(None, exc, post_start_s, time.monotonic())
         return _Written(handle, None, post_start_s, time.monotonic())
 
-    def _write_staged(self, peer: Peer, staged: _Staged, notif: bytes) -> object | None:
-        """A staged chunk's WRITEs (``kv_transfer.staging``), the transport's lock held throughout (the
-        staging area is one): each piece packed into one half of it while the other half's WRITE runs; once
-        every piece's WRITE is done, one WRITE of the direct spans and the aux slot with the notification (or
-        the notification alone), so that it still follows every byte of the chunk. Returns that WRITE's handle
-        (None: nothing to track). Raises ``TransportError`` (a piece failed or did not finish within
-        ``STAGED_WRITE_TIMEOUT_S``: some of the chunk may have landed)."""
-        assert self._staging is not None
-        with self._transport.held():
-            inflight: deque[object] = deque()   # at most one WRITE per half of the staging area
-            try:
-                for k, piece in enumerate(staged.plan.pieces):
-                    if len(inflight) == 2:
-                        self._wait_done(inflight.popleft())   # the half piece k packs into
-                    local, remote = pack(piece, self._args.layout, self._table.kv_regions,
-                                         peer.table.kv_regions, self._staging, k % 2)
-                    blocks = piece_blocks(piece, self._args.layout, peer.table.kv_regions, self._staging,
-                                          k % 2, STAGED_MIN_BLOCKS)
-                    inflight.append(
-                        self._transport.post_write_spans(peer.agent_name, local, remote, b"")
-                        if blocks is None
-                        else self._transport.post_write_blocks(peer.agent_name, *blocks))
-                while inflight:
-                    self._wait_done(inflight.popleft())
-            finally:
-                for handle in inflight:   # after a failure: released where done, else left (``_wait_done``)
-                    if self._transport.check(handle) != XferState.PROC:
-                        self._transport.release(handle)
-            local = np.concatenate([staged.plan.direct_src, staged.aux_local])
-            remote = np.concatenate([staged.plan.direct_dst, staged.aux_remote])
-            if len(local):
-                return self._transport.post_write_spans(peer.agent_name, local, remote, notif)
-            return None
-
-    def _wait_done(self, handle: object) -> None:
-        """Waits until a staged piece's WRITE is done and releases it. Raises ``TransportError`` on ERR or
-        after ``STAGED_WRITE_TIMEOUT_S``; a handle still in progress then is left unreleased (what it may
-        still copy from the staging area lands only in the pages of the room that fails)."""
-        deadline_s = time.monotonic() + STAGED_WRITE_TIMEOUT_S
-        while (state := self._transport.check(handle)) == XferState.PROC:
-            if time.monotonic() > deadline_s:
-                raise TransportError(f"a staged write was not done within {STAGED_WRITE_TIMEOUT_S} s")
-            time.sleep(STAGED_POLL_S)
-        self._transport.release(handle)
-        if state == XferState.ERR:
-            raise TransportError("a staged write failed (decode lost?)")
-
     def _settle(self, post: _Post, written: _Written) -> None:
         """Records a chunk's write under the manager lock (``sender.posting`` counted it when it left the
         queue; this uncounts it under the same lock that records the handle, so no thread ever sees the chunk
@@ -424,8 +342,6 @@ class PrefillSide:
         with self._lock:
             sender.posting -= 1
             if written.error is not None:
-                # a staged chunk's earlier pieces may have landed: decode fences before reusing the pages
-                sender.write_failed = sender.write_failed or isinstance(post[3], _Staged)
                 if not isinstance(written.error, TransportError):
                     logger.error("room %d: posting chunk %d failed", sender.room, chunk.index,
                                  exc_info=written.error)

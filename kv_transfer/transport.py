@@ -167,21 +167,6 @@ class Transport(ABC):
         descriptor index space cannot name (a prompt's partly filled last page). Same contract as
         ``post_write`` otherwise. Raises ``TransportError`` (nothing was posted)."""
 
-    def post_write_blocks(self, peer: str, local: tuple[int, int], remote: tuple[int, int], block_bytes: int,
-                          local_blocks: Int64Array, remote_blocks: Int64Array) -> object:
-        """Posts one WRITE, without a notification, of equal blocks: local block ``local_blocks[i]`` (at
-        ``local[0] + local_blocks[i] * block_bytes``, inside the registered area ``local`` = (address,
-        nbytes)) into remote block ``remote_blocks[i]`` (likewise inside the peer's registered area
-        ``remote``); int64 ``[n]`` each. For the staged pieces of ``kv_transfer.staging``, posted one after
-        another into the same areas. Same contract as ``post_write`` otherwise. This default:
-        ``post_write_spans`` of those blocks (a backend that can prepare the areas' block lists once overrides
-        it)."""
-        def spans(base: int, blocks: Int64Array) -> Int64Array:
-            return np.stack([base + blocks * block_bytes, np.full_like(blocks, block_bytes)], axis=1)
-
-        return self.post_write_spans(peer, spans(local[0], local_blocks), spans(remote[0], remote_blocks),
-                                     b"")
-
     @abstractmethod
     def check(self, handle: object) -> XferState:
         """Non-blocking progress check of a posted write; ERR means the peer may have got part of it."""
@@ -247,15 +232,6 @@ class LockedTransport(Transport):
             if held:
                 self._lock.release()
 
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """``with transport.held():`` the lock for a sequence of calls (a staged chunk's WRITEs, which reuse
-        one staging area): waits for a call in progress, or a handshake. Callers: the manager thread, without
-        the manager lock (the order above), and a thread already inside ``held_unless_handshaking`` (the lock
-        is reentrant: it waits for nothing then)."""
-        with self._lock:
-            yield
-
     @property
     def handshaking(self) -> bool:
         """Whether an ``add_peer`` is announced or running: a snapshot without any lock, for a caller's cheap
@@ -298,12 +274,6 @@ class LockedTransport(Transport):
                          notif: bytes) -> object:
         with self._lock:
             return self._inner.post_write_spans(peer, local_spans, remote_spans, notif)
-
-    def post_write_blocks(self, peer: str, local: tuple[int, int], remote: tuple[int, int], block_bytes: int,
-                          local_blocks: Int64Array, remote_blocks: Int64Array) -> object:
-        with self._lock:
-            return self._inner.post_write_blocks(peer, local, remote, block_bytes, local_blocks,
-                                                 remote_blocks)
 
     def check(self, handle: object) -> XferState:
         with self._lock:

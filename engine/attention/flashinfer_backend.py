@@ -6,8 +6,9 @@ plans one wrapper: ``BatchDecodeWithPagedKVCacheWrapper`` when every sequence ha
 ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (flashinfer aligns the causal mask bottom-right,
 so a chunk attends to all cached tokens plus causally to itself; decode tokens in a mixed batch are chunks of
 one token). ``forward`` writes K/V with ``index_copy_`` at the slot mapping, then runs the planned wrapper on
-the layer's ``(K, V)`` pair, each ``[num_pages, page_size, num_kv_heads, head_dim]``
-("NHD" layout, as our pool).
+the layer's ``(K, V)`` pair, each ``[num_pages, num_kv_heads, page_size, head_dim]`` ("HND" layout, as our
+pool inside a page: head-major, ``engine.kv_pool``), strided between pages and between heads; flashinfer's
+``paged_kv_t`` takes the page, head and token strides from the tensors (``kv_strides``, flashinfer v0.2+).
 
 flashinfer is imported lazily, so this module imports on machines without it or without CUDA. Its kernels need
 fp16 or bf16 tensors; ``select_backend`` keeps fp32 models on the torch backend.
@@ -74,8 +75,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
 
     def bind(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         """Record the model's attention shapes and dtype (the model calls this when it adopts the backend)."""
@@ -110,7 +111,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         time)."""
         num_tokens, num_heads, head_dim = q.shape
         write_kv_slots(layer_kv, metadata.slot_mapping, k, v)
-        # each [num_pages, page_size, kv_heads, head_dim] ("NHD"), strided between pages (page-major pool)
-        kv_pair = (layer_kv[0], layer_kv[1])
+        # each [num_pages, kv_heads, page_size, head_dim] ("HND"), strided between pages and heads
+        kv_pair = (layer_kv[0].permute(0, 2, 1, 3), layer_kv[1].permute(0, 2, 1, 3))
         out = metadata.wrapper.run(q.contiguous(), kv_pair)  # [num_tokens, num_heads, head_dim]
         return out.reshape(num_tokens, num_heads * head_dim)

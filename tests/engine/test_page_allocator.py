@@ -64,13 +64,16 @@ def test_kv_pool_block_offset_matches_tensor_addresses():
     shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=4, page_size=16)
     pool = KVPool(shape, num_pages=5, dtype=torch.float32, device="cpu")
     assert pool.nbytes == 3 * 2 * 5 * 16 * 2 * 4 * 4
-    assert pool.block_bytes == 16 * 2 * 4 * 4
-    for layer, kv, page in [(0, 0, 0), (1, 1, 3), (2, 0, 4)]:
-        addr = pool.kv_cache[layer, kv, page].data_ptr()
-        assert pool.block_offset(layer, kv, page) == addr - pool.base_ptr
+    assert pool.block_bytes == 16 * 4 * 4
+    for layer, kv, page, head in [(0, 0, 0, 0), (1, 1, 3, 1), (2, 0, 4, 1)]:
+        block = pool.kv_cache[layer, kv, page, :, head]   # [page_size, head_dim]: one contiguous block
+        assert block.is_contiguous()
+        assert pool.block_offset(page, head, layer, kv) == block.data_ptr() - pool.base_ptr
     assert torch.count_nonzero(pool.kv_cache) == 0
     with pytest.raises(IndexError):
-        pool.block_offset(0, 2, 0)
+        pool.block_offset(0, 0, 0, 2)
+    with pytest.raises(IndexError):
+        pool.block_offset(0, 2, 0, 0)
 
 
 def test_kv_pool_is_page_major_one_page_is_one_contiguous_region():
@@ -78,11 +81,12 @@ def test_kv_pool_is_page_major_one_page_is_one_contiguous_region():
     one descriptor however scattered the pages are."""
     shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=4, page_size=16)
     pool = KVPool(shape, num_pages=5, dtype=torch.float32, device="cpu")
-    assert pool.page_bytes == 2 * 3 * pool.block_bytes
+    assert pool.page_bytes == 2 * 2 * 3 * pool.block_bytes
     for page in range(5):
         start = pool.page_offset(page)
-        offsets = sorted(pool.block_offset(layer, kv, page) for layer in range(3) for kv in (0, 1))
-        assert offsets == [start + i * pool.block_bytes for i in range(6)]
+        offsets = sorted(pool.block_offset(page, head, layer, kv) for head in range(2) for layer in range(3)
+                         for kv in (0, 1))
+        assert offsets == [start + i * pool.block_bytes for i in range(12)]
     pool.kv_cache[:, :, 3] = 1.0          # writing page 3 through the model's view...
     touched = torch.nonzero(pool.storage.reshape(5, -1).sum(dim=1)).flatten().tolist()
     assert touched == [3]                 # ...touches page 3's region only
@@ -101,7 +105,7 @@ def test_kv_pool_host_memory_is_huge_page_aligned_and_same_layout_without():
     for pool in (huge, plain):
         pool.kv_cache[1, 0, 2] = 1.0
     assert torch.equal(huge.storage, plain.storage)
-    assert huge.block_offset(1, 0, 2) == huge.kv_cache[1, 0, 2].data_ptr() - huge.base_ptr
+    assert huge.block_offset(2, 0, 1, 0) == huge.kv_cache[1, 0, 2, :, 0].data_ptr() - huge.base_ptr
 
 
 def test_a_host_pool_is_populated_in_the_background_without_losing_writes():

@@ -45,14 +45,14 @@ def host_side(num_pages: int, fill: float, aux_slots: int = 2) -> tuple[np.ndarr
 
 
 def page_pattern(room: int, index: int) -> np.ndarray:
-    """Content of prompt page ``index`` of ``room``: float32 [layers, 2, page_size, kv_heads, head_dim]."""
+    """Content of prompt page ``index`` of ``room``: float32 [kv_heads, layers, 2, page_size, head_dim]."""
     rng = np.random.default_rng((room % 2**32, index))
-    return rng.standard_normal((30, 2, PAGE_SIZE, 3, 64), dtype=np.float32)
+    return rng.standard_normal((3, 30, 2, PAGE_SIZE, 64), dtype=np.float32)
 
 
 def cached_pattern(room: int, index: int) -> np.ndarray:
     """Content of decode's own cached page ``index`` of ``room`` (differs from every ``page_pattern``)."""
-    return np.full((30, 2, PAGE_SIZE, 3, 64), 1000.0 + index + (room % 1000) / 1000, dtype=np.float32)
+    return np.full((3, 30, 2, PAGE_SIZE, 64), 1000.0 + index + (room % 1000) / 1000, dtype=np.float32)
 
 
 class PageAllocator:
@@ -82,8 +82,9 @@ class SideWorker:
 
     def __init__(self, role: str, instance_id: str, backend: str, **kv_overrides: Any) -> None:
         layout = kv_overrides.pop("layout", smollm2_layout())
-        # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim] (page-major), float32, host; touched
-        self.pool = np.full((layout.num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads,
+        # [num_pages, num_kv_heads, num_layers, 2, page_size, head_dim] (page-major, head-major inside a
+        # page), float32, host; touched
+        self.pool = np.full((layout.num_pages, layout.num_kv_heads, layout.num_layers, 2, layout.page_size,
                              layout.head_dim), SENTINEL, dtype=np.float32)
         self.pages = PageAllocator(layout.num_pages)
         params: dict[str, Any] = {"bootstrap_timeout_s": 2.0, "waiting_timeout_s": 2.0,
@@ -174,8 +175,8 @@ class SideWorker:
             want = cached_pattern(room, i) if i < skip else page_pattern(room, i)
             if i == len(pages) - 1 and i >= skip and filled < PAGE_SIZE:
                 got = self.pool[page]
-                if not (np.array_equal(got[:, :, :filled], want[:, :, :filled])
-                        and (got[:, :, filled:] == SENTINEL).all()):
+                if not (np.array_equal(got[..., :filled, :], want[..., :filled, :])
+                        and (got[..., filled:, :] == SENTINEL).all()):
                     return False
             elif not np.array_equal(self.pool[page], want):
                 return False

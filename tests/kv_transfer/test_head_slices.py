@@ -22,8 +22,8 @@ LAYOUT = KVLayout(num_layers=2, num_pages=6, page_size=4, num_kv_heads=4, head_d
 
 
 def split(num_heads: int, parts: list[tuple[int, int]]) -> list[np.ndarray]:
-    """One float32 pool ``[num_pages, num_layers, 2, page_size, heads, head_dim]`` per head range, zeroed."""
-    return [np.zeros((LAYOUT.num_pages, LAYOUT.num_layers, 2, LAYOUT.page_size, b - a, LAYOUT.head_dim),
+    """One float32 pool ``[num_pages, heads, num_layers, 2, page_size, head_dim]`` per head range, zeroed."""
+    return [np.zeros((LAYOUT.num_pages, b - a, LAYOUT.num_layers, 2, LAYOUT.page_size, LAYOUT.head_dim),
                      dtype=np.float32) for a, b in parts]
 
 
@@ -32,8 +32,8 @@ def regions(pools: list[np.ndarray], parts: list[tuple[int, int]]) -> list[KVReg
 
 
 def whole_kv(seed: int) -> np.ndarray:
-    """The model's KV of every head: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``."""
-    shape = (LAYOUT.num_pages, LAYOUT.num_layers, 2, LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    """The model's KV of every head: ``[num_pages, num_kv_heads, num_layers, 2, page_size, head_dim]``."""
+    shape = (LAYOUT.num_pages, LAYOUT.num_kv_heads, LAYOUT.num_layers, 2, LAYOUT.page_size, LAYOUT.head_dim)
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) + 1.0
 
 
@@ -49,7 +49,7 @@ def test_every_destination_rank_gets_exactly_its_heads(src_split: str, dst_split
                                                        last_page_tokens: int | None) -> None:
     kv = whole_kv(1)
     sparts, dparts = SPLITS[src_split], SPLITS[dst_split]
-    src_pools = [np.ascontiguousarray(kv[..., a:b, :]) for a, b in sparts]
+    src_pools = [np.ascontiguousarray(kv[:, a:b]) for a, b in sparts]
     dst_pools = split(LAYOUT.num_kv_heads, dparts)
     src_pages, dst_pages = [4, 1, 2], [0, 5, 3]
     local, remote = head_sliced_spans(LAYOUT, regions(src_pools, sparts), regions(dst_pools, dparts),
@@ -60,13 +60,26 @@ def test_every_destination_rank_gets_exactly_its_heads(src_split: str, dst_split
     filled = [LAYOUT.page_size] * 2 + [last_page_tokens or LAYOUT.page_size]
     for pool, (a, b) in zip(dst_pools, dparts):
         for sp, dp, n in zip(src_pages, dst_pages, filled):
-            np.testing.assert_array_equal(pool[dp, :, :, :n], kv[sp, :, :, :n, a:b])
-            assert not pool[dp, :, :, n:].any()
+            np.testing.assert_array_equal(pool[dp, ..., :n, :], kv[sp, a:b, ..., :n, :])
+            assert not pool[dp, ..., n:, :].any()
         untouched = [p for p in range(LAYOUT.num_pages) if p not in dst_pages]
         assert not pool[untouched].any()
     token_bytes = LAYOUT.num_layers * 2 * LAYOUT.head_dim * 4
     replicas = sum(b - a for a, b in dparts) // LAYOUT.num_kv_heads
     assert local[:, 1].sum() == sum(filled) * token_bytes * LAYOUT.num_kv_heads * replicas
+
+
+def test_whole_pages_move_as_one_span_per_page_and_source_head_range() -> None:
+    """Head-major pages: P TP=2 (uneven 1 + 3 heads) -> D TP=1 is two spans per page, each a source rank's
+    whole head range (120-240 KiB for SmolLM2's pages), not one per token; a partly filled last page adds one
+    span per (head, layer, plane)."""
+    uneven, tp1 = SPLITS["uneven"], SPLITS["tp1"]
+    src, dst = regions(split(4, uneven), uneven), regions(split(4, tp1), tp1)
+    local, remote = head_sliced_spans(LAYOUT, src, dst, [4, 1, 2], [0, 5, 3])
+    assert len(local) == 3 * 2
+    assert sorted(set(local[:, 1].tolist())) == [LAYOUT.page_head_bytes, 3 * LAYOUT.page_head_bytes]
+    local, _ = head_sliced_spans(LAYOUT, src, dst, [4, 1, 2], [0, 5, 3], last_page_tokens=3)
+    assert len(local) == 2 * 2 + 4 * LAYOUT.num_layers * 2
 
 
 def test_same_split_moves_whole_pages_as_one_span_per_page_run() -> None:

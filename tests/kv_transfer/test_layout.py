@@ -15,21 +15,24 @@ LAYOUT = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_d
 
 
 def test_block_offset_matches_the_tensor_layout() -> None:
-    """Page-major: [num_pages, num_layers, 2, page_size, kv_heads, head_dim]; a page is one contiguous
-    range."""
-    pool = np.arange(LAYOUT.pool_bytes // 4, dtype=np.float32).reshape(5, 3, 2, 4, 2, 8)
+    """Page-major, head-major inside a page: [num_pages, kv_heads, num_layers, 2, page_size, head_dim]; a
+    page is one contiguous range, and so is each head of it."""
+    pool = np.arange(LAYOUT.pool_bytes // 4, dtype=np.float32).reshape(5, 2, 3, 2, 4, 8)
     flat = pool.reshape(-1).view(np.uint8)
-    for layer, kv, page in [(0, 0, 0), (1, 1, 3), (2, 0, 4), (2, 1, 4)]:
-        offset = LAYOUT.block_offset_bytes(layer, kv, page)
-        assert flat[offset:offset + LAYOUT.block_bytes].tobytes() == pool[page, layer, kv].tobytes()
+    for page, head, layer, kv in [(0, 0, 0, 0), (3, 1, 1, 1), (4, 0, 2, 0), (4, 1, 2, 1)]:
+        offset = LAYOUT.block_offset_bytes(page, head, layer, kv)
+        assert flat[offset:offset + LAYOUT.block_bytes].tobytes() == pool[page, head, layer, kv].tobytes()
     for page in range(5):
         offset = LAYOUT.page_offset_bytes(page)
         assert flat[offset:offset + LAYOUT.page_bytes].tobytes() == pool[page].tobytes()
+        for head in range(2):
+            start = offset + head * LAYOUT.page_head_bytes
+            assert flat[start:start + LAYOUT.page_head_bytes].tobytes() == pool[page, head].tobytes()
 
 
 def test_sizes_and_slot_index() -> None:
-    assert LAYOUT.block_bytes == 4 * 2 * 8 * 4
-    assert LAYOUT.pool_bytes == 3 * 2 * 5 * LAYOUT.block_bytes == 5 * LAYOUT.page_bytes
+    assert LAYOUT.block_bytes == 4 * 8 * 4 and LAYOUT.page_head_bytes == 3 * 2 * LAYOUT.block_bytes
+    assert LAYOUT.pool_bytes == 2 * 3 * 2 * 5 * LAYOUT.block_bytes == 5 * LAYOUT.page_bytes
     assert LAYOUT.slot_index([3, 1], 5) == 1 * 4 + 1
     assert [LAYOUT.num_pages_for(n) for n in (1, 4, 5)] == [1, 1, 2]
 
@@ -109,13 +112,13 @@ MLA = KVLayout(num_layers=3, num_pages=5, page_size=4, num_kv_heads=1, head_dim=
 
 
 def test_an_mla_layout_is_one_latent_plane_per_layer_and_matches_its_tensor() -> None:
-    """MLA: [num_pages, num_layers, 1, page_size, 1, latent_dim]: no V plane, a page is still one range."""
+    """MLA: [num_pages, 1, num_layers, 1, page_size, latent_dim]: no V plane, a page is still one range."""
     assert MLA.num_planes == 1 and MLA.page_bytes == 3 * 4 * 24 * 4 and LAYOUT.num_planes == 2
-    pool = np.arange(MLA.pool_bytes // 4, dtype=np.float32).reshape(5, 3, 1, 4, 1, 24)
+    pool = np.arange(MLA.pool_bytes // 4, dtype=np.float32).reshape(5, 1, 3, 1, 4, 24)
     flat = pool.reshape(-1).view(np.uint8)
     for layer, page in [(0, 0), (2, 3), (1, 4)]:
-        offset = MLA.block_offset_bytes(layer, 0, page)
-        assert flat[offset:offset + MLA.block_bytes].tobytes() == pool[page, layer, 0].tobytes()
+        offset = MLA.block_offset_bytes(page, 0, layer, 0)
+        assert flat[offset:offset + MLA.block_bytes].tobytes() == pool[page, 0, layer, 0].tobytes()
     table = BlockTable(1 << 20, MLA, 1 << 30, 1)
     spans = table.partial_page_spans(2, 3)   # one span per layer: the latent's first 3 slots
     assert spans.tolist() == [[(1 << 20) + 2 * MLA.page_bytes + layer * MLA.block_bytes, 3 * 24 * 4]
@@ -135,15 +138,25 @@ def test_layouts_of_another_kind_are_incompatible_by_name() -> None:
 
 
 def test_a_dense_layout_keeps_its_hash_and_reads_a_peer_json_without_kind() -> None:
-    """``kind`` enters neither the hash of an MHA layout (peers from before it still match) nor its JSON's
-    required fields."""
+    """``kind`` enters neither the hash of an MHA layout (the hash is that of the fields without it) nor its
+    JSON's required fields."""
     import hashlib
     import json
 
-    old = {"model_id": "m", "version": 2, "dtype": "float32", "weight_quant": "none", "page_size": 4,
-           "num_layers": 3, "num_kv_heads": 2, "head_dim": 8}
+    old = {"model_id": "m", "version": LAYOUT.version, "dtype": "float32", "weight_quant": "none",
+           "page_size": 4, "num_layers": 3, "num_kv_heads": 2, "head_dim": 8}
     before = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
     assert compat_hash("m", LAYOUT) == before
     data = LAYOUT.to_json()
     del data["kind"]
     assert KVLayout.from_json(data) == LAYOUT and KVLayout.from_json(MLA.to_json()) == MLA
+
+
+def test_a_peer_of_the_token_major_layout_version_2_is_refused_by_name() -> None:
+    """Version 2 kept a token's heads innermost (``[pages, layers, 2, page_size, heads, head_dim]``): the same
+    bytes in another order, so a version-2 peer would read every page scrambled."""
+    assert LAYOUT.version == 3
+    old = KVLayout(3, 5, 4, 2, 8, version=2)
+    with pytest.raises(CompatibilityError) as info:
+        check_compatible("m", LAYOUT, "m", old)
+    assert info.value.field == "version"

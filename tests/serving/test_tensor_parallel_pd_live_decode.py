@@ -4,8 +4,8 @@
 * ``pd_ensemble``: prefill at ``tensor_parallel_size`` 1 → decode at 2, over NIXL: each decode rank received
   its KV head;
 * ``pd_mooncake``: prefill at 2 → decode at 1, over Mooncake (``kv_backend: mooncake``; each prefill rank's KV
-  heads go through the prefill side's staging area, ``kv_transfer/staging.py``), its own pair held by
-  ``prefill_models`` / ``decode_models``.
+  heads written into the decode's pages as one span per page, ``kv_transfer/head_slices.py``), its own pair
+  held by ``prefill_models`` / ``decode_models``.
 
 Every stream equals a colocated TP=1 engine's greedy run (text, token ids, logprobs within ``LOGPROB_TOL``).
 One server for both pairs: the second pair costs its models' load, not a server start.
