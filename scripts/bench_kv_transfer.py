@@ -7,8 +7,8 @@ Usage: python scripts/bench_kv_transfer.py [--backend nixl,mooncake] [--reps 20]
                                            [--no-huge-pages] [--dtype float32|bfloat16]
 ``--dtype bfloat16``: the KV of a ``dtype: bfloat16`` engine (half the bytes per page; the pools hold 16-bit
 values, which the transfer and the baseline copy as bytes).
-The pool is page-major (``kv_transfer.layout`` v2): a page is one contiguous region, so ``--scatter`` (random
-pages on both sides) moves one descriptor per page instead of merging runs.
+The pool is page-major (``kv_transfer.layout`` v2 and later): a page is one contiguous region, so
+``--scatter`` (random pages on both sides) moves one descriptor per page instead of merging runs.
 Prints one line per size, then a JSON object (last line; with several backends ``{"backends": {name: ...}}``)
 with kv4k_gbps, memcpy_gbps, kv4k_ratio, kv4k_ratio_ceiling (against the cached-store ceiling, see
 ``MemcpyBaseline``), kv4k_ceiling_ratio (that ceiling over memcpy), kv128_latency_ms, kv128_overhead_ms, ...
@@ -376,7 +376,9 @@ def compare_layouts(scatter: bool, reps: int = 8) -> dict:  # type: ignore[type-
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
 
     layout = smollm2_layout(NUM_PAGES)
-    block, blocks_per_page = layout.block_bytes, layout.num_layers * 2
+    # layout v1's (layer, K/V, page) block held every head of the page's tokens
+    blocks_per_page = layout.num_layers * 2
+    block = layout.page_bytes // blocks_per_page
     pools = [np.ones(layout.pool_bytes, dtype=np.uint8) for _ in range(2)]
     threaded = {"num_threads": str(COPY_THREADS), "split_batch_size": str(SPLIT_MIN_DESCS)}
     pairs = {}
