@@ -72,22 +72,19 @@ def page_spans(base_ptr: int, layout: KVLayout, pages: np.ndarray, num_tokens: n
     """(address, nbytes) of local KV heads ``[head, head + num_heads)`` of pages ``pages`` (int64 ``[n]``) of
     the pool at ``base_ptr`` laid out as ``layout`` (its ``num_kv_heads``: the pool's own), every layer and
     plane, of which page ``pages[i]`` holds ``num_tokens[i]`` tokens (int64 ``[n]``, ``1..page_size``): one
-    span per whole page (the head range is contiguous), one per (head, layer, plane) of a partly filled page
-    (its first ``num_tokens[i]`` slots), in (page, head, layer, plane) order. int64 ``[m, 2]``."""
+    span per whole page (the head range is contiguous), in page order, then one per (head, layer, plane) of
+    each partly filled page (its first ``num_tokens[i]`` slots), in (page, head, layer, plane) order; two
+    calls with the same ``num_tokens`` pair span for span. int64 ``[m, 2]``."""
     partial = num_tokens < layout.page_size
     start = base_ptr + pages * layout.page_bytes + head * layout.page_head_bytes
+    whole = start[~partial]
+    spans = np.stack([whole, np.full_like(whole, num_heads * layout.page_head_bytes)], axis=1)
     if not partial.any():
-        return np.stack([start, np.full_like(start, num_heads * layout.page_head_bytes)], axis=1)
+        return spans
     blocks = np.arange(num_heads * layout.num_layers * layout.num_planes, dtype=np.int64) * layout.block_bytes
-    vector_bytes = layout.block_bytes // layout.page_size
-    parts = []
-    for i in range(len(pages)):   # a room has one partial page (its last), so this loop is short
-        if partial[i]:
-            addr = start[i] + blocks
-            parts.append(np.stack([addr, np.full_like(addr, num_tokens[i] * vector_bytes)], axis=1))
-        else:
-            parts.append(np.array([[start[i], num_heads * layout.page_head_bytes]], dtype=np.int64))
-    return np.concatenate(parts)
+    addr = (start[partial][:, None] + blocks[None, :]).reshape(-1)
+    nbytes = np.repeat(num_tokens[partial] * (layout.block_bytes // layout.page_size), len(blocks))
+    return np.concatenate([spans, np.stack([addr, nbytes], axis=1)])
 
 
 def _region_spans(region: KVRegion, layout: KVLayout, pages: np.ndarray, num_tokens: np.ndarray,
