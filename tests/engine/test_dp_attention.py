@@ -31,7 +31,7 @@ from engine.forward_batch import ForwardBatch
 from engine.parallel.step import decode_dp_step, encode_dp_step
 from tests.engine.test_expert_parallel import assert_a_killed_rank_fails_the_step
 from tests.engine.test_moe_models import deepseek_config, qwen3_moe_config, save_model
-from tests.engine.test_tensor_parallel import SHAPE_6_3, _alive, _children, needs_model
+from tests.engine.test_tensor_parallel import SHAPE_6_3, _alive, _children, greedy_outputs, needs_model
 
 pytestmark = [pytest.mark.reference, pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -90,18 +90,7 @@ Run = dict[str, tuple[list[int], list[float]]]
 def run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = MAX_TOKENS,
         ranks: dict[str, int] | None = None) -> Run:
     """Greedy outputs of ``prompts`` run together; ``ranks`` gets each request's DP rank."""
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                       ignore_eos=True))
-        if ranks is not None:
-            ranks[rid] = engine.scheduler.rank_of(rid)
-    out: Run = {rid: ([], []) for rid in prompts}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id][0].extend(o.new_token_ids)
-            out[o.request_id][1].extend(o.new_logprobs)
-    assert engine.num_free_pages == engine.num_total_pages
-    return out
+    return greedy_outputs(engine, prompts, max_tokens, ranks)
 
 
 def assert_same(reference: tuple[list[int], list[float]], got: tuple[list[int], list[float]],

@@ -150,14 +150,19 @@ def make_engine(folder: Path, tp: int, **kw: object) -> LLMEngine:
                                   max_num_batched_tokens=32, tensor_parallel_size=tp, **kw))
 
 
-def greedy_outputs(engine: LLMEngine, prompts: list[list[int]] = PROMPTS,
-                   max_tokens: int = MAX_TOKENS) -> dict[str, tuple[list[int], list[float]]]:
-    """Every prompt (request id: its index) run greedily to ``max_tokens`` (EOS ignored) on ``engine``: each
-    request's (token ids, logprobs); asserts every page is free afterwards."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                          ignore_eos=True))
-    out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(prompts))}
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]] | dict[str, list[int]] = PROMPTS,
+                   max_tokens: int = MAX_TOKENS,
+                   ranks: dict[str, int] | None = None) -> dict[str, tuple[list[int], list[float]]]:
+    """Every prompt run together, greedily to ``max_tokens`` (EOS ignored) on ``engine``: each request's
+    (token ids, logprobs), by request id (a dict's keys; a list's: each prompt's index); asserts every page
+    is free afterwards. ``ranks`` (a DP-attention engine) gets each request's DP rank."""
+    by_id = prompts if isinstance(prompts, dict) else {str(i): p for i, p in enumerate(prompts)}
+    for rid, prompt in by_id.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                       ignore_eos=True))
+        if ranks is not None:
+            ranks[rid] = engine.scheduler.rank_of(rid)
+    out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in by_id}
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id][0].extend(o.new_token_ids)
