@@ -24,6 +24,8 @@ from frontend.wire import (
 )
 
 logger = logging.getLogger(__name__)
+#: How long a stream is read on after its FINAL (or an error) for the server to end the call, seconds
+STREAM_END_GRACE_S = 2.0
 
 
 class TritonError(Exception):
@@ -179,10 +181,12 @@ class TritonGrpcBackend:
             finished = True
             raise BackendUnavailable(f"{self.model} at {self.url} unreachable: {_rpc_message(e)}") from None
         finally:
-            ended.set()
+            ended.set()   # our half closes: after FINAL (or an error) the server ends the call
             if not finished:
                 responses.cancel()   # Triton cancels the request: the model aborts it and frees its pages
                 logger.info("request %s cancelled on %s", request.request_id, self.model)
+            else:   # also when the consumer closes this generator at the FINAL it was given
+                await _read_to_end(responses)
 
     async def ready(self) -> bool:
         try:
@@ -205,3 +209,18 @@ def _rpc_message(error: BaseException) -> str:
         return f"{code().name}: {details()}"
     message = getattr(error, "message", None)
     return message() if callable(message) else str(error)
+
+
+async def _read_to_end(responses: Any) -> None:
+    """Read a stream whose FINAL (or error) arrived on to the call's end, up to ``STREAM_END_GRACE_S``.
+    Why: grpc.aio cancels a call that is dropped before its end when it collects it, and a cancel that races
+    the end of a stream whose FINAL went out makes tritonserver 2.51's gRPC frontend keep the model loaded
+    until its exit timeout (docs/healing.md section 4: the router's server then took 40 s to stop after a
+    chaos run whose load client dropped its calls so). Never raises."""
+    async def drain() -> None:
+        async for _ in responses:
+            pass
+    try:
+        await asyncio.wait_for(drain(), STREAM_END_GRACE_S)
+    except Exception:  # noqa: BLE001 - the request is answered; a call that does not end is left to grpc
+        logger.debug("a stream did not end within %s s of its FINAL", STREAM_END_GRACE_S, exc_info=True)

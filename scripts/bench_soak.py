@@ -191,8 +191,8 @@ def _int_output(result: Any, name: str) -> int | None:
 
 
 async def _read(responses: Any, st: _Stream, cancel_after: int | None) -> None:
-    """Fold responses into ``st`` until FINAL, an error (then the stream is read to its end), the client's
-    k-th-response cancel, or the stream's end."""
+    """Fold responses into ``st`` until FINAL or an error (either way the stream is then read to its end),
+    the client's k-th-response cancel, or the stream's end."""
     try:
         async for result, error in responses:
             now = time.perf_counter()
@@ -209,6 +209,11 @@ async def _read(responses: Any, st: _Stream, cancel_after: int | None) -> None:
             params = result.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
                 st.final_seen, st.record.done_s = True, now
+                # read on to the call's end (the server closes it right after FINAL: our half is closed):
+                # a call dropped here is cancelled when grpc.aio collects it, and a cancel that races the
+                # end of a stream whose FINAL went out makes tritonserver 2.51 keep the model loaded until
+                # its exit timeout (docs/healing.md section 4; the chaos smoke's router stop took 40 s so)
+                await read_to_end(responses)
                 return
             if cancel_after is not None and st.num_responses >= cancel_after:
                 st.cancelled = True
