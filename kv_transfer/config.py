@@ -19,7 +19,7 @@ class KVArgs:
     """Everything a manager needs: its identity, its KV region and layout, its rendezvous, its timeouts.
 
     ``kv_base_ptr``/``kv_nbytes`` describe the engine's page-major pool
-    ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (``kv_transfer.layout``); the caller
+    ``[num_pages, num_kv_heads, num_layers, 2, page_size, head_dim]`` (``kv_transfer.layout``); the caller
     owns that memory and keeps it alive until ``shutdown()``. A tensor-parallel engine gives ``kv_regions``
     instead (every rank's pool, ``kv_transfer.head_slices``, rank 0 first): ``kv_base_ptr`` is then the first
     region's, ``kv_nbytes`` the sum of the regions' pool bytes and ``layout.num_kv_heads`` the model's KV
