@@ -262,7 +262,9 @@ class DecodeSide:
         if receiver.peer is not None:
             self._peers.heard_from(receiver.peer.instance_id)   # a notification from it: alive
         if tag.kind == TagKind.CHUNK and not receiver.state.is_terminal:
-            self.metrics.chunks_total += 1
+            # a chunk seen before is counted once (Mooncake delivers a write's notification more than once:
+            # kv_transfer.mooncake_transport.RESEND_AFTER_S)
+            self.metrics.chunks_total += int(tag.index not in receiver.chunks_seen)
             if receiver.peer is not None:
                 self._peer_progress_s[receiver.peer.agent_name] = now_s
             if receiver.on_chunk(tag.index, tag.total_chunks, now_s):

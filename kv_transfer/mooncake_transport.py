@@ -105,6 +105,15 @@ class MooncakeOptions(BackendOptions):
             raise OptionError("kv_protocol", f"must be one of {PROTOCOLS}, got {self.protocol!r}")
 
 
+#: When a KV write's notification is delivered again, seconds after its first delivery. Mooncake sends a
+#: write's notification once it sees the batch completed and, when that send fails (a link down at that
+#: moment: its handshake socket's connect times out), logs "Failed to send notify message" and still reports
+#: the batch completed, so ``transfer_sync`` returns 0 and the loss cannot be seen here: the decode's room
+#: would wait out its waiting timeout (docs/multihost.md, "Limits"). The decode side ignores a chunk
+#: notification it has seen, so the copies cost a zero-length write each and cover a blip of up to ~7 s.
+RESEND_AFTER_S = (1.0, 3.0, 7.0)
+
+
 @dataclass
 class MooncakeWrite:
     """A posted write; ``state`` is written by the peer's writer thread, read by ``check``."""
@@ -127,6 +136,7 @@ class _Peer:
     stop: threading.Event = field(default_factory=threading.Event)
     broken: str = ""                       # why the last delivery failed ("" once one succeeds again)
     failed_s: float = float("-inf")        # when it failed: writes queued before then fail without trying
+    resends: list[tuple[float, bytes]] = field(default_factory=list)   # (due, notification), writer only
 
 
 class MooncakeTransport(Transport):
@@ -302,8 +312,10 @@ class MooncakeTransport(Transport):
         """The writer of one peer, until ``peer.stop``. A write queued while the peer was failing (a stopped
         peer takes ``MC_TRANSFER_TIMEOUT`` per batch) fails without trying, so a backlog never adds up."""
         while not peer.stop.is_set():
+            self._resend_due(peer)
+            wait_s = 0.5 if not peer.resends else min(0.5, max(0.0, peer.resends[0][0] - time.monotonic()))
             try:
-                write = peer.jobs.get(timeout=0.5)
+                write = peer.jobs.get(timeout=wait_s)
             except queue.Empty:
                 continue
             if write is None:
@@ -315,10 +327,23 @@ class MooncakeTransport(Transport):
                 continue
             if self._run(peer, write):
                 write.state, peer.broken = XferState.DONE, ""
+                if write.notif and write.nbytes:   # a KV write's notification: see RESEND_AFTER_S
+                    now_s = time.monotonic()
+                    peer.resends.extend((now_s + delay_s, write.notif) for delay_s in RESEND_AFTER_S)
+                    peer.resends.sort(key=lambda due: due[0])
                 continue
             write.state, peer.failed_s = XferState.ERR, time.monotonic()
             peer.broken = "a write or message to it failed"
             logger.warning("mooncake write to %s at %s failed", name, peer.endpoint)
+
+    def _resend_due(self, peer: _Peer) -> None:
+        """Delivers again the notifications whose time came (``RESEND_AFTER_S``); a failure is only logged
+        (the peer's own writes decide whether it is failing). The peer's writer thread."""
+        now_s = time.monotonic()
+        while peer.resends and peer.resends[0][0] <= now_s and not peer.stop.is_set():
+            _, notif = peer.resends.pop(0)
+            if not self._deliver(peer.endpoint, notif):
+                logger.debug("mooncake: a repeated notification to %s failed", peer.endpoint)
 
     def _run(self, peer: _Peer, write: MooncakeWrite) -> bool:
         """Writes ``write``'s runs, then its notification; True when every byte and the message went. Each
