@@ -1,7 +1,8 @@
 """The ``TokenDispatcher`` contract (engine/model/moe_dispatch.py): every local expert gets exactly its
 tokens' rows, in token order (rank 0's first), an expert nobody chose gets none, ``combine`` returns each
-token's weighted sum in token order; ``AllToAllDispatcher`` over 2 gloo ranks (2 CPU processes, loopback)
-equals ``LocalDispatcher`` bit for bit, also for a rank with no tokens, and gives the same rows when the
+token's weighted sum in token order; ``AllToAllDispatcher`` over 2 and over 4 gloo ranks (CPU processes,
+loopback) equals ``LocalDispatcher`` bit for bit, also for a rank with no tokens and for ranks whose experts
+lie in the middle of the expert order, and gives the same rows when the
 counts are passed in (``counts_by_source``) instead of exchanged; an MoE block at expert-parallel size
 2 equals the same block at 1; a rank that is gone fails the next dispatch with ``DispatchError`` instead of
 a hang.
@@ -36,14 +37,15 @@ def run_experts(sent, experts: range) -> torch.Tensor:
     return out
 
 
-def tokens_of(rank: int, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s ``count`` tokens: hidden ``[count, H]``, top-2 ids among experts 0..6 (expert 7 never
-    chosen), float32 weights."""
+def tokens_of(rank: int, count: int, seed: int, top_k: int = TOP_K
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s ``count`` tokens: hidden ``[count, H]``, top-``top_k`` ids among experts 0..6 (expert 7
+    never chosen), float32 weights."""
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     hidden = torch.randn(count, HIDDEN, generator=gen)
-    ids = torch.stack([torch.randperm(EXPERTS - 1, generator=gen)[:TOP_K] for _ in range(count)]) if count \
-        else torch.zeros(0, TOP_K, dtype=torch.int64)
-    return hidden, ids, torch.rand(count, TOP_K, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS - 1, generator=gen)[:top_k] for _ in range(count)]) if count \
+        else torch.zeros(0, top_k, dtype=torch.int64)
+    return hidden, ids, torch.rand(count, top_k, generator=gen)
 
 
 def test_local_dispatch_gives_each_expert_its_tokens_in_order_and_combine_weights_them() -> None:
@@ -67,18 +69,19 @@ def test_local_dispatch_of_no_tokens_is_empty() -> None:
     assert sent.counts == [0] * EXPERTS and d.combine(sent.hidden, sent.handle).shape == (0, HIDDEN)
 
 
-def _check_all_to_all(rank: int, counts: tuple[int, int], seed: int, dispatcher: AllToAllDispatcher) -> None:
-    mine = tokens_of(rank, counts[rank], seed)
+def _check_all_to_all(rank: int, counts: tuple[int, ...], seed: int, dispatcher: AllToAllDispatcher,
+                      top_k: int = TOP_K) -> None:
+    mine = tokens_of(rank, counts[rank], seed, top_k)
     sent = dispatcher.dispatch(*mine)
-    both = [tokens_of(r, counts[r], seed) for r in (0, 1)]
+    every = [tokens_of(r, counts[r], seed, top_k) for r in range(len(counts))]
     for rows, g in zip(sent.per_expert(), dispatcher.local_experts):   # rank 0's rows first, token order
-        expected = torch.cat([h[(i == g).any(dim=1)] for h, i, _ in both])
+        expected = torch.cat([h[(i == g).any(dim=1)] for h, i, _ in every])
         assert torch.equal(rows, expected), (rank, g)
-    if rank == 1:
+    if EXPERTS - 1 in dispatcher.local_experts:
         assert sent.counts[-1] == 0 and sent.per_expert()[-1].shape == (0, HIDDEN)   # expert 7: never chosen
     out = dispatcher.combine(run_experts(sent, dispatcher.local_experts), sent.handle)
     # the counts known from every rank's routing: the same rows without their all-to-all
-    known = counts_by_source(torch.cat([i for _, i, _ in both]), list(counts), EXPERTS, rank, 2)
+    known = counts_by_source(torch.cat([i for _, i, _ in every]), list(counts), EXPERTS, rank, len(counts))
     again = dispatcher.dispatch(*mine, recv_counts=known)
     assert again.counts == sent.counts and again.blocks == sent.blocks
     assert torch.equal(again.hidden, sent.hidden)
@@ -139,6 +142,39 @@ def _rank_main(rank: int, port: int) -> None:
     os._exit(0)
 
 
+def _four_ranks_main(rank: int, port: int) -> None:
+    """Ranks 1 and 2 hold experts in the middle of the expert order: their own rows are summed between the
+    lower and the higher ranks' (what LocalDispatcher's bits need)."""
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=timedelta(seconds=30))
+    dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, timeout_s=10.0)
+    assert dispatcher.local_experts == range(2 * rank, 2 * rank + 2)
+    # top-5: a token's sum has terms of 3-4 ranks, so a rank that summed its own rows out of expert order
+    # would give other bits than LocalDispatcher
+    _check_all_to_all(rank, (5, 3, 7, 2), seed=5, dispatcher=dispatcher, top_k=5)
+    _check_all_to_all(rank, (4, 0, 6, 0), seed=6, dispatcher=dispatcher, top_k=5)   # ranks 1, 3: no tokens
+    dist.barrier()
+    os._exit(0)   # gloo's threads abort the interpreter's shutdown (see _rank_main)
+
+
+def _run_ranks(main, nprocs: int) -> None:  # noqa: ANN001 - a spawn target
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(main, args=(_free_port(),), nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {nprocs} ranks did not finish in {SPAWN_TIMEOUT_S} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,15 +184,9 @@ def _free_port() -> int:
 def test_all_to_all_over_two_gloo_ranks_equals_local_dispatch() -> None:
     """Two ranks of 4 experts each: token order, empty experts, a rank without tokens, combine == local,
     MoE block EP=2 == EP=1, and a departed rank fails the next dispatch within its timeout."""
-    import torch.multiprocessing as mp
+    _run_ranks(_rank_main, 2)
 
-    context = mp.start_processes(_rank_main, args=(_free_port(),), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the two ranks did not finish in {SPAWN_TIMEOUT_S} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+
+def test_all_to_all_over_four_gloo_ranks_equals_local_dispatch() -> None:
+    """Four ranks of 2 experts each: the ranks in the middle of the expert order too."""
+    _run_ranks(_four_ranks_main, 4)
