@@ -97,7 +97,10 @@ class DecodeWorker:
         self._running: dict[str, _Job] = {}
         self._releasing: dict[str, _Job] = {}  # failed; pages held until no write can land
         self._page_size = page_size
-        self.load = InstanceLoad()   # snapshot taken every tick; read by the KV manager's heartbeat
+        # snapshot taken every tick; read by the KV manager's heartbeat, and by its registration, which the
+        # handle's start() sends before the loop's first tick: taken here too, so that a router's first
+        # view of the instance has its pages and DP ranks (not an empty load until the next heartbeat)
+        self.load = self._load()
         loop.add_hook(self)
 
     # ---- any thread ----------------------------------------------------------------------------------------

@@ -93,7 +93,10 @@ class PrefillWorker:
         self._inflight: dict[str, _Job] = {}
         self._transfer_s_total = 0.0
         self._transfer_tail_s_total = 0.0
-        self.load = InstanceLoad()   # snapshot taken every tick; read by the KV manager's heartbeat
+        # snapshot taken every tick; read by the KV manager's heartbeat, and by its registration, which the
+        # handle's start() sends before the loop's first tick: taken here too, so that a router's first
+        # view of the instance has its pages and DP ranks (not an empty load until the next heartbeat)
+        self.load = self._load()
         loop.add_hook(self)
 
     # ---- any thread ----------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from test_moe_pd_workers import colocated_text, save_tiny_deepseek
 from test_pd_workers import Cluster, QueueSink
 from test_pd_workers import request as client_request
 
+from bootstrap.client import BootstrapClient
 from kv_transfer import unavailable_reason
 from serving.config import WorkerConfig
 from serving.delta import Delta
@@ -83,6 +84,23 @@ def cluster(request: pytest.FixtureRequest, folder: Path) -> Iterator[Cluster]:
     decode.stop()
     prefill.stop()
     for handle in (prefill, decode):
+        handle.loop.engine.close()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_registration_lists_the_dp_ranks_before_the_loop_ticks(folder: Path, role: str) -> None:
+    """A router's first view of a DP instance is its registration, which ``PDWorkerHandle.start`` sends before
+    the engine loop's first tick: it lists each rank's free pages already, so a request sent before the first
+    heartbeat gets a rank chosen too (the engine loop is never started here)."""
+    config = WorkerConfig(model=str(folder), page_size=4, num_pages=NUM_PAGES, kv_backend="inprocess",
+                          expert_parallel_size=2, enable_dp_attention=True)
+    handle = create_pd_worker(role, config, f"{role}-first@127.0.0.1:1")
+    try:
+        handle.kv_manager.start()   # registers at its rendezvous
+        (status,) = BootstrapClient(handle.kv_manager.rendezvous_url).list_instances()
+        assert status.load.rank_free_pages == [NUM_PAGES] * 2 and status.load.num_total_pages == 2 * NUM_PAGES
+    finally:
+        handle.kv_manager.shutdown(5.0)
         handle.loop.engine.close()
 
 
