@@ -11,6 +11,7 @@ MODES: tuple[str, ...] = ("colocated", "prefill", "decode")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 WEIGHT_QUANTS: tuple[str, ...] = ("none", "int8")  # engine.model.linear.WEIGHT_QUANTS
 TP_COLLECTIVES: tuple[str, ...] = ("auto", "shm", "gloo")
+MOE_DISPATCHERS: tuple[str, ...] = ("auto", "shm", "all_to_all")
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
@@ -48,8 +49,8 @@ class EngineConfig:
             ``kv_cache_bytes``, that budget is per rank.
         expert_parallel_size: ranks the routed experts of an MoE model (DeepSeek-V3, Qwen3-MoE) are spread
             over (docs/moe.md): this process is rank 0 of N rank processes, as with ``tensor_parallel_size``;
-            each rank holds ``num_experts / N`` experts, tokens reach them through an all-to-all
-            (``engine.model.moe_dispatch.AllToAllDispatcher``), and attention, dense layers and the LM head
+            each rank holds ``num_experts / N`` experts, tokens reach them through the dispatcher
+            ``moe_dispatcher`` names, and attention, dense layers and the LM head
             are tensor-parallel over the same N ranks (attention TP size = EP size, as SGLang runs EP).
             1 (the default): every expert here. Exclusive with ``tensor_parallel_size`` > 1; must divide the
             model's experts and attention heads (checked at load, naming it).
@@ -66,6 +67,13 @@ class EngineConfig:
         tp_collectives: ``"auto"`` (CPU: shared-memory collectives, ``engine.parallel.shm``, where its C file
             builds, else gloo; CUDA: NCCL), ``"shm"`` (required) or ``"gloo"`` (torch's gloo process group; on
             this project's hosts ~1-2 ms per all-reduce, for comparison).
+        moe_dispatcher: how an expert-parallel instance's MoE layers move tokens between its ranks:
+            ``"auto"`` (CPU ranks with shared-memory collectives: ``"shm"`` when one step's exchange fits
+            ``engine.parallel.group.MOE_SHM_SLOT_CAP`` bytes per slot; else ``"all_to_all"``), ``"shm"``
+            (``engine.model.shm_dispatch.SharedMemoryDispatcher``, through the collectives' shared region;
+            required: the start fails when it cannot be used) or ``"all_to_all"``
+            (``engine.model.moe_dispatch.AllToAllDispatcher``: ``all_to_all_single`` over the ranks' gloo or
+            NCCL process group).
 
     Raises:
         ValueError: at construction, naming the field, when a value is out of range.
@@ -92,6 +100,7 @@ class EngineConfig:
     enable_dp_attention: bool = False
     tp_timeout_s: float = 10.0
     tp_collectives: str = "auto"
+    moe_dispatcher: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -102,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {self.weight_quant!r}")
         if self.tp_collectives not in TP_COLLECTIVES:
             raise ValueError(f"tp_collectives must be one of {TP_COLLECTIVES}, got {self.tp_collectives!r}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"moe_dispatcher must be one of {MOE_DISPATCHERS}, got {self.moe_dispatcher!r}")
         if not isinstance(self.tp_timeout_s, (int, float)) or not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be > 0 seconds, got {self.tp_timeout_s!r}")
         for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_running_requests",

@@ -32,6 +32,8 @@ from engine.parallel.layout import dp_attention_shard, shard_for
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from engine.parallel.shm import ShmCommunicator
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAME = "smollm2"
@@ -147,7 +149,8 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
                cache_dir: str | Path | None = None, weight_quant: str = "none", rank: int = 0,
                tensor_parallel_size: int = 1, expert_group: ProcessGroup | None = None,
-               expert_timeout_s: float = 10.0, dp_attention: bool = False) -> LoadedModel:
+               expert_timeout_s: float = 10.0, dp_attention: bool = False,
+               expert_comm: ShmCommunicator | None = None) -> LoadedModel:
     """Load a Llama / Qwen2 / Mistral model for the engine (or one tensor-parallel rank's slice of it), or a
     DeepSeek-V3 / Qwen3-MoE one (``engine.model.moe_lm.build_moe_model``: one rank, ``weight_quant`` "none").
 
@@ -164,10 +167,13 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
         expert_group: for an MoE model, the expert-parallel process group of its ranks (gloo or NCCL; its
             size N > 1): load the share of the group's rank (its ``num_experts / N`` experts, its attention
             heads), the MoE layers exchanging tokens through an ``AllToAllDispatcher`` whose calls wait at
-            most ``expert_timeout_s`` seconds. None: every expert here.
+            most ``expert_timeout_s`` seconds (or ``expert_comm``'s). None: every expert here.
         dp_attention: with ranks (``tensor_parallel_size`` or the expert group's size > 1), hold every
             attention head (DP attention: ``engine.parallel.layout.dp_attention_shard``); the MLP columns, LM
             head rows and experts stay split.
+        expert_comm: with ``expert_group``, the ranks' shared-memory communicator (its rank and size the
+            group's): the MoE layers exchange tokens through a ``SharedMemoryDispatcher`` over it instead
+            (``engine.model.shm_dispatch``).
 
     Returns:
         ``LoadedModel`` with the model in eval mode, its config and tokenizer.
@@ -190,13 +196,18 @@ def load_model(model: str = SMOLLM2_NAME, dtype: torch.dtype = torch.float32,
     files = sorted(folder.glob("*.safetensors"))
     source = str(files[0]) if len(files) == 1 else str(folder)
     if config.moe is not None:   # DeepSeek-V3, Qwen3-MoE (engine.model.moe_lm)
-        from engine.model.moe_dispatch import AllToAllDispatcher
+        from engine.model.moe_dispatch import AllToAllDispatcher, TokenDispatcher
         from engine.model.moe_lm import build_moe_model, check_expert_parallel_size
 
-        dispatcher = None
+        dispatcher: TokenDispatcher | None = None
         if expert_group is not None:
             check_expert_parallel_size(config, expert_group.size(), dp_attention)
-            dispatcher = AllToAllDispatcher(config.moe.num_experts, expert_group, expert_timeout_s)
+            if expert_comm is not None:
+                from engine.model.shm_dispatch import SharedMemoryDispatcher
+
+                dispatcher = SharedMemoryDispatcher(config.moe.num_experts, expert_comm)
+            else:
+                dispatcher = AllToAllDispatcher(config.moe.num_experts, expert_group, expert_timeout_s)
         moe_net = build_moe_model(config, tensors, source, dtype, device, weight_quant, tensor_parallel_size,
                                   dispatcher, expert_group.rank() if expert_group is not None else 0,
                                   dp_attention)

@@ -33,7 +33,9 @@ Contract (every implementation)
 
 Implementations: ``LocalDispatcher`` (ep = 1, no communication), ``AllToAllDispatcher``
 (``torch.distributed.all_to_all_single``: gloo on the CPU, NCCL on GPUs; the reference, tested here with 2
-gloo ranks), ``engine.model.deepep_dispatch.DeepEPDispatcher`` (DeepEP, GPU only, not run here).
+gloo ranks), ``engine.model.shm_dispatch.SharedMemoryDispatcher`` (CPU ranks of one host, through their
+collectives' shared region: what an expert-parallel engine uses there by default),
+``engine.model.deepep_dispatch.DeepEPDispatcher`` (DeepEP, GPU only, not run here).
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class TokenDispatcher(ABC):
 
 
 @dataclass
-class _SendPlan:
+class SendPlan:
     """One rank's (token, k) pairs sorted by global expert id (stable: token order within an expert)."""
 
     order: torch.Tensor        # [T*K] int64: flat (token * K + k) indices in expert order
@@ -155,15 +157,17 @@ class _SendPlan:
     num_tokens: int
 
 
-def _plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> _SendPlan:
+def plan_sends(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> SendPlan:
+    """The ``SendPlan`` of ``topk_ids`` ``[T, K]`` int64 / ``topk_weights`` ``[T, K]``: a stable sort of the
+    ``T * K`` pairs by expert id, each pair's token and float32 weight, and the pairs per expert."""
     flat = topk_ids.reshape(-1)
     order = torch.sort(flat, stable=True)[1]
     counts = torch.bincount(flat, minlength=num_experts)
-    return _SendPlan(order, torch.div(order, int(topk_ids.shape[1]), rounding_mode="floor"),
+    return SendPlan(order, torch.div(order, int(topk_ids.shape[1]), rounding_mode="floor"),
                      topk_weights.reshape(-1)[order].float(), counts, int(topk_ids.shape[0]))
 
 
-def _weighted(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``rows`` ``[n, H]`` times ``weights`` ``[n]`` float32, the fp32 product rounded to the rows' dtype (as
     transformers' experts do); fp32 ``rows`` are scaled where they are (the same products, no new tensor)."""
     if rows.dtype == torch.float32:
@@ -171,11 +175,11 @@ def _weighted(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (rows.float() * weights[:, None]).to(rows.dtype)
 
 
-def _weighted_sum(rows: torch.Tensor, plan: _SendPlan) -> torch.Tensor:
+def weighted_sum(rows: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[T, H]``: each row of ``rows`` (the plan's order) weighted and summed into its token, in the plan's
     order (ascending expert id per token)."""
     out = torch.zeros(plan.num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    return out.index_add_(0, plan.tokens, _weighted(rows, plan.weights))
+    return out.index_add_(0, plan.tokens, weighted(rows, plan.weights))
 
 
 class LocalDispatcher(TokenDispatcher):
@@ -186,16 +190,37 @@ class LocalDispatcher(TokenDispatcher):
 
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  recv_counts: torch.Tensor | None = None) -> Dispatched:
-        plan = _plan(topk_ids, topk_weights, self.num_experts)
+        plan = plan_sends(topk_ids, topk_weights, self.num_experts)
         return Dispatched(hidden[plan.tokens], plan.expert_counts.tolist(), plan)
 
-    def combine(self, expert_outputs: torch.Tensor, handle: _SendPlan) -> torch.Tensor:
-        return _weighted_sum(expert_outputs, handle)
+    def combine(self, expert_outputs: torch.Tensor, handle: SendPlan) -> torch.Tensor:
+        return weighted_sum(expert_outputs, handle)
+
+
+class KeptRows:
+    """Row buffers kept between calls by name, grown as needed (a dispatcher's received and sent rows): a
+    fresh multi-megabyte tensor per call is a fresh memory mapping whose pages fault in on first touch, which
+    cost more than the copies themselves (``AllToAllDispatcher``'s docstring has the figures)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}   # name -> flat storage
+
+    def __call__(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``[rows, like.shape[1]]`` tensor of ``like``'s dtype and device over the kept buffer ``name``
+        (contents undefined; valid until the next call for ``name``), grown to at least twice what it held
+        when too small."""
+        need = rows * like.shape[1]
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < need or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(max(need, 2 * (buf.numel() if buf is not None else 0)), dtype=like.dtype,
+                              device=like.device)
+            self._buffers[name] = buf
+        return buf[:need].view(rows, like.shape[1])
 
 
 @dataclass
 class _AllToAllHandle:
-    plan: _SendPlan
+    plan: SendPlan
     send_splits: list[int]      # rows this rank sent each rank (its own: the rows it kept)
     recv_splits: list[int]      # rows it received from each rank (its own: the rows it kept)
     own: slice                  # where its own rows lie in the plan's order (rows for its own experts)
@@ -241,18 +266,7 @@ class AllToAllDispatcher(TokenDispatcher):
         super().__init__(num_experts, group.rank(), group.size())
         self.group = group
         self._timeout = timedelta(seconds=timeout_s)
-        self._buffers: dict[str, torch.Tensor] = {}   # name -> flat storage, reused (see the class docstring)
-
-    def _rows(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """A ``[rows, like.shape[1]]`` tensor of ``like``'s dtype and device over the kept buffer ``name``
-        (contents undefined), grown to at least twice what it held when too small."""
-        need = rows * like.shape[1]
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < need or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(max(need, 2 * (buf.numel() if buf is not None else 0)), dtype=like.dtype,
-                              device=like.device)
-            self._buffers[name] = buf
-        return buf[:need].view(rows, like.shape[1])
+        self._rows = KeptRows()   # the row buffers, reused (see the class docstring)
 
     def _start(self, op: str, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                in_splits: list[int] | None) -> dist.Work:
@@ -278,7 +292,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  recv_counts: torch.Tensor | None = None) -> Dispatched:
-        plan = _plan(topk_ids, topk_weights, self.num_experts)
+        plan = plan_sends(topk_ids, topk_weights, self.num_experts)
         per_rank = len(self.local_experts)
         if recv_counts is None:   # learn them: one all-to-all of [num_experts] int64, source-major
             exchanged = torch.empty_like(plan.expert_counts)
@@ -309,7 +323,7 @@ class AllToAllDispatcher(TokenDispatcher):
         counts = by_source.sum(dim=0).tolist()
         order = [self.rank] + [r for r in range(self.ep_size) if r != self.rank]
         return Dispatched(received, counts, _AllToAllHandle(plan, send_splits, recv_splits, own),
-                          _source_blocks(by_source.tolist(), order))
+                          source_blocks(by_source.tolist(), order))
 
     def combine(self, expert_outputs: torch.Tensor, handle: _AllToAllHandle) -> torch.Tensor:
         plan, own = handle.plan, handle.own
@@ -324,17 +338,17 @@ class AllToAllDispatcher(TokenDispatcher):
         # lower ranks' experts, this rank's own, then higher ranks'. While the others' rows travel, this
         # rank's own are weighted, and summed too when they come first.
         out = torch.zeros(plan.num_tokens, outputs.shape[1], dtype=outputs.dtype, device=outputs.device)
-        own_rows = _weighted(outputs[:mine], plan.weights[own])
+        own_rows = weighted(outputs[:mine], plan.weights[own])
         if own.start == 0:
             out.index_add_(0, plan.tokens[own], own_rows)
         if work is not None:
             self._wait("combine", work)
         if own.start > 0:
-            out.index_add_(0, plan.tokens[:own.start], _weighted(back[:own.start], plan.weights[:own.start]))
+            out.index_add_(0, plan.tokens[:own.start], weighted(back[:own.start], plan.weights[:own.start]))
             out.index_add_(0, plan.tokens[own], own_rows)
         if own.stop < len(plan.tokens):
             rest = slice(own.stop, len(plan.tokens))
-            out.index_add_(0, plan.tokens[rest], _weighted(back[own.start:], plan.weights[rest]))
+            out.index_add_(0, plan.tokens[rest], weighted(back[own.start:], plan.weights[rest]))
         return out
 
 
@@ -352,7 +366,7 @@ def counts_by_source(topk_ids: torch.Tensor, token_splits: list[int], num_expert
     return torch.stack(rows)
 
 
-def _source_blocks(by_source: list[list[int]], order: list[int]) -> list[tuple[int, int, int]]:
+def source_blocks(by_source: list[list[int]], order: list[int]) -> list[tuple[int, int, int]]:
     """The blocks of rows received source-major (``by_source[s][e]`` rows of source ``s`` for local expert
     ``e``; sources in ``order``, experts in order within a source): ``(e, start, stop)`` each, listed by
     source rank (so that ``Dispatched.per_expert`` gives rank 0's rows first), empty ones left out."""

@@ -152,7 +152,8 @@ class TensorParallelGroup:
         self._store = dist.TCPStore(STORE_HOST, 0, n, True, timedelta(seconds=START_TIMEOUT_S),
                                     wait_for_workers=False)
         collectives = _collectives(config)
-        buffer_bytes = _buffer_bytes(config, mc, self.shards)
+        moe_exchange = _moe_exchange(config, mc, collectives)
+        buffer_bytes = _buffer_bytes(config, mc, self.shards, moe_exchange)
         if collectives == "shm":
             from engine.parallel.shm import create_region
 
@@ -171,27 +172,36 @@ class TensorParallelGroup:
                           config.weight_quant, config.num_threads, config.page_size, self.num_pages,
                           self._store.port, collectives, self._region_fd, buffer_bytes, widths,
                           config.tp_timeout_s, kv_fds[r], config.expert_parallel_size,
-                          config.enable_dp_attention, r * self.num_pages if region_pages else 0, region_pages)
+                          config.enable_dp_attention, r * self.num_pages if region_pages else 0, region_pages,
+                          moe_exchange)
                  for r in range(n)]
         for spec in specs[1:]:
             self._procs.append(_spawn(spec, self._region_fd, spec.kv_fd))
-        logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank",
-                    n - 1, self.rank_pids, collectives, self.num_pages)
-        if config.expert_parallel_size > 1:   # its all-to-alls need the group at load: join first
+        logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank%s",
+                    n - 1, self.rank_pids, collectives, self.num_pages,
+                    f", MoE exchange {moe_exchange}" if config.expert_parallel_size > 1 else "")
+        if config.expert_parallel_size > 1:   # its exchanges need the group at load: join first
             self._wait_keys("hello")
             process_group = open_process_group(self._store, 0, n, torch.device(config.device))
+            self.comm = make_communicator(specs[0], process_group, self._region_fd)
+            shm = None
+            if moe_exchange == "shm":   # chosen only with shared-memory collectives (_moe_exchange)
+                from engine.parallel.shm import ShmCommunicator
+
+                assert isinstance(self.comm, ShmCommunicator)
+                shm = self.comm
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant,
                                               expert_group=process_group,
                                               expert_timeout_s=config.tp_timeout_s,
-                                              dp_attention=config.enable_dp_attention)
+                                              dp_attention=config.enable_dp_attention, expert_comm=shm)
         else:
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant, rank=0,
                                               tensor_parallel_size=n, dp_attention=config.enable_dp_attention)
             self._wait_keys("hello")
             process_group = open_process_group(self._store, 0, n, torch.device(config.device))
-        self.comm = make_communicator(specs[0], process_group, self._region_fd)
+            self.comm = make_communicator(specs[0], process_group, self._region_fd)
         self._wait_keys("ready")
         loaded.model.attach(self.comm)
         self.model = ParallelCausalLM(loaded.model, self)
@@ -394,14 +404,57 @@ def _num_pages(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]) -
         config.pool_bytes, getattr(torch, config.dtype))
 
 
-def _buffer_bytes(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]) -> int:
+def _buffer_bytes(config: EngineConfig, mc: ModelConfig, shards: list[RankShard], moe_exchange: str) -> int:
     """Slot size of the shared region: one step's all-reduce (``max_num_batched_tokens`` rows of the hidden
-    size) or a 64-row logits gather, whichever is larger, in whole 4 KiB (larger collectives go in pieces)."""
+    size), a 64-row logits gather, or with ``moe_exchange`` ``"shm"`` one step's MoE exchange
+    (``_moe_slot_bytes``), whichever is larger, in whole 4 KiB (larger all-reduces and gathers go in pieces;
+    an MoE exchange never does)."""
     itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
     ranks_tokens = config.dp_size   # DP attention: an exchange holds every rank's tokens
     largest = max(ranks_tokens * config.max_num_batched_tokens * mc.hidden_size * itemsize,
-                  64 * max(len(s.vocab) for s in shards) * 4, 1 << 16)
+                  64 * max(len(s.vocab) for s in shards) * 4, 1 << 16,
+                  _moe_slot_bytes(config, mc) if moe_exchange == "shm" else 0)
     return -(-largest // 4096) * 4096
+
+
+#: the largest slot (bytes) ``moe_dispatcher`` "auto" gives the shared-memory MoE exchange; the region holds
+#: 2 slots per rank, touched only as far as steps fill them. Above it (large models, large token budgets)
+#: "auto" takes the all-to-all. 256 MiB: the tiny test models need ~0.1-4 MiB, DeepSeek-V3's shapes in bf16
+#: 117 KiB per token of a step's budget.
+MOE_SHM_SLOT_CAP = 256 << 20
+
+
+def _moe_slot_bytes(config: EngineConfig, mc: ModelConfig) -> int:
+    """One step's MoE exchange for ``SharedMemoryDispatcher`` (``exchange_bytes``): at most
+    ``dp_size * max_num_batched_tokens`` tokens in a step over all ranks, each routed to ``top_k`` experts."""
+    from engine.model.shm_dispatch import exchange_bytes
+
+    assert mc.moe is not None
+    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    return exchange_bytes(mc.moe.num_experts, mc.moe.top_k, mc.hidden_size, itemsize,
+                          config.dp_size * config.max_num_batched_tokens)
+
+
+def _moe_exchange(config: EngineConfig, mc: ModelConfig, collectives: str) -> str:
+    """``"shm"`` or ``"all_to_all"`` for an expert-parallel instance (``EngineConfig.moe_dispatcher``);
+    ``"all_to_all"`` when the instance is not expert-parallel.
+
+    Raises:
+        ValueError: ``moe_dispatcher`` ``"shm"`` where it cannot run (no shared-memory collectives, or one
+            step's exchange over ``MOE_SHM_SLOT_CAP``), naming the field.
+    """
+    if config.expert_parallel_size == 1 or config.moe_dispatcher == "all_to_all":
+        return "all_to_all"
+    need = _moe_slot_bytes(config, mc)
+    if collectives == "shm" and need <= MOE_SHM_SLOT_CAP:
+        return "shm"
+    why = ("the ranks' collectives are not shared memory" if collectives != "shm" else
+           f"one step's exchange needs {need} bytes per slot, over MOE_SHM_SLOT_CAP ({MOE_SHM_SLOT_CAP}); "
+           "lower max_num_batched_tokens")
+    if config.moe_dispatcher == "shm":
+        raise ValueError(f"moe_dispatcher='shm' cannot be used: {why}")
+    logger.info("expert parallel: MoE exchange over all_to_all_single: %s", why)
+    return "all_to_all"
 
 
 def _collectives(config: EngineConfig) -> str:

@@ -84,10 +84,17 @@ def run(spec: RankSpec) -> int:
     store = connect_store(spec.store_port, spec.world_size)
     store.set(f"hello/{spec.rank}", str(os.getpid()))
     group = open_process_group(store, spec.rank, spec.world_size, device)
+    comm = make_communicator(spec, group, spec.region_fd)
     if spec.expert_parallel_size > 1:   # an MoE model: this rank's experts, tokens over the group
+        shm = None
+        if spec.moe_exchange == "shm":   # rank 0 chose it only with shared-memory collectives
+            from engine.parallel.shm import ShmCommunicator
+
+            assert isinstance(comm, ShmCommunicator)
+            shm = comm
         loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
                             weight_quant=spec.weight_quant, expert_group=group,
-                            expert_timeout_s=spec.timeout_s, dp_attention=spec.dp_attention)
+                            expert_timeout_s=spec.timeout_s, dp_attention=spec.dp_attention, expert_comm=shm)
     else:
         loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
                             weight_quant=spec.weight_quant, rank=spec.rank,
@@ -96,7 +103,6 @@ def run(spec: RankSpec) -> int:
     pool = KVPool(KVShape(mc.num_layers, shard.num_kv_heads, mc.head_dim, spec.page_size, mc.kv_layout_kind),
                   spec.num_pages, getattr(torch, spec.dtype), device, shared_fd=spec.kv_fd,
                   fd_first_page=spec.kv_first_page, fd_num_pages=spec.kv_region_pages or None)
-    comm = make_communicator(spec, group, spec.region_fd)
     loaded.model.attach(comm)
     store.set(f"ready/{spec.rank}", "1")
     logger.info("rank %d/%d ready (pid %d): heads %s, KV heads [%d, %d), %d pages", spec.rank,

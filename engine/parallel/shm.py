@@ -245,6 +245,49 @@ class ShmCommunicator(Communicator):
                     break
         return out
 
+    # ---- operations whose slots the caller fills and reads (engine.model.shm_dispatch) ---------------------
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of each rank's slot (``buffer_bytes``): the most one operation can carry from one rank."""
+        return self._buffer_bytes
+
+    def timer(self, op: str, nbytes: int) -> OpTimer:
+        """An ``OpTimer`` adding to this rank's ``stats`` under ``op`` (``with comm.timer(op, n) as t``)."""
+        return self._timed(op, nbytes)
+
+    def open_operation(self, op: str, timer: OpTimer) -> int:
+        """Start the next operation: wait until no rank still reads this rank's slot of its parity, then
+        return its sequence number (for ``slot``, ``publish``, ``wait_published``, ``close_operation``).
+        Every rank opens the same operations in the same order (the module contract).
+
+        Raises:
+            CollectiveError: the group was aborted, or a rank did not finish the operation two before within
+                ``timeout_s``.
+        """
+        return self._begin(op, timer)
+
+    def slot(self, rank: int, seq: int) -> torch.Tensor:
+        """Rank ``rank``'s slot for operation ``seq``: ``[slot_bytes]`` uint8, a view of the shared region
+        (4 KiB-aligned). This rank writes its own between ``open_operation`` and ``publish``; it reads another
+        rank's between ``wait_published`` and ``close_operation``."""
+        return self._slot(rank, seq, torch.uint8, self._buffer_bytes)
+
+    def publish(self, seq: int) -> None:
+        """This rank's slot of operation ``seq`` is written: the other ranks may read it."""
+        self._post(self._arrive_ptr, seq)
+
+    def wait_published(self, op: str, seq: int, timer: OpTimer) -> None:
+        """Wait until every other rank published operation ``seq``.
+
+        Raises:
+            CollectiveError: the group was aborted, or a rank did not publish within ``timeout_s``.
+        """
+        self._wait(op, self._arrive_ptr, self._others, seq, timer)
+
+    def close_operation(self, seq: int) -> None:
+        """This rank read what it needed of the other ranks' slots of operation ``seq``."""
+        self._post(self._done_ptr, seq)
+
     # ---- group state ---------------------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         if self._map.closed:

@@ -44,7 +44,10 @@ class RankSpec:
         kv_fd: the memfd holding this rank's KV pool, which rank 0 maps too (its KV transfer agent registers
             every rank's pool: docs/parallelism.md), in the rank process; -1: a private pool (GPU ranks).
         expert_parallel_size: ``EngineConfig.expert_parallel_size``: > 1 (then ``world_size``) loads this
-            rank's experts and exchanges tokens over the process group; 1: tensor parallelism.
+            rank's experts and exchanges tokens between the ranks; 1: tensor parallelism.
+        moe_exchange: how an expert-parallel rank's MoE layers exchange tokens: ``"shm"``
+            (``SharedMemoryDispatcher`` over the region; ``buffer_bytes`` then holds one step's exchange) or
+            ``"all_to_all"`` (``AllToAllDispatcher`` over the process group).
     """
 
     rank: int
@@ -67,6 +70,7 @@ class RankSpec:
     dp_attention: bool = False
     kv_first_page: int = 0
     kv_region_pages: int = 0
+    moe_exchange: str = "all_to_all"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -23,6 +23,8 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import TensorParallelError
+from engine.model.moe_dispatch import AllToAllDispatcher
+from engine.model.shm_dispatch import SharedMemoryDispatcher
 from tests.engine.test_moe_models import deepseek_config, qwen3_moe_config, save_model
 from tests.engine.test_tensor_parallel import _alive, _children, greedy_outputs
 
@@ -51,21 +53,25 @@ def greedy(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
     return greedy_outputs(engine, PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("arch,dispatcher", [("deepseek_v3", "auto"), ("qwen3_moe", "auto"),
+                                             ("deepseek_v3", "all_to_all")])
 def test_ep2_gives_ep1s_greedy_tokens_with_half_the_experts_and_heads_per_rank(
-        models: dict[str, Path], arch: str) -> None:
+        models: dict[str, Path], arch: str, dispatcher: str) -> None:
+    """``moe_dispatcher`` "auto" on CPU ranks: the shared-memory exchange; "all_to_all": gloo's."""
     one = make_engine(models[arch], 1)
     try:
         reference = greedy(one)
     finally:
         one.close()
     assert len({tuple(t) for t, _ in reference.values()}) == len(PROMPTS)   # the prompts' texts differ
-    two = make_engine(models[arch], 2)
+    two = make_engine(models[arch], 2, moe_dispatcher=dispatcher)
     try:
         assert two.parallel is not None and len(two.parallel.rank_pids) == 1
         rank0 = two.parallel.loaded.model
         moe_layer = rank0.layers[1].ffn
         assert list(moe_layer.dispatcher.local_experts) == [0, 1, 2, 3] and moe_layer.w13.shape[0] == 4
+        expected = AllToAllDispatcher if dispatcher == "all_to_all" else SharedMemoryDispatcher
+        assert type(moe_layer.dispatcher) is expected
         assert [s.num_heads for s in two.parallel.shards] == [2, 2]
         if arch == "deepseek_v3":   # one latent "head", on every rank
             assert two.kv_heads.replicas == 2 and two.kv_pool.shape.kind == "mla"
@@ -104,6 +110,31 @@ def test_expert_parallel_with_tensor_parallel_or_on_a_dense_model_is_refused_by_
     dense = replace(read_hf_config(models["qwen3_moe"] / "config.json", "qwen3"), moe=None)
     with pytest.raises(ValueError, match="expert_parallel_size=2 needs a mixture-of-experts model"):
         check_expert_parallel_size(dense, 2)
+
+
+def test_moe_dispatcher_shm_is_refused_by_name_where_it_cannot_run_and_auto_falls_back(
+        models: dict[str, Path]) -> None:
+    """Without shared-memory collectives, or when one step's exchange would exceed ``MOE_SHM_SLOT_CAP``:
+    "shm" fails the start naming the field and the cause; "auto" takes the all-to-all."""
+    from engine.model.hf_folder import read_hf_config
+    from engine.parallel.group import MOE_SHM_SLOT_CAP, _moe_exchange
+
+    mc = read_hf_config(models["deepseek_v3"] / "config.json", "deepseek_v3")
+    assert mc.moe is not None
+    config = EngineConfig(expert_parallel_size=2, max_num_batched_tokens=32)
+    assert _moe_exchange(config, mc, "shm") == "shm"
+    assert _moe_exchange(config, mc, "torch") == "all_to_all"
+    assert _moe_exchange(replace(config, moe_dispatcher="all_to_all"), mc, "shm") == "all_to_all"
+    with pytest.raises(ValueError, match="moe_dispatcher='shm' cannot be used: the ranks' collectives"):
+        _moe_exchange(replace(config, moe_dispatcher="shm"), mc, "torch")
+    row = mc.moe.top_k * mc.hidden_size * 4
+    huge = replace(config, max_num_batched_tokens=MOE_SHM_SLOT_CAP // row + 1)
+    assert _moe_exchange(huge, mc, "shm") == "all_to_all"
+    with pytest.raises(ValueError, match="over MOE_SHM_SLOT_CAP .*lower max_num_batched_tokens"):
+        _moe_exchange(replace(huge, moe_dispatcher="shm"), mc, "shm")
+    with pytest.raises(ValueError, match="moe_dispatcher must be one of"):
+        EngineConfig(moe_dispatcher="deepep")
+    assert _moe_exchange(EngineConfig(), mc, "shm") == "all_to_all"   # not expert-parallel
 
 
 def assert_a_killed_rank_fails_the_step(engine: LLMEngine) -> int:

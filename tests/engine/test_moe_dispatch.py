@@ -5,7 +5,9 @@ loopback) equals ``LocalDispatcher`` bit for bit, also for a rank with no tokens
 lie in the middle of the expert order, and gives the same rows when the
 counts are passed in (``counts_by_source``) instead of exchanged; an MoE block at expert-parallel size
 2 equals the same block at 1; a rank that is gone fails the next dispatch with ``DispatchError`` instead of
-a hang.
+a hang. ``SharedMemoryDispatcher`` (ranks as threads over one shared region) meets the same contract, bf16
+included, and fails with ``DispatchError`` when a peer aborted (at once), never comes (after the timeout) or
+an exchange exceeds the slot (at once on every rank).
 """
 
 from __future__ import annotations
@@ -190,3 +192,102 @@ def test_all_to_all_over_two_gloo_ranks_equals_local_dispatch() -> None:
 def test_all_to_all_over_four_gloo_ranks_equals_local_dispatch() -> None:
     """Four ranks of 2 experts each: the ranks in the middle of the expert order too."""
     _run_ranks(_four_ranks_main, 4)
+
+
+# ---- SharedMemoryDispatcher: ranks as threads of this process over one region ------------------------------
+def _shm_ranks(n: int, body, slot_bytes: int = 16 << 10, timeout_s: float = 5.0) -> list[BaseException]:  # noqa: ANN001
+    """Run ``body(rank, dispatcher)`` for ``n`` ranks, each a thread with its own ``ShmCommunicator`` over one
+    region (as rank processes map it); returns what the ranks raised. A rank that raises aborts the group,
+    as a rank process's failure does, so that no other waits for it."""
+    import threading
+
+    from engine.model.shm_dispatch import SharedMemoryDispatcher
+    from engine.parallel.shm import ShmCommunicator, create_region
+
+    fd = create_region(n, slot_bytes)
+    comms = [ShmCommunicator(fd, r, n, slot_bytes, (1,) * n, timeout_s) for r in range(n)]
+    os.close(fd)
+    raised: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            body(r, SharedMemoryDispatcher(EXPERTS, comms[r]))
+        except BaseException as e:   # noqa: BLE001 - handed to the test
+            raised.append(e)
+            comms[r].abort(f"rank {r} failed: {e!r}")
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for c in comms:
+        c.close()
+    return raised
+
+
+def test_shared_memory_dispatch_over_two_and_four_ranks_equals_local_dispatch() -> None:
+    """The contract of the gloo tests above, through the shared region: token order, empty experts, ranks
+    with no tokens, ranks in the middle of the expert order (top-5 over 4 ranks), the counts passed in or
+    read from the slots' headers, combine == LocalDispatcher bit for bit, MoE block EP=2 == EP=1."""
+    def two(rank: int, dispatcher) -> None:  # noqa: ANN001
+        assert dispatcher.local_experts == range(4 * rank, 4 * rank + 4)
+        _check_all_to_all(rank, (5, 3), seed=1, dispatcher=dispatcher)
+        _check_all_to_all(rank, (6, 0), seed=2, dispatcher=dispatcher)
+        _check_all_to_all(rank, (0, 4), seed=3, dispatcher=dispatcher)
+        _check_moe_block(rank, dispatcher)
+
+    def four(rank: int, dispatcher) -> None:  # noqa: ANN001
+        _check_all_to_all(rank, (5, 3, 7, 2), seed=5, dispatcher=dispatcher, top_k=5)
+        _check_all_to_all(rank, (4, 0, 6, 0), seed=6, dispatcher=dispatcher, top_k=5)
+
+    assert _shm_ranks(2, two) == []
+    assert _shm_ranks(4, four) == []
+
+
+def test_shared_memory_dispatch_of_bf16_rows_weights_in_fp32_as_local_dispatch() -> None:
+    def body(rank: int, dispatcher) -> None:  # noqa: ANN001
+        hidden, ids, weights = tokens_of(rank, (7, 5)[rank], seed=8)
+        hidden = hidden.to(torch.bfloat16)
+        sent = dispatcher.dispatch(hidden, ids, weights)
+        out = dispatcher.combine(run_experts(sent, dispatcher.local_experts), sent.handle)
+        local = LocalDispatcher(EXPERTS)
+        ref = local.dispatch(hidden, ids, weights)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, local.combine(run_experts(ref, range(EXPERTS)), ref.handle))
+
+    assert _shm_ranks(2, body) == []
+
+
+def test_shared_memory_dispatch_fails_with_dispatch_error_when_a_peer_is_gone_hangs_or_overflows() -> None:
+    """A peer that aborted the group: the next dispatch fails at once; a peer that never comes: after the
+    timeout; an exchange larger than the slot: that rank fails naming the slot and aborts the group, so its
+    peer fails at once instead of waiting out the timeout."""
+    def aborted(rank: int, dispatcher) -> None:  # noqa: ANN001
+        if rank == 1:
+            dispatcher.comm.abort("rank 1 went away")
+            return
+        time.sleep(0.2)
+        start = time.monotonic()
+        with pytest.raises(DispatchError, match="MoE dispatch: the group was aborted: rank 1 went away"):
+            dispatcher.dispatch(*tokens_of(0, 3, seed=4))
+        assert time.monotonic() - start < 1.0
+
+    def hung(rank: int, dispatcher) -> None:  # noqa: ANN001
+        if rank == 0:
+            start = time.monotonic()
+            with pytest.raises(DispatchError, match=r"rank\(s\) \[1\] did not reach operation 1 within 1 s"):
+                dispatcher.dispatch(*tokens_of(0, 3, seed=4))
+            assert 0.9 < time.monotonic() - start < 5.0
+
+    def overflow(rank: int, dispatcher) -> None:  # noqa: ANN001
+        count = 2000 if rank == 0 else 2   # rank 0's rows for rank 1's experts: far over the 16 KiB slot
+        start = time.monotonic()
+        with pytest.raises(DispatchError, match="do not fit the shared slot" if rank == 0 else "aborted"):
+            dispatcher.dispatch(*tokens_of(rank, count, seed=9))
+        assert time.monotonic() - start < 2.0
+
+    assert _shm_ranks(2, aborted) == []
+    assert _shm_ranks(2, hung, timeout_s=1.0) == []
+    assert _shm_ranks(2, overflow, timeout_s=30.0) == []
