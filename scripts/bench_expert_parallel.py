@@ -11,11 +11,17 @@ EP=1 and EP=2, and MLA's KV bytes per token against the same model's GQA equival
    there, the rows back) with its sizes and nothing else, which tells the calls' cost from the bookkeeping's
    (sorting, gathering, weighting); and the exchange again with the counts passed in (``recv_counts``, as
    the engine's MoE layers pass them: every rank routes every token), two all-to-alls instead of three.
+   Then the same exchange through ``SharedMemoryDispatcher`` (what an expert-parallel engine on CPU ranks of
+   one host uses by default: the rows cross once, as memory copies, through the ranks' shared region),
+   against the same gloo all-to-all and against **one all-to-all of the same bytes through that region**
+   (each rank writes its whole send buffer to its slot, then copies its part out of every slot: the floor
+   for that transport).
    Measured in turns (``--rounds`` rounds of ``--iters`` calls each; the
    best round's mean counts, which damps other processes on a shared host). Ratio = reference /
    dispatch+combine (1.0: as fast as one plain all-to-all; the issue's target is >= 0.8).
 2. **Decode step** of the tiny DeepSeek-V3 (``scripts/perf/tiny_moe.py``) at ``expert_parallel_size`` 1 and
-   2, batch 1 and 16: as ``bench_tensor_parallel.py`` measures (``--prompt-tokens`` prompts, one prefill step,
+   2 (the default exchange, shared memory on CPU ranks; and ``moe_dispatcher="all_to_all"``), batch 1 and
+   16: as ``bench_tensor_parallel.py`` measures (``--prompt-tokens`` prompts, one prefill step,
    ``--steps`` decode steps each timed alone, median; the best of ``--repeats`` rounds taken in turns).
 3. **KV bytes per token**: the engine's MLA pool (``KVShape.page_bytes / page_size``) against the same model
    with keys and values per head (``num_key_value_heads`` x (``qk_head_dim`` + ``v_head_dim``) per layer), for
@@ -78,18 +84,31 @@ def _timed(fn, iters: int) -> float:  # noqa: ANN001 - a benchmark's helper
     return (time.perf_counter() - start) / iters
 
 
-def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str) -> None:
+def _slot_bytes() -> int:
+    """The shared region's slot: the largest case's plain all-to-all (``2 T K H`` fp32, more than its
+    exchange's header and rows), in whole 4 KiB."""
+    largest = max(2 * t * k * h * 4 for _, t, h, _, k in EXCHANGE_CASES)
+    return -(-largest // 4096) * 4096
+
+
+def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str, region_path: str) -> None:
     import torch.distributed as dist
 
     from engine.model.moe_dispatch import AllToAllDispatcher, counts_by_source
+    from engine.model.shm_dispatch import SharedMemoryDispatcher
+    from engine.parallel.shm import ShmCommunicator
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
+    fd = os.open(region_path, os.O_RDWR)   # the parent's memfd, as a rank process gets it
+    comm = ShmCommunicator(fd, rank, 2, _slot_bytes(), (1, 1), 60.0)
+    os.close(fd)
     results = {}
     for name, t, h, e, k in EXCHANGE_CASES:
         dispatcher = AllToAllDispatcher(e, dist.group.WORLD, timeout_s=60.0)
+        shm_dispatcher = SharedMemoryDispatcher(e, comm)
         hidden, ids, weights = _routing(rank, t, e, k, h)
         # every rank's routing, as the engine's ranks know it
         every_rank = torch.cat([_routing(r, t, e, k, h)[1] for r in range(2)])
@@ -105,8 +124,26 @@ def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str)
             sent = dispatcher.dispatch(hidden, ids, weights, recv_counts=known)
             dispatcher.combine(sent.hidden, sent.handle)
 
+        def shm_exchange_known() -> None:
+            sent = shm_dispatcher.dispatch(hidden, ids, weights, recv_counts=known)
+            shm_dispatcher.combine(sent.hidden, sent.handle)
+
         def plain() -> None:
             dist.all_to_all_single(plain_out, plain_in)
+
+        half = plain_in.shape[0] // 2
+
+        def shm_plain() -> None:   # all_to_all_single's work through the region: even splits, own part local
+            with comm.timer("plain", plain_in.numel() * 4) as timer:
+                seq = comm.open_operation("plain", timer)
+                comm.slot(rank, seq)[:plain_in.numel() * 4].view(torch.float32).copy_(plain_in.view(-1))
+                comm.publish(seq)
+                plain_out[rank * half:(rank + 1) * half].copy_(plain_in[rank * half:(rank + 1) * half])
+                comm.wait_published("plain", seq, timer)
+                peer = 1 - rank
+                theirs = comm.slot(peer, seq)[:plain_in.numel() * 4].view(torch.float32).view(plain_in.shape)
+                plain_out[peer * half:(peer + 1) * half].copy_(theirs[rank * half:(rank + 1) * half])
+                comm.close_operation(seq)
 
         handle = dispatcher.dispatch(hidden, ids, weights).handle
         sent, got = handle.send_splits, handle.recv_splits
@@ -118,20 +155,28 @@ def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str)
             dist.all_to_all_single(rows_out, rows_in, got, sent)
             dist.all_to_all_single(rows_in, rows_out, sent, got)
 
-        moe_exchange(), moe_exchange_known(), plain(), same_calls()   # warm: connections, allocations
-        moe_s, known_s, plain_s, calls_s = [], [], [], []
+        for fn in (moe_exchange, moe_exchange_known, plain, same_calls, shm_exchange_known, shm_plain):
+            fn()   # warm: connections, allocations, the region's pages
+        moe_s, known_s, plain_s, calls_s, shm_s, shm_plain_s = [], [], [], [], [], []
         for _ in range(rounds):   # in turns, so that all see the same host
             moe_s.append(_timed(moe_exchange, iters))
             known_s.append(_timed(moe_exchange_known, iters))
             plain_s.append(_timed(plain, iters))
             calls_s.append(_timed(same_calls, iters))
+            shm_s.append(_timed(shm_exchange_known, iters))
+            shm_plain_s.append(_timed(shm_plain, iters))
         results[name] = {"tokens_per_rank": t, "hidden": h, "experts": e, "top_k": k,
                          "bytes_per_rank": 2 * t * k * h * 4, "dispatch_combine_us": min(moe_s) * 1e6,
                          "all_to_all_same_bytes_us": min(plain_s) * 1e6,
                          "same_three_calls_us": min(calls_s) * 1e6,
                          "ratio": min(plain_s) / min(moe_s),
                          "dispatch_combine_counts_known_us": min(known_s) * 1e6,
-                         "ratio_counts_known": min(plain_s) / min(known_s)}
+                         "ratio_counts_known": min(plain_s) / min(known_s),
+                         "shm_dispatch_combine_us": min(shm_s) * 1e6,
+                         "shm_all_to_all_same_bytes_us": min(shm_plain_s) * 1e6,
+                         "shm_ratio_vs_gloo_all_to_all": min(plain_s) / min(shm_s),
+                         "shm_ratio_vs_shm_all_to_all": min(shm_plain_s) / min(shm_s)}
+    comm.close()
     dist.barrier()
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
@@ -144,17 +189,28 @@ def exchange(args: argparse.Namespace) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "exchange.json")
-        mp.start_processes(_exchange_rank, args=(port, args.rounds, args.iters, out), nprocs=2, join=True,
-                           start_method="spawn")
-        results = json.loads(Path(out).read_text())
+    from engine.parallel.shm import create_region
+
+    fd = create_region(2, _slot_bytes())
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "exchange.json")
+            mp.start_processes(_exchange_rank, args=(port, args.rounds, args.iters, out,
+                                                     f"/proc/{os.getpid()}/fd/{fd}"),
+                               nprocs=2, join=True, start_method="spawn")
+            results = json.loads(Path(out).read_text())
+    finally:
+        os.close(fd)
     for name, r in results.items():
         print(f"exchange {name:22s} T={r['tokens_per_rank']:4d} H={r['hidden']:5d} E={r['experts']:3d} "
               f"K={r['top_k']}: dispatch+combine {r['dispatch_combine_us']:9.1f} us, one all_to_all of the "
               f"same {r['bytes_per_rank']:,} B {r['all_to_all_same_bytes_us']:9.1f} us -> {r['ratio']:.2f}x; "
               f"its 3 all-to-alls alone {r['same_three_calls_us']:.1f} us; with the counts known (2 calls) "
               f"{r['dispatch_combine_counts_known_us']:.1f} us -> {r['ratio_counts_known']:.2f}x", flush=True)
+        print(f"exchange {name:22s} shared memory: dispatch+combine {r['shm_dispatch_combine_us']:9.1f} us "
+              f"-> {r['shm_ratio_vs_gloo_all_to_all']:.2f}x the gloo all_to_all; one all-to-all of the same "
+              f"bytes through the region {r['shm_all_to_all_same_bytes_us']:.1f} us -> "
+              f"{r['shm_ratio_vs_shm_all_to_all']:.2f}x", flush=True)
     return results
 
 
@@ -184,23 +240,28 @@ def steps(folder: Path, args: argparse.Namespace) -> dict:
     from engine import EngineConfig, LLMEngine
 
     batches = [int(b) for b in args.batches.split(",")]
-    engines = {ep: LLMEngine(EngineConfig(model=str(folder), num_pages=256, page_size=16,
-                                          expert_parallel_size=ep)) for ep in (1, 2)}
-    best: dict[int, dict[int, float]] = {ep: {} for ep in engines}
+    # EP=1; EP=2 as configured by default (CPU ranks: the shared-memory exchange); EP=2 over gloo's all-to-all
+    kinds = {"ep1": (1, "auto"), "ep2": (2, "auto"), "ep2_all_to_all": (2, "all_to_all")}
+    engines = {kind: LLMEngine(EngineConfig(model=str(folder), num_pages=256, page_size=16,
+                                            expert_parallel_size=ep, moe_dispatcher=dispatcher))
+               for kind, (ep, dispatcher) in kinds.items()}
+    best: dict[str, dict[int, float]] = {kind: {} for kind in engines}
     try:
         for _ in range(args.repeats):
             for batch in batches:
-                for ep, engine in engines.items():
+                for kind, engine in engines.items():
                     torch.set_num_threads(1)
                     ms = _measure(engine, batch, args)
-                    best[ep][batch] = min(best[ep].get(batch, ms), ms)
+                    best[kind][batch] = min(best[kind].get(batch, ms), ms)
     finally:
         for engine in engines.values():
             engine.close()
     for batch in batches:
-        print(f"decode step batch {batch:2d}: EP=1 {best[1][batch]:.2f} ms, EP=2 {best[2][batch]:.2f} ms "
-              f"-> EP=2 takes {best[2][batch] / best[1][batch]:.2f}x EP=1's time", flush=True)
-    return {f"ep{ep}_batch{b}_ms": best[ep][b] for ep in best for b in batches}
+        one, two, gloo = best["ep1"][batch], best["ep2"][batch], best["ep2_all_to_all"][batch]
+        print(f"decode step batch {batch:2d}: EP=1 {one:.2f} ms, EP=2 {two:.2f} ms (shared-memory exchange) "
+              f"-> {two / one:.2f}x EP=1's time; EP=2 over gloo's all-to-all {gloo:.2f} ms -> "
+              f"{gloo / one:.2f}x", flush=True)
+    return {f"{kind}_batch{b}_ms": best[kind][b] for kind in best for b in batches}
 
 
 # ---- 3. KV bytes -------------------------------------------------------------------------------------------
