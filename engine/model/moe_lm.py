@@ -11,7 +11,8 @@ Expert parallelism (``expert_parallel_size`` N > 1, docs/moe.md): each of the N 
 LM head rows: ``engine.parallel.layout.RankShard``; attention TP size = EP size, as SGLang runs EP). Per
 layer: attention, its partial sums all-reduced, so every rank holds every token's hidden state; a dense FFN
 likewise; an MoE FFN runs on this rank's contiguous share of the step's tokens (``split_range``: SGLang's
-"scattered" MoE input), routed through the ``AllToAllDispatcher`` to the experts' ranks and back, shared
+"scattered" MoE input), routed through the dispatcher (``SharedMemoryDispatcher`` between CPU ranks of one
+host, ``AllToAllDispatcher`` over the process group otherwise) to the experts' ranks and back, shared
 experts on the same share (every rank routes every token, a ``[T, E]`` product, so the counts each rank
 receives are known without an exchange); then the shares are put back together with one all-reduce of a
 ``[T, hidden]`` tensor zero outside each rank's rows (exact: adding zeros changes no bit). The logits are

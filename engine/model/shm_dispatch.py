@@ -128,8 +128,7 @@ class SharedMemoryDispatcher(TokenDispatcher):
                 comm.publish(seq)
                 comm.wait_published("moe_dispatch", seq, timer)
                 slots = [comm.slot(s, seq) for s in range(ep)]
-                # [source, expert]: every rank's header (a copy)
-                counts = torch.stack([s[:8 * e].view(torch.int64) for s in slots])
+                counts = comm.slot_heads(seq, torch.int64, e).clone()   # [source, expert]: every header
                 sent = counts.view(ep, ep, per_rank).sum(dim=2).tolist()   # [source][destination] rows
                 recv = [sent[s][r] for s in range(ep)]
                 received = self._rows("received", sum(recv), hidden)

@@ -16,9 +16,10 @@ Lifecycle (``LLMEngine`` drives it; all on the thread that builds and closes the
 3. A rank process that exits while serving: the rank watch (every 50 ms) aborts the communicator with the
    rank's exit status, so a collective waiting on it fails at once; the step raises ``TensorParallelError``
    and so does every later one; the other rank processes are killed. A rank that stops answering: the
-   collective times out after ``tp_timeout_s``, same outcome. An expert-parallel engine's MoE all-to-alls
-   (on the process group, beside the communicator) fail the same way: at once when a rank's connection
-   closes, after ``tp_timeout_s`` when it hangs.
+   collective times out after ``tp_timeout_s``, same outcome. An expert-parallel engine's MoE exchanges fail
+   the same way: through the shared region they are the communicator's own operations; over the process
+   group (``moe_dispatcher`` "all_to_all", or ranks without shared-memory collectives) at once when a rank's
+   connection closes, after ``tp_timeout_s`` when it hangs.
 4. ``stop()``: send ``STOP``, reap the processes (killed after a deadline), stop the watch, close the region
    and the store. Idempotent. The rank processes also end by themselves when this process ends (their stdin
    pipe closes), so no path leaves one behind; the region is a memfd, so none leaves shared memory behind.
@@ -263,10 +264,10 @@ class TensorParallelGroup:
 
     def explain(self, error: Exception) -> str:
         """``error``'s text, led by the rank process that exited if one did: an MoE all-to-all (gloo or
-        NCCL, not the communicator) ends with the transport's words ("Connection closed by peer") when a
-        rank dies inside it, before the rank watch names the rank. A dying process closes its sockets before
-        its exit status can be read, so this waits up to ``EXIT_SEEN_S`` for one (the engine thread, on the
-        failure path only)."""
+        NCCL, not the communicator: ``moe_dispatcher`` "all_to_all") ends with the transport's words
+        ("Connection closed by peer") when a rank dies inside it, before the rank watch names the rank. A
+        dying process closes its sockets before its exit status can be read, so this waits up to
+        ``EXIT_SEEN_S`` for one (the engine thread, on the failure path only)."""
         deadline = time.monotonic() + EXIT_SEEN_S
         dead = self._exited()
         while dead is None and isinstance(error, DispatchError) and time.monotonic() < deadline:

@@ -56,7 +56,7 @@ def serve(comm: Communicator, model: torch.nn.Module, kv_cache: torch.Tensor,
     included).
 
     Raises:
-        CollectiveError, DispatchError: a collective or an MoE all-to-all failed (rank 0 aborted the group,
+        CollectiveError, DispatchError: a collective or an MoE exchange failed (rank 0 aborted the group,
             a rank went silent or died).
         ValueError: a malformed message.
     """

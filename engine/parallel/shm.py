@@ -150,6 +150,10 @@ class ShmCommunicator(Communicator):
                              buffer_bytes, rank, world_size, self._spin_ns, int(timeout_s * 1e9))
         self._last_seq = ctypes.c_int32(0)
         self._wait_ns = ctypes.c_int64(0)
+        # [rank][parity]: each slot as uint8, and (parity, dtype, count): every rank's slot head side by side
+        self._slots = [[self._region[self._slot_offset(r, p):self._slot_offset(r, p) + buffer_bytes]
+                        for p in range(2)] for r in range(world_size)]
+        self._heads: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
     # ---- collectives ---------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,7 +274,21 @@ class ShmCommunicator(Communicator):
         """Rank ``rank``'s slot for operation ``seq``: ``[slot_bytes]`` uint8, a view of the shared region
         (4 KiB-aligned). This rank writes its own between ``open_operation`` and ``publish``; it reads another
         rank's between ``wait_published`` and ``close_operation``."""
-        return self._slot(rank, seq, torch.uint8, self._buffer_bytes)
+        return self._slots[rank][seq % 2]
+
+    def slot_heads(self, seq: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """The first ``count`` values of every rank's slot for operation ``seq``: ``[world_size, count]`` of
+        ``dtype``, one strided view of the region (row ``r``: rank ``r``'s slot), read under the same rules
+        as ``slot``."""
+        key = (seq % 2, dtype, count)
+        heads = self._heads.get(key)
+        if heads is None:
+            itemsize = dtype.itemsize
+            heads = self._region.view(dtype).as_strided(
+                (self.world_size, count), (2 * self._buffer_bytes // itemsize, 1),
+                self._slot_offset(0, seq % 2) // itemsize)
+            self._heads[key] = heads
+        return heads
 
     def publish(self, seq: int) -> None:
         """This rank's slot of operation ``seq`` is written: the other ranks may read it."""
@@ -311,7 +329,7 @@ class ShmCommunicator(Communicator):
     def close(self) -> None:
         if self._map.closed:
             return
-        del self._region
+        del self._region, self._slots, self._heads
         self._map.close()
 
     # ---- one operation -------------------------------------------------------------------------------------
@@ -321,10 +339,11 @@ class ShmCommunicator(Communicator):
             self._wait(op, self._done_ptr, self._others, self._seq - 2, timer)
         return self._seq
 
+    def _slot_offset(self, rank: int, parity: int) -> int:
+        return self._data_offset + (2 * rank + parity) * self._buffer_bytes
+
     def _slot(self, rank: int, seq: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        offset = self._data_offset + (2 * rank + seq % 2) * self._buffer_bytes
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self._region[offset:offset + nbytes].view(dtype)
+        return self._slots[rank][seq % 2][:numel * dtype.itemsize].view(dtype)
 
     def _post(self, flags_ptr: int, seq: int) -> None:
         self._lib.tp_post(flags_ptr + self.rank * _FLAG_BYTES, _i32(seq))
