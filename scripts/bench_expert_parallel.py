@@ -14,8 +14,8 @@ EP=1 and EP=2, and MLA's KV bytes per token against the same model's GQA equival
    Then the same exchange through ``SharedMemoryDispatcher`` (what an expert-parallel engine on CPU ranks of
    one host uses by default: the rows cross once, as memory copies, through the ranks' shared region),
    against the same gloo all-to-all and against **one all-to-all of the same bytes through that region**
-   (each rank writes its whole send buffer to its slot, then copies its part out of every slot: the floor
-   for that transport).
+   (each rank writes the other rank's half of its send buffer to its slot, copies its own half straight to
+   its place, then copies its half out of the other's slot: the floor for that transport).
    Measured in turns (``--rounds`` rounds of ``--iters`` calls each; the
    best round's mean counts, which damps other processes on a shared host). Ratio = reference /
    dispatch+combine (1.0: as fast as one plain all-to-all; the issue's target is >= 0.8).
@@ -85,8 +85,8 @@ def _timed(fn, iters: int) -> float:  # noqa: ANN001 - a benchmark's helper
 
 
 def _slot_bytes() -> int:
-    """The shared region's slot: the largest case's plain all-to-all (``2 T K H`` fp32, more than its
-    exchange's header and rows), in whole 4 KiB."""
+    """The shared region's slot: the largest case's ``2 T K H`` fp32 (more than its exchange's header and
+    rows, or the plain all-to-all's half), in whole 4 KiB."""
     largest = max(2 * t * k * h * 4 for _, t, h, _, k in EXCHANGE_CASES)
     return -(-largest // 4096) * 4096
 
@@ -133,16 +133,19 @@ def _exchange_rank(rank: int, port: int, rounds: int, iters: int, out_path: str,
 
         half = plain_in.shape[0] // 2
 
-        def shm_plain() -> None:   # all_to_all_single's work through the region: even splits, own part local
-            with comm.timer("plain", plain_in.numel() * 4) as timer:
+        def shm_plain() -> None:
+            # all_to_all_single's work through the region, even splits: the peer's half written to this rank's
+            # slot, this rank's own half copied straight to its place, the peer's half for it read back
+            peer, nbytes = 1 - rank, half * h * 4
+            with comm.timer("plain", nbytes) as timer:
                 seq = comm.open_operation("plain", timer)
-                comm.slot(rank, seq)[:plain_in.numel() * 4].view(torch.float32).copy_(plain_in.view(-1))
+                comm.slot(rank, seq)[:nbytes].view(torch.float32).view(half, h).copy_(
+                    plain_in[peer * half:(peer + 1) * half])
                 comm.publish(seq)
                 plain_out[rank * half:(rank + 1) * half].copy_(plain_in[rank * half:(rank + 1) * half])
                 comm.wait_published("plain", seq, timer)
-                peer = 1 - rank
-                theirs = comm.slot(peer, seq)[:plain_in.numel() * 4].view(torch.float32).view(plain_in.shape)
-                plain_out[peer * half:(peer + 1) * half].copy_(theirs[rank * half:(rank + 1) * half])
+                plain_out[peer * half:(peer + 1) * half].copy_(
+                    comm.slot(peer, seq)[:nbytes].view(torch.float32).view(half, h))
                 comm.close_operation(seq)
 
         handle = dispatcher.dispatch(hidden, ids, weights).handle
