@@ -164,7 +164,7 @@ def plan_sends(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: 
     order = torch.sort(flat, stable=True)[1]
     counts = torch.bincount(flat, minlength=num_experts)
     return SendPlan(order, torch.div(order, int(topk_ids.shape[1]), rounding_mode="floor"),
-                     topk_weights.reshape(-1)[order].float(), counts, int(topk_ids.shape[0]))
+                    topk_weights.reshape(-1)[order].float(), counts, int(topk_ids.shape[0]))
 
 
 def weighted(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
