@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.config import DTYPES, WEIGHT_QUANTS, EngineConfig, Mode
+from engine.config import DTYPES, MOE_DISPATCHERS, WEIGHT_QUANTS, EngineConfig, Mode
 from kv_transfer.backends import (
     BackendOptions,
     OptionError,
@@ -141,6 +141,9 @@ class WorkerConfig:
             (CPU) register the ranks' pools as one region: a request's KV lands in its rank's pool.
         tp_timeout_s: how long a rank waits for the others inside a step before the instance's engine fails
             (a hung rank); a rank process that dies fails it within ~50 ms.
+        moe_dispatcher: how an expert-parallel instance's MoE layers move tokens between its ranks
+            (``EngineConfig.moe_dispatcher``): ``auto`` (the default: through the ranks' shared memory on the
+            CPU), ``shm`` (that, required) or ``all_to_all`` (gloo's all-to-all).
         drain_timeout_s: a server stop or an unload: how long the requests in flight may run to their end
             before they are ended with an error, seconds (``serving.triton.host.ModelHost``; docs/healing.md
             "Stops"). ``PD_DRAIN_TIMEOUT_S`` overrides it. tritonserver's ``--exit-timeout-secs`` must exceed
@@ -184,6 +187,7 @@ class WorkerConfig:
     expert_parallel_size: int = 1
     enable_dp_attention: bool = False
     tp_timeout_s: float = 10.0
+    moe_dispatcher: str = "auto"
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     blip_tolerance_s: float = DEFAULT_BLIP_TOLERANCE_S
     fleet_secret: bytes | None = field(default=None, repr=False)
@@ -228,6 +232,9 @@ class WorkerConfig:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.weight_quant not in WEIGHT_QUANTS:
             raise ConfigError("weight_quant", f"must be one of {WEIGHT_QUANTS}, got {self.weight_quant!r}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ConfigError("moe_dispatcher",
+                              f"must be one of {MOE_DISPATCHERS}, got {self.moe_dispatcher!r}")
         try:
             cores = self.cpu_cores
         except ValueError:
@@ -259,7 +266,8 @@ class WorkerConfig:
                             enable_prefix_caching=self.enable_prefix_caching,
                             tensor_parallel_size=self.tensor_parallel_size,
                             expert_parallel_size=self.expert_parallel_size,
-                            enable_dp_attention=self.enable_dp_attention, tp_timeout_s=self.tp_timeout_s)
+                            enable_dp_attention=self.enable_dp_attention, tp_timeout_s=self.tp_timeout_s,
+                            moe_dispatcher=self.moe_dispatcher)
 
 
 def instance_device(kind: str, device_id: int) -> str:

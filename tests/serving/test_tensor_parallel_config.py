@@ -1,4 +1,5 @@
-"""The ``tensor_parallel_size`` model parameter: parsed into the engine's config (default 1), refused by name
+"""The ``tensor_parallel_size`` model parameter (and the ranks' other parameters: ``tp_timeout_s``,
+``moe_dispatcher``): parsed into the engine's config (default 1), refused by name
 when out of range, when it does not fit the model's heads (the model's load fails) and, for prefill and decode
 models, on a GPU (the KV transfer reaches the ranks' pools in host memory only)."""
 
@@ -20,11 +21,13 @@ def test_the_parameter_reaches_the_engine_config_and_defaults_to_one() -> None:
     config = build_worker_config({"tensor_parallel_size": {"string_value": "2"},
                                   "tp_timeout_s": {"string_value": "3.5"}}, environ={})
     engine = config.engine_config("colocated")
-    assert (engine.tensor_parallel_size, engine.tp_timeout_s) == (2, 3.5)
+    assert (engine.tensor_parallel_size, engine.tp_timeout_s, engine.moe_dispatcher) == (2, 3.5, "auto")
+    config = build_worker_config({"expert_parallel_size": "2", "moe_dispatcher": "all_to_all"}, environ={})
+    assert config.engine_config("decode").moe_dispatcher == "all_to_all"
 
 
 @pytest.mark.parametrize("params", [{"tensor_parallel_size": "0"}, {"tensor_parallel_size": "two"},
-                                    {"tp_timeout_s": "0"}])
+                                    {"tp_timeout_s": "0"}, {"moe_dispatcher": "deepep"}])
 def test_a_bad_value_is_refused_naming_the_parameter(params: dict[str, str]) -> None:
     with pytest.raises(ConfigError) as info:
         build_worker_config(params, environ={})
