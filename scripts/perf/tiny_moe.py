@@ -36,3 +36,19 @@ def build_tiny_deepseek_v3(dest: Path, seed: int = 0) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(dest / "tokenizer.json"))
     return dest
+
+
+def main() -> None:
+    """``tiny_moe.py DEST``: write the tiny DeepSeek-V3 into ``DEST`` (a folder ``load_model`` and the
+    ``model`` parameter take)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("dest", type=Path, help="folder to write (created)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build_tiny_deepseek_v3(args.dest, args.seed))
+
+
+if __name__ == "__main__":
+    main()
