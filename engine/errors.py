@@ -54,8 +54,11 @@ class TensorParallelError(EngineError):
 
     Attributes:
         reason: what failed, naming the rank (and its process id and exit status where one died).
+        kind: the group's parallelism, as the message names it: ``"tensor-parallel"`` or
+            ``"expert-parallel"`` (an MoE instance's ``expert_parallel_size``).
     """
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"tensor-parallel group failed: {reason}")
+    def __init__(self, reason: str, kind: str = "tensor-parallel") -> None:
+        super().__init__(f"{kind} group failed: {reason}")
         self.reason = reason
+        self.kind = kind

@@ -29,8 +29,8 @@
 #      when anything binds a non-loopback address), MODEL_REPOSITORY (<repo>/model_repository), SKIP_SETUP=1 (do not run scripts/setup.sh),
 #      OPENAI (1: start the OpenAI front; default 1 for ROLE=all and frontend, else 0), OPENAI_PORT (9000),
 #      OPENAI_MODEL, OPENAI_SERVED_MODEL_NAME (the name clients use; default OPENAI_MODEL), GRPC_URL (the
-#      tritonserver the front calls; default HOST:GRPC_PORT), RESTART (1: start tritonserver again when it exits
-#      after it had become ready, e.g. a model's stub died; 0: exit with it).
+#      tritonserver the front calls; default HOST:GRPC_PORT), RESTART (1, the default: start tritonserver again
+#      when it exits after it had become ready, e.g. a model's stub died; 0: exit with it).
 #      DRAIN_TIMEOUT_S (30): on SIGTERM or Ctrl-C the server drains: it takes no new request, its open streams
 #      run to their end for up to this many whole seconds (every model's drain_timeout_s, through
 #      PD_DRAIN_TIMEOUT_S; the OpenAI front's graceful shutdown too), then ends what is left; tritonserver's
@@ -291,6 +291,11 @@ spawned() {
 }
 trap 'on_signal 130' INT
 trap 'on_signal 143' TERM
+# a script that starts this one in the background (`&`) starts it with SIGINT ignored, and bash cannot trap a
+# signal ignored on entry: say so, since only SIGTERM will stop it then
+if (( 0x$(awk '/^SigIgn:/ {print $2}' /proc/$$/status 2>/dev/null || echo 0) & 2 )); then
+  echo "[serve] SIGINT is ignored here (started in the background by a script): stop with SIGTERM (kill $$)" >&2
+fi
 trap '[[ $stopping == 1 ]] || stop_all' EXIT
 
 if [[ "$ROLE" == registry ]]; then

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.parallel.communicator import transport_reason
+
 
 class DispatchError(RuntimeError):
     """A dispatch or combine did not complete (a peer rank died, timed out, or sent inconsistent counts).
@@ -276,13 +278,13 @@ class AllToAllDispatcher(TokenDispatcher):
             return self.group.alltoall_base(out, inp, out_splits or [], in_splits or [],
                                             dist.AllToAllOptions())
         except RuntimeError as e:   # gloo: a peer's connection closed
-            raise DispatchError(op, str(e).splitlines()[0]) from None
+            raise DispatchError(op, transport_reason(e)) from None
 
     def _wait(self, op: str, work: dist.Work) -> None:
         try:
             done = work.wait(self._timeout)
         except RuntimeError as e:   # gloo: a peer's connection closed, or its timeout
-            raise DispatchError(op, str(e).splitlines()[0]) from None
+            raise DispatchError(op, transport_reason(e)) from None
         if not done:
             raise DispatchError(op, f"all_to_all_single did not complete in {self._timeout}")
 

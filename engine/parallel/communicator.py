@@ -15,6 +15,7 @@ Contract
 
 from __future__ import annotations
 
+import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -34,6 +35,16 @@ class CollectiveError(RuntimeError):
         super().__init__(f"{op}: {reason}")
         self.op = op
         self.reason = reason
+
+
+def transport_reason(error: Exception) -> str:
+    """The words of a collective's error that say what happened, for the requests it fails: its first line
+    without the source location gloo puts first and the advice it appends (``"[/.../pair.cc:537] Read error
+    [127.0.0.1]:27572: Connection reset by peer. This may indicate ..."`` ->
+    ``"Read error [127.0.0.1]:27572: Connection reset by peer"``)."""
+    first = (str(error).splitlines() or [""])[0]
+    first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)
+    return first.split(". ")[0].rstrip(".") or type(error).__name__
 
 
 @dataclass

@@ -108,6 +108,11 @@ class TensorParallelGroup:
         self._lock = threading.Lock()
 
     @property
+    def kind(self) -> str:
+        """``"expert-parallel"`` for an MoE instance's ranks, else ``"tensor-parallel"`` (error messages)."""
+        return "expert-parallel" if self._config.expert_parallel_size > 1 else "tensor-parallel"
+
+    @property
     def rank_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
@@ -178,8 +183,8 @@ class TensorParallelGroup:
                  for r in range(n)]
         for spec in specs[1:]:
             self._procs.append(_spawn(spec, self._region_fd, spec.kv_fd))
-        logger.info("tensor parallel: started ranks 1..%d (pids %s), %s collectives, %d pages per rank%s",
-                    n - 1, self.rank_pids, collectives, self.num_pages,
+        logger.info("%s: started ranks 1..%d (pids %s), %s collectives, %d pages per rank%s",
+                    self.kind, n - 1, self.rank_pids, collectives, self.num_pages,
                     f", MoE exchange {moe_exchange}" if config.expert_parallel_size > 1 else "")
         if config.expert_parallel_size > 1:   # its exchanges need the group at load: join first
             self._wait_keys("hello")
@@ -236,17 +241,17 @@ class TensorParallelGroup:
             while not self._store.check([f"{stage}/{rank}"]):
                 dead = self._exited()
                 if dead:
-                    raise TensorParallelError(f"{dead} while starting (its log says why)")
+                    raise TensorParallelError(f"{dead} while starting (its log says why)", self.kind)
                 if time.monotonic() > deadline:
                     raise TensorParallelError(f"rank {rank} did not reach '{stage}' within "
-                                              f"{START_TIMEOUT_S:g} s")
+                                              f"{START_TIMEOUT_S:g} s", self.kind)
                 time.sleep(0.02)
 
     # ---- serving -------------------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise ``TensorParallelError`` when the group has failed (any thread)."""
         if self.failure is not None:
-            raise TensorParallelError(self.failure)
+            raise TensorParallelError(self.failure, self.kind)
 
     def fail(self, reason: str) -> TensorParallelError:
         """Mark the group failed (the first reason stays), abort the communicator, kill the rank processes;
@@ -256,11 +261,11 @@ class TensorParallelGroup:
             if first:
                 self.failure = reason
         if first:
-            logger.error("tensor-parallel group failed: %s", reason)
+            logger.error("%s group failed: %s", self.kind, reason)
             if self.comm is not None:
                 self.comm.abort(reason)
             self._kill()
-        return TensorParallelError(self.failure or reason)
+        return TensorParallelError(self.failure or reason, self.kind)
 
     def explain(self, error: Exception) -> str:
         """``error``'s text, led by the rank process that exited if one did: an MoE all-to-all (gloo or
@@ -301,7 +306,7 @@ class TensorParallelGroup:
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
             except PermissionError as e:
-                logger.warning("tensor parallel: rank processes keep their nice (%s)", e.strerror)
+                logger.warning("%s: rank processes keep their nice (%s)", self.kind, e.strerror)
                 return False
             except (FileNotFoundError, ProcessLookupError):   # a rank that exits: the watch reports it
                 continue
@@ -318,7 +323,7 @@ class TensorParallelGroup:
             try:
                 self.comm.broadcast_step(encode_stop())
             except CollectiveError as e:
-                logger.warning("tensor parallel: STOP not delivered (%s); killing the ranks", e)
+                logger.warning("%s: STOP not delivered (%s); killing the ranks", self.kind, e)
                 self._kill()
         else:   # never connected (a failed start) or failed: nothing to say to the ranks
             self._kill()
@@ -335,7 +340,7 @@ class TensorParallelGroup:
         self._kv_fds = []
         self.dp_region_fd = -1
         self._store = None
-        logger.info("tensor parallel: ranks stopped")
+        logger.info("%s: ranks stopped", self.kind)
 
     def _kill(self) -> None:
         for proc in self._procs:

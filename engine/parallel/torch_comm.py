@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.parallel.communicator import CollectiveError, Communicator
+from engine.parallel.communicator import CollectiveError, Communicator, transport_reason
 
 #: the process group's own timeout once joined: long, so that an idle rank waiting for its next step is not
 #: timed out by the backend; each call bounds its own wait with ``Communicator.timeout_s`` instead. Joining
@@ -112,4 +112,4 @@ class TorchCommunicator(Communicator):
         try:
             work.wait() if forever else work.wait(self._timeout)
         except RuntimeError as e:
-            raise CollectiveError(op, self._aborted or str(e).splitlines()[0]) from None
+            raise CollectiveError(op, self._aborted or transport_reason(e)) from None

@@ -387,7 +387,7 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            logger.exception("%s: engine step failed; failing the %d requests in flight",
+            logger.exception("%s: engine step failed; failing every request in flight (%d)",
                              self._name, len(self._callbacks))
             self._fail_all(e)
             if isinstance(e, TensorParallelError) and self._on_fatal is not None and not self._fatal_reported:

@@ -291,3 +291,14 @@ def test_shared_memory_dispatch_fails_with_dispatch_error_when_a_peer_is_gone_ha
     assert _shm_ranks(2, aborted) == []
     assert _shm_ranks(2, hung, timeout_s=1.0) == []
     assert _shm_ranks(2, overflow, timeout_s=30.0) == []
+
+
+def test_a_transport_error_reaches_requests_without_gloos_source_location_and_advice() -> None:
+    from engine.parallel.communicator import transport_reason
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:27572: Connection reset by peer. This may indicate a possible "
+                        "application crash on rank 0 or a network set up issue.\nmore lines")
+    assert transport_reason(gloo) == "Read error [127.0.0.1]:27572: Connection reset by peer"
+    assert transport_reason(RuntimeError("Connection closed by peer")) == "Connection closed by peer"
+    assert transport_reason(RuntimeError("")) == "RuntimeError"

@@ -162,7 +162,7 @@ def test_rank_1_killed_under_a_request_ends_it_with_an_error_and_then_the_server
         server: RunningServer) -> None:
     (rank1,) = rank_pids(server, "colocated")
     got, killed_at = kill_rank_under_a_request(server, rank1, PROMPTS[0])
-    assert got.error is not None and "tensor-parallel group failed" in got.error, got
+    assert got.error is not None and "expert-parallel group failed" in got.error, got
     assert f"rank 1 (pid {rank1}) was killed by signal 9" in got.error
     assert got.end_s is not None and got.end_s - killed_at < ERROR_WITHIN_S
     assert_server_ends(server)
