@@ -104,6 +104,7 @@ class TensorParallelGroup:
         self._kv_fds: list[int] = []
         self.dp_region_fd = -1
         self._stopping = threading.Event()
+        self._joined = False   # every rank loaded and reached "ready": it now takes steps (and STOP)
         self._watch: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -209,6 +210,7 @@ class TensorParallelGroup:
             process_group = open_process_group(self._store, 0, n, torch.device(config.device))
             self.comm = make_communicator(specs[0], process_group, self._region_fd)
         self._wait_keys("ready")
+        self._joined = True
         loaded.model.attach(self.comm)
         self.model = ParallelCausalLM(loaded.model, self)
         self._watch = threading.Thread(target=self._watch_ranks, name="tp-rank-watch", daemon=True)
@@ -319,13 +321,14 @@ class TensorParallelGroup:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        if self.comm is not None and self.failure is None and all(p.poll() is None for p in self._procs):
+        if self._joined and self.failure is None and all(p.poll() is None for p in self._procs):
+            assert self.comm is not None
             try:
                 self.comm.broadcast_step(encode_stop())
             except CollectiveError as e:
                 logger.warning("%s: STOP not delivered (%s); killing the ranks", self.kind, e)
                 self._kill()
-        else:   # never connected (a failed start) or failed: nothing to say to the ranks
+        else:   # a failed start (a rank may still be loading) or a failed group: nothing to say to the ranks
             self._kill()
         _reap(self._procs, STOP_TIMEOUT_S)
         if self._watch is not None:
@@ -510,7 +513,7 @@ def _reap(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.warning("tensor parallel: rank pid %d did not stop; killing it", proc.pid)
+            logger.warning("rank pid %d did not stop; killing it", proc.pid)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         if proc.stdin is not None:
