@@ -50,7 +50,7 @@ from engine.model.config import ModelConfig
 from engine.model.moe_dispatch import DispatchError
 from engine.parallel.communicator import CollectiveError, Communicator
 from engine.parallel.layout import KVHeadSlice, RankShard, dp_attention_shard, shard_for
-from engine.parallel.spec import START_TIMEOUT_S, STORE_HOST, RankSpec, make_communicator
+from engine.parallel.spec import START_TIMEOUT_S, STORE_HOST, RankSpec, make_communicator, moe_exchange_comm
 from engine.parallel.step import encode_dp_step, encode_step, encode_stop
 from engine.parallel.torch_comm import open_process_group
 
@@ -191,17 +191,12 @@ class TensorParallelGroup:
             self._wait_keys("hello")
             process_group = open_process_group(self._store, 0, n, torch.device(config.device))
             self.comm = make_communicator(specs[0], process_group, self._region_fd)
-            shm = None
-            if moe_exchange == "shm":   # chosen only with shared-memory collectives (_moe_exchange)
-                from engine.parallel.shm import ShmCommunicator
-
-                assert isinstance(self.comm, ShmCommunicator)
-                shm = self.comm
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant,
                                               expert_group=process_group,
                                               expert_timeout_s=config.tp_timeout_s,
-                                              dp_attention=config.enable_dp_attention, expert_comm=shm)
+                                              dp_attention=config.enable_dp_attention,
+                                              expert_comm=moe_exchange_comm(specs[0], self.comm))
         else:
             loaded = self.loaded = load_model(str(folder), dtype=getattr(torch, config.dtype),
                                               device=config.device, weight_quant=config.weight_quant, rank=0,
@@ -418,7 +413,7 @@ def _buffer_bytes(config: EngineConfig, mc: ModelConfig, shards: list[RankShard]
     size), a 64-row logits gather, or with ``moe_exchange`` ``"shm"`` one step's MoE exchange
     (``_moe_slot_bytes``), whichever is larger, in whole 4 KiB (larger all-reduces and gathers go in pieces;
     an MoE exchange never does)."""
-    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    itemsize = getattr(torch, config.dtype).itemsize
     ranks_tokens = config.dp_size   # DP attention: an exchange holds every rank's tokens
     largest = max(ranks_tokens * config.max_num_batched_tokens * mc.hidden_size * itemsize,
                   64 * max(len(s.vocab) for s in shards) * 4, 1 << 16,
@@ -439,7 +434,7 @@ def _moe_slot_bytes(config: EngineConfig, mc: ModelConfig) -> int:
     from engine.model.shm_dispatch import exchange_bytes
 
     assert mc.moe is not None
-    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    itemsize = getattr(torch, config.dtype).itemsize
     return exchange_bytes(mc.moe.num_experts, mc.moe.top_k, mc.hidden_size, itemsize,
                           config.dp_size * config.max_num_batched_tokens)
 

@@ -27,7 +27,7 @@ import torch
 
 from engine.model.moe_dispatch import DispatchError
 from engine.parallel.communicator import CollectiveError, Communicator
-from engine.parallel.spec import RankSpec, connect_store, make_communicator
+from engine.parallel.spec import RankSpec, connect_store, make_communicator, moe_exchange_comm
 from engine.parallel.step import DP_STEP, STOP, decode_dp_step, decode_step, message_op
 
 logger = logging.getLogger("engine.parallel.rank_worker")
@@ -86,15 +86,10 @@ def run(spec: RankSpec) -> int:
     group = open_process_group(store, spec.rank, spec.world_size, device)
     comm = make_communicator(spec, group, spec.region_fd)
     if spec.expert_parallel_size > 1:   # an MoE model: this rank's experts, tokens over the group
-        shm = None
-        if spec.moe_exchange == "shm":   # rank 0 chose it only with shared-memory collectives
-            from engine.parallel.shm import ShmCommunicator
-
-            assert isinstance(comm, ShmCommunicator)
-            shm = comm
         loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
                             weight_quant=spec.weight_quant, expert_group=group,
-                            expert_timeout_s=spec.timeout_s, dp_attention=spec.dp_attention, expert_comm=shm)
+                            expert_timeout_s=spec.timeout_s, dp_attention=spec.dp_attention,
+                            expert_comm=moe_exchange_comm(spec, comm))
     else:
         loaded = load_model(spec.model_folder, dtype=getattr(torch, spec.dtype), device=device,
                             weight_quant=spec.weight_quant, rank=spec.rank,

@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from engine.parallel.communicator import Communicator
+
+if TYPE_CHECKING:
+    from engine.parallel.shm import ShmCommunicator
 
 #: how long rank processes may take to start, load their shard and join (each wait also watches the processes,
 #: so a rank that dies fails the start at once)
@@ -101,3 +105,15 @@ def make_communicator(spec: RankSpec, group: dist.ProcessGroup | None, region_fd
     assert group is not None
     return TorchCommunicator(group, torch.device(spec.device), spec.rank, spec.world_size, spec.logit_widths,
                              spec.timeout_s)
+
+
+def moe_exchange_comm(spec: RankSpec, comm: Communicator) -> ShmCommunicator | None:
+    """The communicator an expert-parallel rank's ``SharedMemoryDispatcher`` runs over (``load_model``'s
+    ``expert_comm``): ``comm`` when ``spec.moe_exchange`` is ``"shm"`` (rank 0 chooses it only with
+    shared-memory collectives), else None (the all-to-all over the process group)."""
+    if spec.moe_exchange != "shm":
+        return None
+    from engine.parallel.shm import ShmCommunicator
+
+    assert isinstance(comm, ShmCommunicator)
+    return comm
